@@ -1,0 +1,275 @@
+"""GPT-2's masked multi-head self-attention, exactly as OpenAI's ``src/model.py`` computes it.
+
+Read top to bottom: the mask, the head split/merge, the two attention cores (explicit math
+that can return the weights, and PyTorch's fused ``scaled_dot_product_attention``), then the
+``CausalSelfAttention`` sublayer in GPT-2's fused Conv1D layout.
+
+Shapes use B = batch, T = new tokens, P = past (cached) tokens, S = P + T keys,
+h = n_head, head_dim = n_embd // n_head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: The official code writes masked scores as ``w * m - 1e10 * (1 - m)``.
+MASK_VALUE = -1e10
+
+#: Names accepted by :attr:`CausalSelfAttention.attn_impl`.
+ATTN_IMPLS = ("sdpa", "explicit")
+
+
+def attention_mask(nd: int, ns: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Causal mask of OpenAI's ``attention_mask(nd, ns)``: ``m[i, j] = i >= j - ns + nd``.
+
+    Args:
+        nd: number of queries (new tokens), ``>= 1``.
+        ns: number of keys (past + new tokens), ``>= nd``.
+
+    Returns:
+        BoolTensor ``[nd, ns]``; True where query ``i`` may read key ``j``. It is aligned to
+        the bottom-right corner, so with a cache (``ns > nd``) every new query sees the whole
+        past plus its own prefix.
+
+    Raises:
+        ValueError: if ``nd < 1`` or ``ns < nd``.
+
+    Source: ``attention_mask`` in openai/gpt-2 ``src/model.py``.
+    """
+    if nd < 1 or ns < nd:
+        raise ValueError(f"attention_mask needs 1 <= nd <= ns, got nd={nd}, ns={ns}")
+    i = torch.arange(nd, device=device)[:, None]
+    j = torch.arange(ns, device=device)
+    return i >= j - ns + nd
+
+
+def combine_masks(causal: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
+    """Combine the causal mask with a key-padding mask, keeping every query row non-empty.
+
+    Args:
+        causal: BoolTensor ``[T, S]`` from :func:`attention_mask`.
+        key_padding: optional Bool/int tensor ``[B, S]``, 1/True for real tokens, 0 for pads.
+
+    Returns:
+        BoolTensor ``[T, S]`` (no padding) or ``[B, 1, T, S]``. A padding mask never switches
+        causal masking off. Each query may always read its own key (the bottom-right
+        diagonal), so a pad query whose keys are all pads still has one key: its output stays
+        finite (no softmax over an empty row, no NaN) and, being a pad, never reaches a real
+        token, because real queries do not read pad keys.
+    """
+    if key_padding is None:
+        return causal
+    T, S = causal.shape
+    mask = causal & key_padding.to(torch.bool)[:, None, None, :]
+    own_key = torch.arange(T, device=causal.device)[:, None] + (S - T) == torch.arange(S, device=causal.device)
+    return mask | own_key
+
+
+def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """``[B, T, n_embd]`` → ``[B, n_head, T, head_dim]`` (OpenAI's ``split_states`` + transpose)."""
+    B, T, C = x.shape
+    return x.view(B, T, n_head, C // n_head).transpose(1, 2)  # [B, h, T, head_dim]
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``[B, n_head, T, head_dim]`` → ``[B, T, n_embd]``, head h at columns h·head_dim… (``merge_states``)."""
+    B, h, T, hd = x.shape
+    return x.transpose(1, 2).contiguous().view(B, T, h * hd)  # [B, T, n_embd]
+
+
+def attend_explicit(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    dropout_p: float = 0.0, training: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention written out, as OpenAI's ``multihead_attn``.
+
+    Args:
+        q: ``[B, h, T, head_dim]``; k, v: ``[B, h, S, head_dim]``.
+        mask: BoolTensor broadcastable to ``[B, h, T, S]`` (True = may attend).
+        dropout_p: dropout on the attention weights, applied only when ``training``.
+
+    Returns:
+        ``(a, w)``: context ``[B, h, T, head_dim]`` in q's dtype and weights ``[B, h, T, S]``
+        (float32). Scores are computed and softmaxed in float32 even for fp16/bf16 inputs.
+    """
+    w = q.float() @ k.float().transpose(-1, -2)                # [B, h, T, S]
+    w = w * (1.0 / math.sqrt(v.shape[-1]))                     # scale the scores, not q or k
+    w = torch.where(mask, w, MASK_VALUE)                      # masked scores -> -1e10
+    w = w - w.amax(dim=-1, keepdim=True)                       # max-subtracted softmax
+    w = w.exp()
+    w = w / w.sum(dim=-1, keepdim=True)                        # masked keys get exactly 0
+    w_drop = F.dropout(w, dropout_p, training)
+    a = (w_drop @ v.float()).to(v.dtype)                       # [B, h, T, head_dim]
+    return a, w
+
+
+def attend_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    dropout_p: float = 0.0, training: bool = False,
+) -> torch.Tensor:
+    """The same attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Args:
+        q: ``[B, h, T, head_dim]``; k, v: ``[B, h, S, head_dim]``.
+        mask: BoolTensor broadcastable to ``[B, h, T, S]``, or None for "causal, T == S" or
+            "one query, no padding" (bottom-right causal with one query sees every key).
+            ``is_causal=True`` is only used when T == S: PyTorch aligns it top-left, which is
+            wrong once a cache makes S > T.
+
+    Returns:
+        Context ``[B, h, T, head_dim]``.
+    """
+    T, S = q.shape[-2], k.shape[-2]
+    p = dropout_p if training else 0.0
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=T == S and T > 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+
+
+class Conv1D(nn.Module):
+    """GPT-2's "conv1d": a dense layer stored ``[in, out]`` and applied as ``x @ W + b`` (no transpose).
+
+    Args:
+        n_in: input width; n_out: output width.
+
+    Shapes: ``weight [n_in, n_out]``, ``bias [n_out]``; forward ``[..., n_in]`` → ``[..., n_out]``.
+    Source: ``conv1d`` in openai/gpt-2 ``src/model.py`` (and transformers' ``Conv1D``).
+    """
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.n_in, self.n_out = n_in, n_out
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.addmm(self.bias, x.reshape(-1, self.n_in), self.weight)
+        return y.view(*x.shape[:-1], self.n_out)
+
+    def extra_repr(self) -> str:
+        return f"n_in={self.n_in}, n_out={self.n_out}"
+
+
+class CausalSelfAttention(nn.Module):
+    """GPT-2's attention sublayer in the fused Conv1D layout (seeds 000 and 002).
+
+    ``qkv = x @ c_attn.weight + c_attn.bias`` is ``[B, T, 3·n_embd]`` whose columns are three
+    contiguous n_embd blocks, all queries | all keys | all values (not per-head chunks):
+    head h reads q at ``h·head_dim``, k at ``n_embd + h·head_dim``, v at
+    ``2·n_embd + h·head_dim``. Heads are split to ``[B, h, T, head_dim]``, scores are
+    ``q @ kᵀ / √head_dim``, masked with :func:`attention_mask`, softmaxed, applied to v, merged
+    back to ``[B, T, n_embd]`` and projected by ``c_proj``.
+
+    Args:
+        n_embd: model width (``d``); n_head: number of heads, must divide n_embd.
+        attn_pdrop: dropout on the attention weights; resid_pdrop: dropout after c_proj.
+            Both act only in training mode.
+        attn_impl: ``"sdpa"`` (fused, default) or ``"explicit"`` (returns weights). The two
+            agree to float32 rounding; change it any time via the attribute.
+
+    Parameters: ``c_attn.weight [n_embd, 3·n_embd]``, ``c_attn.bias [3·n_embd]``,
+    ``c_proj.weight [n_embd, n_embd]``, ``c_proj.bias [n_embd]``.
+
+    Raises:
+        ValueError: n_embd or n_head not positive, or n_embd not divisible by n_head.
+
+    Source: ``attn`` in openai/gpt-2 ``src/model.py``.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, attn_pdrop: float = 0.0, resid_pdrop: float = 0.0,
+                 attn_impl: str = "sdpa"):
+        super().__init__()
+        if n_head <= 0 or n_embd <= 0:
+            raise ValueError(f"n_embd={n_embd} and n_head={n_head} must both be positive")
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
+        if attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={attn_impl!r}; expected one of {ATTN_IMPLS}")
+        self.n_embd, self.n_head, self.head_dim = n_embd, n_head, n_embd // n_head
+        self.attn_pdrop, self.resid_pdrop = attn_pdrop, resid_pdrop
+        self.attn_impl = attn_impl
+        self.c_attn = Conv1D(n_embd, 3 * n_embd)
+        self.c_proj = Conv1D(n_embd, n_embd)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [B, T, n_embd]`` → q, k, v each ``[B, h, T, head_dim]`` (contiguous q|k|v blocks)."""
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)    # 3 × [B, T, n_embd]
+        return split_heads(q, self.n_head), split_heads(k, self.n_head), split_heads(v, self.n_head)
+
+    def attend(self, q, k, v, mask, need_weights: bool = False):
+        """Run the selected core and the output projection.
+
+        Args: q ``[B, h, T, hd]``; k, v ``[B, h, S, hd]``; mask as for :func:`attend_sdpa`
+        (None means plain causal). Returns ``y [B, T, n_embd]`` and, if ``need_weights``,
+        the weights ``[B, h, T, S]`` (this forces the explicit path).
+        """
+        w = None
+        if need_weights or self.attn_impl == "explicit":
+            if mask is None:
+                mask = attention_mask(q.shape[-2], k.shape[-2], device=q.device)
+            a, w = attend_explicit(q, k, v, mask, self.attn_pdrop, self.training)
+        else:
+            a = attend_sdpa(q, k, v, mask, self.attn_pdrop, self.training)
+        y = F.dropout(self.c_proj(merge_heads(a)), self.resid_pdrop, self.training)
+        return y, w
+
+    def forward(self, x: torch.Tensor, past: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None, need_weights: bool = False):
+        """Attention over ``x`` and an optional cached ``past``.
+
+        Args:
+            x: ``[B, T, n_embd]`` (already layer-normalised by ln_1).
+            past: optional ``[B, 2, h, P, head_dim]`` keys/values of earlier tokens
+                (OpenAI's per-layer ``past``), concatenated before the new ones.
+            attn_mask: optional BoolTensor broadcastable to ``[B, h, T, P + T]`` that replaces
+                the plain causal mask (see :func:`combine_masks` for padding).
+            need_weights: also return the attention weights ``[B, h, T, P + T]``.
+
+        Returns:
+            ``(y, present)`` with ``y [B, T, n_embd]`` and ``present = stack([k, v], 1)``
+            ``[B, 2, h, T, head_dim]`` of the new tokens only, or ``(y, present, weights)``.
+
+        Raises:
+            ValueError: x is not ``[B, T, n_embd]`` or past does not match x and this module.
+        """
+        if x.dim() != 3 or x.shape[-1] != self.n_embd or x.shape[1] == 0:
+            raise ValueError(f"x has shape {tuple(x.shape)}; expected [B, T, n_embd={self.n_embd}] with T >= 1")
+        q, k, v = self.qkv(x)
+        present = torch.stack([k, v], dim=1)                    # [B, 2, h, T, head_dim]
+        if past is not None:
+            expected = (x.shape[0], 2, self.n_head, None, self.head_dim)
+            if past.dim() != 5 or any(e is not None and e != s for e, s in zip(expected, past.shape)):
+                raise ValueError(f"past has shape {tuple(past.shape)}; expected "
+                                 f"[B={x.shape[0]}, 2, n_head={self.n_head}, P, head_dim={self.head_dim}]")
+            k = torch.cat([past[:, 0].to(k.dtype), k], dim=-2)  # [B, h, P + T, head_dim]
+            v = torch.cat([past[:, 1].to(v.dtype), v], dim=-2)
+        mask = attn_mask
+        if mask is None and past is not None and x.shape[1] > 1:
+            mask = attention_mask(x.shape[1], k.shape[-2], device=x.device)
+        y, w = self.attend(q, k, v, mask, need_weights)
+        return (y, present, w) if need_weights else (y, present)
+
+    def forward_cached(self, x: torch.Tensor, cache, layer: int,
+                       attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention that reads and writes a preallocated :class:`~gpt2mha.kv_cache.KVCache`.
+
+        Args:
+            x: ``[B, T, n_embd]`` new tokens, at positions ``cache.length … +T-1``.
+            cache: the model's KVCache; this layer's slot ``layer`` is written in place.
+            attn_mask: as in :meth:`forward`, over ``cache.length + T`` keys.
+
+        Returns:
+            ``y [B, T, n_embd]``; equal to :meth:`forward` with the same keys as ``past``.
+        """
+        q, k, v = self.qkv(x)
+        k, v = cache.update(layer, k, v)                        # [B, h, P + T, head_dim]
+        T, S = q.shape[-2], k.shape[-2]
+        mask = attn_mask
+        if mask is None and 1 < T < S:
+            mask = attention_mask(T, S, device=x.device)
+        return self.attend(q, k, v, mask)[0]

@@ -1,0 +1,273 @@
+"""Loading and saving GPT-2 checkpoints in Hugging Face's directory format.
+
+A checkpoint directory holds ``config.json`` (transformers' ``GPT2Config`` keys) and
+``model.safetensors`` (or a legacy ``pytorch_model.bin``, read only with
+``torch.load(weights_only=True)``). Keys may be spelled ``h.0.…`` (OpenAI's conversion) or
+``transformer.h.0.…`` (``GPT2LMHeadModel``); the legacy buffers ``attn.bias`` /
+``attn.masked_bias`` are ignored and the LM head is tied to ``wte``. Every tensor is checked
+(names, shapes, dtype, finiteness) before anything is copied, so a bad file never leaves a
+half-loaded model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import tempfile
+
+import torch
+
+from .model import GPT2, GPT2Config
+
+#: Built-in models shipped inside the package (``gpt2mha/models/<name>/``).
+MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, CONFIG_NAME = "model.safetensors", "pytorch_model.bin", "config.json"
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is; the message names the file or tensor."""
+
+
+def builtin_models() -> list[str]:
+    """Names of the models shipped in the package."""
+    if not os.path.isdir(MODELS_DIR):
+        return []
+    return sorted(d for d in os.listdir(MODELS_DIR) if os.path.isfile(os.path.join(MODELS_DIR, d, CONFIG_NAME)))
+
+
+# ----------------------------------------------------------------------------------- config
+def config_from_hf(cfg: dict, source: str = "config.json") -> GPT2Config:
+    """transformers' GPT-2 ``config.json`` dict → :class:`GPT2Config`.
+
+    Raises:
+        CheckpointError: not a GPT-2 config, a missing size, or an option GPT-2 does not have
+            (another activation, another MLP width, inverse-layer-index scaling).
+    """
+    if cfg.get("model_type", "gpt2") != "gpt2":
+        raise CheckpointError(f"{source}: model_type={cfg.get('model_type')!r}; only 'gpt2' checkpoints are supported")
+    missing = [k for k in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer") if k not in cfg]
+    if missing:
+        raise CheckpointError(f"{source}: missing {', '.join(missing)}")
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{source}: activation_function={act!r}; GPT-2 uses the tanh GELU ('gelu_new')")
+    if cfg.get("n_inner") not in (None, 4 * cfg["n_embd"]):
+        raise CheckpointError(f"{source}: n_inner={cfg['n_inner']}; GPT-2's MLP is 4·n_embd={4 * cfg['n_embd']}")
+    if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("scale_attn_weights") is False:
+        raise CheckpointError(f"{source}: attention scaling options differ from GPT-2's 1/sqrt(head_dim)")
+    if cfg.get("tie_word_embeddings") is False:
+        raise CheckpointError(f"{source}: tie_word_embeddings=false; GPT-2's LM head is tied to wte")
+    extra = cfg.get("gpt2mha", {})
+    try:
+        return GPT2Config(
+            n_vocab=cfg["vocab_size"], n_ctx=cfg["n_positions"], n_embd=cfg["n_embd"], n_head=cfg["n_head"],
+            n_layer=cfg["n_layer"], embd_pdrop=cfg.get("embd_pdrop", 0.0), attn_pdrop=cfg.get("attn_pdrop", 0.0),
+            resid_pdrop=cfg.get("resid_pdrop", 0.0), layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
+            tokenizer=extra.get("tokenizer", "gpt2" if cfg["vocab_size"] >= 50257 else "bytes"))
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def config_to_hf(config: GPT2Config) -> dict:
+    """:class:`GPT2Config` → a ``config.json`` dict that transformers reads as ``GPT2Config``."""
+    eot = 50256 if config.tokenizer == "gpt2" else None
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": config.n_vocab, "n_positions": config.n_ctx, "n_embd": config.n_embd,
+        "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": config.layer_norm_epsilon,
+        "embd_pdrop": config.embd_pdrop, "attn_pdrop": config.attn_pdrop, "resid_pdrop": config.resid_pdrop,
+        "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
+        "bos_token_id": eot, "eos_token_id": eot, "use_cache": True,
+        "gpt2mha": {"tokenizer": config.tokenizer},
+    }
+
+
+# ---------------------------------------------------------------------------------- weights
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a ``.safetensors`` file, or of a ``.bin`` read with ``weights_only=True``.
+
+    Raises:
+        CheckpointError: truncated/corrupt file, or a pickle that would run code.
+    """
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        try:
+            return load_file(path)
+        except Exception as e:  # safetensors raises its own SafetensorError on bad headers/lengths
+            raise CheckpointError(f"{path}: not a valid safetensors file (truncated or corrupt?): {e}") from None
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: refused: this pickle asks to run code or build objects other than "
+                              f"tensors ({str(e).splitlines()[-1] if str(e) else 'unsafe'}); convert it to "
+                              f"safetensors from a trusted source") from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: could not be read as a PyTorch state dict (truncated or corrupt?): {e}") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{path}: expected a dict of tensors")
+    return sd
+
+
+def normalize_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the ``transformer.`` prefix, the legacy attention buffers and a tied ``lm_head.weight``."""
+    out = {}
+    for key, t in sd.items():
+        key = key.removeprefix("transformer.")
+        if key.endswith(IGNORED_SUFFIXES) or key == "lm_head.weight":
+            continue
+        out[key] = t
+    return out
+
+
+def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> None:
+    """Compare ``sd`` with the model's parameters before copying anything.
+
+    Raises:
+        CheckpointError: listing every missing, unexpected or mis-shaped tensor (with both
+            shapes), a non-floating dtype, or a tensor holding NaN/inf (with its name).
+    """
+    expected = model.state_dict()
+    problems = [f"missing tensor {k} {list(v.shape)}" for k, v in expected.items() if k not in sd]
+    problems += [f"unexpected tensor {k} {list(v.shape)}" for k, v in sd.items() if k not in expected]
+    for k, t in sd.items():
+        if k not in expected:
+            continue
+        if t.shape != expected[k].shape:
+            problems.append(f"{k}: checkpoint shape {list(t.shape)} != model shape {list(expected[k].shape)}")
+        elif not t.is_floating_point():
+            problems.append(f"{k}: dtype {t.dtype} is not a floating-point type")
+        elif not torch.isfinite(t).all():
+            problems.append(f"{k}: contains NaN or inf values")
+    if problems:
+        raise CheckpointError(f"{source}: cannot load:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------------------- resolve
+def resolve(name_or_dir: str) -> str:
+    """A built-in name, a local directory or a hub id → a local directory with config.json.
+
+    Raises:
+        CheckpointError: a directory without config.json, a path that does not exist, or a
+            hub id that cannot be downloaded (offline: the message says how to use a local copy).
+    """
+    if name_or_dir in builtin_models():
+        return os.path.join(MODELS_DIR, name_or_dir)
+    if os.path.isdir(name_or_dir):
+        if not os.path.isfile(os.path.join(name_or_dir, CONFIG_NAME)):
+            raise CheckpointError(f"{name_or_dir}: no {CONFIG_NAME} in this directory; expected a Hugging Face "
+                                  f"GPT-2 checkpoint ({CONFIG_NAME} + {WEIGHTS_NAME})")
+        return name_or_dir
+    looks_like_path = name_or_dir.startswith((".", "/", "~")) or os.sep + os.sep in name_or_dir or os.path.exists(name_or_dir)
+    if looks_like_path or name_or_dir.count("/") > 1 or not name_or_dir:
+        raise CheckpointError(f"model={name_or_dir!r} is not a directory, a built-in model "
+                              f"({', '.join(builtin_models()) or 'none installed'}) or a hub id")
+    return download(name_or_dir)
+
+
+def download(repo_id: str) -> str:
+    """Fetch ``config.json`` and the weights of a hub repo (cached by huggingface_hub, with a
+    progress bar) and return the local snapshot directory.
+
+    Raises:
+        CheckpointError: the download fails (offline, unknown repo), with how to use a local copy.
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        config_path = hf_hub_download(repo_id, CONFIG_NAME)
+        try:
+            hf_hub_download(repo_id, WEIGHTS_NAME)
+        except EntryNotFoundError:
+            hf_hub_download(repo_id, LEGACY_WEIGHTS_NAME)
+    except Exception as e:
+        raise CheckpointError(
+            f"could not get {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+            f"Offline? Copy the model directory (config.json + model.safetensors) to this machine and pass its path, "
+            f"e.g. --model /path/to/{repo_id.split('/')[-1]}, or set HF_HOME to a cache that holds it.") from None
+    return os.path.dirname(config_path)
+
+
+def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch.float32) -> GPT2:
+    """Build a :class:`GPT2` from a built-in name, a local HF directory, or a hub id.
+
+    Args:
+        name_or_dir: e.g. ``"shakespeare-byte"``, ``"./my-gpt2"``, ``"openai-community/gpt2"``.
+        dtype: parameter dtype of the returned model (float32 by default).
+
+    Returns:
+        The model in eval mode.
+
+    Raises:
+        CheckpointError: see :func:`resolve`, :func:`config_from_hf`, :func:`read_state_dict`,
+            :func:`check_state_dict`.
+    """
+    directory = resolve(name_or_dir)
+    config_path = os.path.join(directory, CONFIG_NAME)
+    try:
+        with open(config_path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_path}: cannot read JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object")
+    config = config_from_hf(cfg, config_path)
+    for name in (WEIGHTS_NAME, LEGACY_WEIGHTS_NAME):
+        weights_path = os.path.join(directory, name)
+        if os.path.isfile(weights_path):
+            break
+    else:
+        raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {LEGACY_WEIGHTS_NAME}) next to {CONFIG_NAME}")
+    sd = normalize_keys(read_state_dict(weights_path))
+    with torch.device("meta"):
+        model = model_cls(config)
+    check_state_dict(model, sd, weights_path)
+    model = model.to_empty(device="cpu")
+    model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
+    return model.to(dtype).eval()
+
+
+def is_checkpoint_dir(directory: str) -> bool:
+    """True if ``directory`` holds a checkpoint written by gpt2mha (config.json with our marker)."""
+    try:
+        with open(os.path.join(directory, CONFIG_NAME)) as f:
+            return "gpt2mha" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def save_pretrained(model: GPT2, directory: str, overwrite: bool = False) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (float32, ``transformer.``-prefixed keys,
+    the head tied) that ``GPT2LMHeadModel.from_pretrained`` loads with the same logits.
+
+    Files are written to temporaries and renamed, so an interrupted save leaves the previous
+    checkpoint intact.
+
+    Raises:
+        FileExistsError: ``directory`` is non-empty and not a gpt2mha checkpoint, unless
+            ``overwrite=True`` (nothing a user has is overwritten without asking).
+    """
+    from safetensors.torch import save_file
+
+    if os.path.isdir(directory) and os.listdir(directory) and not (overwrite or is_checkpoint_dir(directory)):
+        raise FileExistsError(f"{directory} is not empty and is not a gpt2mha checkpoint; refusing to write into it "
+                              f"(choose another directory or pass overwrite=True)")
+    os.makedirs(directory, exist_ok=True)
+    tensors = {f"transformer.{k}": v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
+    _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    text = json.dumps(config_to_hf(model.config), indent=2) + "\n"
+    _atomic_write(directory, CONFIG_NAME, lambda p: open(p, "w").write(text))
+
+
+def _atomic_write(directory: str, name: str, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, os.path.join(directory, name))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -1,0 +1,69 @@
+"""Perplexity and bits per byte of a model on a text, with a strided sliding window.
+
+Each window holds up to n_ctx tokens; after the first, a window moves on by ``stride`` tokens
+and only its last ``stride`` tokens are scored, each with up to ``n_ctx - stride`` tokens of
+context before it (the method of transformers' "Perplexity of fixed-length models" guide).
+Every token after the first is scored exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .tokenizer import get_tokenizer
+
+
+@dataclass
+class PerplexityResult:
+    """``loss_per_token`` (nats), ``perplexity`` = exp(loss), ``bits_per_byte`` = total nats /
+    (ln 2 · bytes), ``tokens`` scored, ``bytes`` of UTF-8 text they cover."""
+
+    loss_per_token: float
+    perplexity: float
+    bits_per_byte: float
+    tokens: int
+    bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def perplexity(model, text: str, stride: int | None = None) -> PerplexityResult:
+    """Score ``text`` with ``model`` (its config's tokenizer).
+
+    Args:
+        model: a :class:`~gpt2mha.model.GPT2`.
+        text: the text; must encode to at least 2 tokens.
+        stride: window step in tokens, ``1 <= stride <= n_ctx`` (default n_ctx // 2).
+
+    Returns:
+        :class:`PerplexityResult`. ``bytes`` counts the UTF-8 bytes of the whole text; the
+        first token (which nothing predicts) is not scored.
+
+    Raises:
+        ValueError: text too short, or stride out of range.
+    """
+    n_ctx = model.config.n_ctx
+    stride = n_ctx // 2 if stride is None else stride
+    if not 1 <= stride <= n_ctx:
+        raise ValueError(f"stride={stride} must be in [1, n_ctx={n_ctx}]")
+    ids = torch.tensor(get_tokenizer(model.config.tokenizer).encode(text), dtype=torch.long)
+    if ids.numel() < 2:
+        raise ValueError(f"text encodes to {ids.numel()} token(s); need at least 2 to measure perplexity")
+    total_nats, prev, N = 0.0, 1, ids.numel()                  # prev: next target index to score
+    while prev < N:
+        end = min(prev + (n_ctx if prev == 1 else stride), N)   # score targets prev … end-1
+        begin = max(0, end - 1 - n_ctx)                         # inputs begin … end-2 (<= n_ctx)
+        logits = model(ids[None, begin:end - 1], last_only=False).logits[0]  # predicts begin+1 … end-1
+        n = end - prev
+        total_nats += F.cross_entropy(logits[-n:].float(), ids[end - n:end], reduction="sum").item()
+        prev = end
+    scored = N - 1
+    n_bytes = len(text.encode("utf-8"))
+    loss = total_nats / scored
+    return PerplexityResult(loss, math.exp(loss), total_nats / (math.log(2) * n_bytes), scored, n_bytes)

@@ -1,0 +1,332 @@
+"""The GPT-2 model around the attention: config, MLP, pre-norm block, embeddings, tied head.
+
+Follows ``model`` in openai/gpt-2 ``src/model.py`` (and the GPT-2 paper, section 2.3):
+``h = wte[idx] + wpe[positions]``; per block ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``;
+``ln_f``; logits ``h @ wteᵀ``. Parameter names are OpenAI's / Hugging Face's, so a checkpoint
+loads by copying keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import ATTN_IMPLS, CausalSelfAttention, Conv1D, combine_masks
+from .attention import attention_mask as causal_mask
+from .kv_cache import KVCache
+
+TOKENIZERS = ("gpt2", "bytes")
+
+
+@dataclass
+class GPT2Config:
+    """GPT-2 hyperparameters with OpenAI's names (``hparams.json``).
+
+    Attributes:
+        n_vocab: vocabulary size (50257 for GPT-2 BPE, 256 for bytes).
+        n_ctx: context length (positions in wpe).
+        n_embd: model width; n_head: heads (must divide n_embd); n_layer: blocks.
+        embd_pdrop, attn_pdrop, resid_pdrop: dropout probabilities in [0, 1) (training only).
+        layer_norm_epsilon: LayerNorm epsilon (1e-5 in GPT-2).
+        tokenizer: ``"gpt2"`` (BPE) or ``"bytes"``; which tokenizer the weights expect.
+
+    Raises:
+        ValueError: on non-positive sizes, n_embd not divisible by n_head, dropout outside
+            [0, 1) or an unknown tokenizer.
+    """
+
+    n_vocab: int = 50257
+    n_ctx: int = 1024
+    n_embd: int = 768
+    n_head: int = 12
+    n_layer: int = 12
+    embd_pdrop: float = 0.0
+    attn_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
+    layer_norm_epsilon: float = 1e-5
+    tokenizer: str = "gpt2"
+
+    def __post_init__(self):
+        for name in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name}={value} must be in [0, 1)")
+        if not self.layer_norm_epsilon > 0:
+            raise ValueError(f"layer_norm_epsilon={self.layer_norm_epsilon} must be positive")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer={self.tokenizer!r}; expected one of {TOKENIZERS}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one head, ``n_embd // n_head`` (64 in every released GPT-2)."""
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "GPT2Config":
+        """One of :data:`PRESETS` (``"124M"``, ``"355M"``, …), with fields overridden.
+
+        Raises:
+            ValueError: unknown preset name (the message lists the known ones).
+        """
+        if name not in PRESETS:
+            raise ValueError(f"preset={name!r} is unknown; expected one of {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+#: GPT-2 paper, Table 2 (n_layer / n_head / n_embd), n_vocab 50257, n_ctx 1024; plus small
+#: presets for tests and the built-in model.
+PRESETS: dict[str, GPT2Config] = {
+    "124M": GPT2Config(n_layer=12, n_head=12, n_embd=768),
+    "355M": GPT2Config(n_layer=24, n_head=16, n_embd=1024),
+    "774M": GPT2Config(n_layer=36, n_head=20, n_embd=1280),
+    "1558M": GPT2Config(n_layer=48, n_head=25, n_embd=1600),
+    "tiny": GPT2Config(n_vocab=256, n_ctx=64, n_embd=32, n_head=4, n_layer=2, tokenizer="bytes"),
+    "shakespeare": GPT2Config(n_vocab=256, n_ctx=256, n_embd=192, n_head=6, n_layer=4, tokenizer="bytes",
+                              embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1),
+}
+PRESETS["gpt2"], PRESETS["gpt2-medium"] = PRESETS["124M"], PRESETS["355M"]
+PRESETS["gpt2-large"], PRESETS["gpt2-xl"] = PRESETS["774M"], PRESETS["1558M"]
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``c_proj(gelu_tanh(c_fc(x)))``, ``[B, T, n_embd]`` → same.
+
+    ``c_fc.weight [n_embd, 4·n_embd]``, ``c_proj.weight [4·n_embd, n_embd]`` (Conv1D layout).
+    Source: ``mlp`` and ``gelu`` in openai/gpt-2 ``src/model.py``.
+    """
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.c_fc = Conv1D(config.n_embd, 4 * config.n_embd)
+        self.c_proj = Conv1D(4 * config.n_embd, config.n_embd)
+        self.dropout = config.resid_pdrop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.c_fc(x), approximate="tanh")           # [B, T, 4·n_embd]
+        return F.dropout(self.c_proj(h), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``.
+
+    Source: ``block`` in openai/gpt-2 ``src/model.py``; ``[B, T, n_embd]`` in and out.
+    """
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config.n_embd, config.n_head, config.attn_pdrop, config.resid_pdrop)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x, past=None, attn_mask=None, need_weights=False):
+        """Returns ``(x, present)`` (or ``(x, present, weights)``), as :class:`CausalSelfAttention`."""
+        a, present, *w = self.attn(self.ln_1(x), past, attn_mask, need_weights)
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))
+        return (x, present, *w)
+
+    def forward_cached(self, x, cache: KVCache, layer: int, attn_mask=None):
+        """The block over a preallocated cache; returns ``x [B, T, n_embd]``."""
+        x = x + self.attn.forward_cached(self.ln_1(x), cache, layer, attn_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Output(NamedTuple):
+    """``logits [B, T, n_vocab]`` (T = 1 with ``last_only``) and ``present
+    [B, n_layer, 2, n_head, T, head_dim]`` (None when a :class:`KVCache` was used)."""
+
+    logits: torch.Tensor
+    present: torch.Tensor | None
+
+
+class GPT2(nn.Module):
+    """GPT-2 language model (``GPT2LMHeadModel``-compatible weights and outputs).
+
+    Modules: ``wte [n_vocab, n_embd]``, ``wpe [n_ctx, n_embd]``, ``h`` (n_layer :class:`Block`),
+    ``ln_f``; the LM head is tied to ``wte``.
+
+    Args:
+        config: a :class:`GPT2Config`.
+    """
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.n_vocab, config.n_embd)
+        self.wpe = nn.Embedding(config.n_ctx, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.init_weights()
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """GPT-2 initialisation: normal(0, 0.02) weights (wpe 0.01), zero biases, unit LayerNorm,
+        and the residual projections (``attn.c_proj``, ``mlp.c_proj``) scaled by
+        ``1/√(2·n_layer)`` (GPT-2 paper, section 2.3)."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std_resid = 0.02 / math.sqrt(2 * self.config.n_layer)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif ".ln_" in name or name.startswith("ln_f"):
+                    p.fill_(1.0)
+                else:
+                    std = std_resid if name.endswith("c_proj.weight") else 0.01 if name == "wpe.weight" else 0.02
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    @property
+    def attn_impl(self) -> str:
+        """The attention core every layer uses: ``"sdpa"`` or ``"explicit"`` (settable)."""
+        return self.h[0].attn.attn_impl
+
+    @attn_impl.setter
+    def attn_impl(self, value: str) -> None:
+        if value not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={value!r}; expected one of {ATTN_IMPLS}")
+        for block in self.h:
+            block.attn.attn_impl = value
+
+    def num_parameters(self) -> int:
+        """Number of parameters (wte counted once; the head is tied)."""
+        return sum(p.numel() for p in self.parameters())
+
+    # ----------------------------------------------------------------------------- checks
+    def _check_inputs(self, idx, past_len, attention_mask, position_ids):
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
+            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be an integer tensor [B, T]; got {shape}")
+        B, T = idx.shape
+        if T == 0 or B == 0:
+            raise ValueError(f"idx has shape {(B, T)}; need at least one sequence and one token")
+        if past_len + T > self.config.n_ctx:
+            raise ValueError(f"idx has {T} tokens after {past_len} cached ones: {past_len + T} > n_ctx={self.config.n_ctx}")
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= self.config.n_vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"idx contains token id {bad}, outside the vocabulary [0, n_vocab={self.config.n_vocab})")
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, past_len + T):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, past + T="
+                             f"{past_len + T}] covering the {past_len} cached and {T} new tokens")
+        if position_ids is not None and tuple(position_ids.shape) not in ((B, T), (1, T), (T,)):
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [B={B}, T={T}]")
+
+    def _check_past(self, past, B):
+        c = self.config
+        expected = (B, c.n_layer, 2, c.n_head, None, c.head_dim)
+        names = ("batch", "n_layer", "2 (k, v)", "n_head", "P", "head_dim")
+        if past.dim() != 6:
+            raise ValueError(f"past has shape {tuple(past.shape)}; expected [B, n_layer, 2, n_head, P, head_dim]")
+        for name, e, s in zip(names, expected, past.shape):
+            if e is not None and e != s:
+                raise ValueError(f"past has shape {tuple(past.shape)}: {name} is {s}, expected {e} "
+                                 f"([B={B}, n_layer={c.n_layer}, 2, n_head={c.n_head}, P, head_dim={c.head_dim}])")
+
+    # ---------------------------------------------------------------------------- forward
+    def embed(self, idx, past_len, attention_mask=None, position_ids=None):
+        """``wte[idx] + wpe[positions]`` → ``[B, T, n_embd]``. Positions start at ``past_len``,
+        or come from ``attention_mask`` (``cumsum - 1``, pads clamped to 0) when given."""
+        T = idx.shape[1]
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            else:
+                position_ids = torch.arange(past_len, past_len + T, device=idx.device)
+        if int(position_ids.min()) < 0 or int(position_ids.max()) >= self.config.n_ctx:
+            raise ValueError(f"position_ids must be in [0, n_ctx={self.config.n_ctx})")
+        x = self.wte(idx) + self.wpe(position_ids)
+        return F.dropout(x, self.config.embd_pdrop, self.training)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """``ln_f`` then the tied LM head: ``[B, T, n_embd]`` → logits ``[B, T, n_vocab]``."""
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+    def forward(self, idx: torch.Tensor, past: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                *, cache: KVCache | None = None, last_only: bool = False) -> GPT2Output:
+        """Logits for ``idx`` given an optional cache.
+
+        Args:
+            idx: token ids ``[B, T]`` (int64), each in ``[0, n_vocab)``.
+            past: OpenAI's cache ``[B, n_layer, 2, n_head, P, head_dim]`` or None.
+            attention_mask: ``[B, P + T]`` of 1 (real) / 0 (pad), covering cached and new
+                tokens; when given without ``position_ids`` positions follow the mask.
+            position_ids: ``[B, T]`` explicit positions.
+            cache: a :class:`KVCache` to read and write in place instead of ``past``.
+            last_only: compute logits for the last position only (decode).
+
+        Returns:
+            :class:`GPT2Output` ``(logits [B, T, n_vocab], present [B, n_layer, 2, n_head, T,
+            head_dim])``; present is None when ``cache`` is used.
+
+        Raises:
+            ValueError: bad idx (rank, dtype, ids outside the vocab, longer than n_ctx with
+                the past), a past of the wrong shape, or a mask of the wrong length.
+        """
+        B = idx.shape[0] if isinstance(idx, torch.Tensor) and idx.dim() == 2 else None
+        if past is not None and cache is not None:
+            raise ValueError("pass either past or cache, not both")
+        if past is not None:
+            self._check_past(past, B)
+        past_len = cache.length if cache is not None else (past.shape[4] if past is not None else 0)
+        self._check_inputs(idx, past_len, attention_mask, position_ids)
+        T = idx.shape[1]
+        x = self.embed(idx, past_len, attention_mask, position_ids)
+        mask = None
+        if attention_mask is not None:
+            mask = combine_masks(causal_mask(T, past_len + T, device=x.device), attention_mask)
+        presents = None
+        if cache is not None:
+            for i, block in enumerate(self.h):
+                x = block.forward_cached(x, cache, i, mask)
+            cache.advance(T)
+        else:
+            presents = []
+            for i, block in enumerate(self.h):
+                x, present = block(x, None if past is None else past[:, i], mask)
+                presents.append(present)
+            presents = torch.stack(presents, dim=1)             # [B, n_layer, 2, h, T, head_dim]
+        if last_only:
+            x = x[:, -1:]
+        return GPT2Output(self.head(x), presents)
+
+    # ------------------------------------------------------------------ loading / generation
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str, **kwargs) -> "GPT2":
+        """Load a built-in model name, a local Hugging Face GPT-2 directory, or a hub id.
+
+        See :func:`gpt2mha.checkpoints.load_pretrained` for the details and errors.
+        """
+        from .checkpoints import load_pretrained
+        return load_pretrained(name_or_dir, model_cls=cls, **kwargs)
+
+    def save_pretrained(self, directory: str, **kwargs) -> None:
+        """Write ``config.json`` + ``model.safetensors`` that ``GPT2LMHeadModel`` loads.
+
+        See :func:`gpt2mha.checkpoints.save_pretrained`.
+        """
+        from .checkpoints import save_pretrained
+        save_pretrained(self, directory, **kwargs)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, **kwargs) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after ``idx [B, T]``; returns ``[B, T + max_new_tokens]``.
+
+        ``temperature=0`` is greedy. See :func:`gpt2mha.generate.generate` for all options.
+        """
+        from .generate import generate
+        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed, **kwargs)
+
