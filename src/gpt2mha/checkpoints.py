@@ -72,7 +72,7 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> GPT2Config:
 
 def config_to_hf(config: GPT2Config) -> dict:
     """:class:`GPT2Config` → a ``config.json`` dict that transformers reads as ``GPT2Config``."""
-    eot = 50256 if config.tokenizer == "gpt2" else None
+    eot = 50256 if config.tokenizer == "gpt2" and config.n_vocab > 50256 else None
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": config.n_vocab, "n_positions": config.n_ctx, "n_embd": config.n_embd,
@@ -259,7 +259,7 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False) -> Non
     tensors = {f"transformer.{k}": v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
     _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     text = json.dumps(config_to_hf(model.config), indent=2) + "\n"
-    _atomic_write(directory, CONFIG_NAME, lambda p: open(p, "w").write(text))
+    _atomic_write(directory, CONFIG_NAME, lambda p: _write_text(p, text))
 
 
 def _atomic_write(directory: str, name: str, write) -> None:
@@ -267,7 +267,13 @@ def _atomic_write(directory: str, name: str, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, os.path.join(directory, name))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)

@@ -78,6 +78,28 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from .model import GPT2Config
+    from .train import TrainConfig, train
+
+    sizes = {k: v for k, v in dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                                   n_ctx=args.n_ctx).items() if v is not None}
+    drop = {k: v for k, v in dict(attn_pdrop=args.attn_pdrop, resid_pdrop=args.resid_pdrop,
+                                  embd_pdrop=args.resid_pdrop).items() if v is not None}
+    tokenizer = args.tokenizer or ("gpt2" if args.preset in ("124M", "355M", "774M", "1558M") else "bytes")
+    n_vocab = 50257 if tokenizer == "gpt2" else 256
+    config = GPT2Config.from_preset(args.preset, n_vocab=n_vocab, tokenizer=tokenizer, **sizes, **drop)
+    tc = TrainConfig(**{k: v for k, v in dict(iters=args.iters, batch_size=args.batch_size, lr=args.lr,
+                                              min_lr=args.min_lr, warmup=args.warmup, seed=args.seed,
+                                              eval_interval=args.eval_interval).items() if v is not None})
+    log = train(args.data, args.out, config, tc, resume=args.resume)
+    if log["evals"]:
+        last = log["evals"][-1]
+        print(f"done: step {last['step']}, val loss {last['val_loss']:.4f} nats/token, "
+              f"{log['seconds']:.0f} s; checkpoint in {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2mha", description="GPT-2 multi-head attention, exact and fast.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +124,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=None, help="window step in tokens (default n_ctx // 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_perplexity)
+
+    t = sub.add_parser("train", help="train a GPT-2 on a text file (first 90%% train, last 10%% validation)")
+    t.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file")
+    t.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory (new, or ours with --resume)")
+    t.add_argument("--preset", default="tiny", help="size preset (tiny, shakespeare, 124M, ...); the flags below override it")
+    for flag in ("--n-layer", "--n-head", "--n-embd", "--n-ctx"):
+        t.add_argument(flag, type=int, default=None)
+    t.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=None)
+    t.add_argument("--iters", type=int, default=None)
+    t.add_argument("--batch-size", type=int, default=None)
+    t.add_argument("--lr", type=float, default=None)
+    t.add_argument("--min-lr", type=float, default=None)
+    t.add_argument("--warmup", type=int, default=None)
+    t.add_argument("--eval-interval", type=int, default=None)
+    t.add_argument("--attn-pdrop", type=float, default=None, help="dropout on attention weights")
+    t.add_argument("--resid-pdrop", type=float, default=None, help="dropout on residual branches and embeddings")
+    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    t.set_defaults(func=cmd_train)
     return parser
 
 

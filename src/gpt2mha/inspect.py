@@ -1,0 +1,639 @@
+"""Look inside multi-head attention: a stage-by-stage shape trace, per-head attention maps, head roles.
+
+Three tools, each a few flat functions:
+
+* :func:`trace` walks one forward pass in seed 001's order (input, projections, view,
+  transpose, scores, head contexts, merged, out_proj) for the three layouts of this project —
+  ``fused`` (GPT-2's ``c_attn``/``c_proj`` Conv1D, seeds 000/002), ``split`` (the book's
+  ``MultiHeadAttention``) and ``wrapper`` (the book's ``MultiHeadAttentionWrapper``) — and
+  returns each stage's shape, the meaning of its axes and the operation that produced it.
+  Shapes are computed by running the operations on ``meta`` tensors, so they are PyTorch's,
+  not transcribed.
+* :func:`attention_maps` / :func:`analyse_heads` run a :class:`~gpt2mha.GPT2` with the
+  explicit attention path and return the weights ``[n_layer, B, h, T, T]``;
+  :func:`role_scores` turns them into per-head role scores (seed 000: "one might follow the
+  previous token").
+* :func:`write_grid_png`, :func:`write_head_png`, :func:`write_html` draw them (matplotlib,
+  Agg backend; the HTML page is self-contained: data inline, no network).
+
+The checker for attention modules people write themselves lives in :mod:`gpt2mha.check`.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+LAYOUTS = ("fused", "split", "wrapper")
+
+#: Meaning of each axis name used in the trace.
+AXES = {
+    "b": "batch (sequences)",
+    "T": "token (new tokens; the queries)",
+    "S": "key token (past + new)",
+    "h": "head",
+    "head_dim": "feature within one head",
+    "d_in": "input feature",
+    "d_out": "feature, heads side by side (head h at h*head_dim ...)",
+    "3*d_out": "q | k | v: three contiguous d_out blocks (not per-head chunks)",
+    "h*d_out": "feature, the heads' outputs concatenated",
+    "2": "k or v",
+}
+
+
+@dataclass
+class Stage:
+    """One tensor of the forward pass.
+
+    Attributes:
+        name: stage name (seed 001's words: input, projections, view, transpose, scores,
+            weights, contexts, merged, out_proj; plus qkv, past, unmerge where a layout has them).
+        shape: the tensor's shape.
+        axes: one axis name per dimension (keys of :data:`AXES`).
+        op: the operation that turns the previous stage into this one ("" for the input).
+        count: how many tensors of this shape the stage holds (3 for q, k, v).
+        note: a remark (e.g. the column layout of a fused projection).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    op: str
+    count: int = 1
+    note: str = ""
+
+
+@dataclass
+class Trace:
+    """A traced forward pass: the configuration, head_dim, the mask's shape and the stages."""
+
+    layout: str
+    config: dict
+    head_dim: int
+    mask_shape: tuple[int, int]
+    stages: list[Stage] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """Plain data for ``--json`` (shapes as lists)."""
+        d = dataclasses.asdict(self)
+        d["axes"] = AXES
+        return d
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The stages' shapes, in order."""
+        return [s.shape for s in self.stages]
+
+
+def _check_trace_config(layout, b, T, d_in, d_out, num_heads, context_length, past):
+    """Raise ValueError on a configuration the layout cannot run."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; expected one of {', '.join(LAYOUTS)}")
+    sizes = dict(batch=b, tokens=T, d_in=d_in, d_out=d_out, num_heads=num_heads, context_length=context_length)
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if not isinstance(past, int) or past < 0:
+        raise ValueError(f"past={past!r} must be an integer >= 0")
+    if layout != "wrapper" and d_out % num_heads:
+        raise ValueError(f"d_out={d_out} is not divisible by num_heads={num_heads}: the heads would not "
+                         f"have equal widths (head_dim = d_out / num_heads)")
+    if past + T > context_length:
+        raise ValueError(f"past + tokens = {past} + {T} = {past + T} > context_length={context_length}: "
+                         f"the causal mask buffer has no row for these positions")
+
+
+def trace(layout: str = "split", b: int = 2, T: int = 6, d_in: int = 768, d_out: int | None = None,
+          num_heads: int = 12, context_length: int = 1024, past: int = 0) -> Trace:
+    """Trace one forward pass of a multi-head attention layout, stage by stage.
+
+    Args:
+        layout: ``"fused"`` (GPT-2: ``qkv = x @ c_attn.weight + c_attn.bias``, seed 000),
+            ``"split"`` (the book's ``MultiHeadAttention``: ``W_query``/``W_key``/``W_value``
+            then ``out_proj``, seed 001) or ``"wrapper"`` (``MultiHeadAttentionWrapper``:
+            ``num_heads`` complete single-head layers, outputs concatenated, no ``out_proj``).
+        b, T: batch size and new tokens (queries).
+        d_in: input width. d_out: output width; for ``wrapper`` it is each head's width, as in
+            the book's constructor (default 768, or 768 // num_heads for ``wrapper``).
+        num_heads: heads; context_length: the mask buffer's size (past + T must fit).
+        past: cached tokens before the T new ones; keys then number S = past + T and the mask
+            is ``attention_mask(T, S)``, aligned bottom-right (query i reads keys j <= i + past).
+
+    Returns:
+        :class:`Trace` with shapes from running the operations on ``meta`` tensors.
+
+    Raises:
+        ValueError: unknown layout, non-positive sizes, d_out not divisible by num_heads,
+            or past + T > context_length.
+    """
+    if d_out is None:
+        d_out = 768 // num_heads if layout == "wrapper" and num_heads > 0 and 768 % num_heads == 0 else 768
+    _check_trace_config(layout, b, T, d_in, d_out, num_heads, context_length, past)
+    head_dim = d_out if layout == "wrapper" else d_out // num_heads
+    config = dict(b=b, T=T, d_in=d_in, d_out=d_out, num_heads=num_heads, head_dim=head_dim,
+                  context_length=context_length, past=past, S=past + T)
+    stages = (_trace_wrapper if layout == "wrapper" else _trace_heads)(layout, b, T, d_in, d_out, num_heads, past)
+    return Trace(layout, config, head_dim, (T, past + T), stages)
+
+
+def _meta(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape, device="meta")
+
+
+def _trace_heads(layout, b, T, d_in, d_out, h, P) -> list[Stage]:
+    """Stages of the fused and split layouts (one wide projection per role, heads by reshaping)."""
+    hd, S = d_out // h, P + T
+    x = _meta(b, T, d_in)
+    st = [Stage("input", tuple(x.shape), ("b", "T", "d_in"), "")]
+    if layout == "fused":
+        qkv = x @ _meta(d_in, 3 * d_out)                                       # [b, T, 3·d_out]
+        st.append(Stage("qkv", tuple(qkv.shape), ("b", "T", "3*d_out"), "x @ c_attn.weight + c_attn.bias",
+                        note=f"c_attn.weight [{d_in}, {3 * d_out}] (Conv1D: [in, out], no transpose); head h "
+                             f"reads q at h*{hd}, k at {d_out} + h*{hd}, v at {2 * d_out} + h*{hd}"))
+        q = qkv.split(d_out, dim=2)[0]
+        st.append(Stage("projections", tuple(q.shape), ("b", "T", "d_out"), "qkv.split(d_out, dim=2) -> q, k, v", 3))
+    else:
+        q = x @ _meta(d_in, d_out)                                             # [b, T, d_out]
+        st.append(Stage("projections", tuple(q.shape), ("b", "T", "d_out"), "W_query(x), W_key(x), W_value(x)", 3,
+                        note=f"nn.Linear weight [{d_out}, {d_in}] each: one full-width projection per role"))
+    q4 = q.view(b, T, h, hd)                                                   # [b, T, h, hd]
+    st.append(Stage("view", tuple(q4.shape), ("b", "T", "h", "head_dim"), "view(b, T, num_heads, head_dim)", 3,
+                    note="reinterprets d_out as num_heads x head_dim; no copy"))
+    qh = q4.transpose(1, 2)                                                    # [b, h, T, hd]
+    st.append(Stage("transpose", tuple(qh.shape), ("b", "h", "T", "head_dim"), "transpose(1, 2)", 3,
+                    note="heads next to batch: one batched matmul runs every head"))
+    k = qh
+    if P:
+        k = torch.cat([_meta(b, h, P, hd), qh], dim=-2)                        # [b, h, S, hd]
+        st.append(Stage("past", tuple(k.shape), ("b", "h", "S", "head_dim"), "cat([past_k, k], dim=-2), same for v", 2,
+                        note=f"past [b, 2, h, {P}, head_dim] prepended on the sequence axis"))
+    w = qh @ k.transpose(-1, -2)                                               # [b, h, T, S]
+    st.append(Stage("scores", tuple(w.shape), ("b", "h", "T", "S"), "queries @ keys.transpose(2, 3)",
+                    note="one T x S score matrix per head per sequence"))
+    scale = f"1/sqrt(head_dim) = 1/sqrt({hd})"
+    st.append(Stage("weights", tuple(w.shape), ("b", "h", "T", "S"),
+                    f"* {scale}; mask attention_mask({T}, {S}); softmax(dim=-1)",
+                    note=f"mask [{T}, {S}] offset by past={P}: query i reads keys j <= i + {P}"))
+    a = w @ k                                                                  # [b, h, T, hd]
+    st.append(Stage("contexts", tuple(a.shape), ("b", "h", "T", "head_dim"), "weights @ values"))
+    a = a.transpose(1, 2)                                                      # [b, T, h, hd]
+    st.append(Stage("unmerge", tuple(a.shape), ("b", "T", "h", "head_dim"), "transpose(1, 2)",
+                    note="tokens back in front; now non-contiguous"))
+    m = a.contiguous().view(b, T, d_out)                                       # [b, T, d_out]
+    st.append(Stage("merged", tuple(m.shape), ("b", "T", "d_out"), "contiguous().view(b, T, d_out)",
+                    note="head h at columns h*head_dim ... (h+1)*head_dim"))
+    y = m @ _meta(d_out, d_out)
+    op = "merged @ c_proj.weight + c_proj.bias" if layout == "fused" else "out_proj(merged)"
+    st.append(Stage("out_proj", tuple(y.shape), ("b", "T", "d_out"), op, note="mixes the heads"))
+    return st
+
+
+def _trace_wrapper(layout, b, T, d_in, d_out, h, P) -> list[Stage]:
+    """Stages of the wrapper: ``num_heads`` complete single-head layers, concatenated."""
+    S = P + T
+    x = _meta(b, T, d_in)
+    st = [Stage("input", tuple(x.shape), ("b", "T", "d_in"), "")]
+    q = x @ _meta(d_in, d_out)                                                 # [b, T, d_out] per head
+    st.append(Stage("projections", tuple(q.shape), ("b", "T", "head_dim"), "heads[i].W_query(x), W_key(x), W_value(x)",
+                    3 * h, note=f"each head owns its nn.Linear [{d_out}, {d_in}] x 3; head_dim = d_out = {d_out}"))
+    k = q
+    if P:
+        k = torch.cat([_meta(b, P, d_out), q], dim=-2)                         # [b, S, d_out]
+        st.append(Stage("past", tuple(k.shape), ("b", "S", "head_dim"), "cat([past_k, k], dim=1), same for v", 2 * h))
+    w = q @ k.transpose(1, 2)                                                  # [b, T, S]
+    st.append(Stage("scores", tuple(w.shape), ("b", "T", "S"), "queries @ keys.transpose(1, 2)", h))
+    st.append(Stage("weights", tuple(w.shape), ("b", "T", "S"),
+                    f"* 1/sqrt(head_dim) = 1/sqrt({d_out}); mask attention_mask({T}, {S}); softmax(dim=-1)", h,
+                    note=f"mask [{T}, {S}] offset by past={P}: query i reads keys j <= i + {P}"))
+    a = w @ k                                                                  # [b, T, d_out]
+    st.append(Stage("contexts", tuple(a.shape), ("b", "T", "head_dim"), "weights @ values", h))
+    m = torch.cat([a] * h, dim=-1)                                             # [b, T, h·d_out]
+    st.append(Stage("merged", tuple(m.shape), ("b", "T", "h*d_out"), "torch.cat([head(x) for head in heads], dim=-1)",
+                    note="the output: no out_proj, the heads are never mixed"))
+    return st
+
+
+def format_trace(tr: Trace) -> str:
+    """The trace as terminal text: a header, then each stage with its shape and axes and the
+    operation leading to it on the line above."""
+    c = tr.config
+    lines = [f"layout {tr.layout}: b={c['b']} T={c['T']} d_in={c['d_in']} d_out={c['d_out']} "
+             f"num_heads={c['num_heads']} head_dim={tr.head_dim} context_length={c['context_length']} "
+             f"past={c['past']}",
+             f"mask {tr.mask_shape}: attention_mask(T={c['T']}, S={c['S']}), True where query i may read key j "
+             f"(j <= i + {c['past']})", ""]
+    for i, s in enumerate(tr.stages, 1):
+        if s.op:
+            lines.append(f"        | {s.op}")
+        times = f" x{s.count}" if s.count > 1 else ""
+        axes = ", ".join(s.axes)
+        lines.append(f"{i:>3}  {s.name:<12} {str(s.shape) + times:<24} [{axes}]")
+        if s.note:
+            lines.append(f"{'':17}{s.note}")
+    lines.append("")
+    lines.append("axes: " + "; ".join(f"{k} = {AXES[k]}" for k in sorted({a for s in tr.stages for a in s.axes},
+                                                                         key=list(AXES).index)))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ attention maps
+class HeadsResult(NamedTuple):
+    """What :func:`analyse_heads` returns.
+
+    Attributes:
+        weights: ``[n_layer, B, h, T, T]`` attention weights (float32, rows sum to 1).
+        scores: role name → ``[n_layer, h]`` tensor (see :func:`role_scores`).
+        tokens: the prompt's token ids; labels: one printable label per token.
+    """
+
+    weights: torch.Tensor
+    scores: dict
+    tokens: list
+    labels: list
+
+
+def attention_maps(model, idx: torch.Tensor) -> torch.Tensor:
+    """Every head's attention weights for ``idx``, through the explicit attention path.
+
+    Args:
+        model: a :class:`~gpt2mha.GPT2`.
+        idx: token ids ``[B, T]``, ``1 <= T <= n_ctx``.
+
+    Returns:
+        ``[n_layer, B, n_head, T, T]`` float32; row i of a map is query token i's weights over
+        keys 0..i (the causal mask makes the rest exactly 0).
+
+    Raises:
+        ValueError: idx is not ``[B, T]``, T is 0 or longer than the model's context, or ids
+            are outside the vocabulary.
+    """
+    if idx.dim() != 2 or idx.shape[1] == 0:
+        raise ValueError(f"idx has shape {tuple(idx.shape)}; expected [B, T] with T >= 1")
+    n_ctx = model.config.n_ctx
+    if idx.shape[1] > n_ctx:
+        raise ValueError(f"the prompt is {idx.shape[1]} tokens but the model's context is n_ctx={n_ctx} tokens; "
+                         f"shorten it to at most {n_ctx}")
+    if int(idx.min()) < 0 or int(idx.max()) >= model.config.n_vocab:
+        raise ValueError(f"idx holds ids outside the vocabulary [0, {model.config.n_vocab})")
+    was_training = model.training
+    model.eval()
+    maps = []
+    with torch.no_grad():
+        x = model.embed(idx, 0)                                   # [B, T, n_embd]
+        for block in model.h:
+            x, _, w = block(x, None, None, True)                  # w [B, h, T, T]
+            maps.append(w.float())
+    model.train(was_training)
+    return torch.stack(maps)                                      # [n_layer, B, h, T, T]
+
+
+def role_scores(weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-head role scores from attention weights.
+
+    Args:
+        weights: ``[n_layer, B, h, T, T]`` with ``T >= 2`` (as from :func:`attention_maps`).
+
+    Returns:
+        Dict of ``[n_layer, h]`` tensors, each a mean over the batch and over query tokens
+        1..T-1 (query 0 can only read itself, so it says nothing about a head):
+
+        * ``previous``: weight on the previous token (key i-1);
+        * ``first``: weight on the first token (key 0);
+        * ``self``: weight on the query's own token (key i);
+        * ``entropy``: row entropy in nats;
+        * ``entropy_norm``: entropy / log(i+1), 0 = one key, 1 = uniform over the visible keys.
+
+    Raises:
+        ValueError: weights is not 5-D with square maps, or T < 2.
+    """
+    if weights.dim() != 5 or weights.shape[-1] != weights.shape[-2]:
+        raise ValueError(f"weights has shape {tuple(weights.shape)}; expected [n_layer, B, h, T, T]")
+    T = weights.shape[-1]
+    if T < 2:
+        raise ValueError("role scores need a prompt of at least 2 tokens")
+    w = weights.float()
+    i = torch.arange(1, T)
+    entropy = -(w * w.clamp_min(1e-30).log()).sum(-1)[..., 1:]   # [L, B, h, T-1]
+    return {
+        "previous": w[..., i, i - 1].mean(dim=(1, 3)),
+        "first": w[..., 1:, 0].mean(dim=(1, 3)),
+        "self": w[..., i, i].mean(dim=(1, 3)),
+        "entropy": entropy.mean(dim=(1, 3)),
+        "entropy_norm": (entropy / torch.log(i + 1.0)).mean(dim=(1, 3)),
+    }
+
+
+#: Roles of the "strongest heads" table: (label, score key).
+ROLES = (("previous-token", "previous"), ("first-token", "first"), ("self", "self"),
+         ("broad (high-entropy)", "entropy_norm"))
+
+
+def strongest_heads(scores: dict[str, torch.Tensor], top: int = 3) -> list[dict]:
+    """The ``top`` highest-scoring heads of each role in :data:`ROLES`.
+
+    Returns:
+        Rows ``{"role", "layer", "head", "score"}`` (0-based layer and head), role by role,
+        best first.
+    """
+    rows = []
+    for label, key in ROLES:
+        s = scores[key]
+        flat = s.flatten()
+        for j in flat.argsort(descending=True)[:top].tolist():
+            rows.append({"role": label, "layer": j // s.shape[1], "head": j % s.shape[1], "score": float(flat[j])})
+    return rows
+
+
+def format_strongest(rows: list[dict]) -> str:
+    """``layer 3 head 5: previous-token head, 0.91`` lines, one per row."""
+    return "\n".join(f"layer {r['layer']} head {r['head']}: {r['role']} head, {r['score']:.2f}" for r in rows)
+
+
+def token_labels(tokenizer, ids) -> list[str]:
+    """One short printable label per token: space → ␣, newline → ↵, tab → ⇥, undecodable
+    bytes (a UTF-8 character split across byte tokens) as ``\\xNN``."""
+    labels = []
+    for i in ids:
+        raw = tokenizer.decode_bytes([i])
+        try:
+            s = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            s = "".join(f"\\x{c:02x}" for c in raw)
+        labels.append(s.replace(" ", "\u2423").replace("\n", "\u21b5").replace("\t", "\u21e5").replace("\r", "\\r")
+                      or "\u2205")
+    return labels
+
+
+def analyse_heads(model, prompt: str) -> HeadsResult:
+    """Tokenise ``prompt`` with the model's tokenizer, get every head's map and role scores.
+
+    Returns:
+        :class:`HeadsResult` with weights ``[n_layer, 1, h, T, T]``.
+
+    Raises:
+        ValueError: empty prompt, fewer than 2 tokens, or more tokens than the context.
+    """
+    from .tokenizer import get_tokenizer
+
+    if not prompt:
+        raise ValueError("PROMPT is empty; give at least two tokens of text")
+    tok = get_tokenizer(model.config.tokenizer)
+    ids = tok.encode(prompt)
+    if len(ids) < 2:
+        raise ValueError(f"PROMPT is {len(ids)} token; head roles need at least 2 tokens")
+    weights = attention_maps(model, torch.tensor([ids], dtype=torch.long))
+    return HeadsResult(weights, role_scores(weights), ids, token_labels(tok, ids))
+
+
+def check_selection(n_layer: int, n_head: int, layer: int | None, head: int | None) -> None:
+    """Raise ValueError if a selected layer or head is outside the model."""
+    if layer is not None and not 0 <= layer < n_layer:
+        raise ValueError(f"--layer {layer} is out of range: the model has {n_layer} layers (0..{n_layer - 1})")
+    if head is not None and not 0 <= head < n_head:
+        raise ValueError(f"--head {head} is out of range: the model has {n_head} heads per layer (0..{n_head - 1})")
+
+
+def selected_heads(n_layer: int, n_head: int, layer: int | None, head: int | None,
+                   rows: list[dict]) -> list[tuple[int, int]]:
+    """Heads to draw at full size: layer and head given → that head; only one given → that
+    whole layer / that head in every layer; neither → the best head of each role in ``rows``.
+
+    Raises:
+        ValueError: layer or head out of range.
+    """
+    check_selection(n_layer, n_head, layer, head)
+    if layer is None and head is None:
+        seen_roles, best = set(), []
+        for r in rows:                                     # rows are best-first within each role
+            if r["role"] not in seen_roles:
+                seen_roles.add(r["role"])
+                if (r["layer"], r["head"]) not in best:
+                    best.append((r["layer"], r["head"]))
+        return best
+    layers = range(n_layer) if layer is None else [layer]
+    heads = range(n_head) if head is None else [head]
+    return [(l, h) for l in layers for h in heads]
+
+
+# ---------------------------------------------------------------------------------- images
+#: Grid geometry in pixels at :data:`DPI` (a power of two, so inches * DPI is exact).
+DPI, CELL, GAP, LEFT, BOTTOM, TOP, RIGHT = 128, 128, 16, 64, 64, 48, 16
+
+
+def grid_geometry(n_layer: int, n_head: int) -> dict:
+    """Pixel size of the grid PNG and each map's box.
+
+    Returns:
+        ``{"width", "height", "cells": {(layer, head): (x0, y0, x1, y1)}}``, y from the top;
+        layers are rows (layer 0 on top), heads are columns.
+    """
+    width = LEFT + n_head * CELL + (n_head - 1) * GAP + RIGHT
+    height = TOP + n_layer * CELL + (n_layer - 1) * GAP + BOTTOM
+    cells = {}
+    for l in range(n_layer):
+        for h in range(n_head):
+            x0, y0 = LEFT + h * (CELL + GAP), TOP + l * (CELL + GAP)
+            cells[(l, h)] = (x0, y0, x0 + CELL, y0 + CELL)
+    return {"width": width, "height": height, "cells": cells}
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _mpl_text(s: str) -> str:
+    return s.replace("$", r"\$")
+
+
+def _tick_labels(ax, labels: list[str], x: bool, y: bool, fontsize: float, max_labels: int) -> None:
+    """Token labels on the axes, thinned to at most ``max_labels``."""
+    T = len(labels)
+    step = max(1, math.ceil(T / max_labels))
+    ticks = list(range(0, T, step))
+    text = [_mpl_text(labels[i]) for i in ticks]
+    ax.set_xticks(ticks if x else [])
+    ax.set_yticks(ticks if y else [])
+    if x:
+        ax.set_xticklabels(text, rotation=90, fontsize=fontsize)
+    if y:
+        ax.set_yticklabels(text, fontsize=fontsize)
+
+
+def write_grid_png(weights: torch.Tensor, labels: list[str], path: str, title: str = "") -> dict:
+    """Every layer x head map of sequence 0 in one PNG (rows = layers, columns = heads).
+
+    Args:
+        weights: ``[n_layer, B, h, T, T]``; labels: T token labels (outer axes only).
+        path: the PNG to write.
+
+    Returns:
+        :func:`grid_geometry` of the written image.
+    """
+    plt = _plt()
+    L, _, H, T, _ = weights.shape
+    geo = grid_geometry(L, H)
+    W, Hpx = geo["width"], geo["height"]
+    fig = plt.figure(figsize=(W / DPI, Hpx / DPI), dpi=DPI)
+    for (l, h), (x0, y0, x1, y1) in geo["cells"].items():
+        ax = fig.add_axes((x0 / W, 1 - y1 / Hpx, CELL / W, CELL / Hpx))
+        ax.imshow(weights[l, 0, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+        ax.set_title(f"L{l} H{h}", fontsize=5, pad=1.5)
+        _tick_labels(ax, labels, x=l == L - 1, y=h == 0, fontsize=3.5, max_labels=32)
+        ax.tick_params(length=1, pad=0.5)
+    fig.suptitle(_mpl_text(title or "attention maps (rows: layers, columns: heads; row = query, column = key)"),
+                 fontsize=6, y=1 - 12 / Hpx)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return geo
+
+
+def head_geometry(T: int) -> tuple[int, int]:
+    """Pixel size (width, height) of a single-head PNG for T tokens: a square map of
+    ``clamp(16·T, 512, 2048)`` pixels plus margins for labels and the colour bar."""
+    side = max(512, min(2048, 16 * T))
+    return side + 112 + 96, side + 112 + 48
+
+
+def write_head_png(weights: torch.Tensor, labels: list[str], layer: int, head: int, path: str) -> None:
+    """One head's map of sequence 0 at full size, every token labelled (thinned past 96).
+
+    Args:
+        weights: ``[n_layer, B, h, T, T]``; layer, head: 0-based.
+    """
+    plt = _plt()
+    T = weights.shape[-1]
+    W, H = head_geometry(T)
+    side = W - 112 - 96
+    fig = plt.figure(figsize=(W / DPI, H / DPI), dpi=DPI)
+    ax = fig.add_axes((112 / W, 112 / H, side / W, side / H))
+    im = ax.imshow(weights[layer, 0, head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto",
+                   interpolation="nearest")
+    _tick_labels(ax, labels, x=True, y=True, fontsize=6 if T <= 48 else 4, max_labels=96)
+    ax.set_xlabel("key token", fontsize=7)
+    ax.set_ylabel("query token", fontsize=7)
+    ax.set_title(f"layer {layer} head {head}", fontsize=8)
+    cax = fig.add_axes(((112 + side + 16) / W, 112 / H, 16 / W, side / H))
+    fig.colorbar(im, cax=cax).ax.tick_params(labelsize=5)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def write_html(result: HeadsResult, path: str, title: str = "attention heads", grid_png: str | None = None) -> None:
+    """One self-contained HTML page: every head as a small canvas (id ``L{layer}H{head}``),
+    a large view of the clicked head with token labels and hover values, the role scores of
+    every head, and the grid PNG inlined as a data URI. No external resources.
+
+    Args:
+        result: from :func:`analyse_heads` (sequence 0 is shown).
+        path: the HTML file to write; grid_png: optional PNG path to embed.
+    """
+    w = result.weights[:, 0]                                               # [L, h, T, T]
+    L, H = w.shape[0], w.shape[1]
+    data = {"labels": result.labels, "n_layer": L, "n_head": H,
+            "weights": [[[[round(v, 4) for v in row] for row in w[l, h].tolist()] for h in range(H)] for l in range(L)]}
+    payload = json.dumps(data).replace("</", "<\\/")
+    rows = []
+    for l in range(L):
+        cells = "".join(f'<td><canvas id="L{l}H{h}" width="96" height="96" data-layer="{l}" data-head="{h}" '
+                        f'title="layer {l} head {h}"></canvas><br>layer {l} head {h}</td>' for h in range(H))
+        rows.append(f"<tr>{cells}</tr>")
+    score_rows = []
+    for l in range(L):
+        for h in range(H):
+            s = {k: float(v[l, h]) for k, v in result.scores.items()}
+            score_rows.append(f"<tr><td>{l}</td><td>{h}</td><td>{s['previous']:.3f}</td><td>{s['first']:.3f}</td>"
+                              f"<td>{s['self']:.3f}</td><td>{s['entropy']:.3f}</td><td>{s['entropy_norm']:.3f}</td></tr>")
+    strongest = html.escape(format_strongest(strongest_heads(result.scores, 3)))
+    img = ""
+    if grid_png:
+        with open(grid_png, "rb") as f:
+            img = f'<img alt="grid" src="data:image/png;base64,{base64.b64encode(f.read()).decode()}">'
+    page = _HTML.format(title=html.escape(title), prompt=html.escape("".join(result.labels)), L=L, H=H,
+                        T=len(result.labels), grid="\n".join(rows), scores="\n".join(score_rows),
+                        strongest=strongest, img=img, payload=payload)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+
+
+_HTML = """<!doctype html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1em; }} td {{ text-align: center; font-size: 11px; padding: 2px; }}
+canvas.small {{ cursor: pointer; }} #big {{ border: 1px solid #ccc; }} table.s td {{ padding: 1px 8px; }}
+pre {{ background: #f4f4f4; padding: .5em; }}
+</style></head><body>
+<h1>{title}</h1>
+<p>Prompt ({T} tokens; space shown as &#9251;, newline as &#8629;): <code>{prompt}</code></p>
+<p>{L} layers x {H} heads. In every map row = query token, column = key token; brighter = more weight.
+Click a small map to enlarge it.</p>
+<h2>Strongest heads per role</h2><pre>{strongest}</pre>
+<h2>Selected head: <span id="sel"></span></h2>
+<canvas id="big" width="640" height="640"></canvas><div id="hover">&nbsp;</div>
+<h2>All heads</h2>
+<table>{grid}</table>
+<h2>Role scores (means over query tokens 1..T-1)</h2>
+<table class="s"><tr><th>layer</th><th>head</th><th>previous</th><th>first</th><th>self</th>
+<th>entropy (nats)</th><th>entropy / log(i+1)</th></tr>
+{scores}
+</table>
+<h2>Grid image</h2>{img}
+<script>
+const D = {payload};
+function color(v) {{ const r = Math.round(68 + 185 * v), g = Math.round(1 + 230 * v), b = Math.round(84 + 20 * v);
+  return `rgb(${{r}},${{g}},${{b}})`; }}
+function draw(cv, m, margin) {{
+  const ctx = cv.getContext("2d"), T = m.length, s = (cv.width - margin) / T;
+  ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, cv.width, cv.height);
+  for (let i = 0; i < T; i++) for (let j = 0; j < T; j++) {{
+    ctx.fillStyle = color(m[i][j]); ctx.fillRect(margin + j * s, margin + i * s, Math.ceil(s), Math.ceil(s)); }}
+  if (margin > 0) {{ ctx.fillStyle = "#000"; ctx.font = Math.min(12, s) + "px sans-serif";
+    for (let i = 0; i < T; i++) {{ ctx.fillText(D.labels[i], 2, margin + (i + 0.8) * s);
+      ctx.save(); ctx.translate(margin + (i + 0.8) * s, margin - 2); ctx.rotate(-Math.PI / 2);
+      ctx.fillText(D.labels[i], 0, 0); ctx.restore(); }} }}
+  return s;
+}}
+let cur = [0, 0];
+function select(l, h) {{ cur = [l, h]; document.getElementById("sel").textContent = `layer ${{l}} head ${{h}}`;
+  draw(document.getElementById("big"), D.weights[l][h], 80); }}
+for (let l = 0; l < D.n_layer; l++) for (let h = 0; h < D.n_head; h++) {{
+  const cv = document.getElementById(`L${{l}}H${{h}}`); cv.className = "small";
+  draw(cv, D.weights[l][h], 0); cv.onclick = () => select(l, h); }}
+const big = document.getElementById("big");
+big.onmousemove = (e) => {{ const T = D.labels.length, s = (big.width - 80) / T, r = big.getBoundingClientRect();
+  const j = Math.floor((e.clientX - r.left - 80) / s), i = Math.floor((e.clientY - r.top - 80) / s);
+  if (i >= 0 && j >= 0 && i < T && j < T) document.getElementById("hover").textContent =
+    `query ${{i}} "${{D.labels[i]}}" -> key ${{j}} "${{D.labels[j]}}": ${{D.weights[cur[0]][cur[1]][i][j]}}`; }};
+select(0, 0);
+</script>
+</body></html>
+"""
+
+
+def write_heads(result: HeadsResult, out_dir: str, heads: list[tuple[int, int]], title: str = "") -> dict:
+    """Write ``grid.png``, ``layer{L}_head{H}.png`` per selected head and ``heads.html``.
+
+    Returns:
+        ``{"grid": path, "heads": [paths], "html": path, "geometry": grid_geometry}``.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    grid = os.path.join(out_dir, "grid.png")
+    geo = write_grid_png(result.weights, result.labels, grid, title)
+    paths = []
+    for l, h in heads:
+        p = os.path.join(out_dir, f"layer{l}_head{h}.png")
+        write_head_png(result.weights, result.labels, l, h, p)
+        paths.append(p)
+    page = os.path.join(out_dir, "heads.html")
+    write_html(result, page, title or "attention heads", grid)
+    return {"grid": grid, "heads": paths, "html": page, "geometry": geo}

@@ -1,0 +1,230 @@
+"""A small GPT-2 trainer in the nanoGPT spirit: random windows of a text file, AdamW, warmup +
+cosine learning rate, gradient clipping, periodic validation and resumable checkpoints.
+
+The first 90% of the file's bytes train, the last 10% validate. Checkpoints are written with
+:meth:`GPT2.save_pretrained` (so transformers loads them too) next to ``trainer_state.pt``
+(optimizer, step, random state; read back with ``weights_only=True``) and
+``training_log.json``; every file is replaced atomically, so Ctrl-C leaves the last good
+checkpoint intact and ``--resume`` continues from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoints import is_checkpoint_dir, load_pretrained, save_pretrained
+from .model import GPT2, GPT2Config
+from .tokenizer import get_tokenizer
+
+STATE_NAME, LOG_NAME = "trainer_state.pt", "training_log.json"
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings (sizes of the model live in :class:`GPT2Config`).
+
+    Attributes:
+        iters: optimizer steps in total; batch_size: windows per step.
+        lr: peak learning rate; min_lr: floor of the cosine; warmup: linear warmup steps.
+        weight_decay: AdamW decay, applied to matrices only (not biases, LayerNorms).
+        grad_clip: max global gradient norm (0: off).
+        eval_interval: validate and checkpoint every this many steps; eval_iters: validation
+            batches (fixed windows, the same at every validation).
+        seed: seeds the initialisation and the batch sampler.
+    """
+
+    iters: int = 2000
+    batch_size: int = 32
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_interval: int = 250
+    eval_iters: int = 20
+    seed: int = 1337
+
+    def __post_init__(self):
+        for name in ("iters", "batch_size", "eval_interval", "eval_iters"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if not self.lr > 0 or self.min_lr < 0 or self.warmup < 0:
+            raise ValueError(f"lr={self.lr} must be > 0, min_lr={self.min_lr} and warmup={self.warmup} >= 0")
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at ``iters``."""
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    progress = min(1.0, (step - tc.warmup) / max(1, tc.iters - tc.warmup))
+    return tc.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (tc.lr - tc.min_lr)
+
+
+def load_data(path: str, tokenizer: str, n_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of the first 90% of the file's bytes (train) and of the last 10% (validation).
+
+    Raises:
+        ValueError: a missing or empty file, or a split shorter than one context + 1 tokens.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"--data {path!r} does not exist or is not a file")
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data:
+        raise ValueError(f"--data {path!r} is empty")
+    cut = len(data) * 9 // 10
+    tok = get_tokenizer(tokenizer)
+    parts = [torch.tensor(tok.encode(b.decode("utf-8", errors="ignore")), dtype=torch.long)
+             for b in (data[:cut], data[cut:])]
+    for name, ids in zip(("train", "validation"), parts):
+        if ids.numel() < n_ctx + 1:
+            raise ValueError(f"--data {path!r}: the {name} split has {ids.numel()} tokens, fewer than one context "
+                             f"(n_ctx={n_ctx}) + 1; use a longer file or a smaller --n-ctx")
+    return parts[0], parts[1]
+
+
+def get_batch(ids: torch.Tensor, n_ctx: int, batch_size: int, generator: torch.Generator):
+    """Random windows: inputs ``[B, n_ctx]`` and next-token targets ``[B, n_ctx]``."""
+    starts = torch.randint(0, ids.numel() - n_ctx, (batch_size,), generator=generator)
+    x = torch.stack([ids[s:s + n_ctx] for s in starts.tolist()])
+    y = torch.stack([ids[s + 1:s + n_ctx + 1] for s in starts.tolist()])
+    return x, y
+
+
+@torch.no_grad()
+def evaluate_loss(model: GPT2, ids: torch.Tensor, tc: TrainConfig) -> float:
+    """Mean next-token loss (nats) over ``eval_iters`` fixed windows of ``ids``."""
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    n_ctx = model.config.n_ctx
+    losses = []
+    for _ in range(tc.eval_iters):
+        x, y = get_batch(ids, n_ctx, tc.batch_size, gen)
+        losses.append(F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def make_optimizer(model: GPT2, tc: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (dim >= 2) only, betas (0.9, 0.95) as in nanoGPT."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95))
+
+
+def _save(model, optimizer, step, gen, tc, log, out_dir):
+    save_pretrained(model, out_dir, overwrite=True)
+    state = {"step": step, "optimizer": optimizer.state_dict(), "generator": gen.get_state(),
+             "train_config": dataclasses.asdict(tc)}
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
+    os.close(fd)
+    torch.save(state, tmp)
+    os.replace(tmp, os.path.join(out_dir, STATE_NAME))
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(log, f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, LOG_NAME))
+
+
+def train(data: str, out_dir: str, config: GPT2Config | None = None, tc: TrainConfig | None = None,
+          resume: bool = False, progress: bool = True) -> dict:
+    """Train (or resume training) a GPT-2 on ``data`` and checkpoint it into ``out_dir``.
+
+    Args:
+        data: path of a UTF-8 text file.
+        out_dir: checkpoint directory; must be empty/new, or (with ``resume``) one of ours.
+        config: model sizes (ignored on resume: the checkpoint's own config is used).
+        tc: optimisation settings (on resume, ``iters`` may be raised to train longer).
+        resume: continue from the checkpoint in ``out_dir``.
+        progress: show a tqdm bar with loss and tokens/s.
+
+    Returns:
+        The training log: ``{"config", "train_config", "data", "evals": [{step, train_loss,
+        val_loss, seconds}], "seconds", "tokens_per_second"}``.
+
+    Raises:
+        ValueError: bad data (see :func:`load_data`), resuming without a checkpoint.
+        FileExistsError: ``out_dir`` is non-empty and not a gpt2mha checkpoint, or is one
+            and ``resume`` was not asked for.
+    """
+    tc = tc or TrainConfig()
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        if not is_checkpoint_dir(out_dir):
+            raise FileExistsError(f"--out {out_dir!r} is not empty and is not a gpt2mha checkpoint; refusing to "
+                                  f"write into it")
+        if not resume:
+            raise FileExistsError(f"--out {out_dir!r} already holds a checkpoint; pass --resume to continue it "
+                                  f"or choose another directory")
+    elif resume:
+        raise ValueError(f"--resume: no checkpoint in {out_dir!r}")
+
+    if resume:
+        model = load_pretrained(out_dir).train()
+        state = torch.load(os.path.join(out_dir, STATE_NAME), weights_only=True)
+        with open(os.path.join(out_dir, LOG_NAME)) as f:
+            log = json.load(f)
+        start = state["step"]
+    else:
+        config = config or GPT2Config.from_preset("tiny")
+        torch.manual_seed(tc.seed)
+        model = GPT2(config)
+        model.init_weights(seed=tc.seed)
+        model.train()
+        state, start = None, 0
+        log = {"config": dataclasses.asdict(config), "train_config": dataclasses.asdict(tc),
+               "data": os.path.basename(data), "evals": [], "seconds": 0.0}
+    config = model.config
+    log["train_config"] = dataclasses.asdict(tc)
+    train_ids, val_ids = load_data(data, config.tokenizer, config.n_ctx)
+    optimizer = make_optimizer(model, tc)
+    gen = torch.Generator().manual_seed(tc.seed)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+    if start >= tc.iters:
+        return log
+
+    from tqdm import tqdm
+    bar = tqdm(range(start, tc.iters), initial=start, total=tc.iters, disable=not progress, desc="train",
+               mininterval=2.0)
+    t0, seconds0, tokens = time.perf_counter(), log["seconds"], 0
+    loss_ema = None
+    try:
+        for step in bar:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, tc)
+            x, y = get_batch(train_ids, config.n_ctx, tc.batch_size, gen)
+            loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if tc.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            optimizer.step()
+            tokens += x.numel()
+            loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
+            elapsed = time.perf_counter() - t0
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{loss_ema:.3f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}", refresh=False)
+            done = step + 1
+            if done % tc.eval_interval == 0 or done == tc.iters:
+                val = evaluate_loss(model, val_ids, tc)
+                log["evals"].append({"step": done, "train_loss": loss_ema, "val_loss": val,
+                                     "seconds": seconds0 + time.perf_counter() - t0})
+                bar.write(f"step {done}: train loss {loss_ema:.4f}, val loss {val:.4f} "
+                          f"({val / math.log(2):.3f} bits/token)")
+                log["seconds"] = seconds0 + time.perf_counter() - t0
+                log["tokens_per_second"] = tokens / (time.perf_counter() - t0)
+                _save(model, optimizer, done, gen, tc, log, out_dir)
+    finally:
+        bar.close()
+    return log

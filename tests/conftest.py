@@ -1,0 +1,34 @@
+"""Shared fixtures: small random GPT-2 checkpoints written by Hugging Face transformers."""
+
+import os
+
+import pytest
+import torch
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+
+
+def hf_random_gpt2(seed=0, **cfg):
+    """A transformers GPT2LMHeadModel with random weights, LayerNorms included (eval mode)."""
+    from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = HFConfig(**{**dict(vocab_size=300, n_positions=64, n_embd=48, n_head=4, n_layer=2,
+                                bos_token_id=None, eos_token_id=None), **cfg})
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ln_" in name or "ln_f" in name:
+                p.normal_(mean=1.0 if name.endswith("weight") else 0.0, std=0.3)
+            elif name.endswith("bias"):
+                p.normal_(std=0.1)
+    return model
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """(transformers model, directory it was saved to with save_pretrained)."""
+    model = hf_random_gpt2()
+    model.save_pretrained(tmp_path / "hf")
+    return model, str(tmp_path / "hf")

@@ -1,0 +1,131 @@
+"""Checkpoint loading/saving: key spellings, legacy buffers, hub path, strict checks, safe files."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import hf_random_gpt2
+from gpt2mha import GPT2, GPT2Config
+from gpt2mha.checkpoints import CheckpointError, load_pretrained
+
+
+def logits_of(model, idx):
+    with torch.no_grad():
+        return model(idx).logits
+
+
+def test_both_key_spellings_and_legacy_buffers(hf_checkpoint, tmp_path):
+    hf, path = hf_checkpoint
+    idx = torch.randint(0, 300, (1, 9))
+    ref = logits_of(hf, idx)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    # OpenAI-converted spelling: no "transformer." prefix, plus the legacy attention buffers
+    plain = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    for i in range(2):
+        plain[f"h.{i}.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
+        plain[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    d = tmp_path / "plain"
+    d.mkdir()
+    shutil.copy(os.path.join(path, "config.json"), d)
+    save_file(plain, str(d / "model.safetensors"))
+    torch.testing.assert_close(logits_of(GPT2.from_pretrained(str(d)), idx), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_pytorch_model_bin_loads_with_weights_only(hf_checkpoint, tmp_path):
+    hf, path = hf_checkpoint
+    d = tmp_path / "bin"
+    d.mkdir()
+    shutil.copy(os.path.join(path, "config.json"), d)
+    torch.save(hf.state_dict(), d / "pytorch_model.bin")
+    idx = torch.randint(0, 300, (2, 5))
+    torch.testing.assert_close(logits_of(GPT2.from_pretrained(str(d)), idx), logits_of(hf, idx), atol=1e-4, rtol=1e-4)
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/gpt2mha-pwned",))
+
+
+def test_pickle_with_payload_is_refused(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint
+    d = tmp_path / "evil"
+    d.mkdir()
+    shutil.copy(os.path.join(path, "config.json"), d)
+    torch.save({"wte.weight": torch.zeros(3), "x": Payload()}, d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="refused"):
+        GPT2.from_pretrained(str(d))
+    assert not os.path.exists("/tmp/gpt2mha-pwned")
+
+
+def test_mismatches_name_every_tensor_and_both_shapes(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    sd["transformer.h.0.attn.c_attn.weight"] = torch.zeros(48, 100)
+    del sd["transformer.ln_f.bias"]
+    sd["transformer.h.9.mlp.c_fc.weight"] = torch.zeros(2, 2)
+    sd["transformer.wpe.weight"][3, 4] = float("nan")
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    with pytest.raises(CheckpointError) as e:
+        GPT2.from_pretrained(path)
+    msg = str(e.value)
+    assert "h.0.attn.c_attn.weight: checkpoint shape [48, 100] != model shape [48, 144]" in msg
+    assert "missing tensor ln_f.bias" in msg and "unexpected tensor h.9.mlp.c_fc.weight" in msg
+    assert "wpe.weight: contains NaN" in msg
+
+
+def test_truncated_safetensors_names_the_file(hf_checkpoint):
+    _, path = hf_checkpoint
+    f = os.path.join(path, "model.safetensors")
+    data = open(f, "rb").read()
+    with open(f, "wb") as out:
+        out.write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors: not a valid safetensors file"):
+        GPT2.from_pretrained(path)
+
+
+def test_directory_without_config_and_bad_configs(tmp_path, hf_checkpoint):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        GPT2.from_pretrained(str(tmp_path))
+    with pytest.raises(CheckpointError, match="not a directory"):
+        GPT2.from_pretrained(str(tmp_path / "nope"))
+    _, path = hf_checkpoint
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_path))
+    for change, needle in [({"n_head": 0}, "n_head=0"), ({"n_head": 5}, "not divisible by n_head=5"),
+                           ({"n_layer": -1}, "n_layer=-1"), ({"model_type": "llama"}, "model_type")]:
+        json.dump({**cfg, **change}, open(cfg_path, "w"))
+        with pytest.raises(CheckpointError, match=needle):
+            GPT2.from_pretrained(path)
+
+
+def test_hub_id_uses_huggingface_cache_offline(hf_checkpoint, tmp_path, monkeypatch):
+    """A hub id resolves through huggingface_hub's real cache layout (offline mode, no network)."""
+    hf, path = hf_checkpoint
+    snap = tmp_path / "hub" / "models--someone--tiny-gpt2" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(path, name), snap)
+    (tmp_path / "hub" / "models--someone--tiny-gpt2" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--tiny-gpt2" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    idx = torch.randint(0, 300, (1, 6))
+    model = load_pretrained("someone/tiny-gpt2")
+    torch.testing.assert_close(logits_of(model, idx), logits_of(hf, idx), atol=1e-4, rtol=1e-4)
+    with pytest.raises(CheckpointError, match="Offline\\? Copy the model directory"):
+        load_pretrained("someone/not-cached")
+
+
+def test_save_refuses_foreign_nonempty_directory(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    m = GPT2(GPT2Config.from_preset("tiny"))
+    with pytest.raises(FileExistsError, match="not a gpt2mha checkpoint"):
+        m.save_pretrained(str(tmp_path))
+    assert (tmp_path / "notes.txt").read_text() == "mine"

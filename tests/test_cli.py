@@ -1,0 +1,73 @@
+"""The gpt2mha command, run as a new user would (subprocess, offline)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpt2mha import GPT2, GPT2Config
+from gpt2mha.cli import main
+
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "*", "HTTPS_PROXY": "http://127.0.0.1:9"}
+
+
+@pytest.fixture
+def byte_model(tmp_path):
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=256, n_ctx=64, n_embd=32, n_head=4, n_layer=2, tokenizer="bytes"))
+    model.save_pretrained(str(tmp_path / "m"))
+    return str(tmp_path / "m")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "gpt2mha.cli", *args], capture_output=True, text=True,
+                          env=OFFLINE, timeout=300)
+
+
+def test_generate_subprocess_offline_is_reproducible(byte_model):
+    a = run("generate", "ROMEO:", "--model", byte_model, "--max-new-tokens", "20", "--seed", "3")
+    b = run("generate", "ROMEO:", "--model", byte_model, "--max-new-tokens", "20", "--seed", "3")
+    assert a.returncode == 0, a.stderr
+    assert a.stdout.startswith("ROMEO:") and a.stdout == b.stdout
+    # the printed text is exactly the model's tokens: same ids as the Python API
+    model = GPT2.from_pretrained(byte_model)
+    ids = model.generate(torch.tensor([list(b"ROMEO:")]), 20, seed=3)
+    assert a.stdout.rstrip("\n").encode("utf-8", "surrogateescape") != b""
+    assert bytes(ids[0].tolist()).decode("utf-8", errors="replace") == a.stdout[:-1]
+
+
+def test_generate_greedy_and_bad_arguments(byte_model, capsys):
+    assert main(["generate", "ab", "--model", byte_model, "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    for bad, needle in [(["--top-p", "0"], "top_p=0.0"), (["--top-k", "-1"], "top_k=-1"),
+                        (["--temperature", "-1"], "temperature=-1.0"), (["--max-new-tokens", "100"], "n_ctx=64")]:
+        assert main(["generate", "ab", "--model", byte_model, *bad]) == 2
+        assert needle in capsys.readouterr().err
+    assert main(["generate", "", "--model", byte_model]) == 2
+    assert "PROMPT is empty" in capsys.readouterr().err
+    assert main(["generate", "x", "--model", "/nonexistent/dir"]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_perplexity_json_matches_direct_cross_entropy(byte_model, tmp_path, capsys):
+    text = "To be, or not to be, that is the question.\n" * 3
+    f = tmp_path / "t.txt"
+    f.write_text(text)
+    assert main(["perplexity", str(f), "--model", byte_model, "--json", "--stride", "64"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"loss_per_token", "perplexity", "bits_per_byte", "tokens", "bytes"}
+    # independent computation: with stride = n_ctx = 64 the windows do not overlap, so the
+    # score is plain chunked cross-entropy: inputs ids[s:s+64] predict ids[s+1:s+65]
+    model = GPT2.from_pretrained(byte_model)
+    ids = torch.tensor(list(text.encode()))
+    nats = 0.0
+    with torch.no_grad():
+        for s in range(0, len(ids) - 1, 64):
+            inputs, targets = ids[s:s + 64], ids[s + 1:s + 65]
+            logits = model(inputs[None, :len(targets)]).logits[0]
+            nats += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+    assert result["tokens"] == len(ids) - 1 and result["bytes"] == len(text.encode())
+    assert result["loss_per_token"] == pytest.approx(nats / (len(ids) - 1), rel=1e-5)
+    assert result["bits_per_byte"] == pytest.approx(nats / (len(text.encode()) * 0.6931471805599453), rel=1e-5)

@@ -1,0 +1,95 @@
+"""Sampling semantics (OpenAI's sample.py: top_k_logits, top_p_logits) and the decode loop."""
+
+import pytest
+import torch
+
+from gpt2mha import GPT2, GPT2Config
+from gpt2mha.generate import sample_next, top_k_logits, top_p_logits
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return GPT2(GPT2Config(n_vocab=50, n_ctx=32, n_embd=32, n_head=4, n_layer=2)).eval()
+
+
+def test_top_k_keeps_logits_at_least_the_kth_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 3.0, -2.0]])
+    out = top_k_logits(logits, 2)
+    # k-th largest is 3.0: ties at the threshold are kept, as in the official `logits < min_values`
+    assert torch.isinf(out).tolist() == [[True, False, False, False, True]]
+    assert torch.equal(top_k_logits(logits, 0), logits)
+
+
+def test_top_p_matches_official_formula():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    # cumulative 0.5, 0.8, 0.95, 1.0: with p=0.9 the tokens with cumulative <= 0.9 are kept
+    kept = ~torch.isinf(top_p_logits(logits, 0.9))
+    assert kept.tolist() == [[True, True, False, False]]
+    # p below the top probability still keeps the top token
+    assert (~torch.isinf(top_p_logits(logits, 0.1))).tolist() == [[True, False, False, False]]
+
+
+def test_temperature_zero_is_argmax_and_seed_reproducible():
+    logits = torch.randn(4, 50)
+    assert torch.equal(sample_next(logits, temperature=0), logits.argmax(-1))
+    m = model()
+    idx = torch.randint(0, 50, (2, 3))
+    a = m.generate(idx, 12, temperature=1.0, top_k=10, top_p=0.9, seed=7)
+    b = m.generate(idx, 12, temperature=1.0, top_k=10, top_p=0.9, seed=7)
+    c = m.generate(idx, 12, temperature=1.0, top_k=10, top_p=0.9, seed=8)
+    assert a.shape == (2, 15) and torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(a[:, :3], idx)
+
+
+def test_sampling_distribution_follows_softmax():
+    torch.manual_seed(0)
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).repeat(20000, 1)
+    counts = torch.bincount(sample_next(logits, generator=torch.Generator().manual_seed(1)), minlength=3)
+    torch.testing.assert_close(counts / 20000.0, torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0), atol=0.015, rtol=0)
+
+
+def test_eos_stops_rows_and_pads_with_eos():
+    m = model(1)
+    idx = torch.randint(0, 50, (3, 4))
+    first = m.generate(idx, 1, temperature=0)[:, -1]
+    out = m.generate(idx, 10, temperature=0, eos_token_id=int(first[0]))
+    assert out.shape == (3, 14)
+    assert (out[0, 4:] == first[0]).all()
+
+
+def test_streaming_callback_sees_every_token_in_order():
+    m = model(2)
+    idx = torch.randint(0, 50, (1, 3))
+    seen = []
+    out = m.generate(idx, 8, temperature=0, on_token=lambda t: seen.append(int(t[0])))
+    assert seen == out[0, 3:].tolist()
+
+
+def test_bad_arguments_fail_before_any_work():
+    m = model()
+    idx = torch.randint(0, 50, (1, 30))
+    with pytest.raises(ValueError, match="prompt of 30 tokens \\+ max_new_tokens=5 = 35 > n_ctx=32"):
+        m.generate(idx, 5)
+    with pytest.raises(ValueError, match="top_p=0"):
+        m.generate(idx[:, :3], 2, top_p=0)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        m.generate(idx[:, :3], 2, top_p=1.5)
+    with pytest.raises(ValueError, match="top_k=-1"):
+        m.generate(idx[:, :3], 2, top_k=-1)
+    with pytest.raises(ValueError, match="temperature=-0.5"):
+        m.generate(idx[:, :3], 2, temperature=-0.5)
+    with pytest.raises(ValueError, match="empty prompt"):
+        m.generate(idx[:, :0], 2)
+
+
+def test_sliding_window_conditions_on_last_n_ctx_tokens():
+    m = model(3)
+    idx = torch.randint(0, 50, (1, 30))
+    out = m.generate(idx, 6, temperature=0, sliding_window=True)
+    assert out.shape == (1, 36)
+    seq = idx
+    with torch.no_grad():
+        for _ in range(6):
+            seq = torch.cat([seq, m(seq[:, -32:]).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)

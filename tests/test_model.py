@@ -1,0 +1,160 @@
+"""GPT2 against Hugging Face transformers' GPT2LMHeadModel on the same random weights.
+
+transformers is the independent reference (a test dependency only): logits (fp32, atol 1e-4),
+20 greedy tokens, the cached path, and the save/load round trip in both directions.
+"""
+
+import pytest
+import torch
+
+from conftest import hf_random_gpt2
+from gpt2mha import GPT2, GPT2Config, KVCache
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(vocab_size=300, n_positions=64, n_embd=48, n_head=4, n_layer=2),
+    dict(vocab_size=513, n_positions=40, n_embd=60, n_head=5, n_layer=3),
+    dict(vocab_size=256, n_positions=128, n_embd=64, n_head=1, n_layer=1),
+])
+def test_logits_and_greedy_tokens_match_transformers(tmp_path, cfg):
+    hf = hf_random_gpt2(seed=1, **cfg)
+    hf.save_pretrained(tmp_path)
+    ours = GPT2.from_pretrained(str(tmp_path))
+    torch.manual_seed(0)
+    idx = torch.randint(0, cfg["vocab_size"], (3, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx).logits, hf(idx).logits, atol=1e-4, rtol=1e-4)
+        ref = hf.generate(idx[:, :4], max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(idx[:, :4], 20, temperature=0), ref)
+
+
+def test_full_124m_config_matches_transformers(tmp_path):
+    hf = hf_random_gpt2(seed=2, vocab_size=50257, n_positions=1024, n_embd=768, n_head=12, n_layer=12)
+    hf.save_pretrained(tmp_path)
+    ours = GPT2.from_pretrained(str(tmp_path))
+    c, ref = ours.config, GPT2Config.from_preset("124M")
+    assert (c.n_vocab, c.n_ctx, c.n_embd, c.n_head, c.n_layer) == (ref.n_vocab, ref.n_ctx, ref.n_embd, ref.n_head, ref.n_layer)
+    idx = torch.randint(0, 50257, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx).logits, hf(idx).logits, atol=1e-4, rtol=1e-4)
+        ref = hf.generate(idx[:, :4], max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(idx[:, :4], 20, temperature=0), ref)
+
+
+def test_save_pretrained_loads_in_transformers(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    ours = GPT2(GPT2Config(n_vocab=320, n_ctx=32, n_embd=32, n_head=4, n_layer=2)).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 0.1)          # LayerNorms and biases not at their init
+    ours.save_pretrained(str(tmp_path / "ckpt"))
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "ckpt")).eval()
+    idx = torch.randint(0, 320, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx).logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(hf.lm_head.weight, hf.transformer.wte.weight)
+
+
+def small_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = GPT2(GPT2Config(**{**dict(n_vocab=97, n_ctx=48, n_embd=32, n_head=4, n_layer=3), **kw})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def test_present_layout_and_cached_steps_equal_full_forward():
+    model = small_model()
+    torch.manual_seed(5)
+    for _ in range(5):
+        B, T, k = int(torch.randint(1, 4, ())), int(torch.randint(1, 20, ())), int(torch.randint(1, 8, ()))
+        idx = torch.randint(0, 97, (B, T + k))
+        with torch.no_grad():
+            full = model(idx)
+            assert full.present.shape == (B, 3, 2, 4, T + k, 8)   # [B, n_layer, 2, h, T, head_dim]
+            out = model(idx[:, :T])
+            past, logits = out.present, [out.logits]
+            for t in range(T, T + k):
+                step = model(idx[:, t:t + 1], past=past)
+                past = torch.cat([past, step.present], dim=-2)
+                logits.append(step.logits)
+        torch.testing.assert_close(torch.cat(logits, 1), full.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(past, full.present, atol=1e-5, rtol=1e-5)
+
+
+def test_static_cache_equals_past_and_converts_to_official_layout():
+    model = small_model(seed=1)
+    idx = torch.randint(0, 97, (2, 15))
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache(3, 2, 4, 20, 8)
+        a = model(idx[:, :9], cache=cache).logits
+        b = model(idx[:, 9:12], cache=cache).logits                  # several tokens at once
+        c = [model(idx[:, t:t + 1], cache=cache).logits for t in range(12, 15)]
+    torch.testing.assert_close(torch.cat([a, b, *c], 1), full.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.to_past(), full.present, atol=1e-5, rtol=1e-5)
+    back = KVCache.from_past(full.present, max_len=20)
+    assert back.length == 15 and torch.equal(back.to_past(), full.present)
+
+
+def test_fused_and_explicit_paths_agree():
+    model = small_model(seed=2)
+    idx = torch.randint(0, 97, (2, 30))
+    with torch.no_grad():
+        fused = model(idx).logits
+        model.attn_impl = "explicit"
+        explicit = model(idx).logits
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_tokens_equal_with_and_without_cache():
+    model = small_model(seed=3)
+    idx = torch.randint(0, 97, (2, 5))
+    cached = model.generate(idx, 25, temperature=0)
+    seq = idx
+    with torch.no_grad():
+        for _ in range(25):                                         # recompute everything each step
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(cached, seq)
+
+
+def test_config_presets_match_gpt2_paper_table_2():
+    sizes = {"124M": (12, 12, 768), "355M": (24, 16, 1024), "774M": (36, 20, 1280), "1558M": (48, 25, 1600)}
+    for name, (n_layer, n_head, n_embd) in sizes.items():
+        c = GPT2Config.from_preset(name)
+        assert (c.n_layer, c.n_head, c.n_embd, c.n_vocab, c.n_ctx) == (n_layer, n_head, n_embd, 50257, 1024)
+        assert c.head_dim == 64
+    with torch.device("meta"):
+        assert GPT2(GPT2Config.from_preset("124M")).num_parameters() == 124_439_808
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="n_embd=50 is not divisible by n_head=4"):
+        GPT2Config(n_embd=50, n_head=4)
+    for field in ("n_head", "n_layer", "n_ctx"):
+        with pytest.raises(ValueError, match=field):
+            GPT2Config(**{field: 0})
+    with pytest.raises(ValueError, match="n_embd=-8"):
+        GPT2Config(n_embd=-8, n_head=4)
+    model = small_model()
+    with pytest.raises(ValueError, match="49 > n_ctx=48"):
+        model(torch.zeros(1, 49, dtype=torch.long))
+    with pytest.raises(ValueError, match="token id 97, outside the vocabulary"):
+        model(torch.tensor([[1, 97]]))
+    with pytest.raises(ValueError, match="token id -1"):
+        model(torch.tensor([[-1, 3]]))
+    with pytest.raises(ValueError, match=r"idx must be an integer tensor \[B, T\]"):
+        model(torch.zeros(5, dtype=torch.long))
+    good = model(torch.zeros(2, 3, dtype=torch.long)).present
+    with pytest.raises(ValueError, match="n_layer is 2, expected 3"):
+        model(torch.zeros(2, 1, dtype=torch.long), past=good[:, :2])
+    with pytest.raises(ValueError, match="batch is 2, expected 1"):
+        model(torch.zeros(1, 1, dtype=torch.long), past=good)
+    with pytest.raises(ValueError, match="n_head is 2, expected 4"):
+        model(torch.zeros(2, 1, dtype=torch.long), past=good[:, :, :, :2])
+    with pytest.raises(ValueError, match="head_dim is 4, expected 8"):
+        model(torch.zeros(2, 1, dtype=torch.long), past=good[..., :4])

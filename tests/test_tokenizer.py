@@ -1,0 +1,56 @@
+"""Tokenizers. References: GPT-2's known ids for "Hello, I am" (OpenAI's encoder), and the
+sha256 hashes tiktoken itself publishes for its gpt2 encoding (read from tiktoken's source)."""
+
+import hashlib
+import inspect
+import os
+
+from hypothesis import given, settings, strategies as st
+
+from gpt2mha.tokenizer import ByteTokenizer, StreamDecoder, bpe_data_files, get_tokenizer
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "data")
+
+
+def test_known_ids():
+    tok = get_tokenizer("gpt2")
+    assert tok.encode("Hello, I am") == [15496, 11, 314, 716]
+    assert tok.decode([15496, 11, 314, 716]) == "Hello, I am"
+    assert tok.encode("<|endoftext|>") != [50256]          # special text is encoded as plain text
+    assert tok.n_vocab == 50257 and tok.eot_token == 50256
+
+
+def test_shipped_files_match_tiktoken_published_hashes():
+    import tiktoken_ext.openai_public as openai_public
+
+    source = inspect.getsource(openai_public.gpt2)
+    for path in bpe_data_files():
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        assert digest in source, f"{path} does not have the hash tiktoken publishes"
+
+
+def test_round_trip_on_shipped_texts():
+    for name in ("tinyshakespeare.txt", "the-verdict.txt"):
+        with open(os.path.join(DATA, name), encoding="utf-8") as f:
+            text = f.read()
+        for tok in (get_tokenizer("gpt2"), ByteTokenizer()):
+            ids = tok.encode(text[:200_000])
+            assert tok.decode(ids) == text[:200_000]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=200))
+def test_round_trip_random_unicode(text):
+    for tok in (get_tokenizer("gpt2"), get_tokenizer("bytes")):
+        ids = tok.encode(text)
+        assert all(0 <= i < tok.n_vocab for i in ids)
+        assert tok.decode(ids) == text
+
+
+def test_stream_decoder_holds_back_split_characters():
+    tok = get_tokenizer("bytes")
+    ids = tok.encode("é🙂x")
+    stream = StreamDecoder(tok)
+    pieces = [stream.push([i]) for i in ids]
+    assert pieces[0] == "" and "".join(pieces) + stream.flush() == "é🙂x"
