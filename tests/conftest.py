@@ -32,3 +32,12 @@ def hf_checkpoint(tmp_path):
     model = hf_random_gpt2()
     model.save_pretrained(tmp_path / "hf")
     return model, str(tmp_path / "hf")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads; one thread is much faster on a busy 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

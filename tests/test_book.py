@@ -8,7 +8,6 @@ gpt2mha.attention_mask (the official bottom-right mask rule of seed 002) for the
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from gpt2mha import CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper, attention_mask
@@ -27,13 +26,7 @@ MHA_EXPECTED = torch.tensor([[0.3190, 0.4858], [0.2943, 0.3897], [0.2856, 0.3593
                              [0.2693, 0.3873], [0.2639, 0.3928], [0.2575, 0.4028]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads; one thread is ~10x faster on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors run faster on one thread
 
 
 def book_forward(mha, x):
@@ -106,6 +99,19 @@ def test_names_buffers_and_creation_order():
         "heads.0.W_query.weight", "heads.0.W_query.bias", "heads.0.W_key.weight", "heads.0.W_key.bias",
         "heads.0.W_value.weight", "heads.0.W_value.bias"]
     assert len(w.heads) == 3 and w(torch.rand(1, 5, 3)).shape == (1, 5, 6)  # d_out per head: 3 x 2
+
+
+def test_weights_of_every_layout():
+    # need_weights: rows sum to 1 and future keys get exactly 0 (the causal mask of seed 003 / 002)
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, 3)
+    w_ca = CausalAttention(3, 2, 5, 0.0)(x, need_weights=True)[1]
+    w_wr = MultiHeadAttentionWrapper(3, 2, 5, 0.0, num_heads=3)(x, need_weights=True)[1]
+    w_mha = MultiHeadAttention(3, 6, 5, 0.0, num_heads=3)(x, need_weights=True)[1]
+    for w, shape in ((w_ca, (2, 5, 5)), (w_wr, (2, 3, 5, 5)), (w_mha, (2, 3, 5, 5))):
+        assert w.shape == shape
+        assert torch.all(w.triu(1) == 0)
+        torch.testing.assert_close(w.sum(-1), torch.ones(shape[:-1]), atol=1e-6, rtol=0)
 
 
 def test_book_state_dict_loads_unchanged():

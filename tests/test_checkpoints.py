@@ -129,3 +129,16 @@ def test_save_refuses_foreign_nonempty_directory(tmp_path):
     with pytest.raises(FileExistsError, match="not a gpt2mha checkpoint"):
         m.save_pretrained(str(tmp_path))
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_wrong_dtype_and_inf_are_named(hf_checkpoint):
+    _, path = hf_checkpoint
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    sd["transformer.h.1.ln_2.bias"] = torch.zeros(48, dtype=torch.int32)
+    sd["transformer.h.0.mlp.c_proj.weight"][0, 0] = float("inf")
+    save_file(sd, f)
+    with pytest.raises(CheckpointError) as e:
+        GPT2.from_pretrained(path)
+    assert "h.1.ln_2.bias: dtype torch.int32 is not a floating-point type" in str(e.value)
+    assert "h.0.mlp.c_proj.weight: contains NaN or inf" in str(e.value)

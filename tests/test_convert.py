@@ -20,13 +20,7 @@ from gpt2mha.convert import (conv1d_to_linear_state_dict, fused_to_heads, fused_
 ATOL = 1e-5  # fp32 agreement between different computations (issue 4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads; one thread is ~10x faster on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors run faster on one thread
 
 
 def randomize_(module, seed):

@@ -8,7 +8,6 @@ GPT2LMHeadModel as an implementation that shares no code with either.
 """
 
 import ast
-import os
 import subprocess
 import sys
 
@@ -24,13 +23,7 @@ from gpt2mha import GPT2, GPT2Config, CausalSelfAttention, reference
 ATOL = 1e-5  # fp32 torch vs float64 NumPy (issue 4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads; one thread is ~10x faster on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors run faster on one thread
 
 
 def np_params(module):

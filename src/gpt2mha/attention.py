@@ -94,16 +94,18 @@ def attend_explicit(
 
     Returns:
         ``(a, w)``: context ``[B, h, T, head_dim]`` in q's dtype and weights ``[B, h, T, S]``
-        (float32). Scores are computed and softmaxed in float32 even for fp16/bf16 inputs.
+        (float32, or float64 for float64 inputs). Scores are computed and softmaxed in float32
+        even for fp16/bf16 inputs.
     """
-    w = q.float() @ k.float().transpose(-1, -2)                # [B, h, T, S]
+    acc = torch.promote_types(q.dtype, torch.float32)          # fp16/bf16 -> fp32; fp64 stays
+    w = q.to(acc) @ k.to(acc).transpose(-1, -2)                # [B, h, T, S]
     w = w * (1.0 / math.sqrt(v.shape[-1]))                     # scale the scores, not q or k
     w = torch.where(mask, w, MASK_VALUE)                      # masked scores -> -1e10
     w = w - w.amax(dim=-1, keepdim=True)                       # max-subtracted softmax
     w = w.exp()
     w = w / w.sum(dim=-1, keepdim=True)                        # masked keys get exactly 0
     w_drop = F.dropout(w, dropout_p, training)
-    a = (w_drop @ v.float()).to(v.dtype)                       # [B, h, T, head_dim]
+    a = (w_drop @ v.to(acc)).to(v.dtype)                       # [B, h, T, head_dim]
     return a, w
 
 

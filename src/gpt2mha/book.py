@@ -115,6 +115,7 @@ class CausalAttention(nn.Module):
         self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
 
     def forward(self, x, need_weights=False):
+        """``x [b, T, d_in]`` → context ``[b, T, d_out]``, or ``(context, weights [b, T, T])``."""
         check_input(x, self.d_in, self.context_length)
         keys = self.W_key(x)                                        # (b, T, d_out)
         queries = self.W_query(x)
@@ -159,6 +160,7 @@ class MultiHeadAttentionWrapper(nn.Module):
             head.attn_impl = value
 
     def forward(self, x, need_weights=False):
+        """``x [b, T, d_in]`` → ``[b, T, num_heads * d_out]``, or ``(context, weights [b, num_heads, T, T])``."""
         if not need_weights:
             return torch.cat([head(x) for head in self.heads], dim=-1)  # (b, T, num_heads * d_out)
         outs, ws = zip(*(head(x, need_weights=True) for head in self.heads))

@@ -100,6 +100,115 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    from .inspect import format_trace, trace
+
+    tr = trace(args.layout, b=args.batch, T=args.tokens, d_in=args.d_in, d_out=args.d_out, num_heads=args.num_heads,
+               context_length=args.context_length, past=args.past)
+    print(json.dumps(tr.to_dict()) if args.json else format_trace(tr))
+    return 0
+
+
+def cmd_heads(args) -> int:
+    from .inspect import (analyse_heads, check_selection, format_strongest, selected_heads, strongest_heads,
+                          write_heads)
+
+    if args.top < 1:
+        raise ValueError(f"--top {args.top} must be at least 1")
+    model = load_model(args.model)
+    c = model.config
+    check_selection(c.n_layer, c.n_head, args.layer, args.head)   # before the (slower) forward pass
+    result = analyse_heads(model, args.prompt)
+    rows = strongest_heads(result.scores, args.top)
+    heads = selected_heads(c.n_layer, c.n_head, args.layer, args.head, rows)
+    title = f"{args.model or 'built-in model'}: {c.n_layer} layers x {c.n_head} heads, {len(result.tokens)} tokens"
+    files = write_heads(result, args.out, heads, title)
+    if args.json:
+        print(json.dumps({"files": {k: files[k] for k in ("grid", "heads", "html")}, "strongest": rows,
+                          "tokens": result.labels,
+                          "scores": {k: v.tolist() for k, v in result.scores.items()}}))
+        return 0
+    print(f"{len(result.tokens)} tokens, {c.n_layer} layers x {c.n_head} heads (0-based numbers)")
+    print(f"strongest heads per role (score: mean weight over query tokens 1..T-1; broad: entropy / log(i+1)):")
+    print(format_strongest(rows))
+    print(f"wrote {files['grid']}, {files['html']}" + "".join(f", {p}" for p in files["heads"]))
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .check import CheckError, check, format_report, parse_args
+
+    try:
+        kwargs = parse_args(args.args)
+    except CheckError as e:
+        print(f"error: {e}\nresult: COULD NOT RUN (exit 2)", file=sys.stderr)
+        return 2
+    report = check(args.target, kwargs, batch=args.batch, tokens=args.tokens, past=args.past, seed=args.seed)
+    print(json.dumps(report.to_dict()) if args.json else format_report(report))
+    return report.exit_code
+
+
+def _add_inspect_commands(sub) -> None:
+    """Parsers of ``trace``, ``heads`` and ``check`` (:mod:`gpt2mha.inspect`, :mod:`gpt2mha.check`)."""
+    tr = sub.add_parser("trace", help="print a multi-head attention forward pass stage by stage with shapes",
+                        description="Walk one forward pass in seed 001's order (input, projections, view, "
+                                    "transpose, scores, weights, contexts, merged, out_proj) with each tensor's "
+                                    "shape, the meaning of its axes and the operation between stages. Defaults: "
+                                    "GPT-2 small (d_in = d_out = 768, 12 heads), b=2, T=6.")
+    tr.add_argument("--layout", choices=["fused", "split", "wrapper"], default="split",
+                    help="fused: GPT-2's c_attn/c_proj; split: the book's MultiHeadAttention (W_query/W_key/"
+                         "W_value/out_proj); wrapper: MultiHeadAttentionWrapper (default: split)")
+    tr.add_argument("--batch", type=int, default=2, help="b (default 2)")
+    tr.add_argument("--tokens", type=int, default=6, help="T, new tokens (default 6)")
+    tr.add_argument("--d-in", type=int, default=768)
+    tr.add_argument("--d-out", type=int, default=None,
+                    help="default 768; for --layout wrapper each head's width (default 768 / num_heads)")
+    tr.add_argument("--num-heads", type=int, default=12)
+    tr.add_argument("--context-length", type=int, default=1024)
+    tr.add_argument("--past", type=int, default=0, help="cached tokens before the T new ones (default 0)")
+    tr.add_argument("--json", action="store_true", help="print one JSON object")
+    tr.set_defaults(func=cmd_trace)
+
+    hd = sub.add_parser("heads", help="attention maps of every layer and head, and head roles, for a prompt",
+                        description="Run the model on PROMPT through the explicit attention path and write OUT/grid.png "
+                                    "(every layer x head map), OUT/layer{L}_head{H}.png per selected head and "
+                                    "OUT/heads.html (self-contained). Prints the strongest heads per role: "
+                                    "previous-token, first-token, self, broad (high entropy). Layers and heads "
+                                    "are numbered from 0.")
+    hd.add_argument("prompt", metavar="PROMPT")
+    _model_arg(hd)
+    hd.add_argument("--layer", type=int, default=None, help="layer to draw at full size (default: see --head)")
+    hd.add_argument("--head", type=int, default=None,
+                    help="head to draw at full size; with only --layer: every head of it; with only --head: that "
+                         "head in every layer; with neither: the strongest head of each role")
+    hd.add_argument("--out", default="heads", metavar="DIR", help="output directory (default ./heads)")
+    hd.add_argument("--top", type=int, default=3, help="heads listed per role (default 3)")
+    hd.add_argument("--json", action="store_true", help="print files, strongest heads and all scores as JSON")
+    hd.set_defaults(func=cmd_heads)
+
+    warning = ("WARNING: check imports FILE.py and runs its code (module body, constructor, forward) with your "
+               "permissions. Only check files you trust.")
+    ck = sub.add_parser("check", help="check a multi-head attention module you wrote (RUNS the file's code)",
+                        description="Build FILE.py:ClassName, recognise its parameter layout (W_query/W_key/W_value/"
+                                    "out_proj; q_proj/k_proj/v_proj/o_proj; a fused qkv Linear; c_attn/c_proj "
+                                    "Conv1D; a heads ModuleList), copy reference weights in, run both on the same "
+                                    "input and report the shapes stage by stage, the first differing stage, the "
+                                    "max abs error and a diagnosis of classic mistakes. Exit code 0: matches; 1: "
+                                    "runs but does not match; 2: could not be run. " + warning,
+                        epilog=warning)
+    ck.add_argument("target", metavar="FILE.py:ClassName", help="also package.module:ClassName")
+    ck.add_argument("--args", nargs="+", action="extend", default=[], metavar="ARG",
+                    help="constructor arguments: a JSON object or key=value items, e.g. --args d_in=20 d_out=24 "
+                         "num_heads=4 (missing ones: d_in=20, d_out=24, num_heads=4, context_length=16, dropout=0)")
+    ck.add_argument("--batch", type=int, default=2, help="b (default 2)")
+    ck.add_argument("--tokens", type=int, default=5, help="T (default 5)")
+    ck.add_argument("--past", type=int, default=3,
+                    help="cached tokens for the cache step, when forward takes a past argument (default 3; 0: skip)")
+    ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--json", action="store_true", help="print one JSON object")
+    ck.set_defaults(func=cmd_check)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2mha", description="GPT-2 multi-head attention, exact and fast.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     t.set_defaults(func=cmd_train)
+    _add_inspect_commands(sub)
     return parser
 
 

@@ -56,6 +56,30 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists of different lengths into a batch.
+
+    Returns:
+        ``idx [B, T_max]`` (int64) with ``pad_token_id`` on the left of shorter rows and
+        ``attention_mask [B, T_max]`` (1 real, 0 pad), so every row's last token is at the end.
+
+    Raises:
+        ValueError: no prompts, or an empty prompt (naming its index).
+    """
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; give at least one prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+    T = max(len(p) for p in prompts)
+    idx = torch.full((len(prompts), T), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        idx[i, T - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, T - len(p):] = 1
+    return idx, mask
+
+
 @torch.inference_mode()
 def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, eos_token_id: int | None = None,
@@ -65,8 +89,9 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
 
     Args:
         model: a :class:`~gpt2mha.model.GPT2`.
-        idx: prompt ids ``[B, T]`` (int64). Rows of different lengths are left-padded, with
-            ``attention_mask [B, T]`` marking real tokens 1 and pads 0.
+        idx: prompt ids ``[B, T]`` (int64), or a list of token lists of different lengths,
+            which is left-padded automatically (:func:`left_pad`, pad id 0). A padded tensor
+            needs ``attention_mask [B, T]`` marking real tokens 1 and pads 0.
         max_new_tokens: number of tokens to add (>= 0).
         temperature, top_k, top_p: sampling (see :func:`sample_next`); temperature 0 is greedy.
         seed: seeds a private generator, so the same call gives the same tokens.
@@ -84,6 +109,11 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             tokens longer than n_ctx without ``sliding_window``, before any work is done.
     """
     check_sampling(temperature, top_k, top_p)
+    if isinstance(idx, (list, tuple)):
+        if attention_mask is not None:
+            raise ValueError("attention_mask is built from the lists; pass it only with a padded tensor")
+        idx, attention_mask = left_pad([list(p) for p in idx])
+        idx, attention_mask = idx.to(model.wte.weight.device), attention_mask.to(model.wte.weight.device)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be an integer >= 0")
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] == 0:

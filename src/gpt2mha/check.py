@@ -1,0 +1,935 @@
+"""Check a multi-head attention module someone wrote against GPT-2's attention, stage by stage.
+
+``check("my_mha.py:MultiHeadAttention", {"d_in": 20, ...})`` imports the file (this RUNS ITS
+CODE), builds the class, recognises its parameter layout from names and shapes
+(``W_query/W_key/W_value[/out_proj]``, ``q_proj/k_proj/v_proj[/o_proj]``, a fused qkv
+``nn.Linear``, ``c_attn/c_proj`` Conv1D, or a ``heads`` ModuleList of single-head modules),
+copies random reference weights in, and runs it and a reference on the same input. It reports:
+
+* each stage of seed 001's order (input, projections, view, transpose, scores, weights,
+  contexts, merged, output) with the expected shape and the shape seen in the module (forward
+  hooks on its submodules plus a ``TorchFunctionMode`` that records every tensor operation);
+  a stage counts as seen when a recorded tensor equals the reference's, and the stage after
+  the last one seen is the first differing stage;
+* the output's max abs error, and for a module whose forward takes a cache (``past``, ...)
+  the error of a cached step (first ``past`` tokens, then the rest with the returned present);
+* a diagnosis: the reference is re-run with each classic mistake (seeds 000-003) and the
+  mistakes that reproduce the module's output exactly are named; shapes and exceptions add
+  the mistakes that stop a module from running (a ``view`` on a non-contiguous tensor, a
+  missing transpose before ``q @ kᵀ``).
+
+Exit codes (the CLI): 0 the module matches, 1 it runs but does not match, 2 it could not be
+checked (file, class, constructor, layout or forward failed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect as pyinspect
+import itertools
+import json
+import math
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .attention import attention_mask
+
+#: Seed 001's stage order (``view``/``transpose`` do not exist in the wrapper layout).
+STAGES = ("input", "projections", "view", "transpose", "scores", "weights", "contexts", "merged", "output")
+
+#: Output max abs error under which a module matches.
+TOL = 1e-4
+#: Tolerances for "this recorded tensor is that reference stage".
+RTOL, ATOL = 1e-4, 1e-5
+
+#: Constructor defaults for parameters the caller did not give (d_in != d_out != head_dim on purpose,
+#: so scaling by the wrong width is visible; T = 5 tokens differs from every width).
+DEFAULT_KWARGS = {
+    "d_in": 20, "d_out": 24, "num_heads": 4, "n_head": 4, "n_heads": 4, "nhead": 4,
+    "n_embd": 24, "embed_dim": 24, "d_model": 24, "hidden_size": 24,
+    "context_length": 16, "n_ctx": 16, "block_size": 16, "max_seq_len": 16, "n_positions": 16,
+    "dropout": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "dropout_p": 0.0, "attn_dropout": 0.0,
+}
+DROPOUT_NAMES = ("dropout", "attn_pdrop", "resid_pdrop", "dropout_p", "attn_dropout")
+HEAD_NAMES = ("num_heads", "n_head", "n_heads", "nhead")
+CONTEXT_NAMES = ("context_length", "n_ctx", "block_size", "max_seq_len", "n_positions")
+
+SPLIT_NAMES = (("W_query", "W_key", "W_value"), ("q_proj", "k_proj", "v_proj"), ("query", "key", "value"),
+               ("W_q", "W_k", "W_v"), ("wq", "wk", "wv"))
+FUSED_NAMES = ("c_attn", "qkv", "W_qkv", "Wqkv", "qkv_proj", "in_proj", "to_qkv")
+OUT_NAMES = ("out_proj", "o_proj", "c_proj", "W_o", "wo", "proj", "out")
+PAST_NAMES = ("past", "layer_past", "past_kv", "kv_cache", "past_key_value")
+PRESENT_FLAGS = ("return_present", "use_cache", "return_cache")
+
+#: Classic mistakes the reference can reproduce: key → diagnosis.
+MISTAKES = {
+    "interleaved_qkv": "q|k|v read as interleaved per-head chunks [q_h | k_h | v_h] of 3*head_dim columns; the fused "
+                       "projection holds three contiguous d_out blocks, all q | all k | all v (seed 000): split it "
+                       "with qkv.split(d_out, dim=-1) before view(b, T, num_heads, head_dim)",
+    "split_no_transpose": "missing transpose when splitting heads: q, k and v must be (b, num_heads, T, head_dim) "
+                          "= view(b, T, num_heads, head_dim).transpose(1, 2); left as (b, T, num_heads, head_dim), "
+                          "or viewed straight as (b, num_heads, T, head_dim), tokens and heads get mixed",
+    "merge_no_transpose": "missing transpose when merging heads: contexts (b, num_heads, T, head_dim) were viewed "
+                          "straight as (b, T, d_out); use transpose(1, 2).contiguous().view(b, T, d_out)",
+    "scale_d_out": "scores scaled by 1/sqrt(d_out) instead of 1/sqrt(head_dim) (keys.shape[-1] read before the "
+                   "head split?)",
+    "scale_d_in": "scores scaled by 1/sqrt(d_in) instead of 1/sqrt(head_dim)",
+    "scale_head_dim_no_sqrt": "scores scaled by 1/head_dim instead of 1/sqrt(head_dim)",
+    "scale_none": "scores not scaled: divide them by sqrt(head_dim)",
+    "no_mask": "no causal mask: each token also attends to later tokens; fill scores where key j > query i "
+               "with -inf before the softmax",
+    "mask_not_offset": "causal mask not offset for a cache: with P cached tokens the T new queries need rows "
+                       "P..P+T-1 of the mask (attention_mask(T, P+T), aligned bottom-right), not the top-left "
+                       "[:T, :P+T] slice that hides each query's own and most recent keys",
+    "softmax_queries": "softmax over the wrong axis: over queries (dim=-2); it must run over keys (dim=-1)",
+    "softmax_heads": "softmax over the wrong axis: over heads (dim=1); it must run over keys (dim=-1)",
+    "merge_wrong_order": "heads merged in the wrong order: (b, T, head_dim, num_heads) was flattened, so the "
+                         "heads' features interleave; flatten (b, T, num_heads, head_dim) so head h occupies "
+                         "columns h*head_dim ... (h+1)*head_dim",
+    "heads_reversed": "heads concatenated in reverse order (head h must occupy columns h*head_dim ...)",
+    "no_out_proj": "out_proj not applied: the output is the merged heads; apply the output projection, which "
+                   "mixes the heads",
+    "view_non_contiguous": "view on a non-contiguous tensor: after transpose(1, 2) the tensor must be made "
+                           "contiguous before view (transpose(1, 2).contiguous().view(b, T, d_out)) or use reshape",
+}
+
+MATMUL_OPS = ("matmul", "__matmul__", "__rmatmul__", "bmm", "einsum", "baddbmm")
+SOFTMAX_OPS = ("softmax", "_softmax")
+VIEW_OPS = ("view", "reshape", "unflatten", "split", "chunk", "unbind", "tensor_split")
+TRANSPOSE_OPS = ("transpose", "permute", "swapaxes", "swapdims", "movedim")
+
+
+class CheckError(Exception):
+    """The module could not be checked (exit code 2); the message says why."""
+
+
+# ------------------------------------------------------------------------------ loading
+def _where(e: BaseException, path: str | None = None) -> str:
+    """`` (at FILE line N: code)`` for the deepest traceback frame in ``path`` (else outside torch)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if path and os.path.abspath(f.filename) == os.path.abspath(path)]
+    if not mine:
+        mine = [f for f in frames if f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.endswith("check.py")]
+    if not mine:
+        return ""
+    f = mine[-1]
+    return f" (at {os.path.basename(f.filename)} line {f.lineno}: {(f.line or '').strip()})"
+
+
+def load_class(spec: str) -> type:
+    """``"path/to/file.py:ClassName"`` or ``"package.module:ClassName"`` → the class.
+
+    Importing the file RUNS ITS CODE.
+
+    Raises:
+        CheckError: no ``:ClassName``, the file does not exist, importing it fails, the class
+            does not exist (the message lists the nn.Module classes found) or is no nn.Module.
+    """
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise CheckError(f"{spec!r}: expected FILE.py:ClassName (or package.module:ClassName)")
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        if not os.path.isfile(target):
+            raise CheckError(f"{target}: no such file")
+        mod_name = f"gpt2mha_check_{abs(hash(os.path.abspath(target)))}"
+        mspec = importlib.util.spec_from_file_location(mod_name, target)
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules[mod_name] = module
+        try:
+            mspec.loader.exec_module(module)
+        except BaseException as e:  # a user file may raise anything, SystemExit included
+            sys.modules.pop(mod_name, None)
+            raise CheckError(f"{target}: importing it raised {type(e).__name__}: {e}{_where(e, target)}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:
+            raise CheckError(f"{target}: cannot import module: {type(e).__name__}: {e}") from None
+    cls = getattr(module, name, None)
+    if cls is None:
+        found = sorted(n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, nn.Module)
+                       and v.__module__ == module.__name__)
+        raise CheckError(f"{target}: no class {name!r}; nn.Module classes defined there: {', '.join(found) or 'none'}")
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise CheckError(f"{spec}: {name} is not an nn.Module subclass")
+    return cls
+
+
+def parse_args(items: list[str] | None) -> dict:
+    """``--args`` values → constructor kwargs.
+
+    Each item is a JSON object (``'{"d_in": 20, "num_heads": 4}'``) or ``key=value`` pairs,
+    comma-separated or as separate items; values are read as JSON when they parse (``4``,
+    ``0.0``, ``true``, ``null``) and kept as strings otherwise.
+
+    Raises:
+        CheckError: an item that is neither.
+    """
+    kwargs = {}
+    for item in items or []:
+        item = item.strip()
+        if item.startswith("{"):
+            try:
+                obj = json.loads(item)
+            except json.JSONDecodeError as e:
+                raise CheckError(f"--args {item!r}: not valid JSON: {e}") from None
+            if not isinstance(obj, dict):
+                raise CheckError(f"--args {item!r}: expected a JSON object")
+            kwargs.update(obj)
+            continue
+        for pair in filter(None, (p.strip() for p in item.split(","))):
+            key, eq, value = pair.partition("=")
+            if not eq or not key.strip().isidentifier():
+                raise CheckError(f"--args {pair!r}: expected key=value (e.g. num_heads=4) or a JSON object")
+            try:
+                kwargs[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                kwargs[key.strip()] = value
+    return kwargs
+
+
+def constructor_kwargs(cls: type, given: dict, min_context: int) -> dict:
+    """The caller's kwargs plus :data:`DEFAULT_KWARGS` for required parameters (and dropout → 0).
+
+    Raises:
+        CheckError: a required parameter with no known default, or a context length below
+            ``min_context`` (past + tokens of the check).
+    """
+    kwargs = dict(given)
+    for p in list(pyinspect.signature(cls.__init__).parameters.values())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in kwargs:
+            continue
+        if p.name in DEFAULT_KWARGS and (p.default is p.empty or p.name in DROPOUT_NAMES):
+            kwargs[p.name] = DEFAULT_KWARGS[p.name]
+        elif p.default is p.empty:
+            raise CheckError(f"{cls.__name__}.__init__ needs {p.name!r}, which has no default the checker knows: "
+                             f"pass it with --args {p.name}=VALUE")
+    for name in CONTEXT_NAMES:
+        if isinstance(kwargs.get(name), int) and kwargs[name] < min_context:
+            raise CheckError(f"{name}={kwargs[name]} is shorter than the check's past + tokens = {min_context}; "
+                             f"pass a larger {name} or fewer --tokens/--past")
+    return kwargs
+
+
+# ------------------------------------------------------------------------------- layout
+@dataclass
+class Proj:
+    """One projection: its name, weight and bias, and whether the weight is stored ``[in, out]``
+    (Conv1D or a bare parameter used as ``x @ W``) rather than ``nn.Linear``'s ``[out, in]``."""
+
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    in_out: bool
+
+    @property
+    def d_in(self) -> int:
+        return self.weight.shape[0] if self.in_out else self.weight.shape[1]
+
+    @property
+    def d_out(self) -> int:
+        return self.weight.shape[1] if self.in_out else self.weight.shape[0]
+
+    def set(self, W: torch.Tensor, b: torch.Tensor) -> None:
+        """Copy ``W [out, in]`` (nn.Linear orientation) and ``b [out]`` in."""
+        self.weight.copy_(W.T if self.in_out else W)
+        if self.bias is not None:
+            self.bias.copy_(b)
+
+
+@dataclass
+class Layout:
+    """A recognised parameter layout.
+
+    ``kind`` is ``"split"`` (one projection per role), ``"fused"`` (one q|k|v projection) or
+    ``"wrapper"`` (per-head modules); ``q``/``k``/``v`` hold one :class:`Proj` per head for
+    the wrapper, one otherwise; ``qkv`` the fused projection; ``out`` the output projection
+    (None if the module has none); ``other`` the parameters the check leaves as they are.
+    """
+
+    kind: str
+    d_in: int
+    d_out: int
+    num_heads: int
+    q: list = field(default_factory=list)
+    k: list = field(default_factory=list)
+    v: list = field(default_factory=list)
+    qkv: Proj | None = None
+    out: Proj | None = None
+    other: list = field(default_factory=list)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_out // self.num_heads
+
+    def describe(self) -> str:
+        if self.kind == "fused":
+            names = [self.qkv.name]
+        elif self.kind == "wrapper":
+            names = [f"{self.q[0].name.rsplit('.', 2)[0]}[{self.num_heads}].{{{', '.join(p.name.rsplit('.', 1)[-1] for p in (self.q[0], self.k[0], self.v[0]))}}}"]
+        else:
+            names = [p[0].name for p in (self.q, self.k, self.v)]
+        names.append(self.out.name if self.out else "no output projection")
+        return (f"{self.kind} ({', '.join(names)}) d_in={self.d_in} d_out={self.d_out} num_heads={self.num_heads} "
+                f"head_dim={self.head_dim}")
+
+
+def _proj(module: nn.Module, name: str, prefix: str = "") -> Proj | None:
+    """The projection ``module.<name>``: an nn.Linear, a Conv1D, or a bare 2-D parameter."""
+    obj = module._modules.get(name) or module._parameters.get(name)
+    full = prefix + name
+    if isinstance(obj, nn.Parameter):
+        return Proj(full, obj, None, True) if obj.dim() == 2 else None
+    if not isinstance(obj, nn.Module):
+        return None
+    w, b = getattr(obj, "weight", None), getattr(obj, "bias", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    b = b if isinstance(b, torch.Tensor) else None
+    if isinstance(obj, nn.Linear):
+        return Proj(full, w, b, False)
+    if type(obj).__name__ == "Conv1D":
+        return Proj(full, w, b, True)
+    return None
+
+
+def _split_projs(module: nn.Module, prefix: str = "") -> tuple | None:
+    for names in SPLIT_NAMES:
+        ps = [_proj(module, n, prefix) for n in names]
+        if all(ps):
+            return tuple(ps)
+    return None
+
+
+def _out_proj(module: nn.Module) -> Proj | None:
+    return next((p for p in (_proj(module, n) for n in OUT_NAMES) if p), None)
+
+
+def _num_heads(module: nn.Module, kwargs: dict) -> int | None:
+    for name in HEAD_NAMES:
+        value = kwargs.get(name, getattr(module, name, None))
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def recognise_layout(module: nn.Module, kwargs: dict | None = None) -> Layout:
+    """Recognise the module's parameter layout from its names and shapes.
+
+    Raises:
+        CheckError: no known layout (the message lists every parameter found with its
+            shape), projections of inconsistent shapes, or an unknown head count.
+    """
+    kwargs = kwargs or {}
+    split, fused = _split_projs(module), None
+    if split is None:
+        fused = next((p for p in (_proj(module, n) for n in FUSED_NAMES) if p and p.d_out % 3 == 0), None)
+    heads = None
+    if split is None and fused is None:
+        for name, child in module.named_children():
+            if isinstance(child, nn.ModuleList) and len(child):
+                per_head = [_split_projs(m, f"{name}.{i}.") for i, m in enumerate(child)]
+                if all(per_head):
+                    heads = per_head
+                    break
+    if split is None and fused is None and heads is None:
+        found = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters()) or "none"
+        raise CheckError(
+            f"cannot recognise the parameter layout of {type(module).__name__}; parameters found: {found}. "
+            f"Known layouts: W_query/W_key/W_value (+ out_proj); q_proj/k_proj/v_proj (+ o_proj); a fused qkv "
+            f"nn.Linear named {'/'.join(FUSED_NAMES[1:])} (+ out_proj/c_proj); c_attn/c_proj Conv1D; "
+            f"heads = ModuleList of single-head modules with W_query/W_key/W_value")
+    out = _out_proj(module)
+    if heads is not None:
+        q, k, v = (list(p) for p in zip(*heads))
+        layout = Layout("wrapper", q[0].d_in, sum(p.d_out for p in q), len(heads), q, k, v, out=out)
+    elif fused is not None:
+        layout = Layout("fused", fused.d_in, fused.d_out // 3, 0, qkv=fused, out=out)
+    else:
+        layout = Layout("split", split[0].d_in, split[0].d_out, 0, [split[0]], [split[1]], [split[2]], out=out)
+    if layout.kind != "wrapper":
+        layout.num_heads = _num_heads(module, kwargs) or 0
+        if not layout.num_heads:
+            raise CheckError(f"cannot tell the number of heads of {type(module).__name__}: pass num_heads in --args "
+                             f"or keep it in self.num_heads / self.n_head")
+    _check_layout_shapes(layout)
+    used = {id(p.weight) for p in layout.q + layout.k + layout.v + [layout.qkv, layout.out] if p}
+    used |= {id(p.bias) for p in layout.q + layout.k + layout.v + [layout.qkv, layout.out] if p and p.bias is not None}
+    layout.other = [n for n, p in module.named_parameters() if id(p) not in used]
+    return layout
+
+
+def _check_layout_shapes(layout: Layout) -> None:
+    """Raise CheckError if the projections do not fit one multi-head attention."""
+    projs = layout.q + layout.k + layout.v + ([layout.qkv] if layout.qkv else [])
+    shapes = ", ".join(f"{p.name} {list(p.weight.shape)}" for p in projs)
+    if len({p.d_in for p in projs}) != 1:
+        raise CheckError(f"the q/k/v projections read different input widths: {shapes}")
+    if layout.kind == "split" and len({p.d_out for p in projs}) != 1:
+        raise CheckError(f"the q/k/v projections have different output widths: {shapes}")
+    if layout.kind == "wrapper" and len({p.d_out for p in projs}) != 1:
+        raise CheckError(f"the heads' projections have different widths: {shapes}")
+    if layout.d_out % layout.num_heads:
+        raise CheckError(f"d_out={layout.d_out} is not divisible by num_heads={layout.num_heads}")
+    if layout.out is not None and (layout.out.d_in, layout.out.d_out) != (layout.d_out, layout.d_out):
+        raise CheckError(f"{layout.out.name} maps {layout.out.d_in} -> {layout.out.d_out}; expected "
+                         f"d_out -> d_out = {layout.d_out} -> {layout.d_out}")
+
+
+# ---------------------------------------------------------------------------- reference
+@dataclass
+class RefParams:
+    """Reference weights in nn.Linear orientation: ``Wq, Wk, Wv [d_out, d_in]``, biases
+    ``[d_out]`` (zeros where the module has none), ``Wo [d_out, d_out]`` and ``bo`` or None."""
+
+    Wq: torch.Tensor
+    Wk: torch.Tensor
+    Wv: torch.Tensor
+    bq: torch.Tensor
+    bk: torch.Tensor
+    bv: torch.Tensor
+    Wo: torch.Tensor | None
+    bo: torch.Tensor | None
+
+
+def make_params(layout: Layout, gen: torch.Generator) -> RefParams:
+    """Random reference weights with the layout's shapes (std 1/sqrt(fan_in), so q·k is O(head_dim)
+    and the scale matters); biases only where the module has them."""
+    d, d_in = layout.d_out, layout.d_in
+
+    def w(rows, cols):
+        return torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
+
+    def b(projs):
+        has = any(p.bias is not None for p in projs)
+        return torch.randn(d, generator=gen) * 0.5 if has else torch.zeros(d)
+
+    qkv = [layout.qkv] if layout.qkv else []
+    Wo = bo = None
+    if layout.out is not None:
+        Wo = w(d, d)
+        bo = torch.randn(d, generator=gen) * 0.5 if layout.out.bias is not None else torch.zeros(d)
+    return RefParams(w(d, d_in), w(d, d_in), w(d, d_in), b(layout.q + qkv), b(layout.k + qkv), b(layout.v + qkv), Wo, bo)
+
+
+def copy_params(layout: Layout, p: RefParams) -> None:
+    """Copy the reference weights into the module's parameters (in place, no grad)."""
+    with torch.no_grad():
+        if layout.kind == "fused":
+            layout.qkv.set(torch.cat([p.Wq, p.Wk, p.Wv]), torch.cat([p.bq, p.bk, p.bv]))
+        else:
+            hd = layout.d_out // len(layout.q)                  # one projection, or one per head
+            for i, (q, k, v) in enumerate(zip(layout.q, layout.k, layout.v)):
+                rows = slice(i * hd, (i + 1) * hd)
+                q.set(p.Wq[rows], p.bq[rows])
+                k.set(p.Wk[rows], p.bk[rows])
+                v.set(p.Wv[rows], p.bv[rows])
+        if layout.out is not None:
+            layout.out.set(p.Wo, p.bo)
+
+
+def reference(x: torch.Tensor, p: RefParams, h: int, past: int = 0, mistakes=frozenset()) -> dict:
+    """Multi-head causal attention written out, optionally with classic mistakes (:data:`MISTAKES` keys).
+
+    Args:
+        x: ``[b, S, d_in]``; the first ``past`` tokens play the cache, the last ``T = S - past``
+            are the new tokens (queries).
+        p: :class:`RefParams`; h: number of heads.
+
+    Returns:
+        Stage name → tensor for the new tokens: ``input [b,T,d_in]``, ``q``/``k``/``v``
+        ``[b,T,d_out]``, ``qkv [b,T,3·d_out]``, ``view`` (q, k, v ``[b,T,h,hd]``),
+        ``transpose`` (q, k, v ``[b,h,T,hd]``), ``scores [b,h,T,S]`` (q @ kᵀ, unscaled),
+        ``weights [b,h,T,S]``, ``contexts [b,h,T,hd]``, ``merged [b,T,d_out]``, ``output``.
+    """
+    b, S, d_in = x.shape
+    d = p.Wq.shape[0]
+    hd, T = d // h, S - past
+    q, k, v = x @ p.Wq.T + p.bq, x @ p.Wk.T + p.bk, x @ p.Wv.T + p.bv                # [b, S, d]
+    if "interleaved_qkv" in mistakes:                                                 # [q_h | k_h | v_h] chunks
+        q4, k4, v4 = torch.cat([q, k, v], -1).view(b, S, h, 3 * hd).split(hd, dim=-1)
+    else:
+        q4, k4, v4 = (t.view(b, S, h, hd) for t in (q, k, v))                         # [b, S, h, hd]
+    if "split_no_transpose" in mistakes:
+        qh, kh, vh = (t.reshape(b, h, S, hd) for t in (q4, k4, v4))                   # memory reinterpreted
+    else:
+        qh, kh, vh = (t.transpose(1, 2) for t in (q4, k4, v4))                        # [b, h, S, hd]
+    scores = qh[:, :, past:] @ kh.transpose(-1, -2)                                   # [b, h, T, S]
+    denominator = {"scale_d_out": math.sqrt(d), "scale_d_in": math.sqrt(d_in), "scale_head_dim_no_sqrt": hd,
+                   "scale_none": 1.0}
+    scale = next((denominator[m] for m in denominator if m in mistakes), math.sqrt(hd))
+    mask = attention_mask(T, S)
+    if "mask_not_offset" in mistakes:
+        mask = torch.ones(S, S, dtype=torch.bool).tril()[:T, :S]
+    if "no_mask" in mistakes:
+        mask = torch.ones(T, S, dtype=torch.bool)
+    dim = -2 if "softmax_queries" in mistakes else 1 if "softmax_heads" in mistakes else -1
+    weights = torch.softmax((scores / scale).masked_fill(~mask, float("-inf")), dim=dim)
+    a = weights @ vh                                                                  # [b, h, T, hd]
+    if "merge_no_transpose" in mistakes:
+        merged = a.contiguous().view(b, T, d)
+    elif "merge_wrong_order" in mistakes:
+        merged = a.permute(0, 2, 3, 1).reshape(b, T, d)                               # (hd, h) order
+    elif "heads_reversed" in mistakes:
+        merged = a.flip(1).transpose(1, 2).reshape(b, T, d)
+    else:
+        merged = a.transpose(1, 2).reshape(b, T, d)                                   # [b, T, d]
+    out = merged if p.Wo is None or "no_out_proj" in mistakes else merged @ p.Wo.T + p.bo
+    new = slice(past, S)
+    return {"input": x[:, new], "q": q[:, new], "k": k[:, new], "v": v[:, new],
+            "qkv": torch.cat([q, k, v], -1)[:, new],
+            "view": [t[:, new] for t in (q4, k4, v4)], "transpose": [t[:, :, new] for t in (qh, kh, vh)],
+            "scores": scores, "scale": scale, "mask": mask, "weights": weights, "contexts": a,
+            "merged": merged, "output": out}
+
+
+def applicable_mistakes(layout: Layout, cache_tested: bool) -> list[str]:
+    """The :data:`MISTAKES` the reference can reproduce for this layout."""
+    skip = {"view_non_contiguous"}
+    if layout.kind != "fused":
+        skip.add("interleaved_qkv")
+    if layout.kind == "wrapper":
+        skip |= {"split_no_transpose", "merge_no_transpose", "merge_wrong_order"}
+    if layout.out is None:
+        skip.add("no_out_proj")
+    if not cache_tested:
+        skip.add("mask_not_offset")
+    return [m for m in MISTAKES if m not in skip]
+
+
+# ---------------------------------------------------------------------------- recording
+@dataclass
+class Op:
+    """One recorded tensor operation: its name, output shape and value, index, softmax dim,
+    and whether a parameter was an operand (a projection, not attention)."""
+
+    name: str
+    shape: tuple
+    value: torch.Tensor
+    dim: int | None = None
+    on_param: bool = False
+
+
+class Recorder(TorchFunctionMode):
+    """Records every floating tensor (2-D or more) produced by a torch operation, cloned (so
+    in-place edits after it do not change the record)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[Op] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__", "__setitem__", "size", "dim"):
+            return out
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else None)
+        on_param = any(isinstance(a, nn.Parameter) for a in args)
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and o.dim() >= 2 and o.is_floating_point():
+                self.ops.append(Op(name, tuple(o.shape), o.detach().clone(), dim if name in SOFTMAX_OPS else None,
+                                   on_param))
+        return out
+
+
+@dataclass
+class Run:
+    """One forward of the module: its output (or None), present, recorded ops, hook calls
+    ``(module name, output shape)`` and the exception it raised (or None)."""
+
+    output: torch.Tensor | None
+    present: object
+    ops: list
+    calls: list
+    error: BaseException | None = None
+
+
+def _shape(t) -> tuple | None:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+
+def run_module(module: nn.Module, x: torch.Tensor, **kwargs) -> Run:
+    """Run ``module(x, **kwargs)`` under no_grad with the recorder and forward hooks on every
+    submodule. Exceptions are caught into :attr:`Run.error`."""
+    rec, calls, handles = Recorder(), [], []
+    for name, m in module.named_modules():
+        if name:
+            handles.append(m.register_forward_hook(
+                lambda mod, inp, out, name=name: calls.append((name, _shape(out[0] if isinstance(out, tuple) else out)))))
+    output = present = error = None
+    try:
+        with torch.no_grad(), rec:
+            result = module(x, **kwargs)
+        output, present = result, None
+        if isinstance(result, (tuple, list)):
+            output, present = result[0], (result[1] if len(result) > 1 else None)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"forward returned {type(output).__name__}; expected a tensor or a (tensor, ...) tuple")
+    except Exception as e:
+        error, output = e, None
+    finally:
+        for h in handles:
+            h.remove()
+    ops = [Op("input", tuple(x.shape), x.clone())] + rec.ops
+    if output is not None:
+        ops.append(Op("output", tuple(output.shape), output.detach().clone()))
+    return Run(output, present, ops, calls, error)
+
+
+# ------------------------------------------------------------------------------- stages
+@dataclass
+class StageRow:
+    """One row of the report: stage, expected shape (and count), shape seen, whether the
+    reference values were found, and where (op or module name)."""
+
+    stage: str
+    expected: tuple | None
+    count: int
+    seen: tuple | None
+    found: bool
+    where: str = ""
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b.to(a.dtype), rtol=RTOL, atol=ATOL, equal_nan=True)
+
+
+def _find(ops: list[Op], ref: torch.Tensor) -> Op | None:
+    return next((op for op in ops if op.shape == tuple(ref.shape) and _same(op.value, ref)), None)
+
+
+def expected_stages(layout: Layout, ref: dict) -> dict[str, list[torch.Tensor] | None]:
+    """Stage → reference tensors the module should produce somewhere (None: not in this layout).
+    For the wrapper, head 0's slice; for scores, any of unscaled/scaled, masked or not."""
+    wrapper = layout.kind == "wrapper"
+    hd = layout.head_dim
+    s, scaled = ref["scores"], ref["scores"] / ref["scale"]
+    m = ref["mask"]
+    score_forms = [s, scaled, s.masked_fill(~m, float("-inf")), scaled.masked_fill(~m, float("-inf")),
+                   scaled.masked_fill(~m, -1e10), s.masked_fill(~m, -1e10)]
+    head0 = (lambda t: t[:, 0]) if wrapper else (lambda t: t)
+    return {
+        "input": [ref["input"]],
+        "projections": ([ref[n][..., :hd] for n in "qkv"] if wrapper else
+                        [ref["qkv"]] if layout.kind == "fused" else [ref["q"], ref["k"], ref["v"]]),
+        "view": None if wrapper else ref["view"],
+        "transpose": None if wrapper else ref["transpose"],
+        "scores": [head0(t) for t in score_forms],
+        "weights": [head0(ref["weights"])],
+        "contexts": [head0(ref["contexts"])],
+        "merged": None if wrapper or layout.out is None else [ref["merged"]],
+        "output": [ref["output"]],
+    }
+
+
+def _role_indices(ops: list[Op]) -> dict[str, int | None]:
+    """Best guess of which recorded op plays each stage, for the "seen" shape when values differ."""
+    mm = [i for i, o in enumerate(ops) if o.name in MATMUL_OPS and not o.on_param]
+    sm = next((i for i, o in enumerate(ops) if o.name in SOFTMAX_OPS), None)
+    sdpa = next((i for i, o in enumerate(ops) if o.name == "scaled_dot_product_attention"), None)
+    scores = next((i for i in mm if sm is None or i < sm), None)
+    contexts = next((i for i in mm if sm is not None and i > sm), sdpa)
+    before = scores if scores is not None else (sdpa if sdpa is not None else len(ops))
+    view = next((i for i, o in enumerate(ops[:before]) if o.name in VIEW_OPS and len(o.shape) == 4), None)
+    trans = next((i for i, o in enumerate(ops[:before]) if o.name in TRANSPOSE_OPS and len(o.shape) == 4), None)
+    last = next((i for i in range(len(ops) - 2, -1, -1) if ops[i].name != "output"), None)
+    return {"input": 0, "projections": next((i for i, o in enumerate(ops) if o.on_param or o.name == "linear"), None),
+            "view": view, "transpose": trans, "scores": scores, "weights": sm, "contexts": contexts,
+            "merged": last if contexts is not None and last is not None and last > contexts else None,
+            "output": len(ops) - 1 if ops[-1].name == "output" else None}
+
+
+def stage_rows(layout: Layout, ref: dict, run: Run) -> list[StageRow]:
+    """Compare the recorded ops with the reference stage by stage (see :func:`expected_stages`)."""
+    expected = expected_stages(layout, ref)
+    roles = _role_indices(run.ops)
+    rows = []
+    for stage in STAGES:
+        tensors = expected[stage]
+        if tensors is None:
+            continue
+        if stage == "scores":
+            hit = next((op for op in (_find(run.ops, t) for t in tensors) if op), None)
+            found, count, where = hit is not None, 1, hit.name if hit else ""
+        else:
+            hits = [_find(run.ops, t) for t in tensors]
+            found, count = all(hits), len(tensors)
+            hit = hits[0]
+            where = ", ".join(sorted({h.name for h in hits if h})) if found else ""
+        i = roles.get(stage)
+        seen = hit.shape if found else (run.ops[i].shape if i is not None else None)
+        if stage == "projections" and layout.kind == "wrapper":
+            count = 3 * layout.num_heads
+        rows.append(StageRow(stage, tuple(tensors[0].shape), count, seen, found, where))
+    return rows
+
+
+def first_differing(rows: list[StageRow]) -> str | None:
+    """The stage after the last stage whose values were found (None if the output was found)."""
+    if rows and rows[-1].found:
+        return None
+    last = max((i for i, r in enumerate(rows) if r.found), default=-1)
+    return rows[min(last + 1, len(rows) - 1)].stage
+
+
+# ----------------------------------------------------------------------------- diagnosis
+def _max_err(a: torch.Tensor | None, b: torch.Tensor) -> float:
+    if a is None or a.shape != b.shape:
+        return float("inf")
+    diff = (a.float() - b.float()).abs()
+    both_nan = a.isnan() & b.isnan()
+    diff = torch.where(both_nan, torch.zeros_like(diff), diff)
+    return float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0
+
+
+def diagnose_by_reproduction(x, p: RefParams, layout: Layout, outputs: dict[int, torch.Tensor], T: int,
+                             candidates: list[str]) -> list[str]:
+    """Mistakes (one, else two together) whose reference reproduces the module's outputs.
+
+    Args:
+        x: ``[b, P+T, d_in]``; outputs: past length → the module's output for the last T
+            tokens (0: the full run on ``x[:, P:]``; P: the cached step), each compared.
+    """
+    P = x.shape[1] - T
+
+    def reproduces(ms) -> bool:
+        for past, y in outputs.items():
+            xs = x if past else x[:, P:]
+            if _max_err(y, reference(xs, p, layout.num_heads, past, frozenset(ms))["output"]) > TOL:
+                return False
+        return True
+
+    for size in (1, 2):
+        found = [list(ms) for ms in itertools.combinations(candidates, size) if reproduces(ms)]
+        if found:
+            return sorted({m for ms in found for m in ms}, key=list(MISTAKES).index) if size == 1 else found[0]
+    return []
+
+
+def diagnose_by_shapes(run: Run, b: int, T: int, h: int) -> list[str]:
+    """Mistakes visible from the recorded ops and the exception: a softmax over an axis other
+    than the last, scores of shape (b, T, h, h) (q and k not transposed), a view on a
+    non-contiguous tensor."""
+    found = []
+    for op in run.ops:
+        if op.name in SOFTMAX_OPS and op.dim is not None and len(op.shape) >= 3:
+            dim = op.dim % len(op.shape)
+            if dim == len(op.shape) - 2:
+                found.append("softmax_queries")
+            elif dim == 1 and len(op.shape) == 4:
+                found.append("softmax_heads")
+        if op.name in MATMUL_OPS and not op.on_param and op.shape == (b, T, h, h) and T != h:
+            found.append("split_no_transpose")
+    if run.error is not None and "view size is not compatible" in str(run.error):
+        found.append("view_non_contiguous")
+    return sorted(set(found), key=list(MISTAKES).index)
+
+
+# -------------------------------------------------------------------------------- report
+@dataclass
+class CheckReport:
+    """Everything :func:`check` found; ``exit_code`` is 0 match, 1 mismatch, 2 could not run."""
+
+    target: str
+    verdict: str = "error"
+    exit_code: int = 2
+    kwargs: dict = field(default_factory=dict)
+    layout: str = ""
+    config: dict = field(default_factory=dict)
+    stages: list = field(default_factory=list)
+    first_differing_stage: str | None = None
+    max_abs_error: float | None = None
+    cache: str = "not tested"
+    cache_max_abs_error: float | None = None
+    cache_stages: list = field(default_factory=list)
+    diagnoses: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    error: str | None = None
+    modules_called: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["diagnosis_text"] = [MISTAKES[m] for m in self.diagnoses]
+        for key in ("max_abs_error", "cache_max_abs_error"):
+            if d[key] is not None and not math.isfinite(d[key]):
+                d[key] = str(d[key])
+        return d
+
+
+def _past_arg(module: nn.Module) -> tuple[str | None, str | None]:
+    """(name of forward's cache argument, name of its "return the present" flag), each or None."""
+    try:
+        params = pyinspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return None, None
+    past = next((n for n in PAST_NAMES if n in params), None)
+    flag = next((n for n in PRESENT_FLAGS if n in params), None)
+    return past, flag
+
+
+def _build(target, kwargs: dict, min_context: int) -> tuple[nn.Module, dict]:
+    """Load (if a string), fill kwargs and construct the module in eval mode."""
+    cls = load_class(target) if isinstance(target, str) else target
+    kwargs = constructor_kwargs(cls, kwargs, min_context)
+    try:
+        module = cls(**kwargs)
+    except Exception as e:
+        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise CheckError(f"{cls.__name__}({args}) raised {type(e).__name__}: {e}{_where(e)}") from None
+    return module.float().eval(), kwargs
+
+
+def check(target, kwargs: dict | None = None, *, batch: int = 2, tokens: int = 5, past: int = 3,
+          seed: int = 0) -> CheckReport:
+    """Check a multi-head attention module against the reference (see the module docstring).
+
+    Args:
+        target: ``"FILE.py:ClassName"``, ``"package.module:ClassName"`` or an nn.Module class.
+            Loading a file RUNS ITS CODE.
+        kwargs: constructor arguments; required ones the caller leaves out are filled from
+            :data:`DEFAULT_KWARGS` (d_in=20, d_out=24, num_heads=4, context_length=16, dropout=0).
+        batch, tokens: input ``[batch, tokens, d_in]``; past: cached tokens for the cache step
+            (0 skips it; it runs only when forward takes a ``past``-like argument).
+        seed: seed of the random input and weights.
+
+    Returns:
+        :class:`CheckReport`; never raises for a faulty module (verdict "error", exit code 2).
+    """
+    name = target if isinstance(target, str) else getattr(target, "__name__", repr(target))
+    report = CheckReport(target=name)
+    try:
+        if batch < 1 or tokens < 2 or past < 0:
+            raise CheckError(f"need batch >= 1, tokens >= 2 and past >= 0 (got {batch}, {tokens}, {past})")
+        module, report.kwargs = _build(target, dict(kwargs or {}), past + tokens)
+        layout = recognise_layout(module, report.kwargs)
+        _run_check(module, layout, report, batch, tokens, past, seed)
+    except CheckError as e:
+        report.verdict, report.exit_code, report.error = "error", 2, str(e)
+    return report
+
+
+def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: int, seed: int) -> None:
+    """Fill ``report`` for a built module with a recognised layout."""
+    h, hd = layout.num_heads, layout.head_dim
+    report.layout = layout.describe()
+    report.config = dict(b=b, T=T, past=P, d_in=layout.d_in, d_out=layout.d_out, num_heads=h, head_dim=hd, seed=seed)
+    if layout.other:
+        report.notes.append(f"parameters outside the attention layout, left as they are: {', '.join(layout.other)}")
+    gen = torch.Generator().manual_seed(seed)
+    p = make_params(layout, gen)
+    try:
+        copy_params(layout, p)
+    except RuntimeError as e:
+        raise CheckError(f"could not copy the reference weights in: {e}") from None
+    x = torch.randn(b, P + T, layout.d_in, generator=gen)
+    ref = reference(x[:, P:], p, h)
+    run = run_module(module, x[:, P:])
+    report.modules_called = sorted({n for n, _ in run.calls})
+    report.stages = stage_rows(layout, ref, run)
+    report.diagnoses = diagnose_by_shapes(run, b, T, h)
+    if run.error is not None:
+        report.first_differing_stage = first_differing(report.stages)
+        raise CheckError(f"forward raised {type(run.error).__name__}: {run.error}{_where(run.error)}")
+    report.max_abs_error = _max_err(run.output, ref["output"])
+    outputs = {0: run.output}
+    if run.output.shape != ref["output"].shape:
+        report.notes.append(f"output shape {tuple(run.output.shape)} != expected {tuple(ref['output'].shape)}")
+    _check_cache(module, layout, report, x, p, run, P, outputs)
+    report.first_differing_stage = first_differing(report.stages)
+    ok = report.max_abs_error <= TOL and (report.cache_max_abs_error is None or report.cache_max_abs_error <= TOL)
+    if layout.out is None and layout.kind != "wrapper":
+        report.notes.append("the module has no output projection (out_proj / o_proj / c_proj); GPT-2's attention and "
+                            "the book's MultiHeadAttention mix the heads with one")
+        report.diagnoses.append("no_out_proj")
+        ok = False
+    if layout.out is not None and layout.out.name not in report.modules_called and not ok:
+        report.notes.append(f"{layout.out.name} is defined but forward never called it")
+    if not ok and all(o is not None and o.shape == ref["output"].shape for o in outputs.values()):
+        extra = diagnose_by_reproduction(x, p, layout, outputs, T, applicable_mistakes(layout, len(outputs) > 1))
+        report.diagnoses += [m for m in extra if m not in report.diagnoses]
+    if ok:
+        report.diagnoses = []
+    report.verdict, report.exit_code = ("match", 0) if ok else ("mismatch", 1)
+
+
+def _check_cache(module, layout, report, x, p, run: Run, P: int, outputs: dict) -> None:
+    """Run the cached step when forward takes a cache: ``module(x[:, :P])`` then
+    ``module(x[:, P:], past=<its present>)``; record the error against the reference."""
+    past_name, flag = _past_arg(module)
+    if P == 0 or past_name is None:
+        report.cache = "not tested (" + ("--past 0" if P == 0 else "forward takes no past argument") + ")"
+        return
+    extra = {flag: True} if flag else {}
+    first = run_module(module, x[:, :P], **extra)
+    if first.error is not None or first.present is None:
+        why = f"raised {type(first.error).__name__}: {first.error}" if first.error else "returned no present"
+        report.cache = f"not tested (forward on the first {P} tokens {why})"
+        return
+    step = run_module(module, x[:, P:], **{past_name: first.present}, **extra)
+    if step.error is not None:
+        report.cache = f"failed: forward with {past_name}= raised {type(step.error).__name__}: {step.error}"
+        report.cache_max_abs_error = float("inf")
+        return
+    ref = reference(x, p, layout.num_heads, P)
+    report.cache = f"tested: {P} past tokens, then {x.shape[1] - P} new ones with {past_name}=present"
+    report.cache_max_abs_error = _max_err(step.output, ref["output"])
+    report.cache_stages = stage_rows(layout, ref, step)
+    outputs[P] = step.output
+
+
+def _fmt_shape(shape, count=1) -> str:
+    if shape is None:
+        return "-"
+    return str(tuple(shape)) + (f" x{count}" if count > 1 else "")
+
+
+def format_report(r: CheckReport) -> str:
+    """The report as terminal text, ending with the result line that names the exit code."""
+    args = ", ".join(f"{k}={v!r}" for k, v in r.kwargs.items())
+    lines = [f"check {r.target}" + (f"({args})" if args else "")]
+    if r.layout:
+        c = r.config
+        lines.append(f"layout: {r.layout}")
+        lines.append(f"input: b={c['b']} T={c['T']} d_in={c['d_in']} (random weights and input, seed {c['seed']})")
+    for title, rows in (("stages", r.stages), ("stages of the cached step", r.cache_stages)):
+        if not rows or (title != "stages" and r.cache_max_abs_error is not None and r.cache_max_abs_error <= TOL):
+            continue
+        first = first_differing(rows)
+        lines.append(f"\n{title}:\n  {'stage':<12} {'expected':<20} {'seen':<20} values")
+        for row in rows:
+            status = "ok" if row.found else ("not materialised" if row.stage in ("scores", "weights") and
+                                              any(x.found for x in rows[rows.index(row):]) else "differ")
+            if row.seen is not None and row.expected is not None and tuple(row.seen) != tuple(row.expected):
+                status = "SHAPE differs"
+            mark = "   <- first differing stage" if row.stage == first and r.verdict != "match" else ""
+            lines.append(f"  {row.stage:<12} {_fmt_shape(row.expected, row.count):<20} "
+                         f"{_fmt_shape(row.seen, row.count if row.found else 1):<20} {status}{mark}")
+    if r.max_abs_error is not None:
+        lines.append(f"\noutput max abs error: {r.max_abs_error:.3g} (match below {TOL:g})")
+    if r.layout:
+        lines.append(f"cache: {r.cache}" + (f", max abs error {r.cache_max_abs_error:.3g}"
+                                            if r.cache_max_abs_error is not None else ""))
+    for note in r.notes:
+        lines.append(f"note: {note}")
+    if r.error:
+        lines.append(f"\nerror: {r.error}")
+    if r.diagnoses:
+        lines.append("\ndiagnosis:")
+        lines += [f"  - {MISTAKES[m]}" for m in r.diagnoses]
+    elif r.verdict == "mismatch":
+        lines.append("\ndiagnosis: none of the classic mistakes reproduces this output; start at the first "
+                     "differing stage")
+    result = {"match": "MATCH: the module computes GPT-2's multi-head causal attention (exit 0)",
+              "mismatch": "MISMATCH: the module runs but its output differs from the reference (exit 1)",
+              "error": "COULD NOT RUN: the module could not be checked (exit 2)"}[r.verdict]
+    lines.append(f"\nresult: {result}")
+    return "\n".join(lines)
