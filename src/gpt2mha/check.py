@@ -906,8 +906,9 @@ def format_report(r: CheckReport) -> str:
         first = first_differing(rows)
         lines.append(f"\n{title}:\n  {'stage':<12} {'expected':<20} {'seen':<20} values")
         for row in rows:
-            status = "ok" if row.found else ("not materialised" if row.stage in ("scores", "weights") and
-                                              any(x.found for x in rows[rows.index(row):]) else "differ")
+            later_found = any(x.found for x in rows[rows.index(row):])
+            status = ("ok" if row.found else "not materialised" if row.stage in ("scores", "weights") and later_found
+                      else "not reached" if r.error and row.seen is None else "differ")
             if row.seen is not None and row.expected is not None and tuple(row.seen) != tuple(row.expected):
                 status = "SHAPE differs"
             mark = "   <- first differing stage" if row.stage == first and r.verdict != "match" else ""
