@@ -155,8 +155,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             out[:, pos + 1:] = eos_token_id
             break
         if cache.length < cache.max_len:
-            logits = model(token[:, None], attention_mask=None if mask is None else mask[:, :pos + 1],
-                           cache=cache, last_only=True).logits
+            logits = model.step(token[:, None], cache, None if mask is None else mask[:, :pos + 1])  # unchecked
         else:                                                  # sliding window: recompute the last n_ctx
             start = pos + 1 - n_ctx
             window_mask = None if mask is None else mask[:, start:pos + 1]

@@ -224,6 +224,8 @@ class GPT2(nn.Module):
                              f"{past_len + T}] covering the {past_len} cached and {T} new tokens")
         if position_ids is not None and tuple(position_ids.shape) not in ((B, T), (1, T), (T,)):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [B={B}, T={T}]")
+        if position_ids is not None and (int(position_ids.min()) < 0 or int(position_ids.max()) >= self.config.n_ctx):
+            raise ValueError(f"position_ids must be in [0, n_ctx={self.config.n_ctx})")
 
     def _check_past(self, past, B):
         c = self.config
@@ -239,21 +241,49 @@ class GPT2(nn.Module):
     # ---------------------------------------------------------------------------- forward
     def embed(self, idx, past_len, attention_mask=None, position_ids=None):
         """``wte[idx] + wpe[positions]`` → ``[B, T, n_embd]``. Positions start at ``past_len``,
-        or come from ``attention_mask`` (``cumsum - 1``, pads clamped to 0) when given."""
+        or come from ``attention_mask`` (``cumsum - 1``, pads clamped to 0) when given.
+        No checks here (``forward`` validates explicit ``position_ids``), so no per-step sync."""
         T = idx.shape[1]
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
                 position_ids = torch.arange(past_len, past_len + T, device=idx.device)
-        if int(position_ids.min()) < 0 or int(position_ids.max()) >= self.config.n_ctx:
-            raise ValueError(f"position_ids must be in [0, n_ctx={self.config.n_ctx})")
         x = self.wte(idx) + self.wpe(position_ids)
         return F.dropout(x, self.config.embd_pdrop, self.training)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """``ln_f`` then the tied LM head: ``[B, T, n_embd]`` → logits ``[B, T, n_vocab]``."""
-        return F.linear(self.ln_f(x), self.wte.weight)
+        """``ln_f`` then the tied LM head: ``[B, T, n_embd]`` → logits ``[B, T, n_vocab]``.
+
+        With gradients on ``wte`` this is ``F.linear(x, wte.weight)``, so training updates the
+        tied weight. Without (inference), it is ``x @ lm_head_weight()``: the same numbers
+        from a ``[n_embd, n_vocab]`` copy of wte, which reads faster for a few rows.
+        """
+        x = self.ln_f(x)
+        w = self.wte.weight
+        if not self.transpose_lm_head or (torch.is_grad_enabled() and w.requires_grad) or w.is_inference():
+            return F.linear(x, w)
+        return x @ self.lm_head_weight()                       # [B, T, n_embd] @ [n_embd, n_vocab]
+
+    #: Use the cached ``[n_embd, n_vocab]`` copy of wte for inference logits (costs one more
+    #: copy of wte in memory; set False on an instance to trade that speed for the memory).
+    transpose_lm_head: bool = True
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """``wte.weight`` transposed to a contiguous ``[n_embd, n_vocab]`` tensor (no grad).
+
+        Cached, and rebuilt whenever wte changes: the key is the weight's storage address,
+        version counter (bumped by every in-place write: optimizer steps, ``copy_``,
+        ``load_state_dict``), dtype, device and shape, so it is never stale.
+        """
+        w = self.wte.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device, w.shape)
+        if getattr(self, "_lm_head_key", None) != key:
+            self._lm_head = None                               # free the old copy first
+            with torch.no_grad():
+                self._lm_head = w.detach().t().contiguous()    # [n_embd, n_vocab]
+            self._lm_head_key = key
+        return self._lm_head
 
     def forward(self, idx: torch.Tensor, past: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -284,25 +314,44 @@ class GPT2(nn.Module):
             self._check_past(past, B)
         past_len = cache.length if cache is not None else (past.shape[4] if past is not None else 0)
         self._check_inputs(idx, past_len, attention_mask, position_ids)
+        if cache is not None:
+            return GPT2Output(self.step(idx, cache, attention_mask, position_ids, last_only=last_only), None)
         T = idx.shape[1]
         x = self.embed(idx, past_len, attention_mask, position_ids)
         mask = None
         if attention_mask is not None:
             mask = combine_masks(causal_mask(T, past_len + T, device=x.device), attention_mask)
-        presents = None
-        if cache is not None:
-            for i, block in enumerate(self.h):
-                x = block.forward_cached(x, cache, i, mask)
-            cache.advance(T)
-        else:
-            presents = []
-            for i, block in enumerate(self.h):
-                x, present = block(x, None if past is None else past[:, i], mask)
-                presents.append(present)
-            presents = torch.stack(presents, dim=1)             # [B, n_layer, 2, h, T, head_dim]
+        presents = []
+        for i, block in enumerate(self.h):
+            x, present = block(x, None if past is None else past[:, i], mask)
+            presents.append(present)
+        presents = torch.stack(presents, dim=1)                 # [B, n_layer, 2, h, T, head_dim]
         if last_only:
             x = x[:, -1:]
         return GPT2Output(self.head(x), presents)
+
+    def step(self, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None, *, last_only: bool = True) -> torch.Tensor:
+        """The forward over a :class:`KVCache` without :meth:`forward`'s checks (the decode step).
+
+        For loops that already know their inputs are valid (``generate`` feeds back ids it
+        sampled from ``n_vocab`` logits, within the length it checked up front): nothing here
+        reads a tensor's values on the host, so a step costs only the model's own work.
+
+        Args: as :meth:`forward`; ``idx [B, T]`` continues the ``cache.length`` cached tokens.
+
+        Returns:
+            logits ``[B, 1, n_vocab]`` (``last_only``, the default) or ``[B, T, n_vocab]``.
+        """
+        T = idx.shape[1]
+        x = self.embed(idx, cache.length, attention_mask, position_ids)   # [B, T, n_embd]
+        mask = None
+        if attention_mask is not None:
+            mask = combine_masks(causal_mask(T, cache.length + T, device=x.device), attention_mask)
+        for i, block in enumerate(self.h):
+            x = block.forward_cached(x, cache, i, mask)
+        cache.advance(T)
+        return self.head(x[:, -1:] if last_only else x)          # [B, 1 or T, n_vocab]
 
     # ------------------------------------------------------------------ loading / generation
     @classmethod

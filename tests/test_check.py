@@ -1,0 +1,196 @@
+"""gpt2mha.check and ``gpt2mha check``: the project's layouts pass, each classic mistake in
+tests/data/broken_mha/ is caught with the right diagnosis, bad input gives exit code 2."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpt2mha.check import (MISTAKES, CheckError, check, make_params, parse_args, recognise_layout, reference,
+                           applicable_mistakes)
+from gpt2mha.cli import main
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+BROKEN = os.path.join(DATA, "broken_mha")
+GOOD = os.path.join(DATA, "good_mha.py")
+
+
+# ------------------------------------------------------------------------ passing layouts
+@pytest.mark.parametrize("target,kind,cache", [
+    ("gpt2mha.attention:CausalSelfAttention", "fused", True),
+    ("gpt2mha.book:MultiHeadAttention", "split", True),
+    ("gpt2mha.book:MultiHeadAttentionWrapper", "wrapper", False),
+    (f"{GOOD}:BookMultiHeadAttention", "split", False),
+    (f"{GOOD}:BookWrapper", "wrapper", False),
+    (f"{GOOD}:HFStyleAttention", "split", False),
+    (f"{GOOD}:FusedLinearAttention", "fused", False),
+])
+def test_correct_modules_match(target, kind, cache):
+    r = check(target)
+    assert (r.verdict, r.exit_code) == ("match", 0), r.error or r.diagnoses
+    assert r.layout.startswith(kind)
+    assert r.max_abs_error < 1e-5 and r.diagnoses == [] and r.first_differing_stage is None
+    assert r.cache.startswith("tested") == cache
+    if cache:
+        assert r.cache_max_abs_error < 1e-5
+    # every stage the layout has was found by value (SDPA never materialises scores and weights)
+    missing = {s.stage for s in r.stages if not s.found}
+    assert missing <= ({"scores", "weights"} if target.endswith(("CausalSelfAttention", "FusedLinearAttention")) else set())
+
+
+def test_project_layouts_pass_through_the_cli_with_args(capsys):
+    assert main(["check", "gpt2mha.attention:CausalSelfAttention", "--args", '{"n_embd": 36, "n_head": 6}']) == 0
+    out = capsys.readouterr().out
+    assert "layout: fused (c_attn, c_proj) d_in=36 d_out=36 num_heads=6 head_dim=6" in out
+    assert "result: MATCH" in out and "cache: tested" in out
+    assert main(["check", "gpt2mha.book:MultiHeadAttention", "--args", "d_in=12,d_out=16", "num_heads=2",
+                 "qkv_bias=true", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == "match" and data["kwargs"]["qkv_bias"] is True and data["config"]["head_dim"] == 8
+
+
+# ------------------------------------------------------------------------ classic mistakes
+BROKEN_CASES = [  # file, diagnosis, exit code, first differing stage
+    ("interleaved_qkv", "interleaved_qkv", 1, "view"),
+    ("missing_transpose", "merge_no_transpose", 1, "merged"),
+    ("missing_transpose_split", "split_no_transpose", 2, "transpose"),
+    ("view_non_contiguous", "view_non_contiguous", 2, "merged"),
+    ("scale_d_out", "scale_d_out", 1, "weights"),
+    ("scale_d_in", "scale_d_in", 1, "weights"),
+    ("no_causal_mask", "no_mask", 1, "weights"),
+    ("mask_no_cache_offset", "mask_not_offset", 1, None),
+    ("softmax_wrong_axis", "softmax_queries", 1, "weights"),
+    ("heads_wrong_order", "merge_wrong_order", 1, "merged"),
+    ("missing_out_proj", "no_out_proj", 1, "output"),
+]
+
+
+@pytest.mark.parametrize("name,diagnosis,code,stage", BROKEN_CASES, ids=[c[0] for c in BROKEN_CASES])
+def test_each_classic_mistake_is_caught_with_the_right_diagnosis(name, diagnosis, code, stage):
+    r = check(os.path.join(BROKEN, f"{name}.py") + ":MultiHeadAttention")
+    assert r.exit_code == code and r.verdict == ("mismatch" if code == 1 else "error")
+    assert r.diagnoses == [diagnosis]
+    assert r.first_differing_stage == stage
+    if code == 1:
+        assert r.max_abs_error > 1e-3 or r.cache_max_abs_error > 1e-3
+    else:
+        assert "forward raised RuntimeError" in r.error and f"{name}.py line" in r.error
+
+
+def test_broken_modules_fail_the_way_the_report_says(capsys):
+    assert main(["check", os.path.join(BROKEN, "mask_no_cache_offset.py:MultiHeadAttention")]) == 1
+    out = capsys.readouterr().out
+    assert "output max abs error: 0 " in out                      # without a cache it is right
+    assert "cache: tested: 3 past tokens" in out and "not offset for a cache" in out
+    assert "result: MISMATCH" in out
+    assert main(["check", os.path.join(BROKEN, "missing_transpose_split.py:MultiHeadAttention")]) == 2
+    out = capsys.readouterr().out
+    assert "(2, 5, 4, 4)" in out and "SHAPE differs" in out           # scores (b, T, h, h) seen
+    assert "missing transpose" in out and "result: COULD NOT RUN" in out
+    assert main(["check", os.path.join(BROKEN, "missing_out_proj.py:MultiHeadAttention")]) == 1
+    assert "out_proj is defined but forward never called it" in capsys.readouterr().out
+
+
+def test_every_mistake_changes_the_output_under_the_default_configuration():
+    # otherwise two diagnoses could not be told apart (d_in=20, d_out=24, 4 heads of 6, T=5)
+    from gpt2mha.check import Layout, Proj
+    gen = torch.Generator().manual_seed(0)
+    W = torch.zeros(72, 20)
+    layout = Layout("fused", 20, 24, 4, qkv=Proj("qkv", W, torch.zeros(72), False),
+                    out=Proj("o", torch.zeros(24, 24), torch.zeros(24), False))
+    p = make_params(layout, gen)
+    x = torch.randn(2, 8, 20, generator=gen)
+    outs = {m: reference(x, p, 4, past=3, mistakes={m})["output"] for m in applicable_mistakes(layout, True)}
+    outs["correct"] = reference(x, p, 4, past=3)["output"]
+    for (a, ya), (b, yb) in itertools.combinations(outs.items(), 2):
+        assert not torch.allclose(ya, yb, atol=1e-3, equal_nan=True), (a, b)
+
+
+def test_reference_equals_causal_self_attention_with_a_cache():
+    from gpt2mha import CausalSelfAttention
+    attn = CausalSelfAttention(24, 4)
+    layout = recognise_layout(attn)
+    p = make_params(layout, torch.Generator().manual_seed(1))
+    from gpt2mha.check import copy_params
+    copy_params(layout, p)
+    x = torch.randn(2, 8, 24)
+    _, present = attn(x[:, :3])
+    y, _ = attn(x[:, 3:], present)
+    assert torch.allclose(reference(x, p, 4, past=3)["output"], y, atol=1e-5)
+
+
+def test_equal_widths_make_scale_mistakes_ambiguous_and_the_report_says_both():
+    r = check(os.path.join(BROKEN, "scale_d_out.py:MultiHeadAttention"), {"d_in": 24, "d_out": 24})
+    assert r.exit_code == 1 and r.diagnoses == ["scale_d_out", "scale_d_in"]
+
+
+def test_split_layout_without_any_output_projection_is_reported(tmp_path):
+    src = open(os.path.join(BROKEN, "missing_out_proj.py")).read().replace(
+        "        self.out_proj = nn.Linear(d_out, d_out)\n", "")
+    (tmp_path / "no_proj.py").write_text(src)
+    r = check(f"{tmp_path / 'no_proj.py'}:MultiHeadAttention")
+    assert r.exit_code == 1 and r.diagnoses == ["no_out_proj"]
+    assert r.max_abs_error < 1e-5                                  # the rest is right
+    assert any("no output projection" in n for n in r.notes)
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_missing_file_and_class(capsys):
+    assert main(["check", os.path.join(BROKEN, "nope.py") + ":MultiHeadAttention"]) == 2
+    assert "nope.py: no such file" in capsys.readouterr().out
+    assert main(["check", GOOD + ":Nope"]) == 2
+    out = capsys.readouterr().out
+    assert "no class 'Nope'" in out and "BookMultiHeadAttention, BookWrapper" in out and "COULD NOT RUN" in out
+    assert main(["check", GOOD]) == 2
+    assert "expected FILE.py:ClassName" in capsys.readouterr().out
+
+
+def test_unrecognised_layout_lists_the_parameters_found(capsys):
+    assert main(["check", os.path.join(BROKEN, "unrecognised.py:Mystery"), "--args", "d_in=20", "d_out=24",
+                 "num_heads=4"]) == 2
+    out = capsys.readouterr().out
+    assert "cannot recognise the parameter layout of Mystery" in out
+    assert "alpha.weight [73, 20], alpha.bias [73], omega.weight [24, 24], omega.bias [24]" in out
+    assert "W_query/W_key/W_value" in out
+
+
+def test_import_errors_constructor_errors_and_bad_args(tmp_path, capsys):
+    (tmp_path / "boom.py").write_text("import torch\nraise RuntimeError('boom at import')\n")
+    assert main(["check", f"{tmp_path / 'boom.py'}:X"]) == 2
+    out = capsys.readouterr().out
+    assert "importing it raised RuntimeError: boom at import" in out and "boom.py line 2" in out
+    (tmp_path / "needs.py").write_text(
+        "from torch import nn\nclass M(nn.Module):\n    def __init__(self, d_in, flavour):\n        super().__init__()\n")
+    assert main(["check", f"{tmp_path / 'needs.py'}:M"]) == 2
+    assert "needs 'flavour'" in capsys.readouterr().out
+    assert main(["check", GOOD + ":BookMultiHeadAttention", "--args", "d_out=25"]) == 2
+    assert "d_out must be divisible by num_heads" in capsys.readouterr().out
+    assert main(["check", GOOD + ":BookMultiHeadAttention", "--args", "oops"]) == 2
+    assert "expected key=value" in capsys.readouterr().err
+    assert main(["check", GOOD + ":BookMultiHeadAttention", "--args", "context_length=4"]) == 2
+    assert "shorter than the check's past + tokens = 8" in capsys.readouterr().out
+
+
+def test_parse_args():
+    assert parse_args(['{"d_in": 3, "qkv_bias": true}', "d_out=4,num_heads=2", "name=abc", "dropout=0.0"]) == \
+        {"d_in": 3, "qkv_bias": True, "d_out": 4, "num_heads": 2, "name": "abc", "dropout": 0.0}
+    with pytest.raises(CheckError):
+        parse_args(["[1, 2]"])
+
+
+def test_help_warns_that_the_file_runs_and_exit_codes_from_a_real_process():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-m", "gpt2mha.cli", "check", "--help"], capture_output=True, text=True,
+                         env=env)
+    assert run.returncode == 0 and "runs its code" in run.stdout and "Exit code 0" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "gpt2mha.cli", "check",
+                          os.path.join(BROKEN, "no_causal_mask.py:MultiHeadAttention"), "--json"],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 1
+    data = json.loads(run.stdout)
+    assert data["diagnoses"] == ["no_mask"] and data["diagnosis_text"] == [MISTAKES["no_mask"]]
+    assert data["exit_code"] == 1 and data["first_differing_stage"] == "weights"

@@ -1,0 +1,251 @@
+"""gpt2mha.inspect: the shape trace, attention maps, head role scores, and the trace/heads commands.
+
+Independent references: the shapes in seed 001 (GPT-2 small, b=2, T=6), the shapes real modules
+(CausalSelfAttention, the book's classes) produce, a GPT-2 whose weights are built by hand to
+attend to the previous token, and PNG/HTML files read back from disk.
+"""
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from gpt2mha import DEFAULT_MODEL, GPT2, CausalSelfAttention, GPT2Config
+from gpt2mha.checkpoints import builtin_models
+from gpt2mha.cli import main
+from gpt2mha.inspect import (attention_maps, grid_geometry, head_geometry, role_scores, strongest_heads, trace)
+
+SHAPE = re.compile(r"\((\d+(?:, \d+)*)\)")
+
+
+def stage_shapes(text):
+    """Shapes of the numbered stage lines of ``gpt2mha trace`` output, in order."""
+    shapes = []
+    for line in text.splitlines():
+        if re.match(r"\s*\d+\s+\w+\s+\(", line):
+            shapes.append(tuple(int(n) for n in SHAPE.search(line).group(1).split(", ")))
+    return shapes
+
+
+def is_subsequence(wanted, seq):
+    it = iter(seq)
+    return all(any(w == s for s in it) for w in wanted)
+
+
+# ---------------------------------------------------------------------------------- trace
+SEED_001 = [(2, 6, 768), (2, 6, 12, 64), (2, 12, 6, 64), (2, 12, 6, 6), (2, 12, 6, 64), (2, 6, 768)]
+
+
+@pytest.mark.parametrize("layout", ["split", "fused"])
+def test_trace_gpt2_small_has_the_seed_shapes_in_order(layout, capsys):
+    assert main(["trace", "--layout", layout]) == 0
+    out = capsys.readouterr().out
+    shapes = stage_shapes(out)
+    assert is_subsequence(SEED_001, shapes), shapes
+    assert shapes[0] == (2, 6, 768) and shapes[-1] == (2, 6, 768)
+    # the operations between stages, head_dim and the mask are printed
+    for text in ("view(b, T, num_heads, head_dim)", "transpose(1, 2)", "contiguous().view(b, T, d_out)",
+                 "head_dim=64", "mask (6, 6)", "softmax(dim=-1)"):
+        assert text in out
+    scores = next(line for line in out.splitlines() if re.match(r"\s*\d+\s+scores\s", line))
+    assert "(2, 12, 6, 6)" in scores and "[b, h, T, S]" in scores
+
+
+def test_trace_with_past_4_has_scores_2_12_6_10(capsys):
+    assert main(["trace", "--past", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    by_name = {s["name"]: s for s in data["stages"]}
+    assert by_name["scores"]["shape"] == [2, 12, 6, 10]
+    assert by_name["weights"]["shape"] == [2, 12, 6, 10]
+    assert by_name["past"]["shape"] == [2, 12, 10, 64]
+    assert data["mask_shape"] == [6, 10] and data["head_dim"] == 64
+    assert by_name["scores"]["axes"] == ["b", "h", "T", "S"] and "S" in data["axes"]
+    names = [s["name"] for s in data["stages"]]
+    assert names.index("view") < names.index("transpose") < names.index("scores") < names.index("contexts") \
+        < names.index("merged") < names.index("out_proj")
+
+
+@pytest.mark.parametrize("b,T,d,h,P", [(3, 4, 40, 5, 2), (1, 7, 24, 3, 0), (2, 1, 16, 8, 5)])
+def test_trace_fused_matches_what_causal_self_attention_computes(b, T, d, h, P):
+    tr = {s.name: s.shape for s in trace("fused", b=b, T=T, d_in=d, d_out=d, num_heads=h, context_length=64,
+                                         past=P).stages}
+    attn = CausalSelfAttention(d, h)
+    past = torch.randn(b, 2, h, P, d // h) if P else None
+    y, present, w = attn(torch.randn(b, T, d), past, need_weights=True)
+    assert tr["scores"] == tr["weights"] == tuple(w.shape) == (b, h, T, P + T)
+    assert tr["out_proj"] == tuple(y.shape)
+    assert tr["transpose"] == tuple(present[:, 0].shape) == (b, h, T, d // h)
+
+
+def test_trace_split_and_wrapper_match_the_book_classes():
+    from gpt2mha.book import MultiHeadAttention, MultiHeadAttentionWrapper
+
+    x = torch.randn(3, 5, 20)
+    tr = {s.name: s.shape for s in trace("split", b=3, T=5, d_in=20, d_out=24, num_heads=4, context_length=8).stages}
+    y, w = MultiHeadAttention(20, 24, 8, 0.0, 4)(x, need_weights=True)
+    assert tr["out_proj"] == tuple(y.shape) == (3, 5, 24) and tr["weights"] == tuple(w.shape)
+    assert tr["view"] == (3, 5, 4, 6) and tr["projections"] == (3, 5, 24)
+    tw = trace("wrapper", b=3, T=5, d_in=20, d_out=6, num_heads=4, context_length=8)
+    y = MultiHeadAttentionWrapper(20, 6, 8, 0.0, 4)(x)
+    assert tw.stages[-1].shape == tuple(y.shape) == (3, 5, 24)
+    assert {s.name: s.shape for s in tw.stages}["scores"] == (3, 5, 5) and tw.head_dim == 6
+    assert not any(s.name in ("view", "transpose", "out_proj") for s in tw.stages)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--d-out", "100", "--num-heads", "12"], "not divisible by num_heads"),
+    (["--past", "1020"], "context_length"),
+    (["--tokens", "0"], "tokens=0"),
+])
+def test_trace_bad_configuration_exits_2(argv, message, capsys):
+    assert main(["trace", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- role scores
+def previous_token_model(T=16):
+    """One layer, two heads. Head 1's weights are built to attend to the previous token:
+    wpe[p] is the one-hot e_p, W_q copies it and W_k shifts it by one position, so q_i · k_j is
+    large exactly when j = i - 1. Head 0 has zero weights: uniform attention."""
+    config = GPT2Config(n_vocab=256, n_ctx=T, n_embd=2 * T, n_head=2, n_layer=1, tokenizer="bytes")
+    model = GPT2(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if ".ln_" in name or "ln_f" in name else 0.0)
+        model.wpe.weight[:, :T] = torch.eye(T)
+        W = model.h[0].attn.c_attn.weight                   # [n_embd, 3·n_embd], q | k | v blocks
+        C, hd = config.n_embd, config.head_dim
+        for p in range(T):
+            W[p, hd + p] = 1.0                               # head 1 query: e_p
+            if p + 1 < hd:
+                W[p, C + hd + p + 1] = 1.0                   # head 1 key: e_{p+1}
+    return model
+
+
+def test_role_scores_identify_a_synthetic_previous_token_head():
+    model = previous_token_model()
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    w = attention_maps(model, idx)
+    assert w.shape == (1, 2, 2, 16, 16)
+    scores = role_scores(w)
+    assert scores["previous"][0, 1] > 0.9 and scores["previous"][0, 0] < 0.4
+    rows = strongest_heads(scores, top=1)
+    prev = next(r for r in rows if r["role"] == "previous-token")
+    assert (prev["layer"], prev["head"]) == (0, 1) and prev["score"] > 0.9
+    broad = next(r for r in rows if r["role"].startswith("broad"))
+    assert (broad["layer"], broad["head"]) == (0, 0)          # zero weights: uniform rows, entropy log(i+1)
+    assert scores["entropy_norm"][0, 0] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_role_scores_on_hand_made_maps():
+    T = 6
+    eye, prev, first = torch.eye(T), torch.zeros(T, T), torch.zeros(T, T)
+    prev[0, 0] = 1.0
+    prev[torch.arange(1, T), torch.arange(T - 1)] = 1.0
+    first[:, 0] = 1.0
+    w = torch.stack([eye, prev, first])[None, None]             # [1, 1, 3, T, T]
+    s = role_scores(w)
+    assert s["self"][0].tolist() == [1.0, 0.0, 0.0]
+    assert s["previous"][0].tolist() == [0.0, 1.0, pytest.approx(1 / (T - 1))]   # query 1's previous is key 0
+    assert s["first"][0].tolist() == [0.0, pytest.approx(1 / (T - 1)), 1.0]
+    assert s["entropy"][0].abs().max() < 1e-5
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        role_scores(torch.ones(1, 1, 1, 1, 1))
+
+
+# -------------------------------------------------------------------------------- heads
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    GPT2(GPT2Config.from_preset("tiny")).save_pretrained(str(d / "model"))   # 2 layers x 4 heads, n_ctx 64
+    return str(d / "model")
+
+
+def assert_grid_png(path, n_layer, n_head):
+    """The PNG decodes at the grid's size and every map cell holds a drawn map, not background."""
+    geo = grid_geometry(n_layer, n_head)
+    img = Image.open(path)
+    img.load()
+    assert img.size == (geo["width"], geo["height"])
+    px = torch.from_numpy(np.asarray(img.convert("L"), dtype=np.float32))   # [height, width]
+    for (l, h), (x0, y0, x1, y1) in geo["cells"].items():
+        cell = px[y0 + 8:y1 - 8, x0 + 8:x1 - 8]
+        assert cell.mean() < 200, (l, h)                     # viridis, not white
+    gap = px[geo["cells"][(0, 0)][3] + 4, :]                 # a row between layer 0 and layer 1
+    assert n_layer == 1 or gap[geo["cells"][(0, 0)][0] + 8:geo["cells"][(0, 0)][2] - 8].mean() > 250
+
+
+def test_heads_writes_grid_png_head_pngs_and_html(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "maps"
+    prompt = "To be, or not to be"
+    assert main(["heads", prompt, "--model", tiny_dir, "--layer", "1", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert_grid_png(out / "grid.png", 2, 4)
+    T = len(prompt.encode())
+    for h in range(4):                                       # --layer 1 alone selects all its heads
+        img = Image.open(out / f"layer1_head{h}.png")
+        assert img.size == head_geometry(T)
+    assert not (out / "layer0_head0.png").exists()
+    page = (out / "heads.html").read_text()
+    for l in range(2):
+        for h in range(4):
+            assert f'id="L{l}H{h}"' in page and f"layer {l} head {h}" in page
+    assert "data:image/png;base64," in page and "<script src" not in page and "http" not in page
+    data = json.loads(re.search(r"const D = (\{.*?\});\n", page).group(1).replace("<\\/", "</"))
+    assert data["labels"] == list(prompt.replace(" ", "\u2423"))          # token labels inlined, spaces shown
+    assert len(data["weights"]) == 2 and len(data["weights"][1]) == 4
+    assert all(abs(sum(row) - 1) < 1e-3 for row in data["weights"][1][3])  # one map, row = query
+    roles = re.findall(r"layer (\d) head (\d): (previous-token|first-token|self|broad \(high-entropy\)) head, "
+                       r"(\d\.\d\d)", text)
+    assert len(roles) == 4 * 3
+
+
+def test_heads_python_api_and_json(tiny_dir, tmp_path, capsys):
+    model = GPT2.from_pretrained(tiny_dir)
+    idx = torch.tensor([list(b"hello there"), list(b"general kenobi"[:11])])
+    w = attention_maps(model, idx)
+    assert w.shape == (2, 2, 4, 11, 11)
+    assert torch.allclose(w.sum(-1), torch.ones(2, 2, 4, 11), atol=1e-5)
+    assert (w.triu(1) == 0).all()                           # causal: no weight on later tokens
+    # the maps are the ones the model uses: its explicit path with weights reproduces its logits
+    logits = model(idx).logits
+    model.attn_impl = "explicit"
+    assert torch.allclose(model(idx).logits, logits, atol=1e-4)
+    assert main(["heads", "abcdefgh", "--model", tiny_dir, "--layer", "0", "--head", "2", "--out",
+                 str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["files"]["heads"] == [str(tmp_path / "layer0_head2.png")]
+    assert len(data["scores"]["previous"]) == 2 and len(data["scores"]["previous"][0]) == 4
+    assert data["tokens"] == list("abcdefgh")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["x" * 65], "context is n_ctx=64"),
+    (["hello", "--layer", "2"], "--layer 2 is out of range: the model has 2 layers"),
+    (["hello", "--head", "-1"], "--head -1 is out of range"),
+    (["a"], "at least 2 tokens"),
+])
+def test_heads_bad_input_exits_2(tiny_dir, tmp_path, argv, message, capsys):
+    assert main(["heads", *argv, "--model", tiny_dir, "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(DEFAULT_MODEL not in builtin_models(), reason=f"built-in model {DEFAULT_MODEL} not installed yet")
+def test_heads_on_the_builtin_model(tmp_path, capsys):
+    model = GPT2.from_pretrained(DEFAULT_MODEL)
+    L, H = model.config.n_layer, model.config.n_head
+    assert main(["heads", "ROMEO:\nBut soft, what light", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert_grid_png(tmp_path / "grid.png", L, H)
+    page = (tmp_path / "heads.html").read_text()
+    assert all(f'id="L{l}H{h}"' in page for l in range(L) for h in range(H))
+    assert "previous-token head" in text
+    heads = sorted(tmp_path.glob("layer*_head*.png"))
+    assert 1 <= len(heads) <= 4
+    for p in heads:
+        assert Image.open(p).size == head_geometry(len("ROMEO:\nBut soft, what light"))
