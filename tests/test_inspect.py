@@ -6,7 +6,6 @@ attend to the previous token, and PNG/HTML files read back from disk.
 """
 
 import json
-import math
 import re
 
 import numpy as np

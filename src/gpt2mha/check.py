@@ -273,8 +273,10 @@ class Layout:
     def describe(self) -> str:
         if self.kind == "fused":
             names = [self.qkv.name]
-        elif self.kind == "wrapper":
-            names = [f"{self.q[0].name.rsplit('.', 2)[0]}[{self.num_heads}].{{{', '.join(p.name.rsplit('.', 1)[-1] for p in (self.q[0], self.k[0], self.v[0]))}}}"]
+        elif self.kind == "wrapper":                               # e.g. heads[i].W_query for i < 4
+            container = self.q[0].name.split(".")[0]
+            names = [f"{container}[i].{p.name.rsplit('.', 1)[-1]}" for p in (self.q[0], self.k[0], self.v[0])]
+            names[-1] += f" for i < {self.num_heads}"
         else:
             names = [p[0].name for p in (self.q, self.k, self.v)]
         names.append(self.out.name if self.out else "no output projection")
@@ -417,7 +419,8 @@ def make_params(layout: Layout, gen: torch.Generator) -> RefParams:
     if layout.out is not None:
         Wo = w(d, d)
         bo = torch.randn(d, generator=gen) * 0.5 if layout.out.bias is not None else torch.zeros(d)
-    return RefParams(w(d, d_in), w(d, d_in), w(d, d_in), b(layout.q + qkv), b(layout.k + qkv), b(layout.v + qkv), Wo, bo)
+    return RefParams(w(d, d_in), w(d, d_in), w(d, d_in), b(layout.q + qkv), b(layout.k + qkv), b(layout.v + qkv),
+                     Wo, bo)
 
 
 def copy_params(layout: Layout, p: RefParams) -> None:
@@ -560,11 +563,11 @@ def _shape(t) -> tuple | None:
 def run_module(module: nn.Module, x: torch.Tensor, **kwargs) -> Run:
     """Run ``module(x, **kwargs)`` under no_grad with the recorder and forward hooks on every
     submodule. Exceptions are caught into :attr:`Run.error`."""
-    rec, calls, handles = Recorder(), [], []
-    for name, m in module.named_modules():
-        if name:
-            handles.append(m.register_forward_hook(
-                lambda mod, inp, out, name=name: calls.append((name, _shape(out[0] if isinstance(out, tuple) else out)))))
+    rec, calls = Recorder(), []
+    def hook(name):
+        return lambda mod, inp, out: calls.append((name, _shape(out[0] if isinstance(out, tuple) else out)))
+
+    handles = [m.register_forward_hook(hook(name)) for name, m in module.named_modules() if name]
     output = present = error = None
     try:
         with torch.no_grad(), rec:
@@ -574,7 +577,7 @@ def run_module(module: nn.Module, x: torch.Tensor, **kwargs) -> Run:
             output, present = result[0], (result[1] if len(result) > 1 else None)
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"forward returned {type(output).__name__}; expected a tensor or a (tensor, ...) tuple")
-    except Exception as e:
+    except (Exception, SystemExit) as e:   # the user's forward may raise anything
         error, output = e, None
     finally:
         for h in handles:
@@ -641,11 +644,14 @@ def _role_indices(ops: list[Op]) -> dict[str, int | None]:
     before = scores if scores is not None else (sdpa if sdpa is not None else len(ops))
     view = next((i for i, o in enumerate(ops[:before]) if o.name in VIEW_OPS and len(o.shape) == 4), None)
     trans = next((i for i, o in enumerate(ops[:before]) if o.name in TRANSPOSE_OPS and len(o.shape) == 4), None)
-    last = next((i for i in range(len(ops) - 2, -1, -1) if ops[i].name != "output"), None)
-    return {"input": 0, "projections": next((i for i, o in enumerate(ops) if o.on_param or o.name == "linear"), None),
+    merged = None
+    if contexts is not None:                       # the last 3-D op before the output projection (or the output)
+        out_proj = next((i for i in range(contexts + 1, len(ops)) if ops[i].on_param), None)
+        end = out_proj if out_proj is not None else len(ops) - (ops[-1].name == "output")
+        merged = next((i for i in range(end - 1, contexts, -1) if len(ops[i].shape) == 3), None)
+    return {"input": 0, "projections": next((i for i, o in enumerate(ops) if o.on_param), None),
             "view": view, "transpose": trans, "scores": scores, "weights": sm, "contexts": contexts,
-            "merged": last if contexts is not None and last is not None and last > contexts else None,
-            "output": len(ops) - 1 if ops[-1].name == "output" else None}
+            "merged": merged, "output": len(ops) - 1 if ops[-1].name == "output" else None}
 
 
 def stage_rows(layout: Layout, ref: dict, run: Run) -> list[StageRow]:
@@ -782,7 +788,7 @@ def _build(target, kwargs: dict, min_context: int) -> tuple[nn.Module, dict]:
     kwargs = constructor_kwargs(cls, kwargs, min_context)
     try:
         module = cls(**kwargs)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         raise CheckError(f"{cls.__name__}({args}) raised {type(e).__name__}: {e}{_where(e)}") from None
     return module.float().eval(), kwargs
@@ -845,7 +851,11 @@ def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: i
         report.notes.append(f"output shape {tuple(run.output.shape)} != expected {tuple(ref['output'].shape)}")
     _check_cache(module, layout, report, x, p, run, P, outputs)
     report.first_differing_stage = first_differing(report.stages)
-    ok = report.max_abs_error <= TOL and (report.cache_max_abs_error is None or report.cache_max_abs_error <= TOL)
+    if report.first_differing_stage is None and report.cache_stages:
+        cached = first_differing(report.cache_stages)
+        report.first_differing_stage = cached and f"{cached} (cached step)"
+    ok = outputs_ok = report.max_abs_error <= TOL and (report.cache_max_abs_error is None or
+                                                       report.cache_max_abs_error <= TOL)
     if layout.out is None and layout.kind != "wrapper":
         report.notes.append("the module has no output projection (out_proj / o_proj / c_proj); GPT-2's attention and "
                             "the book's MultiHeadAttention mix the heads with one")
@@ -853,7 +863,7 @@ def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: i
         ok = False
     if layout.out is not None and layout.out.name not in report.modules_called and not ok:
         report.notes.append(f"{layout.out.name} is defined but forward never called it")
-    if not ok and all(o is not None and o.shape == ref["output"].shape for o in outputs.values()):
+    if not outputs_ok and all(o is not None and o.shape == ref["output"].shape for o in outputs.values()):
         extra = diagnose_by_reproduction(x, p, layout, outputs, T, applicable_mistakes(layout, len(outputs) > 1))
         report.diagnoses += [m for m in extra if m not in report.diagnoses]
     if ok:

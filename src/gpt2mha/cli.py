@@ -170,9 +170,9 @@ def _add_inspect_commands(sub) -> None:
     tr.set_defaults(func=cmd_trace)
 
     hd = sub.add_parser("heads", help="attention maps of every layer and head, and head roles, for a prompt",
-                        description="Run the model on PROMPT through the explicit attention path and write OUT/grid.png "
-                                    "(every layer x head map), OUT/layer{L}_head{H}.png per selected head and "
-                                    "OUT/heads.html (self-contained). Prints the strongest heads per role: "
+                        description="Run the model on PROMPT through the explicit attention path and write "
+                                    "OUT/grid.png (every layer x head map), OUT/layer{L}_head{H}.png per selected "
+                                    "head and OUT/heads.html (self-contained). Prints the strongest heads per role: "
                                     "previous-token, first-token, self, broad (high entropy). Layers and heads "
                                     "are numbered from 0.")
     hd.add_argument("prompt", metavar="PROMPT")
@@ -207,6 +207,20 @@ def _add_inspect_commands(sub) -> None:
     ck.add_argument("--seed", type=int, default=0)
     ck.add_argument("--json", action="store_true", help="print one JSON object")
     ck.set_defaults(func=cmd_check)
+
+
+def cmd_bench(args) -> int:
+    from .bench import main_args
+
+    return main_args(args)
+
+
+def _add_bench_command(sub) -> None:
+    from .bench import add_arguments
+
+    b = sub.add_parser("bench", help="speed and memory against Hugging Face transformers on the same random weights")
+    add_arguments(b)
+    b.set_defaults(func=cmd_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     t.set_defaults(func=cmd_train)
     _add_inspect_commands(sub)
+    _add_bench_command(sub)
     return parser
 
 

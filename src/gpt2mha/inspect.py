@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import html
-import io
 import json
 import math
 import os
@@ -134,8 +133,9 @@ def trace(layout: str = "split", b: int = 2, T: int = 6, d_in: int = 768, d_out:
         ValueError: unknown layout, non-positive sizes, d_out not divisible by num_heads,
             or past + T > context_length.
     """
-    if d_out is None:
-        d_out = 768 // num_heads if layout == "wrapper" and num_heads > 0 and 768 % num_heads == 0 else 768
+    if d_out is None:            # GPT-2 small's width; the wrapper's heads share it (768 / 12 = 64 each)
+        wrapper = layout == "wrapper" and isinstance(num_heads, int) and num_heads > 0
+        d_out = max(1, 768 // num_heads) if wrapper else 768
     _check_trace_config(layout, b, T, d_in, d_out, num_heads, context_length, past)
     head_dim = d_out if layout == "wrapper" else d_out // num_heads
     config = dict(b=b, T=T, d_in=d_in, d_out=d_out, num_heads=num_heads, head_dim=head_dim,
@@ -489,7 +489,7 @@ def write_grid_png(weights: torch.Tensor, labels: list[str], path: str, title: s
         ax = fig.add_axes((x0 / W, 1 - y1 / Hpx, CELL / W, CELL / Hpx))
         ax.imshow(weights[l, 0, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
         ax.set_title(f"L{l} H{h}", fontsize=5, pad=1.5)
-        _tick_labels(ax, labels, x=l == L - 1, y=h == 0, fontsize=3.5, max_labels=32)
+        _tick_labels(ax, labels, x=l == L - 1, y=h == 0, fontsize=4.5, max_labels=16)
         ax.tick_params(length=1, pad=0.5)
     fig.suptitle(_mpl_text(title or "attention maps (rows: layers, columns: heads; row = query, column = key)"),
                  fontsize=6, y=1 - 12 / Hpx)
@@ -519,7 +519,7 @@ def write_head_png(weights: torch.Tensor, labels: list[str], layer: int, head: i
     ax = fig.add_axes((112 / W, 112 / H, side / W, side / H))
     im = ax.imshow(weights[layer, 0, head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto",
                    interpolation="nearest")
-    _tick_labels(ax, labels, x=True, y=True, fontsize=6 if T <= 48 else 4, max_labels=96)
+    _tick_labels(ax, labels, x=True, y=True, fontsize=6, max_labels=96)   # >= 16 px per label
     ax.set_xlabel("key token", fontsize=7)
     ax.set_ylabel("query token", fontsize=7)
     ax.set_title(f"layer {layer} head {head}", fontsize=8)
@@ -552,8 +552,8 @@ def write_html(result: HeadsResult, path: str, title: str = "attention heads", g
     for l in range(L):
         for h in range(H):
             s = {k: float(v[l, h]) for k, v in result.scores.items()}
-            score_rows.append(f"<tr><td>{l}</td><td>{h}</td><td>{s['previous']:.3f}</td><td>{s['first']:.3f}</td>"
-                              f"<td>{s['self']:.3f}</td><td>{s['entropy']:.3f}</td><td>{s['entropy_norm']:.3f}</td></tr>")
+            cells = "".join(f"<td>{s[k]:.3f}</td>" for k in ("previous", "first", "self", "entropy", "entropy_norm"))
+            score_rows.append(f"<tr><td>{l}</td><td>{h}</td>{cells}</tr>")
     strongest = html.escape(format_strongest(strongest_heads(result.scores, 3)))
     img = ""
     if grid_png:

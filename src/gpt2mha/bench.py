@@ -1,0 +1,592 @@
+"""``gpt2mha bench``: gpt2mha against Hugging Face transformers, side by side on the same weights.
+
+One process builds a random GPT-2 (124M by default) with transformers, saves it once with
+``save_pretrained`` into a temporary directory, loads it into both libraries and measures every
+figure of issue 6: greedy decode tokens/s (batch 1 and 8, same tokens checked), cache vs no
+cache, decode step time far into the context vs early, prefill time and peak memory, the
+attention sublayer alone, and bf16/fp16 decode with their top-1 agreement with fp32 on real text.
+
+How things are measured:
+
+* time: wall clock (``time.perf_counter``), one warm-up run, then the **median** of
+  ``repeats`` runs; tokens/s = batch × new tokens / seconds of a whole ``generate`` call
+  (prefill of the 4-token prompt included).
+* peak memory: PyTorch's CPU allocations are invisible to ``tracemalloc``, so each prefill runs
+  in a fresh subprocess that loads the model, warms up on 8 tokens, resets the kernel's
+  resident-set high-water mark (``/proc/self/clear_refs`` ← 5), runs the prefill and reports
+  ``VmHWM − VmRSS`` before it: the resident memory the prefill added at its peak (activations,
+  KV cache, allocator slack), the weights excluded. Linux only; elsewhere the column is empty.
+* top-1 agreement: teacher-forced, the argmax of the low-precision model's logits against the
+  fp32 model's at every position of real text (``data/tinyshakespeare.txt`` by default).
+
+transformers is a benchmark/test dependency only; it is imported inside the functions here.
+Run ``gpt2mha bench --quick`` for scaled-down sizes (well under 2 minutes), ``--json`` for one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCache
+from .model import GPT2, GPT2Config
+
+SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp")
+REPO_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "data", "tinyshakespeare.txt")
+
+
+@dataclass
+class Sizes:
+    """What each figure runs on (the full run is issue 6's; ``QUICK`` scales it down)."""
+
+    prompt: int = 4
+    new_tokens: int = 200                 # decode, cache vs no cache, low precision
+    batches: tuple[int, ...] = (1, 8)
+    nocache_tokens: int = 200
+    positions: tuple[int, int] = (100, 900)
+    position_steps: int = 20
+    prefill_tokens: int = 1024
+    attn_batch: int = 8
+    attn_tokens: int = 1024
+    agree_tokens: int = 2048              # real-text tokens scored for top-1 agreement
+    repeats: int = 3
+
+
+FULL = Sizes()
+QUICK = Sizes(new_tokens=32, nocache_tokens=32, position_steps=8, prefill_tokens=256, attn_batch=2,
+              attn_tokens=256, agree_tokens=512, repeats=2)
+
+
+def _require_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("error: gpt2mha bench compares against Hugging Face transformers, which is not "
+                         "installed; pip install transformers (a benchmark/test dependency only)") from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+# ------------------------------------------------------------------------------ the weights
+def random_checkpoint(directory: str, config: GPT2Config, seed: int = 0) -> str:
+    """Save a random ``GPT2LMHeadModel`` of ``config``'s sizes with transformers; returns the dir.
+
+    No bos/eos token is set, so greedy generation never stops early on either side.
+    """
+    transformers = _require_transformers()
+    torch.manual_seed(seed)
+    hf_config = transformers.GPT2Config(vocab_size=config.n_vocab, n_positions=config.n_ctx, n_embd=config.n_embd,
+                                        n_head=config.n_head, n_layer=config.n_layer, bos_token_id=None,
+                                        eos_token_id=None, pad_token_id=None)
+    model = transformers.GPT2LMHeadModel(hf_config).eval()
+    model.save_pretrained(directory)
+    with open(os.path.join(directory, "config.json")) as f:      # tell our loader which tokenizer
+        cfg = json.load(f)
+    cfg["gpt2mha"] = {"tokenizer": config.tokenizer}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return directory
+
+
+def load_ours(directory: str, dtype: torch.dtype = torch.float32) -> GPT2:
+    return GPT2.from_pretrained(directory, dtype=dtype)
+
+
+def load_hf(directory: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
+    transformers = _require_transformers()
+    return transformers.GPT2LMHeadModel.from_pretrained(directory, attn_implementation=attn, dtype=dtype).eval()
+
+
+# ------------------------------------------------------------------------------ timing
+def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _prompt(batch: int, length: int, n_vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, n_vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_greedy(hf, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """transformers ``generate``: greedy, KV cache on (``use_cache``), exactly ``new_tokens``."""
+    with torch.inference_mode():
+        return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+
+
+def ours_greedy(model: GPT2, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    return model.generate(idx, new_tokens, temperature=0)
+
+
+@torch.inference_mode()
+def greedy_without_cache(model: GPT2, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding that recomputes the whole sequence every step (no cache at all)."""
+    seq = idx
+    for _ in range(new_tokens):
+        logits = model(seq, last_only=True).logits[:, -1]                 # [B, n_vocab]
+        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+    return seq
+
+
+# ------------------------------------------------------------------------------ figures
+def row(figure, value, vs, unit, ratio=None, target=None, met=None, note=""):
+    """One table row: ``figure`` reads "A / B"; ``value`` is A, ``vs`` is B, ``ratio`` A / B."""
+    return dict(figure=figure, value=value, vs=vs, unit=unit, ratio=ratio, target=target, met=met, note=note)
+
+
+def _ratio_row(figure, value, vs, unit, target_min=None, target_max=None, note=""):
+    ratio = value / vs if value and vs else None
+    target, met = None, None
+    if target_min is not None:
+        target, met = f">= {target_min}", ratio is not None and ratio >= target_min
+    if target_max is not None:
+        target, met = f"<= {target_max}", ratio is not None and ratio <= target_max
+    return row(figure, value, vs, unit, ratio, target, met, note)
+
+
+def decode_speeds(ours: GPT2, hf, batch: int, sizes: Sizes) -> tuple[float, float, bool]:
+    """(gpt2mha tok/s, transformers tok/s, same greedy tokens) for one batch size. The first
+    call of each side (whose tokens are compared) is the warm-up."""
+    idx = _prompt(batch, sizes.prompt, ours.config.n_vocab, seed=batch)
+    same = torch.equal(ours_greedy(ours, idx, sizes.new_tokens), hf_greedy(hf, idx, sizes.new_tokens))
+    t_ours = median_seconds(lambda: ours_greedy(ours, idx, sizes.new_tokens), sizes.repeats, warmup=0)
+    t_hf = median_seconds(lambda: hf_greedy(hf, idx, sizes.new_tokens), sizes.repeats, warmup=0)
+    return batch * sizes.new_tokens / t_ours, batch * sizes.new_tokens / t_hf, same
+
+
+def bench_decode(ours: GPT2, hf, sizes: Sizes, log=print) -> tuple[list[dict], dict]:
+    """Decode tokens/s at each batch size, gpt2mha vs transformers ``generate`` (sdpa, use_cache)."""
+    rows, speeds = [], {}
+    for B in sizes.batches:
+        *speeds[B], same = decode_speeds(ours, hf, B, sizes)
+        rows.append(_ratio_row(f"decode tok/s, batch {B}, prompt {sizes.prompt}, {sizes.new_tokens} new: "
+                               f"gpt2mha / transformers generate (sdpa, use_cache)", *speeds[B], "tok/s",
+                               target_min=1.5,
+                               note=f"same greedy tokens: {'yes' if same else 'NO'}"))
+        log(rows[-1])
+    return rows, speeds
+
+
+def bench_cache(ours: GPT2, sizes: Sizes, log=print) -> list[dict]:
+    """Greedy decode with the static KV cache vs recomputing the whole sequence each step."""
+    idx = _prompt(1, sizes.prompt, ours.config.n_vocab)
+    n = sizes.nocache_tokens
+    same = torch.equal(ours_greedy(ours, idx, n), greedy_without_cache(ours, idx, n))
+    t_cache = median_seconds(lambda: ours_greedy(ours, idx, n), sizes.repeats)
+    t_none = median_seconds(lambda: greedy_without_cache(ours, idx, n), max(1, sizes.repeats - 1), warmup=0)
+    r = _ratio_row(f"decode tok/s, batch 1, {n} new: static KV cache / no cache (recompute all)",
+                   n / t_cache, n / t_none, "tok/s",
+                   target_min=5, note=f"same greedy tokens: {'yes' if same else 'NO'}")
+    log(r)
+    return [r]
+
+
+@torch.inference_mode()
+def step_time(model: GPT2, position: int, steps: int, batch: int = 1) -> float:
+    """Median time (s) of one single-token decode step with ``position`` tokens already cached."""
+    c = model.config
+    idx = _prompt(batch, position + steps, c.n_vocab)
+    cache = KVCache(c.n_layer, batch, c.n_head, position + steps, c.head_dim,
+                    dtype=next(model.parameters()).dtype)
+    model.step(idx[:, :position], cache)                                   # prefill
+    times = []
+    for t in range(position, position + steps):
+        t0 = time.perf_counter()
+        model.step(idx[:, t:t + 1], cache)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def bench_positions(ours: GPT2, sizes: Sizes, log=print) -> list[dict]:
+    """Decode step time near position ~900 vs near ~100 (the step should cost ~the same)."""
+    n_ctx = ours.config.n_ctx
+    early, late = (min(p, n_ctx - sizes.position_steps - 1) for p in sizes.positions)
+    step_time(ours, early, 3)                                              # warm up
+    t_early, t_late = step_time(ours, early, sizes.position_steps), step_time(ours, late, sizes.position_steps)
+    r = _ratio_row(f"decode step time, batch 1: at position ~{late} / at ~{early}", t_late * 1e3,
+                   t_early * 1e3, "ms", target_max=1.3)
+    log(r)
+    return [r]
+
+
+# ---- prefill: time in this process, peak memory in a fresh child per variant
+PREFILL_VARIANTS = ("gpt2mha fused", "gpt2mha explicit", "transformers sdpa", "transformers eager")
+
+
+def _load_variant(variant: str, directory: str):
+    if variant.startswith("gpt2mha"):
+        model = load_ours(directory)
+        model.attn_impl = "sdpa" if variant.endswith("fused") else "explicit"
+    else:
+        model = load_hf(directory, attn=variant.split()[-1])
+    return model
+
+
+@torch.inference_mode()
+def prefill(model, idx: torch.Tensor):
+    """Fill a KV cache with the whole prompt and return the last position's logits."""
+    if isinstance(model, GPT2):
+        c = model.config
+        cache = KVCache(c.n_layer, idx.shape[0], c.n_head, idx.shape[1], c.head_dim,
+                        dtype=next(model.parameters()).dtype)
+        return model.step(idx, cache)                                      # [B, 1, n_vocab]
+    return model(idx, use_cache=True, logits_to_keep=1).logits
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def prefill_peak_mb(variant: str, directory: str, tokens: int) -> float | None:
+    """Peak resident memory (MB) a prefill of ``tokens`` adds, measured in a fresh subprocess."""
+    if not sys.platform.startswith("linux"):
+        return None
+    cmd = [sys.executable, "-m", "gpt2mha.bench", "--memory-child", variant, "--checkpoint", directory,
+           "--tokens", str(tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory child for {variant!r} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
+
+
+def _memory_child(variant: str, directory: str, tokens: int) -> None:
+    model = _load_variant(variant, directory)
+    idx = _prompt(1, tokens, model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.n_vocab)
+    prefill(model, idx[:, :8])                                             # warm up: lazy buffers, kernels
+    gc.collect()
+    before = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:                          # reset VmHWM to VmRSS
+        f.write("5")
+    prefill(model, idx)
+    print(json.dumps({"peak_mb": (_status_kb("VmHWM") - before) / 1024}))
+
+
+def bench_prefill(directory: str, sizes: Sizes, log=print, memory: bool = True) -> list[dict]:
+    """Prefill of ``prefill_tokens`` (batch 1, last logits only): time and peak memory per variant."""
+    T = sizes.prefill_tokens
+    times, peaks = {}, {}
+    for variant in PREFILL_VARIANTS:
+        model = _load_variant(variant, directory)
+        n_vocab = model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.n_vocab
+        idx = _prompt(1, T, n_vocab)
+        times[variant] = median_seconds(lambda: prefill(model, idx), sizes.repeats)
+        del model
+        gc.collect()
+        peaks[variant] = prefill_peak_mb(variant, directory, T) if memory else None
+        log(f"prefill {variant}: {times[variant] * 1e3:.0f} ms, peak {peaks[variant]} MB")
+    f, e, hs = times["gpt2mha fused"], times["gpt2mha explicit"], times["transformers sdpa"]
+    rows = [
+        _ratio_row(f"prefill T={T} time: transformers sdpa / gpt2mha fused", hs * 1e3, f * 1e3, "ms",
+                   note=f"transformers eager {times['transformers eager'] * 1e3:.0f} ms"),
+        _ratio_row(f"prefill T={T} time: gpt2mha explicit / gpt2mha fused", e * 1e3, f * 1e3, "ms"),
+    ]
+    if memory:
+        pf, pe, ph = peaks["gpt2mha fused"], peaks["gpt2mha explicit"], peaks["transformers sdpa"]
+        rows.append(_ratio_row(f"prefill T={T} peak memory (RSS added): fused / explicit", pf, pe, "MB",
+                               target_max=0.6, note=f"transformers sdpa {ph:.0f} MB, eager "
+                                                    f"{peaks['transformers eager']:.0f} MB; KV cache included"))
+    for r in rows:
+        log(r)
+    return rows
+
+
+# ---- the attention sublayer alone
+def bare_core(attn, x: torch.Tensor) -> torch.Tensor:
+    """``c_attn`` + SDPA (causal) + ``c_proj`` and nothing else: the floor for the sublayer."""
+    B, T, C = x.shape
+    h, hd = attn.n_head, C // attn.n_head
+    qkv = torch.addmm(attn.c_attn.bias, x.view(B * T, C), attn.c_attn.weight)      # [B·T, 3C]
+    q, k, v = qkv.view(B, T, 3, h, hd).permute(2, 0, 3, 1, 4)                     # 3 × [B, h, T, hd]
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)                   # [B, h, T, hd]
+    y = torch.addmm(attn.c_proj.bias, a.transpose(1, 2).reshape(B * T, C), attn.c_proj.weight)
+    return y.view(B, T, C)
+
+
+def attention_variants(n_embd: int, n_head: int, T: int, seed: int = 0) -> dict:
+    """Same-weights attention sublayers: name → callable ``x [B, T, n_embd] → y``."""
+    from .attention import CausalSelfAttention
+
+    transformers = _require_transformers()
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    torch.manual_seed(seed)
+    ours = CausalSelfAttention(n_embd, n_head).eval()
+    with torch.no_grad():
+        ours.c_attn.bias.normal_(std=0.02)
+        ours.c_proj.bias.normal_(std=0.02)
+    fns = {"gpt2mha CausalSelfAttention (fused)": lambda x: ours(x)[0],
+           "bare c_attn + SDPA + c_proj": lambda x: bare_core(ours, x)}
+    try:
+        from .convert import fused_to_mha
+        book = fused_to_mha(ours, context_length=T, qkv_bias=True).eval()
+        fns["book MultiHeadAttention"] = lambda x: book(x)
+    except ImportError:
+        pass
+    mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None]   # additive causal mask
+    for impl in ("eager", "sdpa"):
+        cfg = transformers.GPT2Config(n_embd=n_embd, n_head=n_head, n_positions=T, attn_implementation=impl)
+        hf = GPT2Attention(cfg, layer_idx=0).eval()
+        with torch.no_grad():
+            for name in ("c_attn", "c_proj"):
+                getattr(hf, name).weight.copy_(getattr(ours, name).weight)
+                getattr(hf, name).bias.copy_(getattr(ours, name).bias)
+        fns[f"transformers GPT2Attention {impl}"] = (
+            (lambda x, hf=hf: hf(x, attention_mask=mask[..., :x.shape[1], :x.shape[1]])[0]) if impl == "eager"
+            else (lambda x, hf=hf: hf(x)[0]))
+    return fns
+
+
+def bench_attention(sizes: Sizes, n_embd: int = 768, n_head: int = 12, log=print) -> list[dict]:
+    B, T = sizes.attn_batch, sizes.attn_tokens
+    fns = attention_variants(n_embd, n_head, T)
+    x = torch.randn(B, T, n_embd, generator=torch.Generator().manual_seed(1))
+    times, agree = {}, {}
+    with torch.inference_mode():
+        ref = fns["bare c_attn + SDPA + c_proj"](x)
+        for name, fn in fns.items():
+            agree[name] = bool(torch.allclose(fn(x), ref, atol=1e-4, rtol=1e-4))
+            times[name] = median_seconds(lambda: fn(x), sizes.repeats)
+            log(f"attention {name}: {times[name] * 1e3:.1f} ms, same output {agree[name]}")
+    ours, core = times["gpt2mha CausalSelfAttention (fused)"], times["bare c_attn + SDPA + c_proj"]
+    shape = f"B={B}, T={T}, {n_head}x{n_embd // n_head}"
+    rows = [_ratio_row(f"attention sublayer {shape}: gpt2mha / bare fused core", ours * 1e3, core * 1e3, "ms",
+                       target_max=1.05)]
+    for name in fns:
+        if name.startswith(("book", "transformers")):
+            r = _ratio_row(f"attention sublayer {shape}: {name} / gpt2mha", times[name] * 1e3, ours * 1e3, "ms",
+                           target_min=2 if name.startswith("book") else None,
+                           note="" if agree[name] else "OUTPUT DIFFERS")
+            rows.append(r)
+    for r in rows:
+        log(r)
+    return rows
+
+
+# ---- low precision
+def real_text_tokens(config: GPT2Config, n_tokens: int, path: str | None = None) -> torch.Tensor | None:
+    """The first ``n_tokens`` tokens of real text (tinyshakespeare by default) in the model's tokenizer."""
+    from .tokenizer import get_tokenizer
+
+    path = path or REPO_TEXT
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read(n_tokens * 8)
+    ids = get_tokenizer(config.tokenizer).encode(text)[:n_tokens]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.inference_mode()
+def top1_agreement(reference: GPT2, other: GPT2, tokens: torch.Tensor) -> float:
+    """Fraction of positions where ``other``'s argmax equals ``reference``'s (teacher forcing,
+    windows of n_ctx tokens)."""
+    n_ctx = reference.config.n_ctx
+    same = total = 0
+    for start in range(0, len(tokens), n_ctx):
+        window = tokens[start:start + n_ctx][None]
+        a = reference(window).logits.argmax(-1)
+        b = other(window).logits.argmax(-1)
+        same += int((a == b).sum())
+        total += a.numel()
+    return same / total
+
+
+def bench_low_precision(directory: str, ours32: GPT2, speeds: dict, sizes: Sizes, text: str | None = None,
+                        log=print) -> list[dict]:
+    """bf16 and fp16 decode tokens/s (batch 1) against fp32, with top-1 agreement on real text."""
+    rows = []
+    idx = _prompt(1, sizes.prompt, ours32.config.n_vocab, seed=1)
+    tokens = real_text_tokens(ours32.config, sizes.agree_tokens, text)
+    ours_fp32, hf_fp32 = speeds[1]
+    greedy32 = ours_greedy(ours32, idx, sizes.new_tokens)
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        model = load_ours(directory, dtype)
+        greedy_lp = ours_greedy(model, idx, sizes.new_tokens)
+        t = median_seconds(lambda: ours_greedy(model, idx, sizes.new_tokens), sizes.repeats)
+        tok_s = sizes.new_tokens / t
+        agree = top1_agreement(ours32, model, tokens) if tokens is not None else None
+        n_same = int((greedy32 == greedy_lp).all(0).long().cumprod(0).sum()) - sizes.prompt
+        new = [_ratio_row(f"decode tok/s, batch 1: gpt2mha {name} / transformers float32", tok_s, hf_fp32,
+                               "tok/s", target_min=2.5 if dtype == torch.bfloat16 else None,
+                               note=f"gpt2mha float32 {ours_fp32:.1f} tok/s; greedy tokens equal to float32 "
+                                    f"for the first {n_same}/{sizes.new_tokens}")]
+        if agree is not None:
+            new.append(row(f"top-1 agreement, gpt2mha {name} with float32 (random weights, real text)", agree,
+                            None, "fraction", target=">= 0.99" if dtype == torch.bfloat16 else None,
+                            met=agree >= 0.99 if dtype == torch.bfloat16 else None,
+                            note=f"{len(tokens)} tokens; random weights give flat, easily flipped predictions"))
+        for r in new:
+            log(r)
+        rows += new
+        del model
+    rows += builtin_agreement(text, log=log)
+    return rows
+
+
+def builtin_agreement(text: str | None = None, log=print) -> list[dict]:
+    """bf16/fp16 top-1 agreement of the built-in (trained) model with its fp32 self on real text."""
+    from . import DEFAULT_MODEL
+    from .checkpoints import builtin_models
+
+    if DEFAULT_MODEL not in builtin_models():
+        return []
+    ref = GPT2.from_pretrained(DEFAULT_MODEL)
+    tokens = real_text_tokens(ref.config, 4 * ref.config.n_ctx, text)
+    if tokens is None:
+        return []
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        agree = top1_agreement(ref, GPT2.from_pretrained(DEFAULT_MODEL, dtype=dtype), tokens)
+        name = str(dtype).removeprefix("torch.")
+        rows.append(row(f"{name} top-1 agreement with fp32, built-in {DEFAULT_MODEL} on real text", agree, None,
+                        "fraction", target=">= 0.99", met=agree >= 0.99, note=f"{len(tokens)} tokens"))
+        log(rows[-1])
+    return rows
+
+
+# ------------------------------------------------------------------------------ the run
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        import transformers
+        tv = transformers.__version__
+    except ImportError:
+        tv = None
+    return dict(cpu=cpu, cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
+                transformers=tv, python=platform.python_version())
+
+
+def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str | None = None, log=print,
+        config: GPT2Config | None = None, memory: bool = True, sizes: Sizes | None = None) -> dict:
+    """Run the chosen sections; returns ``{"machine", "preset", "quick", "sizes", "rows"}``.
+
+    ``config`` (default: the preset's) and ``sizes`` (default: FULL or QUICK) override the
+    sizes, e.g. for a seconds-long run on a tiny model in the tests.
+    """
+    _require_transformers()
+    sizes = sizes or (QUICK if quick else FULL)
+    config = config or GPT2Config.from_preset(preset)
+    sizes = dataclasses.replace(sizes, prefill_tokens=min(sizes.prefill_tokens, config.n_ctx),
+                                attn_tokens=min(sizes.attn_tokens, config.n_ctx),
+                                new_tokens=min(sizes.new_tokens, config.n_ctx - sizes.prompt),
+                                nocache_tokens=min(sizes.nocache_tokens, config.n_ctx - sizes.prompt))
+    rows, speeds = [], {}
+    with tempfile.TemporaryDirectory(prefix="gpt2mha-bench-") as tmp:
+        directory = random_checkpoint(os.path.join(tmp, "ckpt"), config)
+        if {"decode", "cache", "positions", "lowp"} & set(sections):
+            ours = load_ours(directory)
+            if "decode" in sections:
+                hf = load_hf(directory)
+                r, speeds = bench_decode(ours, hf, sizes, log)
+                rows += r
+                del hf
+            if "cache" in sections:
+                rows += bench_cache(ours, sizes, log)
+            if "positions" in sections:
+                rows += bench_positions(ours, sizes, log)
+            if "lowp" in sections:
+                if 1 not in speeds:                            # the fp32 batch-1 speeds to compare with
+                    speeds[1] = decode_speeds(ours, load_hf(directory), 1, sizes)[:2]
+                rows += bench_low_precision(directory, ours, speeds, sizes, text, log)
+            del ours
+            gc.collect()
+        if "prefill" in sections:
+            rows += bench_prefill(directory, sizes, log, memory=memory)
+        if "attention" in sections:
+            rows += bench_attention(sizes, config.n_embd, config.n_head, log)
+    return dict(machine=machine(), preset=preset, quick=quick, sizes=dataclasses.asdict(sizes), rows=rows)
+
+
+def _fmt(v, unit=""):
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if unit == "fraction":
+        return f"{v:.2%}"
+    return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+
+
+def format_table(result: dict) -> str:
+    """A Markdown table of the rows (medians; ratio as the target reads it)."""
+    m = result["machine"]
+    lines = [f"machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, "
+             f"transformers {m['transformers']}, Python {m['python']}; preset {result['preset']}"
+             f"{' (quick sizes)' if result['quick'] else ''}", "",
+             "| figure (A / B) | A | B | unit | ratio A/B | target | met | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['figure']} | {_fmt(r['value'], r['unit'])} | {_fmt(r['vs'], r['unit'])} | "
+                     f"{r['unit']} | {_fmt(r['ratio'])} | {r['target'] or '-'} | {_fmt(r['met'])} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="scaled-down sizes (under 2 minutes)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--preset", default="124M", help="model size preset for the random weights (default 124M)")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="real text for top-1 agreement (default: the repo's data/tinyshakespeare.txt)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+
+
+def main_args(args) -> int:
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad:
+        raise ValueError(f"--only: unknown section(s) {bad}; expected some of {list(SECTIONS)}")
+    def log(*a):                                               # progress on stderr, results on stdout
+        print(*a, file=sys.stderr, flush=True)
+    result = run(args.preset, args.quick, sections, args.text, log=log, memory=not args.no_memory)
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpt2mha.bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        _memory_child(args.memory_child, args.checkpoint, args.tokens)
+        return 0
+    return main_args(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
