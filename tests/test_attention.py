@@ -141,3 +141,18 @@ def test_bad_inputs_name_the_argument():
         attn(torch.randn(2, 5, 32), past=torch.randn(2, 2, 3, 4, 8))
     with pytest.raises(ValueError, match="attn_impl"):
         CausalSelfAttention(32, 4, attn_impl="flash")
+
+
+def test_query_with_no_allowed_key_reads_nothing_on_both_paths():
+    torch.manual_seed(5)
+    attn = CausalSelfAttention(16, 2).eval()
+    x = torch.randn(1, 4, 16)
+    mask = attention_mask(4, 4).clone()
+    mask[1] = False                                      # row 1 may read no key at all
+    outs = {}
+    for impl in ("sdpa", "explicit"):
+        attn.attn_impl = impl
+        outs[impl] = attn(x, attn_mask=mask)[0]
+    torch.testing.assert_close(outs["explicit"], outs["sdpa"], atol=1e-5, rtol=1e-5)
+    _, _, w = attn(x, attn_mask=mask, need_weights=True)
+    assert (w[:, :, 1] == 0).all()                       # in particular no weight on future keys

@@ -142,3 +142,50 @@ def test_wrong_dtype_and_inf_are_named(hf_checkpoint):
         GPT2.from_pretrained(path)
     assert "h.1.ln_2.bias: dtype torch.int32 is not a floating-point type" in str(e.value)
     assert "h.0.mlp.c_proj.weight: contains NaN or inf" in str(e.value)
+
+
+def test_duplicate_spellings_odd_configs_and_overflow(hf_checkpoint, tmp_path):
+    hf, path = hf_checkpoint
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    dup = dict(sd, **{"ln_f.bias": sd["transformer.ln_f.bias"] + 1})
+    save_file(dup, f)
+    with pytest.raises(CheckpointError, match="ln_f.bias appears twice"):
+        GPT2.from_pretrained(path)
+    save_file(sd, f)
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_path))
+    for change, needle in [({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon='1e-5' must be a number"),
+                           ({"attn_pdrop": None}, "attn_pdrop=None"), ({"gpt2mha": "x"}, "'gpt2mha' must be an object")]:
+        json.dump({**cfg, **change}, open(cfg_path, "w"))
+        with pytest.raises(CheckpointError, match=needle):
+            GPT2.from_pretrained(path)
+    old = {k: v for k, v in cfg.items() if k != "n_positions"}       # older configs say n_ctx
+    json.dump({**old, "n_ctx": cfg["n_positions"]}, open(cfg_path, "w"))
+    assert GPT2.from_pretrained(path).config.n_ctx == cfg["n_positions"]
+    sd["transformer.h.0.ln_1.bias"][0] = 1e6                         # finite in fp32, inf in fp16
+    save_file(sd, f)
+    with pytest.raises(CheckpointError, match="h.0.ln_1.bias overflow torch.float16"):
+        load_pretrained(path, dtype=torch.float16)
+
+
+def test_a_user_config_that_only_mentions_gpt2mha_is_not_ours(tmp_path):
+    (tmp_path / "config.json").write_text('"this is not gpt2mha\'s"')
+    (tmp_path / "model.safetensors").write_bytes(b"user data")
+    with pytest.raises(FileExistsError):
+        GPT2(GPT2Config.from_preset("tiny")).save_pretrained(str(tmp_path))
+    assert (tmp_path / "model.safetensors").read_bytes() == b"user data"
+
+
+def test_local_directory_wins_over_a_builtin_name(tmp_path, monkeypatch, hf_checkpoint):
+    import gpt2mha.checkpoints as ck
+
+    hf, path = hf_checkpoint
+    builtin = tmp_path / "models" / "same-name"
+    builtin.mkdir(parents=True)
+    GPT2(GPT2Config.from_preset("tiny")).save_pretrained(str(builtin))
+    monkeypatch.setattr(ck, "MODELS_DIR", str(tmp_path / "models"))
+    assert GPT2.from_pretrained("same-name").config.n_vocab == 256         # the built-in one
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(path, tmp_path / "same-name")
+    assert GPT2.from_pretrained("same-name").config.n_vocab == 300         # ./same-name wins

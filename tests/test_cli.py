@@ -71,3 +71,28 @@ def test_perplexity_json_matches_direct_cross_entropy(byte_model, tmp_path, caps
     assert result["tokens"] == len(ids) - 1 and result["bytes"] == len(text.encode())
     assert result["loss_per_token"] == pytest.approx(nats / (len(ids) - 1), rel=1e-5)
     assert result["bits_per_byte"] == pytest.approx(nats / (len(text.encode()) * 0.6931471805599453), rel=1e-5)
+
+
+def test_perplexity_reads_the_exact_bytes_and_names_bad_files(byte_model, tmp_path, capsys):
+    crlf, lf = tmp_path / "crlf.txt", tmp_path / "lf.txt"
+    crlf.write_bytes(b"hello\r\nworld\r\n" * 3)
+    lf.write_bytes(b"hello\nworld\n" * 3)
+    results = []
+    for f in (crlf, lf):
+        assert main(["perplexity", str(f), "--model", byte_model, "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    assert results[0]["bytes"] == 42 and results[1]["bytes"] == 36
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfeabc")
+    assert main(["perplexity", str(bad), "--model", byte_model]) == 2
+    assert f"FILE={str(bad)!r} is not UTF-8" in capsys.readouterr().err
+
+
+def test_generate_errors_do_not_echo_the_prompt_and_vocab_mismatch_is_clear(byte_model, tmp_path, capsys):
+    assert main(["generate", "xyz", "--model", byte_model, "--max-new-tokens", "1000"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "n_ctx=64" in captured.err
+    torch.manual_seed(0)
+    GPT2(GPT2Config(n_vocab=1000, n_ctx=32, n_embd=16, n_head=2, n_layer=1)).save_pretrained(str(tmp_path / "v"))
+    assert main(["generate", "hi", "--model", str(tmp_path / "v")]) == 2
+    assert "n_vocab=1000, fewer ids than its tokenizer 'gpt2'" in capsys.readouterr().err

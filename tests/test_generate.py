@@ -93,3 +93,28 @@ def test_sliding_window_conditions_on_last_n_ctx_tokens():
         for _ in range(6):
             seq = torch.cat([seq, m(seq[:, -32:]).logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, seq)
+
+
+def test_sliding_window_accepts_a_prompt_longer_than_n_ctx():
+    m = model(4)
+    idx = torch.randint(0, 50, (1, 40))
+    out = m.generate(idx, 3, temperature=0, sliding_window=True)
+    seq = idx
+    with torch.no_grad():
+        for _ in range(3):
+            seq = torch.cat([seq, m(seq[:, -32:]).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+
+
+def test_right_padding_bad_seed_and_vocab_limit():
+    m = model(5)
+    with pytest.raises(ValueError, match=r"rows \[0\] end in padding"):
+        m.generate(torch.tensor([[5, 6, 0, 0], [1, 2, 3, 4]]), 2,
+                   attention_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
+    for seed in (1.5, -1, 2**64):
+        with pytest.raises(ValueError, match="seed="):
+            m.generate(torch.tensor([[1, 2]]), 2, seed=seed)
+    with pytest.raises(ValueError, match="token ids in \\[0, n_vocab=50\\)"):
+        m.generate(torch.tensor([[1, 50]]), 0)
+    out = m.generate(torch.tensor([[1, 2]] * 8), 20, temperature=5.0, seed=0, vocab_size=3)
+    assert int(out[:, 2:].max()) < 3

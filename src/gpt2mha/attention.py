@@ -40,8 +40,8 @@ def attention_mask(nd: int, ns: int, *, device: torch.device | str | None = None
 
     Source: ``attention_mask`` in openai/gpt-2 ``src/model.py``.
     """
-    if nd < 1 or ns < nd:
-        raise ValueError(f"attention_mask needs 1 <= nd <= ns, got nd={nd}, ns={ns}")
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in (nd, ns)) or nd < 1 or ns < nd:
+        raise ValueError(f"attention_mask needs integers 1 <= nd <= ns, got nd={nd!r}, ns={ns!r}")
     i = torch.arange(nd, device=device)[:, None]
     j = torch.arange(ns, device=device)
     return i >= j - ns + nd
@@ -104,6 +104,7 @@ def attend_explicit(
     w = w - w.amax(dim=-1, keepdim=True)                       # max-subtracted softmax
     w = w.exp()
     w = w / w.sum(dim=-1, keepdim=True)                        # masked keys get exactly 0
+    w = w * mask.any(dim=-1, keepdim=True)                     # a query with no key reads nothing (as SDPA)
     w_drop = F.dropout(w, dropout_p, training)
     a = (w_drop @ v.to(acc)).to(v.dtype)                       # [B, h, T, head_dim]
     return a, w
@@ -186,8 +187,12 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, attn_pdrop: float = 0.0, resid_pdrop: float = 0.0,
                  attn_impl: str = "sdpa"):
         super().__init__()
-        if n_head <= 0 or n_embd <= 0:
-            raise ValueError(f"n_embd={n_embd} and n_head={n_head} must both be positive")
+        for name, value in (("n_embd", n_embd), ("n_head", n_head)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name, value in (("attn_pdrop", attn_pdrop), ("resid_pdrop", resid_pdrop)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name}={value} must be in [0, 1)")
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
         if attn_impl not in ATTN_IMPLS:

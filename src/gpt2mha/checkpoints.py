@@ -47,6 +47,8 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> GPT2Config:
     """
     if cfg.get("model_type", "gpt2") != "gpt2":
         raise CheckpointError(f"{source}: model_type={cfg.get('model_type')!r}; only 'gpt2' checkpoints are supported")
+    if "n_positions" not in cfg and "n_ctx" in cfg:               # older configs spell it n_ctx
+        cfg = {**cfg, "n_positions": cfg["n_ctx"]}
     missing = [k for k in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer") if k not in cfg]
     if missing:
         raise CheckpointError(f"{source}: missing {', '.join(missing)}")
@@ -60,12 +62,18 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> GPT2Config:
     if cfg.get("tie_word_embeddings") is False:
         raise CheckpointError(f"{source}: tie_word_embeddings=false; GPT-2's LM head is tied to wte")
     extra = cfg.get("gpt2mha", {})
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"{source}: 'gpt2mha' must be an object, got {extra!r}")
+    floats = {"embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "layer_norm_epsilon": 1e-5}
+    values = {k: cfg.get(k, default) for k, default in floats.items()}
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise CheckpointError(f"{source}: {k}={v!r} must be a number")
     try:
         return GPT2Config(
             n_vocab=cfg["vocab_size"], n_ctx=cfg["n_positions"], n_embd=cfg["n_embd"], n_head=cfg["n_head"],
-            n_layer=cfg["n_layer"], embd_pdrop=cfg.get("embd_pdrop", 0.0), attn_pdrop=cfg.get("attn_pdrop", 0.0),
-            resid_pdrop=cfg.get("resid_pdrop", 0.0), layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
-            tokenizer=extra.get("tokenizer", "gpt2" if cfg["vocab_size"] >= 50257 else "bytes"))
+            n_layer=cfg["n_layer"], tokenizer=extra.get("tokenizer", "bytes" if cfg["vocab_size"] == 256 else "gpt2"),
+            **values)
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
 
@@ -111,14 +119,21 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-def normalize_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the ``transformer.`` prefix, the legacy attention buffers and a tied ``lm_head.weight``."""
+def normalize_keys(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[str, torch.Tensor]:
+    """Drop the ``transformer.`` prefix, the legacy attention buffers and a tied ``lm_head.weight``.
+
+    Raises:
+        CheckpointError: a tensor present under both spellings.
+    """
     out = {}
     for key, t in sd.items():
-        key = key.removeprefix("transformer.")
-        if key.endswith(IGNORED_SUFFIXES) or key == "lm_head.weight":
+        short = key.removeprefix("transformer.")
+        if short.endswith(IGNORED_SUFFIXES) or short == "lm_head.weight":
             continue
-        out[key] = t
+        if short in out:
+            raise CheckpointError(f"{source}: tensor {short} appears twice (as {short} and transformer.{short}); "
+                                  f"refusing to guess which one is meant")
+        out[short] = t
     return out
 
 
@@ -147,19 +162,19 @@ def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> N
 
 # ---------------------------------------------------------------------------------- resolve
 def resolve(name_or_dir: str) -> str:
-    """A built-in name, a local directory or a hub id → a local directory with config.json.
+    """A local directory, a built-in name or a hub id (in that order) → a local directory.
 
     Raises:
         CheckpointError: a directory without config.json, a path that does not exist, or a
             hub id that cannot be downloaded (offline: the message says how to use a local copy).
     """
-    if name_or_dir in builtin_models():
-        return os.path.join(MODELS_DIR, name_or_dir)
     if os.path.isdir(name_or_dir):
         if not os.path.isfile(os.path.join(name_or_dir, CONFIG_NAME)):
             raise CheckpointError(f"{name_or_dir}: no {CONFIG_NAME} in this directory; expected a Hugging Face "
                                   f"GPT-2 checkpoint ({CONFIG_NAME} + {WEIGHTS_NAME})")
         return name_or_dir
+    if name_or_dir in builtin_models():
+        return os.path.join(MODELS_DIR, name_or_dir)
     looks_like_path = name_or_dir.startswith((".", "/", "~")) or os.sep + os.sep in name_or_dir or os.path.exists(name_or_dir)
     if looks_like_path or name_or_dir.count("/") > 1 or not name_or_dir:
         raise CheckpointError(f"model={name_or_dir!r} is not a directory, a built-in model "
@@ -220,11 +235,17 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         if os.path.isfile(weights_path):
             break
     else:
-        raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {LEGACY_WEIGHTS_NAME}) next to {CONFIG_NAME}")
-    sd = normalize_keys(read_state_dict(weights_path))
+        sharded = os.path.isfile(os.path.join(directory, WEIGHTS_NAME + ".index.json"))
+        raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {LEGACY_WEIGHTS_NAME}) next to {CONFIG_NAME}"
+                              + ("; sharded checkpoints are not supported: re-save as one file" if sharded else ""))
+    sd = normalize_keys(read_state_dict(weights_path), weights_path)
     with torch.device("meta"):
         model = model_cls(config)
     check_state_dict(model, sd, weights_path)
+    if dtype != torch.float32:
+        overflow = [k for k, v in sd.items() if not torch.isfinite(v.to(dtype)).all()]
+        if overflow:
+            raise CheckpointError(f"{weights_path}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
     model = model.to_empty(device="cpu")
     model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
     return model.to(dtype).eval()
@@ -234,9 +255,10 @@ def is_checkpoint_dir(directory: str) -> bool:
     """True if ``directory`` holds a checkpoint written by gpt2mha (config.json with our marker)."""
     try:
         with open(os.path.join(directory, CONFIG_NAME)) as f:
-            return "gpt2mha" in json.load(f)
+            cfg = json.load(f)
     except (OSError, ValueError):
         return False
+    return isinstance(cfg, dict) and isinstance(cfg.get("gpt2mha"), dict)
 
 
 def save_pretrained(model: GPT2, directory: str, overwrite: bool = False) -> None:

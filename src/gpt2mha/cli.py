@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -35,38 +36,50 @@ def cmd_generate(args) -> int:
     import torch
 
     from .generate import check_sampling
-    from .tokenizer import StreamDecoder, get_tokenizer
+    from .tokenizer import StreamDecoder, tokenizer_for
 
     check_sampling(args.temperature, args.top_k, args.top_p)
     if args.prompt == "":
         raise ValueError("PROMPT is empty; give at least one character to continue")
     model = load_model(args.model, args.dtype)
-    tok = get_tokenizer(model.config.tokenizer)
-    idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
-    stream = StreamDecoder(tok)
-    out = sys.stdout
-    out.write(args.prompt)
-    out.flush()
+    tok = tokenizer_for(model.config)
+    try:
+        idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
+    except UnicodeError:
+        raise ValueError("PROMPT is not valid UTF-8 text") from None
+    stream, out, started = StreamDecoder(tok), sys.stdout, []
 
     def on_token(token):
+        if not started:                       # the prompt is echoed once the arguments have held up
+            out.write(args.prompt)
+            started.append(True)
         out.write(stream.push(token.tolist()))
         out.flush()
 
     model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
-                   sliding_window=args.sliding_window, on_token=on_token)
-    out.write(stream.flush() + "\n")
+                   sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
+    out.write(("" if started else args.prompt) + stream.flush() + "\n")
     return 0
+
+
+def read_text(path: str) -> str:
+    """A file's exact text (no newline translation). Raises ValueError naming FILE."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"FILE={path!r}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"FILE={path!r} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
 
 
 def cmd_perplexity(args) -> int:
     from .evaluate import perplexity
 
-    try:
-        with open(args.file, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ValueError(f"FILE={args.file!r}: {e.strerror}") from None
+    text = read_text(args.file)
     model = load_model(args.model)
     result = perplexity(model, text, stride=args.stride)
     if args.json:
@@ -281,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:                   # e.g. `gpt2mha generate ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .tokenizer import get_tokenizer
+from .tokenizer import tokenizer_for
 
 
 @dataclass
@@ -52,7 +52,7 @@ def perplexity(model, text: str, stride: int | None = None) -> PerplexityResult:
     stride = n_ctx // 2 if stride is None else stride
     if not 1 <= stride <= n_ctx:
         raise ValueError(f"stride={stride} must be in [1, n_ctx={n_ctx}]")
-    ids = torch.tensor(get_tokenizer(model.config.tokenizer).encode(text), dtype=torch.long)
+    ids = torch.tensor(tokenizer_for(model.config).encode(text), dtype=torch.long)
     if ids.numel() < 2:
         raise ValueError(f"text encodes to {ids.numel()} token(s); need at least 2 to measure perplexity")
     total_nats, prev, N = 0.0, 1, ids.numel()                  # prev: next target index to score

@@ -84,7 +84,8 @@ def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Ten
 def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, eos_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, sliding_window: bool = False,
-             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+             on_token: Callable[[torch.Tensor], None] | None = None,
+             vocab_size: int | None = None) -> torch.Tensor:
     """Sample ``max_new_tokens`` tokens after ``idx``.
 
     Args:
@@ -97,16 +98,20 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         seed: seeds a private generator, so the same call gives the same tokens.
         eos_token_id: once a row emits it, the row is finished and keeps emitting it; the loop
             stops early when every row is finished (the result is still padded to full length).
-        sliding_window: allow ``T + max_new_tokens > n_ctx`` by conditioning each step on the
-            last n_ctx tokens only (positions restart at 0 for that window; slower, no cache).
+        sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)
+            by conditioning each step on the last n_ctx tokens only (positions restart at 0 for
+            that window; slower once the window slides: no cache).
         on_token: called with each step's new ids ``[B]`` as soon as they are sampled.
+        vocab_size: sample only ids below it (for embeddings padded past the tokenizer's
+            vocabulary, e.g. nanoGPT's 50304 rows for GPT-2's 50257 ids).
 
     Returns:
         ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens.
 
     Raises:
-        ValueError: bad sampling arguments, a negative max_new_tokens, or a prompt plus new
-            tokens longer than n_ctx without ``sliding_window``, before any work is done.
+        ValueError: bad sampling arguments, a negative max_new_tokens, a bad seed, ids outside
+            the vocabulary, a right-padded row, or a prompt plus new tokens longer than n_ctx
+            without ``sliding_window``, before any work is done.
     """
     check_sampling(temperature, top_k, top_p)
     if isinstance(idx, (list, tuple)):
@@ -118,13 +123,25 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         raise ValueError(f"max_new_tokens={max_new_tokens} must be an integer >= 0")
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] == 0:
         raise ValueError("idx must be a non-empty [B, T] tensor of token ids (an empty prompt cannot be continued)")
+    if idx.dtype not in (torch.int64, torch.int32) or int(idx.min()) < 0 or int(idx.max()) >= model.config.n_vocab:
+        raise ValueError(f"idx must hold int64 token ids in [0, n_vocab={model.config.n_vocab}); "
+                         f"got dtype {idx.dtype}, values {idx.min().item()} … {idx.max().item()}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ValueError(f"seed={seed!r} must be an integer in [0, 2**63)")
+    if vocab_size is not None and not 0 < vocab_size <= model.config.n_vocab:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={model.config.n_vocab}]")
     n_ctx = model.config.n_ctx
     B, T = idx.shape
     if T + max_new_tokens > n_ctx and not sliding_window:
         raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "
                          f"n_ctx={n_ctx}; shorten the prompt, lower max_new_tokens, or use sliding_window=True")
-    if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, T={T}]")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, T={T}]")
+        if not bool(attention_mask[:, -1].bool().all()):
+            rows = torch.nonzero(~attention_mask[:, -1].bool()).flatten().tolist()
+            raise ValueError(f"attention_mask: rows {rows} end in padding; generation needs left padding "
+                             f"(pads first, every row's last token real)")
     generator = torch.Generator(device=idx.device).manual_seed(seed) if seed is not None else None
     if max_new_tokens == 0:
         return idx.clone()
@@ -139,10 +156,12 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     p = next(model.parameters())
     cache = KVCache(model.config.n_layer, B, model.config.n_head, min(n_ctx, T + max_new_tokens),
                     model.config.head_dim, dtype=p.dtype, device=p.device)
-    logits = model(idx, attention_mask=None if mask is None else mask[:, :T], cache=cache, last_only=True).logits
+    start = max(0, T - n_ctx)                                  # > 0 only for a sliding window
+    logits = model(idx[:, start:], attention_mask=None if mask is None else mask[:, start:T], cache=cache,
+                   last_only=True).logits
     for step in range(max_new_tokens):
         pos = T + step                                         # index of the token being chosen
-        token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+        token = sample_next(logits[:, -1, :vocab_size], temperature, top_k, top_p, generator)
         if eos_token_id is not None:
             token = torch.where(finished, eos_token_id, token)
             finished |= token == eos_token_id

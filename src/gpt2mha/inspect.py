@@ -381,11 +381,11 @@ def analyse_heads(model, prompt: str) -> HeadsResult:
     Raises:
         ValueError: empty prompt, fewer than 2 tokens, or more tokens than the context.
     """
-    from .tokenizer import get_tokenizer
+    from .tokenizer import tokenizer_for
 
     if not prompt:
         raise ValueError("PROMPT is empty; give at least two tokens of text")
-    tok = get_tokenizer(model.config.tokenizer)
+    tok = tokenizer_for(model.config)
     ids = tok.encode(prompt)
     if len(ids) < 2:
         raise ValueError(f"PROMPT is {len(ids)} token; head roles need at least 2 tokens")

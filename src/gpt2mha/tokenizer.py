@@ -98,6 +98,20 @@ def get_tokenizer(name: str):
     raise ValueError(f"tokenizer={name!r}; expected 'gpt2' or 'bytes'")
 
 
+def tokenizer_for(config):
+    """The tokenizer named by a model's config, checked against its vocabulary.
+
+    Raises:
+        ValueError: the model has fewer ids than the tokenizer produces (e.g. a 1000-token
+            test checkpoint with GPT-2 BPE), so text cannot be fed to it.
+    """
+    tok = get_tokenizer(config.tokenizer)
+    if config.n_vocab < tok.n_vocab:
+        raise ValueError(f"the model has n_vocab={config.n_vocab}, fewer ids than its tokenizer {tok.name!r} "
+                         f"({tok.n_vocab}); it cannot read text (use it from Python with your own token ids)")
+    return tok
+
+
 class StreamDecoder:
     """Turns token ids into text as they arrive, holding back incomplete UTF-8 sequences."""
 
