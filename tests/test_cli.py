@@ -96,3 +96,15 @@ def test_generate_errors_do_not_echo_the_prompt_and_vocab_mismatch_is_clear(byte
     GPT2(GPT2Config(n_vocab=1000, n_ctx=32, n_embd=16, n_head=2, n_layer=1)).save_pretrained(str(tmp_path / "v"))
     assert main(["generate", "hi", "--model", str(tmp_path / "v")]) == 2
     assert "n_vocab=1000, fewer ids than its tokenizer 'gpt2'" in capsys.readouterr().err
+
+
+def test_perplexity_split_val_scores_the_trainers_held_out_bytes(byte_model, tmp_path, capsys):
+    data = bytes(range(32, 127)) * 3
+    whole, tail = tmp_path / "whole.txt", tmp_path / "tail.txt"
+    whole.write_bytes(data)
+    tail.write_bytes(data[len(data) * 9 // 10:])
+    outs = []
+    for args in ([str(whole), "--split", "val"], [str(tail)]):
+        assert main(["perplexity", *args, "--model", byte_model, "--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0] == outs[1] and outs[0]["bytes"] == len(data) - len(data) * 9 // 10

@@ -261,9 +261,13 @@ def is_checkpoint_dir(directory: str) -> bool:
     return isinstance(cfg, dict) and isinstance(cfg.get("gpt2mha"), dict)
 
 
-def save_pretrained(model: GPT2, directory: str, overwrite: bool = False) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (float32, ``transformer.``-prefixed keys,
-    the head tied) that ``GPT2LMHeadModel.from_pretrained`` loads with the same logits.
+def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
+                    dtype: torch.dtype = torch.float32) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (``transformer.``-prefixed keys, the head
+    tied) that ``GPT2LMHeadModel.from_pretrained`` loads with the same logits.
+
+    ``dtype`` is the storage dtype of the weights (float32 by default; float16 halves the file,
+    as for the built-in model); loading converts back to the dtype asked for.
 
     Files are written to temporaries and renamed, so an interrupted save leaves the previous
     checkpoint intact.
@@ -278,7 +282,9 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False) -> Non
         raise FileExistsError(f"{directory} is not empty and is not a gpt2mha checkpoint; refusing to write into it "
                               f"(choose another directory or pass overwrite=True)")
     os.makedirs(directory, exist_ok=True)
-    tensors = {f"transformer.{k}": v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} must be a floating-point dtype")
+    tensors = {f"transformer.{k}": v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     text = json.dumps(config_to_hf(model.config), indent=2) + "\n"
     _atomic_write(directory, CONFIG_NAME, lambda p: _write_text(p, text))

@@ -63,13 +63,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def read_text(path: str) -> str:
-    """A file's exact text (no newline translation). Raises ValueError naming FILE."""
+def read_text(path: str, split: str = "all") -> str:
+    """A file's exact text (no newline translation), or the trainer's ``train``/``val`` part of
+    it (first 90% / last 10% of the bytes). Raises ValueError naming FILE."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise ValueError(f"FILE={path!r}: {e.strerror}") from None
+    if split != "all":
+        from .train import split_bytes
+        data = split_bytes(data)[split == "val"]
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -79,7 +83,7 @@ def read_text(path: str) -> str:
 def cmd_perplexity(args) -> int:
     from .evaluate import perplexity
 
-    text = read_text(args.file)
+    text = read_text(args.file, args.split)
     model = load_model(args.model)
     result = perplexity(model, text, stride=args.stride)
     if args.json:
@@ -258,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     _model_arg(p)
     p.add_argument("--stride", type=int, default=None, help="window step in tokens (default n_ctx // 2)")
+    p.add_argument("--split", choices=["all", "train", "val"], default="all",
+                   help="score the whole file, or the trainer's split of it (train: first 90%% of the bytes, "
+                        "val: last 10%%)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_perplexity)
 

@@ -69,6 +69,12 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     return tc.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (tc.lr - tc.min_lr)
 
 
+def split_bytes(data: bytes) -> tuple[bytes, bytes]:
+    """The deterministic split: first 90% of the bytes train, the last 10% validate."""
+    cut = len(data) * 9 // 10
+    return data[:cut], data[cut:]
+
+
 def load_data(path: str, tokenizer: str, n_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids of the first 90% of the file's bytes (train) and of the last 10% (validation).
 
@@ -81,10 +87,9 @@ def load_data(path: str, tokenizer: str, n_ctx: int) -> tuple[torch.Tensor, torc
         data = f.read()
     if not data:
         raise ValueError(f"--data {path!r} is empty")
-    cut = len(data) * 9 // 10
     tok = get_tokenizer(tokenizer)
     parts = [torch.tensor(tok.encode(b.decode("utf-8", errors="ignore")), dtype=torch.long)
-             for b in (data[:cut], data[cut:])]
+             for b in split_bytes(data)]
     for name, ids in zip(("train", "validation"), parts):
         if ids.numel() < n_ctx + 1:
             raise ValueError(f"--data {path!r}: the {name} split has {ids.numel()} tokens, fewer than one context "
@@ -129,10 +134,12 @@ def _save(model, optimizer, step, gen, tc, log, out_dir):
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
     os.close(fd)
     torch.save(state, tmp)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, os.path.join(out_dir, STATE_NAME))
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(log, f, indent=1)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, os.path.join(out_dir, LOG_NAME))
 
 
