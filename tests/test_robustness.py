@@ -102,7 +102,7 @@ def test_long_inputs_error_by_default_and_slide_when_asked():
 
 
 # ---------------------------------------------------------------------------- property tests
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_property_padding_patterns(data):
     """Random batch, left padding and past length: real tokens match each row run alone."""
@@ -126,7 +126,7 @@ def test_property_padding_patterns(data):
             torch.testing.assert_close(logits[b, T - len(r):], alone, atol=1e-4, rtol=1e-4)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(B=st.integers(1, 3), T=st.integers(1, 10), P=st.integers(0, 10), dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
        impl=st.sampled_from(["sdpa", "explicit"]), n_pad=st.integers(0, 9), seed=st.integers(0, 2**16))
 def test_property_cached_equals_uncached_and_finite(B, T, P, dtype, impl, n_pad, seed):

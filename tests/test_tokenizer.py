@@ -39,8 +39,16 @@ def test_round_trip_on_shipped_texts():
             assert tok.decode(ids) == text[:200_000]
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=200))
+# pieces that break naive tokenizers: emoji (incl. ZWJ sequences and flags), combining marks,
+# NUL and control characters, mixed scripts, long runs of whitespace, the special-token text
+PIECES = st.sampled_from(["🙂", "👩‍👩‍👧", "🇫🇷", "e\u0301", "\u0915\u094d\u0937", "\x00", "\x1b[0m", "日本語",
+                          "Ελληνικά", "עברית", "\t" * 7, " " * 40, "\n\n\n", "\r\n", "<|endoftext|>", "'s'll"])
+TEXTS = st.lists(st.one_of(PIECES, st.text(alphabet=st.characters(codec="utf-8"), max_size=30)),
+                 max_size=12).map("".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(TEXTS)
 def test_round_trip_random_unicode(text):
     for tok in (get_tokenizer("gpt2"), get_tokenizer("bytes")):
         ids = tok.encode(text)
