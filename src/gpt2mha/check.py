@@ -72,7 +72,7 @@ PRESENT_FLAGS = ("return_present", "use_cache", "return_cache")
 #: Classic mistakes the reference can reproduce: key → diagnosis.
 MISTAKES = {
     "interleaved_qkv": "q|k|v read as interleaved per-head chunks [q_h | k_h | v_h] of 3*head_dim columns; the fused "
-                       "projection holds three contiguous d_out blocks, all q | all k | all v (seed 000): split it "
+                       "projection holds three contiguous d_out blocks, all q | all k | all v (GPT-2's c_attn layout): split it "
                        "with qkv.split(d_out, dim=-1) before view(b, T, num_heads, head_dim)",
     "split_no_transpose": "missing transpose when splitting heads: q, k and v must be (b, num_heads, T, head_dim) "
                           "= view(b, T, num_heads, head_dim).transpose(1, 2); left as (b, T, num_heads, head_dim), "

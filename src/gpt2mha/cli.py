@@ -43,6 +43,8 @@ def cmd_generate(args) -> int:
         raise ValueError("PROMPT is empty; give at least one character to continue")
     model = load_model(args.model, args.dtype)
     tok = tokenizer_for(model.config)
+    if args.stop_at_eos and tok.eot_token is None:
+        raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
     try:
         idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
     except UnicodeError:
@@ -168,7 +170,7 @@ def cmd_check(args) -> int:
 def _add_inspect_commands(sub) -> None:
     """Parsers of ``trace``, ``heads`` and ``check`` (:mod:`gpt2mha.inspect`, :mod:`gpt2mha.check`)."""
     tr = sub.add_parser("trace", help="print a multi-head attention forward pass stage by stage with shapes",
-                        description="Walk one forward pass in seed 001's order (input, projections, view, "
+                        description="Walk one forward pass stage by stage, in the order to debug shapes in (input, projections, view, "
                                     "transpose, scores, weights, contexts, merged, out_proj) with each tensor's "
                                     "shape, the meaning of its axes and the operation between stages. Defaults: "
                                     "GPT-2 small (d_in = d_out = 768, 12 heads), b=2, T=6.")
@@ -244,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2mha", description="GPT-2 multi-head attention, exact and fast.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="continue a prompt (streams tokens as they are sampled)")
+    g = sub.add_parser("generate", help="continue a prompt (streams tokens as they are sampled)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("prompt", metavar="PROMPT")
     _model_arg(g)
     g.add_argument("--max-new-tokens", type=int, default=100)
@@ -258,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
     g.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("perplexity", help="loss, perplexity and bits per byte of a text file")
+    p = sub.add_parser("perplexity", help="loss, perplexity and bits per byte of a text file",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("file", metavar="FILE")
     _model_arg(p)
     p.add_argument("--stride", type=int, default=None, help="window step in tokens (default n_ctx // 2)")

@@ -134,7 +134,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     B, T = idx.shape
     if T + max_new_tokens > n_ctx and not sliding_window:
         raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "
-                         f"n_ctx={n_ctx}; shorten the prompt, lower max_new_tokens, or use sliding_window=True")
+                         f"n_ctx={n_ctx}; shorten the prompt, lower max_new_tokens, or use sliding_window=True (CLI: --sliding-window)")
     if attention_mask is not None:
         if tuple(attention_mask.shape) != (B, T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, T={T}]")
