@@ -205,8 +205,18 @@ class CausalSelfAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, T, n_embd]`` → q, k, v each ``[B, h, T, head_dim]`` (contiguous q|k|v blocks)."""
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)    # 3 × [B, T, n_embd]
+        return self.split_qkv(self.c_attn(x))
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """c_attn's output ``[B, T, 3·n_embd]`` → q, k, v each ``[B, h, T, head_dim]`` (views)."""
+        q, k, v = qkv.split(self.n_embd, dim=2)                # 3 × [B, T, n_embd]
         return split_heads(q, self.n_head), split_heads(k, self.n_head), split_heads(v, self.n_head)
+
+    def present(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``stack([k, v], 1)`` ``[B, 2, h, T, head_dim]`` as a view of c_attn's output (no copy):
+        k and v are the 2nd and 3rd n_embd blocks of every row, so one permute lines them up."""
+        B, T, _ = qkv.shape
+        return qkv.view(B, T, 3, self.n_head, self.head_dim).permute(0, 2, 3, 1, 4)[:, 1:]
 
     def attend(self, q, k, v, mask, need_weights: bool = False):
         """Run the selected core and the output projection.
@@ -246,8 +256,9 @@ class CausalSelfAttention(nn.Module):
         """
         if x.dim() != 3 or x.shape[-1] != self.n_embd or x.shape[1] == 0:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected [B, T, n_embd={self.n_embd}] with T >= 1")
-        q, k, v = self.qkv(x)
-        present = torch.stack([k, v], dim=1)                    # [B, 2, h, T, head_dim]
+        qkv = self.c_attn(x)                                    # [B, T, 3·n_embd]
+        q, k, v = self.split_qkv(qkv)                           # 3 × [B, h, T, head_dim]
+        present = self.present(qkv)                             # [B, 2, h, T, head_dim], a view
         if past is not None:
             expected = (x.shape[0], 2, self.n_head, None, self.head_dim)
             if past.dim() != 5 or any(e is not None and e != s for e, s in zip(expected, past.shape)):

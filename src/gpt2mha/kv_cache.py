@@ -20,7 +20,8 @@ class KVCache:
         dtype, device: storage dtype/device (match the model's).
 
     Attributes:
-        k, v: ``[n_layer, B, h, T_max, head_dim]`` storage.
+        k, v: ``[n_layer, B, h, T_max, head_dim]`` storage (written in place; never rebound).
+        layers: per layer, the views ``(k[layer], v[layer])`` that :meth:`update` writes.
         length: number of positions filled so far (the past length ``P``).
 
     Raises:
@@ -36,6 +37,7 @@ class KVCache:
         shape = (n_layer, batch_size, n_head, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per layer: views [B, h, T_max, head_dim]
         self.length = 0
 
     @property
@@ -52,12 +54,13 @@ class KVCache:
         Raises:
             ValueError: if the new tokens do not fit in ``max_len``.
         """
-        start, end = self.length, self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KVCache is full: {start} cached + {k.shape[2]} new > max_len={self.max_len}")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        start, T = self.length, k.shape[2]
+        if start + T > self.max_len:
+            raise ValueError(f"KVCache is full: {start} cached + {T} new > max_len={self.max_len}")
+        k_all, v_all = self.layers[layer]                      # [B, h, T_max, head_dim] each
+        k_all.narrow(2, start, T).copy_(k)                     # one in-place write per tensor
+        v_all.narrow(2, start, T).copy_(v)
+        return k_all.narrow(2, 0, start + T), v_all.narrow(2, 0, start + T)
 
     def advance(self, n: int) -> None:
         """Mark ``n`` more positions as filled (called by the model after all layers)."""
