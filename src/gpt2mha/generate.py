@@ -146,6 +146,17 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     if max_new_tokens == 0:
         return idx.clone()
 
+    with model.decoding():
+        return decode_loop(model, idx, max_new_tokens, attention_mask, generator, temperature, top_k, top_p,
+                           eos_token_id, on_token, vocab_size)
+
+
+def decode_loop(model, idx, max_new_tokens, attention_mask, generator, temperature, top_k, top_p,
+                eos_token_id, on_token, vocab_size) -> torch.Tensor:
+    """The loop of :func:`generate` after its checks: one prefill over the prompt into a
+    :class:`KVCache`, then one sampled token per step fed back through the cache."""
+    B, T = idx.shape
+    n_ctx = model.config.n_ctx
     out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=idx.device)
     out[:, :T] = idx
     mask = None

@@ -8,6 +8,7 @@ loads by copying keys.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -261,37 +262,40 @@ class GPT2(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """``ln_f`` then the tied LM head: ``[B, T, n_embd]`` → logits ``[B, T, n_vocab]``.
 
-        With gradients on ``wte`` this is ``F.linear(x, wte.weight)``, so training updates the
-        tied weight. In float32 inference on CPU it is ``x @ lm_head_weight()``: the same
-        numbers from a ``[n_embd, n_vocab]`` copy of wte, which streams faster for a few rows.
+        ``F.linear(x, wte.weight)``, except inside :meth:`decoding`, where it reads the
+        ``[n_embd, n_vocab]`` copy of wte taken on entry (same numbers, faster for a few rows).
         """
         x = self.ln_f(x)
-        w = self.wte.weight
-        if (not self.transpose_lm_head or w.dtype not in LM_HEAD_TRANSPOSED_DTYPES or w.device.type != "cpu"
-                or (torch.is_grad_enabled() and w.requires_grad) or w.is_inference()):
-            return F.linear(x, w)
-        return x @ self.lm_head_weight()                       # [B, T, n_embd] @ [n_embd, n_vocab]
+        if self._lm_head is not None:
+            return x @ self._lm_head                           # [B, T, n_embd] @ [n_embd, n_vocab]
+        return F.linear(x, self.wte.weight)
 
-    #: Use the cached ``[n_embd, n_vocab]`` copy of wte for inference logits (costs one more
-    #: copy of wte in memory, 154 MB for 124M in float32; set False on an instance to keep
-    #: the memory instead of the speed).
+    #: Let :meth:`decoding` use a transposed copy of wte (one more copy of wte in memory while
+    #: decoding, 154 MB for 124M in float32; set False on an instance to keep the memory).
     transpose_lm_head: bool = True
+    _lm_head: torch.Tensor | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
-        """``wte.weight`` transposed to a contiguous ``[n_embd, n_vocab]`` tensor (no grad).
+        """A new contiguous ``[n_embd, n_vocab]`` copy of ``wte.weight`` (no grad)."""
+        return self.wte.weight.detach().t().contiguous()
 
-        Cached, and rebuilt whenever wte changes: the key is the weight's storage address,
-        version counter (bumped by every in-place write: optimizer steps, ``copy_``,
-        ``load_state_dict``), dtype, device and shape, so it is never stale.
+    @contextlib.contextmanager
+    def decoding(self):
+        """Within this block the LM head reads a transposed copy of wte taken on entry (float32
+        on CPU, where it streams faster for ``[B, n_embd]`` inputs: see ``gpt2mha bench``).
+
+        The copy lives only for the block and is taken afresh each time, so it can never be
+        stale across weight updates of any kind (``.data`` writes and fused optimizers do not
+        bump version counters); the weights must not change inside the block. ``generate``
+        runs inside it.
         """
         w = self.wte.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device, w.shape)
-        if getattr(self, "_lm_head_key", None) != key:
-            self._lm_head = None                               # free the old copy first
-            with torch.no_grad():
-                self._lm_head = w.detach().t().contiguous()    # [n_embd, n_vocab]
-            self._lm_head_key = key
-        return self._lm_head
+        use = self.transpose_lm_head and w.dtype in LM_HEAD_TRANSPOSED_DTYPES and w.device.type == "cpu"
+        self._lm_head = self.lm_head_weight() if use else None
+        try:
+            yield self
+        finally:
+            self._lm_head = None
 
     def forward(self, idx: torch.Tensor, past: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
