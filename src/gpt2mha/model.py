@@ -229,6 +229,8 @@ class GPT2(nn.Module):
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past_len + T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, past + T="
                              f"{past_len + T}] covering the {past_len} cached and {T} new tokens")
+        if attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (pad) and 1 (real token) values")
         if position_ids is not None and tuple(position_ids.shape) not in ((B, T), (1, T), (T,)):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [B={B}, T={T}]")
         if position_ids is not None and (int(position_ids.min()) < 0 or int(position_ids.max()) >= self.config.n_ctx):
