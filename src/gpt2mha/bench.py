@@ -222,17 +222,19 @@ def bench_cache(ours: GPT2, sizes: Sizes, log=print) -> list[dict]:
 
 @torch.inference_mode()
 def step_time(model: GPT2, position: int, steps: int, batch: int = 1) -> float:
-    """Median time (s) of one single-token decode step with ``position`` tokens already cached."""
+    """Median time (s) of one single-token decode step with ``position`` tokens already cached
+    (inside ``model.decoding()``, as in ``generate``)."""
     c = model.config
     idx = _prompt(batch, position + steps, c.n_vocab)
     cache = KVCache(c.n_layer, batch, c.n_head, position + steps, c.head_dim,
                     dtype=next(model.parameters()).dtype)
-    model.step(idx[:, :position], cache)                                   # prefill
     times = []
-    for t in range(position, position + steps):
-        t0 = time.perf_counter()
-        model.step(idx[:, t:t + 1], cache)
-        times.append(time.perf_counter() - t0)
+    with model.decoding():
+        model.step(idx[:, :position], cache)                               # prefill
+        for t in range(position, position + steps):
+            t0 = time.perf_counter()
+            model.step(idx[:, t:t + 1], cache)
+            times.append(time.perf_counter() - t0)
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
