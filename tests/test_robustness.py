@@ -79,7 +79,7 @@ def test_low_precision_124m_padded_batch_is_finite(dtype):
         model.attn_impl = impl
         with torch.no_grad():
             logits = model(idx, attention_mask=mask).logits
-        assert logits.dtype == dtype and torch.isfinite(logits).all(), impl
+        assert logits.dtype == torch.float32 and torch.isfinite(logits).all(), impl
 
 
 def test_batched_greedy_generation_equals_each_prompt_alone():

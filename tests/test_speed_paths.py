@@ -139,6 +139,28 @@ def test_lm_head_after_generate_fused_optimizer_and_frozen_embeddings():
     model(idx).logits.sum().backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_precision_head_returns_unrounded_float32_logits(dtype):
+    """The head of a bf16/fp16 model accumulates and returns float32 (float64 stays float64),
+    inside decoding() (its float32 copy of wte) and outside, with the same numbers; reference:
+    the float32 (float64) formula F.linear(ln_f(x), wte) on the model's own weights."""
+    model = small_model(seed=8).to(dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    x = torch.randn(2, 3, 32).to(dtype)
+    h = model.ln_f(x)
+    expected = F.linear(h.to(acc), model.wte.weight.to(acc))
+    with torch.no_grad():
+        plain = model.head(x)
+        with model.decoding():
+            assert model._lm_head.dtype == acc and model._lm_head.shape == (32, 97)
+            decoded = model.head(x)
+    assert plain.dtype == decoded.dtype == acc
+    torch.testing.assert_close(plain, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decoded, expected, atol=1e-5, rtol=1e-5)
+    if dtype != torch.float64:                                  # not rounded to the model's dtype
+        assert not torch.equal(plain, plain.to(dtype).to(acc))
+
+
 def test_head_uses_the_tied_weight_when_gradients_flow():
     model = small_model(seed=7).train()
     x = torch.randn(2, 3, 32)
@@ -182,10 +204,11 @@ def confident():
     return model, tokens
 
 
-# overall top-1 agreement, and at positions where fp32's top-2 probabilities differ by >= 0.05;
-# measured on the built-in model: bf16 98.9% / 99.99%, fp16 99.8% / 100% (near-ties flip under
-# any rounding; bf16 keeps 8 significant bits, fp16 11)
-AGREEMENT = {torch.bfloat16: (0.98, 0.998), torch.float16: (0.99, 0.998)}
+# overall top-1 agreement, and at positions where fp32's top-2 probabilities differ by >= 0.05.
+# Measured on the built-in model (float32 logits from the low-precision body): bf16 99.08% /
+# 99.99%, fp16 99.88% / 100%. The bounds leave room for other CPUs' kernels rounding
+# differently; `gpt2mha bench` reports the figure against issue 6's 99% target.
+AGREEMENT = {torch.bfloat16: (0.985, 0.998), torch.float16: (0.995, 0.999)}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -196,7 +219,7 @@ def test_low_precision_top1_agrees_with_fp32_on_real_text(confident, dtype):
     low = copy.deepcopy(model).to(dtype)
     with torch.no_grad():
         logits = low(tokens[None, :model.config.n_ctx]).logits
-    assert logits.dtype == dtype and torch.isfinite(logits).all()
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()   # the head runs in fp32
     overall, decisive = AGREEMENT[dtype]
     assert top1_agreement(model, low, tokens) >= overall
     assert top1_agreement(model, low, tokens, min_margin=DECISIVE) >= decisive

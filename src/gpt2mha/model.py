@@ -24,11 +24,17 @@ from .kv_cache import KVCache
 
 TOKENIZERS = ("gpt2", "bytes")
 
-#: Dtypes whose inference LM head reads the ``[n_embd, n_vocab]`` copy of wte (CPU). Measured on
-#: 2 cores (torch 2.13, 50257×768): float32 ``x @ Wᵀcopy`` 5.3 ms vs ``F.linear(x, wte)`` 7.1 ms
-#: for 1 row, 12.3 vs 23.5 ms for 8 rows, equal for 64+; bfloat16/float16 are faster through
-#: ``F.linear`` on wte itself (7.6 vs 10.6 ms for 1 row), so they keep no copy.
-LM_HEAD_TRANSPOSED_DTYPES = (torch.float32,)
+#: The LM head always computes and returns float32 logits (float64 for a float64 model): a
+#: bf16/fp16 model runs ln_f in its own dtype, then ``x.float() @ wte.float()ᵀ``. Rounding the
+#: logits themselves to bf16's 8 significant bits flips near-ties: on the built-in model over
+#: 8,192 held-out bytes, bf16 top-1 agreement with fp32 is 98.86% with bf16 logits and 99.08%
+#: with float32 ones (fp16: 99.83% → 99.88%). Inside :meth:`GPT2.decoding` on CPU the head reads
+#: a contiguous ``[n_embd, n_vocab]`` float32 copy of wte, measured (2 cores, torch 2.13,
+#: 50257×768) at 5.3 ms for 1 row against 7.1 ms for ``F.linear(x, wte)`` in float32 and
+#: 8.5 ms for ``F.linear`` in bf16 (bf16 matrix-vector kernels stream at half fp32's rate here).
+def logits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the logits a model with parameters in ``dtype`` returns (float32 or float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 @dataclass
@@ -262,37 +268,45 @@ class GPT2(nn.Module):
         return F.dropout(x, self.config.embd_pdrop, self.training)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """``ln_f`` then the tied LM head: ``[B, T, n_embd]`` → logits ``[B, T, n_vocab]``.
+        """``ln_f`` then the tied LM head: ``[B, T, n_embd]`` → logits ``[B, T, n_vocab]``, float32.
 
-        ``F.linear(x, wte.weight)``, except inside :meth:`decoding`, where it reads the
-        ``[n_embd, n_vocab]`` copy of wte taken on entry (same numbers, faster for a few rows).
+        ``F.linear(ln_f(x), wte.weight)`` computed in float32 whatever the model's dtype (see
+        :func:`logits_dtype`: bf16/fp16 logits are not rounded to the model's precision). Inside
+        :meth:`decoding` it reads the float32 ``[n_embd, n_vocab]`` copy of wte taken on entry
+        (same numbers, faster for a few rows on CPU, and no upcast per step).
         """
         x = self.ln_f(x)
         if self._lm_head is not None:
-            return x @ self._lm_head                           # [B, T, n_embd] @ [n_embd, n_vocab]
-        return F.linear(x, self.wte.weight)
+            return x.to(self._lm_head.dtype) @ self._lm_head    # [B, T, n_embd] @ [n_embd, n_vocab]
+        w = self.wte.weight
+        acc = logits_dtype(w.dtype)
+        return F.linear(x.to(acc), w.to(acc))
 
-    #: Let :meth:`decoding` use a transposed copy of wte (one more copy of wte in memory while
-    #: decoding, 154 MB for 124M in float32; set False on an instance to keep the memory).
+    #: Let :meth:`decoding` keep a float32 copy of wte for the head (one more copy of wte in
+    #: memory while decoding, 154 MB for 124M; set False on an instance to keep the memory).
     transpose_lm_head: bool = True
     _lm_head: torch.Tensor | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
-        """A new contiguous ``[n_embd, n_vocab]`` copy of ``wte.weight`` (no grad)."""
-        return self.wte.weight.detach().t().contiguous()
+        """A new ``[n_embd, n_vocab]`` copy of ``wte.weight`` in the logits' dtype (no grad):
+        contiguous on CPU (``x @ W`` streams it fastest there), a transposed view elsewhere."""
+        w = self.wte.weight.detach()
+        w = w.to(logits_dtype(w.dtype), copy=True).t()
+        return w.contiguous() if w.device.type == "cpu" else w
 
     @contextlib.contextmanager
     def decoding(self):
-        """Within this block the LM head reads a transposed copy of wte taken on entry (float32
-        on CPU, where it streams faster for ``[B, n_embd]`` inputs: see ``gpt2mha bench``).
+        """Within this block the LM head reads a float32 ``[n_embd, n_vocab]`` copy of wte taken
+        on entry (:meth:`lm_head_weight`; on CPU it streams faster for ``[B, n_embd]`` inputs, and a
+        bf16/fp16 model skips upcasting wte every step: see ``gpt2mha bench``).
 
         The copy lives only for the block and is taken afresh each time, so it can never be
         stale across weight updates of any kind (``.data`` writes and fused optimizers do not
         bump version counters); the weights must not change inside the block. ``generate``
-        runs inside it.
+        runs inside it. No copy on other devices for a float32 model (nothing to gain).
         """
         w = self.wte.weight
-        use = self.transpose_lm_head and w.dtype in LM_HEAD_TRANSPOSED_DTYPES and w.device.type == "cpu"
+        use = self.transpose_lm_head and (w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype)
         self._lm_head = self.lm_head_weight() if use else None
         try:
             yield self
@@ -315,7 +329,8 @@ class GPT2(nn.Module):
 
         Returns:
             :class:`GPT2Output` ``(logits [B, T, n_vocab], present [B, n_layer, 2, n_head, T,
-            head_dim])``; present is None when ``cache`` is used.
+            head_dim])``; logits are float32 for float32/bf16/fp16 models (see
+            :func:`logits_dtype`), present is in the model's dtype and None when ``cache`` is used.
 
         Raises:
             ValueError: bad idx (rank, dtype, ids outside the vocab, longer than n_ctx with
