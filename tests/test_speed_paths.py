@@ -161,6 +161,26 @@ def test_low_precision_head_returns_unrounded_float32_logits(dtype):
         assert not torch.equal(plain, plain.to(dtype).to(acc))
 
 
+def test_inference_mlp_equals_training_math_and_spares_hooked_outputs():
+    """Without grad the MLP's GELU overwrites c_fc's output (less peak memory in prefill):
+    same numbers as the autograd path, and a forward hook on c_fc still sees the pre-activation."""
+    model = small_model(seed=9)
+    mlp = model.h[0].mlp
+    x = torch.randn(2, 5, 32)
+    pre = torch.addmm(mlp.c_fc.bias, x.reshape(-1, 32), mlp.c_fc.weight).view(2, 5, 128)
+    expected = mlp.c_proj(F.gelu(pre, approximate="tanh"))
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), expected, atol=1e-6, rtol=1e-6)
+    kept = []
+    handle = mlp.c_fc.register_forward_hook(lambda m, i, out: kept.append(out))
+    try:
+        with torch.inference_mode():
+            torch.testing.assert_close(mlp(x), expected, atol=1e-6, rtol=1e-6)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(kept[0], pre.detach(), atol=1e-6, rtol=1e-6)
+
+
 def test_head_uses_the_tied_weight_when_gradients_flow():
     model = small_model(seed=7).train()
     x = torch.randn(2, 3, 32)

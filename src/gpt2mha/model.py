@@ -129,8 +129,17 @@ class MLP(nn.Module):
         self.dropout = config.resid_pdrop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.c_fc(x), approximate="tanh")           # [B, T, 4·n_embd]
+        h = self.c_fc(x)                                        # [B, T, 4·n_embd]
+        if torch.is_grad_enabled() or _hooked(self.c_fc):
+            h = F.gelu(h, approximate="tanh")
+        else:                                                   # inference: GELU over c_fc's own output,
+            h = torch.ops.aten.gelu_(h, approximate="tanh")     # one [B, T, 4·n_embd] buffer fewer at peak
         return F.dropout(self.c_proj(h), self.dropout, self.training)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a forward hook (the module's own or a global one) may have kept its output."""
+    return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
 
 
 class Block(nn.Module):
