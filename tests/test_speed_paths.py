@@ -181,6 +181,33 @@ def test_inference_mlp_equals_training_math_and_spares_hooked_outputs():
     torch.testing.assert_close(kept[0], pre.detach(), atol=1e-6, rtol=1e-6)
 
 
+def test_decoding_lays_out_low_precision_weights_column_major_and_nothing_else_changes(tmp_path):
+    """bf16 Conv1D weights become column-major on entering decoding() (same Parameter objects,
+    shape [in, out] and values); float32 goes back to row-major; training and saving still work."""
+    model = small_model(seed=10).to(torch.bfloat16)
+    params = dict(model.named_parameters())
+    values = {k: v.detach().clone() for k, v in params.items()}
+    idx = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        before = model(idx).logits
+    model.generate(idx, 3, temperature=0)                      # enters decoding()
+    w = model.h[0].attn.c_attn.weight
+    assert w.shape == (32, 96) and w.t().is_contiguous() and not w.is_contiguous()
+    for k, p in model.named_parameters():
+        assert p is params[k] and torch.equal(p.detach(), values[k]), k
+    with torch.no_grad():                                       # other kernels, bf16 rounding only
+        torch.testing.assert_close(model(idx).logits, before, atol=2e-2, rtol=2e-2)
+    model.save_pretrained(str(tmp_path / "ckpt"), dtype=torch.bfloat16)
+    loaded = GPT2.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    model.float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    F.cross_entropy(model(idx[:, :-1]).logits.flatten(0, 1), idx[:, 1:].flatten()).backward()
+    opt.step()
+    with model.decoding():
+        assert w.is_contiguous()                                # float32: row-major again
+
+
 def test_head_uses_the_tied_weight_when_gradients_flow():
     model = small_model(seed=7).train()
     x = torch.randn(2, 3, 32)

@@ -194,7 +194,8 @@ def decode_speeds(ours: GPT2, hf, batch: int, sizes: Sizes) -> tuple[float, floa
 
 
 def bench_decode(ours: GPT2, hf, sizes: Sizes, log=print) -> tuple[list[dict], dict]:
-    """Decode tokens/s at each batch size, gpt2mha vs transformers ``generate`` (sdpa, use_cache)."""
+    """Decode tokens/s at each batch size, gpt2mha vs transformers ``generate`` (sdpa, use_cache),
+    and the ceiling the weight matmuls alone set (:func:`matmul_floor`)."""
     rows, speeds = [], {}
     for B in sizes.batches:
         *speeds[B], same = decode_speeds(ours, hf, B, sizes)
@@ -203,7 +204,47 @@ def bench_decode(ours: GPT2, hf, sizes: Sizes, log=print) -> tuple[list[dict], d
                                target_min=1.5,
                                note=f"same greedy tokens: {'yes' if same else 'NO'}"))
         log(rows[-1])
+        rows.append(ceiling_row(ours, B, speeds[B], sizes, "float32"))
+        log(rows[-1])
     return rows, speeds
+
+
+@torch.inference_mode()
+def matmul_floor(model: GPT2, batch: int, repeats: int = 20) -> float:
+    """Median time (s) of one decode step's weight matmuls and nothing else: each block's four
+    Conv1Ds and the LM head on ``[batch, n_embd]`` rows, with the same modules and kernels as a
+    step inside ``model.decoding()`` but no attention, norms, residuals or sampling between them.
+
+    At batch 1 every matmul streams its weight from memory once, so this is the floor for a
+    step on this machine, set by its memory bandwidth (``weight bytes / floor``); at batch 8 it
+    is the floor the matmul library allows for 8 rows.
+    """
+    c = model.config
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(batch, c.n_embd, dtype=dtype)
+    h = torch.randn(batch, 4 * c.n_embd, dtype=dtype)
+
+    def once():
+        for block in model.h:
+            block.attn.c_attn(x), block.attn.c_proj(x), block.mlp.c_fc(x), block.mlp.c_proj(h)
+        model.head(x[:, None])
+
+    with model.decoding():
+        return median_seconds(once, repeats, warmup=2)
+
+
+def ceiling_row(model: GPT2, batch: int, speeds: tuple[float, float], sizes: Sizes, name: str) -> dict:
+    """The ceiling tok/s that :func:`matmul_floor` allows at ``batch``, against transformers."""
+    ours_tok_s, hf_tok_s = speeds
+    floor = matmul_floor(model, batch, repeats=max(10, 5 * sizes.repeats))
+    ceiling = batch / floor
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - \
+        model.wpe.weight.numel() * model.wpe.weight.element_size()
+    return _ratio_row(f"decode tok/s ceiling, batch {batch}, gpt2mha {name}: weight matmuls alone "
+                      f"(no attention, no overhead) / transformers float32", ceiling, hf_tok_s, "tok/s",
+                      note=f"floor {floor * 1e3:.1f} ms/step ({weight_bytes / floor / 1e9:.1f} GB/s of weights); "
+                           f"gpt2mha decode reaches {ours_tok_s / ceiling:.0%} of it; 1.5x transformers "
+                           f"would need {1.5 * hf_tok_s:.1f} tok/s")
 
 
 def bench_cache(ours: GPT2, sizes: Sizes, log=print) -> list[dict]:
@@ -484,6 +525,8 @@ def bench_low_precision(directory: str, ours32: GPT2, speeds: dict, sizes: Sizes
                             met=agree >= 0.99 if dtype == torch.bfloat16 else None,
                             note=f"{len(tokens)} tokens; {_decisive_note(decisive)}; random weights give flat, "
                                  f"easily flipped predictions"))
+        if dtype == torch.bfloat16:
+            new.append(ceiling_row(model, 1, (tok_s, hf_fp32), sizes, name))
         for r in new:
             log(r)
         rows += new
