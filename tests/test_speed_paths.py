@@ -27,13 +27,12 @@ def small_model(seed=0, **kw):
 
 
 def reference_logits(model, idx):
-    """Full forward without any cache, through the plain F.linear head."""
-    model.transpose_lm_head = False
-    try:
-        with torch.no_grad():
-            return model(idx).logits
-    finally:
-        model.transpose_lm_head = True
+    """Full forward without any cache, on a fresh copy of the model whose weights are all in
+    their default row-major layout (whatever decoding() did to the model's own)."""
+    ref = GPT2(model.config).to(next(model.parameters()).dtype).eval()
+    ref.load_state_dict({k: v.contiguous() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        return ref(idx).logits
 
 
 # ------------------------------------------------------------------------- static cache
@@ -97,17 +96,22 @@ def test_sampled_batch_is_reproducible_and_valid():
 
 
 # ------------------------------------------------------------------------- LM head copy
-def test_lm_head_copy_is_transposed_wte_and_never_stale():
-    """The transposed copy exists only inside decoding(), taken afresh each time: weight writes
-    that bump no version counter (.data, fused optimizers) cannot leave stale logits."""
-    model = small_model(seed=4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_head_reads_column_major_wte_and_is_never_stale(dtype):
+    """decoding() leaves wte column-major (same values, still tied) and keeps a float32 copy only
+    for a low-precision model, taken afresh each time: weight writes that bump no version
+    counter (.data, fused optimizers) cannot leave stale logits."""
+    model = small_model(seed=4).to(dtype)
     idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
-    w = model.lm_head_weight()
-    assert w.shape == (32, 97) and w.is_contiguous() and torch.equal(w, model.wte.weight.t())
+    values = model.wte.weight.detach().clone()
     with torch.no_grad():
         plain = model(idx).logits
         with model.decoding():
-            assert model._lm_head is not None
+            w = model.wte.weight
+            assert w.t().is_contiguous() and torch.equal(w, values)
+            assert (model._lm_head is None) == (dtype == torch.float32)
+            if dtype != torch.float32:
+                assert model._lm_head.dtype == torch.float32 and torch.equal(model._lm_head, values.float())
             torch.testing.assert_close(model(idx).logits, plain, atol=1e-5, rtol=1e-5)
         assert model._lm_head is None                           # freed on exit
     before = model.generate(idx, 6, temperature=0)
@@ -152,7 +156,8 @@ def test_low_precision_head_returns_unrounded_float32_logits(dtype):
     with torch.no_grad():
         plain = model.head(x)
         with model.decoding():
-            assert model._lm_head.dtype == acc and model._lm_head.shape == (32, 97)
+            if dtype != torch.float64:                          # a float32 copy of a bf16/fp16 wte
+                assert model._lm_head.dtype == acc and model._lm_head.shape == (97, 32)
             decoded = model.head(x)
     assert plain.dtype == decoded.dtype == acc
     torch.testing.assert_close(plain, expected, atol=1e-5, rtol=1e-5)

@@ -24,22 +24,21 @@ from .kv_cache import KVCache
 
 TOKENIZERS = ("gpt2", "bytes")
 
-#: The LM head always computes and returns float32 logits (float64 for a float64 model): a
-#: bf16/fp16 model runs ln_f in its own dtype, then ``x.float() @ wte.float()ᵀ``. Rounding the
-#: logits themselves to bf16's 8 significant bits flips near-ties: on the built-in model over
-#: 8,192 held-out bytes, bf16 top-1 agreement with fp32 is 98.86% with bf16 logits and 99.08%
-#: with float32 ones (fp16: 99.83% → 99.88%). Inside :meth:`GPT2.decoding` on CPU the head reads
-#: a contiguous ``[n_embd, n_vocab]`` float32 copy of wte, measured (2 cores, torch 2.13,
-#: 50257×768) at 5.3 ms for 1 row against 7.1 ms for ``F.linear(x, wte)`` in float32 and
-#: 8.5 ms for ``F.linear`` in bf16 (bf16 matrix-vector kernels stream at half fp32's rate here).
-#: Dtypes whose Conv1D weights :meth:`GPT2.decoding` lays out column-major on CPU (the logical
-#: shape stays ``[in, out]``; values never change). Measured (2 cores, torch 2.13, ``addmm`` over
-#: the 48 Conv1D weights of 124M, one input row): bfloat16 17.7 ms column-major vs 23.4 ms
-#: row-major, float16 17.7 vs 25.0; float32 is faster row-major (15.0 vs 16.1 ms; 8 rows 28.5 vs
-#: 38.0), so it keeps the layout it is stored in.
+#: Dtypes whose Conv1D weights :meth:`GPT2.lay_out_weights` stores column-major on CPU (the
+#: logical shape stays ``[in, out]``; values never change). Measured (2 cores, torch 2.13,
+#: ``addmm`` over the 48 Conv1D weights of 124M, one input row): bfloat16 17.7 ms column-major vs
+#: 23.4 ms row-major, float16 17.7 vs 25.0; float32 is faster row-major (15.0 vs 16.1 ms; 8 rows
+#: 28.5 vs 38.0), so it stays row-major.
 COLUMN_MAJOR_DTYPES = (torch.bfloat16, torch.float16)
 
 
+# The LM head always computes and returns float32 logits (float64 for a float64 model): a
+# bf16/fp16 model runs ln_f in its own dtype, then ``x.float() @ wte.float()ᵀ``. Rounding the
+# logits themselves to bf16's 8 significant bits flips near-ties: on the built-in model over
+# 8,192 held-out bytes, bf16 top-1 agreement with fp32 is 98.86% with bf16 logits and 99.08%
+# with float32 ones (fp16: 99.83% → 99.88%). On CPU a float32 head over the column-major wte
+# (:meth:`GPT2.lay_out_weights`) is also faster than bf16's own kernel: 5.1 ms vs 8.5 ms for one
+# row of 50257×768 (bf16 matrix-vector kernels stream at half float32's rate on this machine).
 def logits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the logits a model with parameters in ``dtype`` returns (float32 or float64)."""
     return torch.promote_types(dtype, torch.float32)
@@ -289,64 +288,60 @@ class GPT2(nn.Module):
 
         ``F.linear(ln_f(x), wte.weight)`` computed in float32 whatever the model's dtype (see
         :func:`logits_dtype`: bf16/fp16 logits are not rounded to the model's precision). Inside
-        :meth:`decoding` it reads the float32 ``[n_embd, n_vocab]`` copy of wte taken on entry
-        (same numbers, faster for a few rows on CPU, and no upcast per step).
+        :meth:`decoding` a bf16/fp16 model reads the float32 copy of wte taken on entry instead
+        of upcasting wte at every step.
         """
         x = self.ln_f(x)
-        if self._lm_head is not None:
-            return x.to(self._lm_head.dtype) @ self._lm_head    # [B, T, n_embd] @ [n_embd, n_vocab]
-        w = self.wte.weight
+        w = self.wte.weight if self._lm_head is None else self._lm_head
         acc = logits_dtype(w.dtype)
-        return F.linear(x.to(acc), w.to(acc))
+        return F.linear(x.to(acc), w.to(acc))                  # [B, T, n_embd] @ wteᵀ
 
-    #: Let :meth:`decoding` keep a float32 copy of wte for the head (one more copy of wte in
-    #: memory while decoding, 154 MB for 124M; set False on an instance to keep the memory).
-    transpose_lm_head: bool = True
+    #: Let :meth:`decoding` keep a float32 copy of a bf16/fp16 wte for the head (154 MB for
+    #: 124M while decoding; set False on an instance to keep the memory and upcast every step).
+    copy_lm_head: bool = True
     _lm_head: torch.Tensor | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
-        """A new ``[n_embd, n_vocab]`` copy of ``wte.weight`` in the logits' dtype (no grad):
-        contiguous on CPU (``x @ W`` streams it fastest there), a transposed view elsewhere."""
+        """A new copy of ``wte.weight`` ``[n_vocab, n_embd]`` in the logits' dtype, with wte's
+        strides (no grad)."""
         w = self.wte.weight.detach()
-        w = w.to(logits_dtype(w.dtype), copy=True).t()
-        return w.contiguous() if w.device.type == "cpu" else w
+        return w.to(logits_dtype(w.dtype), copy=True)
 
     @contextlib.contextmanager
     def decoding(self):
-        """Within this block the LM head reads a float32 ``[n_embd, n_vocab]`` copy of wte taken
-        on entry (:meth:`lm_head_weight`; on CPU it streams faster for ``[B, n_embd]`` inputs, and a
-        bf16/fp16 model skips upcasting wte every step: see ``gpt2mha bench``).
+        """The block ``generate`` decodes in. On entry it calls :meth:`lay_out_weights` (the
+        layouts CPU kernels stream fastest for one to a few rows); a bf16/fp16 model then takes a
+        float32 copy of wte for the head (:meth:`lm_head_weight`), freed on exit.
 
-        The copy lives only for the block and is taken afresh each time, so it can never be
-        stale across weight updates of any kind (``.data`` writes and fused optimizers do not
-        bump version counters); the weights must not change inside the block. ``generate``
-        runs inside it. No copy on other devices for a float32 model (nothing to gain). On entry
-        it also calls :meth:`lay_out_weights` (bf16/fp16 Conv1D weights column-major on CPU).
+        The copy is taken afresh each time, so it can never be stale across weight updates of
+        any kind (``.data`` writes and fused optimizers do not bump version counters); the
+        weights must not change inside the block. A float32 model keeps no copy.
         """
-        w = self.wte.weight
-        use = self.transpose_lm_head and (w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype)
-        self._lm_head = self.lm_head_weight() if use else None
         self.lay_out_weights()
+        w = self.wte.weight
+        self._lm_head = self.lm_head_weight() if self.copy_lm_head and logits_dtype(w.dtype) != w.dtype else None
         try:
             yield self
         finally:
             self._lm_head = None
 
     def lay_out_weights(self) -> None:
-        """Store each Conv1D weight in the memory layout CPU kernels stream fastest for its dtype:
-        column-major for bf16/fp16 (:data:`COLUMN_MAJOR_DTYPES`), row-major otherwise.
+        """Store the weights in the memory layouts CPU kernels stream fastest during decoding:
+        ``wte`` column-major (the head's ``F.linear(x, wte)`` then reads a contiguous
+        ``[n_embd, n_vocab]``), and each Conv1D weight column-major for bf16/fp16
+        (:data:`COLUMN_MAJOR_DTYPES`), row-major for float32. Nothing changes off the CPU.
 
-        The parameters keep their identity, logical shape ``[in, out]`` and values (only their
-        strides change, so optimizers and ``state_dict`` are unaffected; ``save_pretrained``
-        writes contiguous tensors). :meth:`decoding` calls it on entry; a weight already in place
-        costs nothing, one that is not costs one copy of that matrix, once.
+        Measured (2 cores, torch 2.13, 124M): the float32 head 5.1 ms vs 10.2 ms row-major for
+        1 row, 14.2 vs 27.8 ms for 8; the embedding lookup of a 1024-token prompt costs 5.6 ms
+        instead of 0.2 ms. The parameters keep their identity, logical shape and values (only
+        their strides change, so optimizers, ``state_dict`` and tying are unaffected;
+        ``save_pretrained`` writes contiguous tensors). A weight already in place costs nothing,
+        one that is not costs one copy of that matrix, once.
         """
-        for module in self.modules():
-            if not isinstance(module, Conv1D):
-                continue
-            w = module.weight
-            column_major = w.device.type == "cpu" and w.dtype in COLUMN_MAJOR_DTYPES
-            if (w.t() if column_major else w).is_contiguous():
+        wanted = [(self.wte.weight, True)]
+        wanted += [(m.weight, m.weight.dtype in COLUMN_MAJOR_DTYPES) for m in self.modules() if isinstance(m, Conv1D)]
+        for w, column_major in wanted:
+            if w.device.type != "cpu" or (w.t() if column_major else w).is_contiguous():
                 continue
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor even inside inference mode
                 w.data = w.detach().t().contiguous().t() if column_major else w.detach().contiguous()
