@@ -334,8 +334,7 @@ class GPT2(nn.Module):
                 use the packs, anything else the weights. This costs one more copy of the
                 weights while the block lasts (480 MB for 124M) and buys faster matmuls for a few
                 rows: 8-row decoding of 124M ran 1.1–1.3× faster on 2 cores (``gpt2mha bench``);
-                one row gains nothing. Packing 124M takes ~0.5 s on entry, so it pays off after
-                about 60 steps. Ignored where packing is not available.
+                one row gains nothing. Ignored where packing is not available.
 
         Copies and packs are taken afresh each time, so they can never be stale across weight
         updates of any kind (``.data`` writes and fused optimizers do not bump version
@@ -349,8 +348,8 @@ class GPT2(nn.Module):
             if pack_rows is not None and can_pack(w):
                 with torch.no_grad():
                     for m in convs:
-                        m.packed = (pack_rows, torch.ops.mkl._mkl_reorder_linear_weight(m.weight.t(), pack_rows))
-                    self._packed_head = (pack_rows, torch.ops.mkl._mkl_reorder_linear_weight(w, pack_rows))
+                        m.packed = (pack_rows, torch.ops.mkl._mkl_reorder_linear_weight(m.weight.t().contiguous(), pack_rows))
+                    self._packed_head = (pack_rows, torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), pack_rows))
             yield self
         finally:
             self._lm_head = self._packed_head = None
