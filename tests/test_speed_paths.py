@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from gpt2mha import GPT2, GPT2Config, KVCache
-from gpt2mha.model import can_pack
 from gpt2mha.attention import attend_explicit, attend_sdpa, attention_mask
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "data", "tinyshakespeare.txt")
@@ -86,33 +85,6 @@ def test_batched_generation_equals_each_row_and_the_uncached_reference():
         cache = KVCache(3, 8, 4, 40, 8)
         step = model.step(batched[:, :34], cache)
     torch.testing.assert_close(step[:, -1], reference_logits(model, batched[:, :34])[:, -1], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.skipif(not can_pack(torch.empty(1)), reason="PyTorch without MKL linear ops")
-def test_packed_weights_give_the_same_logits_and_tokens_and_are_freed():
-    """decoding(pack_rows=B): steps of B rows read MKL-packed weights (equal logits to float32
-    rounding), other row counts the weights; generate(pack_weights=True) gives the same tokens;
-    nothing stays packed after the block; one row never packs."""
-    model = small_model(seed=11)
-    idx = torch.randint(0, 97, (4, 9), generator=torch.Generator().manual_seed(11))
-    ref = reference_logits(model, idx)[:, -1]
-    with torch.inference_mode(), model.decoding(pack_rows=4):
-        assert model.h[0].attn.c_attn.packed[0] == 4 and model._packed_head[0] == 4
-        cache = KVCache(3, 4, 4, 12, 8)
-        model.step(idx[:, :8], cache)                           # prefill: 32 rows, plain weights
-        step = model.step(idx[:, 8:], cache)[:, -1]             # 4 rows: packed
-    torch.testing.assert_close(step, ref, atol=1e-5, rtol=1e-5)
-    assert model.h[0].attn.c_attn.packed is None and model._packed_head is None
-    seen = []
-    probe = lambda token: seen.append(model.h[1].mlp.c_fc.packed is not None)  # noqa: E731
-    packed = model.generate(idx[:, :3], 10, temperature=0, pack_weights=True, on_token=probe)
-    assert seen and all(seen)
-    assert torch.equal(packed, model.generate(idx[:, :3], 10, temperature=0))
-    seen.clear()
-    model.generate(idx[:1, :3], 3, temperature=0, pack_weights=True, on_token=probe)
-    assert seen and not any(seen)                               # batch 1: nothing to gain, no pack
-    with pytest.raises(ValueError, match="pack_weights"):
-        model.generate(idx, 2, pack_weights="yes")
 
 
 def test_sampled_batch_is_reproducible_and_valid():
@@ -360,10 +332,8 @@ def test_bench_sections_run_on_a_tiny_model(capsys):
                        sections=("decode", "cache", "positions", "prefill", "attention", "lowp"),
                        log=lambda *a: None)
     rows = {r["figure"]: r for r in result["rows"]}
-    decode = [r for f, r in rows.items() if "transformers generate" in f]    # batch 1, 2, 2 packed
-    assert len(decode) == 2 + can_pack(torch.empty(1)) and all("same greedy tokens: yes" in r["note"] for r in decode)
-    ceilings = [r for f, r in rows.items() if f.startswith("decode tok/s ceiling")]  # fp32 b1, b2; bf16 b1
-    assert len(ceilings) == 3 and all(r["value"] > 0 and "ms/step" in r["note"] for r in ceilings)
+    decode = [r for f, r in rows.items() if "transformers generate" in f]
+    assert len(decode) == 2 and all("same greedy tokens: yes" in r["note"] for r in decode)
     assert any("no cache" in f and "same greedy tokens: yes" in r["note"] for f, r in rows.items())
     attn = [r for f, r in rows.items() if f.startswith("attention sublayer")]
     assert len(attn) >= 4 and not any("DIFFERS" in r["note"] for r in attn)

@@ -150,17 +150,8 @@ class Conv1D(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_out))
         nn.init.normal_(self.weight, std=0.02)
 
-    #: Set by :meth:`gpt2mha.model.GPT2.decoding` with ``pack_rows``: ``(rows, weight packed by
-    #: MKL for that many input rows)``; used instead of ``weight`` for inputs of exactly that many
-    #: rows without autograd (same numbers, faster matmuls for a few rows).
-    packed: tuple[int, torch.Tensor] | None = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.n_in)
-        if self.packed is not None and x2.shape[0] == self.packed[0] and not torch.is_grad_enabled():
-            y = torch.ops.mkl._mkl_linear(x2, self.packed[1], self.weight.t(), self.bias, self.packed[0])
-        else:
-            y = torch.addmm(self.bias, x2, self.weight)
+        y = torch.addmm(self.bias, x.reshape(-1, self.n_in), self.weight)
         return y.view(*x.shape[:-1], self.n_out)
 
     def extra_repr(self) -> str:

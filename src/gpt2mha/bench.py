@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
-from .model import GPT2, GPT2Config, can_pack
+from .model import GPT2, GPT2Config
 
 SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp")
 MMAP_THRESHOLD = 1 << 20   # bytes: allocations this large bypass glibc's heap in the memory children
@@ -153,8 +153,8 @@ def hf_greedy(hf, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
                            min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
 
 
-def ours_greedy(model: GPT2, idx: torch.Tensor, new_tokens: int, **kwargs) -> torch.Tensor:
-    return model.generate(idx, new_tokens, temperature=0, **kwargs)
+def ours_greedy(model: GPT2, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    return model.generate(idx, new_tokens, temperature=0)
 
 
 @torch.inference_mode()
@@ -183,44 +183,27 @@ def _ratio_row(figure, value, vs, unit, target_min=None, target_max=None, note="
     return row(figure, value, vs, unit, ratio, target, met, note)
 
 
-def decode_speeds(ours: GPT2, hf, batch: int, sizes: Sizes, packed: bool = False) -> tuple:
-    """(gpt2mha tok/s, transformers tok/s, same greedy tokens) for one batch size, plus with
-    ``packed`` the tok/s and same-tokens of ``generate(pack_weights=True)``, timed in the same
-    round-robin. The first call of each side (whose tokens are compared) is the warm-up."""
+def decode_speeds(ours: GPT2, hf, batch: int, sizes: Sizes) -> tuple[float, float, bool]:
+    """(gpt2mha tok/s, transformers tok/s, same greedy tokens) for one batch size. The first
+    call of each side (whose tokens are compared) is the warm-up."""
     idx = _prompt(batch, sizes.prompt, ours.config.n_vocab, seed=batch)
-    n = sizes.new_tokens
-    hf_tokens = hf_greedy(hf, idx, n)
-    same = torch.equal(ours_greedy(ours, idx, n), hf_tokens)
-    fns = {"ours": lambda: ours_greedy(ours, idx, n), "hf": lambda: hf_greedy(hf, idx, n)}
-    if packed:
-        same_packed = torch.equal(ours_greedy(ours, idx, n, pack_weights=True), hf_tokens)
-        fns["packed"] = lambda: ours_greedy(ours, idx, n, pack_weights=True)
-    t = interleaved_medians(fns, sizes.repeats, warmup=0)
-    speeds = batch * n / t["ours"], batch * n / t["hf"], same
-    return speeds + ((batch * n / t["packed"], same_packed) if packed else ())
+    same = torch.equal(ours_greedy(ours, idx, sizes.new_tokens), hf_greedy(hf, idx, sizes.new_tokens))
+    t = interleaved_medians({"ours": lambda: ours_greedy(ours, idx, sizes.new_tokens),
+                             "hf": lambda: hf_greedy(hf, idx, sizes.new_tokens)}, sizes.repeats, warmup=0)
+    return batch * sizes.new_tokens / t["ours"], batch * sizes.new_tokens / t["hf"], same
 
 
 def bench_decode(ours: GPT2, hf, sizes: Sizes, log=print) -> tuple[list[dict], dict]:
     """Decode tokens/s at each batch size, gpt2mha vs transformers ``generate`` (sdpa, use_cache),
-    for batches of 2+ also with packed weights, and the ceiling the weight matmuls alone set
-    (:func:`matmul_floor`)."""
+    and the ceiling the weight matmuls alone set (:func:`matmul_floor`)."""
     rows, speeds = [], {}
     for B in sizes.batches:
-        packed = B > 1 and can_pack(ours.wte.weight)
-        ours_tok_s, hf_tok_s, same, *with_packs = decode_speeds(ours, hf, B, sizes, packed)
-        speeds[B] = (ours_tok_s, hf_tok_s)
+        *speeds[B], same = decode_speeds(ours, hf, B, sizes)
         rows.append(_ratio_row(f"decode tok/s, batch {B}, prompt {sizes.prompt}, {sizes.new_tokens} new: "
-                               f"gpt2mha / transformers generate (sdpa, use_cache)", ours_tok_s, hf_tok_s, "tok/s",
+                               f"gpt2mha / transformers generate (sdpa, use_cache)", *speeds[B], "tok/s",
                                target_min=1.5,
                                note=f"same greedy tokens: {'yes' if same else 'NO'}"))
         log(rows[-1])
-        if packed:
-            rows.append(_ratio_row(f"decode tok/s, batch {B}, prompt {sizes.prompt}, {sizes.new_tokens} new: gpt2mha "
-                                   f"generate(pack_weights=True) / transformers generate (sdpa, use_cache)",
-                                   with_packs[0], hf_tok_s, "tok/s", target_min=1.5,
-                                   note=f"same greedy tokens: {'yes' if with_packs[1] else 'NO'}; weights packed by "
-                                        f"MKL for {B} rows: one more copy of them while decoding (opt-in)"))
-            log(rows[-1])
         rows.append(ceiling_row(ours, B, speeds[B], sizes, "float32"))
         log(rows[-1])
     return rows, speeds

@@ -85,7 +85,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
              top_p: float = 1.0, seed: int | None = None, eos_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, sliding_window: bool = False,
              on_token: Callable[[torch.Tensor], None] | None = None,
-             vocab_size: int | None = None, pack_weights: bool = False) -> torch.Tensor:
+             vocab_size: int | None = None) -> torch.Tensor:
     """Sample ``max_new_tokens`` tokens after ``idx``.
 
     Args:
@@ -104,9 +104,6 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         on_token: called with each step's new ids ``[B]`` as soon as they are sampled.
         vocab_size: sample only ids below it (for embeddings padded past the tokenizer's
             vocabulary, e.g. nanoGPT's 50304 rows for GPT-2's 50257 ids).
-        pack_weights: for a batch of 2 or more rows, decode with weights packed for the batch
-            size (``model.decoding(pack_rows=B)``): faster matmuls for a float32 model on CPU at
-            the cost of one more copy of the weights while generating; same tokens.
 
     Returns:
         ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens.
@@ -131,8 +128,6 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
                          f"got dtype {idx.dtype}, values {idx.min().item()} … {idx.max().item()}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise ValueError(f"seed={seed!r} must be an integer in [0, 2**63)")
-    if not isinstance(pack_weights, bool):
-        raise ValueError(f"pack_weights={pack_weights!r} must be True or False")
     if vocab_size is not None and not 0 < vocab_size <= model.config.n_vocab:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={model.config.n_vocab}]")
     n_ctx = model.config.n_ctx
@@ -151,7 +146,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     if max_new_tokens == 0:
         return idx.clone()
 
-    with model.decoding(pack_rows=B if pack_weights and B > 1 else None):
+    with model.decoding():
         return decode_loop(model, idx, max_new_tokens, attention_mask, generator, temperature, top_k, top_p,
                            eos_token_id, on_token, vocab_size)
 

@@ -39,14 +39,6 @@ COLUMN_MAJOR_DTYPES = (torch.bfloat16, torch.float16)
 # with float32 ones (fp16: 99.83% → 99.88%). On CPU a float32 head over the column-major wte
 # (:meth:`GPT2.lay_out_weights`) is also faster than bf16's own kernel: 5.1 ms vs 8.5 ms for one
 # row of 50257×768 (bf16 matrix-vector kernels stream at half float32's rate on this machine).
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether :meth:`GPT2.decoding` can pack weights like ``weight`` for a batch size: float32 on
-    CPU with PyTorch's MKL linear ops (x86 builds; ``torch.ops.mkl._mkl_linear``, the op
-    ``torch.compile`` uses for frozen CPU linears)."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
-
-
 def logits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the logits a model with parameters in ``dtype`` returns (float32 or float64)."""
     return torch.promote_types(dtype, torch.float32)
@@ -300,11 +292,6 @@ class GPT2(nn.Module):
         of upcasting wte at every step.
         """
         x = self.ln_f(x)
-        if self._packed_head is not None and x.shape[0] * x.shape[1] == self._packed_head[0] \
-                and not torch.is_grad_enabled():
-            rows, packed = self._packed_head
-            logits = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed, self.wte.weight, None, rows)
-            return logits.view(*x.shape[:-1], -1)
         w = self.wte.weight if self._lm_head is None else self._lm_head
         acc = logits_dtype(w.dtype)
         return F.linear(x.to(acc), w.to(acc))                  # [B, T, n_embd] @ wteᵀ
@@ -313,7 +300,6 @@ class GPT2(nn.Module):
     #: 124M while decoding; set False on an instance to keep the memory and upcast every step).
     copy_lm_head: bool = True
     _lm_head: torch.Tensor | None = None
-    _packed_head: tuple[int, torch.Tensor] | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
         """A new copy of ``wte.weight`` ``[n_vocab, n_embd]`` in the logits' dtype, with wte's
@@ -322,39 +308,22 @@ class GPT2(nn.Module):
         return w.to(logits_dtype(w.dtype), copy=True)
 
     @contextlib.contextmanager
-    def decoding(self, pack_rows: int | None = None):
+    def decoding(self):
         """The block ``generate`` decodes in. On entry it calls :meth:`lay_out_weights` (the
         layouts CPU kernels stream fastest for one to a few rows); a bf16/fp16 model then takes a
         float32 copy of wte for the head (:meth:`lm_head_weight`), freed on exit.
 
-        Args:
-            pack_rows: optionally, the number of rows each decode step feeds the matmuls (the
-                batch size). A float32 model on CPU then packs every Conv1D weight and the head
-                with MKL for that many rows (:func:`can_pack`); steps of exactly that many rows
-                use the packs, anything else the weights. This costs one more copy of the
-                weights while the block lasts (480 MB for 124M) and buys faster matmuls for a few
-                rows: 8-row decoding of 124M ran 1.1–1.3× faster on 2 cores (``gpt2mha bench``);
-                one row gains nothing. Ignored where packing is not available.
-
-        Copies and packs are taken afresh each time, so they can never be stale across weight
-        updates of any kind (``.data`` writes and fused optimizers do not bump version
-        counters); the weights must not change inside the block. A float32 model keeps no copy.
+        The copy is taken afresh each time, so it can never be stale across weight updates of
+        any kind (``.data`` writes and fused optimizers do not bump version counters); the
+        weights must not change inside the block. A float32 model keeps no copy.
         """
         self.lay_out_weights()
         w = self.wte.weight
         self._lm_head = self.lm_head_weight() if self.copy_lm_head and logits_dtype(w.dtype) != w.dtype else None
-        convs = [m for m in self.modules() if isinstance(m, Conv1D)]
         try:
-            if pack_rows is not None and can_pack(w):
-                with torch.no_grad():
-                    for m in convs:
-                        m.packed = (pack_rows, torch.ops.mkl._mkl_reorder_linear_weight(m.weight.t().contiguous(), pack_rows))
-                    self._packed_head = (pack_rows, torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), pack_rows))
             yield self
         finally:
-            self._lm_head = self._packed_head = None
-            for m in convs:
-                m.packed = None
+            self._lm_head = None
 
     def lay_out_weights(self) -> None:
         """Store the weights in the memory layouts CPU kernels stream fastest during decoding:
