@@ -334,6 +334,8 @@ def test_bench_sections_run_on_a_tiny_model(capsys):
     rows = {r["figure"]: r for r in result["rows"]}
     decode = [r for f, r in rows.items() if "transformers generate" in f]
     assert len(decode) == 2 and all("same greedy tokens: yes" in r["note"] for r in decode)
+    ceilings = [r for f, r in rows.items() if f.startswith("decode tok/s ceiling")]  # fp32 b1, b2; bf16 b1
+    assert len(ceilings) == 3 and all(r["value"] > 0 and "ms/step" in r["note"] for r in ceilings)
     assert any("no cache" in f and "same greedy tokens: yes" in r["note"] for f, r in rows.items())
     attn = [r for f, r in rows.items() if f.startswith("attention sublayer")]
     assert len(attn) >= 4 and not any("DIFFERS" in r["note"] for r in attn)
