@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .attention import ATTN_IMPLS, CausalSelfAttention, Conv1D, combine_masks
 from .attention import attention_mask as causal_mask
@@ -24,21 +25,17 @@ from .kv_cache import KVCache
 
 TOKENIZERS = ("gpt2", "bytes")
 
-#: Dtypes whose Conv1D weights :meth:`GPT2.lay_out_weights` stores column-major on CPU (the
-#: logical shape stays ``[in, out]``; values never change). Measured (2 cores, torch 2.13,
-#: ``addmm`` over the 48 Conv1D weights of 124M, one input row): bfloat16 17.7 ms column-major vs
-#: 23.4 ms row-major, float16 17.7 vs 25.0; float32 is faster row-major (15.0 vs 16.1 ms; 8 rows
-#: 28.5 vs 38.0), so it stays row-major.
-COLUMN_MAJOR_DTYPES = (torch.bfloat16, torch.float16)
+#: Rows of wte copied per block when :meth:`GPT2.lm_head_weight` transposes it on CPU.
+LM_HEAD_BLOCK = 256
 
 
 # The LM head always computes and returns float32 logits (float64 for a float64 model): a
 # bf16/fp16 model runs ln_f in its own dtype, then ``x.float() @ wte.float()ᵀ``. Rounding the
 # logits themselves to bf16's 8 significant bits flips near-ties: on the built-in model over
 # 8,192 held-out bytes, bf16 top-1 agreement with fp32 is 98.86% with bf16 logits and 99.08%
-# with float32 ones (fp16: 99.83% → 99.88%). On CPU a float32 head over the column-major wte
-# (:meth:`GPT2.lay_out_weights`) is also faster than bf16's own kernel: 5.1 ms vs 8.5 ms for one
-# row of 50257×768 (bf16 matrix-vector kernels stream at half float32's rate on this machine).
+# with float32 ones (fp16: 99.83% → 99.88%). On CPU the float32 head over the transposed copy
+# that :meth:`GPT2.decoding` takes is also faster than bf16's own kernel (5.3 vs 8.5 ms for one
+# row of 50257×768: bf16 matrix-vector kernels stream at half float32's rate on this machine).
 def logits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the logits a model with parameters in ``dtype`` returns (float32 or float64)."""
     return torch.promote_types(dtype, torch.float32)
@@ -137,16 +134,21 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)                                        # [B, T, 4·n_embd]
-        if torch.is_grad_enabled() or _hooked(self.c_fc):
+        if torch.is_grad_enabled() or not _output_is_private(self.c_fc):
             h = F.gelu(h, approximate="tanh")
         else:                                                   # inference: GELU over c_fc's own output,
             h = torch.ops.aten.gelu_(h, approximate="tanh")     # one [B, T, 4·n_embd] buffer fewer at peak
         return F.dropout(self.c_proj(h), self.dropout, self.training)
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Whether a forward hook (the module's own or a global one) may have kept its output."""
-    return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
+def _output_is_private(module: nn.Module) -> bool:
+    """Whether ``module``'s output is surely a new tensor nobody else holds, so it may be
+    overwritten: a plain :class:`Conv1D` (not a subclass, wrapper or patched ``forward``) with
+    no forward hook of its own or global, and no torch function or dispatch mode that could
+    record it."""
+    return (type(module) is Conv1D and "forward" not in module.__dict__ and not module._forward_hooks
+            and not nn.modules.module._global_forward_hooks and not torch._C._is_torch_function_mode_enabled()
+            and _get_current_dispatch_mode() is None)
 
 
 class Block(nn.Module):
@@ -287,66 +289,60 @@ class GPT2(nn.Module):
         """``ln_f`` then the tied LM head: ``[B, T, n_embd]`` → logits ``[B, T, n_vocab]``, float32.
 
         ``F.linear(ln_f(x), wte.weight)`` computed in float32 whatever the model's dtype (see
-        :func:`logits_dtype`: bf16/fp16 logits are not rounded to the model's precision). Inside
-        :meth:`decoding` a bf16/fp16 model reads the float32 copy of wte taken on entry instead
-        of upcasting wte at every step.
+        :func:`logits_dtype`: bf16/fp16 logits are not rounded to the model's precision; under
+        ``torch.autocast`` the autocast dtype wins). Inside :meth:`decoding`, when no gradient
+        for wte is wanted, it reads the float32 ``[n_embd, n_vocab]`` copy of wte taken on entry
+        (same numbers, faster for a few rows on CPU, no upcast per step).
         """
         x = self.ln_f(x)
-        w = self.wte.weight if self._lm_head is None else self._lm_head
+        w = self.wte.weight
+        if self._lm_head is not None and not (torch.is_grad_enabled() and w.requires_grad):
+            return x.to(self._lm_head.dtype) @ self._lm_head    # [B, T, n_embd] @ [n_embd, n_vocab]
         acc = logits_dtype(w.dtype)
-        return F.linear(x.to(acc), w.to(acc))                  # [B, T, n_embd] @ wteᵀ
+        return F.linear(x.to(acc), w.to(acc))
 
-    #: Let :meth:`decoding` keep a float32 copy of a bf16/fp16 wte for the head (154 MB for
-    #: 124M while decoding; set False on an instance to keep the memory and upcast every step).
-    copy_lm_head: bool = True
+    #: Let :meth:`decoding` keep a transposed float32 copy of wte for the head (one more copy of
+    #: wte in float32 while decoding, 154 MB for 124M; set False on an instance to keep the memory).
+    transpose_lm_head: bool = True
     _lm_head: torch.Tensor | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
-        """A new copy of ``wte.weight`` ``[n_vocab, n_embd]`` in the logits' dtype, with wte's
-        strides (no grad)."""
+        """A new ``[n_embd, n_vocab]`` copy of ``wte.weight`` in the logits' dtype (no grad):
+        contiguous on CPU (``x @ W`` streams it fastest there), a transposed view elsewhere.
+
+        On CPU it is built LM_HEAD_BLOCK rows of wte at a time (a blocked transpose: ~110 ms for
+        124M against 142 ms in float32 and 225 ms from bf16 for ``.t().contiguous()``).
+        """
         w = self.wte.weight.detach()
-        return w.to(logits_dtype(w.dtype), copy=True)
+        acc = logits_dtype(w.dtype)
+        if w.device.type != "cpu":
+            return w.to(acc).t()
+        out = torch.empty(w.shape[1], w.shape[0], dtype=acc)
+        for i in range(0, w.shape[0], LM_HEAD_BLOCK):
+            out[:, i:i + LM_HEAD_BLOCK].copy_(w[i:i + LM_HEAD_BLOCK].t())
+        return out
 
     @contextlib.contextmanager
     def decoding(self):
-        """The block ``generate`` decodes in. On entry it calls :meth:`lay_out_weights` (the
-        layouts CPU kernels stream fastest for one to a few rows); a bf16/fp16 model then takes a
-        float32 copy of wte for the head (:meth:`lm_head_weight`), freed on exit.
+        """The block ``generate`` decodes in: the LM head reads a float32 ``[n_embd, n_vocab]``
+        copy of wte taken on entry (:meth:`lm_head_weight`). On CPU it streams faster for
+        ``[B, n_embd]`` inputs than ``F.linear`` over wte (5.3 vs 7.1 ms for one row of 124M in
+        float32, 12.3 vs 23.5 ms for 8; 8.5 ms for bf16's own kernel), and a bf16/fp16 model
+        skips upcasting wte at every step. No copy on other devices for a float32 model.
 
-        The copy is taken afresh each time, so it can never be stale across weight updates of
-        any kind (``.data`` writes and fused optimizers do not bump version counters); the
-        weights must not change inside the block. A float32 model keeps no copy.
+        The copy lives only for the block (a nested block reuses it) and is taken afresh each
+        time, so it can never be stale across weight updates of any kind (``.data`` writes and
+        fused optimizers do not bump version counters); the weights must not change inside the
+        block. The model's parameters are never touched.
         """
-        self.lay_out_weights()
+        outer = self._lm_head
         w = self.wte.weight
-        self._lm_head = self.lm_head_weight() if self.copy_lm_head and logits_dtype(w.dtype) != w.dtype else None
+        if outer is None and self.transpose_lm_head and (w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype):
+            self._lm_head = self.lm_head_weight()
         try:
             yield self
         finally:
-            self._lm_head = None
-
-    def lay_out_weights(self) -> None:
-        """Store the weights in the memory layouts CPU kernels stream fastest during decoding:
-        ``wte`` column-major (the head's ``F.linear(x, wte)`` then reads a contiguous
-        ``[n_embd, n_vocab]``), and each Conv1D weight column-major for bf16/fp16
-        (:data:`COLUMN_MAJOR_DTYPES`), row-major for float32. Nothing changes off the CPU.
-
-        Measured (2 cores, torch 2.13, 124M): the float32 head 5.1 ms vs 10.2 ms row-major for
-        1 row, 14.2 vs 27.8 ms for 8; the embedding lookup of a 1024-token prompt costs 5.6 ms
-        instead of 0.2 ms. The parameters keep their identity, logical shape and values (only
-        their strides change, so optimizers, training and tying are unaffected). ``state_dict``
-        shares those strides: ``save_pretrained`` writes contiguous tensors, while
-        ``safetensors.torch.save_file(model.state_dict())`` asks for ``.contiguous()`` first. A
-        weight already in place costs nothing; one that is not costs one copy of that matrix,
-        once (not once per ``generate``, as a separate head copy would).
-        """
-        wanted = [(self.wte.weight, True)]
-        wanted += [(m.weight, m.weight.dtype in COLUMN_MAJOR_DTYPES) for m in self.modules() if isinstance(m, Conv1D)]
-        for w, column_major in wanted:
-            if w.device.type != "cpu" or (w.t() if column_major else w).is_contiguous():
-                continue
-            with torch.inference_mode(False), torch.no_grad():  # a normal tensor even inside inference mode
-                w.data = w.detach().t().contiguous().t() if column_major else w.detach().contiguous()
+            self._lm_head = outer
 
     def forward(self, idx: torch.Tensor, past: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
