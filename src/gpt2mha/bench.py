@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
-from .model import GPT2, GPT2Config
+from .model import GPT2, GPT2Config, logits_dtype
 
 SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp")
 MMAP_THRESHOLD = 1 << 20   # bytes: allocations this large bypass glibc's heap in the memory children
@@ -238,8 +238,10 @@ def ceiling_row(model: GPT2, batch: int, speeds: tuple[float, float], sizes: Siz
     ours_tok_s, hf_tok_s = speeds
     floor = matmul_floor(model, batch, repeats=max(10, 5 * sizes.repeats))
     ceiling = batch / floor
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - \
-        model.wpe.weight.numel() * model.wpe.weight.element_size()
+    wte, wpe = model.wte.weight, model.wpe.weight                        # the head reads wte in float32
+    head_bytes = wte.numel() * torch.empty(0, dtype=logits_dtype(wte.dtype)).element_size()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + head_bytes - \
+        (wte.numel() * wte.element_size() + wpe.numel() * wpe.element_size())
     return _ratio_row(f"decode tok/s ceiling, batch {batch}, gpt2mha {name}: weight matmuls alone "
                       f"(no attention, no overhead) / transformers float32", ceiling, hf_tok_s, "tok/s",
                       note=f"floor {floor * 1e3:.1f} ms/step ({weight_bytes / floor / 1e9:.1f} GB/s of weights); "
