@@ -418,7 +418,8 @@ class GPT2(nn.Module):
     def from_pretrained(cls, name_or_dir: str, **kwargs) -> "GPT2":
         """Load a built-in model name, a local Hugging Face GPT-2 directory, or a hub id.
 
-        See :func:`gpt2mha.checkpoints.load_pretrained` for the details and errors.
+        Keyword arguments go to :func:`gpt2mha.checkpoints.load_pretrained`, e.g.
+        ``dtype=torch.bfloat16`` for the parameters' dtype; see it for the details and errors.
         """
         from .checkpoints import load_pretrained
         return load_pretrained(name_or_dir, model_cls=cls, **kwargs)
