@@ -377,6 +377,8 @@ def test_bench_sections_run_on_a_tiny_model(capsys):
     assert any(f.startswith("top-1 agreement, gpt2mha bfloat16") for f in rows)
     for r in result["rows"]:
         assert r["value"] is not None and (r["ratio"] is None or r["ratio"] > 0)
+    first = result["rows"][0]                                   # the progress line on stderr
+    assert bench.format_row(first).startswith(f"{first['figure']}: ") and "{" not in bench.format_row(first)
     table = bench.format_table(result)
     assert table.count("\n|") == len(result["rows"]) + 2
     import json

@@ -633,6 +633,15 @@ def _fmt(v, unit=""):
     return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
 
 
+def format_row(r: dict) -> str:
+    """One row as a progress line: ``figure: A / B unit = ratio (target: met)``."""
+    vs = f" / {_fmt(r['vs'], r['unit'])}" if r["vs"] is not None else ""
+    ratio = f" = {_fmt(r['ratio'])}" if r["ratio"] is not None else ""
+    target = f" (target {r['target']}: {_fmt(r['met'])})" if r["target"] else ""
+    unit = "" if r["unit"] == "fraction" else f" {r['unit']}"
+    return f"{r['figure']}: {_fmt(r['value'], r['unit'])}{vs}{unit}{ratio}{target}"
+
+
 def format_table(result: dict) -> str:
     """A Markdown table of the rows (medians; ratio as the target reads it)."""
     m = result["machine"]
@@ -664,7 +673,7 @@ def main_args(args) -> int:
     if bad:
         raise ValueError(f"--only: unknown section(s) {bad}; expected some of {list(SECTIONS)}")
     def log(*a):                                               # progress on stderr, results on stdout
-        print(*a, file=sys.stderr, flush=True)
+        print(*(format_row(x) if isinstance(x, dict) else x for x in a), file=sys.stderr, flush=True)
     result = run(args.preset, args.quick, sections, args.text, log=log, memory=not args.no_memory)
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0
