@@ -158,6 +158,73 @@ def test_lm_head_after_generate_fused_optimizer_and_frozen_embeddings():
     model(idx).logits.sum().backward()
 
 
+# ------------------------------------------------------------------------- Conv1D [out, in] copies
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_conv1d_copies_are_transposed_fresh_and_freed(dtype):
+    """decoding() gives each Conv1D of a bf16/fp16 model an [out, in] copy of its weight (a
+    nested block reuses it, the exit frees it, the parameter itself is untouched); outputs match
+    x @ W + b computed in float64 from the model's own weights (independent of either kernel),
+    and a weight changed between two generate calls (.data, no version bump) is seen."""
+    model = small_model(seed=10).to(dtype)
+    conv = model.h[1].attn.c_attn
+    ptr, strides = conv.weight.data_ptr(), conv.weight.stride()
+    x = torch.randn(3, 4, 32).to(dtype)
+    exact = (x.double() @ conv.weight.double() + conv.bias.double())
+    with torch.no_grad():
+        plain = conv(x)
+        with model.decoding():
+            copies = [m.weight_t for m in model.modules() if hasattr(m, "weight_t") and m.weight_t is not None]
+            assert len(copies) == 4 * 3                         # four Conv1Ds per block
+            assert torch.equal(conv.weight_t, conv.weight.t()) and conv.weight_t.is_contiguous()
+            fast = conv(x)
+            with model.decoding():
+                assert model.h[1].attn.c_attn.weight_t is copies[4]   # nested: the same copy
+            assert conv.weight_t is not None
+        assert conv.weight_t is None and model._lm_head is None
+    assert (conv.weight.data_ptr(), conv.weight.stride()) == (ptr, strides)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(fast.double(), exact, **tol)
+    torch.testing.assert_close(plain.double(), exact, **tol)
+    idx = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(10))
+    before = model.generate(idx, 6, temperature=0)
+    g = torch.Generator().manual_seed(13)
+    for block in model.h:                                       # new block weights, no version bump
+        for m in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+            m.weight.data.copy_(torch.randn(m.weight.shape, generator=g) * 0.5)
+    after = model.generate(idx, 6, temperature=0)
+    with model.decoding(), torch.no_grad():
+        seq = idx
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(after, seq) and not torch.equal(after, before)
+
+
+def test_float32_conv1d_keeps_its_layout_and_copies_can_be_declined():
+    """float32 reads GPT-2's [in, out] fastest (benchmarks/kernels.py), so no copy is taken;
+    transpose_conv1d=False keeps a bf16 model's memory too."""
+    model = small_model(seed=11)
+    with model.decoding():
+        assert all(m.weight_t is None for m in model.modules() if hasattr(m, "weight_t"))
+    model = small_model(seed=11).to(torch.bfloat16)
+    model.transpose_conv1d = False
+    with model.decoding():
+        assert all(m.weight_t is None for m in model.modules() if hasattr(m, "weight_t"))
+
+
+def test_conv1d_copy_is_not_used_when_autograd_wants_the_weight():
+    """With autograd on inside decoding(), Conv1D reads its weight itself: the block weights'
+    gradients equal those computed outside decoding()."""
+    model = small_model(seed=12).to(torch.bfloat16)
+    idx = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(12))
+    model(idx).logits.float().pow(2).sum().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with model.decoding():
+        model(idx).logits.float().pow(2).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], msg=n)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_low_precision_head_returns_unrounded_float32_logits(dtype):
     """The head of a bf16/fp16 model accumulates and returns float32 (float64 stays float64),

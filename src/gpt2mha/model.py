@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .attention import ATTN_IMPLS, CausalSelfAttention, Conv1D, combine_masks
+from .attention import ATTN_IMPLS, CausalSelfAttention, Conv1D, combine_masks, transposed_copy
 from .attention import attention_mask as causal_mask
 from .kv_cache import KVCache
 
@@ -304,45 +304,64 @@ class GPT2(nn.Module):
     #: Let :meth:`decoding` keep a transposed float32 copy of wte for the head (one more copy of
     #: wte in float32 while decoding, 154 MB for 124M; set False on an instance to keep the memory).
     transpose_lm_head: bool = True
+    #: Let :meth:`decoding` give every Conv1D of a bf16/fp16 model on CPU an ``[out, in]`` copy
+    #: of its weight (one more copy of the block weights while decoding, 170 MB for 124M in bf16;
+    #: set False on an instance to keep the memory).
+    transpose_conv1d: bool = True
     _lm_head: torch.Tensor | None = None
+    _decoding: bool = False
 
     def lm_head_weight(self) -> torch.Tensor:
         """A new ``[n_embd, n_vocab]`` copy of ``wte.weight`` in the logits' dtype (no grad):
-        contiguous on CPU (``x @ W`` streams it fastest there), a transposed view elsewhere.
-
-        On CPU it is built LM_HEAD_BLOCK rows of wte at a time (a blocked transpose: ~110 ms for
-        124M against 142 ms in float32 and 225 ms from bf16 for ``.t().contiguous()``).
+        contiguous on CPU (``x @ W`` streams it fastest there, built by
+        :func:`~gpt2mha.attention.transposed_copy`), a transposed view elsewhere.
         """
         w = self.wte.weight.detach()
         acc = logits_dtype(w.dtype)
         if w.device.type != "cpu":
             return w.to(acc).t()
-        out = torch.empty(w.shape[1], w.shape[0], dtype=acc)
-        for i in range(0, w.shape[0], LM_HEAD_BLOCK):
-            out[:, i:i + LM_HEAD_BLOCK].copy_(w[i:i + LM_HEAD_BLOCK].t())
-        return out
+        return transposed_copy(w, acc, LM_HEAD_BLOCK)
 
     @contextlib.contextmanager
     def decoding(self):
-        """The block ``generate`` decodes in: the LM head reads a float32 ``[n_embd, n_vocab]``
-        copy of wte taken on entry (:meth:`lm_head_weight`). On CPU it streams faster for
-        ``[B, n_embd]`` inputs than ``F.linear`` over wte (5.3 vs 7.1 ms for one row of 124M in
-        float32, 12.3 vs 23.5 ms for 8; 8.5 ms for bf16's own kernel), and a bf16/fp16 model
-        skips upcasting wte at every step. No copy on other devices for a float32 model.
+        """The block ``generate`` decodes in, with weight copies in the layouts that are fastest
+        for ``[B, n_embd]`` inputs (measured on CPU, benchmarks/RESULTS.md):
 
-        The copy lives only for the block (a nested block reuses it) and is taken afresh each
-        time, so it can never be stale across weight updates of any kind (``.data`` writes and
-        fused optimizers do not bump version counters); the weights must not change inside the
-        block. The model's parameters are never touched.
+        - the LM head reads a float32 ``[n_embd, n_vocab]`` copy of wte (:meth:`lm_head_weight`):
+          5.3 vs 7.1 ms for one row of 124M in float32, 12.3 vs 23.5 ms for 8, and a bf16/fp16
+          model skips upcasting wte at every step (8.5 ms for bf16's own kernel). No copy on
+          other devices for a float32 model.
+        - for a bf16/fp16 model on CPU, every Conv1D multiplies by an ``[out, in]`` copy of its
+          weight (:attr:`~gpt2mha.attention.Conv1D.weight_t`): torch's reduced-precision
+          kernels read that layout up to 1.4× faster (a bf16 124M step: 27 vs 33 ms at batch 1,
+          40 vs 47 ms at batch 8). A float32 model keeps GPT-2's ``[in, out]``, its fastest.
+
+        The copies live only for the block (a nested block reuses them) and are taken afresh
+        each time, so they can never be stale across weight updates of any kind (``.data``
+        writes and fused optimizers do not bump version counters); the weights must not change
+        inside the block. Where autograd wants a weight's gradient, the original is read. The
+        model's parameters are never touched.
         """
-        outer = self._lm_head
+        if self._decoding:                                      # nested: reuse the outer copies
+            yield self
+            return
         w = self.wte.weight
-        if outer is None and self.transpose_lm_head and (w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype):
+        convs = []
+        if self.transpose_lm_head and (w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype):
             self._lm_head = self.lm_head_weight()
+        if self.transpose_conv1d:
+            convs = [m for m in self.modules() if isinstance(m, Conv1D) and m.weight.device.type == "cpu"
+                     and m.weight.dtype in (torch.bfloat16, torch.float16)]
+        self._decoding = True
         try:
+            for m in convs:
+                m.weight_t = transposed_copy(m.weight)
             yield self
         finally:
-            self._lm_head = outer
+            self._decoding = False
+            self._lm_head = None
+            for m in convs:
+                m.weight_t = None
 
     def forward(self, idx: torch.Tensor, past: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
