@@ -199,6 +199,24 @@ def test_low_precision_conv1d_copies_are_transposed_fresh_and_freed(dtype):
     assert torch.equal(after, seq) and not torch.equal(after, before)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_made_while_decoding_takes_no_weight_copies_along(how):
+    """A model deep-copied or pickled inside decoding() leaves the block's weight copies behind:
+    the copy reads its own weights afterwards, even after they change (no stale logits)."""
+    import pickle
+
+    model = small_model(seed=14).to(torch.bfloat16)
+    with model.decoding():
+        clone = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    assert clone._lm_head is None and not clone._decoding
+    assert all(m.weight_t is None for m in clone.modules() if hasattr(m, "weight_t"))
+    idx = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.data.copy_(torch.randn_like(p))
+        torch.testing.assert_close(clone(idx).logits, reference_logits(clone, idx))
+
+
 def test_float32_conv1d_keeps_its_layout_and_copies_can_be_declined():
     """float32 reads GPT-2's [in, out] fastest (benchmarks/kernels.py), so no copy is taken;
     transpose_conv1d=False keeps a bf16 model's memory too."""

@@ -167,6 +167,11 @@ class Conv1D(nn.Module):
             y = torch.addmm(self.bias, x2, self.weight)         # x @ W + b
         return y.view(*x.shape[:-1], self.n_out)
 
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("weight_t", None)                             # decoding()'s copy stays with that block
+        return state
+
     def extra_repr(self) -> str:
         return f"n_in={self.n_in}, n_out={self.n_out}"
 

@@ -255,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights' dtype; on CPU bfloat16/float16 halve the weights' memory but decode at "
+                        "about float32's speed (benchmarks/RESULTS.md); logits stay float32")
     g.add_argument("--stop-at-eos", action="store_true", help="stop when <|endoftext|> is sampled")
     g.add_argument("--sliding-window", action="store_true",
                    help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")

@@ -322,6 +322,12 @@ class GPT2(nn.Module):
             return w.to(acc).t()
         return transposed_copy(w, acc, LM_HEAD_BLOCK)
 
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        for name in ("_lm_head", "_decoding"):                # decoding()'s copy stays with that block
+            state.pop(name, None)
+        return state
+
     @contextlib.contextmanager
     def decoding(self):
         """The block ``generate`` decodes in, with weight copies in the layouts that are fastest
