@@ -250,13 +250,14 @@ def ceiling_row(model: GPT2, batch: int, speeds: tuple[float, float], sizes: Siz
 
 
 def bench_cache(ours: GPT2, sizes: Sizes, log=print) -> list[dict]:
-    """Greedy decode with the static KV cache vs recomputing the whole sequence each step."""
+    """Greedy decode with the static KV cache vs recomputing the whole sequence each step, whole
+    runs taken in turn (cached, uncached, cached, …) so a slow spell hits both alike."""
     idx = _prompt(1, sizes.prompt, ours.config.n_vocab)
     n = sizes.nocache_tokens
-    same = torch.equal(ours_greedy(ours, idx, n), greedy_without_cache(ours, idx, n))
-    t_cache = median_seconds(lambda: ours_greedy(ours, idx, n), sizes.repeats)
-    t_none = median_seconds(lambda: greedy_without_cache(ours, idx, n), max(1, sizes.repeats - 1), warmup=0)
-    # (not interleaved: the no-cache run is ~10x longer; both are medians of whole runs)
+    same = torch.equal(ours_greedy(ours, idx, n), greedy_without_cache(ours, idx, n))   # also the warm-up
+    t = interleaved_medians({"cache": lambda: ours_greedy(ours, idx, n),
+                             "none": lambda: greedy_without_cache(ours, idx, n)}, sizes.repeats, warmup=0)
+    t_cache, t_none = t["cache"], t["none"]
     r = _ratio_row(f"decode tok/s, batch 1, {n} new: static KV cache / no cache (recompute all)",
                    n / t_cache, n / t_none, "tok/s",
                    target_min=5, note=f"same greedy tokens: {'yes' if same else 'NO'}")
