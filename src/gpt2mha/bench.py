@@ -506,26 +506,31 @@ def _decisive_note(decisive: float) -> str:
     return f"{decisive:.2%} where float32's top-2 probability margin >= {DECISIVE}"
 
 
-def bench_low_precision(directory: str, ours32: GPT2, speeds: dict, sizes: Sizes, text: str | None = None,
+def bench_low_precision(directory: str, ours32: GPT2, hf, sizes: Sizes, text: str | None = None,
                         log=print) -> list[dict]:
-    """bf16 and fp16 decode tokens/s (batch 1) against fp32, with top-1 agreement on real text."""
+    """bf16 and fp16 decode tokens/s (batch 1) against fp32, with top-1 agreement on real text.
+    Each low-precision decode is timed in turn with gpt2mha float32 and transformers float32
+    (``hf``), so the three figures of a row come from the same minutes."""
     rows = []
     idx = _prompt(1, sizes.prompt, ours32.config.n_vocab, seed=1)
     tokens = real_text_tokens(ours32.config, sizes.agree_tokens, text)
-    ours_fp32, hf_fp32 = speeds[1]
     greedy32 = ours_greedy(ours32, idx, sizes.new_tokens)
+    hf_greedy(hf, idx, sizes.new_tokens)                               # warm-up
     for dtype in (torch.bfloat16, torch.float16):
         name = str(dtype).removeprefix("torch.")
         model = load_ours(directory, dtype)
-        greedy_lp = ours_greedy(model, idx, sizes.new_tokens)
-        t = median_seconds(lambda: ours_greedy(model, idx, sizes.new_tokens), sizes.repeats)
-        tok_s = sizes.new_tokens / t
+        greedy_lp = ours_greedy(model, idx, sizes.new_tokens)           # also the warm-up
+        t = interleaved_medians({"lp": lambda: ours_greedy(model, idx, sizes.new_tokens),
+                                 "ours32": lambda: ours_greedy(ours32, idx, sizes.new_tokens),
+                                 "hf": lambda: hf_greedy(hf, idx, sizes.new_tokens)}, sizes.repeats, warmup=0)
+        tok_s, ours_fp32, hf_fp32 = (sizes.new_tokens / t[k] for k in ("lp", "ours32", "hf"))
         agree = top1_agreement(ours32, model, tokens) if tokens is not None else None
         decisive = top1_agreement(ours32, model, tokens, DECISIVE) if tokens is not None else None
         n_same = int((greedy32 == greedy_lp).all(0).long().cumprod(0).sum()) - sizes.prompt
         new = [_ratio_row(f"decode tok/s, batch 1: gpt2mha {name} / transformers float32", tok_s, hf_fp32,
                                "tok/s", target_min=2.5 if dtype == torch.bfloat16 else None,
-                               note=f"gpt2mha float32 {ours_fp32:.1f} tok/s; greedy tokens equal to float32 "
+                               note=f"gpt2mha float32 {ours_fp32:.1f} tok/s ({name} / float32 = {tok_s / ours_fp32:.2f}), "
+                                    f"all three timed in turn; greedy tokens equal to float32 "
                                     f"for the first {n_same}/{sizes.new_tokens}")]
         if agree is not None:
             new.append(row(f"top-1 agreement, gpt2mha {name} with float32 (random weights, real text)", agree,
@@ -597,25 +602,21 @@ def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str 
                                 attn_tokens=min(sizes.attn_tokens, config.n_ctx),
                                 new_tokens=min(sizes.new_tokens, config.n_ctx - sizes.prompt),
                                 nocache_tokens=min(sizes.nocache_tokens, config.n_ctx - sizes.prompt))
-    rows, speeds = [], {}
+    rows = []
     with tempfile.TemporaryDirectory(prefix="gpt2mha-bench-") as tmp:
         directory = random_checkpoint(os.path.join(tmp, "ckpt"), config)
         if {"decode", "cache", "positions", "lowp"} & set(sections):
             ours = load_ours(directory)
+            hf = load_hf(directory) if {"decode", "lowp"} & set(sections) else None
             if "decode" in sections:
-                hf = load_hf(directory)
-                r, speeds = bench_decode(ours, hf, sizes, log)
-                rows += r
-                del hf
+                rows += bench_decode(ours, hf, sizes, log)[0]
             if "cache" in sections:
                 rows += bench_cache(ours, sizes, log)
             if "positions" in sections:
                 rows += bench_positions(ours, sizes, log)
             if "lowp" in sections:
-                if 1 not in speeds:                            # the fp32 batch-1 speeds to compare with
-                    speeds[1] = decode_speeds(ours, load_hf(directory), 1, sizes)[:2]
-                rows += bench_low_precision(directory, ours, speeds, sizes, text, log)
-            del ours
+                rows += bench_low_precision(directory, ours, hf, sizes, text, log)
+            del ours, hf
             gc.collect()
         if "prefill" in sections:
             rows += bench_prefill(directory, sizes, log, memory=memory)
