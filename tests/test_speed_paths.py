@@ -217,6 +217,72 @@ def test_a_copy_made_while_decoding_takes_no_weight_copies_along(how):
         torch.testing.assert_close(clone(idx).logits, reference_logits(clone, idx))
 
 
+def _bf16(seed):
+    return small_model(seed=seed).to(torch.bfloat16)
+
+
+def test_copies_are_used_only_while_they_match_the_weights_in_use():
+    """Inside decoding() a copy stands in for a weight only while that weight is the very tensor
+    it was taken from, unchanged. Reference: the same call outside decoding(), which reads the
+    weights themselves. Each case below differed by 0.15-0.5 before the check."""
+    import torch.nn.utils.prune as prune
+    from torch.func import functional_call
+
+    idx = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(15))
+    close = dict(atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        pruned = _bf16(15)                                      # weight recomputed by a pre-hook
+        for m in pruned.modules():
+            if type(m).__name__ == "Conv1D":
+                prune.l1_unstructured(m, "weight", amount=0.3)
+        with pruned.decoding():
+            for m in pruned.modules():
+                if hasattr(m, "weight_orig"):
+                    m.weight_orig.add_(torch.randn_like(m.weight_orig) * 0.05)
+            inside = pruned(idx).logits
+        torch.testing.assert_close(inside, pruned(idx).logits, **close)
+
+        model = _bf16(16)                                       # substituted parameters
+        params = {k: (v * 2 if k.endswith(("c_fc.weight", "wte.weight")) else v) for k, v in model.named_parameters()}
+        outside = functional_call(model, params, (idx,)).logits
+        with model.decoding():
+            torch.testing.assert_close(functional_call(model, params, (idx,)).logits, outside, **close)
+
+        donor = _bf16(17)                                       # load_state_dict inside the block
+        with model.decoding():
+            model.load_state_dict(donor.state_dict())
+            torch.testing.assert_close(model(idx).logits, donor(idx).logits, **close)
+
+        with model.decoding():                                  # dtype changed inside the block
+            model.half()
+            half = model(idx).logits
+        torch.testing.assert_close(half, model(idx).logits, **close)
+
+
+def test_decoding_skips_conv1ds_without_a_weight_and_always_cleans_up():
+    """A Conv1D subclass whose weight is not a tensor gets no copy (generate runs), and an
+    error inside the block leaves no copy or flag behind."""
+    from gpt2mha.attention import Conv1D
+
+    class Quantised(Conv1D):
+        def __init__(self, n_in, n_out):
+            super().__init__(n_in, n_out)
+            self.weight = None
+
+        def forward(self, x):
+            return x @ torch.zeros(self.n_in, self.n_out, dtype=x.dtype) + self.bias
+
+    model = _bf16(18)
+    model.h[0].mlp.c_fc = Quantised(32, 128).to(torch.bfloat16)
+    out = model.generate(torch.tensor([[1, 2, 3]]), 4, temperature=0)
+    assert out.shape == (1, 7)
+    with pytest.raises(RuntimeError, match="boom"):
+        with model.decoding():
+            raise RuntimeError("boom")
+    assert model._lm_head is None and not model._decoding
+    assert all(m._kept is None for m in model.modules() if isinstance(m, Conv1D))
+
+
 def test_float32_conv1d_keeps_its_layout_and_copies_can_be_declined():
     """float32 reads GPT-2's [in, out] fastest (benchmarks/kernels.py), so no copy is taken;
     transpose_conv1d=False keeps a bf16 model's memory too."""
@@ -256,7 +322,7 @@ def test_low_precision_head_returns_unrounded_float32_logits(dtype):
     with torch.no_grad():
         plain = model.head(x)
         with model.decoding():
-            assert model._lm_head.dtype == acc and model._lm_head.shape == (32, 97)
+            assert model._lm_head.copy.dtype == acc and model._lm_head.copy.shape == (32, 97)
             decoded = model.head(x)
     assert plain.dtype == decoded.dtype == acc
     torch.testing.assert_close(plain, expected, atol=1e-5, rtol=1e-5)

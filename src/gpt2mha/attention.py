@@ -11,6 +11,7 @@ h = n_head, head_dim = n_embd // n_head.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -141,16 +142,16 @@ class Conv1D(nn.Module):
 
     Shapes: ``weight [n_in, n_out]``, ``bias [n_out]``; forward ``[..., n_in]`` → ``[..., n_out]``.
 
-    While ``weight_t`` holds an ``[n_out, n_in]`` copy of the weight (``GPT2.decoding`` takes one
-    for bf16/fp16 models on CPU, whose kernels read that layout up to 1.4× faster for a few
-    rows), the forward computes ``F.linear(x, weight_t, bias)`` instead: the same product, in
-    another summation order. It never does so when autograd wants the weight's gradient.
+    Inside ``GPT2.decoding`` a bf16/fp16 Conv1D on CPU keeps an ``[n_out, n_in]`` copy of its
+    weight (:meth:`keep_transposed`), whose layout those kernels read up to 1.4× faster for a
+    few rows. While that copy is current (:attr:`weight_t`), the forward computes
+    ``F.linear(x, weight_t, bias)``: the same product, in another summation order. It never does
+    so when autograd wants the weight's gradient.
 
     Source: ``conv1d`` in openai/gpt-2 ``src/model.py`` (and transformers' ``Conv1D``).
     """
 
-    #: An ``[n_out, n_in]`` copy of ``weight`` to multiply by instead (set by ``GPT2.decoding``).
-    weight_t: torch.Tensor | None = None
+    _kept: Snapshot | None = None
 
     def __init__(self, n_in: int, n_out: int):
         super().__init__()
@@ -161,15 +162,30 @@ class Conv1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.n_in)                           # [N, n_in]
-        if self.weight_t is not None and not (torch.is_grad_enabled() and self.weight.requires_grad):
-            y = F.linear(x2, self.weight_t, self.bias)         # the [n_out, n_in] copy
+        w_t = None if self._kept is None else self.weight_t
+        if w_t is not None and not (torch.is_grad_enabled() and self.weight.requires_grad):
+            y = F.linear(x2, w_t, self.bias)                    # the kept [n_out, n_in] copy
         else:
             y = torch.addmm(self.bias, x2, self.weight)         # x @ W + b
         return y.view(*x.shape[:-1], self.n_out)
 
+    @property
+    def weight_t(self) -> torch.Tensor | None:
+        """The kept ``[n_out, n_in]`` copy, or None: none kept, or ``weight`` is no longer the
+        tensor it was taken from or has changed since (see :class:`Snapshot`)."""
+        return current_copy(self._kept, self.weight)
+
+    def keep_transposed(self) -> None:
+        """Keep an ``[n_out, n_in]`` copy of the weight (:func:`transposed_copy`) until :meth:`drop_transposed`."""
+        self._kept = snapshot(self.weight)
+
+    def drop_transposed(self) -> None:
+        """Free the kept copy."""
+        self._kept = None
+
     def __getstate__(self):
         state = dict(super().__getstate__())
-        state.pop("weight_t", None)                             # decoding()'s copy stays with that block
+        state.pop("_kept", None)                                # decoding()'s copy stays with that block
         return state
 
     def extra_repr(self) -> str:
@@ -188,6 +204,38 @@ def transposed_copy(w: torch.Tensor, dtype: torch.dtype | None = None, block: in
     for i in range(0, w.shape[0], block):
         out[:, i:i + block].copy_(w[i:i + block].t())
     return out
+
+
+class Snapshot(NamedTuple):
+    """A copy derived from a weight, with what identifies the weight's contents at that time.
+
+    ``source`` is the weight tensor itself and ``stamp`` its :func:`stamp`. In-place writes
+    (optimizer steps, ``load_state_dict``, ``.copy_``) bump the version counter, and ``.half()``
+    or ``.to()`` change the dtype or the data pointer, so a changed weight is noticed.
+    Substituted weights are noticed as well: ``torch.func.functional_call`` and pruning or
+    weight-norm hooks put another tensor in its place. Writes through ``.data`` bump nothing,
+    and fused optimizers do not bump the counter either; neither can be seen.
+    """
+    copy: torch.Tensor
+    source: torch.Tensor
+    stamp: tuple
+
+
+def stamp(w: torch.Tensor) -> tuple:
+    """``(version, dtype, device, data_ptr)`` of ``w``; version is None for inference tensors."""
+    return (None if w.is_inference() else w._version, w.dtype, w.device, w.data_ptr())
+
+
+def snapshot(w: torch.Tensor, dtype: torch.dtype | None = None, block: int = 256) -> Snapshot:
+    """A :class:`Snapshot` of ``w``'s :func:`transposed_copy`."""
+    return Snapshot(transposed_copy(w, dtype, block), w, stamp(w))
+
+
+def current_copy(kept: Snapshot | None, w) -> torch.Tensor | None:
+    """``kept.copy`` if it was taken from ``w`` itself and ``w`` has not changed since, else None."""
+    if kept is None or kept.source is not w or kept.stamp != stamp(w):
+        return None
+    return kept.copy
 
 
 class CausalSelfAttention(nn.Module):

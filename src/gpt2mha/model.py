@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .attention import ATTN_IMPLS, CausalSelfAttention, Conv1D, combine_masks, transposed_copy
+from .attention import ATTN_IMPLS, CausalSelfAttention, Conv1D, Snapshot, combine_masks, current_copy, stamp
+from .attention import transposed_copy
 from .attention import attention_mask as causal_mask
 from .kv_cache import KVCache
 
@@ -296,8 +297,9 @@ class GPT2(nn.Module):
         """
         x = self.ln_f(x)
         w = self.wte.weight
-        if self._lm_head is not None and not (torch.is_grad_enabled() and w.requires_grad):
-            return x.to(self._lm_head.dtype) @ self._lm_head    # [B, T, n_embd] @ [n_embd, n_vocab]
+        head_t = current_copy(self._lm_head, w)                # decoding()'s copy, if still of this wte
+        if head_t is not None and not (torch.is_grad_enabled() and w.requires_grad):
+            return x.to(head_t.dtype) @ head_t                  # [B, T, n_embd] @ [n_embd, n_vocab]
         acc = logits_dtype(w.dtype)
         return F.linear(x.to(acc), w.to(acc))
 
@@ -308,7 +310,7 @@ class GPT2(nn.Module):
     #: of its weight (one more copy of the block weights while decoding, 170 MB for 124M in bf16;
     #: set False on an instance to keep the memory).
     transpose_conv1d: bool = True
-    _lm_head: torch.Tensor | None = None
+    _lm_head: Snapshot | None = None
     _decoding: bool = False
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -343,31 +345,34 @@ class GPT2(nn.Module):
           40 vs 47 ms at batch 8). A float32 model keeps GPT-2's ``[in, out]``, its fastest.
 
         The copies live only for the block (a nested block reuses them) and are taken afresh
-        each time, so they can never be stale across weight updates of any kind (``.data``
-        writes and fused optimizers do not bump version counters); the weights must not change
-        inside the block. Where autograd wants a weight's gradient, the original is read. The
-        model's parameters are never touched.
+        each time, so they can never be stale across blocks whatever changed the weights. Inside
+        the block a copy is used only while its weight is the very tensor it was taken from and
+        unchanged by version counter, dtype and storage (:class:`~gpt2mha.attention.Snapshot`),
+        so in-place updates, ``load_state_dict``, ``.half()``, ``torch.func.functional_call``
+        and pruning hooks fall back to the weights themselves. Writes through ``.data`` and fused
+        optimizers bump no counter: do not make them inside the block. Where autograd wants a
+        weight's gradient, the original is read. The model's parameters are never touched.
         """
         if self._decoding:                                      # nested: reuse the outer copies
             yield self
             return
         w = self.wte.weight
         convs = []
-        if self.transpose_lm_head and (w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype):
-            self._lm_head = self.lm_head_weight()
-        if self.transpose_conv1d:
-            convs = [m for m in self.modules() if isinstance(m, Conv1D) and m.weight.device.type == "cpu"
-                     and m.weight.dtype in (torch.bfloat16, torch.float16)]
         self._decoding = True
         try:
+            if self.transpose_lm_head and (w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype):
+                self._lm_head = Snapshot(self.lm_head_weight(), w, stamp(w))
+            if self.transpose_conv1d:
+                convs = [m for m in self.modules() if isinstance(m, Conv1D) and isinstance(m.weight, torch.Tensor)
+                         and m.weight.device.type == "cpu" and m.weight.dtype in (torch.bfloat16, torch.float16)]
             for m in convs:
-                m.weight_t = transposed_copy(m.weight)
+                m.keep_transposed()
             yield self
         finally:
             self._decoding = False
             self._lm_head = None
             for m in convs:
-                m.weight_t = None
+                m.drop_transposed()
 
     def forward(self, idx: torch.Tensor, past: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
