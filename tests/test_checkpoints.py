@@ -189,3 +189,19 @@ def test_local_directory_wins_over_a_builtin_name(tmp_path, monkeypatch, hf_chec
     monkeypatch.chdir(tmp_path)
     shutil.copytree(path, tmp_path / "same-name")
     assert GPT2.from_pretrained("same-name").config.n_vocab == 300         # ./same-name wins
+
+
+def test_a_typo_of_a_builtin_name_is_named_without_asking_the_hub(monkeypatch):
+    """`--model shakespeare` used to spend ~26 s retrying the hub offline before failing with no
+    hint; a name close to a built-in one now fails at once and suggests it."""
+    import gpt2mha.checkpoints as ck
+
+    def no_hub(repo_id):
+        raise AssertionError(f"the hub was asked for {repo_id!r}")
+
+    monkeypatch.setattr(ck, "download", no_hub)
+    for typo in ("shakespeare", "shakespeare-bytes", "Shakespeare-byte"):
+        with pytest.raises(CheckpointError, match="did you mean 'shakespeare-byte'"):
+            load_pretrained(typo)
+    with pytest.raises(AssertionError, match="the hub was asked for 'gpt2'"):
+        load_pretrained("gpt2")                                 # a real hub id still goes to the hub

@@ -42,7 +42,8 @@ def test_generate_subprocess_offline_is_reproducible(byte_model):
 def test_generate_greedy_and_bad_arguments(byte_model, capsys):
     assert main(["generate", "ab", "--model", byte_model, "--max-new-tokens", "5", "--temperature", "0"]) == 0
     for bad, needle in [(["--top-p", "0"], "top_p=0.0"), (["--top-k", "-1"], "top_k=-1"),
-                        (["--temperature", "-1"], "temperature=-1.0"), (["--max-new-tokens", "100"], "n_ctx=64")]:
+                        (["--temperature", "-1"], "temperature=-1.0"), (["--max-new-tokens", "100"], "n_ctx=64"),
+                        (["--max-new-tokens", "-5"], "--max-new-tokens=-5 must be >= 0")]:
         assert main(["generate", "ab", "--model", byte_model, *bad]) == 2
         assert needle in capsys.readouterr().err
     assert main(["generate", "", "--model", byte_model]) == 2

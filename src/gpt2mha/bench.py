@@ -81,6 +81,7 @@ def _require_transformers():
         raise SystemExit("error: gpt2mha bench compares against Hugging Face transformers, which is not "
                          "installed; pip install transformers (a benchmark/test dependency only)") from None
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()           # no load/save bars among the figures
     return transformers
 
 

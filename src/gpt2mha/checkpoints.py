@@ -11,6 +11,7 @@ half-loaded model.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import pickle
@@ -165,7 +166,8 @@ def resolve(name_or_dir: str) -> str:
     """A local directory, a built-in name or a hub id (in that order) → a local directory.
 
     Raises:
-        CheckpointError: a directory without config.json, a path that does not exist, or a
+        CheckpointError: a directory without config.json, a path that does not exist, a name
+            close to a built-in one (a typo: the message suggests it; the hub is not asked), or a
             hub id that cannot be downloaded (offline: the message says how to use a local copy).
     """
     if os.path.isdir(name_or_dir):
@@ -179,6 +181,10 @@ def resolve(name_or_dir: str) -> str:
     if looks_like_path or name_or_dir.count("/") > 1 or not name_or_dir:
         raise CheckpointError(f"model={name_or_dir!r} is not a directory, a built-in model "
                               f"({', '.join(builtin_models()) or 'none installed'}) or a hub id")
+    close = difflib.get_close_matches(name_or_dir, builtin_models(), n=1, cutoff=0.6)
+    if close and "/" not in name_or_dir:                       # a typo of a built-in name: don't ask the hub
+        raise CheckpointError(f"model={name_or_dir!r} is not a directory or a built-in model; "
+                              f"did you mean {close[0]!r}? (built-in: {', '.join(builtin_models())})")
     return download(name_or_dir)
 
 

@@ -11,6 +11,14 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
           "float16": "float16", "fp16": "float16"}
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: …)`` after each option's help, except for defaults of None (the help
+    says what None means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="built-in model name, local checkpoint directory, or Hugging Face hub id "
@@ -39,6 +47,8 @@ def cmd_generate(args) -> int:
     from .tokenizer import StreamDecoder, tokenizer_for
 
     check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     if args.prompt == "":
         raise ValueError("PROMPT is empty; give at least one character to continue")
     model = load_model(args.model, args.dtype)
@@ -247,24 +257,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="continue a prompt (streams tokens as they are sampled)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter)
     g.add_argument("prompt", metavar="PROMPT")
     _model_arg(g)
-    g.add_argument("--max-new-tokens", type=int, default=100)
+    g.add_argument("--max-new-tokens", type=int, default=100, help="number of tokens to generate (>= 0)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="weights' dtype; on CPU bfloat16/float16 halve the weights' memory but decode at "
-                        "about float32's speed (benchmarks/RESULTS.md); logits stay float32")
+                   help="weights' dtype; on CPU bfloat16/float16 halve the weights' memory but decode no "
+                        "faster than float32 (benchmarks/RESULTS.md); logits stay float32")
     g.add_argument("--stop-at-eos", action="store_true", help="stop when <|endoftext|> is sampled")
     g.add_argument("--sliding-window", action="store_true",
                    help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("perplexity", help="loss, perplexity and bits per byte of a text file",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter)
     p.add_argument("file", metavar="FILE")
     _model_arg(p)
     p.add_argument("--stride", type=int, default=None, help="window step in tokens (default n_ctx // 2)")
