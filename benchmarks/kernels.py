@@ -18,10 +18,11 @@ half that although they read half the bytes, and 8-row float32 matmuls about hal
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
+
+from gpt2mha.bench import interleaved_medians
 
 #: (in, out) of the four weight matrices of one GPT-2 124M block, in forward order.
 BLOCK_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))
@@ -47,19 +48,6 @@ def pass_fn(ws: list[torch.Tensor], layout: str, rows: int):
     return lambda: [F.linear(inputs[w.shape[1]], w) for w in ws]
 
 
-def round_robin(fns: dict, repeats: int) -> dict:
-    """Median seconds of each callable, timed a, b, c, a, b, c, … after one warm-up each."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-
-
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -71,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; 48 block matrices of GPT-2 124M")
     ref = torch.randn(85_000_000)                                      # 340 MB, out of every cache
-    bw = round_robin({"sum": lambda: ref.sum()}, args.repeats)["sum"]
+    bw = interleaved_medians({"sum": lambda: ref.sum()}, args.repeats)["sum"]
     print(f"reference: torch.sum over {ref.numel() * 4 / 1e6:.0f} MB float32 reads {ref.numel() * 4 / bw / 1e9:.1f} GB/s")
     print(f"{'dtype':9} {'rows':>4} {'layout':8} {'ms/pass':>8} {'GB/s':>6} {'vs float32 same rows/layout':>28}")
     for r in rows:
@@ -81,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 ws = matrices(dtype, layout)
                 fns[(dtype, layout)] = pass_fn(ws, layout, r)
                 nbytes[(dtype, layout)] = sum(w.numel() * w.element_size() for w in ws)
-        med = round_robin(fns, args.repeats)
+        med = interleaved_medians(fns, args.repeats)
         for (dtype, layout), t in med.items():
             speedup = med[(torch.float32, layout)] / t
             print(f"{str(dtype).replace('torch.', ''):9} {r:>4} {layout:8} {t * 1e3:8.2f} "

@@ -553,3 +553,20 @@ def test_cli_bench_rejects_unknown_sections(capsys):
     assert args.quick and args.json and args.func.__name__ == "cmd_bench"
     assert main(["bench", "--only", "nope"]) == 2
     assert "unknown section" in capsys.readouterr().err
+
+
+def test_kernel_survey_times_the_124m_block_matrices_in_both_layouts():
+    """benchmarks/kernels.py: the 48 matrices are 124M's (85M weights), the [out, in] set is the
+    transpose of the [in, out] one, and a pass multiplies every matrix once (reference: x @ W)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernels.py")
+    spec = importlib.util.spec_from_file_location("kernels", path)
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    io, oi = kernels.matrices(torch.float32, "in,out", n_layer=2), kernels.matrices(torch.float32, "out,in", n_layer=2)
+    assert len(io) == 8 and all(torch.equal(a.t(), b) and b.is_contiguous() for a, b in zip(io, oi))
+    assert sum(w.numel() for w in kernels.matrices(torch.bfloat16, "in,out")) == 12 * 768 * (2304 + 768 + 3072 + 3072)
+    outs_io, outs_oi = kernels.pass_fn(io, "in,out", 3)(), kernels.pass_fn(oi, "out,in", 3)()
+    assert [o.shape for o in outs_io] == [(3, n_out) for _, n_out in kernels.BLOCK_SHAPES * 2]
+    assert [o.shape for o in outs_oi] == [o.shape for o in outs_io]
