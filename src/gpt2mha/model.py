@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .attention import ATTN_IMPLS, CausalSelfAttention, Conv1D, Snapshot, combine_masks, current_copy, stamp
-from .attention import transposed_copy
+from .attention import (ATTN_IMPLS, CausalSelfAttention, Conv1D, Snapshot, combine_masks, current_copy, stamp,
+                        transposed_copy)
 from .attention import attention_mask as causal_mask
 from .kv_cache import KVCache
 
