@@ -194,20 +194,20 @@ def decode_speeds(ours: GPT2, hf, batch: int, sizes: Sizes) -> tuple[float, floa
     return batch * sizes.new_tokens / t["ours"], batch * sizes.new_tokens / t["hf"], same
 
 
-def bench_decode(ours: GPT2, hf, sizes: Sizes, log=print) -> tuple[list[dict], dict]:
+def bench_decode(ours: GPT2, hf, sizes: Sizes, log=print) -> list[dict]:
     """Decode tokens/s at each batch size, gpt2mha vs transformers ``generate`` (sdpa, use_cache),
     and the ceiling the weight matmuls alone set (:func:`matmul_floor`)."""
-    rows, speeds = [], {}
+    rows = []
     for B in sizes.batches:
-        *speeds[B], same = decode_speeds(ours, hf, B, sizes)
+        *speeds, same = decode_speeds(ours, hf, B, sizes)
         rows.append(_ratio_row(f"decode tok/s, batch {B}, prompt {sizes.prompt}, {sizes.new_tokens} new: "
-                               f"gpt2mha / transformers generate (sdpa, use_cache)", *speeds[B], "tok/s",
+                               f"gpt2mha / transformers generate (sdpa, use_cache)", *speeds, "tok/s",
                                target_min=1.5,
                                note=f"same greedy tokens: {'yes' if same else 'NO'}"))
         log(rows[-1])
-        rows.append(ceiling_row(ours, B, speeds[B], sizes, "float32"))
+        rows.append(ceiling_row(ours, B, speeds, sizes, "float32"))
         log(rows[-1])
-    return rows, speeds
+    return rows
 
 
 @torch.inference_mode()
@@ -610,7 +610,7 @@ def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str 
             ours = load_ours(directory)
             hf = load_hf(directory) if {"decode", "lowp"} & set(sections) else None
             if "decode" in sections:
-                rows += bench_decode(ours, hf, sizes, log)[0]
+                rows += bench_decode(ours, hf, sizes, log)
             if "cache" in sections:
                 rows += bench_cache(ours, sizes, log)
             if "positions" in sections:

@@ -26,10 +26,6 @@ from .kv_cache import KVCache
 
 TOKENIZERS = ("gpt2", "bytes")
 
-#: Rows of wte copied per block when :meth:`GPT2.lm_head_weight` transposes it on CPU.
-LM_HEAD_BLOCK = 256
-
-
 # The LM head always computes and returns float32 logits (float64 for a float64 model): a
 # bf16/fp16 model runs ln_f in its own dtype, then ``x.float() @ wte.float()ᵀ``. Rounding the
 # logits themselves to bf16's 8 significant bits flips near-ties: on the built-in model over
@@ -322,7 +318,7 @@ class GPT2(nn.Module):
         acc = logits_dtype(w.dtype)
         if w.device.type != "cpu":
             return w.to(acc).t()
-        return transposed_copy(w, acc, LM_HEAD_BLOCK)
+        return transposed_copy(w, acc)
 
     def __getstate__(self):
         state = dict(super().__getstate__())
