@@ -2,6 +2,7 @@
 tests/data/broken_mha/ is caught with the right diagnosis, bad input gives exit code 2."""
 
 import itertools
+import re
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from gpt2mha.check import (MISTAKES, CheckError, check, make_params, parse_args, recognise_layout, reference,
+from gpt2mha.check import (MISTAKES, TOL, CheckError, check, make_params, parse_args, recognise_layout, reference,
                            applicable_mistakes)
 from gpt2mha.cli import main
 
@@ -85,7 +86,10 @@ def test_each_classic_mistake_is_caught_with_the_right_diagnosis(name, diagnosis
 def test_broken_modules_fail_the_way_the_report_says(capsys):
     assert main(["check", os.path.join(BROKEN, "mask_no_cache_offset.py:MultiHeadAttention")]) == 1
     out = capsys.readouterr().out
-    assert "output max abs error: 0 " in out                      # without a cache it is right
+    # without a cache it is right: the printed error is below the match tolerance (not exactly 0:
+    # the module and the reference sum in different orders on some CPUs and thread counts)
+    err = float(re.search(r"output max abs error: (\S+) \(match below", out).group(1))
+    assert err < TOL
     assert "cache: tested: 3 past tokens" in out and "not offset for a cache" in out
     assert "result: MISMATCH" in out
     assert main(["check", os.path.join(BROKEN, "missing_transpose_split.py:MultiHeadAttention")]) == 2
