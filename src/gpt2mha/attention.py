@@ -11,11 +11,12 @@ h = n_head, head_dim = n_embd // n_head.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .quantize import Snapshot, current_copy, snapshot, stamp, transposed_copy  # noqa: F401 (how weights are stored)
 
 #: The official code writes masked scores as ``w * m - 1e10 * (1 - m)``.
 MASK_VALUE = -1e10
@@ -190,52 +191,6 @@ class Conv1D(nn.Module):
 
     def extra_repr(self) -> str:
         return f"n_in={self.n_in}, n_out={self.n_out}"
-
-
-def transposed_copy(w: torch.Tensor, dtype: torch.dtype | None = None, block: int = 256) -> torch.Tensor:
-    """A new contiguous ``[C, R]`` copy of a 2-D ``w [R, C]`` (no grad), in ``dtype`` if given.
-
-    Copied ``block`` rows of ``w`` at a time, a blocked transpose that keeps both sides in
-    cache: ~110 ms for GPT-2's wte (50257×768) against 142 ms in float32 and 225 ms from bf16
-    for ``w.t().contiguous()``, ~145 ms against ~210 ms for 124M's 48 bf16 block matrices.
-    """
-    w = w.detach()
-    out = torch.empty(w.shape[1], w.shape[0], dtype=dtype or w.dtype, device=w.device)
-    for i in range(0, w.shape[0], block):
-        out[:, i:i + block].copy_(w[i:i + block].t())
-    return out
-
-
-class Snapshot(NamedTuple):
-    """A copy derived from a weight, with what identifies the weight's contents at that time.
-
-    ``source`` is the weight tensor itself and ``stamp`` its :func:`stamp`. In-place writes
-    (optimizer steps, ``load_state_dict``, ``.copy_``) bump the version counter, and ``.half()``
-    or ``.to()`` change the dtype or the data pointer, so a changed weight is noticed.
-    Substituted weights are noticed as well: ``torch.func.functional_call`` and pruning or
-    weight-norm hooks put another tensor in its place. Writes through ``.data`` bump nothing,
-    and fused optimizers do not bump the counter either; neither can be seen.
-    """
-    copy: torch.Tensor
-    source: torch.Tensor
-    stamp: tuple
-
-
-def stamp(w: torch.Tensor) -> tuple:
-    """``(version, dtype, device, data_ptr)`` of ``w``; version is None for inference tensors."""
-    return (None if w.is_inference() else w._version, w.dtype, w.device, w.data_ptr())
-
-
-def snapshot(w: torch.Tensor, dtype: torch.dtype | None = None, block: int = 256) -> Snapshot:
-    """A :class:`Snapshot` of ``w``'s :func:`transposed_copy`."""
-    return Snapshot(transposed_copy(w, dtype, block), w, stamp(w))
-
-
-def current_copy(kept: Snapshot | None, w) -> torch.Tensor | None:
-    """``kept.copy`` if it was taken from ``w`` itself and ``w`` has not changed since, else None."""
-    if kept is None or kept.source is not w or kept.stamp != stamp(w):
-        return None
-    return kept.copy
 
 
 class CausalSelfAttention(nn.Module):

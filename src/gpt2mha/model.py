@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -19,12 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .attention import (ATTN_IMPLS, CausalSelfAttention, Conv1D, Snapshot, combine_masks, current_copy, stamp,
-                        transposed_copy)
+from .attention import ATTN_IMPLS, CausalSelfAttention, Conv1D, combine_masks
 from .attention import attention_mask as causal_mask
 from .kv_cache import KVCache
+from .quantize import Snapshot, current_copy, stamp, transposed_copy
 
 TOKENIZERS = ("gpt2", "bytes")
+_DECODING_LOCK = threading.Lock()                               # guards GPT2.decoding()'s copies
 
 # The LM head always computes and returns float32 logits (float64 for a float64 model): a
 # bf16/fp16 model runs ln_f in its own dtype, then ``x.float() @ wte.float()ᵀ``. Rounding the
@@ -292,6 +294,9 @@ class GPT2(nn.Module):
         (same numbers, faster for a few rows on CPU, no upcast per step).
         """
         x = self.ln_f(x)
+        quantized = self._modules.get("quantized_head")
+        if quantized is not None:                               # after quantize(): the int8/int4 head
+            return quantized(x).to(logits_dtype(x.dtype))
         w = self.wte.weight
         head_t = current_copy(self._lm_head, w)                # decoding()'s copy, if still of this wte
         if head_t is not None and not (torch.is_grad_enabled() and w.requires_grad):
@@ -307,7 +312,7 @@ class GPT2(nn.Module):
     #: set False on an instance to keep the memory).
     transpose_conv1d: bool = True
     _lm_head: Snapshot | None = None
-    _decoding: bool = False
+    _decoding: int = 0                                          # decoding() blocks open (nested, threads)
 
     def lm_head_weight(self) -> torch.Tensor:
         """A new ``[n_embd, n_vocab]`` copy of ``wte.weight`` in the logits' dtype (no grad):
@@ -340,8 +345,12 @@ class GPT2(nn.Module):
           kernels read that layout up to 1.4× faster (a bf16 124M step: 27 vs 33 ms at batch 1,
           40 vs 47 ms at batch 8). A float32 model keeps GPT-2's ``[in, out]``, its fastest.
 
-        The copies live only for the block (a nested block reuses them) and are taken afresh
-        each time, so they can never be stale across blocks whatever changed the weights. Inside
+        The copies live only while a block is open: a nested block, or a block opened by another
+        thread meanwhile, reuses them, and the last block to close frees them (so concurrent
+        ``generate`` calls on one model each read the same copies from start to end). They are
+        taken afresh when no block is open, so they can never be stale across blocks whatever
+        changed the weights. A quantized model takes no copies (its layers already hold the
+        kernels' layouts, :mod:`gpt2mha.quantize`). Inside
         the block a copy is used only while its weight is the very tensor it was taken from and
         unchanged by version counter, dtype and storage (:class:`~gpt2mha.attention.Snapshot`),
         so in-place updates, ``load_state_dict``, ``.half()``, ``torch.func.functional_call``
@@ -349,26 +358,67 @@ class GPT2(nn.Module):
         optimizers bump no counter: do not make them inside the block. Where autograd wants a
         weight's gradient, the original is read. The model's parameters are never touched.
         """
-        if self._decoding:                                      # nested: reuse the outer copies
-            yield self
-            return
-        w = self.wte.weight
-        convs = []
-        self._decoding = True
+        with _DECODING_LOCK:                                    # threads: one set of copies, the last out frees it
+            if not self._decoding:
+                self._take_copies()
+            self._decoding += 1
         try:
-            if self.transpose_lm_head and (w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype):
-                self._lm_head = Snapshot(self.lm_head_weight(), w, stamp(w))
-            if self.transpose_conv1d:
-                convs = [m for m in self.modules() if isinstance(m, Conv1D) and isinstance(m.weight, torch.Tensor)
-                         and m.weight.device.type == "cpu" and m.weight.dtype in (torch.bfloat16, torch.float16)]
-            for m in convs:
-                m.keep_transposed()
             yield self
         finally:
-            self._decoding = False
-            self._lm_head = None
-            for m in convs:
+            with _DECODING_LOCK:
+                self._decoding -= 1
+                if not self._decoding:
+                    self._drop_copies()
+
+    def _take_copies(self) -> None:
+        """The copies :meth:`decoding` uses; nothing is left behind if taking them fails."""
+        w = self.wte.weight
+        try:
+            quantized = self._modules.get("quantized_head") is not None
+            if (self.transpose_lm_head and not quantized
+                    and (w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype)):
+                self._lm_head = Snapshot(self.lm_head_weight(), w, stamp(w))
+            if self.transpose_conv1d:
+                for m in self.modules():
+                    if (isinstance(m, Conv1D) and isinstance(m.weight, torch.Tensor) and m.weight.device.type == "cpu"
+                            and m.weight.dtype in (torch.bfloat16, torch.float16)):
+                        m.keep_transposed()
+        except BaseException:
+            self._drop_copies()
+            raise
+
+    def _drop_copies(self) -> None:
+        self._lm_head = None
+        for m in self.modules():
+            if isinstance(m, Conv1D):
                 m.drop_transposed()
+
+    # ------------------------------------------------------------------ quantization
+    #: ``{"scheme": "int8" | "int4", "group_size": …}`` once :meth:`quantize` ran (or a quantized
+    #: checkpoint was loaded); None for a float model.
+    quantization: dict | None = None
+
+    def quantize(self, scheme: str, group_size: int | None = None) -> "GPT2":
+        """Weight-only quantize the model in place for fast CPU inference; returns the model.
+
+        ``"int8"``: symmetric, one scale per output channel; ``"int4"``: a scale and a zero per
+        group of ``group_size`` inputs (default 64). Every block Conv1D and the LM head are
+        quantized (a tied head as a separate copy; the embedding lookup stays float); matmuls run
+        on PyTorch's int8/int4 CPU kernels with bf16 activations, the attention itself is
+        untouched. See :func:`gpt2mha.quantize.quantize_model` for the details, the per-tensor
+        error report (``model.quantization_report``) and the errors it raises (unknown scheme,
+        bad group size, quantizing twice). A quantized model is for inference: ``.train()``
+        raises; ``save_pretrained``/``from_pretrained`` store and restore it.
+        """
+        from .quantize import quantize_model
+        return quantize_model(self, scheme, group_size)
+
+    def train(self, mode: bool = True) -> "GPT2":
+        """As ``nn.Module.train``; raises ValueError for a quantized model (train the float one)."""
+        if mode and self.quantization:
+            raise ValueError(f"this model is quantized ({self.quantization['scheme']}): its weights are rounded integers "
+                             f"and cannot be trained; train the float model, then quantize it")
+        return super().train(mode)
 
     def forward(self, idx: torch.Tensor, past: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
