@@ -247,6 +247,9 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
     sd = normalize_keys(read_state_dict(weights_path), weights_path)
     with torch.device("meta"):
         model = model_cls(config)
+    if "quantization" in cfg.get("gpt2mha", {}):                  # saved after GPT2.quantize (issue 13)
+        from .quantize import load_state
+        return load_state(model, cfg["gpt2mha"]["quantization"], sd, weights_path, dtype)
     check_state_dict(model, sd, weights_path)
     if dtype != torch.float32:
         overflow = [k for k, v in sd.items() if not torch.isfinite(v.to(dtype)).all()]
@@ -291,8 +294,15 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
     if not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating-point dtype")
     tensors = {f"transformer.{k}": v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    hf_config = config_to_hf(model.config)
+    if getattr(model, "quantization", None):                     # int8/int4 weights stored as they are
+        from .quantize import state_to_save
+        tensors, entry = state_to_save(model, dtype)
+        tensors = {f"transformer.{k}": v for k, v in tensors.items()}
+        hf_config["gpt2mha"]["quantization"] = entry
+        hf_config["quantization_config"] = {"quant_method": "gpt2mha", **entry}   # transformers cannot load it
     _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    text = json.dumps(config_to_hf(model.config), indent=2) + "\n"
+    text = json.dumps(hf_config, indent=2) + "\n"
     _atomic_write(directory, CONFIG_NAME, lambda p: _write_text(p, text))
 
 
