@@ -4,18 +4,23 @@ A checkpoint directory holds ``config.json`` (transformers' ``GPT2Config`` keys)
 ``model.safetensors`` (or a legacy ``pytorch_model.bin``, read only with
 ``torch.load(weights_only=True)``). Keys may be spelled ``h.0.…`` (OpenAI's conversion) or
 ``transformer.h.0.…`` (``GPT2LMHeadModel``); the legacy buffers ``attn.bias`` /
-``attn.masked_bias`` are ignored and the LM head is tied to ``wte``. Every tensor is checked
-(names, shapes, dtype, finiteness) before anything is copied, so a bad file never leaves a
-half-loaded model.
+``attn.masked_bias`` are ignored. The LM head follows transformers: tied to ``wte`` unless
+``tie_word_embeddings`` is false or the file holds an ``lm_head.weight`` that differs from
+``wte.weight`` (then a separate head, with a warning); a tied weight stored only as
+``lm_head.weight`` (what ``safetensors.torch.save_model`` writes) is read as ``wte.weight``.
+Every tensor is checked (names, shapes, dtype, finiteness) before anything is copied, so a bad
+file never leaves a half-loaded model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
 import pickle
 import tempfile
+import warnings
 
 import torch
 
@@ -60,8 +65,9 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> GPT2Config:
         raise CheckpointError(f"{source}: n_inner={cfg['n_inner']}; GPT-2's MLP is 4·n_embd={4 * cfg['n_embd']}")
     if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("scale_attn_weights") is False:
         raise CheckpointError(f"{source}: attention scaling options differ from GPT-2's 1/sqrt(head_dim)")
-    if cfg.get("tie_word_embeddings") is False:
-        raise CheckpointError(f"{source}: tie_word_embeddings=false; GPT-2's LM head is tied to wte")
+    tie = cfg.get("tie_word_embeddings", True)
+    if not isinstance(tie, bool):
+        raise CheckpointError(f"{source}: tie_word_embeddings={tie!r} must be true or false")
     extra = cfg.get("gpt2mha", {})
     if not isinstance(extra, dict):
         raise CheckpointError(f"{source}: 'gpt2mha' must be an object, got {extra!r}")
@@ -74,7 +80,7 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> GPT2Config:
         return GPT2Config(
             n_vocab=cfg["vocab_size"], n_ctx=cfg["n_positions"], n_embd=cfg["n_embd"], n_head=cfg["n_head"],
             n_layer=cfg["n_layer"], tokenizer=extra.get("tokenizer", "bytes" if cfg["vocab_size"] == 256 else "gpt2"),
-            **values)
+            tie_word_embeddings=tie, **values)
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
 
@@ -88,7 +94,7 @@ def config_to_hf(config: GPT2Config) -> dict:
         "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
         "activation_function": "gelu_new", "layer_norm_epsilon": config.layer_norm_epsilon,
         "embd_pdrop": config.embd_pdrop, "attn_pdrop": config.attn_pdrop, "resid_pdrop": config.resid_pdrop,
-        "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
+        "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": eot, "eos_token_id": eot, "use_cache": True,
         "gpt2mha": {"tokenizer": config.tokenizer},
     }
@@ -121,7 +127,8 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
 
 
 def normalize_keys(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[str, torch.Tensor]:
-    """Drop the ``transformer.`` prefix, the legacy attention buffers and a tied ``lm_head.weight``.
+    """Drop the ``transformer.`` prefix and the legacy attention buffers (``lm_head.weight`` is
+    kept: :func:`resolve_lm_head` decides what it is).
 
     Raises:
         CheckpointError: a tensor present under both spellings.
@@ -129,13 +136,45 @@ def normalize_keys(sd: dict[str, torch.Tensor], source: str = "state dict") -> d
     out = {}
     for key, t in sd.items():
         short = key.removeprefix("transformer.")
-        if short.endswith(IGNORED_SUFFIXES) or short == "lm_head.weight":
+        if short.endswith(IGNORED_SUFFIXES):
             continue
         if short in out:
             raise CheckpointError(f"{source}: tensor {short} appears twice (as {short} and transformer.{short}); "
                                   f"refusing to guess which one is meant")
         out[short] = t
     return out
+
+
+def resolve_lm_head(sd: dict[str, torch.Tensor], config: GPT2Config,
+                    source: str = "state dict") -> tuple[dict[str, torch.Tensor], GPT2Config]:
+    """Decide what a checkpoint's ``lm_head.weight [n_vocab, n_embd]`` is, as transformers does.
+
+    - tied config, ``lm_head.weight`` only: it is the tied weight, read as ``wte.weight``
+      (``safetensors.torch.save_model`` keeps one name per shared tensor);
+    - tied config, both present and equal: the head copy is dropped;
+    - tied config, both present and different: the model is untied
+      (``tie_word_embeddings=False``, with a warning), so no tensor is ever dropped;
+    - untied config: both are kept (a missing one is reported by :func:`check_state_dict`).
+
+    Returns:
+        ``(state dict, config)``, the config untied where needed.
+    """
+    if "lm_head.weight" not in sd or not config.tie_word_embeddings:
+        return sd, config
+    sd = dict(sd)
+    head = sd.pop("lm_head.weight")
+    if "wte.weight" not in sd:
+        sd["wte.weight"] = head
+        return sd, config
+    wte = sd["wte.weight"]
+    if head.shape == wte.shape and torch.equal(head, wte):
+        return sd, config
+    diff = (head.float() - wte.float()).abs().max().item() if head.shape == wte.shape else "shapes differ"
+    warnings.warn(f"{source}: lm_head.weight differs from wte.weight (max abs difference {diff}) although the "
+                  f"config ties them; loading a separate LM head (tie_word_embeddings=False), as transformers does",
+                  stacklevel=3)
+    sd["lm_head.weight"] = head
+    return sd, dataclasses.replace(config, tie_word_embeddings=False)
 
 
 def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> None:
@@ -245,6 +284,7 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {LEGACY_WEIGHTS_NAME}) next to {CONFIG_NAME}"
                               + ("; sharded checkpoints are not supported: re-save as one file" if sharded else ""))
     sd = normalize_keys(read_state_dict(weights_path), weights_path)
+    sd, config = resolve_lm_head(sd, config, weights_path)
     with torch.device("meta"):
         model = model_cls(config)
     check_state_dict(model, sd, weights_path)
@@ -269,8 +309,9 @@ def is_checkpoint_dir(directory: str) -> bool:
 
 def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
                     dtype: torch.dtype = torch.float32) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (``transformer.``-prefixed keys, the head
-    tied) that ``GPT2LMHeadModel.from_pretrained`` loads with the same logits.
+    """Write ``config.json`` and ``model.safetensors`` (``transformer.``-prefixed keys; the head
+    tied, or ``lm_head.weight`` with ``tie_word_embeddings: false`` for an untied model) that
+    ``GPT2LMHeadModel.from_pretrained`` loads with the same logits.
 
     ``dtype`` is the storage dtype of the weights (float32 by default; float16 halves the file,
     as for the built-in model); loading converts back to the dtype asked for.
@@ -281,16 +322,24 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
     Raises:
         FileExistsError: ``directory`` is non-empty and not a gpt2mha checkpoint, unless
             ``overwrite=True`` (nothing a user has is overwritten without asking).
+        ValueError: ``dtype`` is not floating point, or a weight does not fit in it (e.g. a
+            value beyond float16's ±65504 would be stored as inf); nothing is written then.
     """
     from safetensors.torch import save_file
 
     if os.path.isdir(directory) and os.listdir(directory) and not (overwrite or is_checkpoint_dir(directory)):
         raise FileExistsError(f"{directory} is not empty and is not a gpt2mha checkpoint; refusing to write into it "
                               f"(choose another directory or pass overwrite=True)")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} must be a floating-point torch dtype")
+    tensors = {k if k == "lm_head.weight" else f"transformer.{k}": v.detach().to(dtype).contiguous()
+               for k, v in model.state_dict().items()}
+    overflow = [k for k, v in model.state_dict().items()
+                if v.is_floating_point() and bool(torch.isfinite(v).all()) and not bool(torch.isfinite(v.to(dtype)).all())]
+    if overflow:
+        raise ValueError(f"dtype={dtype} cannot hold the values of {', '.join(overflow)} (they would be stored as inf); "
+                         f"save in float32 or bfloat16. Nothing was written.")
     os.makedirs(directory, exist_ok=True)
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype} must be a floating-point dtype")
-    tensors = {f"transformer.{k}": v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     text = json.dumps(config_to_hf(model.config), indent=2) + "\n"
     _atomic_write(directory, CONFIG_NAME, lambda p: _write_text(p, text))

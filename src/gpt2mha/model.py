@@ -49,6 +49,9 @@ class GPT2Config:
         embd_pdrop, attn_pdrop, resid_pdrop: dropout probabilities in [0, 1) (training only).
         layer_norm_epsilon: LayerNorm epsilon (1e-5 in GPT-2).
         tokenizer: ``"gpt2"`` (BPE) or ``"bytes"``; which tokenizer the weights expect.
+        tie_word_embeddings: the LM head is ``wte`` itself (GPT-2). False gives the model a
+            separate ``lm_head.weight [n_vocab, n_embd]``, as transformers'
+            ``tie_word_embeddings=false`` (fine-tunes that untied it).
 
     Raises:
         ValueError: on non-positive sizes, n_embd not divisible by n_head, dropout outside
@@ -65,6 +68,7 @@ class GPT2Config:
     resid_pdrop: float = 0.0
     layer_norm_epsilon: float = 1e-5
     tokenizer: str = "gpt2"
+    tie_word_embeddings: bool = True
 
     def __post_init__(self):
         for name in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer"):
@@ -81,6 +85,8 @@ class GPT2Config:
             raise ValueError(f"layer_norm_epsilon={self.layer_norm_epsilon} must be positive")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer={self.tokenizer!r}; expected one of {TOKENIZERS}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"tie_word_embeddings={self.tie_word_embeddings!r} must be True or False")
 
     @property
     def head_dim(self) -> int:
@@ -186,7 +192,8 @@ class GPT2(nn.Module):
     """GPT-2 language model (``GPT2LMHeadModel``-compatible weights and outputs).
 
     Modules: ``wte [n_vocab, n_embd]``, ``wpe [n_ctx, n_embd]``, ``h`` (n_layer :class:`Block`),
-    ``ln_f``; the LM head is tied to ``wte``.
+    ``ln_f``; the LM head is tied to ``wte`` (GPT-2), or with ``config.tie_word_embeddings=False``
+    a separate ``lm_head.weight [n_vocab, n_embd]`` (:meth:`output_weight` returns whichever).
 
     Args:
         config: a :class:`GPT2Config`.
@@ -199,7 +206,14 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_ctx, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.n_embd, config.n_vocab, bias=False)   # weight [n_vocab, n_embd]
         self.init_weights()
+
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's weight ``[n_vocab, n_embd]``: ``wte.weight`` when tied (GPT-2), else
+        ``lm_head.weight``. Logits are ``ln_f(x) @ output_weight()ᵀ``."""
+        return self.wte.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def init_weights(self, seed: int | None = None) -> None:
         """GPT-2 initialisation: normal(0, 0.02) weights (wpe 0.01), zero biases, unit LayerNorm,
@@ -230,7 +244,7 @@ class GPT2(nn.Module):
             block.attn.attn_impl = value
 
     def num_parameters(self) -> int:
-        """Number of parameters (wte counted once; the head is tied)."""
+        """Number of parameters (wte counted once when the head is tied to it)."""
         return sum(p.numel() for p in self.parameters())
 
     # ----------------------------------------------------------------------------- checks
@@ -285,14 +299,15 @@ class GPT2(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """``ln_f`` then the tied LM head: ``[B, T, n_embd]`` → logits ``[B, T, n_vocab]``, float32.
 
-        ``F.linear(ln_f(x), wte.weight)`` computed in float32 whatever the model's dtype (see
-        :func:`logits_dtype`: bf16/fp16 logits are not rounded to the model's precision; under
-        ``torch.autocast`` the autocast dtype wins). Inside :meth:`decoding`, when no gradient
-        for wte is wanted, it reads the float32 ``[n_embd, n_vocab]`` copy of wte taken on entry
-        (same numbers, faster for a few rows on CPU, no upcast per step).
+        ``F.linear(ln_f(x), W)`` with ``W = output_weight()`` (wte when tied) computed in float32
+        whatever the model's dtype (see :func:`logits_dtype`: bf16/fp16 logits are not rounded to
+        the model's precision; under ``torch.autocast`` the autocast dtype wins). Inside
+        :meth:`decoding`, when no gradient for W is wanted, it reads the float32
+        ``[n_embd, n_vocab]`` copy of W taken on entry (same numbers, faster for a few rows on
+        CPU, no upcast per step).
         """
         x = self.ln_f(x)
-        w = self.wte.weight
+        w = self.output_weight()
         head_t = current_copy(self._lm_head, w)                # decoding()'s copy, if still of this wte
         if head_t is not None and not (torch.is_grad_enabled() and w.requires_grad):
             return x.to(head_t.dtype) @ head_t                  # [B, T, n_embd] @ [n_embd, n_vocab]
@@ -310,11 +325,11 @@ class GPT2(nn.Module):
     _decoding: bool = False
 
     def lm_head_weight(self) -> torch.Tensor:
-        """A new ``[n_embd, n_vocab]`` copy of ``wte.weight`` in the logits' dtype (no grad):
+        """A new ``[n_embd, n_vocab]`` copy of :meth:`output_weight` in the logits' dtype (no grad):
         contiguous on CPU (``x @ W`` streams it fastest there, built by
         :func:`~gpt2mha.attention.transposed_copy`), a transposed view elsewhere.
         """
-        w = self.wte.weight.detach()
+        w = self.output_weight().detach()
         acc = logits_dtype(w.dtype)
         if w.device.type != "cpu":
             return w.to(acc).t()
@@ -352,7 +367,7 @@ class GPT2(nn.Module):
         if self._decoding:                                      # nested: reuse the outer copies
             yield self
             return
-        w = self.wte.weight
+        w = self.output_weight()
         convs = []
         self._decoding = True
         try:
