@@ -5,7 +5,6 @@ References: SDPA (PyTorch's fused kernel) for the explicit core, first principle
 0/1 mask, an integer id or a cache must mean), and the same call run alone or single-threaded.
 """
 
-import threading
 
 import numpy as np
 import pytest
@@ -222,3 +221,60 @@ def test_untied_model_decodes_with_its_own_head():
         with torch.no_grad():
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, ids)
+
+
+# ------------------------------------------------------------------ the shared train/val split
+def test_val_split_of_a_multibyte_file_is_scored_and_matches_the_trainers(tmp_path, capsys):
+    from gpt2mha.cli import main, read_text
+    from gpt2mha.train import split_bytes
+    path = tmp_path / "e.txt"
+    path.write_text("é" * 1001, encoding="utf-8")                  # 2002 bytes: the 90% cut (1801) is mid-character
+    train, val = split_bytes(path.read_bytes())
+    assert train.decode("utf-8") + val.decode("utf-8") == "é" * 1001   # both halves decode, nothing lost
+    assert len(train) == 1802 and read_text(str(path), "val") == "é" * 100
+    assert main(["perplexity", str(path), "--split", "val", "--json"]) == 0
+    assert '"bytes": 200' in capsys.readouterr().out
+
+
+def test_non_utf8_files_get_a_hint(tmp_path):
+    from gpt2mha.cli import main, read_text
+    from gpt2mha.model import GPT2Config
+    from gpt2mha.train import TrainConfig, train
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café au lait, ".encode("latin-1") * 50)
+    with pytest.raises(ValueError, match=r"is not UTF-8 text \(byte 3: b'\\xe9'\); re-encode it first, e.g. iconv"):
+        read_text(str(path))
+    with pytest.raises(ValueError, match=r"--data .* is not UTF-8 text \(byte 3.*iconv"):
+        train(str(path), str(tmp_path / "run"), GPT2Config.from_preset("tiny", n_ctx=8), TrainConfig(iters=1))
+
+
+# ----------------------------------------------------------------------- checkpoint messages
+def test_dtype_given_as_text_and_config_size_mismatch_summary(hf_checkpoint):
+    import json
+    import os
+    from gpt2mha.checkpoints import CheckpointError
+    _, path = hf_checkpoint
+    assert GPT2.from_pretrained(path, dtype="bf16").wte.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"dtype='bf17'; expected a floating torch dtype or one of"):
+        GPT2.from_pretrained(path, dtype="bf17")
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_path))
+    json.dump({**cfg, "n_embd": 64}, open(cfg_path, "w"))
+    with pytest.raises(CheckpointError) as e:
+        GPT2.from_pretrained(path)
+    first = str(e.value).splitlines()[0]
+    assert "config.json says n_embd=64 but the weights have n_embd=48 (wte.weight [300, 48])" in first
+    assert len(str(e.value).splitlines()) <= 12                    # not 28 shape lines
+
+
+# ------------------------------------------------------------------------------ CLI messages
+def test_cli_absurd_values_are_errors_not_tracebacks(tmp_path, capsys):
+    from gpt2mha.cli import main
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    assert main(["heads", "ab", "--out", str(afile)]) == 2
+    assert "is a file; expected a directory" in capsys.readouterr().err and afile.read_text() == "mine"
+    assert main(["trace", "--batch", str(10**20)]) == 2
+    assert "--batch=100000000000000000000 is too large for a trace" in capsys.readouterr().err
+    assert main(["check", "gpt2mha.book:MultiHeadAttention", "--seed", str(10**20)]) == 2
+    assert "--seed=100000000000000000000 must be an integer in [0, 2**63)" in capsys.readouterr().err
