@@ -147,7 +147,7 @@ def test_bad_inputs_are_clear_errors():
         model(torch.tensor([[1, 97]]))
     with pytest.raises(ValueError, match="token id -1"):
         model(torch.tensor([[-1, 3]]))
-    with pytest.raises(ValueError, match=r"idx must be an integer tensor \[B, T\]"):
+    with pytest.raises(ValueError, match=r"idx has shape \(5,\); expected \[B, T\] \(one sequence: idx\[None\]\)"):
         model(torch.zeros(5, dtype=torch.long))
     good = model(torch.zeros(2, 3, dtype=torch.long)).present
     with pytest.raises(ValueError, match="n_layer is 2, expected 3"):

@@ -152,5 +152,5 @@ def test_property_cached_equals_uncached_and_finite(B, T, P, dtype, impl, n_pad,
 def test_mask_values_other_than_0_and_1_are_rejected():
     idx = torch.tensor([[1, 2, 3, 4]])
     for bad in ([[2, 2, 2, 2]], [[0.5, 1, 1, 1]], [[-1, 1, 1, 1]]):
-        with pytest.raises(ValueError, match="only 0 \\(pad\\) and 1"):
+        with pytest.raises(ValueError, match=r"attention_mask must be bool or hold only 0 \(masked/pad\) and 1"):
             MODEL(idx, attention_mask=torch.tensor(bad))

@@ -323,9 +323,9 @@ class QuantizationWarning(UserWarning):
 
 
 def head_weight(model) -> torch.Tensor:
-    """The LM head's float weight ``[n_vocab, n_embd]`` (``GPT2.output_weight()`` where the
-    model has it, else the tied ``wte.weight``)."""
-    return model.output_weight() if hasattr(model, "output_weight") else model.wte.weight
+    """The LM head's float weight ``[n_vocab, n_embd]``: ``GPT2.output_weight()`` (``wte.weight``
+    when tied)."""
+    return model.output_weight()
 
 
 def error_row(name: str, w: torch.Tensor, layer: QuantizedLinear) -> dict:
@@ -364,6 +364,8 @@ def install(model, layers: dict[str, nn.Module], scheme: str, group_size: int | 
     for path, layer in layers.items():
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, layer)
+    if not tied and isinstance(getattr(model, "lm_head", None), nn.Module):
+        model.lm_head = None                                      # the untied float head: quantized_head replaces it
     model.quantization = {"scheme": scheme, "group_size": group_size, "head": HEAD_SCHEME, "tied": tied}
     model.eval()
     for p in model.parameters():
