@@ -325,3 +325,71 @@ def test_two_threads_generating_with_one_model_match_single_threaded_output(kind
     for got, want in zip(results, expected_long):
         assert torch.equal(got, want)
     assert model._decoding == 0 and model._lm_head is None
+
+
+def test_untied_head_is_quantized_from_output_weight_and_round_trips(tmp_path):
+    """An untied model's head comes from lm_head.weight (output_weight()); wte stays exactly as
+    it was (float, stored), the float lm_head is replaced by the int8 head."""
+    model = small_model(seed=13, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.randn(97, 64, generator=torch.Generator().manual_seed(13)) * 0.05)
+    wte, head = model.wte.weight.detach().clone(), model.output_weight().detach().clone()
+    model.quantize("int8")
+    assert torch.equal(model.wte.weight, wte) and model.lm_head is None
+    torch.testing.assert_close(model.quantized_head.dequantized(), head, atol=float(head.abs().max()) / 254 * 1.01, rtol=0)
+    model.save_pretrained(str(tmp_path))
+    loaded = GPT2.from_pretrained(str(tmp_path))
+    idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx).logits, model(idx).logits)
+    assert torch.equal(loaded.wte.weight, wte)
+
+
+# ------------------------------------------------------------------ CLI and bench
+def test_cli_quantize_flags(tmp_path, capsys):
+    from gpt2mha.cli import build_parser, main
+
+    for cmd in (["generate", "x"], ["perplexity", "f"], ["bench"]):
+        assert build_parser().parse_args(cmd + ["--quantize", "int4"]).quantize == "int4"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "x", "--quantize", "int3"])
+    assert main(["generate", "x", "--group-size", "32"]) == 2
+    assert "--group-size=32 applies only to --quantize int4" in capsys.readouterr().err
+    quantized("int8", seed=14, n_vocab=256, tokenizer="bytes").save_pretrained(str(tmp_path))
+    assert main(["generate", "ab", "--model", str(tmp_path), "--quantize", "int4", "--max-new-tokens", "2"]) == 2
+    assert "saved quantized as int8" in capsys.readouterr().err
+    assert main(["bench", "--quantize", "int5"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_quantized_rows_on_a_small_model():
+    pytest.importorskip("transformers")
+    from gpt2mha import bench
+
+    sizes = bench.Sizes(new_tokens=6, batches=(1, 2), repeats=1)
+    config = GPT2Config(n_vocab=300, n_ctx=64, n_embd=64, n_head=4, n_layer=2, tokenizer="bytes")
+    result = bench.run(preset="small-test", config=config, sizes=sizes, memory=False, sections=("quant",),
+                       text=SHAKESPEARE, log=lambda *a: None)
+    rows = {r["figure"]: r for r in result["rows"]}
+    for scheme in ("int8", "int4"):
+        speed = [r for f, r in rows.items() if f.startswith("decode tok/s") and scheme in f]
+        assert len(speed) == 2 and all(r["value"] > 0 and r["vs"] > 0 for r in speed)
+        assert "of the measured memory bandwidth" in speed[0]["note"]
+        size = rows[f"checkpoint size: {scheme} / float32 (model.safetensors)"]
+        assert 0 < size["ratio"] < 0.4
+        cos = [r for f, r in rows.items() if f.startswith("logits cosine") and scheme in f]
+        assert len(cos) == 1 and cos[0]["value"] > 0.9
+    assert rows["checkpoint size: int4 / float32 (model.safetensors)"]["ratio"] < rows[
+        "checkpoint size: int8 / float32 (model.safetensors)"]["ratio"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS reset needs Linux /proc")
+def test_bench_resident_memory_child_sees_the_smaller_model(tmp_path):
+    from gpt2mha import bench
+
+    model = small_model(seed=15, n_embd=256, n_head=4, n_layer=4, n_vocab=2048)
+    model.save_pretrained(str(tmp_path / "f32"))
+    model.quantize("int8").save_pretrained(str(tmp_path / "int8"))
+    f32, q = bench.resident_mb(str(tmp_path / "f32")), bench.resident_mb(str(tmp_path / "int8"))
+    assert 0 < q < f32                                              # 4 × 3.1M weights vs ~1 byte each

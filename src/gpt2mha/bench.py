@@ -4,7 +4,9 @@ One process builds a random GPT-2 (124M by default) with transformers, saves it 
 ``save_pretrained`` into a temporary directory, loads it into both libraries and measures every
 figure of issue 6: greedy decode tokens/s (batch 1 and 8, same tokens checked), cache vs no
 cache, decode step time far into the context vs early, prefill time and peak memory, the
-attention sublayer alone, and bf16/fp16 decode with their top-1 agreement with fp32 on real text.
+attention sublayer alone, and bf16/fp16 decode with their top-1 agreement with fp32 on real text;
+and issue 13's int8/int4 weight-only decode (section ``quant``) with the checkpoint size, the
+resident memory, the fraction of the memory bandwidth a step reaches and the logits' cosine.
 
 How things are measured:
 
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from .kv_cache import KVCache
 from .model import GPT2, GPT2Config, logits_dtype
 
-SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp")
+SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp", "quant")
 MMAP_THRESHOLD = 1 << 20   # bytes: allocations this large bypass glibc's heap in the memory children
 DECISIVE = 0.05          # top-2 probability margin that makes a position "decisive" for agreement
 REPO_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "data", "tinyshakespeare.txt")
@@ -572,6 +574,126 @@ def builtin_agreement(text: str | None = None, log=print) -> list[dict]:
     return rows
 
 
+# ---- quantized decode (issue 13)
+#: Issue 13's targets: decode tok/s vs transformers float32 at (scheme, batch), and checkpoint size.
+QUANT_SPEED_TARGETS = {("int8", 1): 2.5, ("int4", 1): 3.5, ("int8", 8): 2.0}
+QUANT_SIZE_TARGETS = {"int8": 0.30, "int4": 0.20}
+
+
+def memory_bandwidth(mb: int = 340, repeats: int = 5) -> float:
+    """Bytes/s ``torch.sum`` reads from a float32 tensor of ``mb`` MB (larger than any cache):
+    the rate a decode step's weight reads can hope for on this machine."""
+    x = torch.ones(mb * 250_000)
+    t = median_seconds(lambda: x.sum(), repeats, warmup=1)
+    return x.numel() * 4 / t
+
+
+def step_bytes(model: GPT2) -> int:
+    """Bytes of weights one decode step reads at batch 1: every block matrix and the LM head as
+    stored for the kernels (int8/int4 with their scales, or float), with their biases."""
+    from .quantize import QuantizedLinear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            names = ("weight", "scales") if m.scheme == "int8" else ("packed", "scale_zero")
+            total += sum(getattr(m, n).nbytes for n in names) + (m.bias.nbytes if m.bias is not None else 0)
+    return total
+
+
+def resident_mb(directory: str) -> float | None:
+    """Peak resident memory (MB) that loading ``directory`` and greedily decoding 8 tokens adds to
+    a fresh process (weights, decode-time copies, cache), measured like :func:`prefill_peak_mb`."""
+    if not sys.platform.startswith("linux"):
+        return None
+    cmd = [sys.executable, "-m", "gpt2mha.bench", "--memory-child", "resident", "--checkpoint", directory]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"resident-memory child failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
+
+
+def _resident_child(directory: str) -> None:
+    gc.collect()
+    before = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    model = load_ours(directory)
+    ours_greedy(model, _prompt(1, 4, model.config.n_vocab), 8)
+    print(json.dumps({"peak_mb": (_status_kb("VmHWM") - before) / 1024}))
+
+
+def logits_cosine(reference: GPT2, other: GPT2, tokens: torch.Tensor) -> float:
+    """Cosine similarity of ``other``'s logits to ``reference``'s over real text (all positions
+    of the first n_ctx-token window, flattened)."""
+    window = tokens[:reference.config.n_ctx][None]
+    with torch.inference_mode():
+        a, b = reference(window).logits.double(), other(window).logits.double()
+    return float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+
+def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("int8", "int4"), text: str | None = None,
+                    memory: bool = True, log=print) -> list[dict]:
+    """int8/int4 decode tok/s at each batch size against transformers float32 (sdpa), each
+    quantized decode timed in turn with transformers and gpt2mha float32; the fraction of the
+    memory bandwidth a batch-1 step reaches; checkpoint size and resident memory vs float32;
+    logits' cosine similarity to float32 on real text."""
+    import warnings
+
+    from .quantize import QuantizationWarning
+
+    rows = []
+    bandwidth = memory_bandwidth()
+    tokens = real_text_tokens(ours32.config, ours32.config.n_ctx, text)
+    float_size = os.path.getsize(os.path.join(directory, "model.safetensors"))
+    float_mb = resident_mb(directory) if memory else None
+    for scheme in schemes:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", QuantizationWarning)
+            model = load_ours(directory).quantize(scheme)
+        abnormal = [r["name"] for r in model.quantization_report if r["abnormal"]]
+        for B in sizes.batches:
+            idx = _prompt(B, sizes.prompt, model.config.n_vocab, seed=B)
+            greedy32, greedy_q = ours_greedy(ours32, idx, sizes.new_tokens), ours_greedy(model, idx, sizes.new_tokens)
+            hf_greedy(hf, idx, sizes.new_tokens)                                # warm-up
+            t = interleaved_medians({"q": lambda: ours_greedy(model, idx, sizes.new_tokens),
+                                     "ours32": lambda: ours_greedy(ours32, idx, sizes.new_tokens),
+                                     "hf": lambda: hf_greedy(hf, idx, sizes.new_tokens)}, sizes.repeats, warmup=0)
+            tok_s, ours_fp32, hf_fp32 = (B * sizes.new_tokens / t[k] for k in ("q", "ours32", "hf"))
+            n_same = int((greedy32 == greedy_q).all(0).long().cumprod(0).sum()) - sizes.prompt
+            note = (f"gpt2mha float32 {ours_fp32:.1f} tok/s ({scheme} / float32 = {tok_s / ours_fp32:.2f}), all three "
+                    f"timed in turn; greedy tokens equal to float32 for the first {n_same}/{sizes.new_tokens}")
+            if B == 1:
+                read = step_bytes(model) * tok_s
+                note += (f"; weights read {read / 1e9:.1f} GB/s = {read / bandwidth:.0%} of the measured memory "
+                         f"bandwidth {bandwidth / 1e9:.1f} GB/s ({step_bytes(model) / 1e6:.0f} MB/step)")
+            rows.append(_ratio_row(f"decode tok/s, batch {B}: gpt2mha {scheme} / transformers float32", tok_s, hf_fp32,
+                                   "tok/s", target_min=QUANT_SPEED_TARGETS.get((scheme, B)), note=note))
+            log(rows[-1])
+        with tempfile.TemporaryDirectory(prefix=f"gpt2mha-{scheme}-") as qdir:
+            model.save_pretrained(qdir)
+            size = os.path.getsize(os.path.join(qdir, "model.safetensors"))
+            q_mb = resident_mb(qdir) if memory else None
+        rows.append(_ratio_row(f"checkpoint size: {scheme} / float32 (model.safetensors)", size / 1e6, float_size / 1e6,
+                               "MB", target_max=QUANT_SIZE_TARGETS[scheme]))
+        log(rows[-1])
+        if memory:
+            rows.append(_ratio_row(f"resident memory, load + decode 8 tokens: {scheme} / float32", q_mb, float_mb, "MB",
+                                   note="peak RSS a fresh process adds (weights, decode-time copies, cache)"))
+            log(rows[-1])
+        if tokens is not None:
+            cos = logits_cosine(ours32, model, tokens)
+            rows.append(row(f"logits cosine similarity, gpt2mha {scheme} with float32 (random weights, real text)", cos,
+                            None, "cosine", target=">= 0.999" if scheme == "int8" else None,
+                            met=cos >= 0.999 if scheme == "int8" else None,
+                            note=f"{len(tokens)} tokens; abnormal tensors at quantization: {abnormal or 'none'}"))
+            log(rows[-1])
+        del model, caught
+        gc.collect()
+    return rows
+
+
 # ------------------------------------------------------------------------------ the run
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
@@ -590,7 +712,8 @@ def machine() -> dict:
 
 
 def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str | None = None, log=print,
-        config: GPT2Config | None = None, memory: bool = True, sizes: Sizes | None = None) -> dict:
+        config: GPT2Config | None = None, memory: bool = True, sizes: Sizes | None = None,
+        schemes=("int8", "int4")) -> dict:
     """Run the chosen sections; returns ``{"machine", "preset", "quick", "sizes", "rows"}``.
 
     ``config`` (default: the preset's) and ``sizes`` (default: FULL or QUICK) override the
@@ -619,6 +742,11 @@ def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str 
                 rows += bench_low_precision(directory, ours, hf, sizes, text, log)
             del ours, hf
             gc.collect()
+        if "quant" in sections:                                  # issue 13: int8 / int4 decode
+            ours, hf = load_ours(directory), load_hf(directory)
+            rows += bench_quantized(directory, ours, hf, sizes, schemes, text, memory, log)
+            del ours, hf
+            gc.collect()
         if "prefill" in sections:
             rows += bench_prefill(directory, sizes, log, memory=memory)
         if "attention" in sections:
@@ -633,6 +761,8 @@ def _fmt(v, unit=""):
         return "yes" if v else "NO"
     if unit == "fraction":
         return f"{v:.2%}"
+    if unit == "cosine":
+        return f"{v:.5f}"
     return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
 
 
@@ -668,6 +798,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=None, metavar="FILE",
                    help="real text for top-1 agreement (default: the repo's data/tinyshakespeare.txt)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--quantize", default="int8,int4", metavar="int8|int4",
+                   help="weight-only schemes the quant section decodes with (comma-separated; default both)")
 
 
 def main_args(args) -> int:
@@ -677,7 +809,11 @@ def main_args(args) -> int:
         raise ValueError(f"--only: unknown section(s) {bad}; expected some of {list(SECTIONS)}")
     def log(*a):                                               # progress on stderr, results on stdout
         print(*(format_row(x) if isinstance(x, dict) else x for x in a), file=sys.stderr, flush=True)
-    result = run(args.preset, args.quick, sections, args.text, log=log, memory=not args.no_memory)
+    schemes = tuple(q.strip() for q in args.quantize.split(",") if q.strip())
+    bad = [q for q in schemes if q not in ("int8", "int4")]
+    if bad or not schemes:
+        raise ValueError(f"--quantize={args.quantize!r}: expected int8, int4 or int8,int4")
+    result = run(args.preset, args.quick, sections, args.text, log=log, memory=not args.no_memory, schemes=schemes)
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0
 
@@ -689,6 +825,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.memory_child == "resident":
+        _resident_child(args.checkpoint)
+        return 0
     if args.memory_child:
         _memory_child(args.memory_child, args.checkpoint, args.tokens)
         return 0

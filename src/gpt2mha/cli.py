@@ -40,6 +40,32 @@ def load_model(name: str | None, dtype: str = "float32"):
     return load_pretrained(name, dtype=getattr(torch, DTYPES[dtype]))
 
 
+def _quantize_args(p: argparse.ArgumentParser) -> None:
+    """``--quantize`` and ``--group-size`` (issue 13)."""
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weight-only quantize the model after loading: int8 (one scale per output channel) or int4 "
+                        "(a scale and zero per group of inputs); the LM head is int8 in both. A directory saved "
+                        "quantized loads quantized without this flag")
+    p.add_argument("--group-size", type=int, default=None, help="int4's group of inputs per scale (32, 64, 128, 256; "
+                                                                "default 64)")
+
+
+def quantized(model, args):
+    """``model`` quantized as ``--quantize``/``--group-size`` ask (a model loaded quantized must
+    match them). Abnormal tensors are reported on stderr (a QuantizationWarning)."""
+    if args.group_size is not None and args.quantize != "int4":
+        raise ValueError(f"--group-size={args.group_size} applies only to --quantize int4")
+    if args.quantize is None:
+        return model
+    if model.quantization:
+        if args.quantize != model.quantization["scheme"] or args.group_size not in (None, model.quantization["group_size"]):
+            raise ValueError(f"--quantize {args.quantize}: this model was saved quantized as "
+                             f"{model.quantization['scheme']} (group_size={model.quantization['group_size']}); "
+                             f"quantize the float model instead")
+        return model
+    return model.quantize(args.quantize, args.group_size)
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -51,7 +77,7 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     if args.prompt == "":
         raise ValueError("PROMPT is empty; give at least one character to continue")
-    model = load_model(args.model, args.dtype)
+    model = quantized(load_model(args.model, args.dtype), args)
     tok = tokenizer_for(model.config)
     if args.stop_at_eos and tok.eot_token is None:
         raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
@@ -100,7 +126,7 @@ def cmd_perplexity(args) -> int:
     from .evaluate import perplexity
 
     text = read_text(args.file, args.split)
-    model = load_model(args.model)
+    model = quantized(load_model(args.model), args)
     result = perplexity(model, text, stride=args.stride)
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -292,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-at-eos", action="store_true", help="stop when <|endoftext|> is sampled")
     g.add_argument("--sliding-window", action="store_true",
                    help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
+    _quantize_args(g)
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("perplexity", help="loss, perplexity and bits per byte of a text file",
@@ -303,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score the whole file, or the trainer's split of it (train: first 90%% of the bytes, "
                         "val: last 10%%)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _quantize_args(p)
     p.set_defaults(func=cmd_perplexity)
 
     t = sub.add_parser("train", help="train a GPT-2 on a text file (first 90%% train, last 10%% validation)")
