@@ -691,6 +691,30 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
             log(rows[-1])
         del model, caught
         gc.collect()
+    return rows + builtin_quantized_agreement(schemes, text, log)
+
+
+def builtin_quantized_agreement(schemes, text: str | None = None, log=print) -> list[dict]:
+    """int8/int4 top-1 agreement of the built-in (trained) model with its float32 self on the
+    held-out tail of the text (issue 13's targets: 99.5% / 97%)."""
+    from . import DEFAULT_MODEL
+    from .checkpoints import builtin_models
+
+    if DEFAULT_MODEL not in builtin_models():
+        return []
+    ref = GPT2.from_pretrained(DEFAULT_MODEL)
+    tokens = real_text_tokens(ref.config, 32 * ref.config.n_ctx, text, tail=True)
+    if tokens is None:
+        return []
+    rows = []
+    for scheme in schemes:
+        low = GPT2.from_pretrained(DEFAULT_MODEL).quantize(scheme)
+        agree, decisive = top1_agreement(ref, low, tokens), top1_agreement(ref, low, tokens, DECISIVE)
+        target = {"int8": 0.995, "int4": 0.97}[scheme]
+        rows.append(row(f"top-1 agreement, {scheme} with float32, built-in {DEFAULT_MODEL} on held-out text", agree,
+                        None, "fraction", target=f">= {target}", met=agree >= target,
+                        note=f"{len(tokens)} tokens; {_decisive_note(decisive)}"))
+        log(rows[-1])
     return rows
 
 
