@@ -740,13 +740,13 @@ def expected_stages(layout: Layout, ref: dict) -> dict[str, list[torch.Tensor] |
     m = ref["mask"]
     score_forms = [s, scaled, s.masked_fill(~m, float("-inf")), scaled.masked_fill(~m, float("-inf")),
                    scaled.masked_fill(~m, -1e10), s.masked_fill(~m, -1e10)]
-    head0 = (lambda t: t[:, 0]) if wrapper else (lambda t: t)
+    head0 = (lambda t: t[:, 0]) if wrapper or layout.single_head else (lambda t: t)   # [b, T, ...] per head
     return {
         "input": [ref["input"]],
         "projections": ([ref[n][..., :hd] for n in "qkv"] if wrapper else
                         [ref["qkv"]] if layout.kind == "fused" else [ref["q"], ref["k"], ref["v"]]),
-        "view": None if wrapper else ref["view"],
-        "transpose": None if wrapper else ref["transpose"],
+        "view": None if wrapper or layout.single_head else ref["view"],          # one head: nothing to split
+        "transpose": None if wrapper or layout.single_head else ref["transpose"],
         "scores": [head0(t) for t in score_forms],
         "weights": [head0(ref["weights"])],
         "contexts": [head0(ref["contexts"])],
@@ -950,11 +950,17 @@ def check(target, kwargs: dict | None = None, *, batch: int = 2, tokens: int = 5
         if batch < 1 or tokens < 2 or past < 0:
             raise CheckError(f"need batch >= 1, tokens >= 2 and past >= 0 (got {batch}, {tokens}, {past})")
         module, report.kwargs = _build(target, dict(kwargs or {}), tokens, past)
-        layout = recognise_layout(module, report.kwargs)
+        try:
+            layout = recognise_layout(module, report.kwargs)
+        except CheckError as e:                 # bare weights read as [in, out] may not fit; try [out, in]
+            try:
+                layout = recognise_layout(module, report.kwargs, bare_in_out=False)
+            except CheckError:
+                raise e from None
         if not has_bare_weights(layout):
             _run_check(module, layout, report, batch, tokens, past, seed)
         else:
-            report = _check_both_conventions(module, layout, report, batch, tokens, past, seed)
+            report = _check_both_conventions(module, report, batch, tokens, past, seed)
     except CheckError as e:
         report.verdict, report.exit_code, report.error = "error", 2, str(e)
     return report
@@ -963,14 +969,13 @@ def check(target, kwargs: dict | None = None, *, batch: int = 2, tokens: int = 5
 CONVENTIONS = {True: "[in, out], used as x @ W", False: "[out, in], used as x @ W.T (nn.Linear's convention)"}
 
 
-def _check_both_conventions(module, layout: Layout, report: CheckReport, b, T, P, seed) -> CheckReport:
+def _check_both_conventions(module, report: CheckReport, b, T, P, seed) -> CheckReport:
     """Run the check with bare weights read as ``[in, out]`` and as ``[out, in]``; keep the best."""
     tried = []
     for in_out in (True, False):
         r = dataclasses.replace(report, notes=[], diagnoses=[], stages=[], cache_stages=[])
         try:
-            lay = layout if in_out else recognise_layout(module, report.kwargs, bare_in_out=False)
-            _run_check(module, lay, r, b, T, P, seed)
+            _run_check(module, recognise_layout(module, report.kwargs, bare_in_out=in_out), r, b, T, P, seed)
         except CheckError as e:
             r.verdict, r.exit_code, r.error = "error", 2, str(e)
         tried.append((in_out, r))
