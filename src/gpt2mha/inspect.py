@@ -826,8 +826,10 @@ function draw(cv, l, h, margin) {{
   ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, cv.width, cv.height);
   if (!D.layers.includes(l)) {{ ctx.fillStyle = "#ccc"; ctx.fillRect(margin, margin, cv.width - margin, cv.height - margin);
     ctx.fillStyle = "#000"; ctx.font = "10px sans-serif"; ctx.fillText("not embedded", margin + 4, margin + 14); return s; }}
+  const edge = (k) => Math.round(margin + k * s);                 // whole pixels: no seams between cells
   for (let i = 0; i < T; i++) for (let j = 0; j < T; j++) {{
-    ctx.fillStyle = color(weight(l, h, i, j)); ctx.fillRect(margin + j * s, margin + i * s, Math.ceil(s), Math.ceil(s)); }}
+    ctx.fillStyle = color(weight(l, h, i, j));
+    ctx.fillRect(edge(j), edge(i), edge(j + 1) - edge(j), edge(i + 1) - edge(i)); }}
   if (margin > 0) {{ ctx.fillStyle = "#000"; ctx.font = Math.max(6, Math.min(12, s)) + "px sans-serif";
     const step = Math.max(1, Math.ceil(T / ((cv.width - margin) / 10)));
     for (let i = 0; i < T; i += step) {{ ctx.fillText(D.labels[i], 2, margin + (i + 0.8) * s);
