@@ -21,6 +21,9 @@ from gpt2mha.cli import main
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
+if os.environ.get("GPT2MHA_REQUIRE_BROWSER") and not (CHROMIUM and CHROMEDRIVER):    # set by .ci/run: CI must run it
+    raise RuntimeError("GPT2MHA_REQUIRE_BROWSER is set but chromium/chromedriver are not on PATH")
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
