@@ -245,6 +245,11 @@ def test_heads_python_api_and_json(tiny_dir, tmp_path, capsys):
     assert data["files"]["heads"] == [str(tmp_path / "layer0_head2.png")]
     assert len(data["scores"]["previous"]) == 2 and len(data["scores"]["previous"][0]) == 4
     assert data["tokens"] == list("abcdefgh")
+    # one role per head, every raw and relative score, the threshold and the induction ranking
+    assert [(r["layer"], r["head"]) for r in data["roles"]] == [(l, h) for l in range(2) for h in range(4)]
+    assert all(set(r["scores"]) == {"previous", "first", "self", "induction"} for r in data["roles"])
+    assert set(data["relative"]) == {"previous", "first", "self", "induction"} and data["threshold"] == ROLE_THRESHOLD
+    assert {"entropy", "entropy_norm", "induction"} <= set(data["scores"]) and len(data["induction"]) == 3
 
 
 @pytest.mark.parametrize("argv,message", [

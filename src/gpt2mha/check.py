@@ -3,8 +3,12 @@
 ``check("my_mha.py:MultiHeadAttention", {"d_in": 20, ...})`` imports the file (this RUNS ITS
 CODE), builds the class, recognises its parameter layout from names and shapes
 (``W_query/W_key/W_value[/out_proj]``, ``q_proj/k_proj/v_proj[/o_proj]``, a fused qkv
-``nn.Linear``, ``c_attn/c_proj`` Conv1D, or a ``heads`` ModuleList of single-head modules),
-copies random reference weights in, and runs it and a reference on the same input. It reports:
+``nn.Linear``, ``c_attn/c_proj`` Conv1D, a ``heads`` ModuleList of single-head modules, or a
+``torch.nn.MultiheadAttention`` inside the module), copies random reference weights in, and
+runs it and a reference on the same input. What learners write is taken as it is: the head
+count from the constructor argument passed, an attribute or the signature's default, else one
+head of width d_out (the book's ``CausalAttention``); no ``out_proj`` means a reference
+without one; bare ``nn.Parameter`` weights are tried as ``x @ W`` and ``x @ W.T``. It reports:
 
 * each stage of seed 001's order (input, projections, view, transpose, scores, weights,
   contexts, merged, output) with the expected shape and the shape seen in the module (forward
@@ -13,6 +17,8 @@ copies random reference weights in, and runs it and a reference on the same inpu
   the last one seen is the first differing stage;
 * the output's max abs error, and for a module whose forward takes a cache (``past``, ...)
   the error of a cached step (first ``past`` tokens, then the rest with the returned present);
+* eval-mode determinism: a second run, and with a dropout argument a copy built with dropout
+  0.5 run twice, must give the dropout-0 output (``F.dropout`` without ``training=``);
 * a diagnosis: the reference is re-run with each classic mistake (seeds 000-003) and the
   mistakes that reproduce the module's output exactly are named; shapes and exceptions add
   the mistakes that stop a module from running (a ``view`` on a non-contiguous tensor, a
@@ -971,17 +977,23 @@ CONVENTIONS = {True: "[in, out], used as x @ W", False: "[out, in], used as x @ 
 
 def _check_both_conventions(module, report: CheckReport, b, T, P, seed) -> CheckReport:
     """Run the check with bare weights read as ``[in, out]`` and as ``[out, in]``; keep the best."""
-    tried = []
-    for in_out in (True, False):
+    def attempt(in_out: bool, diagnose: bool) -> CheckReport:
         r = dataclasses.replace(report, notes=[], diagnoses=[], stages=[], cache_stages=[])
         try:
-            _run_check(module, recognise_layout(module, report.kwargs, bare_in_out=in_out), r, b, T, P, seed)
+            _run_check(module, recognise_layout(module, report.kwargs, bare_in_out=in_out), r, b, T, P, seed,
+                       diagnose)
         except CheckError as e:
             r.verdict, r.exit_code, r.error = "error", 2, str(e)
-        tried.append((in_out, r))
-        if r.verdict == "match":
+        return r
+
+    tried = []
+    for in_out in (True, False):                      # without the (slower) diagnosis by reproduction
+        tried.append((in_out, attempt(in_out, False)))
+        if tried[-1][1].verdict == "match":
             break
-    in_out, best = min(tried, key=lambda t: (t[1].exit_code if t[1].exit_code else -1, not t[0]))
+    in_out, best = min(tried, key=lambda t: (t[1].exit_code, not t[0]))
+    if best.verdict == "mismatch":
+        best = attempt(in_out, True)
     others = [f"{CONVENTIONS[i]}: {r.verdict}" for i, r in tried if i != in_out]
     if best.verdict == "match":
         best.notes.append(f"bare nn.Parameter weights: the module stores them {CONVENTIONS[in_out]}")
@@ -991,8 +1003,10 @@ def _check_both_conventions(module, report: CheckReport, b, T, P, seed) -> Check
     return best
 
 
-def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: int, seed: int) -> None:
-    """Fill ``report`` for a built module with a recognised layout."""
+def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: int, seed: int,
+               diagnose: bool = True) -> None:
+    """Fill ``report`` for a built module with a recognised layout (``diagnose``: also look for the
+    classic mistakes that reproduce a mismatch)."""
     h, hd = layout.num_heads, layout.head_dim
     report.layout = layout.describe()
     report.config = dict(b=b, T=T, past=P, d_in=layout.d_in, d_out=layout.d_out, num_heads=h, head_dim=hd, seed=seed)
@@ -1037,7 +1051,7 @@ def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: i
     if nondeterministic:
         report.diagnoses.append("dropout_in_eval")
         ok = False
-    if not outputs_ok and not nondeterministic and all(o is not None and o.shape == ref["output"].shape
+    if diagnose and not outputs_ok and not nondeterministic and all(o is not None and o.shape == ref["output"].shape
                                                        for o in outputs.values()):
         extra = diagnose_by_reproduction(x, p, layout, outputs, T, applicable_mistakes(layout, len(outputs) > 1))
         report.diagnoses += [m for m in extra if m not in report.diagnoses]
