@@ -305,3 +305,14 @@ def test_tokens_need_room_for_the_cache_only_when_the_cache_is_tested():
     assert r.verdict == "match" and r.kwargs["context_length"] == 20
     r = check("gpt2mha.book:MultiHeadAttention", tokens=20, past=3)
     assert r.verdict == "match" and r.kwargs["context_length"] == 23 and r.cache.startswith("tested")
+
+
+def test_torch_multihead_attention_without_a_causal_mask_is_diagnosed(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "from torch import nn\n\n\nclass M(nn.Module):\n    def __init__(self, d_model, nhead):\n"
+        "        super().__init__()\n        self.attn = nn.MultiheadAttention(d_model, nhead, batch_first=True)\n\n"
+        "    def forward(self, x):\n        return self.attn(x, x, x)[0]\n")
+    r = check(f"{tmp_path / 'm.py'}:M")
+    assert (r.verdict, r.diagnoses) == ("mismatch", ["no_mask"])
+    assert "torch.nn.MultiheadAttention at attn (batch_first=True)" in r.layout
+    assert not any("never called" in n for n in r.notes)       # MHA uses out_proj.weight, not out_proj(...)

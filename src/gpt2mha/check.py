@@ -1045,7 +1045,8 @@ def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: i
     if layout.out is None and layout.kind != "wrapper":
         report.notes.append("no output projection (out_proj / o_proj / c_proj; the book calls it optional): checked "
                             "against the reference without one")
-    if layout.out is not None and layout.out.name not in report.modules_called and not ok:
+    if layout.out is not None and layout.out.name not in report.modules_called and not ok and not layout.source:
+        # (torch.nn.MultiheadAttention uses out_proj's weight without calling the module)
         report.notes.append(f"{layout.out.name} is defined but forward never called it")
     nondeterministic = _check_dropout(module, layout, report, x[:, P:], run.output)
     if nondeterministic:
