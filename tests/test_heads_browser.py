@@ -127,3 +127,23 @@ def test_heads_html_renders_every_head_and_selection_changes_the_view(browser, p
                int((r["x"] + 90) * dpr):int((r["x"] + r["width"] - 10) * dpr)]
     if crop.size:                                             # the big canvas is inside the window
         assert crop.std() > 5 and (crop.mean(axis=(0, 1)) < 250).all()
+
+
+def test_long_prompt_page_with_only_the_selected_layer_renders(browser, tmp_path):
+    # past the size limit heads.html embeds only the selected heads' layers; the others show grey
+    from gpt2mha.inspect import analyse_heads, write_html
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config.from_preset("tiny")).eval()                 # 2 layers x 4 heads
+    result = analyse_heads(model, "x" * 60)
+    path = tmp_path / "s.html"
+    info = write_html(result, str(path), selected=[(1, 3)], max_bytes=1000)
+    assert info["layers"] == [1]
+    browser.get(path.as_uri())
+    assert severe(browser.get_log("browser")) == []
+    js = browser.execute_script
+    from selenium.webdriver.common.by import By
+    assert browser.find_element(By.ID, "sel").text == "layer 1 head 0"  # the first embedded layer is shown
+    grey = js("""return ['L0H0', 'L1H3'].map(id => { const c = document.getElementById(id);
+        const d = c.getContext('2d').getImageData(48, 60, 1, 1).data; return [d[0], d[1], d[2]]; })""")
+    assert grey[0] == [204, 204, 204] and grey[1] != [204, 204, 204]   # layer 0 not embedded, layer 1 drawn
+    assert "embeds only layer(s) 1" in browser.find_element(By.ID, "notes").text
