@@ -1086,7 +1086,8 @@ def _check_dropout(module, layout: Layout, report: CheckReport, x: torch.Tensor,
         return False
     runs = [run_module(other, x) for _ in range(2)]
     if any(r.error is not None for r in runs):
-        report.dropout = f"not tested (forward with {names[0]}={DROPOUT_CHECK_P} raised {runs[0].error or runs[1].error})"
+        error = runs[0].error or runs[1].error
+        report.dropout = f"not tested (forward with {names[0]}={DROPOUT_CHECK_P} raised {error})"
         return False
     errs = [_max_err(r.output, y0) for r in runs]
     what = ", ".join(f"{n}={DROPOUT_CHECK_P}" for n in names)

@@ -255,7 +255,8 @@ def _add_inspect_commands(sub) -> None:
                         description="Build FILE.py:ClassName, recognise its parameter layout (W_query/W_key/W_value/"
                                     "out_proj; q_proj/k_proj/v_proj/o_proj; a fused qkv Linear; c_attn/c_proj "
                                     "Conv1D; a heads ModuleList; a torch.nn.MultiheadAttention inside; single heads "
-                                    "such as the book's CausalAttention), copy reference weights in, run both on the same "
+                                    "such as the book's CausalAttention), copy reference weights in, run both on "
+                                    "the same "
                                     "input and report the shapes stage by stage, the first differing stage, the "
                                     "max abs error and a diagnosis of classic mistakes. Exit code 0: matches; 1: "
                                     "runs but does not match; 2: could not be run. " + warning,
@@ -263,8 +264,8 @@ def _add_inspect_commands(sub) -> None:
     ck.add_argument("target", metavar="FILE.py:ClassName", help="also package.module:ClassName")
     ck.add_argument("--args", nargs="+", action="extend", default=[], metavar="ARG",
                     help="constructor arguments: a JSON object or key=value items, e.g. --args d_in=20 d_out=24 "
-                         "num_heads=4 (missing ones: d_in=20, d_out=24, num_heads=4, context_length=16 or the tokens needed, "
-                         "dropout=0)")
+                         "num_heads=4 (missing ones: d_in=20, d_out=24, num_heads=4, context_length=16 or the "
+                         "tokens needed, dropout=0)")
     ck.add_argument("--batch", type=int, default=2, help="b (default 2)")
     ck.add_argument("--tokens", type=int, default=5, help="T (default 5)")
     ck.add_argument("--past", type=int, default=3,

@@ -773,7 +773,9 @@ def write_html(result: HeadsResult, path: str, title: str = "attention heads", g
     raw_head = "".join(f"<th>{k} (raw)</th>" for k in ("previous", "first", "self", "induction", "entropy_norm")
                        if k in result.scores)
     rel_head = "".join(f"<th>{k}</th>" for k in rel_keys)
-    strongest = html.escape(format_strongest(strongest_heads(result.relative, 3), result.roles)) if result.relative else ""
+    strongest = ""
+    if result.relative:
+        strongest = html.escape(format_strongest(strongest_heads(result.relative, 3), result.roles))
     img = ""
     if grid_png:
         with open(grid_png, "rb") as f:
@@ -824,7 +826,8 @@ function color(v) {{ const r = Math.round(68 + 185 * v), g = Math.round(1 + 230 
 function draw(cv, l, h, margin) {{
   const ctx = cv.getContext("2d"), T = D.T, s = (cv.width - margin) / T;
   ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, cv.width, cv.height);
-  if (!D.layers.includes(l)) {{ ctx.fillStyle = "#ccc"; ctx.fillRect(margin, margin, cv.width - margin, cv.height - margin);
+  if (!D.layers.includes(l)) {{ ctx.fillStyle = "#ccc";
+    ctx.fillRect(margin, margin, cv.width - margin, cv.height - margin);
     ctx.fillStyle = "#000"; ctx.font = "10px sans-serif"; ctx.fillText("not embedded", margin + 4, margin + 14); return s; }}
   const edge = (k) => Math.round(margin + k * s);                 // whole pixels: no seams between cells
   for (let i = 0; i < T; i++) for (let j = 0; j < T; j++) {{
