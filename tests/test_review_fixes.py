@@ -278,3 +278,16 @@ def test_cli_absurd_values_are_errors_not_tracebacks(tmp_path, capsys):
     assert "--batch=100000000000000000000 is too large for a trace" in capsys.readouterr().err
     assert main(["check", "gpt2mha.book:MultiHeadAttention", "--seed", str(10**20)]) == 2
     assert "--seed=100000000000000000000 must be an integer in [0, 2**63)" in capsys.readouterr().err
+
+
+def test_the_greedy_comparison_accepts_only_near_ties():
+    # conftest.assert_same_greedy lets two paths part only where the reference's top logits tie
+    from conftest import assert_same_greedy
+    seq = MODEL.generate(IDX, 4, temperature=0)[0]
+    assert_same_greedy(MODEL, seq, seq.clone(), 5)
+    with torch.no_grad():
+        logits = MODEL(seq[None, :5]).logits[0, -1]
+    worst = seq.clone()
+    worst[5] = int(logits.argmin())
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_same_greedy(MODEL, seq, worst, 5)
