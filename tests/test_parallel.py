@@ -150,3 +150,111 @@ def test_heads_not_divisible_by_world_size_is_refused_before_any_work():
     assert not isinstance(model.config, parallel.ShardConfig)       # nothing changed
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+# ------------------------------------------------------------------------------ data parallel
+def ddp_and_scoring_checks(rank, world, out_dir):
+    """On each rank: distributed perplexity, DDP training (20 steps, checkpoint writes counted),
+    --resume to 30, and dropout runs for a bit-identical DDP resume."""
+    import gpt2mha.train as T
+    from gpt2mha.train import TrainConfig, train
+
+    out = {}
+    model = random_model(GPT2Config.from_preset("tiny"), seed=3)
+    text = open(VERDICT, encoding="utf-8").read()[:4000]
+    out["ppl"] = dataclasses.asdict(parallel.perplexity(model, text, stride=24))
+
+    writes, real_write = [], T._write
+    T._write = lambda *a, **k: (writes.append(a[2]), real_write(*a, **k))
+    cfg = GPT2Config.from_preset("tiny")
+    tc = TrainConfig(iters=20, batch_size=8, eval_interval=10, eval_iters=2, lr=3e-3, min_lr=3e-3, warmup=0, seed=1)
+    out["log20"] = train(VERDICT, os.path.join(out_dir, "run"), cfg, tc, progress=False)["evals"]
+    tc30 = dataclasses.replace(tc, iters=30)
+    out["log30"] = train(VERDICT, os.path.join(out_dir, "run"), cfg, tc30, resume=True, progress=False)["evals"]
+    out["writes"] = list(writes)
+
+    drop = GPT2Config.from_preset("tiny", attn_pdrop=0.2, resid_pdrop=0.2, embd_pdrop=0.2)
+    tcd = dataclasses.replace(tc, iters=30, eval_interval=15)
+    train(VERDICT, os.path.join(out_dir, "drop_a"), drop, tcd, progress=False)
+    train(VERDICT, os.path.join(out_dir, "drop_b"), drop, dataclasses.replace(tcd, iters=15), progress=False)
+    train(VERDICT, os.path.join(out_dir, "drop_b"), drop, tcd, resume=True, progress=False)
+    return out
+
+
+def test_ddp2_training_and_scoring_equal_one_process(tmp_path):
+    from gpt2mha.evaluate import perplexity
+    from gpt2mha.train import TrainConfig, train
+
+    results = values(run_ranks(ddp_and_scoring_checks, 2, str(tmp_path), str(tmp_path), timeout=240))
+
+    # distributed perplexity = the single-process figure (relative 1e-6), on every rank
+    model = random_model(GPT2Config.from_preset("tiny"), seed=3)
+    text = open(VERDICT, encoding="utf-8").read()[:4000]
+    single = perplexity(model, text, stride=24)
+    for r in results:
+        assert r["ppl"]["tokens"] == single.tokens
+        assert r["ppl"]["perplexity"] == pytest.approx(single.perplexity, rel=1e-6)
+        assert r["ppl"]["loss_per_token"] == pytest.approx(single.loss_per_token, rel=1e-6)
+
+    # same global batch and seed: the loss after 20 (and 30, resumed) steps equals one process's
+    cfg = GPT2Config.from_preset("tiny")
+    tc = TrainConfig(iters=30, batch_size=8, eval_interval=10, eval_iters=2, lr=3e-3, min_lr=3e-3, warmup=0, seed=1)
+    ref = train(VERDICT, str(tmp_path / "single"), cfg, tc, progress=False)["evals"]
+    for r in results:
+        assert [e["step"] for e in r["log30"]] == [10, 20, 30]          # resume continued the log
+        for got, want in zip(r["log30"], ref):
+            assert got["train_loss"] == pytest.approx(want["train_loss"], abs=1e-4)
+            assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-4)
+        assert r["log20"][-1]["val_loss"] == pytest.approx(ref[1]["val_loss"], abs=1e-4)
+    ddp = GPT2.from_pretrained(str(tmp_path / "run"))
+    one = GPT2.from_pretrained(str(tmp_path / "single"))
+    for (name, p), q in zip(ddp.named_parameters(), one.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=name)
+    # rank 0 alone wrote each checkpoint (steps 10, 20, then 30 after the resume)
+    assert results[0]["writes"] == [10, 20, 30] and results[1]["writes"] == []
+    state = torch.load(str(tmp_path / "run" / "trainer_state.pt"), weights_only=True)
+    assert state["step"] == 30 and len(state["rng"]) == 2                # one random state per rank
+    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
+    # with dropout, DDP 15 + resume 15 is bit-identical to DDP 30 (every rank's RNG restored)
+    a, b = GPT2.from_pretrained(str(tmp_path / "drop_a")), GPT2.from_pretrained(str(tmp_path / "drop_b"))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+
+
+def dying_rank(rank, world, out_dir, how):
+    """Rank 1 dies (or hangs) at its 4th training batch; rank 0 must stop with a clear error."""
+    import time
+
+    import gpt2mha.train as T
+    from gpt2mha.train import TrainConfig, train
+
+    real, calls = T.get_batch, {"n": 0}
+
+    def get_batch(ids, *args, **kw):
+        if rank == 1 and ids.numel() > 10000:
+            calls["n"] += 1
+            if calls["n"] == 4:
+                if how == "dies":
+                    os._exit(3)
+                time.sleep(25)                  # past the 8 s collective timeout
+        return real(ids, *args, **kw)
+
+    T.get_batch = get_batch
+    tc = TrainConfig(iters=50, batch_size=4, eval_interval=50, eval_iters=1, seed=1)
+    t0 = time.monotonic()
+    try:
+        train(VERDICT, os.path.join(out_dir, "run"), GPT2Config.from_preset("tiny"), tc, progress=False)
+    except parallel.DistributedError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("how", ["dies", pytest.param("hangs", marks=pytest.mark.slow)])
+def test_a_rank_that_dies_or_hangs_stops_the_others_with_a_clear_message(tmp_path, how):
+    results = run_ranks(dying_rank, 2, str(tmp_path), str(tmp_path), how, timeout=90, collective_timeout=8)
+    status, r0 = results[0]
+    assert status == "ok", r0
+    assert r0["error"] is not None, "rank 0 trained on without rank 1"
+    assert "another rank died or did not answer within 8 s" in r0["error"] and "at step 3" in r0["error"]
+    assert r0["seconds"] < 60
+    assert results[1][0] in ("missing",) if how == "dies" else True

@@ -51,7 +51,9 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     if args.prompt == "":
         raise ValueError("PROMPT is empty; give at least one character to continue")
-    model = load_model(args.model, args.dtype)
+    from . import parallel
+    parallel.check_world(args.tp)                     # --tp N needs N ranks (torchrun)
+    model = parallel.tensor_parallel(load_model(args.model, args.dtype), args.tp)
     tok = tokenizer_for(model.config)
     if args.stop_at_eos and tok.eot_token is None:
         raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
@@ -59,7 +61,7 @@ def cmd_generate(args) -> int:
         idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
     except UnicodeError:
         raise ValueError("PROMPT is not valid UTF-8 text") from None
-    stream, out, started = StreamDecoder(tok), sys.stdout, []
+    stream, out, started = StreamDecoder(tok), parallel.rank0_stdout(), []
 
     def on_token(token):
         if not started:                       # the prompt is echoed once the arguments have held up
@@ -68,9 +70,10 @@ def cmd_generate(args) -> int:
         out.write(stream.push(token.tolist()))
         out.flush()
 
-    model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
-                   sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
+    ids = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                         sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
+    parallel.check_same_tokens(ids)
     out.write(("" if started else args.prompt) + stream.flush() + "\n")
     return 0
 
@@ -93,11 +96,13 @@ def read_text(path: str, split: str = "all") -> str:
 
 
 def cmd_perplexity(args) -> int:
-    from .evaluate import perplexity
+    from . import parallel
 
     text = read_text(args.file, args.split)
     model = load_model(args.model)
-    result = perplexity(model, text, stride=args.stride)
+    result = parallel.perplexity(model, text, stride=args.stride)   # windows split over torchrun's ranks
+    if not parallel.info().is_main:
+        return 0
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -121,8 +126,9 @@ def cmd_train(args) -> int:
     tc = TrainConfig(**{k: v for k, v in dict(iters=args.iters, batch_size=args.batch_size, lr=args.lr,
                                               min_lr=args.min_lr, warmup=args.warmup, seed=args.seed,
                                               eval_interval=args.eval_interval).items() if v is not None})
-    log = train(args.data, args.out, config, tc, resume=args.resume)
-    if log["evals"]:
+    log = train(args.data, args.out, config, tc, resume=args.resume)   # DistributedDataParallel under torchrun
+    from .parallel import info
+    if log["evals"] and info().is_main:
         last = log["evals"][-1]
         print(f"done: step {last['step']}, val loss {last['val_loss']:.4f} nats/token, "
               f"{log['seconds']:.0f} s; checkpoint in {args.out}")
@@ -271,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-at-eos", action="store_true", help="stop when <|endoftext|> is sampled")
     g.add_argument("--sliding-window", action="store_true",
                    help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: split the heads over this many processes "
+                        "(torchrun --nproc-per-node N -m gpt2mha generate ... --tp N; README 'Scaling out')")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("perplexity", help="loss, perplexity and bits per byte of a text file",
@@ -309,8 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .parallel import launched
     try:
-        return args.func(args)
+        with launched(args.command):          # joins torchrun's process group for generate/train/perplexity
+            return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

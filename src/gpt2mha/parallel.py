@@ -377,3 +377,38 @@ def perplexity(model, text: str, stride: int | None = None):
     nats, tokens = score_windows(model, ids, windows)
     nats, tokens = all_reduce_sum([nats, tokens], device=di.device if di.backend == "nccl" else None)
     return result_from(nats, int(tokens), text)
+
+
+# ------------------------------------------------------------------------------ CLI helpers
+def check_world(tp: int) -> DistInfo:
+    """For ``generate --tp N``: the process group must have exactly N ranks (``torchrun
+    --nproc-per-node N``), and several ranks need ``--tp``. Raises ValueError saying so."""
+    di = info()
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp {tp} must be a positive integer")
+    if tp != di.world_size:
+        how = (f"run it as: torchrun --nproc-per-node {tp} -m gpt2mha generate ... --tp {tp}" if tp > 1 else
+               f"pass --tp {di.world_size} to split the heads over the {di.world_size} processes")
+        raise ValueError(f"--tp {tp} needs {tp} processes, this run has {di.world_size} (WORLD_SIZE); {how}")
+    return di
+
+
+def tensor_parallel(model: GPT2, tp: int) -> GPT2:
+    """``generate --tp N``: check the heads split (before any work), move the model to this
+    rank's device and :func:`shard_model` it over the world (a no-op for ``tp == 1``)."""
+    check_tp(model.config, tp)
+    if tp == 1:
+        return model
+    return shard_model(model.to(info().device))
+
+
+def check_same_tokens(tokens: torch.Tensor) -> None:
+    """After a tensor-parallel ``generate``: every rank must hold the same ids (their logits are
+    all-reduced, so they do); raises :class:`DistributedError` if not (one all-gather)."""
+    di = info()
+    if di.world_size == 1:
+        return
+    ids = gather_objects(tokens.cpu().tolist())
+    if any(other != ids[0] for other in ids[1:]):
+        raise DistributedError("the ranks sampled different tokens (their logits disagreed); the output is not "
+                               "trustworthy")
