@@ -76,3 +76,33 @@ def values(results):
         msg = "\n".join(f"rank {r}: {res[0]}: {res[1]}" for r, res in bad)
         raise AssertionError(f"ranks failed:\n{msg}")
     return [res[1] for res in results]
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 120, env_extra: dict | None = None):
+    """``torchrun --nproc-per-node nproc -m gpt2mha ARGS`` on 127.0.0.1 (a free port), in its own
+    process group so that a timeout kills the agent and every worker it started. Returns the
+    CompletedProcess (text stdout/stderr)."""
+    import signal
+    import subprocess
+
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "GPT2MHA_DIST_TIMEOUT": "60",
+           **(env_extra or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "gpt2mha", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)          # the session this call started
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def single(args: list[str], timeout: float = 120):
+    """``python -m gpt2mha ARGS`` in one process."""
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "gpt2mha", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
