@@ -58,7 +58,7 @@ def cmd_generate(args) -> int:
     if args.stop_at_eos and tok.eot_token is None:
         raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
     try:
-        idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
+        idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long, device=model.wte.weight.device)
     except UnicodeError:
         raise ValueError("PROMPT is not valid UTF-8 text") from None
     stream, out, started = StreamDecoder(tok), parallel.rank0_stdout(), []
@@ -99,7 +99,7 @@ def cmd_perplexity(args) -> int:
     from . import parallel
 
     text = read_text(args.file, args.split)
-    model = load_model(args.model)
+    model = load_model(args.model).to(parallel.info().device)
     result = parallel.perplexity(model, text, stride=args.stride)   # windows split over torchrun's ranks
     if not parallel.info().is_main:
         return 0

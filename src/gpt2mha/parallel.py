@@ -372,6 +372,7 @@ def perplexity(model, text: str, stride: int | None = None):
     from .evaluate import encode_for_scoring, result_from, score_windows, strided_windows
 
     ids, stride = encode_for_scoring(model, text, stride)
+    ids = ids.to(next(model.parameters()).device)
     di = info()
     windows = strided_windows(ids.numel(), model.config.n_ctx, stride)[di.rank::di.world_size]
     nats, tokens = score_windows(model, ids, windows)
