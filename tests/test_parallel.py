@@ -81,8 +81,7 @@ def tp_checks(rank, world, config_kwargs, greedy_steps):
         full_cache, tp_cache = RecordingCache.made
     finally:
         G.KVCache = KVCache
-    out["greedy_equal"] = torch.equal(full_tokens, tp_tokens)
-    out["tokens"] = tp_tokens.tolist()
+    out["greedy"] = (full_tokens.tolist(), tp_tokens.tolist(), [len(p) for p in prompts])
     out["cache_bytes"] = (full_cache.k.nbytes + full_cache.v.nbytes, tp_cache.k.nbytes + tp_cache.v.nbytes)
     out["param_bytes"] = (dict((n, p.nbytes) for n, p in full.named_parameters()),
                           dict((n, p.nbytes) for n, p in tp.named_parameters()))
@@ -90,14 +89,22 @@ def tp_checks(rank, world, config_kwargs, greedy_steps):
 
 
 def check_tp_results(results, config: GPT2Config, world: int):
+    from conftest import assert_same_greedy
+
     per_rank = values(results)
-    replicated = ("wte.", "wpe.", "ln_", "attn.c_proj.bias", "mlp.c_proj.bias")
+    replicated = ("wte.", "wpe.", "lm_head.", "ln_", "attn.c_proj.bias", "mlp.c_proj.bias")
     for rank, r in enumerate(per_rank):
         # logits equal the one-process model's (float32; only summation order differs)
         for key in ("no_past", "past", "cache", "padded", "present"):
             assert r[key] < 1e-5, (rank, key, r[key])
         assert r["present_shape"] == (2, config.n_layer, 2, config.n_head // world, 9, config.head_dim)
-        assert r["greedy_equal"], rank
+        # greedy tokens: identical (they could only part at a near-tie of the one-process logits)
+        full_tokens, tp_tokens, lengths = r["greedy"]
+        if full_tokens != tp_tokens:
+            model = random_model(config)
+            for a, b, n in zip(full_tokens, tp_tokens, lengths):
+                pad = max(lengths) - n                          # left padding of this row
+                assert_same_greedy(model, a[pad:], b[pad:], n)
         # the KV cache generate allocates holds 1/N of the heads
         full_cache, tp_cache = r["cache_bytes"]
         assert tp_cache * world == full_cache
@@ -110,7 +117,7 @@ def check_tp_results(results, config: GPT2Config, world: int):
             assert tp_p[n] == (b if any(s in n for s in replicated) else b // world), n
         sharded = sum(b for n, b in full_p.items() if not any(s in n for s in replicated))
         assert sum(full_p.values()) - sum(tp_p.values()) == sharded - sharded // world
-    assert per_rank[0]["tokens"] == per_rank[1]["tokens"]
+    assert per_rank[0]["greedy"][1] == per_rank[1]["greedy"][1]        # every rank decoded the same ids
 
 
 def test_tp2_equals_one_process_on_a_4_head_model(tmp_path):
