@@ -306,3 +306,16 @@ def test_torchrun_train_and_perplexity(tmp_path):
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     a, b = json.loads(one.stdout), json.loads(two.stdout)                 # one JSON line: rank 0 only
     assert b["tokens"] == a["tokens"] and b["perplexity"] == pytest.approx(a["perplexity"], rel=1e-6)
+
+
+def test_tp1_shard_is_the_model_itself_without_a_process_group():
+    """tp=1 keeps every head and row (no collective is needed or called): same logits and present."""
+    config = GPT2Config(n_vocab=64, n_ctx=32, n_embd=32, n_head=4, n_layer=2, tokenizer="bytes")
+    full = random_model(config)
+    one = parallel.shard_model(copy.deepcopy(full), rank=0, world_size=1)
+    assert isinstance(one.h[0].attn, parallel.ShardedSelfAttention) and one.config.head_dim == config.head_dim
+    idx = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        (a, pa), (b, pb) = full(idx), one(idx)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pb, pa, atol=1e-6, rtol=0)

@@ -208,23 +208,24 @@ class RowParallelConv1D(Conv1D):
     Source: Megatron-LM's ``RowParallelLinear`` (Shoeybi et al. 2019, section 3).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group=None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group=None, world_size: int = 2):
         nn.Module.__init__(self)
         self.n_in, self.n_out = weight.shape
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.group = group
+        self.group, self.world_size = group, world_size
 
     @classmethod
-    def from_rows(cls, conv: Conv1D, rows: slice, group=None) -> "RowParallelConv1D":
-        """The rows ``rows`` of ``conv.weight`` and its whole bias."""
-        return cls(conv.weight.detach()[rows], conv.bias.detach(), group)
+    def from_rows(cls, conv: Conv1D, rows: slice, group=None, world_size: int = 2) -> "RowParallelConv1D":
+        """The rows ``rows`` of ``conv.weight`` and its whole bias, one of ``world_size`` shards."""
+        return cls(conv.weight.detach()[rows], conv.bias.detach(), group, world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.n_in)                           # [N, n_in/world]
         w_t = None if self._kept is None else self.weight_t     # decoding()'s [n_out, n_in] copy (bf16/fp16)
         y = F.linear(x2, w_t) if w_t is not None else x2 @ self.weight   # partial sums [N, n_out]
-        dist.all_reduce(y, group=self.group)                    # sum over the ranks' rows
+        if self.world_size > 1:
+            dist.all_reduce(y, group=self.group)                # sum over the ranks' rows
         y += self.bias
         return y.view(*x.shape[:-1], self.n_out)
 
@@ -256,7 +257,7 @@ class ShardedSelfAttention(CausalSelfAttention):
         self.attn_pdrop, self.resid_pdrop, self.attn_impl = attn.attn_pdrop, attn.resid_pdrop, attn.attn_impl
         self.c_attn = column_shard(attn.c_attn, qkv_columns(attn.n_embd, attn.n_head, rank, world_size))
         rows = slice(heads.start * attn.head_dim, heads.stop * attn.head_dim)
-        self.c_proj = RowParallelConv1D.from_rows(attn.c_proj, rows, group)
+        self.c_proj = RowParallelConv1D.from_rows(attn.c_proj, rows, group, world_size)
 
     def split_qkv(self, qkv: torch.Tensor):
         """The local ``[B, T, 3·n_embd/N]`` → q, k, v each ``[B, h/N, T, head_dim]``."""
@@ -293,7 +294,8 @@ def shard_model(model: GPT2, rank: int | None = None, world_size: int | None = N
     :class:`ShardConfig` (``n_head = h/N``), so ``model(idx, past=...)`` takes and returns this
     rank's heads ``[B, n_layer, 2, h/N, P, head_dim]`` and ``generate`` allocates a cache of
     ``[B, h/N, T, head_dim]`` per layer. Logits come out whole and equal on every rank.
-    Parameters stop requiring grad. Call it with the same weights on every rank.
+    Parameters stop requiring grad. Call it with the same weights on every rank. A sharded model
+    is for inference: save (and train) the unsharded one.
 
     Args:
         model: a :class:`~gpt2mha.model.GPT2` (float weights, any device).
@@ -319,7 +321,7 @@ def shard_model(model: GPT2, rank: int | None = None, world_size: int | None = N
         for block in model.h:
             block.attn = ShardedSelfAttention(block.attn, rank, world_size, group)
             block.mlp.c_fc = column_shard(block.mlp.c_fc, torch.arange(cols.start, cols.stop))
-            block.mlp.c_proj = RowParallelConv1D.from_rows(block.mlp.c_proj, cols, group)
+            block.mlp.c_proj = RowParallelConv1D.from_rows(block.mlp.c_proj, cols, group, world_size)
     fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(GPT2Config)}
     model.config = ShardConfig(**{**fields, "n_head": c.n_head // world_size}, tp_rank=rank, tp_size=world_size)
     return model
