@@ -140,6 +140,7 @@ def launched(command: str | None):
     rank = os.environ.get("RANK", "0")
     try:
         yield init_distributed()
+        barrier()                       # every rank done with its collectives before any leaves
     except (DistributedError, dist.DistError) as e:
         reason = e if isinstance(e, DistributedError) else collective_failure(e)
         print(f"error: rank {rank}: {reason}", file=sys.stderr)
