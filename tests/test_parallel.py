@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from distributed import free_port, loopback_env, run_ranks, values
+from dist_helpers import run_ranks, values
 from gpt2mha import GPT2, GPT2Config, KVCache
 from gpt2mha import parallel
 
@@ -270,7 +270,7 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_with_a_clear_message(tmp_pat
 # ---------------------------------------------------------------------------- the torchrun CLI
 @pytest.mark.slow
 def test_torchrun_generate_tp2_prints_once_the_tokens_of_one_process(tmp_path):
-    from distributed import single, torchrun
+    from dist_helpers import single, torchrun
 
     args = ["generate", "ROMEO:", "--max-new-tokens", "40", "--temperature", "0.8", "--top-k", "20", "--seed", "7"]
     one = single(args)
@@ -289,7 +289,7 @@ def test_torchrun_generate_tp2_prints_once_the_tokens_of_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_train_and_perplexity(tmp_path):
-    from distributed import single, torchrun
+    from dist_helpers import single, torchrun
 
     out = str(tmp_path / "run")
     args = ["train", "--data", VERDICT, "--out", out, "--iters", "20", "--batch-size", "8", "--eval-interval",
@@ -319,3 +319,13 @@ def test_tp1_shard_is_the_model_itself_without_a_process_group():
         (a, pa), (b, pb) = full(idx), one(idx)
     torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
     torch.testing.assert_close(pb, pa, atol=1e-6, rtol=0)
+
+
+def test_ddp_global_batch_not_divisible_by_the_world_size_is_refused(tmp_path, monkeypatch):
+    from gpt2mha.train import TrainConfig, train
+
+    monkeypatch.setattr(parallel, "info", lambda: parallel.DistInfo(rank=0, world_size=3))
+    with pytest.raises(ValueError, match=r"batch_size=4 is not divisible by the world size 3"):
+        train(VERDICT, str(tmp_path / "run"), GPT2Config.from_preset("tiny"), TrainConfig(iters=2, batch_size=4),
+              progress=False)
+    assert not (tmp_path / "run").exists()                          # nothing written
