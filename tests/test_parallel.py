@@ -6,8 +6,6 @@ import copy
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
