@@ -86,6 +86,8 @@ class TextStream:
         self.stopped = False
 
     def push(self, ids) -> str:
+        if self.stopped:
+            return ""
         self.text += self.decoder.push(ids)
         return self._release(final=False)
 
