@@ -165,6 +165,20 @@ def test_scheduler_cancel_frees_the_slot_and_a_failing_sequence_fails_alone(buil
     assert sched.slots == [None] * 4 and sched.stats()["failed"] == 1 and sched.stats()["cancelled"] == 1
 
 
+def test_bpe_end_of_text_stops_with_finish_reason_stop(one_thread, monkeypatch):
+    """A GPT-2 BPE model stops a sequence at <|endoftext|> (50256): finish_reason 'stop', the
+    text is the tokens before it (reference: the tokenizer's decode), the slot is freed."""
+    tok = tokenizer_for(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1))
+    model = GPT2(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1)).eval()
+    script = tok.encode(" to be or not") + [tok.eot_token] + tok.encode(" never seen")
+    monkeypatch.setattr(Scheduler, "_sample", lambda self, seq, logits: script[len(seq.tokens)])
+    sched = Scheduler(model, tok, max_batch=2)
+    seq = sched.submit([tok.encode("Hello")], SamplingParams(max_tokens=12, temperature=1.0), lambda *a: None)[0]
+    sched.run_until_idle()
+    assert seq.finish_reason == "stop" and seq.text == " to be or not" and seq.tokens == script[:5]
+    assert sched.slots == [None, None]
+
+
 def test_scheduler_refuses_work_beyond_free_slots_plus_queue(builtin):
     model, tok = builtin
     sched = Scheduler(model, tok, max_batch=2, max_queue=1)
@@ -349,6 +363,11 @@ def test_queue_full_gets_429_with_retry_after_and_a_disconnect_frees_the_slot(sl
     wait_for(lambda: sched.stats()["running"] == 0)
     s = sched.stats()
     assert s["cancelled"] == 1 and s["free_slots"] == 1 and s["rejected"] == 2
+    # a plain (not streamed) request whose client gives up is cancelled as soon as it hangs up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 200}, timeout=0.5)
+    wait_for(lambda: sched.stats()["cancelled"] == 2, timeout=2.0)   # long before its 4 s of steps
+    assert sched.stats()["running"] == 0
 
 
 def test_an_exception_in_one_request_fails_only_that_request(server, builtin, monkeypatch):

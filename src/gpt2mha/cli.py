@@ -255,7 +255,10 @@ def _add_bench_command(sub) -> None:
 def cmd_serve(args) -> int:
     import logging
 
-    from .serve import serve
+    try:
+        from .serve import serve
+    except ImportError as e:
+        raise SystemExit(f"error: gpt2mha serve needs FastAPI and uvicorn ({e}): pip install 'gpt2mha[serve]'")
     from .tokenizer import tokenizer_for
     from . import DEFAULT_MODEL
 

@@ -211,6 +211,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
+        log.info("request - status=%d param=%s error=%s", exc.status, exc.param, exc.message)
         return exc.response()
 
     @app.get("/health")
