@@ -240,11 +240,13 @@ class Server:
     """``gpt2mha serve`` as a subprocess on a free port of 127.0.0.1; stopped with SIGTERM
     (checks that it exits 0)."""
 
-    def __init__(self, model: str | None, max_batch: int = 16, max_queue: int = 256, log_path: str | None = None):
+    def __init__(self, model: str | None, max_batch: int = 16, max_queue: int = 256, log_path: str | None = None,
+                 threads: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "gpt2mha.cli", "serve", "--port", str(self.port),
-               "--max-batch", str(max_batch), "--max-queue", str(max_queue)] + (["--model", model] if model else [])
+               "--max-batch", str(max_batch), "--max-queue", str(max_queue)] + (["--model", model] if model else []) + (
+                  ["--threads", str(threads)] if threads else [])
         self.log = open(log_path or os.devnull, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -294,6 +296,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-requests", type=int, default=32, help="throughput: requests per concurrency level")
     ap.add_argument("--bench-tokens", type=int, default=32, help="throughput: max_tokens of each request")
     ap.add_argument("--skip-124m", action="store_true", help="throughput on the built-in model only")
+    ap.add_argument("--threads", type=int, default=None, help="the servers' --threads (default: torch's choice)")
+    ap.add_argument("--skip-load", action="store_true", help="throughput and latency only")
     ap.add_argument("--quick", action="store_true", help="8 clients, 32 requests, built-in model only")
     args = ap.parse_args(argv)
     if args.quick:
@@ -302,21 +306,22 @@ def main(argv=None) -> int:
     from gpt2mha import GPT2, DEFAULT_MODEL
     from gpt2mha.tokenizer import tokenizer_for
 
-    print(f"load before: {uptime()}")
+    print(f"load before: {uptime()}; servers' --threads: {args.threads or 'default'}")
     failed = False
     model = GPT2.from_pretrained(DEFAULT_MODEL)
     tok = tokenizer_for(model.config)
-    server = Server(None, log_path=os.path.join(tempfile.gettempdir(), "gpt2mha-serve-load.log"))
+    server = Server(None, log_path=os.path.join(tempfile.gettempdir(), "gpt2mha-serve-load.log"), threads=args.threads)
     try:
-        res = load_test(server.url, model, tok, args.requests, args.clients)
-        print(f"\nload test ({DEFAULT_MODEL}): {res['requests']} requests from {res['clients']} clients "
+        res = {"problems": []} if args.skip_load else load_test(server.url, model, tok, args.requests, args.clients)
+        if not args.skip_load:
+            print(f"\nload test ({DEFAULT_MODEL}): {res['requests']} requests from {res['clients']} clients "
               f"({res['streamed']} streamed, {res['cancelled']} cancelled mid-way) in {res['wall']:.1f} s; "
-              f"{res['completed']} completed; at the end: running {res['health']['running']}, queued "
-              f"{res['health']['queued']}, free slots {res['health']['free_slots']}/{res['health']['slots']}")
-        for p in res["problems"][:20]:
-            print("  PROBLEM:", p)
-        print("  nothing lost, every text equal to offline generate" if not res["problems"]
-              else f"  {len(res['problems'])} problems")
+                  f"{res['completed']} completed; at the end: running {res['health']['running']}, queued "
+                  f"{res['health']['queued']}, free slots {res['health']['free_slots']}/{res['health']['slots']}")
+            for p in res["problems"][:20]:
+                print("  PROBLEM:", p)
+            print("  nothing lost, every text equal to offline generate" if not res["problems"]
+                  else f"  {len(res['problems'])} problems")
         failed |= bool(res["problems"])
         print_rows(DEFAULT_MODEL, throughput(server.url, args.bench_requests, args.bench_tokens))
     finally:
@@ -330,7 +335,8 @@ def main(argv=None) -> int:
             m.init_weights(seed=0)
             m.save_pretrained(d)
             del m
-            server = Server(d, log_path=os.path.join(tempfile.gettempdir(), "gpt2mha-serve-124m.log"))
+            server = Server(d, log_path=os.path.join(tempfile.gettempdir(), "gpt2mha-serve-124m.log"),
+                            threads=args.threads)
             try:
                 print_rows("random GPT-2 124M", throughput(server.url, args.bench_requests, args.bench_tokens))
             finally:

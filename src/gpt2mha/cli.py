@@ -266,6 +266,11 @@ def cmd_serve(args) -> int:
         value = getattr(args, name)
         if value < (1 if name == "max_batch" else 0):
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= {1 if name == 'max_batch' else 0}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads={args.threads} must be >= 1")
+        import torch
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     model = load_model(args.model, args.dtype)
     serve(model, tokenizer_for(model.config), args.model or DEFAULT_MODEL, host=args.host, port=args.port,
@@ -288,6 +293,9 @@ def _add_serve_command(sub) -> None:
     s.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (cache slots)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="sequences that may wait for a slot; beyond it requests get HTTP 429")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch's intra-op threads for the model (default: torch's choice, one per core); on a "
+                        "machine shared with other work, fewer threads than cores avoid oversubscription")
     s.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
     s.set_defaults(func=cmd_serve)

@@ -383,6 +383,8 @@ class Scheduler:
         with self._cv:
             self.counts["tokens"] += 1
             self._recent.append((now, 1))
+            while self._recent[0][0] < now - 10.0:     # keep the last 10 s only
+                self._recent.popleft()
         if self.eot is not None and token == self.eot:
             return self._finish(seq, "stop")
         delta = seq.stream.push([token])
