@@ -119,8 +119,35 @@ def test_hub_id_uses_huggingface_cache_offline(hf_checkpoint, tmp_path, monkeypa
     idx = torch.randint(0, 300, (1, 6))
     model = load_pretrained("someone/tiny-gpt2")
     torch.testing.assert_close(logits_of(model, idx), logits_of(hf, idx), atol=1e-4, rtol=1e-4)
-    with pytest.raises(CheckpointError, match="Offline\\? Copy the model directory"):
+    with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE is set and it is not in the local cache"):
         load_pretrained("someone/not-cached")
+
+
+def test_no_network_reads_only_the_cache_at_once(hf_checkpoint, tmp_path, monkeypatch):
+    """Without HF_HUB_OFFLINE and without a network, huggingface_hub used to retry for ~25 s;
+    one failed TCP probe now sends every download to the local cache (local_files_only)."""
+    import socket
+
+    import huggingface_hub
+    import huggingface_hub.constants as c
+
+    def no_network(*args, **kwargs):
+        raise OSError("network is unreachable (test)")
+
+    asked = []
+    real = huggingface_hub.hf_hub_download
+
+    def recording(repo_id, filename, **kwargs):
+        asked.append(kwargs.get("local_files_only"))
+        return real(repo_id, filename, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", recording)
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(CheckpointError, match=r"cannot be reached and it is not in the local cache.*HF_HUB_OFFLINE=1"):
+        load_pretrained("someone/not-cached")
+    assert asked == [True]
 
 
 def test_save_refuses_foreign_nonempty_directory(tmp_path):
@@ -205,3 +232,65 @@ def test_a_typo_of_a_builtin_name_is_named_without_asking_the_hub(monkeypatch):
             load_pretrained(typo)
     with pytest.raises(AssertionError, match="the hub was asked for 'gpt2'"):
         load_pretrained("gpt2")                                 # a real hub id still goes to the hub
+
+
+# ------------------------------------------------------------- issue 12: the LM head, fp16 saves
+def test_untied_lm_head_in_a_tied_config_loads_as_transformers_does(hf_checkpoint, tmp_path):
+    # transformers keeps an lm_head.weight that differs from wte.weight (it unties them, with a
+    # warning); dropping it gave logits ~11 away. Reference: GPT2LMHeadModel on the same file.
+    from transformers import GPT2LMHeadModel
+    _, path = hf_checkpoint
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    sd["lm_head.weight"] = torch.randn(300, 48, generator=torch.Generator().manual_seed(3))
+    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    idx = torch.randint(0, 300, (2, 7))
+    ref = logits_of(GPT2LMHeadModel.from_pretrained(path).eval(), idx)
+    with pytest.warns(UserWarning, match="lm_head.weight differs from wte.weight"):
+        model = GPT2.from_pretrained(path)
+    assert model.config.tie_word_embeddings is False
+    torch.testing.assert_close(logits_of(model, idx), ref, atol=1e-4, rtol=1e-4)
+    # and it round-trips: saved with tie_word_embeddings false and lm_head.weight, loaded by both
+    model.save_pretrained(str(tmp_path / "untied"))
+    assert json.load(open(tmp_path / "untied" / "config.json"))["tie_word_embeddings"] is False
+    assert "lm_head.weight" in load_file(str(tmp_path / "untied" / "model.safetensors"))
+    torch.testing.assert_close(logits_of(GPT2.from_pretrained(str(tmp_path / "untied")), idx), ref, atol=1e-4, rtol=1e-4)
+    hf2 = GPT2LMHeadModel.from_pretrained(str(tmp_path / "untied")).eval()
+    torch.testing.assert_close(logits_of(hf2, idx), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_untied_config_without_lm_head_is_a_named_error(hf_checkpoint):
+    _, path = hf_checkpoint
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["tie_word_embeddings"] = False
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match=r"missing tensor lm_head.weight"):
+        GPT2.from_pretrained(path)
+
+
+def test_tied_weight_stored_only_as_lm_head_loads(hf_checkpoint, tmp_path):
+    # safetensors.torch.save_model keeps one name per shared tensor (here lm_head.weight);
+    # transformers loads such a file (checked here as the reference).
+    from safetensors.torch import save_model
+    from transformers import GPT2LMHeadModel
+    hf, path = hf_checkpoint
+    save_model(hf, os.path.join(path, "model.safetensors"))
+    keys = load_file(os.path.join(path, "model.safetensors")).keys()
+    assert "lm_head.weight" in keys and "transformer.wte.weight" not in keys
+    idx = torch.randint(0, 300, (1, 6))
+    ref = logits_of(GPT2LMHeadModel.from_pretrained(path).eval(), idx)
+    torch.testing.assert_close(logits_of(hf, idx), ref)
+    model = GPT2.from_pretrained(path)
+    assert model.config.tie_word_embeddings is True
+    torch.testing.assert_close(logits_of(model, idx), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_float16_save_of_a_weight_beyond_its_range_writes_nothing(tmp_path):
+    model = GPT2(GPT2Config.from_preset("tiny"))
+    with torch.no_grad():
+        model.h[0].mlp.c_fc.weight[0, 0] = 1e5                 # > float16's max 65504
+    d = tmp_path / "fp16"
+    with pytest.raises(ValueError, match=r"h.0.mlp.c_fc.weight.*inf"):
+        model.save_pretrained(str(d), dtype=torch.float16)
+    assert not d.exists()
+    model.save_pretrained(str(d), dtype=torch.bfloat16)          # bf16 holds it: saves and loads
+    assert GPT2.from_pretrained(str(d)).h[0].mlp.c_fc.weight[0, 0].item() == torch.tensor(1e5).bfloat16().item()

@@ -4,18 +4,23 @@ A checkpoint directory holds ``config.json`` (transformers' ``GPT2Config`` keys)
 ``model.safetensors`` (or a legacy ``pytorch_model.bin``, read only with
 ``torch.load(weights_only=True)``). Keys may be spelled ``h.0.…`` (OpenAI's conversion) or
 ``transformer.h.0.…`` (``GPT2LMHeadModel``); the legacy buffers ``attn.bias`` /
-``attn.masked_bias`` are ignored and the LM head is tied to ``wte``. Every tensor is checked
-(names, shapes, dtype, finiteness) before anything is copied, so a bad file never leaves a
-half-loaded model.
+``attn.masked_bias`` are ignored. The LM head follows transformers: tied to ``wte`` unless
+``tie_word_embeddings`` is false or the file holds an ``lm_head.weight`` that differs from
+``wte.weight`` (then a separate head, with a warning); a tied weight stored only as
+``lm_head.weight`` (what ``safetensors.torch.save_model`` writes) is read as ``wte.weight``.
+Every tensor is checked (names, shapes, dtype, finiteness) before anything is copied, so a bad
+file never leaves a half-loaded model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
 import pickle
 import tempfile
+import warnings
 
 import torch
 
@@ -60,8 +65,9 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> GPT2Config:
         raise CheckpointError(f"{source}: n_inner={cfg['n_inner']}; GPT-2's MLP is 4·n_embd={4 * cfg['n_embd']}")
     if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("scale_attn_weights") is False:
         raise CheckpointError(f"{source}: attention scaling options differ from GPT-2's 1/sqrt(head_dim)")
-    if cfg.get("tie_word_embeddings") is False:
-        raise CheckpointError(f"{source}: tie_word_embeddings=false; GPT-2's LM head is tied to wte")
+    tie = cfg.get("tie_word_embeddings", True)
+    if not isinstance(tie, bool):
+        raise CheckpointError(f"{source}: tie_word_embeddings={tie!r} must be true or false")
     extra = cfg.get("gpt2mha", {})
     if not isinstance(extra, dict):
         raise CheckpointError(f"{source}: 'gpt2mha' must be an object, got {extra!r}")
@@ -74,7 +80,7 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> GPT2Config:
         return GPT2Config(
             n_vocab=cfg["vocab_size"], n_ctx=cfg["n_positions"], n_embd=cfg["n_embd"], n_head=cfg["n_head"],
             n_layer=cfg["n_layer"], tokenizer=extra.get("tokenizer", "bytes" if cfg["vocab_size"] == 256 else "gpt2"),
-            **values)
+            tie_word_embeddings=tie, **values)
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
 
@@ -88,7 +94,7 @@ def config_to_hf(config: GPT2Config) -> dict:
         "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
         "activation_function": "gelu_new", "layer_norm_epsilon": config.layer_norm_epsilon,
         "embd_pdrop": config.embd_pdrop, "attn_pdrop": config.attn_pdrop, "resid_pdrop": config.resid_pdrop,
-        "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
+        "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": eot, "eos_token_id": eot, "use_cache": True,
         "gpt2mha": {"tokenizer": config.tokenizer},
     }
@@ -121,7 +127,8 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
 
 
 def normalize_keys(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[str, torch.Tensor]:
-    """Drop the ``transformer.`` prefix, the legacy attention buffers and a tied ``lm_head.weight``.
+    """Drop the ``transformer.`` prefix and the legacy attention buffers (``lm_head.weight`` is
+    kept: :func:`resolve_lm_head` decides what it is).
 
     Raises:
         CheckpointError: a tensor present under both spellings.
@@ -129,13 +136,45 @@ def normalize_keys(sd: dict[str, torch.Tensor], source: str = "state dict") -> d
     out = {}
     for key, t in sd.items():
         short = key.removeprefix("transformer.")
-        if short.endswith(IGNORED_SUFFIXES) or short == "lm_head.weight":
+        if short.endswith(IGNORED_SUFFIXES):
             continue
         if short in out:
             raise CheckpointError(f"{source}: tensor {short} appears twice (as {short} and transformer.{short}); "
                                   f"refusing to guess which one is meant")
         out[short] = t
     return out
+
+
+def resolve_lm_head(sd: dict[str, torch.Tensor], config: GPT2Config,
+                    source: str = "state dict") -> tuple[dict[str, torch.Tensor], GPT2Config]:
+    """Decide what a checkpoint's ``lm_head.weight [n_vocab, n_embd]`` is, as transformers does.
+
+    - tied config, ``lm_head.weight`` only: it is the tied weight, read as ``wte.weight``
+      (``safetensors.torch.save_model`` keeps one name per shared tensor);
+    - tied config, both present and equal: the head copy is dropped;
+    - tied config, both present and different: the model is untied
+      (``tie_word_embeddings=False``, with a warning), so no tensor is ever dropped;
+    - untied config: both are kept (a missing one is reported by :func:`check_state_dict`).
+
+    Returns:
+        ``(state dict, config)``, the config untied where needed.
+    """
+    if "lm_head.weight" not in sd or not config.tie_word_embeddings:
+        return sd, config
+    sd = dict(sd)
+    head = sd.pop("lm_head.weight")
+    if "wte.weight" not in sd:
+        sd["wte.weight"] = head
+        return sd, config
+    wte = sd["wte.weight"]
+    if head.shape == wte.shape and torch.equal(head, wte):
+        return sd, config
+    diff = (head.float() - wte.float()).abs().max().item() if head.shape == wte.shape else "shapes differ"
+    warnings.warn(f"{source}: lm_head.weight differs from wte.weight (max abs difference {diff}) although the "
+                  f"config ties them; loading a separate LM head (tie_word_embeddings=False), as transformers does",
+                  stacklevel=3)
+    sd["lm_head.weight"] = head
+    return sd, dataclasses.replace(config, tie_word_embeddings=False)
 
 
 def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> None:
@@ -146,6 +185,7 @@ def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> N
             shapes), a non-floating dtype, or a tensor holding NaN/inf (with its name).
     """
     expected = model.state_dict()
+    summary = config_mismatch(model.config, sd)
     problems = [f"missing tensor {k} {list(v.shape)}" for k, v in expected.items() if k not in sd]
     problems += [f"unexpected tensor {k} {list(v.shape)}" for k, v in sd.items() if k not in expected]
     for k, t in sd.items():
@@ -158,7 +198,46 @@ def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> N
         elif not torch.isfinite(t).all():
             problems.append(f"{k}: contains NaN or inf values")
     if problems:
-        raise CheckpointError(f"{source}: cannot load:\n  " + "\n  ".join(problems))
+        head = f"{source}: cannot load" + (f": {summary}" if summary else "")
+        if len(problems) > 12:
+            problems = problems[:10] + [f"... and {len(problems) - 10} more"]
+        raise CheckpointError(head + ":\n  " + "\n  ".join(problems))
+
+
+def config_mismatch(config: GPT2Config, sd: dict[str, torch.Tensor]) -> str:
+    """One line saying which config sizes the weights contradict, e.g. ``config.json says
+    n_embd=64 but the weights have n_embd=48 (wte.weight [300, 48])``; "" when none do."""
+    said = []
+    wte, wpe = sd.get("wte.weight"), sd.get("wpe.weight")
+    if wte is not None and wte.dim() == 2:
+        for name, want, have in (("n_vocab", config.n_vocab, wte.shape[0]), ("n_embd", config.n_embd, wte.shape[1])):
+            if want != have:
+                said.append(f"{name}={want} but the weights have {name}={have} (wte.weight {list(wte.shape)})")
+    if wpe is not None and wpe.dim() == 2 and wpe.shape[0] != config.n_ctx:
+        said.append(f"n_ctx={config.n_ctx} but the weights have n_ctx={wpe.shape[0]} (wpe.weight {list(wpe.shape)})")
+    layers = {int(k.split(".")[1]) for k in sd if k.startswith("h.") and k.split(".")[1].isdigit()}
+    if layers and max(layers) + 1 != config.n_layer:
+        said.append(f"n_layer={config.n_layer} but the weights have {max(layers) + 1} blocks (h.0 … h.{max(layers)})")
+    return ("config.json says " + "; ".join(said)) if said else ""
+
+
+#: dtype names accepted wherever a dtype is given as text (API and CLI).
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def as_dtype(dtype) -> torch.dtype:
+    """A floating torch dtype from a dtype or one of :data:`DTYPE_NAMES` (``"bf16"``, …).
+
+    Raises:
+        ValueError: naming the value and the accepted names.
+    """
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.removeprefix("torch.")]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ValueError(f"dtype={dtype!r}; expected a floating torch dtype or one of {sorted(DTYPE_NAMES)}")
 
 
 # ---------------------------------------------------------------------------------- resolve
@@ -188,27 +267,54 @@ def resolve(name_or_dir: str) -> str:
     return download(name_or_dir)
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub's host (``HF_ENDPOINT``, default huggingface.co)
+    opens within ``timeout`` seconds: one quick probe instead of huggingface_hub's ~25 s of
+    retries when there is no network."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def download(repo_id: str) -> str:
     """Fetch ``config.json`` and the weights of a hub repo (cached by huggingface_hub, with a
     progress bar) and return the local snapshot directory.
 
+    With ``HF_HUB_OFFLINE=1``, or when the hub cannot be reached (:func:`hub_reachable`), only
+    huggingface_hub's local cache is read, at once.
+
     Raises:
-        CheckpointError: the download fails (offline, unknown repo), with how to use a local copy.
+        CheckpointError: the download fails (offline and not cached, unknown repo), with how to
+            use a local copy.
     """
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
+    offline = bool(constants.HF_HUB_OFFLINE)
+    local_only = offline or not hub_reachable()
     try:
-        config_path = hf_hub_download(repo_id, CONFIG_NAME)
+        config_path = hf_hub_download(repo_id, CONFIG_NAME, local_files_only=local_only)
         try:
-            hf_hub_download(repo_id, WEIGHTS_NAME)
+            hf_hub_download(repo_id, WEIGHTS_NAME, local_files_only=local_only)
         except EntryNotFoundError:
-            hf_hub_download(repo_id, LEGACY_WEIGHTS_NAME)
+            hf_hub_download(repo_id, LEGACY_WEIGHTS_NAME, local_files_only=local_only)
     except Exception as e:
+        why = ("HF_HUB_OFFLINE is set and it is not in the local cache" if offline else
+               f"the hub ({constants.ENDPOINT}) cannot be reached and it is not in the local cache" if local_only else
+               f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         raise CheckpointError(
-            f"could not get {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
-            f"Offline? Copy the model directory (config.json + model.safetensors) to this machine and pass its path, "
-            f"e.g. --model /path/to/{repo_id.split('/')[-1]}, or set HF_HOME to a cache that holds it.") from None
+            f"could not get {repo_id!r} from the Hugging Face hub ({why}). "
+            f"Copy the model directory (config.json + model.safetensors) to this machine and pass its path, "
+            f"e.g. --model /path/to/{repo_id.split('/')[-1]}, or set HF_HOME to a cache that holds it "
+            f"(HF_HUB_OFFLINE=1 reads only that cache, without trying the network).") from None
     return os.path.dirname(config_path)
 
 
@@ -217,7 +323,8 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
 
     Args:
         name_or_dir: e.g. ``"shakespeare-byte"``, ``"./my-gpt2"``, ``"openai-community/gpt2"``.
-        dtype: parameter dtype of the returned model (float32 by default).
+        dtype: parameter dtype of the returned model (float32 by default): a torch dtype or a
+            name such as ``"bf16"`` (:func:`as_dtype`).
 
     Returns:
         The model in eval mode.
@@ -226,6 +333,7 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         CheckpointError: see :func:`resolve`, :func:`config_from_hf`, :func:`read_state_dict`,
             :func:`check_state_dict`.
     """
+    dtype = as_dtype(dtype)
     directory = resolve(name_or_dir)
     config_path = os.path.join(directory, CONFIG_NAME)
     try:
@@ -245,6 +353,7 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {LEGACY_WEIGHTS_NAME}) next to {CONFIG_NAME}"
                               + ("; sharded checkpoints are not supported: re-save as one file" if sharded else ""))
     sd = normalize_keys(read_state_dict(weights_path), weights_path)
+    sd, config = resolve_lm_head(sd, config, weights_path)
     with torch.device("meta"):
         model = model_cls(config)
     check_state_dict(model, sd, weights_path)
@@ -269,8 +378,9 @@ def is_checkpoint_dir(directory: str) -> bool:
 
 def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
                     dtype: torch.dtype = torch.float32) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (``transformer.``-prefixed keys, the head
-    tied) that ``GPT2LMHeadModel.from_pretrained`` loads with the same logits.
+    """Write ``config.json`` and ``model.safetensors`` (``transformer.``-prefixed keys; the head
+    tied, or ``lm_head.weight`` with ``tie_word_embeddings: false`` for an untied model) that
+    ``GPT2LMHeadModel.from_pretrained`` loads with the same logits.
 
     ``dtype`` is the storage dtype of the weights (float32 by default; float16 halves the file,
     as for the built-in model); loading converts back to the dtype asked for.
@@ -281,16 +391,24 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
     Raises:
         FileExistsError: ``directory`` is non-empty and not a gpt2mha checkpoint, unless
             ``overwrite=True`` (nothing a user has is overwritten without asking).
+        ValueError: ``dtype`` is not floating point, or a weight does not fit in it (e.g. a
+            value beyond float16's ±65504 would be stored as inf); nothing is written then.
     """
     from safetensors.torch import save_file
 
     if os.path.isdir(directory) and os.listdir(directory) and not (overwrite or is_checkpoint_dir(directory)):
         raise FileExistsError(f"{directory} is not empty and is not a gpt2mha checkpoint; refusing to write into it "
                               f"(choose another directory or pass overwrite=True)")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} must be a floating-point torch dtype")
+    tensors = {k if k == "lm_head.weight" else f"transformer.{k}": v.detach().to(dtype).contiguous()
+               for k, v in model.state_dict().items()}
+    overflow = [k for k, v in model.state_dict().items()
+                if v.is_floating_point() and bool(torch.isfinite(v).all()) and not bool(torch.isfinite(v.to(dtype)).all())]
+    if overflow:
+        raise ValueError(f"dtype={dtype} cannot hold the values of {', '.join(overflow)} (they would be stored as inf); "
+                         f"save in float32 or bfloat16. Nothing was written.")
     os.makedirs(directory, exist_ok=True)
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype} must be a floating-point dtype")
-    tensors = {f"transformer.{k}": v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     text = json.dumps(config_to_hf(model.config), indent=2) + "\n"
     _atomic_write(directory, CONFIG_NAME, lambda p: _write_text(p, text))

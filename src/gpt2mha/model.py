@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .attention import (ATTN_IMPLS, CausalSelfAttention, Conv1D, Snapshot, combine_masks, current_copy, stamp,
-                        transposed_copy)
+from .attention import (ATTN_IMPLS, CausalSelfAttention, Conv1D, Snapshot, as_bool_mask, combine_masks, current_copy,
+                        stamp, transposed_copy)
 from .attention import attention_mask as causal_mask
 from .kv_cache import KVCache
 
@@ -49,6 +49,9 @@ class GPT2Config:
         embd_pdrop, attn_pdrop, resid_pdrop: dropout probabilities in [0, 1) (training only).
         layer_norm_epsilon: LayerNorm epsilon (1e-5 in GPT-2).
         tokenizer: ``"gpt2"`` (BPE) or ``"bytes"``; which tokenizer the weights expect.
+        tie_word_embeddings: the LM head is ``wte`` itself (GPT-2). False gives the model a
+            separate ``lm_head.weight [n_vocab, n_embd]``, as transformers'
+            ``tie_word_embeddings=false`` (fine-tunes that untied it).
 
     Raises:
         ValueError: on non-positive sizes, n_embd not divisible by n_head, dropout outside
@@ -65,6 +68,7 @@ class GPT2Config:
     resid_pdrop: float = 0.0
     layer_norm_epsilon: float = 1e-5
     tokenizer: str = "gpt2"
+    tie_word_embeddings: bool = True
 
     def __post_init__(self):
         for name in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer"):
@@ -81,6 +85,8 @@ class GPT2Config:
             raise ValueError(f"layer_norm_epsilon={self.layer_norm_epsilon} must be positive")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer={self.tokenizer!r}; expected one of {TOKENIZERS}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"tie_word_embeddings={self.tie_word_embeddings!r} must be True or False")
 
     @property
     def head_dim(self) -> int:
@@ -186,7 +192,8 @@ class GPT2(nn.Module):
     """GPT-2 language model (``GPT2LMHeadModel``-compatible weights and outputs).
 
     Modules: ``wte [n_vocab, n_embd]``, ``wpe [n_ctx, n_embd]``, ``h`` (n_layer :class:`Block`),
-    ``ln_f``; the LM head is tied to ``wte``.
+    ``ln_f``; the LM head is tied to ``wte`` (GPT-2), or with ``config.tie_word_embeddings=False``
+    a separate ``lm_head.weight [n_vocab, n_embd]`` (:meth:`output_weight` returns whichever).
 
     Args:
         config: a :class:`GPT2Config`.
@@ -199,7 +206,14 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_ctx, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.n_embd, config.n_vocab, bias=False)   # weight [n_vocab, n_embd]
         self.init_weights()
+
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's weight ``[n_vocab, n_embd]``: ``wte.weight`` when tied (GPT-2), else
+        ``lm_head.weight``. Logits are ``ln_f(x) @ output_weight()ᵀ``."""
+        return self.wte.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def init_weights(self, seed: int | None = None) -> None:
         """GPT-2 initialisation: normal(0, 0.02) weights (wpe 0.01), zero biases, unit LayerNorm,
@@ -230,14 +244,22 @@ class GPT2(nn.Module):
             block.attn.attn_impl = value
 
     def num_parameters(self) -> int:
-        """Number of parameters (wte counted once; the head is tied)."""
+        """Number of parameters (wte counted once when the head is tied to it)."""
         return sum(p.numel() for p in self.parameters())
 
     # ----------------------------------------------------------------------------- checks
     def _check_inputs(self, idx, past_len, attention_mask, position_ids):
-        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
-            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
-            raise ValueError(f"idx must be an integer tensor [B, T]; got {shape}")
+        if not isinstance(idx, torch.Tensor):
+            raise ValueError(f"idx must be a tensor of token ids [B, T] (int64); got {type(idx).__name__}"
+                             + ("; encode text first, e.g. get_tokenizer(model.config.tokenizer).encode(text)"
+                                if isinstance(idx, str) else ""))
+        if idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"idx must hold token ids as int64 (or int32); got dtype {idx.dtype}"
+                             + (" (uint8 reads as bytes 0-255 but is not accepted as ids: use idx.long())"
+                                if idx.dtype == torch.uint8 else ""))
+        if idx.dim() != 2:
+            raise ValueError(f"idx has shape {tuple(idx.shape)}; expected [B, T]"
+                             + (" (one sequence: idx[None])" if idx.dim() == 1 else ""))
         B, T = idx.shape
         if T == 0 or B == 0:
             raise ValueError(f"idx has shape {(B, T)}; need at least one sequence and one token")
@@ -250,8 +272,8 @@ class GPT2(nn.Module):
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past_len + T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, past + T="
                              f"{past_len + T}] covering the {past_len} cached and {T} new tokens")
-        if attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError("attention_mask must hold only 0 (pad) and 1 (real token) values")
+        if attention_mask is not None:
+            as_bool_mask(attention_mask, "attention_mask")     # bool or 0/1 values, as every mask
         if position_ids is not None and tuple(position_ids.shape) not in ((B, T), (1, T), (T,)):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [B={B}, T={T}]")
         if position_ids is not None and (int(position_ids.min()) < 0 or int(position_ids.max()) >= self.config.n_ctx):
@@ -259,6 +281,9 @@ class GPT2(nn.Module):
 
     def _check_past(self, past, B):
         c = self.config
+        if not isinstance(past, torch.Tensor) or not past.is_floating_point():
+            raise ValueError(f"past must be a floating-point tensor [B, n_layer, 2, n_head, P, head_dim]; got "
+                             f"{past.dtype if isinstance(past, torch.Tensor) else type(past).__name__}")
         expected = (B, c.n_layer, 2, c.n_head, None, c.head_dim)
         names = ("batch", "n_layer", "2 (k, v)", "n_head", "P", "head_dim")
         if past.dim() != 6:
@@ -285,14 +310,15 @@ class GPT2(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """``ln_f`` then the tied LM head: ``[B, T, n_embd]`` → logits ``[B, T, n_vocab]``, float32.
 
-        ``F.linear(ln_f(x), wte.weight)`` computed in float32 whatever the model's dtype (see
-        :func:`logits_dtype`: bf16/fp16 logits are not rounded to the model's precision; under
-        ``torch.autocast`` the autocast dtype wins). Inside :meth:`decoding`, when no gradient
-        for wte is wanted, it reads the float32 ``[n_embd, n_vocab]`` copy of wte taken on entry
-        (same numbers, faster for a few rows on CPU, no upcast per step).
+        ``F.linear(ln_f(x), W)`` with ``W = output_weight()`` (wte when tied) computed in float32
+        whatever the model's dtype (see :func:`logits_dtype`: bf16/fp16 logits are not rounded to
+        the model's precision; under ``torch.autocast`` the autocast dtype wins). Inside
+        :meth:`decoding`, when no gradient for W is wanted, it reads the float32
+        ``[n_embd, n_vocab]`` copy of W taken on entry (same numbers, faster for a few rows on
+        CPU, no upcast per step).
         """
         x = self.ln_f(x)
-        w = self.wte.weight
+        w = self.output_weight()
         head_t = current_copy(self._lm_head, w)                # decoding()'s copy, if still of this wte
         if head_t is not None and not (torch.is_grad_enabled() and w.requires_grad):
             return x.to(head_t.dtype) @ head_t                  # [B, T, n_embd] @ [n_embd, n_vocab]
@@ -310,11 +336,11 @@ class GPT2(nn.Module):
     _decoding: bool = False
 
     def lm_head_weight(self) -> torch.Tensor:
-        """A new ``[n_embd, n_vocab]`` copy of ``wte.weight`` in the logits' dtype (no grad):
+        """A new ``[n_embd, n_vocab]`` copy of :meth:`output_weight` in the logits' dtype (no grad):
         contiguous on CPU (``x @ W`` streams it fastest there, built by
         :func:`~gpt2mha.attention.transposed_copy`), a transposed view elsewhere.
         """
-        w = self.wte.weight.detach()
+        w = self.output_weight().detach()
         acc = logits_dtype(w.dtype)
         if w.device.type != "cpu":
             return w.to(acc).t()
@@ -352,7 +378,7 @@ class GPT2(nn.Module):
         if self._decoding:                                      # nested: reuse the outer copies
             yield self
             return
-        w = self.wte.weight
+        w = self.output_weight()
         convs = []
         self._decoding = True
         try:
@@ -381,7 +407,8 @@ class GPT2(nn.Module):
             attention_mask: ``[B, P + T]`` of 1 (real) / 0 (pad), covering cached and new
                 tokens; when given without ``position_ids`` positions follow the mask.
             position_ids: ``[B, T]`` explicit positions.
-            cache: a :class:`KVCache` to read and write in place instead of ``past``.
+            cache: a :class:`KVCache` to read and write in place instead of ``past``; checked
+                against the model and idx first (:meth:`KVCache.check`).
             last_only: compute logits for the last position only (decode).
 
         Returns:
@@ -391,7 +418,8 @@ class GPT2(nn.Module):
 
         Raises:
             ValueError: bad idx (rank, dtype, ids outside the vocab, longer than n_ctx with
-                the past), a past of the wrong shape, or a mask of the wrong length.
+                the past), a past of the wrong shape or not floating point, a cache that does
+                not fit, or a mask of the wrong length or with values other than 0/1.
         """
         B = idx.shape[0] if isinstance(idx, torch.Tensor) and idx.dim() == 2 else None
         if past is not None and cache is not None:
@@ -401,6 +429,8 @@ class GPT2(nn.Module):
         past_len = cache.length if cache is not None else (past.shape[4] if past is not None else 0)
         self._check_inputs(idx, past_len, attention_mask, position_ids)
         if cache is not None:
+            c, p = self.config, self.wte.weight
+            cache.check(idx.shape[0], idx.shape[1], c.n_layer, c.n_head, c.head_dim, p.dtype, p.device)
             return GPT2Output(self.step(idx, cache, attention_mask, position_ids, last_only=last_only), None)
         T = idx.shape[1]
         x = self.embed(idx, past_len, attention_mask, position_ids)
