@@ -166,8 +166,27 @@ def wait_idle(base_url: str, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-def check_load(results: list[dict], expected: list[str | None], health: dict) -> list[str]:
-    """Problems found (empty: nothing lost, everything correct, all slots free)."""
+def near_tie(model, tokenizer, prompt: str, got: str, exp: str, tol: float = 1e-4) -> bool:
+    """Whether a greedy text parts from offline generate's only at a near-tie: at the first
+    differing token both tokens' logits (the model alone, uncached) are within ``tol`` of the
+    maximum, where a batch's summation order may round differently from a batch of one."""
+    import torch
+
+    a, b = tokenizer.encode(prompt + exp), tokenizer.encode(prompt + got)
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if j is None or j < len(tokenizer.encode(prompt)):
+        return False
+    with torch.no_grad():
+        logits = model(torch.tensor([a[:j]])).logits[0, -1].double()
+    best = logits.max()
+    return max((best - logits[a[j]]).item(), (best - logits[b[j]]).item()) <= tol * max(1.0, best.abs().item())
+
+
+def check_load(results: list[dict], expected: list[str | None], health: dict, reqs=None, model=None,
+               tokenizer=None) -> list[str]:
+    """Problems found (empty: nothing lost, everything correct, all slots free). With ``reqs``,
+    ``model`` and ``tokenizer``, a greedy text that parts from offline generate only at a
+    near-tie (:func:`near_tie`) is not a problem."""
     problems = []
     for i, (res, exp) in enumerate(zip(results, expected)):
         if res is None:
@@ -178,7 +197,9 @@ def check_load(results: list[dict], expected: list[str | None], health: dict) ->
             problems.append(f"request {i}: HTTP {res['status']} {res.get('body')}")
         elif res["finish_reason"] not in ("length", "stop"):
             problems.append(f"request {i}: finish_reason {res['finish_reason']!r}")
-        elif exp is not None and res["text"] != exp:
+        elif exp is not None and res["text"] != exp and not (
+                model is not None and reqs[i].get("temperature") == 0
+                and near_tie(model, tokenizer, reqs[i]["prompt"], res["text"], exp)):
             problems.append(f"request {i}: text {res['text']!r} != offline generate {exp!r}")
     if health["running"] or health["queued"] or health["free_slots"] != health["slots"]:
         problems.append(f"not idle at the end: {health}")
@@ -193,7 +214,7 @@ def load_test(base_url: str, model, tokenizer, n_requests: int, clients: int, se
     before = httpx.get(base_url + "/health").json()
     results, wall = asyncio.run(run_clients(base_url, reqs, clients))
     health = wait_idle(base_url)
-    problems = check_load(results, expected, health)
+    problems = check_load(results, expected, health, reqs, model, tokenizer)
     cancelled = sum(bool(r and r.get("cancelled")) for r in results)
     finished = health["completed"] + health["cancelled"] + health["failed"] - (
         before["completed"] + before["cancelled"] + before["failed"])

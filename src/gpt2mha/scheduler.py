@@ -14,7 +14,8 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
 A sequence's tokens are the ones ``generate`` gives for its prompt alone: each row attends to
 exactly its own keys, and its row of logits is sampled with :func:`~gpt2mha.generate.sample_next`
 and a generator seeded with its seed (one draw per token, the first from the prefill), as the
-offline loop does for one prompt. Batched matrix products may round differently from a batch
+offline loop does for one prompt (prompt i of a list: ``row_seed(seed, i)``, as row i of a
+batch there). Batched matrix products may round differently from a batch
 of one (~1e-6 in the logits), so a near-tie between the top two logits could in principle
 break differently; the tests compare whole texts on the built-in model.
 
@@ -34,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from .generate import check_sampling, sample_next
+from .generate import check_sampling, row_seed, sample_next
 from .kv_cache import KVCache, SlotCache
 from .tokenizer import StreamDecoder
 
@@ -56,7 +57,8 @@ class SamplingParams:
     Attributes:
         max_tokens: tokens to generate at most (>= 0).
         temperature, top_k, top_p: as :func:`~gpt2mha.generate.sample_next` (temperature 0: greedy).
-        seed: seeds the sequence's own ``torch.Generator`` (None: a random seed).
+        seed: seeds the sequence's own ``torch.Generator`` (None: a random seed); prompt i of a
+            request uses ``row_seed(seed, i)``, as row i of a batch in ``generate`` (prompt 0: seed).
         stop: strings that end the text (cut before the first one; finish_reason ``"stop"``).
     """
 
@@ -327,7 +329,7 @@ class Scheduler:
         seq.t_admit = time.monotonic()
         p = seq.params
         try:
-            seed = p.seed if p.seed is not None else secrets.randbits(63)
+            seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
             seq.stream = TextStream(self.tokenizer, p.stop)
             if p.max_tokens == 0:

@@ -6,7 +6,8 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
   ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``
   (server-sent events ending in ``data: [DONE]``), ``stream_options.include_usage``, and
   ``top_k`` as an extension. With ``temperature: 0`` or a ``seed``, each choice's text equals
-  ``gpt2mha generate PROMPT --temperature … --seed …`` for that prompt alone.
+  offline ``generate`` with the same arguments (``gpt2mha generate PROMPT --temperature …
+  --seed …`` for one prompt; for a list, row i of ``generate(prompts, seed=…)``).
 - ``GET /v1/models``, ``GET /health`` (running/queued counts, slots, tokens/s).
 
 Bad requests get HTTP 400 with OpenAI's error object ``{"error": {"message", "type", "param",
