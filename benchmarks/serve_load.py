@@ -13,6 +13,8 @@ Two parts, each against a real server started as a subprocess (``gpt2mha serve -
    requests sent one at a time and by 4 and 16 concurrent clients; prints tokens/s (completion
    tokens / wall time), the ratio to one-at-a-time (target >= 4x at 16 clients), and p50/p95
    time to first token and per-token latency (time between first and last chunk / (tokens-1)).
+   Then the scheduler alone in this process (no HTTP): decode-step time with 1, 4 and 16 rows,
+   the bound the server's figures approach.
 
 The figures depend on the machine and on what else runs on it: the script prints ``uptime``'s
 load average before and after. ``--quick`` runs a small version (used in CI through
@@ -251,6 +253,38 @@ def throughput(base_url: str, n_requests: int, max_tokens: int, levels=(1, 4, 16
     return rows
 
 
+def engine(model, tokenizer, levels=(1, 4, 16), steps: int = 20, max_batch: int = 16) -> list[dict]:
+    """The scheduler alone, in this process (no HTTP): decode-step time and tokens/s with
+    ``rows`` greedy sequences running, after prefill; the bound the server's figures approach."""
+    import torch
+
+    from gpt2mha.scheduler import SamplingParams, Scheduler
+
+    prompts = prompts_from_text(max(levels), 2, 10, 60)
+    rows = []
+    for n in levels:
+        sched = Scheduler(model, tokenizer, max_batch=max_batch)
+        sched.submit([tokenizer.encode(p) for p in prompts[:n]], SamplingParams(max_tokens=steps + 3, temperature=0),
+                     lambda *a: None)
+        with torch.inference_mode(), model.decoding():
+            sched.step()                                          # prefills + one step
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                sched.step()
+            dt = (time.perf_counter() - t0) / steps
+            sched.stop()
+        rows.append(dict(rows=n, step_ms=1000 * dt, tokens_per_s=n / dt))
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows
+
+
+def print_engine(name: str, rows: list[dict]) -> None:
+    print(f"\n{name}, scheduler alone (no HTTP, this process, {__import__('torch').get_num_threads()} threads): "
+          + "; ".join(f"{r['rows']} rows {r['step_ms']:.1f} ms/step {r['tokens_per_s']:.0f} tok/s ({r['speedup']:.2f}x)"
+                      for r in rows))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -336,7 +370,7 @@ def main(argv=None) -> int:
         res = {"problems": []} if args.skip_load else load_test(server.url, model, tok, args.requests, args.clients)
         if not args.skip_load:
             print(f"\nload test ({DEFAULT_MODEL}): {res['requests']} requests from {res['clients']} clients "
-              f"({res['streamed']} streamed, {res['cancelled']} cancelled mid-way) in {res['wall']:.1f} s; "
+                  f"({res['streamed']} streamed, {res['cancelled']} cancelled mid-way) in {res['wall']:.1f} s; "
                   f"{res['completed']} completed; at the end: running {res['health']['running']}, queued "
                   f"{res['health']['queued']}, free slots {res['health']['free_slots']}/{res['health']['slots']}")
             for p in res["problems"][:20]:
@@ -349,6 +383,10 @@ def main(argv=None) -> int:
         rc = server.stop()
         print(f"SIGTERM: server exited with {rc}")
         failed |= rc != 0
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    print_engine(DEFAULT_MODEL, engine(model, tok))
     if not args.skip_124m:
         from gpt2mha import GPT2Config
         with tempfile.TemporaryDirectory() as d:
@@ -364,6 +402,8 @@ def main(argv=None) -> int:
                 rc = server.stop()
                 print(f"SIGTERM: server exited with {rc}")
                 failed |= rc != 0
+            m = GPT2.from_pretrained(d)
+            print_engine("random GPT-2 124M", engine(m, tokenizer_for(m.config)))
     print(f"\nload after: {uptime()}")
     return 1 if failed else 0
 

@@ -113,9 +113,12 @@ def test_scheduler_sequences_joining_at_different_steps_equal_offline_generate(b
     texts, on_event = collect_events()
     seqs = []
     with torch.inference_mode(), model.decoding():
-        for prompt, params in cases:                            # 5 sequences, 3 slots: some wait
+        for prompt, params in cases[:2]:                        # prefilled together (left-padded)
             seqs += sched.submit([tok.encode(prompt)], params, on_event)
-            for _ in range(4):
+        for prompt, params in cases[2:]:                        # then one at a time; 3 slots: some wait
+            sched.step()
+            seqs += sched.submit([tok.encode(prompt)], params, on_event)
+            for _ in range(3):
                 sched.step()
     sched.run_until_idle()
     for seq, (prompt, p) in zip(seqs, cases):
@@ -152,14 +155,15 @@ def test_text_stream_never_splits_a_character_or_shows_part_of_a_stop_string():
 
 def test_scheduler_cancel_frees_the_slot_and_a_failing_sequence_fails_alone(builtin, monkeypatch):
     """A cancelled sequence leaves its slot at the next step; an exception while sampling one
-    sequence finishes it with 'error' while the others still equal offline generate."""
+    sequence (in the shared prefill, or later) finishes it with 'error' while the others still
+    equal offline generate."""
     model, tok = builtin
     sched = Scheduler(model, tok, max_batch=4)
-    poison = tok.encode("BOOM")
+    poison, poison_at_prefill = tok.encode("BOOM"), tok.encode("BANG!")
     real = Scheduler._sample
 
     def sample(self, seq, logits):
-        if seq.prompt_ids == poison and len(seq.tokens) == 5:
+        if seq.prompt_ids == poison and len(seq.tokens) == 5 or seq.prompt_ids == poison_at_prefill:
             raise RuntimeError("injected failure")
         return real(self, seq, logits)
 
@@ -167,6 +171,7 @@ def test_scheduler_cancel_frees_the_slot_and_a_failing_sequence_fails_alone(buil
     texts, on_event = collect_events()
     good = sched.submit([tok.encode("ROMEO:")], SamplingParams(max_tokens=20, temperature=0.7, seed=1), on_event)[0]
     bad = sched.submit([poison], SamplingParams(max_tokens=20, temperature=0.7, seed=2), on_event)[0]
+    early = sched.submit([poison_at_prefill], SamplingParams(max_tokens=20), on_event)[0]   # fails in the batched prefill
     gone = sched.submit([tok.encode("JULIET:")], SamplingParams(max_tokens=100, temperature=0), on_event)[0]
     with torch.inference_mode(), model.decoding():
         for _ in range(2):
@@ -174,11 +179,12 @@ def test_scheduler_cancel_frees_the_slot_and_a_failing_sequence_fails_alone(buil
         assert gone.slot is not None and sched.stats()["running"] == 3
         sched.cancel(gone)
         sched.step()
+    assert early.finish_reason == "error" and early.tokens == [] and early.slot is None
     assert gone.finish_reason == "cancelled" and gone.slot is None and sched.slots.count(None) == 2
     sched.run_until_idle()
     assert bad.finish_reason == "error" and "injected failure" in bad.error and len(bad.tokens) == 5
     assert good.text == offline(model, tok, "ROMEO:", 20, 0.7, seed=1)[1] and good.finish_reason == "length"
-    assert sched.slots == [None] * 4 and sched.stats()["failed"] == 1 and sched.stats()["cancelled"] == 1
+    assert sched.slots == [None] * 4 and sched.stats()["failed"] == 2 and sched.stats()["cancelled"] == 1
 
 
 def test_bpe_end_of_text_stops_with_finish_reason_stop(one_thread, monkeypatch):

@@ -179,22 +179,23 @@ class SlotCache:
         """Past length of the longest row in the current step (what ``GPT2.step`` calls the past)."""
         return self._span - 1 if self._rows else 0
 
-    def load(self, slot: int, cache: KVCache, row: int = 0) -> None:
-        """Copy row ``row`` of a prefilled :class:`KVCache` (its ``cache.length`` positions) into ``slot``.
+    def load(self, slot: int, cache: KVCache, row: int = 0, start: int = 0) -> None:
+        """Copy row ``row`` of a prefilled :class:`KVCache`, positions ``start … cache.length-1``
+        (``start`` > 0 skips a left-padded row's pads), into ``slot`` at positions ``0 …``.
 
         Raises:
             ValueError: a slot out of range or in use, or a cache of other sizes or too long.
         """
         if not 0 <= slot < self.n_slots or self.active[slot]:
             raise ValueError(f"slot={slot} is out of range [0, {self.n_slots}) or in use")
-        P = cache.length
+        P = cache.length - start
         L, _, h, _, hd = cache.k.shape
-        if (L, h, hd) != (self.k.shape[0], self.k.shape[2], self.k.shape[4]) or P > self.max_len:
-            raise ValueError(f"cache of shape {tuple(cache.k.shape)} holding {P} positions does not fit a slot of "
-                             f"[n_layer={self.k.shape[0]}, h={self.k.shape[2]}, T_max={self.max_len}, "
-                             f"head_dim={self.k.shape[4]}]")
-        self.k[:, slot, :, :P] = cache.k[:, row, :, :P]
-        self.v[:, slot, :, :P] = cache.v[:, row, :, :P]
+        if (L, h, hd) != (self.k.shape[0], self.k.shape[2], self.k.shape[4]) or not 0 <= P <= self.max_len:
+            raise ValueError(f"cache of shape {tuple(cache.k.shape)} holding {cache.length} positions from {start} "
+                             f"does not fit a slot of [n_layer={self.k.shape[0]}, h={self.k.shape[2]}, "
+                             f"T_max={self.max_len}, head_dim={self.k.shape[4]}]")
+        self.k[:, slot, :, :P] = cache.k[:, row, :, start:start + P]
+        self.v[:, slot, :, :P] = cache.v[:, row, :, start:start + P]
         self.lengths[slot] = P
         self.active[slot] = True
 

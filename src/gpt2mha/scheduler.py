@@ -3,9 +3,10 @@
 The loop (:meth:`Scheduler.step`, run by one background thread in the server):
 
 1. free the slots of cancelled sequences;
-2. admit waiting sequences into free slots: each is prefilled alone (the same forward over a
-   :class:`~gpt2mha.kv_cache.KVCache` that :func:`gpt2mha.generate.generate` runs), its first
-   token is sampled from the prefill's logits, and its keys/values are copied into the slot;
+2. admit waiting sequences into free slots: they are prefilled together, left-padded (the same
+   forward over a :class:`~gpt2mha.kv_cache.KVCache` that :func:`gpt2mha.generate.generate`
+   runs for a list of prompts), each one's first token is sampled from its row of the
+   prefill's logits, and its keys/values (pads skipped) are copied into its slot;
 3. one decode step for every running sequence at once: ``GPT2.step`` over the
    :class:`~gpt2mha.kv_cache.SlotCache`, each row at its own position with its own key mask;
 4. sample each row with its own generator, turn tokens into UTF-8-safe text, and free the slot
@@ -159,7 +160,7 @@ class Scheduler:
             refused with :class:`QueueFull`.
 
     Memory: the cache holds ``2 · n_layer · max_batch · n_ctx · n_embd`` values in the model's
-    dtype (1.2 GB for 124M in float32 with 16 slots; 10 MB for the built-in model).
+    dtype (1.2 GB for 124M in float32 with 16 slots; 38 MB for the built-in model).
 
     Raises:
         ValueError: max_batch < 1 or max_queue < 0.
@@ -201,6 +202,8 @@ class Scheduler:
             ShuttingDown: after :meth:`stop`.
         """
         check_sampling(params.temperature, params.top_k, params.top_p)
+        if isinstance(params.max_tokens, bool) or not isinstance(params.max_tokens, int) or params.max_tokens < 0:
+            raise ValueError(f"max_tokens={params.max_tokens!r} must be an integer >= 0")
         for i, ids in enumerate(prompts):
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
@@ -306,15 +309,16 @@ class Scheduler:
         for slot, seq in enumerate(self.slots):
             if seq is not None and seq.cancelled:
                 self._finish(seq, "cancelled")
-        while True:
-            with self._cv:
-                if not self.waiting or None not in self.slots:
-                    break
+        admit = []
+        with self._cv:
+            while self.waiting and len(admit) < self.slots.count(None):
                 seq = self.waiting.popleft()
-            if seq.cancelled:
-                self._finish(seq, "cancelled")
-            else:
-                self._admit(seq, self.slots.index(None))
+                if seq.cancelled:
+                    self._finish(seq, "cancelled")
+                else:
+                    admit.append(seq)
+        if admit:
+            self._admit(admit)
         with self._cv:                               # cancelled while waiting: out of the queue at once
             gone = [s for s in self.waiting if s.cancelled]
             for s in gone:
@@ -324,28 +328,57 @@ class Scheduler:
         if any(s is not None for s in self.slots):
             self._decode()
 
-    def _admit(self, seq: Sequence, slot: int) -> None:
-        """Prefill ``seq`` alone, sample its first token, and put it in ``slot`` unless done."""
-        seq.t_admit = time.monotonic()
-        p = seq.params
+    def _admit(self, seqs: list[Sequence]) -> None:
+        """Prefill new sequences (one left-padded batch, as ``generate`` runs a list of prompts),
+        sample each one's first token, and put each that goes on in a free slot. If the batched
+        prefill fails, each is prefilled alone, so only a sequence that fails alone fails."""
+        now = time.monotonic()
+        live = []
+        for seq in seqs:
+            seq.t_admit = now
+            p = seq.params
+            try:
+                seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
+                seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+                seq.stream = TextStream(self.tokenizer, p.stop)
+                if p.max_tokens == 0:
+                    self._finish(seq, "length")
+                else:
+                    live.append(seq)
+            except Exception as e:
+                self._fail(seq, e)
         try:
-            seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
-            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
-            seq.stream = TextStream(self.tokenizer, p.stop)
-            if p.max_tokens == 0:
-                return self._finish(seq, "length")
-            c = self.model.config
-            ids = torch.tensor([seq.prompt_ids], dtype=torch.long, device=self.device)    # [1, T]
-            T = ids.shape[1]
-            cache = KVCache(c.n_layer, 1, c.n_head, T, c.head_dim, dtype=self.cache.k.dtype, device=self.device)
-            logits = self.model(ids, cache=cache, last_only=True).logits                  # [1, 1, n_vocab]
-            token = self._sample(seq, logits[:, -1])
-            if self._accept(seq, token):
-                self.cache.load(slot, cache)
+            self._prefill(live)
+        except Exception:
+            for seq in live:
+                if not seq.done and seq.slot is None:
+                    try:
+                        self._prefill([seq])
+                    except Exception as e:               # this request fails; the others go on
+                        self._fail(seq, e)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """One forward over the prompts of ``seqs`` (left-padded, positions from the mask) into a
+        :class:`KVCache`; the first token of each from its row's last logits."""
+        if not seqs:
+            return
+        c = self.model.config
+        T = max(len(s.prompt_ids) for s in seqs)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long)
+        mask = torch.zeros(len(seqs), T, dtype=torch.long)
+        for i, s in enumerate(seqs):                           # left padding: every row ends at T
+            ids[i, T - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
+            mask[i, T - len(s.prompt_ids):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = KVCache(c.n_layer, len(seqs), c.n_head, T, c.head_dim, dtype=self.cache.k.dtype, device=self.device)
+        padded = len(seqs) > 1 and any(len(s.prompt_ids) < T for s in seqs)
+        logits = self.model(ids, attention_mask=mask if padded else None, cache=cache, last_only=True).logits
+        for i, seq in enumerate(seqs):                         # logits [B, 1, n_vocab]
+            if self._accept(seq, self._sample(seq, logits[i:i + 1, -1])):
+                slot = self.slots.index(None)
+                self.cache.load(slot, cache, row=i, start=T - len(seq.prompt_ids))
                 seq.slot = slot
                 self.slots[slot] = seq
-        except Exception as e:                       # this request fails; the others go on
-            self._fail(seq, e)
 
     def _decode(self) -> None:
         """One decode step over slots ``0 … rows-1`` (rows = highest occupied slot + 1)."""
