@@ -10,8 +10,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,10 +22,12 @@ from gpt2mha import GPT2, DEFAULT_MODEL, GPT2Config
 from gpt2mha.generate import row_seed
 from gpt2mha.kv_cache import KVCache, SlotCache
 from gpt2mha.scheduler import QueueFull, SamplingParams, Scheduler, TextStream
-from gpt2mha.serve import serve_in_thread
 from gpt2mha.tokenizer import ByteTokenizer, tokenizer_for
 
+pytest.importorskip("fastapi")                  # the 'serve' extra (the 'test' extra installs it)
+pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
+from gpt2mha.serve import serve_in_thread       # noqa: E402
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
@@ -328,6 +328,16 @@ def test_bad_requests_get_400_naming_the_field(server, body, param):
     if param is not None:
         assert param.split(".")[-1] in err["message"]
     assert sched.stats()["completed"] == before
+
+
+def test_shutting_down_scheduler_answers_503_with_retry_after(builtin):
+    model, tok = builtin
+    sched = Scheduler(model, tok, max_batch=1)
+    with serve_in_thread(sched, DEFAULT_MODEL) as url:
+        sched.stop()                                            # what the app's shutdown does
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+    assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["type"] == "server_error" and "shutting down" in r.json()["error"]["message"]
 
 
 def test_unknown_model_is_404_and_client_error_types(server):

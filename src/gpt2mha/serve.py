@@ -26,7 +26,6 @@ import logging
 import math
 import secrets
 import time
-from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
