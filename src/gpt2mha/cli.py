@@ -295,6 +295,55 @@ def _add_bench_command(sub) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    try:
+        from .serve import serve
+    except ImportError as e:
+        raise SystemExit(f"error: gpt2mha serve needs FastAPI and uvicorn ({e}): pip install 'gpt2mha[serve]'")
+    from .tokenizer import tokenizer_for
+    from . import DEFAULT_MODEL
+
+    for name in ("max_batch", "max_queue"):
+        value = getattr(args, name)
+        if value < (1 if name == "max_batch" else 0):
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be >= {1 if name == 'max_batch' else 0}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads={args.threads} must be >= 1")
+        import torch
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    model = load_model(args.model, args.dtype)
+    serve(model, tokenizer_for(model.config), args.model or DEFAULT_MODEL, host=args.host, port=args.port,
+          max_batch=args.max_batch, max_queue=args.max_queue, graceful_timeout=args.graceful_timeout)
+    return 0
+
+
+def _add_serve_command(sub) -> None:
+    """Parser of ``serve`` (:mod:`gpt2mha.serve`, :mod:`gpt2mha.scheduler`)."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions) with continuous batching",
+                       formatter_class=DefaultsHelpFormatter,
+                       description="Serve the model over HTTP in the OpenAI completions format: POST /v1/completions "
+                                   "(streaming with server-sent events), GET /v1/models, GET /health. Requests are "
+                                   "batched continuously: every decode step advances all running sequences, new "
+                                   "ones join at the next step. Needs the 'serve' extra: pip install -e '.[serve]'.")
+    _model_arg(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype")
+    s.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (cache slots)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="sequences that may wait for a slot; beyond it requests get HTTP 429")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch's intra-op threads for the model (default: torch's choice, one per core); on a "
+                        "machine shared with other work, fewer threads than cores avoid oversubscription")
+    s.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
+    s.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2mha", description="GPT-2 multi-head attention, exact and fast.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -350,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
     _add_inspect_commands(sub)
     _add_bench_command(sub)
+    _add_serve_command(sub)
     return parser
 
 
