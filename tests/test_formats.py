@@ -155,3 +155,143 @@ def test_openai_checkpoint_without_tensorflow_names_the_extra(openai_dir, monkey
     monkeypatch.setitem(sys.modules, "tensorflow", None)        # import tensorflow → ImportError
     with pytest.raises(CheckpointError, match=r"needs TensorFlow: pip install 'gpt2mha\[tf\]'"):
         GPT2.from_pretrained(openai_dir[0])
+
+
+# ------------------------------------------------------------------------------- book
+BOOK_CFG = {"vocab_size": 256, "context_length": 16, "emb_dim": 24, "n_heads": 3, "n_layers": 2,
+            "drop_rate": 0.1, "qkv_bias": False}
+
+
+def book_model(seed=0, **cfg):
+    torch.manual_seed(seed)
+    return _randomize(GPTModel({**BOOK_CFG, **cfg}), seed)
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_book_state_dict_loads_with_the_same_logits(tmp_path, qkv_bias, one_thread):
+    """The book's GPTModel trained in ch. 5 saves model.state_dict(); with its config dict
+    beside it (NAME.json) GPT2.from_pretrained reads it; logits equal GPTModel's own."""
+    book = book_model(qkv_bias=qkv_bias)
+    path = str(tmp_path / "model.pth")
+    torch.save(book.state_dict(), path)
+    with open(tmp_path / "model.json", "w") as f:
+        json.dump({**BOOK_CFG, "qkv_bias": qkv_bias}, f)
+    assert detect_format(path) == "book"
+    model = GPT2.from_pretrained(path)
+    assert not model.config.tie_word_embeddings                 # the book's out_head is its own matrix
+    assert model.config.attn_pdrop == 0.1
+    idx = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, book(idx), atol=ATOL, rtol=0)
+
+
+def test_book_config_from_argument_or_stored_and_errors(tmp_path, one_thread):
+    book = book_model()
+    path = str(tmp_path / "model_and_optimizer.pth")            # ch. 5's layout, with an optimizer
+    opt = torch.optim.AdamW(book.parameters(), lr=1e-3)
+    book(torch.zeros(1, 3, dtype=torch.long)).sum().backward()
+    opt.step()
+    torch.save({"model_state_dict": book.state_dict(), "optimizer_state_dict": opt.state_dict()}, path)
+    with pytest.raises(CheckpointError, match=r"needs n_heads \(no tensor shape holds it\)"):
+        GPT2.from_pretrained(path)
+    with pytest.raises(CheckpointError, match=r"config emb_dim=32 but the tensors say 24"):
+        load_any(path, book_config={"n_heads": 3, "emb_dim": 32})
+    model = load_any(path, book_config={"n_heads": 3})
+    idx = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, book.eval()(idx), atol=ATOL, rtol=0)
+    sd = book.state_dict()
+    del sd["trf_blocks.1.ff.layers.2.bias"]
+    sd["trf_blocks.0.att.W_key.weight"] = torch.zeros(24, 12)
+    torch.save(sd, path)
+    with pytest.raises(CheckpointError) as e:
+        load_any(path, book_config={"n_heads": 3})
+    assert "missing tensor trf_blocks.1.ff.layers.2.bias [24]" in str(e.value)
+    assert "trf_blocks.0.att.W_key.weight: shape [24, 12] != expected [24, 24]" in str(e.value)
+
+
+def test_book_round_trip_through_hf_is_exact(tmp_path, one_thread):
+    """book .pth → gpt2mha convert → HF directory (transformers' logits equal the book's) →
+    convert --to book → GPTModel.load_state_dict(strict) takes it, every tensor bitwise equal."""
+    from transformers import GPT2LMHeadModel
+
+    book = book_model(qkv_bias=True)
+    path = str(tmp_path / "model.pth")
+    torch.save(book.state_dict(), path)
+    hf_dir, back = str(tmp_path / "hf"), str(tmp_path / "back" / "model.pth")
+    assert main(["convert", path, hf_dir, "--book-config", json.dumps({"n_heads": 3})]) == 0
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    idx = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, book(idx), atol=ATOL, rtol=0)
+    assert main(["convert", hf_dir, back, "--to", "book"]) == 0
+    with open(tmp_path / "back" / "model.json") as f:
+        assert json.load(f) == {**BOOK_CFG, "qkv_bias": True, "drop_rate": 0.0}
+    sd = torch.load(back, weights_only=True)
+    assert sd.keys() == book.state_dict().keys()
+    for k, v in book.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    fresh = GPTModel({**BOOK_CFG, "qkv_bias": True})
+    fresh.load_state_dict(sd, strict=True)
+
+
+# ------------------------------------------------------------------------------ nanoGPT
+def nano_checkpoint(path, bias=True, compiled=True, gelu="tanh", seed=0):
+    """A ckpt.pt as nanoGPT's train.py writes it (model_args, model with _orig_mod. keys,
+    optimizer, iter_num, best_val_loss, config)."""
+    args = dict(n_layer=2, n_head=3, n_embd=24, block_size=16, bias=bias, vocab_size=256, dropout=0.0)
+    torch.manual_seed(seed)
+    model = _randomize(NanoGPT(NanoConfig(**args, gelu=gelu)), seed)
+    sd = model.state_dict()
+    if compiled:
+        sd = {"_orig_mod." + k: v for k, v in sd.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.save({"model": sd, "optimizer": opt.state_dict(), "model_args": args, "iter_num": 100,
+                "best_val_loss": torch.tensor(2.5), "config": {"dataset": "shakespeare_char"}}, path)
+    return model
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_nanogpt_checkpoint_loads_with_the_same_logits(tmp_path, bias, one_thread):
+    """A torch.compile'd run's ckpt.pt (bias on or off) loads; with GPT-2's tanh GELU in the
+    nanoGPT-layout model the logits are equal; the round trip --to nanogpt is bitwise."""
+    ref = nano_checkpoint(str(tmp_path / "ckpt.pt"), bias=bias)
+    assert detect_format(str(tmp_path)) == "nanogpt"           # nanoGPT's out_dir
+    model = GPT2.from_pretrained(str(tmp_path / "ckpt.pt"))
+    assert model.config.tie_word_embeddings and model.config.n_ctx == 16
+    idx = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, ref(idx, targets=idx)[0], atol=ATOL, rtol=0)
+    out = str(tmp_path / "again")
+    convert(str(tmp_path), out, to="nanogpt")
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    assert ckpt["model_args"]["bias"] is bias
+    fresh = NanoGPT(NanoConfig(**ckpt["model_args"], gelu="tanh"))
+    fresh.load_state_dict(ckpt["model"], strict=True)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_nanogpt_errors_name_the_tensor(tmp_path):
+    nano_checkpoint(str(tmp_path / "ckpt.pt"))
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt["model"]["_orig_mod.transformer.h.0.attn.c_attn.weight"] = torch.zeros(24, 72)    # Conv1D, not Linear
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError, match=r"transformer.h.0.attn.c_attn.weight: shape \[24, 72\] != "
+                                              r"expected \[72, 24\]"):
+        GPT2.from_pretrained(str(tmp_path / "ckpt.pt"))
+
+
+def test_convert_refuses_to_overwrite(tmp_path, capsys):
+    nano_checkpoint(str(tmp_path / "ckpt.pt"))
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("mine")
+    assert main(["convert", str(tmp_path / "ckpt.pt"), str(dst)]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err and (dst / "notes.txt").read_text() == "mine"
+    assert main(["convert", str(tmp_path / "ckpt.pt"), str(dst), "--overwrite"]) == 0
+    assert detect_format(str(dst)) == "hf"
+    book = str(tmp_path / "b.pth")
+    assert main(["convert", str(dst), book, "--to", "book"]) == 0
+    assert main(["convert", str(dst), book, "--to", "book"]) == 2
+    assert "b.pth" in capsys.readouterr().err

@@ -252,6 +252,50 @@ def _add_bench_command(sub) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+def _json_arg(text: str | None, name: str) -> dict | None:
+    """A JSON object given inline or as a file path (``--book-config``)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(open(text).read() if os.path.isfile(text) else text)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name}={text!r} is neither a JSON object nor a readable JSON file: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={text!r}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def cmd_convert(args) -> int:
+    from .formats import convert
+
+    written = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, src_format=args.src_format,
+                      book_config=_json_arg(args.book_config, "--book-config"))
+    print("wrote " + ", ".join(written))
+    return 0
+
+
+def _add_formats_commands(sub) -> None:
+    """Parsers of ``convert`` and ``check-model`` (:mod:`gpt2mha.formats`)."""
+    cv = sub.add_parser("convert", help="convert a checkpoint (OpenAI TF dir, nanoGPT ckpt.pt, the book's GPTModel "
+                                        ".pth, Hugging Face dir) to a Hugging Face dir, the book's or nanoGPT's format",
+                        description="Read SRC in any supported format (detected: a Hugging Face directory; OpenAI's "
+                                    "download_model.py directory, read with TensorFlow: pip install 'gpt2mha[tf]'; "
+                                    "nanoGPT's ckpt.pt or out_dir; the book's GPTModel state dict .pth, whose config "
+                                    "dict comes from --book-config or NAME.json beside it) and write it to DST. "
+                                    "Nothing existing is overwritten without --overwrite.")
+    cv.add_argument("src", metavar="SRC")
+    cv.add_argument("dst", metavar="DST", help="hf: a directory; book: NAME.pth (+ NAME.json); nanogpt: a directory "
+                                               "or file (ckpt.pt)")
+    cv.add_argument("--to", choices=["hf", "book", "nanogpt"], default="hf", help="format to write (default hf)")
+    cv.add_argument("--from", dest="src_format", choices=["hf", "openai", "book", "nanogpt"], default=None,
+                    help="format of SRC (default: detected)")
+    cv.add_argument("--book-config", default=None, metavar="JSON",
+                    help="the book's config dict (JSON or a JSON file), e.g. '{\"n_heads\": 12}'; only n_heads "
+                         "is needed, the other sizes are read off the tensors")
+    cv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    cv.set_defaults(func=cmd_convert)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2mha", description="GPT-2 multi-head attention, exact and fast.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -304,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
     _add_inspect_commands(sub)
     _add_bench_command(sub)
+    _add_formats_commands(sub)
     return parser
 
 
