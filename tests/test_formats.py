@@ -295,3 +295,62 @@ def test_convert_refuses_to_overwrite(tmp_path, capsys):
     assert main(["convert", str(dst), book, "--to", "book"]) == 0
     assert main(["convert", str(dst), book, "--to", "book"]) == 2
     assert "b.pth" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------- check-model
+BOOK_GPT = os.path.join(os.path.dirname(__file__), "data", "book_gpt.py")
+NANO_GPT = os.path.join(os.path.dirname(__file__), "data", "nanogpt_model.py")
+
+
+def test_check_model_matches_the_learners_book_model(tmp_path, capsys, one_thread):
+    """The learner's GPTModel class (tests/data/book_gpt.py) and, without a class, gpt2mha's
+    chapter-4 reference both match gpt2mha stage by stage on a book checkpoint."""
+    torch.save(book_model(qkv_bias=True).state_dict(), tmp_path / "m.pth")
+    cfg = json.dumps({"n_heads": 3})
+    assert main(["check-model", str(tmp_path / "m.pth"), "--class", BOOK_GPT + ":GPTModel", "--book-config", cfg]) == 0
+    out = capsys.readouterr().out
+    for stage in ("embeddings", "block 0 attn", "block 0 mlp", "block 1 out", "ln_f", "logits"):
+        assert stage in out
+    assert "result: MATCHES (exit 0)" in out
+    assert main(["check-model", str(tmp_path / "m.pth"), "--book-config", cfg]) == 0
+
+
+def test_check_model_finds_nanogpts_erf_gelu(tmp_path, capsys, one_thread):
+    """nanoGPT's own MLP (exact erf GELU) on a nanoGPT checkpoint: the attention of block 0
+    matches, its MLP is the first difference, and the diagnosis names the GELU variant (found
+    by re-running gpt2mha's MLP with erf GELU on nanoGPT's input). With GPT-2's tanh GELU in
+    the same class every stage matches."""
+    nano_checkpoint(str(tmp_path / "ckpt.pt"), gelu="none")
+    code = main(["check-model", str(tmp_path / "ckpt.pt"), "--class", NANO_GPT + ":GPT", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["exit_code"] == 1
+    assert [s["ok"] for s in report["stages"][:2]] == [True, True]          # embeddings, block 0 attn
+    assert report["first_diff"] == "block 0 mlp"
+    assert "exact (erf) GELU" in report["diagnosis"]
+    assert report["stages"][-1]["name"] == "logits" and report["stages"][-1]["shape"] == [2, 1, 256]
+
+
+def test_check_model_finds_a_layernorm_epsilon(tmp_path, capsys, one_thread):
+    """A learner's LayerNorm with eps=1e-2 (instead of 1e-5): the first stage that differs is
+    block 0's attention, and re-running gpt2mha's attention on the learner's input shows it is
+    the norm before it."""
+    src = open(BOOK_GPT).read().replace("self.eps = 1e-5", "self.eps = 1e-2")
+    (tmp_path / "mine.py").write_text(src)
+    torch.save(book_model().state_dict(), tmp_path / "m.pth")
+    assert main(["check-model", str(tmp_path / "m.pth"), "--class", str(tmp_path / "mine.py") + ":GPTModel",
+                 "--book-config", '{"n_heads": 3}']) == 1
+    out = capsys.readouterr().out
+    assert "first difference: block 0 attn" in out and "the LayerNorm before it (ln_1 / norm1)" in out
+
+
+def test_check_model_openai_against_numpy_reference(openai_dir, capsys):
+    assert main(["check-model", openai_dir[0]]) == 0
+    assert "gpt2mha.reference" in capsys.readouterr().out
+
+
+def test_check_model_reports_what_cannot_run(tmp_path, capsys):
+    nano_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert main(["check-model", str(tmp_path / "ckpt.pt")]) == 2
+    assert "pass --class path/to/nanoGPT/model.py:GPT" in capsys.readouterr().out
+    assert main(["check-model", str(tmp_path / "ckpt.pt"), "--class", BOOK_GPT + ":GPTModel"]) == 2
+    assert "COULD NOT RUN" in capsys.readouterr().out

@@ -274,6 +274,15 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_check_model(args) -> int:
+    from .compare import check_model, format_model_report
+
+    report = check_model(args.src, cls=args.cls, fmt=args.src_format, book_config=_json_arg(args.book_config, "--book-config"),
+                         batch=args.batch, tokens=args.tokens, seed=args.seed, atol=args.atol)
+    print(json.dumps(report.to_dict()) if args.json else format_model_report(report))
+    return report.exit_code
+
+
 def _add_formats_commands(sub) -> None:
     """Parsers of ``convert`` and ``check-model`` (:mod:`gpt2mha.formats`)."""
     cv = sub.add_parser("convert", help="convert a checkpoint (OpenAI TF dir, nanoGPT ckpt.pt, the book's GPTModel "
@@ -294,6 +303,28 @@ def _add_formats_commands(sub) -> None:
                          "is needed, the other sizes are read off the tensors")
     cv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     cv.set_defaults(func=cmd_convert)
+
+    warning = "WARNING: with --class, FILE.py is imported and run with your permissions. Only use files you trust."
+    cm = sub.add_parser("check-model", help="compare your whole model with gpt2mha on the same checkpoint, layer by layer",
+                        description="Load SRC into gpt2mha and into your own model (--class FILE.py:Class: the book's "
+                                    "GPTModel built with the config dict, nanoGPT's GPT built with GPTConfig(**model_args), "
+                                    "each loaded with its load_state_dict from the file's tensors) or, without --class, "
+                                    "the format's reference (the book's chapter 4 GPTModel; NumPy's OpenAI formulas for "
+                                    "OpenAI/Hugging Face checkpoints). Run both on the same ids in float64 and report "
+                                    "the embeddings, each block's attention, MLP and output, ln_f and the logits, the "
+                                    "first that differs and why. Exit 0: matches; 1: differs; 2: could not run. "
+                                    + warning, epilog=warning)
+    cm.add_argument("src", metavar="SRC")
+    cm.add_argument("--class", dest="cls", default=None, metavar="FILE.py:Class", help="your model class")
+    cm.add_argument("--from", dest="src_format", choices=["hf", "openai", "book", "nanogpt"], default=None,
+                    help="format of SRC (default: detected)")
+    cm.add_argument("--book-config", default=None, metavar="JSON", help="the book's config dict (JSON or a JSON file)")
+    cm.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
+    cm.add_argument("--tokens", type=int, default=8, help="tokens per sequence (default 8, at most n_ctx)")
+    cm.add_argument("--seed", type=int, default=0, help="seed of the random ids (default 0)")
+    cm.add_argument("--atol", type=float, default=1e-6, help="tolerance, times max(1, |activation|) (default 1e-6)")
+    cm.add_argument("--json", action="store_true", help="print one JSON object")
+    cm.set_defaults(func=cmd_check_model)
 
 
 def build_parser() -> argparse.ArgumentParser:

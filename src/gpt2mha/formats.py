@@ -16,8 +16,8 @@
 * ``nanogpt``: nanoGPT's ``ckpt.pt`` (``model_args`` + ``model``: ``transformer.…`` keys in
   nn.Linear layout, ``_orig_mod.`` prefixes from ``torch.compile``, biases absent with
   ``bias=False``, ``lm_head`` tied to ``wte``). nanoGPT's MLP uses the exact (erf) GELU where
-  GPT-2 uses the tanh approximation; the weights are the same, activations differ by ~1e-3
-  (``gpt2mha check-model`` shows where).
+  GPT-2 uses the tanh approximation; the weights are the same, the activations differ a little at
+  every MLP (``gpt2mha check-model`` shows where).
 
 Every ``.pt``/``.pth`` is read with ``torch.load(weights_only=True)``. Each reader checks every
 name and shape in the format's own spelling before anything is copied, and every mapping is
