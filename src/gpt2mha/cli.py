@@ -49,12 +49,27 @@ def cmd_generate(args) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
-    if args.prompt == "":
-        raise ValueError("PROMPT is empty; give at least one character to continue")
+    prompts = args.prompt
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
+    if args.unconditional and prompts:
+        raise ValueError(f"--unconditional starts from <|endoftext|> alone; drop the PROMPT ({prompts[0]!r}) or "
+                         f"the flag")
+    if not args.unconditional and not prompts:
+        raise ValueError("give a PROMPT to continue (or --unconditional to sample from <|endoftext|>)")
+    if "" in prompts:
+        which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else "PROMPT"
+        raise ValueError(f"{which} is empty; give at least one character to continue")
     model = load_model(args.model, args.dtype)
     tok = tokenizer_for(model.config)
     if args.stop_at_eos and tok.eot_token is None:
         raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
+    if args.unconditional and tok.eot_token is None:
+        raise ValueError(f"--unconditional starts from <|endoftext|>, which the {tok.name!r} tokenizer of this model "
+                         f"does not have; give a PROMPT instead")
+    if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
+        return _generate_samples(args, model, tok)
+    args.prompt = prompts[0]
     try:
         idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
     except UnicodeError:
@@ -72,6 +87,43 @@ def cmd_generate(args) -> int:
                    seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
                    sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
     out.write(("" if started else args.prompt) + stream.flush() + "\n")
+    return 0
+
+
+def _generate_samples(args, model, tok) -> int:
+    import torch
+
+    """``--num-samples`` / several PROMPTs / ``--unconditional``: every (prompt, sample) is one
+    row of a left-padded batch (OpenAI's ``sample_sequence`` with ``batch_size``; unconditional
+    rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
+    line, its padding dropped by :func:`gpt2mha.tokenizer.decode_rows`; with ``--stop-at-eos`` a
+    row ends at its first ``<|endoftext|>``."""
+    from .generate import left_pad
+    from .tokenizer import decode_rows
+
+    try:
+        encoded = [[tok.eot_token]] if args.unconditional else [tok.encode(p) for p in args.prompt]
+    except UnicodeError:
+        raise ValueError("PROMPT is not valid UTF-8 text") from None
+    rows = [ids for ids in encoded for _ in range(args.num_samples)]
+    idx, mask = left_pad(rows)
+    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                         attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
+    T = idx.shape[1]
+    if args.stop_at_eos:                       # a finished row repeats <|endoftext|>: keep the first
+        hits = out[:, T:] == tok.eot_token
+        first = torch.where(hits.any(1), hits.int().argmax(1) + T + 1, out.shape[1])
+        texts = [decode_rows(tok, out[i:i + 1, :int(first[i])], mask[i:i + 1])[0] for i in range(len(rows))]
+    else:
+        texts = decode_rows(tok, out, mask)
+    skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0
+    n = len(rows)
+    for i, text in enumerate(texts):
+        label = f"sample {i % args.num_samples + 1} of {args.num_samples}"
+        if not args.unconditional and len(args.prompt) > 1:
+            label = f"prompt {i // args.num_samples + 1} of {len(args.prompt)}, " + label
+        print(f"{'=' * 20} {label} {'=' * 20}" if n > 1 or args.unconditional else "", text[skip:], sep="\n")
     return 0
 
 
@@ -96,7 +148,7 @@ def cmd_perplexity(args) -> int:
     from .evaluate import perplexity
 
     text = read_text(args.file, args.split)
-    model = load_model(args.model)
+    model = load_model(args.model, args.dtype)
     result = perplexity(model, text, stride=args.stride)
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -144,7 +196,7 @@ def cmd_heads(args) -> int:
 
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be at least 1")
-    model = load_model(args.model)
+    model = load_model(args.model, args.dtype)
     c = model.config
     check_selection(c.n_layer, c.n_head, args.layer, args.head)   # before the (slower) forward pass
     result = analyse_heads(model, args.prompt)
@@ -213,6 +265,8 @@ def _add_inspect_commands(sub) -> None:
     hd.add_argument("--out", default="heads", metavar="DIR", help="output directory (default ./heads)")
     hd.add_argument("--top", type=int, default=3, help="heads listed per role (default 3)")
     hd.add_argument("--json", action="store_true", help="print files, strongest heads and all scores as JSON")
+    hd.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                    help="weights' dtype, as for generate (default float32)")
     hd.set_defaults(func=cmd_heads)
 
     warning = ("WARNING: check imports FILE.py and runs its code (module body, constructor, forward) with your "
@@ -333,8 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="continue a prompt (streams tokens as they are sampled)",
                        formatter_class=DefaultsHelpFormatter)
-    g.add_argument("prompt", metavar="PROMPT")
+    g.add_argument("prompt", metavar="PROMPT", nargs="*",
+                   help="text to continue; several PROMPTs are sampled as one batch and printed as labelled samples")
     _model_arg(g)
+    g.add_argument("--unconditional", action="store_true",
+                   help="sample from <|endoftext|> alone, as OpenAI's generate_unconditional_samples.py (BPE models)")
+    g.add_argument("--num-samples", type=int, default=1, help="samples per PROMPT, printed one after another, labelled")
     g.add_argument("--max-new-tokens", type=int, default=100, help="number of tokens to generate (>= 0)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
@@ -357,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score the whole file, or the trainer's split of it (train: first 90%% of the bytes, "
                         "val: last 10%%)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights' dtype, as for generate (the logits and the loss stay float32)")
     p.set_defaults(func=cmd_perplexity)
 
     t = sub.add_parser("train", help="train a GPT-2 on a text file (first 90%% train, last 10%% validation)")
