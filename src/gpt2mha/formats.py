@@ -26,6 +26,7 @@ an exact copy or transpose (no arithmetic), so a round trip is bitwise.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -77,8 +78,6 @@ def _shapes(sd: dict) -> dict[str, tuple]:
 def tie_head(sd: dict[str, torch.Tensor], config: GPT2Config) -> tuple[dict, GPT2Config]:
     """Tie ``lm_head.weight`` to ``wte.weight`` when they are equal (drop it), else untie the
     config (``tie_word_embeddings=False``): the book's ``out_head`` is its own parameter."""
-    import dataclasses
-
     sd = dict(sd)
     head = sd.pop("lm_head.weight", None)
     if head is None or torch.equal(head, sd["wte.weight"]):
@@ -254,7 +253,7 @@ def read_openai(directory: str) -> tuple[dict[str, torch.Tensor], GPT2Config]:
         raise CheckpointError(f"{directory}: TensorFlow could not read the checkpoint (truncated or corrupt?): "
                               f"{str(e).splitlines()[0][:300]}") from None
     names = openai_variables(config)
-    shapes = {k: v for k, v in shapes.items() if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+    shapes = {k: v for k, v in shapes.items() if k.startswith("model/")}   # not global_step, optimizer slots
     check_tensors({k: tuple(s) for k, s in shapes.items()}, {k: s for k, (_, s) in names.items()}, directory)
     sd = {}
     for name, (key, shape) in names.items():
