@@ -41,3 +41,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def assert_same_greedy(model, a, b, start: int, window: int | None = None, tol: float = 1e-4) -> None:
+    """Two greedy continuations of one prompt, computed along different paths (cached or not,
+    batched or alone, another library), are the same tokens, except that they may part at a
+    near-tie: a position where ``model``'s uncached logits (the reference) put both chosen tokens
+    within ``tol`` of the maximum, which another CPU's or thread count's summation order may flip.
+    After such a position the sequences legitimately differ and are not compared further.
+
+    Args: ``a``, ``b``: 1-D token sequences (prompt first, no padding); ``start``: prompt length;
+    ``window``: condition the reference on the last ``window`` tokens only (sliding window).
+    """
+    a, b = [int(t) for t in a], [int(t) for t in b]
+    assert len(a) == len(b) and a[:start] == b[:start], (a, b)
+    for j in range(start, len(a)):
+        if a[j] != b[j]:
+            ctx = torch.tensor([a[:j]])[:, -(window or j):]
+            with torch.no_grad():
+                logits = model(ctx).logits[0, -1].double()
+            best = logits.max()
+            gaps = (best - logits[a[j]]).item(), (best - logits[b[j]]).item()
+            assert max(gaps) <= tol * max(1.0, best.abs().item()), (
+                f"position {j}: tokens {a[j]} vs {b[j]} differ, but their logits are {gaps} below the "
+                f"maximum: not a near-tie, a real difference")
+            return

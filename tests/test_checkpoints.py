@@ -119,8 +119,35 @@ def test_hub_id_uses_huggingface_cache_offline(hf_checkpoint, tmp_path, monkeypa
     idx = torch.randint(0, 300, (1, 6))
     model = load_pretrained("someone/tiny-gpt2")
     torch.testing.assert_close(logits_of(model, idx), logits_of(hf, idx), atol=1e-4, rtol=1e-4)
-    with pytest.raises(CheckpointError, match="Offline\\? Copy the model directory"):
+    with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE is set and it is not in the local cache"):
         load_pretrained("someone/not-cached")
+
+
+def test_no_network_reads_only_the_cache_at_once(hf_checkpoint, tmp_path, monkeypatch):
+    """Without HF_HUB_OFFLINE and without a network, huggingface_hub used to retry for ~25 s;
+    one failed TCP probe now sends every download to the local cache (local_files_only)."""
+    import socket
+
+    import huggingface_hub
+    import huggingface_hub.constants as c
+
+    def no_network(*args, **kwargs):
+        raise OSError("network is unreachable (test)")
+
+    asked = []
+    real = huggingface_hub.hf_hub_download
+
+    def recording(repo_id, filename, **kwargs):
+        asked.append(kwargs.get("local_files_only"))
+        return real(repo_id, filename, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", recording)
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(CheckpointError, match=r"cannot be reached and it is not in the local cache.*HF_HUB_OFFLINE=1"):
+        load_pretrained("someone/not-cached")
+    assert asked == [True]
 
 
 def test_save_refuses_foreign_nonempty_directory(tmp_path):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import assert_same_greedy
 from gpt2mha import GPT2, GPT2Config
 from gpt2mha.generate import sample_next, top_k_logits, top_p_logits
 
@@ -92,7 +93,7 @@ def test_sliding_window_conditions_on_last_n_ctx_tokens():
     with torch.no_grad():
         for _ in range(6):
             seq = torch.cat([seq, m(seq[:, -32:]).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out, seq)
+    assert_same_greedy(m, out[0], seq[0], 30, window=32)
 
 
 def test_sliding_window_accepts_a_prompt_longer_than_n_ctx():
@@ -103,7 +104,7 @@ def test_sliding_window_accepts_a_prompt_longer_than_n_ctx():
     with torch.no_grad():
         for _ in range(3):
             seq = torch.cat([seq, m(seq[:, -32:]).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out, seq)
+    assert_same_greedy(m, out[0], seq[0], 40, window=32)
 
 
 def test_right_padding_bad_seed_and_vocab_limit():

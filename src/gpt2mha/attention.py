@@ -70,6 +70,28 @@ def combine_masks(causal: torch.Tensor, key_padding: torch.Tensor | None) -> tor
     return mask | own_key
 
 
+def as_bool_mask(mask: torch.Tensor | None, name: str = "attn_mask") -> torch.Tensor | None:
+    """A mask given as bool, or as an integer/float tensor of 0/1 values, as a BoolTensor.
+
+    Every core reads the result the same way (True = may attend / real token), so a float 0/1
+    mask can never reach SDPA as an additive bias.
+
+    Raises:
+        ValueError: not a tensor, or a non-bool mask holding a value other than 0 and 1
+            (naming ``name`` and the offending value).
+    """
+    if mask is None or (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
+        return mask
+    if not isinstance(mask, torch.Tensor) or mask.is_complex():
+        raise ValueError(f"{name} must be a bool tensor or a tensor of 0/1 values; got {type(mask).__name__}"
+                         + (f" of dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else ""))
+    bad = mask[(mask != 0) & (mask != 1)]
+    if bad.numel():
+        raise ValueError(f"{name} must be bool or hold only 0 (masked/pad) and 1 (attend/real) values; "
+                         f"got the value {bad.flatten()[0].item()!r} (dtype {mask.dtype})")
+    return mask != 0
+
+
 def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
     """``[B, T, n_embd]`` → ``[B, n_head, T, head_dim]`` (OpenAI's ``split_states`` + transpose)."""
     B, T, C = x.shape
@@ -97,11 +119,16 @@ def attend_explicit(
         ``(a, w)``: context ``[B, h, T, head_dim]`` in q's dtype and weights ``[B, h, T, S]``
         (float32, or float64 for float64 inputs). Scores are computed and softmaxed in float32
         even for fp16/bf16 inputs.
+
+    Masked scores are set to the dtype's lowest value rather than OpenAI's ``-1e10``
+    (:data:`MASK_VALUE`): the weights are the same numbers whenever a query's real scores are
+    above about -1e10, and masked keys still get exactly 0 when every real score is lower
+    (e.g. -1e12), where -1e10 would be the row's maximum and take all the weight.
     """
     acc = torch.promote_types(q.dtype, torch.float32)          # fp16/bf16 -> fp32; fp64 stays
     w = q.to(acc) @ k.to(acc).transpose(-1, -2)                # [B, h, T, S]
     w = w * (1.0 / math.sqrt(v.shape[-1]))                     # scale the scores, not q or k
-    w = torch.where(mask, w, MASK_VALUE)                      # masked scores -> -1e10
+    w = torch.where(mask, w, torch.finfo(acc).min)             # masked scores -> lowest value (OpenAI: -1e10)
     w = w - w.amax(dim=-1, keepdim=True)                       # max-subtracted softmax
     w = w.exp()
     w = w / w.sum(dim=-1, keepdim=True)                        # masked keys get exactly 0
@@ -321,10 +348,11 @@ class CausalSelfAttention(nn.Module):
 
         Args:
             x: ``[B, T, n_embd]`` (already layer-normalised by ln_1).
-            past: optional ``[B, 2, h, P, head_dim]`` keys/values of earlier tokens
+            past: optional floating ``[B, 2, h, P, head_dim]`` keys/values of earlier tokens
                 (OpenAI's per-layer ``past``), concatenated before the new ones.
-            attn_mask: optional BoolTensor broadcastable to ``[B, h, T, P + T]`` that replaces
-                the plain causal mask (see :func:`combine_masks` for padding).
+            attn_mask: optional mask broadcastable to ``[B, h, T, P + T]`` that replaces the
+                plain causal mask (see :func:`combine_masks` for padding): bool, or 0/1 values
+                (1 = may attend), read the same way by both cores (:func:`as_bool_mask`).
             need_weights: also return the attention weights ``[B, h, T, P + T]``.
 
         Returns:
@@ -332,7 +360,8 @@ class CausalSelfAttention(nn.Module):
             ``[B, 2, h, T, head_dim]`` of the new tokens only, or ``(y, present, weights)``.
 
         Raises:
-            ValueError: x is not ``[B, T, n_embd]`` or past does not match x and this module.
+            ValueError: x is not ``[B, T, n_embd]``, past does not match x and this module or
+                is not floating point, or attn_mask holds values other than 0/1.
         """
         if x.dim() != 3 or x.shape[-1] != self.n_embd or x.shape[1] == 0:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected [B, T, n_embd={self.n_embd}] with T >= 1")
@@ -341,12 +370,15 @@ class CausalSelfAttention(nn.Module):
         present = self.present(qkv)                             # [B, 2, h, T, head_dim], a view
         if past is not None:
             expected = (x.shape[0], 2, self.n_head, None, self.head_dim)
+            if not isinstance(past, torch.Tensor) or not past.is_floating_point():
+                raise ValueError(f"past must be a floating-point tensor of cached keys/values; got "
+                                 f"{past.dtype if isinstance(past, torch.Tensor) else type(past).__name__}")
             if past.dim() != 5 or any(e is not None and e != s for e, s in zip(expected, past.shape)):
                 raise ValueError(f"past has shape {tuple(past.shape)}; expected "
                                  f"[B={x.shape[0]}, 2, n_head={self.n_head}, P, head_dim={self.head_dim}]")
             k = torch.cat([past[:, 0].to(k.dtype), k], dim=-2)  # [B, h, P + T, head_dim]
             v = torch.cat([past[:, 1].to(v.dtype), v], dim=-2)
-        mask = attn_mask
+        mask = as_bool_mask(attn_mask)
         if mask is None and past is not None and x.shape[1] > 1:
             mask = attention_mask(x.shape[1], k.shape[-2], device=x.device)
         y, w = self.attend(q, k, v, mask, need_weights)
@@ -367,7 +399,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x)
         k, v = cache.update(layer, k, v)                        # [B, h, P + T, head_dim]
         T, S = q.shape[-2], k.shape[-2]
-        mask = attn_mask
+        mask = as_bool_mask(attn_mask)
         if mask is None and 1 < T < S:
             mask = attention_mask(T, S, device=x.device)
         return self.attend(q, k, v, mask)[0]

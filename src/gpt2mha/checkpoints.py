@@ -185,6 +185,7 @@ def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> N
             shapes), a non-floating dtype, or a tensor holding NaN/inf (with its name).
     """
     expected = model.state_dict()
+    summary = config_mismatch(model.config, sd)
     problems = [f"missing tensor {k} {list(v.shape)}" for k, v in expected.items() if k not in sd]
     problems += [f"unexpected tensor {k} {list(v.shape)}" for k, v in sd.items() if k not in expected]
     for k, t in sd.items():
@@ -197,7 +198,46 @@ def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> N
         elif not torch.isfinite(t).all():
             problems.append(f"{k}: contains NaN or inf values")
     if problems:
-        raise CheckpointError(f"{source}: cannot load:\n  " + "\n  ".join(problems))
+        head = f"{source}: cannot load" + (f": {summary}" if summary else "")
+        if len(problems) > 12:
+            problems = problems[:10] + [f"... and {len(problems) - 10} more"]
+        raise CheckpointError(head + ":\n  " + "\n  ".join(problems))
+
+
+def config_mismatch(config: GPT2Config, sd: dict[str, torch.Tensor]) -> str:
+    """One line saying which config sizes the weights contradict, e.g. ``config.json says
+    n_embd=64 but the weights have n_embd=48 (wte.weight [300, 48])``; "" when none do."""
+    said = []
+    wte, wpe = sd.get("wte.weight"), sd.get("wpe.weight")
+    if wte is not None and wte.dim() == 2:
+        for name, want, have in (("n_vocab", config.n_vocab, wte.shape[0]), ("n_embd", config.n_embd, wte.shape[1])):
+            if want != have:
+                said.append(f"{name}={want} but the weights have {name}={have} (wte.weight {list(wte.shape)})")
+    if wpe is not None and wpe.dim() == 2 and wpe.shape[0] != config.n_ctx:
+        said.append(f"n_ctx={config.n_ctx} but the weights have n_ctx={wpe.shape[0]} (wpe.weight {list(wpe.shape)})")
+    layers = {int(k.split(".")[1]) for k in sd if k.startswith("h.") and k.split(".")[1].isdigit()}
+    if layers and max(layers) + 1 != config.n_layer:
+        said.append(f"n_layer={config.n_layer} but the weights have {max(layers) + 1} blocks (h.0 … h.{max(layers)})")
+    return ("config.json says " + "; ".join(said)) if said else ""
+
+
+#: dtype names accepted wherever a dtype is given as text (API and CLI).
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def as_dtype(dtype) -> torch.dtype:
+    """A floating torch dtype from a dtype or one of :data:`DTYPE_NAMES` (``"bf16"``, …).
+
+    Raises:
+        ValueError: naming the value and the accepted names.
+    """
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.removeprefix("torch.")]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ValueError(f"dtype={dtype!r}; expected a floating torch dtype or one of {sorted(DTYPE_NAMES)}")
 
 
 # ---------------------------------------------------------------------------------- resolve
@@ -227,27 +267,54 @@ def resolve(name_or_dir: str) -> str:
     return download(name_or_dir)
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub's host (``HF_ENDPOINT``, default huggingface.co)
+    opens within ``timeout`` seconds: one quick probe instead of huggingface_hub's ~25 s of
+    retries when there is no network."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def download(repo_id: str) -> str:
     """Fetch ``config.json`` and the weights of a hub repo (cached by huggingface_hub, with a
     progress bar) and return the local snapshot directory.
 
+    With ``HF_HUB_OFFLINE=1``, or when the hub cannot be reached (:func:`hub_reachable`), only
+    huggingface_hub's local cache is read, at once.
+
     Raises:
-        CheckpointError: the download fails (offline, unknown repo), with how to use a local copy.
+        CheckpointError: the download fails (offline and not cached, unknown repo), with how to
+            use a local copy.
     """
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
+    offline = bool(constants.HF_HUB_OFFLINE)
+    local_only = offline or not hub_reachable()
     try:
-        config_path = hf_hub_download(repo_id, CONFIG_NAME)
+        config_path = hf_hub_download(repo_id, CONFIG_NAME, local_files_only=local_only)
         try:
-            hf_hub_download(repo_id, WEIGHTS_NAME)
+            hf_hub_download(repo_id, WEIGHTS_NAME, local_files_only=local_only)
         except EntryNotFoundError:
-            hf_hub_download(repo_id, LEGACY_WEIGHTS_NAME)
+            hf_hub_download(repo_id, LEGACY_WEIGHTS_NAME, local_files_only=local_only)
     except Exception as e:
+        why = ("HF_HUB_OFFLINE is set and it is not in the local cache" if offline else
+               f"the hub ({constants.ENDPOINT}) cannot be reached and it is not in the local cache" if local_only else
+               f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         raise CheckpointError(
-            f"could not get {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
-            f"Offline? Copy the model directory (config.json + model.safetensors) to this machine and pass its path, "
-            f"e.g. --model /path/to/{repo_id.split('/')[-1]}, or set HF_HOME to a cache that holds it.") from None
+            f"could not get {repo_id!r} from the Hugging Face hub ({why}). "
+            f"Copy the model directory (config.json + model.safetensors) to this machine and pass its path, "
+            f"e.g. --model /path/to/{repo_id.split('/')[-1]}, or set HF_HOME to a cache that holds it "
+            f"(HF_HUB_OFFLINE=1 reads only that cache, without trying the network).") from None
     return os.path.dirname(config_path)
 
 
@@ -258,7 +325,8 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         name_or_dir: e.g. ``"shakespeare-byte"``, ``"./my-gpt2"``, ``"openai-community/gpt2"``;
             a path in another format (OpenAI's TF checkpoint directory, nanoGPT's ``ckpt.pt``,
             the book's GPTModel ``.pth``) is read by :func:`gpt2mha.formats.load_any`.
-        dtype: parameter dtype of the returned model (float32 by default).
+        dtype: parameter dtype of the returned model (float32 by default): a torch dtype or a
+            name such as ``"bf16"`` (:func:`as_dtype`).
 
     Returns:
         The model in eval mode.
@@ -267,6 +335,7 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         CheckpointError: see :func:`resolve`, :func:`config_from_hf`, :func:`read_state_dict`,
             :func:`check_state_dict`.
     """
+    dtype = as_dtype(dtype)
     if os.path.exists(name_or_dir) and not os.path.isfile(os.path.join(name_or_dir, CONFIG_NAME)):
         from .formats import load_any      # OpenAI's TF directory, nanoGPT's ckpt.pt / out_dir, a book .pth
         return load_any(name_or_dir, dtype=dtype)

@@ -135,13 +135,17 @@ def read_text(path: str, split: str = "all") -> str:
             data = f.read()
     except OSError as e:
         raise ValueError(f"FILE={path!r}: {e.strerror}") from None
+    from .train import split_bytes
+    raw = data
     if split != "all":
-        from .train import split_bytes
         data = split_bytes(data)[split == "val"]
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"FILE={path!r} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+        offset = e.start + (len(split_bytes(raw)[0]) if split == "val" else 0)
+        raise ValueError(f"FILE={path!r} is not UTF-8 text (byte {offset}: {data[e.start:e.start + 1]!r}); "
+                         f"re-encode it first, e.g. iconv -f latin1 -t utf-8 {path} > {path}.utf8 "
+                         f"(if it is Latin-1; `file {path}` guesses the encoding)") from None
 
 
 def cmd_perplexity(args) -> int:
@@ -181,9 +185,19 @@ def cmd_train(args) -> int:
     return 0
 
 
+#: The largest size trace accepts for any one axis (it builds meta tensors, but their element
+#: counts must still fit in int64).
+TRACE_MAX_SIZE = 2**20
+
+
 def cmd_trace(args) -> int:
     from .inspect import format_trace, trace
 
+    for flag in ("batch", "tokens", "d_in", "d_out", "num_heads", "context_length", "past"):
+        value = getattr(args, flag)
+        if value is not None and value > TRACE_MAX_SIZE:
+            raise ValueError(f"--{flag.replace('_', '-')}={value} is too large for a trace; expected at most "
+                             f"{TRACE_MAX_SIZE:,}")
     tr = trace(args.layout, b=args.batch, T=args.tokens, d_in=args.d_in, d_out=args.d_out, num_heads=args.num_heads,
                context_length=args.context_length, past=args.past)
     print(json.dumps(tr.to_dict()) if args.json else format_trace(tr))
@@ -196,6 +210,9 @@ def cmd_heads(args) -> int:
 
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be at least 1")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} is a file; expected a directory to write the maps into "
+                         f"(it is created if missing)")
     model = load_model(args.model, args.dtype)
     c = model.config
     check_selection(c.n_layer, c.n_head, args.layer, args.head)   # before the (slower) forward pass
@@ -219,6 +236,10 @@ def cmd_heads(args) -> int:
 def cmd_check(args) -> int:
     from .check import CheckError, check, format_report, parse_args
 
+    if not 0 <= args.seed < 2**63:
+        print(f"error: --seed={args.seed} must be an integer in [0, 2**63)\nresult: COULD NOT RUN (exit 2)",
+              file=sys.stderr)
+        return 2
     try:
         kwargs = parse_args(args.args)
     except CheckError as e:

@@ -8,21 +8,65 @@ largest logits whose cumulative probability stays within p, at least one), then 
 
 from __future__ import annotations
 
+import numbers
+import operator
 from typing import Callable
 
 import torch
 
+from .attention import as_bool_mask
 from .kv_cache import KVCache
 
+#: Temperatures below float32's smallest normal number sample as temperature 0 (greedy): the
+#: limit of ``softmax(logits / t)`` as t → 0 puts all the mass on the largest logit.
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """Raises ValueError naming the argument if temperature < 0, top_k < 0 or top_p ∉ (0, 1]."""
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k={top_k} must be an integer >= 0 (0 means no top-k filtering)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+
+def as_int(value, name: str, minimum: int = 0) -> int:
+    """``value`` as a Python int (numpy and 0-d torch integers too), else a ValueError naming it.
+
+    Raises:
+        ValueError: a bool, a float (even 3.0) or anything not an integer, or below ``minimum``.
+    """
+    if isinstance(value, (bool, float)) or (isinstance(value, torch.Tensor) and value.is_floating_point()):
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}; got {type(value).__name__}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}; got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
+    return value
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> tuple[float, int, float]:
+    """Validate the sampling arguments and return them as ``(float, int, float)``.
+
+    Raises:
+        ValueError: naming the argument if temperature < 0 or not a real number, top_k is not an
+            integer >= 0, or top_p ∉ (0, 1].
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0 means greedy)")
+    top_k = as_int(top_k, "top_k")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be a number in (0, 1]")
+    return float(temperature), top_k, float(top_p)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row``'s generator when a batch is sampled with ``seed``.
+
+    Row 0 uses ``seed`` itself, so a one-prompt call samples exactly as before and row i of a
+    batch samples as that prompt alone with ``row_seed(seed, i)``; other rows take seeds spread
+    by the 64-bit golden-ratio constant, in ``[0, 2**63)``.
+    """
+    return seed if row == 0 else (seed + row * 0x9E3779B97F4A7C15) % 2**63
+
+
+def row_generators(seed: int, batch_size: int, device) -> list[torch.Generator]:
+    """One private generator per row, row i seeded with :func:`row_seed` ``(seed, i)``."""
+    return [torch.Generator(device=device).manual_seed(row_seed(seed, i)) for i in range(batch_size)]
 
 
 def top_k_logits(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -46,14 +90,55 @@ def top_p_logits(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ids ``[B]`` (int64) from last-position logits ``[B, V]``; temperature 0 is argmax."""
+                generator: torch.Generator | list[torch.Generator] | None = None) -> torch.Tensor:
+    """Next token ids ``[B]`` (int64) from last-position logits ``[B, V]``.
+
+    Temperature 0 (or below :data:`MIN_TEMPERATURE`) is argmax. Logits are shifted by their row
+    maximum before dividing by the temperature (softmax does not change), so a tiny temperature
+    cannot overflow to inf. ``generator`` is one generator for the whole batch, or a list with
+    one per row (row i drawn from ``generator[i]``, as if sampled alone).
+    """
     logits = logits.float()
-    if temperature == 0:
+    if temperature < MIN_TEMPERATURE:
         return logits.argmax(dim=-1)
-    logits = top_p_logits(top_k_logits(logits / temperature, top_k), top_p)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature      # <= 0: no overflow
+    logits = top_p_logits(top_k_logits(logits, top_k), top_p)
     probs = torch.softmax(logits, dim=-1)
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g) for i, g in enumerate(generator)]).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def as_prompts(idx) -> list[list[int]]:
+    """Prompts given as a list of token lists, 1-D tensors, ``[1, T]`` tensors or numpy arrays →
+    lists of Python ints.
+
+    Raises:
+        ValueError: naming the prompt and the value when an id is not an integer (``1.7``
+            would otherwise be truncated to 1 silently) or a prompt is not 1-D.
+    """
+    prompts = []
+    for i, p in enumerate(idx):
+        if isinstance(p, torch.Tensor) or hasattr(p, "__array__"):
+            t = torch.as_tensor(p)
+            if t.dim() == 2 and t.shape[0] == 1:
+                t = t[0]
+            if t.dim() != 1:
+                raise ValueError(f"prompts[{i}] has shape {tuple(t.shape)}; expected a 1-D (or [1, T]) list of token ids")
+            if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
+                raise ValueError(f"prompts[{i}] holds {t.dtype} values; token ids must be integers")
+            prompts.append(t.tolist())
+            continue
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
+            raise ValueError(f"prompts[{i}]={p!r} is not a list of token ids (encode text with the tokenizer first)")
+        ids = []
+        for j, v in enumerate(p):
+            try:
+                ids.append(as_int(v, f"prompts[{i}][{j}]"))
+            except ValueError:
+                raise ValueError(f"prompts[{i}][{j}]={v!r} is not a token id; ids must be integers >= 0") from None
+        prompts.append(ids)
+    return prompts
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +165,6 @@ def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Ten
     return idx, mask
 
 
-@torch.inference_mode()
 def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, eos_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, sliding_window: bool = False,
@@ -90,12 +174,15 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
 
     Args:
         model: a :class:`~gpt2mha.model.GPT2`.
-        idx: prompt ids ``[B, T]`` (int64), or a list of token lists of different lengths,
-            which is left-padded automatically (:func:`left_pad`, pad id 0). A padded tensor
-            needs ``attention_mask [B, T]`` marking real tokens 1 and pads 0.
+        idx: prompt ids ``[B, T]`` (int64), or a list of prompts of different lengths (token
+            lists, 1-D or ``[1, T]`` tensors, numpy arrays; :func:`as_prompts`), left-padded
+            automatically (:func:`left_pad`, pad id 0). A padded tensor needs
+            ``attention_mask [B, T]`` marking real tokens 1 and pads 0 (bool or 0/1 values).
         max_new_tokens: number of tokens to add (>= 0).
         temperature, top_k, top_p: sampling (see :func:`sample_next`); temperature 0 is greedy.
-        seed: seeds a private generator, so the same call gives the same tokens.
+        seed: seeds one private generator per row (:func:`row_seed`): the same call gives the
+            same tokens, and row i samples exactly as its prompt alone with ``row_seed(seed, i)``
+            (row 0: ``seed`` itself).
         eos_token_id: once a row emits it, the row is finished and keeps emitting it; the loop
             stops early when every row is finished (the result is still padded to full length).
         sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)
@@ -106,28 +193,46 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             vocabulary, e.g. nanoGPT's 50304 rows for GPT-2's 50257 ids).
 
     Returns:
-        ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens.
+        ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens (an
+        ordinary tensor: it may be edited in place or used in training).
+
+    The model runs in eval mode for the call (dropout off, so a seed fixes the tokens) and is
+    put back in the mode it was in.
 
     Raises:
-        ValueError: bad sampling arguments, a negative max_new_tokens, a bad seed, ids outside
-            the vocabulary, a right-padded row, or a prompt plus new tokens longer than n_ctx
+        ValueError: bad sampling arguments, a negative max_new_tokens, a bad seed, ids that are
+            not integers or outside the vocabulary, text instead of ids, a mask with values
+            other than 0/1, a right-padded row, or a prompt plus new tokens longer than n_ctx
             without ``sliding_window``, before any work is done.
     """
-    check_sampling(temperature, top_k, top_p)
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
+    max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
+    device = model.wte.weight.device
+    if isinstance(idx, str):
+        raise ValueError(f"idx={idx[:40]!r} is text; generate takes token ids: encode it first, e.g. "
+                         f"torch.tensor([get_tokenizer(model.config.tokenizer).encode(text)])")
     if isinstance(idx, (list, tuple)):
         if attention_mask is not None:
             raise ValueError("attention_mask is built from the lists; pass it only with a padded tensor")
-        idx, attention_mask = left_pad([list(p) for p in idx])
-        idx, attention_mask = idx.to(model.wte.weight.device), attention_mask.to(model.wte.weight.device)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be an integer >= 0")
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] == 0:
-        raise ValueError("idx must be a non-empty [B, T] tensor of token ids (an empty prompt cannot be continued)")
-    if idx.dtype not in (torch.int64, torch.int32) or int(idx.min()) < 0 or int(idx.max()) >= model.config.n_vocab:
-        raise ValueError(f"idx must hold int64 token ids in [0, n_vocab={model.config.n_vocab}); "
-                         f"got dtype {idx.dtype}, values {idx.min().item()} … {idx.max().item()}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise ValueError(f"seed={seed!r} must be an integer in [0, 2**63)")
+        idx, attention_mask = left_pad(as_prompts(idx))
+        idx, attention_mask = idx.to(device), attention_mask.to(device)
+    if not isinstance(idx, torch.Tensor):
+        raise ValueError(f"idx must be a [B, T] tensor of token ids or a list of prompts; got {type(idx).__name__}")
+    if idx.dim() != 2:
+        raise ValueError(f"idx has shape {tuple(idx.shape)}; expected [B, T]"
+                         + (" (one prompt: idx[None])" if idx.dim() == 1 else ""))
+    if idx.shape[0] == 0 or idx.shape[1] == 0:
+        raise ValueError(f"idx has shape {tuple(idx.shape)}; an empty prompt cannot be continued")
+    if idx.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"idx must hold token ids as int64 (or int32); got dtype {idx.dtype}"
+                         + (" (use idx.long())" if not idx.is_floating_point() else ""))
+    if int(idx.min()) < 0 or int(idx.max()) >= model.config.n_vocab:
+        raise ValueError(f"idx must hold token ids in [0, n_vocab={model.config.n_vocab}); "
+                         f"got values {idx.min().item()} … {idx.max().item()}")
+    if seed is not None:
+        seed = as_int(seed, "seed")
+        if seed >= 2**63:
+            raise ValueError(f"seed={seed} must be an integer in [0, 2**63)")
     if vocab_size is not None and not 0 < vocab_size <= model.config.n_vocab:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={model.config.n_vocab}]")
     n_ctx = model.config.n_ctx
@@ -136,19 +241,27 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "
                          f"n_ctx={n_ctx}; shorten the prompt, lower max_new_tokens, or use sliding_window=True (CLI: --sliding-window)")
     if attention_mask is not None:
-        if tuple(attention_mask.shape) != (B, T):
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, T={T}]")
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, T):
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask has shape {shape}; expected [B={B}, T={T}]")
+        attention_mask = as_bool_mask(attention_mask, "attention_mask").long()   # 0.5 is an error, not a pad
         if not bool(attention_mask[:, -1].bool().all()):
             rows = torch.nonzero(~attention_mask[:, -1].bool()).flatten().tolist()
             raise ValueError(f"attention_mask: rows {rows} end in padding; generation needs left padding "
                              f"(pads first, every row's last token real)")
-    generator = torch.Generator(device=idx.device).manual_seed(seed) if seed is not None else None
+    generator = row_generators(seed, B, idx.device) if seed is not None else None
     if max_new_tokens == 0:
         return idx.clone()
 
-    with model.decoding():
-        return decode_loop(model, idx, max_new_tokens, attention_mask, generator, temperature, top_k, top_p,
-                           eos_token_id, on_token, vocab_size)
+    was_training = model.training
+    model.eval()                                               # dropout off: a seed fixes the tokens
+    try:
+        with torch.inference_mode(), model.decoding():
+            out = decode_loop(model, idx, max_new_tokens, attention_mask, generator, temperature, top_k, top_p,
+                              eos_token_id, on_token, vocab_size)
+    finally:
+        model.train(was_training)
+    return out.clone()                                         # outside inference mode: an ordinary tensor
 
 
 def decode_loop(model, idx, max_new_tokens, attention_mask, generator, temperature, top_k, top_p,

@@ -37,13 +37,41 @@ class KVCache:
         shape = (n_layer, batch_size, n_head, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per layer: views [B, h, T_max, head_dim]
+        self.layers = [(self.k[i], self.v[i]) for i in range(n_layer)]  # per layer: views [B, h, T_max, head_dim]
         self.length = 0
 
     @property
     def max_len(self) -> int:
         """``T_max``, the number of positions the cache can hold."""
         return self.k.shape[3]
+
+    def check(self, batch_size: int, n_new: int, n_layer: int, n_head: int, head_dim: int,
+              dtype: torch.dtype, device: torch.device) -> None:
+        """Check that this cache fits a model and an input before anything is written.
+
+        Args: the input's ``batch_size`` and ``n_new`` tokens; the model's ``n_layer``,
+        ``n_head``, ``head_dim``, parameter ``dtype`` and ``device``.
+
+        Raises:
+            ValueError: naming the first size, dtype or device that differs (a 4-row cache for a
+                1-row input would otherwise be broadcast into and overwritten), or too little free
+                length for ``n_new`` more tokens.
+        """
+        L, B, h, _, hd = self.k.shape
+        for name, have, want in (("batch size", B, batch_size), ("n_layer", L, n_layer),
+                                 ("n_head", h, n_head), ("head_dim", hd, head_dim)):
+            if have != want:
+                raise ValueError(f"cache has {name}={have} but the {'input' if name == 'batch size' else 'model'} "
+                                 f"has {want}; build it as KVCache(n_layer={n_layer}, batch_size={batch_size}, "
+                                 f"n_head={n_head}, max_len=..., head_dim={head_dim})")
+        if self.k.dtype != dtype:
+            raise ValueError(f"cache dtype is {self.k.dtype} but the model's parameters are {dtype}; "
+                             f"build the cache (or KVCache.from_past(..., dtype=...)) in {dtype}")
+        if self.k.device != torch.device(device):
+            raise ValueError(f"cache is on {self.k.device} but the model is on {device}")
+        if self.length + n_new > self.max_len:
+            raise ValueError(f"cache holds {self.length} of max_len={self.max_len} positions; "
+                             f"{n_new} new tokens do not fit")
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new keys/values ``[B, h, T, head_dim]`` at positions ``length … length+T-1``.
@@ -72,18 +100,24 @@ class KVCache:
         return torch.stack([self.k[:, :, :, :P], self.v[:, :, :, :P]], dim=2).transpose(0, 1).contiguous()
 
     @classmethod
-    def from_past(cls, past: torch.Tensor, max_len: int) -> "KVCache":
+    def from_past(cls, past: torch.Tensor, max_len: int, dtype: torch.dtype | None = None) -> "KVCache":
         """Build a cache of capacity ``max_len`` holding ``past [B, n_layer, 2, h, P, head_dim]``.
 
+        Args:
+            dtype: the cache's dtype (the model's parameter dtype); default: ``past``'s own.
+
         Raises:
-            ValueError: if ``past`` is not 6-D or ``P > max_len``.
+            ValueError: if ``past`` is not a floating 6-D tensor or ``P > max_len``.
         """
+        if not isinstance(past, torch.Tensor) or not past.is_floating_point():
+            raise ValueError(f"past must be a floating-point tensor; got "
+                             f"{past.dtype if isinstance(past, torch.Tensor) else type(past).__name__}")
         if past.dim() != 6:
             raise ValueError(f"past has shape {tuple(past.shape)}; expected [B, n_layer, 2, h, P, head_dim]")
         B, L, two, h, P, hd = past.shape
         if two != 2 or P > max_len:
             raise ValueError(f"past has shape {tuple(past.shape)}; axis 2 must be 2 and P={P} <= max_len={max_len}")
-        cache = cls(L, B, h, max_len, hd, dtype=past.dtype, device=past.device)
+        cache = cls(L, B, h, max_len, hd, dtype=dtype or past.dtype, device=past.device)
         cache.k[:, :, :, :P] = past[:, :, 0].transpose(0, 1)
         cache.v[:, :, :, :P] = past[:, :, 1].transpose(0, 1)
         cache.length = P

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .attention import (ATTN_IMPLS, CausalSelfAttention, Conv1D, Snapshot, combine_masks, current_copy, stamp,
-                        transposed_copy)
+from .attention import (ATTN_IMPLS, CausalSelfAttention, Conv1D, Snapshot, as_bool_mask, combine_masks, current_copy,
+                        stamp, transposed_copy)
 from .attention import attention_mask as causal_mask
 from .kv_cache import KVCache
 
@@ -249,9 +249,17 @@ class GPT2(nn.Module):
 
     # ----------------------------------------------------------------------------- checks
     def _check_inputs(self, idx, past_len, attention_mask, position_ids):
-        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
-            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
-            raise ValueError(f"idx must be an integer tensor [B, T]; got {shape}")
+        if not isinstance(idx, torch.Tensor):
+            raise ValueError(f"idx must be a tensor of token ids [B, T] (int64); got {type(idx).__name__}"
+                             + ("; encode text first, e.g. get_tokenizer(model.config.tokenizer).encode(text)"
+                                if isinstance(idx, str) else ""))
+        if idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"idx must hold token ids as int64 (or int32); got dtype {idx.dtype}"
+                             + (" (uint8 reads as bytes 0-255 but is not accepted as ids: use idx.long())"
+                                if idx.dtype == torch.uint8 else ""))
+        if idx.dim() != 2:
+            raise ValueError(f"idx has shape {tuple(idx.shape)}; expected [B, T]"
+                             + (" (one sequence: idx[None])" if idx.dim() == 1 else ""))
         B, T = idx.shape
         if T == 0 or B == 0:
             raise ValueError(f"idx has shape {(B, T)}; need at least one sequence and one token")
@@ -264,8 +272,8 @@ class GPT2(nn.Module):
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past_len + T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, past + T="
                              f"{past_len + T}] covering the {past_len} cached and {T} new tokens")
-        if attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError("attention_mask must hold only 0 (pad) and 1 (real token) values")
+        if attention_mask is not None:
+            as_bool_mask(attention_mask, "attention_mask")     # bool or 0/1 values, as every mask
         if position_ids is not None and tuple(position_ids.shape) not in ((B, T), (1, T), (T,)):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [B={B}, T={T}]")
         if position_ids is not None and (int(position_ids.min()) < 0 or int(position_ids.max()) >= self.config.n_ctx):
@@ -273,6 +281,9 @@ class GPT2(nn.Module):
 
     def _check_past(self, past, B):
         c = self.config
+        if not isinstance(past, torch.Tensor) or not past.is_floating_point():
+            raise ValueError(f"past must be a floating-point tensor [B, n_layer, 2, n_head, P, head_dim]; got "
+                             f"{past.dtype if isinstance(past, torch.Tensor) else type(past).__name__}")
         expected = (B, c.n_layer, 2, c.n_head, None, c.head_dim)
         names = ("batch", "n_layer", "2 (k, v)", "n_head", "P", "head_dim")
         if past.dim() != 6:
@@ -396,7 +407,8 @@ class GPT2(nn.Module):
             attention_mask: ``[B, P + T]`` of 1 (real) / 0 (pad), covering cached and new
                 tokens; when given without ``position_ids`` positions follow the mask.
             position_ids: ``[B, T]`` explicit positions.
-            cache: a :class:`KVCache` to read and write in place instead of ``past``.
+            cache: a :class:`KVCache` to read and write in place instead of ``past``; checked
+                against the model and idx first (:meth:`KVCache.check`).
             last_only: compute logits for the last position only (decode).
 
         Returns:
@@ -406,7 +418,8 @@ class GPT2(nn.Module):
 
         Raises:
             ValueError: bad idx (rank, dtype, ids outside the vocab, longer than n_ctx with
-                the past), a past of the wrong shape, or a mask of the wrong length.
+                the past), a past of the wrong shape or not floating point, a cache that does
+                not fit, or a mask of the wrong length or with values other than 0/1.
         """
         B = idx.shape[0] if isinstance(idx, torch.Tensor) and idx.dim() == 2 else None
         if past is not None and cache is not None:
@@ -416,6 +429,8 @@ class GPT2(nn.Module):
         past_len = cache.length if cache is not None else (past.shape[4] if past is not None else 0)
         self._check_inputs(idx, past_len, attention_mask, position_ids)
         if cache is not None:
+            c, p = self.config, self.wte.weight
+            cache.check(idx.shape[0], idx.shape[1], c.n_layer, c.n_head, c.head_dim, p.dtype, p.device)
             return GPT2Output(self.step(idx, cache, attention_mask, position_ids, last_only=last_only), None)
         T = idx.shape[1]
         x = self.embed(idx, past_len, attention_mask, position_ids)

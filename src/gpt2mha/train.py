@@ -70,8 +70,12 @@ def lr_at(step: int, tc: TrainConfig) -> float:
 
 
 def split_bytes(data: bytes) -> tuple[bytes, bytes]:
-    """The deterministic split: first 90% of the bytes train, the last 10% validate."""
+    """The deterministic split shared by ``train`` and ``perplexity --split``: the first 90% of
+    the bytes train, the rest validates. The cut moves forward past UTF-8 continuation bytes
+    (``0b10xxxxxx``) to the next character boundary, so both parts of a UTF-8 file stay UTF-8."""
     cut = len(data) * 9 // 10
+    while 0 < cut < len(data) and data[cut] & 0xC0 == 0x80:
+        cut += 1
     return data[:cut], data[cut:]
 
 
@@ -79,7 +83,8 @@ def load_data(path: str, tokenizer: str, n_ctx: int) -> tuple[torch.Tensor, torc
     """Token ids of the first 90% of the file's bytes (train) and of the last 10% (validation).
 
     Raises:
-        ValueError: a missing or empty file, or a split shorter than one context + 1 tokens.
+        ValueError: a missing, empty or non-UTF-8 file, or a split shorter than one context + 1
+            tokens.
     """
     if not os.path.isfile(path):
         raise ValueError(f"--data {path!r} does not exist or is not a file")
@@ -88,8 +93,13 @@ def load_data(path: str, tokenizer: str, n_ctx: int) -> tuple[torch.Tensor, torc
     if not data:
         raise ValueError(f"--data {path!r} is empty")
     tok = get_tokenizer(tokenizer)
-    parts = [torch.tensor(tok.encode(b.decode("utf-8", errors="ignore")), dtype=torch.long)
-             for b in split_bytes(data)]
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {path!r} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); "
+                         f"re-encode it first, e.g. iconv -f latin1 -t utf-8 {path} > {path}.utf8 "
+                         f"(if it is Latin-1; `file {path}` guesses the encoding)") from None
+    parts = [torch.tensor(tok.encode(b.decode("utf-8")), dtype=torch.long) for b in split_bytes(data)]
     for name, ids in zip(("train", "validation"), parts):
         if ids.numel() < n_ctx + 1:
             raise ValueError(f"--data {path!r}: the {name} split has {ids.numel()} tokens, fewer than one context "
