@@ -91,13 +91,13 @@ def cmd_generate(args) -> int:
 
 
 def _generate_samples(args, model, tok) -> int:
-    import torch
-
     """``--num-samples`` / several PROMPTs / ``--unconditional``: every (prompt, sample) is one
     row of a left-padded batch (OpenAI's ``sample_sequence`` with ``batch_size``; unconditional
     rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
     line, its padding dropped by :func:`gpt2mha.tokenizer.decode_rows`; with ``--stop-at-eos`` a
     row ends at its first ``<|endoftext|>``."""
+    import torch
+
     from .generate import left_pad
     from .tokenizer import decode_rows
 
@@ -117,13 +117,12 @@ def _generate_samples(args, model, tok) -> int:
         texts = [decode_rows(tok, out[i:i + 1, :int(first[i])], mask[i:i + 1])[0] for i in range(len(rows))]
     else:
         texts = decode_rows(tok, out, mask)
-    skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0
-    n = len(rows)
+    skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
     for i, text in enumerate(texts):
         label = f"sample {i % args.num_samples + 1} of {args.num_samples}"
         if not args.unconditional and len(args.prompt) > 1:
             label = f"prompt {i // args.num_samples + 1} of {len(args.prompt)}, " + label
-        print(f"{'=' * 20} {label} {'=' * 20}" if n > 1 or args.unconditional else "", text[skip:], sep="\n")
+        print(f"{'=' * 20} {label} {'=' * 20}", text[skip:], sep="\n")
     return 0
 
 
