@@ -117,3 +117,24 @@ def test_dtype_on_perplexity_and_heads(byte_model, tmp_path, capsys, one_thread)
         scores[dtype] = torch.tensor(numbers(json.loads(capsys.readouterr().out)["scores"]))
     assert not torch.equal(scores["float32"], scores["bfloat16"])
     torch.testing.assert_close(scores["bfloat16"], scores["float32"], atol=0.02, rtol=0)
+
+
+def test_stop_at_eos_ends_each_labelled_sample_at_its_first_endoftext(tmp_path, capsys, one_thread):
+    """A model built to always predict <|endoftext|> (ln_f's output is the constant v, and
+    wte[50256] is the only row along v): with --stop-at-eos each sample shows it once; without,
+    every new token is it."""
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1, tokenizer="gpt2"))
+    with torch.no_grad():
+        v = torch.randn(16)
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.copy_(v)
+        model.wte.weight.mul_(0.01)
+        model.wte.weight[50256] = 10 * v / v.norm()
+    model.save_pretrained(str(tmp_path / "eos"))
+    eot = "<|endoftext|>"
+    for flags, n in ((["--stop-at-eos"], 1), ([], 4)):
+        assert main(["generate", "hello", "a b", "--model", str(tmp_path / "eos"), "--max-new-tokens", "4",
+                     "--temperature", "0", *flags]) == 0
+        got = samples(capsys.readouterr().out)
+        assert got == {"prompt 1 of 2, sample 1 of 1": "hello" + eot * n, "prompt 2 of 2, sample 1 of 1": "a b" + eot * n}
