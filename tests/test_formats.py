@@ -343,6 +343,19 @@ def test_check_model_finds_a_layernorm_epsilon(tmp_path, capsys, one_thread):
     assert "first difference: block 0 attn" in out and "the LayerNorm before it (ln_1 / norm1)" in out
 
 
+def test_check_model_points_at_a_wrong_attention(tmp_path, capsys, one_thread):
+    """Scores scaled by sqrt(d_out) instead of sqrt(head_dim): block 0's attention differs on its
+    own input, and the report sends the learner to `gpt2mha check` for that class."""
+    src = open(BOOK_GPT).read().replace("keys.shape[-1] ** 0.5", "self.d_out ** 0.5")
+    (tmp_path / "mine.py").write_text(src)
+    torch.save(book_model().state_dict(), tmp_path / "m.pth")
+    assert main(["check-model", str(tmp_path / "m.pth"), "--class", str(tmp_path / "mine.py") + ":GPTModel",
+                 "--book-config", '{"n_heads": 3}', "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["first_diff"] == "block 0 attn" and report["stages"][0]["ok"]
+    assert "attention differs on the same input" in report["diagnosis"] and "gpt2mha check" in report["diagnosis"]
+
+
 def test_check_model_openai_against_numpy_reference(openai_dir, capsys):
     assert main(["check-model", openai_dir[0]]) == 0
     assert "gpt2mha.reference" in capsys.readouterr().out
