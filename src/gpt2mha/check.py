@@ -3,8 +3,12 @@
 ``check("my_mha.py:MultiHeadAttention", {"d_in": 20, ...})`` imports the file (this RUNS ITS
 CODE), builds the class, recognises its parameter layout from names and shapes
 (``W_query/W_key/W_value[/out_proj]``, ``q_proj/k_proj/v_proj[/o_proj]``, a fused qkv
-``nn.Linear``, ``c_attn/c_proj`` Conv1D, or a ``heads`` ModuleList of single-head modules),
-copies random reference weights in, and runs it and a reference on the same input. It reports:
+``nn.Linear``, ``c_attn/c_proj`` Conv1D, a ``heads`` ModuleList of single-head modules, or a
+``torch.nn.MultiheadAttention`` inside the module), copies random reference weights in, and
+runs it and a reference on the same input. What learners write is taken as it is: the head
+count from the constructor argument passed, an attribute or the signature's default, else one
+head of width d_out (the book's ``CausalAttention``); no ``out_proj`` means a reference
+without one; bare ``nn.Parameter`` weights are tried as ``x @ W`` and ``x @ W.T``. It reports:
 
 * each stage of seed 001's order (input, projections, view, transpose, scores, weights,
   contexts, merged, output) with the expected shape and the shape seen in the module (forward
@@ -13,6 +17,8 @@ copies random reference weights in, and runs it and a reference on the same inpu
   the last one seen is the first differing stage;
 * the output's max abs error, and for a module whose forward takes a cache (``past``, ...)
   the error of a cached step (first ``past`` tokens, then the rest with the returned present);
+* eval-mode determinism: a second run, and with a dropout argument a copy built with dropout
+  0.5 run twice, must give the dropout-0 output (``F.dropout`` without ``training=``);
 * a diagnosis: the reference is re-run with each classic mistake (seeds 000-003) and the
   mistakes that reproduce the module's output exactly are named; shapes and exceptions add
   the mistakes that stop a module from running (a ``view`` on a non-contiguous tensor, a
@@ -60,6 +66,8 @@ DEFAULT_KWARGS = {
 }
 DROPOUT_NAMES = ("dropout", "attn_pdrop", "resid_pdrop", "dropout_p", "attn_dropout")
 HEAD_NAMES = ("num_heads", "n_head", "n_heads", "nhead")
+#: Where else a head count may live: constructor arguments and attributes under these names.
+HEAD_ALIASES = HEAD_NAMES + ("num_attention_heads", "heads", "h", "n_h", "nheads")
 CONTEXT_NAMES = ("context_length", "n_ctx", "block_size", "max_seq_len", "n_positions")
 
 SPLIT_NAMES = (("W_query", "W_key", "W_value"), ("q_proj", "k_proj", "v_proj"), ("query", "key", "value"),
@@ -89,6 +97,15 @@ MISTAKES = {
     "mask_not_offset": "causal mask not offset for a cache: with P cached tokens the T new queries need rows "
                        "P..P+T-1 of the mask (attention_mask(T, P+T), aligned bottom-right), not the top-left "
                        "[:T, :P+T] slice that hides each query's own and most recent keys",
+    "mask_after_softmax": "mask applied after the softmax without renormalising: masking the weights to 0 after "
+                          "softmax leaves rows that no longer sum to 1 (and the future still shaped them); fill the "
+                          "scores with -inf before the softmax",
+    "anti_causal_mask": "anti-causal (transposed) mask: each token attends to itself and the LATER tokens; the "
+                        "hidden positions are key j > query i, triu(ones, diagonal=1), not tril(ones, diagonal=-1) "
+                        "or mask.T",
+    "split_keys_no_transpose": "head split done wrong on the keys only: keys were viewed straight as (b, num_heads, "
+                               "T, head_dim) while queries and values used view(b, T, num_heads, head_dim)"
+                               ".transpose(1, 2); split the keys the same way",
     "softmax_queries": "softmax over the wrong axis: over queries (dim=-2); it must run over keys (dim=-1)",
     "softmax_heads": "softmax over the wrong axis: over heads (dim=1); it must run over keys (dim=-1)",
     "merge_wrong_order": "heads merged in the wrong order: (b, T, head_dim, num_heads) was flattened, so the "
@@ -97,6 +114,10 @@ MISTAKES = {
     "heads_reversed": "heads concatenated in reverse order (head h must occupy columns h*head_dim ...)",
     "no_out_proj": "out_proj not applied: the output is the merged heads; apply the output projection, which "
                    "mixes the heads",
+    "dropout_in_eval": "dropout active in eval mode: with dropout > 0 and module.eval() the output changes from "
+                       "run to run (or differs from dropout = 0); F.dropout(x, p) defaults to training=True, so "
+                       "write F.dropout(x, p, training=self.training) (or dropout_p=p if self.training else 0.0 "
+                       "for scaled_dot_product_attention), or use an nn.Dropout module",
     "view_non_contiguous": "view on a non-contiguous tensor: after transpose(1, 2) the tensor must be made "
                            "contiguous before view (transpose(1, 2).contiguous().view(b, T, d_out)) or use reshape",
 }
@@ -196,12 +217,22 @@ def parse_args(items: list[str] | None) -> dict:
     return kwargs
 
 
+def forward_takes_past(cls: type) -> bool:
+    """Whether ``cls.forward`` has a cache argument (one of :data:`PAST_NAMES`)."""
+    try:
+        return any(n in PAST_NAMES for n in pyinspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+
+
 def constructor_kwargs(cls: type, given: dict, min_context: int) -> dict:
     """The caller's kwargs plus :data:`DEFAULT_KWARGS` for required parameters (and dropout → 0).
 
+    A required context length the caller left out is ``max(16, min_context)``.
+
     Raises:
         CheckError: a required parameter with no known default, or a context length below
-            ``min_context`` (past + tokens of the check).
+            ``min_context`` (the tokens of the check, plus the past when the cache is tested).
     """
     kwargs = dict(given)
     for p in list(pyinspect.signature(cls.__init__).parameters.values())[1:]:
@@ -209,13 +240,16 @@ def constructor_kwargs(cls: type, given: dict, min_context: int) -> dict:
             continue
         if p.name in DEFAULT_KWARGS and (p.default is p.empty or p.name in DROPOUT_NAMES):
             kwargs[p.name] = DEFAULT_KWARGS[p.name]
+            if p.name in CONTEXT_NAMES:
+                kwargs[p.name] = max(kwargs[p.name], min_context)
         elif p.default is p.empty:
             raise CheckError(f"{cls.__name__}.__init__ needs {p.name!r}, which has no default the checker knows: "
                              f"pass it with --args {p.name}=VALUE")
     for name in CONTEXT_NAMES:
         if isinstance(kwargs.get(name), int) and kwargs[name] < min_context:
-            raise CheckError(f"{name}={kwargs[name]} is shorter than the check's past + tokens = {min_context}; "
-                             f"pass a larger {name} or fewer --tokens/--past")
+            what = "past + tokens" if forward_takes_past(cls) else "tokens"
+            raise CheckError(f"{name}={kwargs[name]} is shorter than the check's {what} = {min_context}; "
+                             f"pass a larger {name} or fewer --tokens" + ("/--past" if "past" in what else ""))
     return kwargs
 
 
@@ -229,6 +263,8 @@ class Proj:
     weight: torch.Tensor
     bias: torch.Tensor | None
     in_out: bool
+    bias_rows: slice | None = None     #: this projection's rows of a packed bias (nn.MultiheadAttention)
+    bare: bool = False                 #: a bare nn.Parameter (its orientation is a guess the check tries both ways)
 
     @property
     def d_in(self) -> int:
@@ -242,7 +278,7 @@ class Proj:
         """Copy ``W [out, in]`` (nn.Linear orientation) and ``b [out]`` in."""
         self.weight.copy_(W.T if self.in_out else W)
         if self.bias is not None:
-            self.bias.copy_(b)
+            (self.bias if self.bias_rows is None else self.bias[self.bias_rows]).copy_(b)
 
 
 @dataclass
@@ -265,6 +301,9 @@ class Layout:
     qkv: Proj | None = None
     out: Proj | None = None
     other: list = field(default_factory=list)
+    heads_from: str = ""       #: where num_heads came from (constructor argument, attribute, default ...)
+    single_head: bool = False  #: no head count anywhere: checked as one head of width d_out
+    source: str = ""           #: e.g. "torch.nn.MultiheadAttention at attn (batch_first=True)"
 
     @property
     def head_dim(self) -> int:
@@ -280,16 +319,22 @@ class Layout:
         else:
             names = [p[0].name for p in (self.q, self.k, self.v)]
         names.append(self.out.name if self.out else "no output projection")
-        return (f"{self.kind} ({', '.join(names)}) d_in={self.d_in} d_out={self.d_out} num_heads={self.num_heads} "
+        text = (f"{self.kind} ({', '.join(names)}) d_in={self.d_in} d_out={self.d_out} num_heads={self.num_heads} "
                 f"head_dim={self.head_dim}")
+        if self.single_head:
+            text += " (single head: no head count found, checked as one head of width d_out)"
+        elif self.heads_from:
+            text += f" (num_heads from {self.heads_from})"
+        return text + (f"; {self.source}" if self.source else "")
 
 
-def _proj(module: nn.Module, name: str, prefix: str = "") -> Proj | None:
-    """The projection ``module.<name>``: an nn.Linear, a Conv1D, or a bare 2-D parameter."""
+def _proj(module: nn.Module, name: str, prefix: str = "", bare_in_out: bool = True) -> Proj | None:
+    """The projection ``module.<name>``: an nn.Linear, a Conv1D, or a bare 2-D parameter (taken
+    as ``[in, out]``, used as ``x @ W``, when ``bare_in_out``; else ``[out, in]``, ``x @ W.T``)."""
     obj = module._modules.get(name) or module._parameters.get(name)
     full = prefix + name
     if isinstance(obj, nn.Parameter):
-        return Proj(full, obj, None, True) if obj.dim() == 2 else None
+        return Proj(full, obj, None, bare_in_out, bare=True) if obj.dim() == 2 else None
     if not isinstance(obj, nn.Module):
         return None
     w, b = getattr(obj, "weight", None), getattr(obj, "bias", None)
@@ -303,70 +348,142 @@ def _proj(module: nn.Module, name: str, prefix: str = "") -> Proj | None:
     return None
 
 
-def _split_projs(module: nn.Module, prefix: str = "") -> tuple | None:
+def _split_projs(module: nn.Module, prefix: str = "", bare_in_out: bool = True) -> tuple | None:
     for names in SPLIT_NAMES:
-        ps = [_proj(module, n, prefix) for n in names]
+        ps = [_proj(module, n, prefix, bare_in_out) for n in names]
         if all(ps):
             return tuple(ps)
     return None
 
 
-def _out_proj(module: nn.Module) -> Proj | None:
-    return next((p for p in (_proj(module, n) for n in OUT_NAMES) if p), None)
+def _out_proj(module: nn.Module, bare_in_out: bool = True) -> Proj | None:
+    return next((p for p in (_proj(module, n, "", bare_in_out) for n in OUT_NAMES) if p), None)
+
+
+def _torch_mha_layout(module: nn.Module) -> Layout | None:
+    """The layout of the first ``torch.nn.MultiheadAttention`` inside ``module`` (None if none).
+
+    Packed form: ``in_proj_weight [3E, E]`` (q | k | v rows, nn.Linear orientation) and
+    ``in_proj_bias [3E]``; separate form (when kdim/vdim differ from embed_dim):
+    ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` with rows of the packed bias.
+    ``out_proj`` is an nn.Linear. Source: ``torch.nn.MultiheadAttention`` and
+    ``torch.nn.functional.multi_head_attention_forward``.
+    """
+    name, mha = next(((n, m) for n, m in module.named_modules() if isinstance(m, nn.MultiheadAttention)),
+                     (None, None))
+    if mha is None:
+        return None
+    pre = f"{name}." if name else ""
+    E, bias = mha.embed_dim, mha.in_proj_bias
+    out = Proj(f"{pre}out_proj", mha.out_proj.weight, mha.out_proj.bias, False)
+    source = f"torch.nn.MultiheadAttention at {name or 'the module itself'} (batch_first={mha.batch_first})"
+    if mha._qkv_same_embed_dim:
+        qkv = Proj(f"{pre}in_proj_weight", mha.in_proj_weight, bias, False)
+        layout = Layout("fused", E, E, mha.num_heads, qkv=qkv, out=out)
+    else:
+        ps = [Proj(f"{pre}{r}_proj_weight", getattr(mha, f"{r}_proj_weight"), bias, False,
+                   slice(i * E, (i + 1) * E) if bias is not None else None) for i, r in enumerate("qkv")]
+        layout = Layout("split", ps[0].d_in, E, mha.num_heads, [ps[0]], [ps[1]], [ps[2]], out=out)
+    layout.heads_from, layout.source = f"{pre}num_heads = {mha.num_heads}", source
+    return layout
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def num_heads_source(module: nn.Module, kwargs: dict) -> tuple[int | None, str]:
+    """The module's head count and where it came from, or ``(None, "")``.
+
+    Sources, in order: a constructor argument the checker passed (``num_heads``, ``n_head``,
+    ``h`` ... see :data:`HEAD_ALIASES`), an int attribute of the module under one of those
+    names, the default of such a parameter in the constructor's signature (``num_heads=4``).
+    """
+    for name in HEAD_ALIASES:
+        if _is_count(kwargs.get(name)):
+            return kwargs[name], f"constructor argument {name}={kwargs[name]}"
+    for name in HEAD_ALIASES:
+        value = getattr(module, name, None)
+        if _is_count(value):
+            return value, f"self.{name} = {value}"
+    try:
+        params = pyinspect.signature(type(module).__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    for name in HEAD_ALIASES:
+        if name in params and _is_count(params[name].default):
+            return params[name].default, f"signature default {name}={params[name].default}"
+    return None, ""
 
 
 def _num_heads(module: nn.Module, kwargs: dict) -> int | None:
-    for name in HEAD_NAMES:
-        value = kwargs.get(name, getattr(module, name, None))
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+    return num_heads_source(module, kwargs)[0]
 
 
-def recognise_layout(module: nn.Module, kwargs: dict | None = None) -> Layout:
+def recognise_layout(module: nn.Module, kwargs: dict | None = None, bare_in_out: bool = True) -> Layout:
     """Recognise the module's parameter layout from its names and shapes.
+
+    Known layouts: ``W_query/W_key/W_value`` (+ optional ``out_proj``), ``q_proj/k_proj/v_proj``
+    (+ ``o_proj``) and the other :data:`SPLIT_NAMES`; a fused q|k|v projection (:data:`FUSED_NAMES`);
+    GPT-2's ``c_attn/c_proj`` Conv1D; a ``heads`` ModuleList of single-head modules; a
+    ``torch.nn.MultiheadAttention`` inside the module. Bare ``nn.Parameter`` weights are read as
+    ``[in, out]`` (``x @ W``) when ``bare_in_out``, else as ``[out, in]`` (``x @ W.T``).
+
+    The head count comes from :func:`num_heads_source`; with none anywhere, a split or fused
+    layout is checked as a single head of width d_out (the book's ``CausalAttention``,
+    ``SelfAttention_v1/v2``).
 
     Raises:
         CheckError: no known layout (the message lists every parameter found with its
-            shape), projections of inconsistent shapes, or an unknown head count.
+            shape), or projections of inconsistent shapes.
     """
     kwargs = kwargs or {}
-    split, fused = _split_projs(module), None
+    layout = None
+    split, fused = _split_projs(module, "", bare_in_out), None
     if split is None:
-        fused = next((p for p in (_proj(module, n) for n in FUSED_NAMES) if p and p.d_out % 3 == 0), None)
+        fused = next((p for p in (_proj(module, n, "", bare_in_out) for n in FUSED_NAMES) if p and p.d_out % 3 == 0),
+                     None)
     heads = None
     if split is None and fused is None:
         for name, child in module.named_children():
             if isinstance(child, nn.ModuleList) and len(child):
-                per_head = [_split_projs(m, f"{name}.{i}.") for i, m in enumerate(child)]
+                per_head = [_split_projs(m, f"{name}.{i}.", bare_in_out) for i, m in enumerate(child)]
                 if all(per_head):
                     heads = per_head
                     break
     if split is None and fused is None and heads is None:
+        layout = _torch_mha_layout(module)
+    if split is None and fused is None and heads is None and layout is None:
         found = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters()) or "none"
         raise CheckError(
             f"cannot recognise the parameter layout of {type(module).__name__}; parameters found: {found}. "
             f"Known layouts: W_query/W_key/W_value (+ out_proj); q_proj/k_proj/v_proj (+ o_proj); a fused qkv "
             f"nn.Linear named {'/'.join(FUSED_NAMES[1:])} (+ out_proj/c_proj); c_attn/c_proj Conv1D; "
-            f"heads = ModuleList of single-head modules with W_query/W_key/W_value")
-    out = _out_proj(module)
-    if heads is not None:
-        q, k, v = (list(p) for p in zip(*heads))
-        layout = Layout("wrapper", q[0].d_in, sum(p.d_out for p in q), len(heads), q, k, v, out=out)
-    elif fused is not None:
-        layout = Layout("fused", fused.d_in, fused.d_out // 3, 0, qkv=fused, out=out)
-    else:
-        layout = Layout("split", split[0].d_in, split[0].d_out, 0, [split[0]], [split[1]], [split[2]], out=out)
-    if layout.kind != "wrapper":
-        layout.num_heads = _num_heads(module, kwargs) or 0
-        if not layout.num_heads:
-            raise CheckError(f"cannot tell the number of heads of {type(module).__name__}: pass num_heads in --args "
-                             f"or keep it in self.num_heads / self.n_head")
+            f"heads = ModuleList of single-head modules with W_query/W_key/W_value; a torch.nn.MultiheadAttention")
+    if layout is None:
+        out = _out_proj(module, bare_in_out)
+        if heads is not None:
+            q, k, v = (list(p) for p in zip(*heads))
+            layout = Layout("wrapper", q[0].d_in, sum(p.d_out for p in q), len(heads), q, k, v, out=out)
+            layout.heads_from = f"{len(heads)} modules in {q[0].name.split('.')[0]}"
+        elif fused is not None:
+            layout = Layout("fused", fused.d_in, fused.d_out // 3, 0, qkv=fused, out=out)
+        else:
+            layout = Layout("split", split[0].d_in, split[0].d_out, 0, [split[0]], [split[1]], [split[2]], out=out)
+        if layout.kind != "wrapper":
+            layout.num_heads, layout.heads_from = num_heads_source(module, kwargs)
+            if not layout.num_heads:
+                layout.num_heads, layout.single_head = 1, True
     _check_layout_shapes(layout)
-    used = {id(p.weight) for p in layout.q + layout.k + layout.v + [layout.qkv, layout.out] if p}
-    used |= {id(p.bias) for p in layout.q + layout.k + layout.v + [layout.qkv, layout.out] if p and p.bias is not None}
+    projs = [p for p in layout.q + layout.k + layout.v + [layout.qkv, layout.out] if p]
+    used = {id(p.weight) for p in projs} | {id(p.bias) for p in projs if p.bias is not None}
     layout.other = [n for n, p in module.named_parameters() if id(p) not in used]
     return layout
+
+
+def has_bare_weights(layout: Layout) -> bool:
+    """Whether any projection is a bare nn.Parameter (so its orientation is a guess)."""
+    return any(p.bare for p in layout.q + layout.k + layout.v + [layout.qkv, layout.out] if p)
 
 
 def _check_layout_shapes(layout: Layout) -> None:
@@ -465,6 +582,8 @@ def reference(x: torch.Tensor, p: RefParams, h: int, past: int = 0, mistakes=fro
         qh, kh, vh = (t.reshape(b, h, S, hd) for t in (q4, k4, v4))                   # memory reinterpreted
     else:
         qh, kh, vh = (t.transpose(1, 2) for t in (q4, k4, v4))                        # [b, h, S, hd]
+    if "split_keys_no_transpose" in mistakes:
+        kh = k4.reshape(b, h, S, hd)                                                  # keys only
     scores = qh[:, :, past:] @ kh.transpose(-1, -2)                                   # [b, h, T, S]
     denominator = {"scale_d_out": math.sqrt(d), "scale_d_in": math.sqrt(d_in), "scale_head_dim_no_sqrt": hd,
                    "scale_none": 1.0}
@@ -472,10 +591,15 @@ def reference(x: torch.Tensor, p: RefParams, h: int, past: int = 0, mistakes=fro
     mask = attention_mask(T, S)
     if "mask_not_offset" in mistakes:
         mask = torch.ones(S, S, dtype=torch.bool).tril()[:T, :S]
+    if "anti_causal_mask" in mistakes:                                                # key j >= query i + past
+        mask = torch.arange(S)[None, :] >= torch.arange(T)[:, None] + past
     if "no_mask" in mistakes:
         mask = torch.ones(T, S, dtype=torch.bool)
     dim = -2 if "softmax_queries" in mistakes else 1 if "softmax_heads" in mistakes else -1
-    weights = torch.softmax((scores / scale).masked_fill(~mask, float("-inf")), dim=dim)
+    if "mask_after_softmax" in mistakes:
+        weights = torch.softmax(scores / scale, dim=dim).masked_fill(~mask, 0.0)
+    else:
+        weights = torch.softmax((scores / scale).masked_fill(~mask, float("-inf")), dim=dim)
     a = weights @ vh                                                                  # [b, h, T, hd]
     if "merge_no_transpose" in mistakes:
         merged = a.contiguous().view(b, T, d)
@@ -496,11 +620,14 @@ def reference(x: torch.Tensor, p: RefParams, h: int, past: int = 0, mistakes=fro
 
 def applicable_mistakes(layout: Layout, cache_tested: bool) -> list[str]:
     """The :data:`MISTAKES` the reference can reproduce for this layout."""
-    skip = {"view_non_contiguous"}
+    skip = {"view_non_contiguous", "dropout_in_eval"}
     if layout.kind != "fused":
         skip.add("interleaved_qkv")
     if layout.kind == "wrapper":
-        skip |= {"split_no_transpose", "merge_no_transpose", "merge_wrong_order"}
+        skip |= {"split_no_transpose", "split_keys_no_transpose", "merge_no_transpose", "merge_wrong_order"}
+    if layout.num_heads == 1:                       # one head: these change nothing
+        skip |= {"split_no_transpose", "split_keys_no_transpose", "merge_no_transpose", "merge_wrong_order",
+                 "heads_reversed", "softmax_heads", "interleaved_qkv"}
     if layout.out is None:
         skip.add("no_out_proj")
     if not cache_tested:
@@ -619,13 +746,13 @@ def expected_stages(layout: Layout, ref: dict) -> dict[str, list[torch.Tensor] |
     m = ref["mask"]
     score_forms = [s, scaled, s.masked_fill(~m, float("-inf")), scaled.masked_fill(~m, float("-inf")),
                    scaled.masked_fill(~m, -1e10), s.masked_fill(~m, -1e10)]
-    head0 = (lambda t: t[:, 0]) if wrapper else (lambda t: t)
+    head0 = (lambda t: t[:, 0]) if wrapper or layout.single_head else (lambda t: t)   # [b, T, ...] per head
     return {
         "input": [ref["input"]],
         "projections": ([ref[n][..., :hd] for n in "qkv"] if wrapper else
                         [ref["qkv"]] if layout.kind == "fused" else [ref["q"], ref["k"], ref["v"]]),
-        "view": None if wrapper else ref["view"],
-        "transpose": None if wrapper else ref["transpose"],
+        "view": None if wrapper or layout.single_head else ref["view"],          # one head: nothing to split
+        "transpose": None if wrapper or layout.single_head else ref["transpose"],
         "scores": [head0(t) for t in score_forms],
         "weights": [head0(ref["weights"])],
         "contexts": [head0(ref["contexts"])],
@@ -757,6 +884,7 @@ class CheckReport:
     cache: str = "not tested"
     cache_max_abs_error: float | None = None
     cache_stages: list = field(default_factory=list)
+    dropout: str = "not tested"
     diagnoses: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     error: str | None = None
@@ -782,16 +910,21 @@ def _past_arg(module: nn.Module) -> tuple[str | None, str | None]:
     return past, flag
 
 
-def _build(target, kwargs: dict, min_context: int) -> tuple[nn.Module, dict]:
-    """Load (if a string), fill kwargs and construct the module in eval mode."""
+def _build(target, kwargs: dict, tokens: int, past: int) -> tuple[nn.Module, dict]:
+    """Load (if a string), fill kwargs and construct the module in eval mode; the context must
+    hold ``tokens`` (plus ``past`` when forward takes a cache, so the cache step can run)."""
     cls = load_class(target) if isinstance(target, str) else target
-    kwargs = constructor_kwargs(cls, kwargs, min_context)
+    kwargs = constructor_kwargs(cls, kwargs, tokens + (past if forward_takes_past(cls) else 0))
+    return _construct(cls, kwargs), kwargs
+
+
+def _construct(cls, kwargs: dict) -> nn.Module:
     try:
         module = cls(**kwargs)
     except (Exception, SystemExit) as e:
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         raise CheckError(f"{cls.__name__}({args}) raised {type(e).__name__}: {e}{_where(e)}") from None
-    return module.float().eval(), kwargs
+    return module.float().eval()
 
 
 def check(target, kwargs: dict | None = None, *, batch: int = 2, tokens: int = 5, past: int = 3,
@@ -802,10 +935,17 @@ def check(target, kwargs: dict | None = None, *, batch: int = 2, tokens: int = 5
         target: ``"FILE.py:ClassName"``, ``"package.module:ClassName"`` or an nn.Module class.
             Loading a file RUNS ITS CODE.
         kwargs: constructor arguments; required ones the caller leaves out are filled from
-            :data:`DEFAULT_KWARGS` (d_in=20, d_out=24, num_heads=4, context_length=16, dropout=0).
+            :data:`DEFAULT_KWARGS` (d_in=20, d_out=24, num_heads=4, context_length=16 or the
+            tokens needed, dropout=0).
         batch, tokens: input ``[batch, tokens, d_in]``; past: cached tokens for the cache step
-            (0 skips it; it runs only when forward takes a ``past``-like argument).
+            (0 skips it; it runs only when forward takes a ``past``-like argument, and only then
+            must the context hold past + tokens).
         seed: seed of the random input and weights.
+
+    Bare ``nn.Parameter`` weights are tried as ``[in, out]`` (``x @ W``) and as ``[out, in]``
+    (``x @ W.T``); the report keeps the convention that matches (else the one that runs) and
+    says which. With a dropout argument the module is also built with dropout 0.5 and run
+    twice in eval mode: both outputs must equal the dropout-0 output.
 
     Returns:
         :class:`CheckReport`; never raises for a faulty module (verdict "error", exit code 2).
@@ -815,21 +955,67 @@ def check(target, kwargs: dict | None = None, *, batch: int = 2, tokens: int = 5
     try:
         if batch < 1 or tokens < 2 or past < 0:
             raise CheckError(f"need batch >= 1, tokens >= 2 and past >= 0 (got {batch}, {tokens}, {past})")
-        module, report.kwargs = _build(target, dict(kwargs or {}), past + tokens)
-        layout = recognise_layout(module, report.kwargs)
-        _run_check(module, layout, report, batch, tokens, past, seed)
+        module, report.kwargs = _build(target, dict(kwargs or {}), tokens, past)
+        try:
+            layout = recognise_layout(module, report.kwargs)
+        except CheckError as e:                 # bare weights read as [in, out] may not fit; try [out, in]
+            try:
+                layout = recognise_layout(module, report.kwargs, bare_in_out=False)
+            except CheckError:
+                raise e from None
+        if not has_bare_weights(layout):
+            _run_check(module, layout, report, batch, tokens, past, seed)
+        else:
+            report = _check_both_conventions(module, report, batch, tokens, past, seed)
     except CheckError as e:
         report.verdict, report.exit_code, report.error = "error", 2, str(e)
     return report
 
 
-def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: int, seed: int) -> None:
-    """Fill ``report`` for a built module with a recognised layout."""
+CONVENTIONS = {True: "[in, out], used as x @ W", False: "[out, in], used as x @ W.T (nn.Linear's convention)"}
+
+
+def _check_both_conventions(module, report: CheckReport, b, T, P, seed) -> CheckReport:
+    """Run the check with bare weights read as ``[in, out]`` and as ``[out, in]``; keep the best."""
+    def attempt(in_out: bool, diagnose: bool) -> CheckReport:
+        r = dataclasses.replace(report, notes=[], diagnoses=[], stages=[], cache_stages=[])
+        try:
+            _run_check(module, recognise_layout(module, report.kwargs, bare_in_out=in_out), r, b, T, P, seed,
+                       diagnose)
+        except CheckError as e:
+            r.verdict, r.exit_code, r.error = "error", 2, str(e)
+        return r
+
+    tried = []
+    for in_out in (True, False):                      # without the (slower) diagnosis by reproduction
+        tried.append((in_out, attempt(in_out, False)))
+        if tried[-1][1].verdict == "match":
+            break
+    in_out, best = min(tried, key=lambda t: (t[1].exit_code, not t[0]))
+    if best.verdict == "mismatch":
+        best = attempt(in_out, True)
+    others = [f"{CONVENTIONS[i]}: {r.verdict}" for i, r in tried if i != in_out]
+    if best.verdict == "match":
+        best.notes.append(f"bare nn.Parameter weights: the module stores them {CONVENTIONS[in_out]}")
+    else:
+        best.notes.append(f"bare nn.Parameter weights: tried both conventions; reporting {CONVENTIONS[in_out]}"
+                          + (f" (other: {'; '.join(others)})" if others else ""))
+    return best
+
+
+def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: int, seed: int,
+               diagnose: bool = True) -> None:
+    """Fill ``report`` for a built module with a recognised layout (``diagnose``: also look for the
+    classic mistakes that reproduce a mismatch)."""
     h, hd = layout.num_heads, layout.head_dim
     report.layout = layout.describe()
     report.config = dict(b=b, T=T, past=P, d_in=layout.d_in, d_out=layout.d_out, num_heads=h, head_dim=hd, seed=seed)
     if layout.other:
         report.notes.append(f"parameters outside the attention layout, left as they are: {', '.join(layout.other)}")
+    if layout.single_head:
+        report.notes.append("no head count found (no num_heads argument, attribute or default): checked as one head "
+                            "of width d_out. If the module has several heads, keep the count in self.num_heads or "
+                            "take it as a constructor argument num_heads")
     gen = torch.Generator().manual_seed(seed)
     p = make_params(layout, gen)
     try:
@@ -857,18 +1043,61 @@ def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: i
     ok = outputs_ok = report.max_abs_error <= TOL and (report.cache_max_abs_error is None or
                                                        report.cache_max_abs_error <= TOL)
     if layout.out is None and layout.kind != "wrapper":
-        report.notes.append("the module has no output projection (out_proj / o_proj / c_proj); GPT-2's attention and "
-                            "the book's MultiHeadAttention mix the heads with one")
-        report.diagnoses.append("no_out_proj")
-        ok = False
-    if layout.out is not None and layout.out.name not in report.modules_called and not ok:
+        report.notes.append("no output projection (out_proj / o_proj / c_proj; the book calls it optional): checked "
+                            "against the reference without one")
+    if layout.out is not None and layout.out.name not in report.modules_called and not ok and not layout.source:
+        # (torch.nn.MultiheadAttention uses out_proj's weight without calling the module)
         report.notes.append(f"{layout.out.name} is defined but forward never called it")
-    if not outputs_ok and all(o is not None and o.shape == ref["output"].shape for o in outputs.values()):
+    nondeterministic = _check_dropout(module, layout, report, x[:, P:], run.output)
+    if nondeterministic:
+        report.diagnoses.append("dropout_in_eval")
+        ok = False
+    if diagnose and not outputs_ok and not nondeterministic and all(o is not None and o.shape == ref["output"].shape
+                                                       for o in outputs.values()):
         extra = diagnose_by_reproduction(x, p, layout, outputs, T, applicable_mistakes(layout, len(outputs) > 1))
         report.diagnoses += [m for m in extra if m not in report.diagnoses]
     if ok:
         report.diagnoses = []
     report.verdict, report.exit_code = ("match", 0) if ok else ("mismatch", 1)
+
+
+#: Dropout probability of the eval-mode determinism check.
+DROPOUT_CHECK_P = 0.5
+
+
+def _check_dropout(module, layout: Layout, report: CheckReport, x: torch.Tensor, y0: torch.Tensor) -> bool:
+    """Eval mode must turn dropout off: run the module again (same input), and, when its constructor
+    takes a dropout argument, a copy built with dropout = :data:`DROPOUT_CHECK_P` twice; every
+    output must equal ``y0`` (the dropout-0 output). Returns True if one differs."""
+    again = run_module(module, x)
+    if again.error is None and _max_err(again.output, y0) > 0:
+        report.dropout = "FAILED: two eval-mode runs on the same input differ"
+        return True
+    names = [n for n in DROPOUT_NAMES if n in report.kwargs]
+    if not names:
+        report.dropout = "eval-mode output deterministic (the constructor takes no dropout argument)"
+        return False
+    kwargs = {**report.kwargs, **{n: DROPOUT_CHECK_P for n in names}}
+    try:
+        other = _construct(type(module), kwargs)
+        other.load_state_dict(module.state_dict())
+    except (CheckError, RuntimeError) as e:
+        report.dropout = f"not tested (building it with {names[0]}={DROPOUT_CHECK_P} failed: {e})"
+        return False
+    runs = [run_module(other, x) for _ in range(2)]
+    if any(r.error is not None for r in runs):
+        error = runs[0].error or runs[1].error
+        report.dropout = f"not tested (forward with {names[0]}={DROPOUT_CHECK_P} raised {error})"
+        return False
+    errs = [_max_err(r.output, y0) for r in runs]
+    what = ", ".join(f"{n}={DROPOUT_CHECK_P}" for n in names)
+    if max(errs) > TOL:
+        same = _max_err(runs[0].output, runs[1].output) == 0
+        report.dropout = (f"FAILED: in eval mode with {what} the output differs from dropout 0 by {max(errs):.3g}"
+                          + ("" if same else " and from run to run"))
+        return True
+    report.dropout = f"tested: in eval mode with {what} the output equals dropout 0 (max abs error {max(errs):.3g})"
+    return False
 
 
 def _check_cache(module, layout, report, x, p, run: Run, P: int, outputs: dict) -> None:
@@ -929,6 +1158,7 @@ def format_report(r: CheckReport) -> str:
     if r.layout:
         lines.append(f"cache: {r.cache}" + (f", max abs error {r.cache_max_abs_error:.3g}"
                                             if r.cache_max_abs_error is not None else ""))
+        lines.append(f"dropout: {r.dropout}")
     for note in r.notes:
         lines.append(f"note: {note}")
     if r.error:

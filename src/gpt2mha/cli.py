@@ -204,8 +204,8 @@ def cmd_trace(args) -> int:
 
 
 def cmd_heads(args) -> int:
-    from .inspect import (analyse_heads, check_selection, format_strongest, selected_heads, strongest_heads,
-                          write_heads)
+    from .inspect import (ROLE_THRESHOLD, analyse_heads, check_selection, format_strongest, selected_heads,
+                          strongest_heads, top_heads, write_heads)
 
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be at least 1")
@@ -216,18 +216,30 @@ def cmd_heads(args) -> int:
     c = model.config
     check_selection(c.n_layer, c.n_head, args.layer, args.head)   # before the (slower) forward pass
     result = analyse_heads(model, args.prompt)
-    rows = strongest_heads(result.scores, args.top)
+    rows = strongest_heads(result.relative, args.top)
     heads = selected_heads(c.n_layer, c.n_head, args.layer, args.head, rows)
+    if not heads:                                                 # no head has a clear role: draw the closest
+        best = max(result.roles, key=lambda r: r["score"])
+        heads = [(best["layer"], best["head"])]
+    induction = top_heads(result.relative["induction"], 3)
     title = f"{args.model or 'built-in model'}: {c.n_layer} layers x {c.n_head} heads, {len(result.tokens)} tokens"
     files = write_heads(result, args.out, heads, title)
     if args.json:
         print(json.dumps({"files": {k: files[k] for k in ("grid", "heads", "html")}, "strongest": rows,
-                          "tokens": result.labels,
-                          "scores": {k: v.tolist() for k, v in result.scores.items()}}))
+                          "roles": result.roles, "threshold": ROLE_THRESHOLD, "induction": induction,
+                          "tokens": result.labels, "notes": files["notes"],
+                          "scores": {k: v.tolist() for k, v in result.scores.items()},
+                          "relative": {k: v.tolist() for k, v in result.relative.items()}}))
         return 0
     print(f"{len(result.tokens)} tokens, {c.n_layer} layers x {c.n_head} heads (0-based numbers)")
-    print(f"strongest heads per role (score: mean weight over query tokens 1..T-1; broad: entropy / log(i+1)):")
-    print(format_strongest(rows))
+    print(f"heads with a clear role (one per head, its strongest; score relative to uniform attention: 0 = what "
+          f"uniform or random attention gives, 1 = all weight on that key; a role needs >= {ROLE_THRESHOLD}):")
+    print(format_strongest(rows, result.roles))
+    print("strongest induction heads (a random sequence repeated; weight from the second copy to the token after "
+          "the first occurrence): " + ", ".join(f"layer {r['layer']} head {r['head']} {r['score']:.2f}"
+                                                 for r in induction))
+    for note in files["notes"]:
+        print(f"note: {note}")
     print(f"wrote {files['grid']}, {files['html']}" + "".join(f", {p}" for p in files["heads"]))
     return 0
 
@@ -273,9 +285,10 @@ def _add_inspect_commands(sub) -> None:
     hd = sub.add_parser("heads", help="attention maps of every layer and head, and head roles, for a prompt",
                         description="Run the model on PROMPT through the explicit attention path and write "
                                     "OUT/grid.png (every layer x head map), OUT/layer{L}_head{H}.png per selected "
-                                    "head and OUT/heads.html (self-contained). Prints the strongest heads per role: "
-                                    "previous-token, first-token, self, broad (high entropy). Layers and heads "
-                                    "are numbered from 0.")
+                                    "head and OUT/heads.html (self-contained). Gives each head one role, its "
+                                    "strongest: previous-token, first-token, self (on PROMPT) or induction (on a "
+                                    "repeated random sequence), scored relative to uniform attention, or 'no clear "
+                                    "role' below the threshold. Layers and heads are numbered from 0.")
     hd.add_argument("prompt", metavar="PROMPT")
     _model_arg(hd)
     hd.add_argument("--layer", type=int, default=None, help="layer to draw at full size (default: see --head)")
@@ -294,7 +307,9 @@ def _add_inspect_commands(sub) -> None:
     ck = sub.add_parser("check", help="check a multi-head attention module you wrote (RUNS the file's code)",
                         description="Build FILE.py:ClassName, recognise its parameter layout (W_query/W_key/W_value/"
                                     "out_proj; q_proj/k_proj/v_proj/o_proj; a fused qkv Linear; c_attn/c_proj "
-                                    "Conv1D; a heads ModuleList), copy reference weights in, run both on the same "
+                                    "Conv1D; a heads ModuleList; a torch.nn.MultiheadAttention inside; single heads "
+                                    "such as the book's CausalAttention), copy reference weights in, run both on "
+                                    "the same "
                                     "input and report the shapes stage by stage, the first differing stage, the "
                                     "max abs error and a diagnosis of classic mistakes. Exit code 0: matches; 1: "
                                     "runs but does not match; 2: could not be run. " + warning,
@@ -302,7 +317,8 @@ def _add_inspect_commands(sub) -> None:
     ck.add_argument("target", metavar="FILE.py:ClassName", help="also package.module:ClassName")
     ck.add_argument("--args", nargs="+", action="extend", default=[], metavar="ARG",
                     help="constructor arguments: a JSON object or key=value items, e.g. --args d_in=20 d_out=24 "
-                         "num_heads=4 (missing ones: d_in=20, d_out=24, num_heads=4, context_length=16, dropout=0)")
+                         "num_heads=4 (missing ones: d_in=20, d_out=24, num_heads=4, context_length=16 or the "
+                         "tokens needed, dropout=0)")
     ck.add_argument("--batch", type=int, default=2, help="b (default 2)")
     ck.add_argument("--tokens", type=int, default=5, help="T (default 5)")
     ck.add_argument("--past", type=int, default=3,

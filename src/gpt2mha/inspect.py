@@ -250,14 +250,19 @@ class HeadsResult(NamedTuple):
 
     Attributes:
         weights: ``[n_layer, B, h, T, T]`` attention weights (float32, rows sum to 1).
-        scores: role name → ``[n_layer, h]`` tensor (see :func:`role_scores`).
+        scores: raw score name → ``[n_layer, h]`` tensor (see :func:`role_scores`; plus
+            ``induction`` from :func:`induction_scores` when a model was given).
         tokens: the prompt's token ids; labels: one printable label per token.
+        relative: role → ``[n_layer, h]`` score over the uniform-attention baseline (see
+            :func:`relative_scores`); roles: one row per head from :func:`assign_roles`.
     """
 
     weights: torch.Tensor
     scores: dict
     tokens: list
     labels: list
+    relative: dict = {}
+    roles: list = []
 
 
 def attention_maps(model, idx: torch.Tensor) -> torch.Tensor:
@@ -331,30 +336,153 @@ def role_scores(weights: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-#: Roles of the "strongest heads" table: (label, score key).
-ROLES = (("previous-token", "previous"), ("first-token", "first"), ("self", "self"),
-         ("broad (high-entropy)", "entropy_norm"))
+#: Roles a head can be given: (label, score key). A head that attends broadly (high entropy) has
+#: no role: near-uniform attention is what random weights give.
+ROLES = (("previous-token", "previous"), ("first-token", "first"), ("self", "self"), ("induction", "induction"))
+
+#: A head gets a role only when its relative score (:func:`relative_scores`) is at least this:
+#: 30% of the way from what uniform (or random) attention gives to all weight on the role's key.
+#: Random weights stay well below it (GPT-2's init: ~0.00; attention weights scaled 30x: < 0.25;
+#: tests/test_inspect.py holds that).
+ROLE_THRESHOLD = 0.3
+NO_ROLE = "no clear role"
 
 
-def strongest_heads(scores: dict[str, torch.Tensor], top: int = 3) -> list[dict]:
-    """The ``top`` highest-scoring heads of each role in :data:`ROLES`.
+def _relative(w_target: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
+    """``(w - 1/n) / (1 - 1/n)`` per query row: 0 for uniform attention over the ``n`` visible keys
+    (also the expectation under random attention that ignores positions), 1 for all weight on the
+    target key, negative when the key gets less than its uniform share."""
+    base = 1.0 / n_visible
+    return (w_target - base) / (1.0 - base)
+
+
+def relative_scores(weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Role scores over the uniform-attention baseline, for previous, first and self.
+
+    A head that spreads its weight uniformly over the i+1 keys query i can see puts 1/(i+1) on
+    the previous token: a raw "previous" score of ~0.25 over 8 tokens means nothing. Each row's
+    weight on the role's key is rescaled by :func:`_relative` (baseline 1/(i+1)), then averaged
+    over query tokens 1..T-1 and the batch.
+
+    Args:
+        weights: ``[n_layer, B, h, T, T]``, T >= 2.
 
     Returns:
-        Rows ``{"role", "layer", "head", "score"}`` (0-based layer and head), role by role,
-        best first.
+        ``{"previous", "first", "self"}`` → ``[n_layer, h]``; 0 = uniform/random, 1 = always that key.
+
+    Raises:
+        ValueError: as :func:`role_scores`.
     """
+    if weights.dim() != 5 or weights.shape[-1] != weights.shape[-2] or weights.shape[-1] < 2:
+        raise ValueError(f"weights has shape {tuple(weights.shape)}; expected [n_layer, B, h, T, T] with T >= 2")
+    T = weights.shape[-1]
+    w = weights.float()
+    i = torch.arange(1, T)
+    n = (i + 1).float()                                           # keys visible to query i
+    return {
+        "previous": _relative(w[..., i, i - 1], n).mean(dim=(1, 3)),
+        "first": _relative(w[..., 1:, 0], n).mean(dim=(1, 3)),
+        "self": _relative(w[..., i, i], n).mean(dim=(1, 3)),
+    }
+
+
+def repeated_random_tokens(config, n: int | None = None, batch: int = 4, seed: int = 0) -> torch.Tensor:
+    """``[batch, 2n]`` ids: n random tokens, then the same n again (the induction-head test input).
+
+    Tokens are drawn uniformly from printable ASCII (32..126) for byte-level models, from the
+    whole vocabulary otherwise; ``n`` defaults to ``min(50, n_ctx // 2)``.
+    """
+    n = n or min(50, config.n_ctx // 2)
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = (32, 127) if config.n_vocab == 256 else (0, config.n_vocab)
+    first = torch.randint(lo, hi, (batch, n), generator=gen)
+    return torch.cat([first, first], dim=1)
+
+
+def induction_scores(model, n: int | None = None, batch: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The induction-head score of every head (Olsson et al. 2022, "In-context learning and induction heads").
+
+    On a random sequence repeated twice (:func:`repeated_random_tokens`), query token n + j of the
+    second copy holds the same token as position j of the first; an induction head attends to
+    position j + 1, the token that followed it. Score: the mean weight there over j = 0..n-1.
+
+    Returns:
+        ``(raw [n_layer, h], relative [n_layer, h])``; relative uses the uniform baseline
+        1/(n+j+1) of :func:`_relative`.
+    """
+    return induction_from_maps(attention_maps(model, repeated_random_tokens(model.config, n, batch, seed)))
+
+
+def induction_from_maps(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Induction scores from the maps ``[n_layer, B, h, 2n, 2n]`` of a sequence repeated twice.
+
+    Returns:
+        ``(raw, relative)``, each ``[n_layer, h]``: the mean over j = 0..n-1 of the weight from
+        query n + j to key j + 1, and of that weight over the uniform baseline 1/(n+j+1).
+
+    Raises:
+        ValueError: weights not 5-D with square maps of even size >= 2.
+    """
+    if weights.dim() != 5 or weights.shape[-1] != weights.shape[-2] or weights.shape[-1] % 2:
+        raise ValueError(f"weights has shape {tuple(weights.shape)}; expected [n_layer, B, h, 2n, 2n]")
+    n = weights.shape[-1] // 2
+    j = torch.arange(n)
+    target = weights.float()[..., n + j, j + 1]                   # [L, B, h, n]
+    return target.mean(dim=(1, 3)), _relative(target, (n + j + 1).float()).mean(dim=(1, 3))
+
+
+def assign_roles(relative: dict[str, torch.Tensor], threshold: float = ROLE_THRESHOLD) -> list[dict]:
+    """One role per head: the role of :data:`ROLES` with the highest relative score, or
+    :data:`NO_ROLE` when that score is below ``threshold``.
+
+    Returns:
+        Rows ``{"layer", "head", "role", "score", "scores"}`` in layer/head order; ``score`` is
+        the best relative score, ``scores`` every role's.
+    """
+    keys = [(label, key) for label, key in ROLES if key in relative]
+    L, H = relative[keys[0][1]].shape
     rows = []
-    for label, key in ROLES:
-        s = scores[key]
-        flat = s.flatten()
-        for j in flat.argsort(descending=True)[:top].tolist():
-            rows.append({"role": label, "layer": j // s.shape[1], "head": j % s.shape[1], "score": float(flat[j])})
+    for l in range(L):
+        for h in range(H):
+            scores = {key: float(relative[key][l, h]) for _, key in keys}
+            label, key = max(keys, key=lambda lk: scores[lk[1]])
+            rows.append({"layer": l, "head": h, "role": label if scores[key] >= threshold else NO_ROLE,
+                         "score": scores[key], "scores": scores})
     return rows
 
 
-def format_strongest(rows: list[dict]) -> str:
-    """``layer 3 head 5: previous-token head, 0.91`` lines, one per row."""
-    return "\n".join(f"layer {r['layer']} head {r['head']}: {r['role']} head, {r['score']:.2f}" for r in rows)
+def strongest_heads(relative: dict[str, torch.Tensor], top: int = 3, threshold: float = ROLE_THRESHOLD) -> list[dict]:
+    """Per role of :data:`ROLES`, up to ``top`` heads whose role (:func:`assign_roles`) it is, best first.
+
+    Each head is listed once, under its strongest role; heads with no clear role are not listed.
+
+    Returns:
+        Rows ``{"role", "layer", "head", "score"}`` (0-based layer and head, relative score).
+    """
+    assigned = assign_roles(relative, threshold)
+    rows = []
+    for label, _ in ROLES:
+        mine = sorted((r for r in assigned if r["role"] == label), key=lambda r: -r["score"])[:top]
+        rows += [{"role": label, "layer": r["layer"], "head": r["head"], "score": r["score"]} for r in mine]
+    return rows
+
+
+def top_heads(score: torch.Tensor, top: int = 3) -> list[dict]:
+    """The ``top`` heads of one ``[n_layer, h]`` score, best first: rows ``{"layer", "head", "score"}``."""
+    flat = score.flatten()
+    return [{"layer": j // score.shape[1], "head": j % score.shape[1], "score": float(flat[j])}
+            for j in flat.argsort(descending=True)[:top].tolist()]
+
+
+def format_strongest(rows: list[dict], roles: list[dict] | None = None) -> str:
+    """``layer 3 head 5: previous-token head, 0.91`` lines, one per row, then (given ``roles``
+    from :func:`assign_roles`) how many heads have no clear role."""
+    lines = [f"layer {r['layer']} head {r['head']}: {r['role']} head, {r['score']:.2f}" for r in rows]
+    if roles is not None:
+        none = sum(r["role"] == NO_ROLE for r in roles)
+        lines.append(f"{none} of {len(roles)} heads have no clear role (relative score < {ROLE_THRESHOLD} for every "
+                     f"role)")
+    return "\n".join(lines)
 
 
 def token_labels(tokenizer, ids) -> list[str]:
@@ -373,10 +501,12 @@ def token_labels(tokenizer, ids) -> list[str]:
 
 
 def analyse_heads(model, prompt: str) -> HeadsResult:
-    """Tokenise ``prompt`` with the model's tokenizer, get every head's map and role scores.
+    """Tokenise ``prompt`` with the model's tokenizer, get every head's map and role scores
+    (previous, first, self from the prompt; induction from :func:`induction_scores`).
 
     Returns:
-        :class:`HeadsResult` with weights ``[n_layer, 1, h, T, T]``.
+        :class:`HeadsResult` with weights ``[n_layer, 1, h, T, T]``, raw and relative scores
+        and one role per head.
 
     Raises:
         ValueError: empty prompt, fewer than 2 tokens, or more tokens than the context.
@@ -390,7 +520,9 @@ def analyse_heads(model, prompt: str) -> HeadsResult:
     if len(ids) < 2:
         raise ValueError(f"PROMPT is {len(ids)} token; head roles need at least 2 tokens")
     weights = attention_maps(model, torch.tensor([ids], dtype=torch.long))
-    return HeadsResult(weights, role_scores(weights), ids, token_labels(tok, ids))
+    scores, relative = role_scores(weights), relative_scores(weights)
+    scores["induction"], relative["induction"] = induction_scores(model)
+    return HeadsResult(weights, scores, ids, token_labels(tok, ids), relative, assign_roles(relative))
 
 
 def check_selection(n_layer: int, n_head: int, layer: int | None, head: int | None) -> None:
@@ -424,25 +556,40 @@ def selected_heads(n_layer: int, n_head: int, layer: int | None, head: int | Non
 
 
 # ---------------------------------------------------------------------------------- images
-#: Grid geometry in pixels at :data:`DPI` (a power of two, so inches * DPI is exact).
-DPI, CELL, GAP, LEFT, BOTTOM, TOP, RIGHT = 128, 128, 16, 64, 64, 48, 16
+#: Grid geometry in pixels at :data:`DPI` (a power of two, so inches * DPI is exact). RIGHT holds
+#: the colour bar, BOTTOM the key labels and a line saying how labels were thinned.
+DPI, CELL, GAP, LEFT, BOTTOM, TOP, RIGHT = 128, 128, 16, 88, 104, 48, 96
+#: Cell side for prompts longer than 64 tokens (more room for labels).
+CELL_LONG = 192
+#: Token labels: font size in points (6 pt = 10.7 px at 128 dpi), at most one label per
+#: LABEL_PX pixels of a map's side, each cut to LABEL_CHARS characters.
+LABEL_PT, LABEL_PX, LABEL_CHARS = 6, 16, 8
 
 
-def grid_geometry(n_layer: int, n_head: int) -> dict:
-    """Pixel size of the grid PNG and each map's box.
+def grid_geometry(n_layer: int, n_head: int, T: int | None = None) -> dict:
+    """Pixel size of the grid PNG, each map's box, the colour bar's box and the label thinning.
+
+    Args:
+        n_layer, n_head: the grid's rows and columns; T: prompt tokens (maps get
+            :data:`CELL_LONG` pixels instead of :data:`CELL` past 64 tokens).
 
     Returns:
-        ``{"width", "height", "cells": {(layer, head): (x0, y0, x1, y1)}}``, y from the top;
-        layers are rows (layer 0 on top), heads are columns.
+        ``{"width", "height", "cell", "cells": {(layer, head): (x0, y0, x1, y1)}, "colorbar":
+        (x0, y0, x1, y1), "label_step"}``, y from the top; layers are rows (layer 0 on top),
+        heads are columns; every ``label_step``-th token is labelled.
     """
-    width = LEFT + n_head * CELL + (n_head - 1) * GAP + RIGHT
-    height = TOP + n_layer * CELL + (n_layer - 1) * GAP + BOTTOM
+    cell = CELL_LONG if T is not None and T > 64 else CELL
+    width = LEFT + n_head * cell + (n_head - 1) * GAP + RIGHT
+    height = TOP + n_layer * cell + (n_layer - 1) * GAP + BOTTOM
     cells = {}
     for l in range(n_layer):
         for h in range(n_head):
-            x0, y0 = LEFT + h * (CELL + GAP), TOP + l * (CELL + GAP)
-            cells[(l, h)] = (x0, y0, x0 + CELL, y0 + CELL)
-    return {"width": width, "height": height, "cells": cells}
+            x0, y0 = LEFT + h * (cell + GAP), TOP + l * (cell + GAP)
+            cells[(l, h)] = (x0, y0, x0 + cell, y0 + cell)
+    bar_x = width - RIGHT + 12
+    colorbar = (bar_x, TOP, bar_x + 12, height - BOTTOM)
+    step = max(1, math.ceil((T or 1) / (cell // LABEL_PX)))
+    return {"width": width, "height": height, "cell": cell, "cells": cells, "colorbar": colorbar, "label_step": step}
 
 
 def _plt():
@@ -456,12 +603,14 @@ def _mpl_text(s: str) -> str:
     return s.replace("$", r"\$")
 
 
-def _tick_labels(ax, labels: list[str], x: bool, y: bool, fontsize: float, max_labels: int) -> None:
-    """Token labels on the axes, thinned to at most ``max_labels``."""
-    T = len(labels)
-    step = max(1, math.ceil(T / max_labels))
-    ticks = list(range(0, T, step))
-    text = [_mpl_text(labels[i]) for i in ticks]
+def _short(label: str, n: int = LABEL_CHARS) -> str:
+    return label if len(label) <= n else label[:n - 1] + "\u2026"
+
+
+def _tick_labels(ax, labels: list[str], x: bool, y: bool, fontsize: float, step: int) -> None:
+    """Token labels on the axes: every ``step``-th token, each cut to :data:`LABEL_CHARS` characters."""
+    ticks = list(range(0, len(labels), step))
+    text = [_mpl_text(_short(labels[i]) if step == 1 else f"{i} {_short(labels[i])}") for i in ticks]
     ax.set_xticks(ticks if x else [])
     ax.set_yticks(ticks if y else [])
     if x:
@@ -470,29 +619,53 @@ def _tick_labels(ax, labels: list[str], x: bool, y: bool, fontsize: float, max_l
         ax.set_yticklabels(text, fontsize=fontsize)
 
 
+def grid_notes(labels: list[str], step: int) -> list[str]:
+    """What the grid leaves out: thinned labels, shortened labels."""
+    notes = []
+    if step > 1:
+        notes.append(f"grid.png labels every {step}th of {len(labels)} tokens (0, {step}, {2 * step}, ...), "
+                     f"each with its position")
+    if any(len(t) > LABEL_CHARS for t in labels):
+        notes.append(f"grid.png token labels longer than {LABEL_CHARS} characters are cut (…)")
+    return notes
+
+
 def write_grid_png(weights: torch.Tensor, labels: list[str], path: str, title: str = "") -> dict:
-    """Every layer x head map of sequence 0 in one PNG (rows = layers, columns = heads).
+    """Every layer x head map of sequence 0 in one PNG (rows = layers, columns = heads), with a
+    colour bar (viridis, 0 to 1) and token labels on the outer maps, thinned to one per
+    :data:`LABEL_PX` pixels; the image says below the maps when labels were thinned or cut.
 
     Args:
         weights: ``[n_layer, B, h, T, T]``; labels: T token labels (outer axes only).
         path: the PNG to write.
 
     Returns:
-        :func:`grid_geometry` of the written image.
+        :func:`grid_geometry` of the written image, plus ``"notes"`` (:func:`grid_notes`).
     """
     plt = _plt()
     L, _, H, T, _ = weights.shape
-    geo = grid_geometry(L, H)
-    W, Hpx = geo["width"], geo["height"]
+    geo = grid_geometry(L, H, T)
+    W, Hpx, cell = geo["width"], geo["height"], geo["cell"]
     fig = plt.figure(figsize=(W / DPI, Hpx / DPI), dpi=DPI)
+    im = None
     for (l, h), (x0, y0, x1, y1) in geo["cells"].items():
-        ax = fig.add_axes((x0 / W, 1 - y1 / Hpx, CELL / W, CELL / Hpx))
-        ax.imshow(weights[l, 0, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
-        ax.set_title(f"L{l} H{h}", fontsize=5, pad=1.5)
-        _tick_labels(ax, labels, x=l == L - 1, y=h == 0, fontsize=4.5, max_labels=16)
-        ax.tick_params(length=1, pad=0.5)
-    fig.suptitle(_mpl_text(title or "attention maps (rows: layers, columns: heads; row = query, column = key)"),
-                 fontsize=6, y=1 - 12 / Hpx)
+        ax = fig.add_axes((x0 / W, 1 - y1 / Hpx, cell / W, cell / Hpx))
+        im = ax.imshow(weights[l, 0, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto",
+                       interpolation="nearest")
+        ax.set_title(f"layer {l} head {h}", fontsize=LABEL_PT, pad=1.5)
+        _tick_labels(ax, labels, x=l == L - 1, y=h == 0, fontsize=LABEL_PT, step=geo["label_step"])
+        ax.tick_params(length=1.5, pad=0.5)
+    bx0, by0, bx1, by1 = geo["colorbar"]
+    cax = fig.add_axes((bx0 / W, 1 - by1 / Hpx, (bx1 - bx0) / W, (by1 - by0) / Hpx))
+    cb = fig.colorbar(im, cax=cax)
+    cb.ax.tick_params(labelsize=LABEL_PT)
+    cb.set_label("attention weight", fontsize=LABEL_PT)
+    fig.suptitle(_mpl_text(title or "attention maps"), fontsize=8, y=1 - 8 / Hpx, va="top")
+    fig.text(LEFT / W, 1 - 30 / Hpx, "rows: layers, columns: heads; in each map row = query token, column = key token",
+             fontsize=LABEL_PT)
+    geo["notes"] = grid_notes(labels, geo["label_step"])
+    if geo["notes"]:
+        fig.text(4 / W, 6 / Hpx, _mpl_text("; ".join(geo["notes"])), fontsize=LABEL_PT)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return geo
@@ -519,7 +692,7 @@ def write_head_png(weights: torch.Tensor, labels: list[str], layer: int, head: i
     ax = fig.add_axes((112 / W, 112 / H, side / W, side / H))
     im = ax.imshow(weights[layer, 0, head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto",
                    interpolation="nearest")
-    _tick_labels(ax, labels, x=True, y=True, fontsize=6, max_labels=96)   # >= 16 px per label
+    _tick_labels(ax, labels, x=True, y=True, fontsize=6, step=max(1, math.ceil(T / 96)))   # >= 16 px per label
     ax.set_xlabel("key token", fontsize=7)
     ax.set_ylabel("query token", fontsize=7)
     ax.set_title(f"layer {layer} head {head}", fontsize=8)
@@ -529,92 +702,158 @@ def write_head_png(weights: torch.Tensor, labels: list[str], layer: int, head: i
     plt.close(fig)
 
 
-def write_html(result: HeadsResult, path: str, title: str = "attention heads", grid_png: str | None = None) -> None:
+#: heads.html embeds the maps as 8-bit lower triangles; past this many bytes of maps it embeds
+#: only the layers of the selected heads.
+HTML_MAX_MAP_BYTES = 4_000_000
+
+
+def quantise_maps(w: torch.Tensor) -> bytes:
+    """Maps ``[n, T, T]`` (causal, values in [0, 1]) → the lower triangles as uint8 ``round(255·w)``,
+    map after map, row after row (row i holds keys 0..i): ``n · T(T+1)/2`` bytes."""
+    T = w.shape[-1]
+    rows, cols = torch.tril_indices(T, T)
+    return (w[:, rows, cols].clamp(0, 1) * 255).round().to(torch.uint8).numpy().tobytes()
+
+
+def html_layers(n_layer: int, n_head: int, T: int, selected: list[tuple[int, int]] | None,
+                max_bytes: int = HTML_MAX_MAP_BYTES) -> list[int]:
+    """Layers whose maps heads.html embeds: all of them when ``n_layer·n_head·T(T+1)/2`` bytes
+    fit in ``max_bytes``, else the layers of the ``selected`` heads (layer 0 if none)."""
+    if n_layer * n_head * T * (T + 1) // 2 <= max_bytes:
+        return list(range(n_layer))
+    return sorted({l for l, _ in selected or []}) or [0]
+
+
+def write_html(result: HeadsResult, path: str, title: str = "attention heads", grid_png: str | None = None,
+               selected: list[tuple[int, int]] | None = None, max_bytes: int = HTML_MAX_MAP_BYTES) -> dict:
     """One self-contained HTML page: every head as a small canvas (id ``L{layer}H{head}``),
-    a large view of the clicked head with token labels and hover values, the role scores of
-    every head, and the grid PNG inlined as a data URI. No external resources.
+    a large view of the clicked head with token labels and hover values, the role and the
+    raw and relative scores of every head, and the grid PNG inlined as a data URI. No
+    external resources.
+
+    The maps are embedded quantised to 8 bits (steps of 1/255), lower triangles only, base64:
+    ``n_layer·n_head·T(T+1)/2`` bytes before base64, about 0.55 MB for 6 x 6 heads and 150
+    tokens. Past ``max_bytes`` only the layers of the ``selected`` heads are embedded
+    (:func:`html_layers`); the page says so and the other layers' canvases stay grey.
 
     Args:
         result: from :func:`analyse_heads` (sequence 0 is shown).
         path: the HTML file to write; grid_png: optional PNG path to embed.
+
+    Returns:
+        ``{"layers": embedded layers, "notes": [...]}``.
     """
     w = result.weights[:, 0]                                               # [L, h, T, T]
-    L, H = w.shape[0], w.shape[1]
-    data = {"labels": result.labels, "n_layer": L, "n_head": H,
-            "weights": [[[[round(v, 4) for v in row] for row in w[l, h].tolist()] for h in range(H)] for l in range(L)]}
+    L, H, T = w.shape[0], w.shape[1], w.shape[-1]
+    layers = html_layers(L, H, T, selected, max_bytes)
+    notes = ["heads.html holds the weights rounded to 8 bits (steps of 1/255)"]
+    if len(layers) < L:
+        notes.append(f"heads.html embeds only layer(s) {', '.join(map(str, layers))}: all {L} layers of a {T}-token "
+                     f"prompt would take {L * H * T * (T + 1) // 2 / 1e6:.1f} MB (limit {max_bytes / 1e6:.1f} MB); "
+                     f"pick others with --layer")
+    q = quantise_maps(w[layers].reshape(len(layers) * H, T, T))
+    data = {"labels": result.labels, "n_layer": L, "n_head": H, "T": T, "layers": layers,
+            "maps": base64.b64encode(q).decode()}
     payload = json.dumps(data).replace("</", "<\\/")
     rows = []
     for l in range(L):
         cells = "".join(f'<td><canvas id="L{l}H{h}" width="96" height="96" data-layer="{l}" data-head="{h}" '
                         f'title="layer {l} head {h}"></canvas><br>layer {l} head {h}</td>' for h in range(H))
         rows.append(f"<tr>{cells}</tr>")
+    roles = {(r["layer"], r["head"]): r for r in result.roles}
+    rel_keys = [k for _, k in ROLES if k in result.relative]
     score_rows = []
     for l in range(L):
         for h in range(H):
-            s = {k: float(v[l, h]) for k, v in result.scores.items()}
-            cells = "".join(f"<td>{s[k]:.3f}</td>" for k in ("previous", "first", "self", "entropy", "entropy_norm"))
-            score_rows.append(f"<tr><td>{l}</td><td>{h}</td>{cells}</tr>")
-    strongest = html.escape(format_strongest(strongest_heads(result.scores, 3)))
+            raw = "".join(f"<td>{float(result.scores[k][l, h]):.3f}</td>"
+                          for k in ("previous", "first", "self", "induction", "entropy_norm") if k in result.scores)
+            rel = "".join(f"<td>{float(result.relative[k][l, h]):.2f}</td>" for k in rel_keys)
+            role = html.escape(roles[(l, h)]["role"]) if (l, h) in roles else ""
+            score_rows.append(f"<tr><td>{l}</td><td>{h}</td><td>{role}</td>{rel}{raw}</tr>")
+    raw_head = "".join(f"<th>{k} (raw)</th>" for k in ("previous", "first", "self", "induction", "entropy_norm")
+                       if k in result.scores)
+    rel_head = "".join(f"<th>{k}</th>" for k in rel_keys)
+    strongest = ""
+    if result.relative:
+        strongest = html.escape(format_strongest(strongest_heads(result.relative, 3), result.roles))
     img = ""
     if grid_png:
         with open(grid_png, "rb") as f:
             img = f'<img alt="grid" src="data:image/png;base64,{base64.b64encode(f.read()).decode()}">'
-    page = _HTML.format(title=html.escape(title), prompt=html.escape("".join(result.labels)), L=L, H=H,
-                        T=len(result.labels), grid="\n".join(rows), scores="\n".join(score_rows),
-                        strongest=strongest, img=img, payload=payload)
+    page = _HTML.format(title=html.escape(title), prompt=html.escape("".join(result.labels)), L=L, H=H, T=T,
+                        grid="\n".join(rows), scores="\n".join(score_rows), raw_head=raw_head, rel_head=rel_head,
+                        strongest=strongest, img=img, payload=payload, threshold=ROLE_THRESHOLD,
+                        notes="".join(f"<li>{html.escape(n)}</li>" for n in notes))
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
+    return {"layers": layers, "notes": notes}
 
 
 _HTML = """<!doctype html>
 <html><head><meta charset="utf-8"><title>{title}</title>
 <style>
 body {{ font-family: sans-serif; margin: 1em; }} td {{ text-align: center; font-size: 11px; padding: 2px; }}
-canvas.small {{ cursor: pointer; }} #big {{ border: 1px solid #ccc; }} table.s td {{ padding: 1px 8px; }}
-pre {{ background: #f4f4f4; padding: .5em; }}
+canvas.small {{ cursor: pointer; }} canvas.small.sel {{ outline: 3px solid #e33; }} #big {{ border: 1px solid #ccc; }}
+table.s td {{ padding: 1px 8px; }} pre {{ background: #f4f4f4; padding: .5em; }}
 </style></head><body>
 <h1>{title}</h1>
 <p>Prompt ({T} tokens; space shown as &#9251;, newline as &#8629;): <code>{prompt}</code></p>
 <p>{L} layers x {H} heads. In every map row = query token, column = key token; brighter = more weight.
 Click a small map to enlarge it.</p>
-<h2>Strongest heads per role</h2><pre>{strongest}</pre>
+<ul id="notes">{notes}</ul>
+<h2>Heads with a clear role</h2>
+<p>Each head gets one role, its strongest, scored relative to uniform attention (0 = what uniform or random
+attention gives, 1 = all weight on that key); below {threshold} a head has no clear role. Induction is measured on a
+random sequence repeated twice.</p>
+<pre>{strongest}</pre>
 <h2>Selected head: <span id="sel"></span></h2>
 <canvas id="big" width="640" height="640"></canvas><div id="hover">&nbsp;</div>
 <h2>All heads</h2>
-<table>{grid}</table>
-<h2>Role scores (means over query tokens 1..T-1)</h2>
-<table class="s"><tr><th>layer</th><th>head</th><th>previous</th><th>first</th><th>self</th>
-<th>entropy (nats)</th><th>entropy / log(i+1)</th></tr>
+<table id="heads">{grid}</table>
+<h2>Scores of every head</h2>
+<table class="s"><tr><th>layer</th><th>head</th><th>role</th>{rel_head}{raw_head}</tr>
 {scores}
 </table>
 <h2>Grid image</h2>{img}
 <script>
 const D = {payload};
+const Q = Uint8Array.from(atob(D.maps), (c) => c.charCodeAt(0)), TRI = D.T * (D.T + 1) / 2;
+function weight(l, h, i, j) {{ const k = D.layers.indexOf(l);
+  if (k < 0 || j > i) return j > i ? 0 : null;
+  return Q[(k * D.n_head + h) * TRI + i * (i + 1) / 2 + j] / 255; }}
 function color(v) {{ const r = Math.round(68 + 185 * v), g = Math.round(1 + 230 * v), b = Math.round(84 + 20 * v);
   return `rgb(${{r}},${{g}},${{b}})`; }}
-function draw(cv, m, margin) {{
-  const ctx = cv.getContext("2d"), T = m.length, s = (cv.width - margin) / T;
+function draw(cv, l, h, margin) {{
+  const ctx = cv.getContext("2d"), T = D.T, s = (cv.width - margin) / T;
   ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, cv.width, cv.height);
+  if (!D.layers.includes(l)) {{ ctx.fillStyle = "#ccc";
+    ctx.fillRect(margin, margin, cv.width - margin, cv.height - margin);
+    ctx.fillStyle = "#000"; ctx.font = "10px sans-serif"; ctx.fillText("not embedded", margin + 4, margin + 14); return s; }}
+  const edge = (k) => Math.round(margin + k * s);                 // whole pixels: no seams between cells
   for (let i = 0; i < T; i++) for (let j = 0; j < T; j++) {{
-    ctx.fillStyle = color(m[i][j]); ctx.fillRect(margin + j * s, margin + i * s, Math.ceil(s), Math.ceil(s)); }}
-  if (margin > 0) {{ ctx.fillStyle = "#000"; ctx.font = Math.min(12, s) + "px sans-serif";
-    for (let i = 0; i < T; i++) {{ ctx.fillText(D.labels[i], 2, margin + (i + 0.8) * s);
+    ctx.fillStyle = color(weight(l, h, i, j));
+    ctx.fillRect(edge(j), edge(i), edge(j + 1) - edge(j), edge(i + 1) - edge(i)); }}
+  if (margin > 0) {{ ctx.fillStyle = "#000"; ctx.font = Math.max(6, Math.min(12, s)) + "px sans-serif";
+    const step = Math.max(1, Math.ceil(T / ((cv.width - margin) / 10)));
+    for (let i = 0; i < T; i += step) {{ ctx.fillText(D.labels[i], 2, margin + (i + 0.8) * s);
       ctx.save(); ctx.translate(margin + (i + 0.8) * s, margin - 2); ctx.rotate(-Math.PI / 2);
       ctx.fillText(D.labels[i], 0, 0); ctx.restore(); }} }}
   return s;
 }}
 let cur = [0, 0];
 function select(l, h) {{ cur = [l, h]; document.getElementById("sel").textContent = `layer ${{l}} head ${{h}}`;
-  draw(document.getElementById("big"), D.weights[l][h], 80); }}
+  document.querySelectorAll("canvas.small").forEach((c) => c.classList.toggle("sel", c.id === `L${{l}}H${{h}}`));
+  draw(document.getElementById("big"), l, h, 80); }}
 for (let l = 0; l < D.n_layer; l++) for (let h = 0; h < D.n_head; h++) {{
   const cv = document.getElementById(`L${{l}}H${{h}}`); cv.className = "small";
-  draw(cv, D.weights[l][h], 0); cv.onclick = () => select(l, h); }}
+  draw(cv, l, h, 0); cv.onclick = () => select(l, h); }}
 const big = document.getElementById("big");
-big.onmousemove = (e) => {{ const T = D.labels.length, s = (big.width - 80) / T, r = big.getBoundingClientRect();
+big.onmousemove = (e) => {{ const T = D.T, s = (big.width - 80) / T, r = big.getBoundingClientRect();
   const j = Math.floor((e.clientX - r.left - 80) / s), i = Math.floor((e.clientY - r.top - 80) / s);
-  if (i >= 0 && j >= 0 && i < T && j < T) document.getElementById("hover").textContent =
-    `query ${{i}} "${{D.labels[i]}}" -> key ${{j}} "${{D.labels[j]}}": ${{D.weights[cur[0]][cur[1]][i][j]}}`; }};
-select(0, 0);
+  const v = weight(cur[0], cur[1], i, j);
+  if (i >= 0 && j >= 0 && i < T && j < T && v !== null) document.getElementById("hover").textContent =
+    `query ${{i}} "${{D.labels[i]}}" -> key ${{j}} "${{D.labels[j]}}": ${{v.toFixed(3)}}`; }};
+select(D.layers[0], 0);
 </script>
 </body></html>
 """
@@ -624,7 +863,8 @@ def write_heads(result: HeadsResult, out_dir: str, heads: list[tuple[int, int]],
     """Write ``grid.png``, ``layer{L}_head{H}.png`` per selected head and ``heads.html``.
 
     Returns:
-        ``{"grid": path, "heads": [paths], "html": path, "geometry": grid_geometry}``.
+        ``{"grid": path, "heads": [paths], "html": path, "geometry": grid_geometry, "notes": what
+        the files leave out (thinned labels, 8-bit weights, layers not embedded), "html_layers"}``.
     """
     os.makedirs(out_dir, exist_ok=True)
     grid = os.path.join(out_dir, "grid.png")
@@ -635,5 +875,6 @@ def write_heads(result: HeadsResult, out_dir: str, heads: list[tuple[int, int]],
         write_head_png(result.weights, result.labels, l, h, p)
         paths.append(p)
     page = os.path.join(out_dir, "heads.html")
-    write_html(result, page, title or "attention heads", grid)
-    return {"grid": grid, "heads": paths, "html": page, "geometry": geo}
+    info = write_html(result, page, title or "attention heads", grid, heads)
+    return {"grid": grid, "heads": paths, "html": page, "geometry": geo, "notes": geo["notes"] + info["notes"],
+            "html_layers": info["layers"]}
