@@ -99,3 +99,39 @@ def test_bad_input_is_refused(tmp_path, capsys):
         assert main(args) == 2, extra
         assert needle in capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_resume_with_dropout_is_bit_identical_to_an_uninterrupted_run(tmp_path, monkeypatch):
+    """Issue 12, item 11: with dropout on, Ctrl-C after the step-10 checkpoint and --resume to 20
+    gives exactly the weights, losses and random states of one run to 20 (every RNG the trainer
+    draws from is saved: the batch sampler and torch's CPU generator that dropout uses)."""
+    import gpt2mha.train as T
+
+    tc = TrainConfig(iters=20, batch_size=4, eval_interval=10, eval_iters=2, lr=3e-3, warmup=5, seed=5)
+    cfg = GPT2Config.from_preset("tiny", attn_pdrop=0.2, resid_pdrop=0.2, embd_pdrop=0.2)
+    log_a = train(VERDICT, str(tmp_path / "a"), cfg, tc, progress=False)
+
+    real, calls = T.get_batch, {"n": 0}
+
+    def interrupt_at_13(*args, **kw):
+        if args[0].numel() > 10000:                  # the train split
+            calls["n"] += 1
+            if calls["n"] == 14:
+                raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(T, "get_batch", interrupt_at_13)
+    with pytest.raises(KeyboardInterrupt):
+        train(VERDICT, str(tmp_path / "b"), cfg, tc, progress=False)
+    monkeypatch.setattr(T, "get_batch", real)
+    torch.manual_seed(12345)                         # whatever the process did in between
+    log_b = train(VERDICT, str(tmp_path / "b"), cfg, tc, resume=True, progress=False)
+    a, b = GPT2.from_pretrained(str(tmp_path / "a")), GPT2.from_pretrained(str(tmp_path / "b"))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    assert [(e["train_loss"], e["val_loss"]) for e in log_a["evals"]] == \
+        [(e["train_loss"], e["val_loss"]) for e in log_b["evals"]]
+    sa = torch.load(str(tmp_path / "a" / "trainer_state.pt"), weights_only=True)
+    sb = torch.load(str(tmp_path / "b" / "trainer_state.pt"), weights_only=True)
+    assert torch.equal(sa["rng"][0]["torch"], sb["rng"][0]["torch"])
+    assert torch.equal(sa["rng"][0]["batches"], sb["rng"][0]["batches"])

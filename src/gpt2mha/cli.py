@@ -60,7 +60,9 @@ def cmd_generate(args) -> int:
     if "" in prompts:
         which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else "PROMPT"
         raise ValueError(f"{which} is empty; give at least one character to continue")
-    model = load_model(args.model, args.dtype)
+    from . import parallel
+    parallel.check_world(args.tp)                     # --tp N needs N ranks (torchrun)
+    model = parallel.tensor_parallel(load_model(args.model, args.dtype), args.tp)
     tok = tokenizer_for(model.config)
     if args.stop_at_eos and tok.eot_token is None:
         raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
@@ -71,10 +73,10 @@ def cmd_generate(args) -> int:
         return _generate_samples(args, model, tok)
     args.prompt = prompts[0]
     try:
-        idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
+        idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long, device=model.wte.weight.device)
     except UnicodeError:
         raise ValueError("PROMPT is not valid UTF-8 text") from None
-    stream, out, started = StreamDecoder(tok), sys.stdout, []
+    stream, out, started = StreamDecoder(tok), parallel.rank0_stdout(), []
 
     def on_token(token):
         if not started:                       # the prompt is echoed once the arguments have held up
@@ -83,9 +85,10 @@ def cmd_generate(args) -> int:
         out.write(stream.push(token.tolist()))
         out.flush()
 
-    model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
-                   sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
+    ids = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                         sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
+    parallel.check_same_tokens(ids)
     out.write(("" if started else args.prompt) + stream.flush() + "\n")
     return 0
 
@@ -98,6 +101,7 @@ def _generate_samples(args, model, tok) -> int:
     row ends at its first ``<|endoftext|>``."""
     import torch
 
+    from . import parallel
     from .generate import left_pad
     from .tokenizer import decode_rows
 
@@ -106,10 +110,12 @@ def _generate_samples(args, model, tok) -> int:
     except UnicodeError:
         raise ValueError("PROMPT is not valid UTF-8 text") from None
     rows = [ids for ids in encoded for _ in range(args.num_samples)]
-    idx, mask = left_pad(rows)
+    idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
                          attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
+    parallel.check_same_tokens(out)
+    out, mask = out.cpu(), mask.cpu()
     T = idx.shape[1]
     if args.stop_at_eos:                       # a finished row repeats <|endoftext|>: keep the first
         hits = out[:, T:] == tok.eot_token
@@ -118,11 +124,12 @@ def _generate_samples(args, model, tok) -> int:
     else:
         texts = decode_rows(tok, out, mask)
     skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
+    stdout = parallel.rank0_stdout()
     for i, text in enumerate(texts):
         label = f"sample {i % args.num_samples + 1} of {args.num_samples}"
         if not args.unconditional and len(args.prompt) > 1:
             label = f"prompt {i // args.num_samples + 1} of {len(args.prompt)}, " + label
-        print(f"{'=' * 20} {label} {'=' * 20}", text[skip:], sep="\n")
+        print(f"{'=' * 20} {label} {'=' * 20}", text[skip:], sep="\n", file=stdout)
     return 0
 
 
@@ -148,11 +155,13 @@ def read_text(path: str, split: str = "all") -> str:
 
 
 def cmd_perplexity(args) -> int:
-    from .evaluate import perplexity
+    from . import parallel
 
     text = read_text(args.file, args.split)
-    model = load_model(args.model, args.dtype)
-    result = perplexity(model, text, stride=args.stride)
+    model = load_model(args.model, args.dtype).to(parallel.info().device)
+    result = parallel.perplexity(model, text, stride=args.stride)   # windows split over torchrun's ranks
+    if not parallel.info().is_main:
+        return 0
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -176,8 +185,9 @@ def cmd_train(args) -> int:
     tc = TrainConfig(**{k: v for k, v in dict(iters=args.iters, batch_size=args.batch_size, lr=args.lr,
                                               min_lr=args.min_lr, warmup=args.warmup, seed=args.seed,
                                               eval_interval=args.eval_interval).items() if v is not None})
-    log = train(args.data, args.out, config, tc, resume=args.resume)
-    if log["evals"]:
+    log = train(args.data, args.out, config, tc, resume=args.resume)   # DistributedDataParallel under torchrun
+    from .parallel import info
+    if log["evals"] and info().is_main:
         last = log["evals"][-1]
         print(f"done: step {last['step']}, val loss {last['val_loss']:.4f} nats/token, "
               f"{log['seconds']:.0f} s; checkpoint in {args.out}")
@@ -415,6 +425,53 @@ def _add_formats_commands(sub) -> None:
     cm.add_argument("--atol", type=float, default=1e-6, help="tolerance, times max(1, |activation|) (default 1e-6)")
     cm.add_argument("--json", action="store_true", help="print one JSON object")
     cm.set_defaults(func=cmd_check_model)
+def cmd_serve(args) -> int:
+    import logging
+
+    try:
+        from .serve import serve
+    except ImportError as e:
+        raise SystemExit(f"error: gpt2mha serve needs FastAPI and uvicorn ({e}): pip install 'gpt2mha[serve]'")
+    from .tokenizer import tokenizer_for
+    from . import DEFAULT_MODEL
+
+    for name in ("max_batch", "max_queue"):
+        value = getattr(args, name)
+        if value < (1 if name == "max_batch" else 0):
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be >= {1 if name == 'max_batch' else 0}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads={args.threads} must be >= 1")
+        import torch
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    model = load_model(args.model, args.dtype)
+    serve(model, tokenizer_for(model.config), args.model or DEFAULT_MODEL, host=args.host, port=args.port,
+          max_batch=args.max_batch, max_queue=args.max_queue, graceful_timeout=args.graceful_timeout)
+    return 0
+
+
+def _add_serve_command(sub) -> None:
+    """Parser of ``serve`` (:mod:`gpt2mha.serve`, :mod:`gpt2mha.scheduler`)."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions) with continuous batching",
+                       formatter_class=DefaultsHelpFormatter,
+                       description="Serve the model over HTTP in the OpenAI completions format: POST /v1/completions "
+                                   "(streaming with server-sent events), GET /v1/models, GET /health. Requests are "
+                                   "batched continuously: every decode step advances all running sequences, new "
+                                   "ones join at the next step. Needs the 'serve' extra: pip install -e '.[serve]'.")
+    _model_arg(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype")
+    s.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (cache slots)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="sequences that may wait for a slot; beyond it requests get HTTP 429")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch's intra-op threads for the model (default: torch's choice, one per core); on a "
+                        "machine shared with other work, fewer threads than cores avoid oversubscription")
+    s.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
+    s.set_defaults(func=cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -440,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-at-eos", action="store_true", help="stop when <|endoftext|> is sampled")
     g.add_argument("--sliding-window", action="store_true",
                    help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: split the heads over this many processes "
+                        "(torchrun --nproc-per-node N -m gpt2mha generate ... --tp N; README 'Scaling out')")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("perplexity", help="loss, perplexity and bits per byte of a text file",
@@ -476,13 +536,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect_commands(sub)
     _add_bench_command(sub)
     _add_formats_commands(sub)
+    _add_serve_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .parallel import launched
     try:
-        return args.func(args)
+        with launched(args.command):          # joins torchrun's process group for generate/train/perplexity
+            return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -47,6 +47,19 @@ def perplexity(model, text: str, stride: int | None = None) -> PerplexityResult:
 
     Raises:
         ValueError: text too short, or stride out of range.
+
+    :func:`gpt2mha.parallel.perplexity` deals the same windows over ``torchrun``'s ranks.
+    """
+    ids, stride = encode_for_scoring(model, text, stride)
+    nats, tokens = score_windows(model, ids, strided_windows(ids.numel(), model.config.n_ctx, stride))
+    return result_from(nats, tokens, text)
+
+
+def encode_for_scoring(model, text: str, stride: int | None) -> tuple[torch.Tensor, int]:
+    """``text``'s token ids ``[N]`` (int64) and the checked stride (default n_ctx // 2).
+
+    Raises:
+        ValueError: stride outside ``[1, n_ctx]`` or fewer than 2 tokens.
     """
     n_ctx = model.config.n_ctx
     stride = n_ctx // 2 if stride is None else stride
@@ -55,15 +68,36 @@ def perplexity(model, text: str, stride: int | None = None) -> PerplexityResult:
     ids = torch.tensor(tokenizer_for(model.config).encode(text), dtype=torch.long)
     if ids.numel() < 2:
         raise ValueError(f"text encodes to {ids.numel()} token(s); need at least 2 to measure perplexity")
-    total_nats, prev, N = 0.0, 1, ids.numel()                  # prev: next target index to score
+    return ids, stride
+
+
+def strided_windows(N: int, n_ctx: int, stride: int) -> list[tuple[int, int, int]]:
+    """The windows over ``N`` tokens as ``(begin, prev, end)``: inputs ``ids[begin:end-1]`` (at
+    most n_ctx), scoring targets ``prev … end-1``. The first window scores up to n_ctx targets,
+    every later one ``stride``; together they score targets ``1 … N-1`` exactly once."""
+    windows, prev = [], 1                                      # prev: next target index to score
     while prev < N:
         end = min(prev + (n_ctx if prev == 1 else stride), N)   # score targets prev … end-1
-        begin = max(0, end - 1 - n_ctx)                         # inputs begin … end-2 (<= n_ctx)
+        windows.append((max(0, end - 1 - n_ctx), prev, end))   # inputs begin … end-2 (<= n_ctx)
+        prev = end
+    return windows
+
+
+@torch.inference_mode()
+def score_windows(model, ids: torch.Tensor, windows) -> tuple[float, int]:
+    """Summed next-token loss (nats, float64 sum of per-window float32 sums) and number of
+    targets scored over ``windows`` (from :func:`strided_windows`) of ``ids [N]``."""
+    total_nats, tokens = 0.0, 0
+    for begin, prev, end in windows:
         logits = model(ids[None, begin:end - 1], last_only=False).logits[0]  # predicts begin+1 … end-1
         n = end - prev
         total_nats += F.cross_entropy(logits[-n:].float(), ids[end - n:end], reduction="sum").item()
-        prev = end
-    scored = N - 1
+        tokens += n
+    return total_nats, tokens
+
+
+def result_from(total_nats: float, scored: int, text: str) -> PerplexityResult:
+    """:class:`PerplexityResult` from summed nats over ``scored`` tokens of ``text``."""
     n_bytes = len(text.encode("utf-8"))
     loss = total_nats / scored
     return PerplexityResult(loss, math.exp(loss), total_nats / (math.log(2) * n_bytes), scored, n_bytes)

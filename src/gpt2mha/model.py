@@ -455,6 +455,9 @@ class GPT2(nn.Module):
         reads a tensor's values on the host, so a step costs only the model's own work.
 
         Args: as :meth:`forward`; ``idx [B, T]`` continues the ``cache.length`` cached tokens.
+            ``attention_mask`` may also be a ready bool mask ``[B, 1, T, S]`` over the keys the
+            cache returns, used as is (with ``position_ids``; for a
+            :class:`~gpt2mha.kv_cache.SlotCache` whose rows have different lengths).
 
         Returns:
             logits ``[B, 1, n_vocab]`` (``last_only``, the default) or ``[B, T, n_vocab]``.
@@ -462,7 +465,9 @@ class GPT2(nn.Module):
         T = idx.shape[1]
         x = self.embed(idx, cache.length, attention_mask, position_ids)   # [B, T, n_embd]
         mask = None
-        if attention_mask is not None:
+        if attention_mask is not None and attention_mask.dim() == 4:   # a ready key mask [B, 1, T, S]
+            mask = attention_mask                                       # (per-row lengths: SlotCache)
+        elif attention_mask is not None:
             mask = combine_masks(causal_mask(T, cache.length + T, device=x.device), attention_mask)
         for i, block in enumerate(self.h):
             x = block.forward_cached(x, cache, i, mask)

@@ -3,9 +3,13 @@ cosine learning rate, gradient clipping, periodic validation and resumable check
 
 The first 90% of the file's bytes train, the last 10% validate. Checkpoints are written with
 :meth:`GPT2.save_pretrained` (so transformers loads them too) next to ``trainer_state.pt``
-(optimizer, step, random state; read back with ``weights_only=True``) and
-``training_log.json``; every file is replaced atomically, so Ctrl-C leaves the last good
-checkpoint intact and ``--resume`` continues from it.
+(optimizer, step, every random state the run draws from; read back with ``weights_only=True``)
+and ``training_log.json``; every file is replaced atomically, so Ctrl-C leaves the last good
+checkpoint intact and ``--resume`` continues from it, bit for bit.
+
+Under ``torchrun`` the same code trains data-parallel (``DistributedDataParallel``): every rank
+draws the same global batch and keeps its own ``batch_size / world_size`` rows of it (no window
+on two ranks), gradients are averaged by DDP's all-reduce, and rank 0 alone prints and writes.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import parallel
 from .checkpoints import is_checkpoint_dir, load_pretrained, save_pretrained
 from .model import GPT2, GPT2Config
 from .tokenizer import get_tokenizer
@@ -117,16 +123,43 @@ def get_batch(ids: torch.Tensor, n_ctx: int, batch_size: int, generator: torch.G
 
 @torch.no_grad()
 def evaluate_loss(model: GPT2, ids: torch.Tensor, tc: TrainConfig) -> float:
-    """Mean next-token loss (nats) over ``eval_iters`` fixed windows of ``ids``."""
+    """Mean next-token loss (nats) over ``eval_iters`` fixed batches of windows of ``ids``.
+
+    Under ``torchrun`` every rank scores its own rows of each batch (:func:`parallel.shard_rows`)
+    and the sums are all-reduced, so every rank returns the single-process figure.
+    """
     model.eval()
     gen = torch.Generator().manual_seed(0)
     n_ctx = model.config.n_ctx
-    losses = []
+    di = parallel.info()
+    rows = parallel.shard_rows(tc.batch_size, di.rank, di.world_size)
+    device = next(model.parameters()).device
+    total = 0.0
     for _ in range(tc.eval_iters):
         x, y = get_batch(ids, n_ctx, tc.batch_size, gen)
-        losses.append(F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item())
+        x, y = x[rows].to(device), y[rows].to(device)
+        total += F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), reduction="sum").item()
     model.train()
-    return sum(losses) / len(losses)
+    total, = parallel.all_reduce_sum([total], device=device if di.backend == "nccl" else None)
+    return total / (tc.eval_iters * tc.batch_size * n_ctx)
+
+
+def rng_state(gen: torch.Generator) -> dict:
+    """Every random state this rank's training draws from: the batch sampler ``gen`` and torch's
+    global CPU generator (dropout on CPU), plus CUDA's where used. Python's ``random`` and NumPy
+    are not used by the trainer."""
+    state = {"batches": gen.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(gen: torch.Generator, state: dict) -> None:
+    """Restore :func:`rng_state`."""
+    gen.set_state(state["batches"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def make_optimizer(model: GPT2, tc: TrainConfig) -> torch.optim.AdamW:
@@ -137,10 +170,19 @@ def make_optimizer(model: GPT2, tc: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95))
 
 
-def _save(model, optimizer, step, gen, tc, log, out_dir):
+def _save(model, optimizer, step, gen, tc, log, out_dir, loss_ema=None):
+    """Write the checkpoint from rank 0 (after gathering every rank's random state); the other
+    ranks wait for it at a barrier."""
+    rngs = parallel.gather_objects(rng_state(gen))              # a collective: every rank calls it
+    if parallel.info().is_main:
+        _write(model, optimizer, step, gen, tc, log, out_dir, loss_ema, rngs)
+    parallel.barrier()
+
+
+def _write(model, optimizer, step, gen, tc, log, out_dir, loss_ema, rngs):
     save_pretrained(model, out_dir, overwrite=True)
     state = {"step": step, "optimizer": optimizer.state_dict(), "generator": gen.get_state(),
-             "train_config": dataclasses.asdict(tc)}
+             "train_config": dataclasses.asdict(tc), "rng": rngs, "loss_ema": loss_ema}
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
     os.close(fd)
     torch.save(state, tmp)
@@ -169,12 +211,21 @@ def train(data: str, out_dir: str, config: GPT2Config | None = None, tc: TrainCo
         The training log: ``{"config", "train_config", "data", "evals": [{step, train_loss,
         val_loss, seconds}], "seconds", "tokens_per_second"}``.
 
+    Under ``torchrun`` (a process group initialised, :mod:`gpt2mha.parallel`) it trains with
+    ``DistributedDataParallel``; ``batch_size`` is the global batch, split over the ranks.
+
     Raises:
-        ValueError: bad data (see :func:`load_data`), resuming without a checkpoint.
+        ValueError: bad data (see :func:`load_data`), resuming without a checkpoint, a
+            batch_size not divisible by the world size.
         FileExistsError: ``out_dir`` is non-empty and not a gpt2mha checkpoint, or is one
             and ``resume`` was not asked for.
+        gpt2mha.parallel.DistributedError: another rank died or did not answer in time.
     """
     tc = tc or TrainConfig()
+    di = parallel.info()
+    if tc.batch_size % di.world_size:
+        raise ValueError(f"batch_size={tc.batch_size} is not divisible by the world size {di.world_size}; "
+                         f"every rank takes batch_size / world_size rows of the global batch")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         if not is_checkpoint_dir(out_dir):
             raise FileExistsError(f"--out {out_dir!r} is not empty and is not a gpt2mha checkpoint; refusing to "
@@ -197,38 +248,53 @@ def train(data: str, out_dir: str, config: GPT2Config | None = None, tc: TrainCo
         model = GPT2(config)
         model.init_weights(seed=tc.seed)
         model.train()
+        if di.rank:                                             # each rank its own dropout stream
+            torch.manual_seed(tc.seed + di.rank)
         state, start = None, 0
         log = {"config": dataclasses.asdict(config), "train_config": dataclasses.asdict(tc),
                "data": os.path.basename(data), "evals": [], "seconds": 0.0}
     config = model.config
     log["train_config"] = dataclasses.asdict(tc)
     train_ids, val_ids = load_data(data, config.tokenizer, config.n_ctx)
+    model.to(di.device)
     optimizer = make_optimizer(model, tc)
     gen = torch.Generator().manual_seed(tc.seed)
+    loss_ema = None
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
+        loss_ema = state.get("loss_ema")
+        _restore_rng(gen, state, di)
     if start >= tc.iters:
         return log
+    log["world_size"] = di.world_size
+    ddp = model
+    if di.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        ddp = DistributedDataParallel(model, device_ids=[di.local_rank] if di.backend == "nccl" else None)
+    rows = parallel.shard_rows(tc.batch_size, di.rank, di.world_size)
 
     from tqdm import tqdm
-    bar = tqdm(range(start, tc.iters), initial=start, total=tc.iters, disable=not progress, desc="train",
-               mininterval=2.0)
+    bar = tqdm(range(start, tc.iters), initial=start, total=tc.iters, disable=not progress or not di.is_main,
+               desc="train", mininterval=2.0)
     t0, seconds0, tokens = time.perf_counter(), log["seconds"], 0
-    loss_ema = None
+    step = start
     try:
         for step in bar:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, tc)
-            x, y = get_batch(train_ids, config.n_ctx, tc.batch_size, gen)
-            loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+            x, y = get_batch(train_ids, config.n_ctx, tc.batch_size, gen)   # the global batch, same on every rank
+            x, y = x[rows].to(di.device), y[rows].to(di.device)            # this rank's rows
+            loss = F.cross_entropy(ddp(x).logits.flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()                                     # DDP: gradients averaged over ranks
             if tc.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
             optimizer.step()
-            tokens += x.numel()
-            loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
+            tokens += x.numel() * di.world_size
+            loss_value = loss.item()
+            if di.world_size > 1:                               # the global batch's mean loss
+                loss_value = parallel.all_reduce_sum([loss_value])[0] / di.world_size
+            loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
             elapsed = time.perf_counter() - t0
             if step % 10 == 0:
                 bar.set_postfix(loss=f"{loss_ema:.3f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}", refresh=False)
@@ -237,11 +303,38 @@ def train(data: str, out_dir: str, config: GPT2Config | None = None, tc: TrainCo
                 val = evaluate_loss(model, val_ids, tc)
                 log["evals"].append({"step": done, "train_loss": loss_ema, "val_loss": val,
                                      "seconds": seconds0 + time.perf_counter() - t0})
-                bar.write(f"step {done}: train loss {loss_ema:.4f}, val loss {val:.4f} "
-                          f"({val / math.log(2):.3f} bits/token)")
+                if di.is_main:
+                    bar.write(f"step {done}: train loss {loss_ema:.4f}, val loss {val:.4f} "
+                              f"({val / math.log(2):.3f} bits/token)")
                 log["seconds"] = seconds0 + time.perf_counter() - t0
                 log["tokens_per_second"] = tokens / (time.perf_counter() - t0)
-                _save(model, optimizer, done, gen, tc, log, out_dir)
+                _save(model, optimizer, done, gen, tc, log, out_dir, loss_ema)
+    except (torch.distributed.DistError, RuntimeError) as e:
+        if di.world_size == 1 or isinstance(e, parallel.DistributedError) or not _is_collective_error(e):
+            raise
+        raise parallel.collective_failure(e, f"at step {step}") from e
     finally:
         bar.close()
     return log
+
+
+def _is_collective_error(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}".lower()
+    return isinstance(e, torch.distributed.DistError) or any(
+        s in text for s in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
+
+
+def _restore_rng(gen: torch.Generator, state: dict, di) -> None:
+    """Put back the random states saved with the checkpoint (rank r gets rank r's). A checkpoint
+    from before random states were saved, or from another world size, restores what it can and
+    says so on rank 0."""
+    rngs = state.get("rng")
+    if rngs is not None and len(rngs) == di.world_size:
+        set_rng_state(gen, rngs[di.rank])
+        return
+    gen.set_state(state["generator"])                           # the batches stay the same either way
+    torch.manual_seed(state["train_config"]["seed"] + di.rank + state["step"])
+    if di.is_main:
+        saved = "no dropout random state" if rngs is None else f"random states of {len(rngs)} rank(s)"
+        print(f"note: the checkpoint holds {saved}; this run has {di.world_size}: the batches continue "
+              f"exactly, dropout draws a fresh stream", file=sys.stderr)

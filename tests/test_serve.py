@@ -1,0 +1,486 @@
+"""The OpenAI-compatible server and its continuous-batching scheduler (issue 14).
+
+References: offline ``generate`` (the same model, one prompt alone) for every text; the model's
+own forward over one row for the slotted cache; Python's UTF-8 codec for streamed text; the
+official ``openai`` client for the wire format. Servers bind 127.0.0.1 on a free port and are
+started and stopped by the tests.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import assert_same_greedy
+from gpt2mha import GPT2, DEFAULT_MODEL, GPT2Config
+from gpt2mha.generate import row_seed
+from gpt2mha.kv_cache import KVCache, SlotCache
+from gpt2mha.scheduler import QueueFull, SamplingParams, Scheduler, TextStream
+from gpt2mha.tokenizer import ByteTokenizer, tokenizer_for
+
+pytest.importorskip("fastapi")                  # the 'serve' extra (the 'test' extra installs it)
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+from gpt2mha.serve import serve_in_thread       # noqa: E402
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+@pytest.fixture(scope="module")
+def builtin(one_thread):
+    model = GPT2.from_pretrained(DEFAULT_MODEL).eval()
+    return model, tokenizer_for(model.config)
+
+
+def assert_same_text(model, tok, prompt, got, ref):
+    """A greedy text from the server equals offline generate's, or parts from it only at a
+    near-tie of the reference logits (conftest.assert_same_greedy; byte model: one token a byte)."""
+    if got != ref:
+        a, b = tok.encode(prompt + ref), tok.encode(prompt + got)
+        n = len(tok.encode(prompt))
+        b = (b + a[len(b):])[:len(a)]
+        assert_same_greedy(model, a, b, n)
+
+
+def offline(model, tok, prompt, max_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None):
+    """What offline ``generate`` (as ``gpt2mha generate``) continues ``prompt`` with: ids and text."""
+    ids = tok.encode(prompt)
+    out = model.generate(torch.tensor([ids]), max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         seed=seed, vocab_size=tok.n_vocab)[0, len(ids):].tolist()
+    return out, tok.decode(out)
+
+
+def collect_events():
+    texts = {}
+
+    def on_event(seq, text, done):
+        texts.setdefault(id(seq), []).append(text)
+    return texts, on_event
+
+
+def wait_for(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- scheduler
+def test_slot_cache_rows_of_different_lengths_attend_as_alone(one_thread):
+    """A decode step over a SlotCache holding rows of lengths 5, 0 (free slot) and 11 gives each
+    row the logits of the model's own forward over that row's tokens alone (reference)."""
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config.from_preset("tiny")).eval()
+    c = model.config
+    seqs = {0: torch.randint(0, 256, (1, 6)), 2: torch.randint(0, 256, (1, 12))}
+    cache = SlotCache(c.n_layer, 3, c.n_head, c.n_ctx, c.head_dim)
+    with torch.no_grad():
+        for slot, ids in seqs.items():
+            kv = KVCache(c.n_layer, 1, c.n_head, ids.shape[1] - 1, c.head_dim)
+            model(ids[:, :-1], cache=kv)                        # prefill all but the last token
+            cache.load(slot, kv)
+        pos, mask = cache.begin(3)
+        assert pos.flatten().tolist() == [5, 0, 11] and mask.shape == (3, 1, 1, 12)
+        last = torch.tensor([[seqs[0][0, -1]], [7], [seqs[2][0, -1]]])
+        logits = model.step(last, cache, mask, pos)              # [3, 1, n_vocab]
+        for slot, ids in seqs.items():
+            ref = model(ids).logits[:, -1]
+            torch.testing.assert_close(logits[slot], ref, rtol=1e-5, atol=1e-5)
+    assert cache.lengths == [6, 0, 12]
+    cache.release(2)
+    assert cache.lengths == [6, 0, 0] and not cache.active[2]
+    with pytest.raises(ValueError, match="slot=0"):
+        cache.load(0, KVCache(c.n_layer, 1, c.n_head, 4, c.head_dim))
+
+
+def test_scheduler_sequences_joining_at_different_steps_equal_offline_generate(builtin):
+    """Greedy and seeded (top-k, top-p) sequences of different lengths, each joining while
+    others run, give exactly offline generate's tokens for their prompt alone; every slot is
+    free at the end."""
+    model, tok = builtin
+    sched = Scheduler(model, tok, max_batch=3, max_queue=8)
+    cases = [("ROMEO:", SamplingParams(max_tokens=30, temperature=0)),
+             ("To be, or not", SamplingParams(max_tokens=12, temperature=0.9, seed=3)),
+             ("First Citizen:\nBefore we proceed any further", SamplingParams(max_tokens=25, temperature=1.0,
+                                                                             top_k=20, seed=7)),
+             ("O", SamplingParams(max_tokens=18, temperature=0.8, top_p=0.9, seed=11)),
+             ("KING RICHARD III:\n", SamplingParams(max_tokens=9, temperature=0))]
+    texts, on_event = collect_events()
+    seqs = []
+    with torch.inference_mode(), model.decoding():
+        for prompt, params in cases[:2]:                        # prefilled together (left-padded)
+            seqs += sched.submit([tok.encode(prompt)], params, on_event)
+        for prompt, params in cases[2:]:                        # then one at a time; 3 slots: some wait
+            sched.step()
+            seqs += sched.submit([tok.encode(prompt)], params, on_event)
+            for _ in range(3):
+                sched.step()
+    sched.run_until_idle()
+    for seq, (prompt, p) in zip(seqs, cases):
+        ids, text = offline(model, tok, prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed)
+        if p.temperature == 0:
+            n = len(tok.encode(prompt))
+            assert_same_greedy(model, tok.encode(prompt) + ids, tok.encode(prompt) + seq.tokens, n)
+        else:
+            assert seq.tokens == ids and seq.text == text
+        assert "".join(texts[id(seq)]) == seq.text and seq.finish_reason == "length"
+    assert sched.slots == [None] * 3 and sched.cache.lengths == [0] * 3 and not sched.waiting
+    assert sched.stats()["completed"] == 5 and sched.stats()["generated_tokens"] == sum(p.max_tokens for _, p in cases)
+
+
+def test_text_stream_never_splits_a_character_or_shows_part_of_a_stop_string():
+    """Byte by byte, deltas are whole characters (reference: str.encode/decode), a stop string
+    split across tokens is held back and cut, and an unfinished character at the end becomes
+    U+FFFD as bytes.decode(errors='replace') gives."""
+    tok = ByteTokenizer()
+    text = "héllo wörld 😀 ok"
+    ts = TextStream(tok)
+    deltas = [ts.push([b]) for b in text.encode()]
+    assert "".join(deltas) + ts.finish() == text
+    assert all("\ufffd" not in d for d in deltas) and "" in deltas        # held while a char was split
+    ts = TextStream(tok, stop=("wör", "zz"))
+    out = "".join(ts.push([b]) for b in text.encode())
+    assert out == "héllo " and ts.stopped and ts.text == "héllo " and ts.finish() == ""
+    ts = TextStream(tok, stop=("lo!",))                          # a tail "lo" held, then released at the end
+    out = "".join(ts.push([b]) for b in b"hello")
+    assert out == "hel" and ts.finish() == "lo" and not ts.stopped
+    ts = TextStream(tok)
+    assert ts.push(list("é".encode())[:1]) == "" and ts.finish() == b"\xc3".decode("utf-8", errors="replace")
+
+
+def test_scheduler_cancel_frees_the_slot_and_a_failing_sequence_fails_alone(builtin, monkeypatch):
+    """A cancelled sequence leaves its slot at the next step; an exception while sampling one
+    sequence (in the shared prefill, or later) finishes it with 'error' while the others still
+    equal offline generate."""
+    model, tok = builtin
+    sched = Scheduler(model, tok, max_batch=4)
+    poison, poison_at_prefill = tok.encode("BOOM"), tok.encode("BANG!")
+    real = Scheduler._sample
+
+    def sample(self, seq, logits):
+        if seq.prompt_ids == poison and len(seq.tokens) == 5 or seq.prompt_ids == poison_at_prefill:
+            raise RuntimeError("injected failure")
+        return real(self, seq, logits)
+
+    monkeypatch.setattr(Scheduler, "_sample", sample)
+    texts, on_event = collect_events()
+    good = sched.submit([tok.encode("ROMEO:")], SamplingParams(max_tokens=20, temperature=0.7, seed=1), on_event)[0]
+    bad = sched.submit([poison], SamplingParams(max_tokens=20, temperature=0.7, seed=2), on_event)[0]
+    early = sched.submit([poison_at_prefill], SamplingParams(max_tokens=20), on_event)[0]   # fails in the batched prefill
+    gone = sched.submit([tok.encode("JULIET:")], SamplingParams(max_tokens=100, temperature=0), on_event)[0]
+    with torch.inference_mode(), model.decoding():
+        for _ in range(2):
+            sched.step()
+        assert gone.slot is not None and sched.stats()["running"] == 3
+        sched.cancel(gone)
+        sched.step()
+    assert early.finish_reason == "error" and early.tokens == [] and early.slot is None
+    assert gone.finish_reason == "cancelled" and gone.slot is None and sched.slots.count(None) == 2
+    sched.run_until_idle()
+    assert bad.finish_reason == "error" and "injected failure" in bad.error and len(bad.tokens) == 5
+    assert good.text == offline(model, tok, "ROMEO:", 20, 0.7, seed=1)[1] and good.finish_reason == "length"
+    assert sched.slots == [None] * 4 and sched.stats()["failed"] == 2 and sched.stats()["cancelled"] == 1
+
+
+def test_bpe_end_of_text_stops_with_finish_reason_stop(one_thread, monkeypatch):
+    """A GPT-2 BPE model stops a sequence at <|endoftext|> (50256): finish_reason 'stop', the
+    text is the tokens before it (reference: the tokenizer's decode), the slot is freed."""
+    tok = tokenizer_for(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1))
+    model = GPT2(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1)).eval()
+    script = tok.encode(" to be or not") + [tok.eot_token] + tok.encode(" never seen")
+    monkeypatch.setattr(Scheduler, "_sample", lambda self, seq, logits: script[len(seq.tokens)])
+    sched = Scheduler(model, tok, max_batch=2)
+    seq = sched.submit([tok.encode("Hello")], SamplingParams(max_tokens=12, temperature=1.0), lambda *a: None)[0]
+    sched.run_until_idle()
+    assert seq.finish_reason == "stop" and seq.text == " to be or not" and seq.tokens == script[:5]
+    assert sched.slots == [None, None]
+
+
+def test_scheduler_refuses_work_beyond_free_slots_plus_queue(builtin):
+    model, tok = builtin
+    sched = Scheduler(model, tok, max_batch=2, max_queue=1)
+    p = SamplingParams(max_tokens=2, temperature=0)
+    sched.submit([[65], [66]], p, lambda *a: None)
+    with pytest.raises(QueueFull):
+        sched.submit([[67], [68]], p, lambda *a: None)             # all or none
+    sched.submit([[67]], p, lambda *a: None)
+    with pytest.raises(QueueFull):
+        sched.submit([[69]], p, lambda *a: None)
+    assert sched.stats()["queued"] == 3 and sched.stats()["rejected"] == 3
+    sched.run_until_idle()
+    assert sched.stats()["completed"] == 3
+    with pytest.raises(ValueError, match="max_batch"):
+        Scheduler(model, tok, max_batch=0)
+
+
+# ------------------------------------------------------------------------------- server
+@pytest.fixture(scope="module")
+def server(builtin):
+    model, tok = builtin
+    sched = Scheduler(model, tok, max_batch=4, max_queue=16)
+    with serve_in_thread(sched, DEFAULT_MODEL) as url:
+        yield url, sched
+
+
+def test_openai_client_plain_and_streamed_equal_offline_generate(server, builtin, capsys):
+    """With the official client: a greedy completion equals `gpt2mha generate --temperature 0`'s
+    output, streamed or not; a seeded one equals offline generate with that seed; a list of
+    prompts gives one choice per prompt; usage counts tokens; /v1/models names the model."""
+    from gpt2mha.cli import main
+
+    url, _ = server
+    model, tok = builtin
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL]
+
+    r = client.completions.create(model=DEFAULT_MODEL, prompt="ROMEO:", max_tokens=40, temperature=0)
+    assert main(["generate", "ROMEO:", "--max-new-tokens", "40", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("ROMEO:") and printed.endswith("\n")
+    assert_same_text(model, tok, "ROMEO:", r.choices[0].text, printed[len("ROMEO:"):-1])
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (6, 40, 46)
+    greedy = r.choices[0].text
+
+    chunks = list(client.completions.create(model=DEFAULT_MODEL, prompt="ROMEO:", max_tokens=40, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length" and len(chunks) > 5
+
+    r = client.completions.create(model=DEFAULT_MODEL, prompt=["To be", "HAMLET:"], max_tokens=24,
+                                  temperature=0.9, top_p=0.95, seed=5, extra_body={"top_k": 30})
+    assert [c.index for c in r.choices] == [0, 1]
+    for i, (c, prompt) in enumerate(zip(r.choices, ["To be", "HAMLET:"])):   # row i as in generate(prompts, seed=5)
+        assert c.text == offline(model, tok, prompt, 24, 0.9, top_k=30, top_p=0.95, seed=row_seed(5, i))[1]
+
+    r = client.completions.create(model=DEFAULT_MODEL, prompt="ROMEO:", max_tokens=40, temperature=0, stop=["the"])
+    assert "the" in greedy and r.choices[0].text == greedy[:greedy.index("the")] and r.choices[0].finish_reason == "stop"
+    health = httpx.get(url + "/health").json()
+    assert health["status"] == "ok" and health["running"] == 0 and health["free_slots"] == health["slots"] == 4
+
+
+def test_raw_sse_stream_is_utf8_safe_and_ends_with_done(builtin, monkeypatch):
+    """Raw HTTP: `data: {...}` chunks in OpenAI's format, then the usage chunk and `data: [DONE]`;
+    a model made to emit the bytes of 'é😀ü…' one per token never has a chunk with half a
+    character (no U+FFFD) and the chunks join to the text (reference: str.encode)."""
+    model, tok = builtin
+    text = "é😀ü ok ß"
+    script = list(text.encode())
+    monkeypatch.setattr(Scheduler, "_sample", lambda self, seq, logits: script[len(seq.tokens)])
+    sched = Scheduler(model, tok, max_batch=2)
+    with serve_in_thread(sched, DEFAULT_MODEL) as url:
+        body = {"prompt": "x", "max_tokens": len(script), "temperature": 0.5, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(script)
+    pieces = [e["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert all(e["object"] == "text_completion" and e["id"] == events[0]["id"] for e in events)
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+BAD_REQUESTS = [
+    ('{"prompt": "ROMEO:", "max_tokens": 5,', None),                     # malformed JSON
+    ('[1, 2]', None),                                                   # not an object
+    ({"max_tokens": 5}, "prompt"),                                      # missing prompt
+    ({"prompt": "a", "frobnicate": 1}, "frobnicate"),                   # unknown field
+    ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),                 # wrong types
+    ({"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": ["a", 3]}, "prompt"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "stop": 7}, "stop"),
+    ({"prompt": "a", "seed": 1.5}, "seed"),
+    ({"prompt": "ROMEO:", "max_tokens": 251}, "max_tokens"),            # 6 + 251 > n_ctx = 256
+    ({"prompt": "x" * 257, "max_tokens": 0}, "prompt"),                 # prompt longer than n_ctx
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens"),                  # bad sampling values
+    ({"prompt": "a", "temperature": -0.5}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "top_k": -1}, "top_k"),
+    ({"prompt": "a", "seed": -1}, "seed"),
+    ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_REQUESTS, ids=[f"{i}-{p}" for i, (_, p) in enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_400_naming_the_field(server, body, param):
+    url, sched = server
+    before = sched.stats()["completed"]
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    if param is not None:
+        assert param.split(".")[-1] in err["message"]
+    assert sched.stats()["completed"] == before
+
+
+def test_shutting_down_scheduler_answers_503_with_retry_after(builtin):
+    model, tok = builtin
+    sched = Scheduler(model, tok, max_batch=1)
+    with serve_in_thread(sched, DEFAULT_MODEL) as url:
+        sched.stop()                                            # what the app's shutdown does
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+    assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["type"] == "server_error" and "shutting down" in r.json()["error"]["message"]
+
+
+def test_unknown_model_is_404_and_client_error_types(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="shakespeare-byte"):
+        client.completions.create(model="gpt-4", prompt="a", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEFAULT_MODEL, prompt="a", max_tokens=1, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+
+
+@pytest.fixture
+def slow_server(builtin, monkeypatch):
+    """One slot, one queue place, and 20 ms per decode step, so requests overlap for sure."""
+    model, tok = builtin
+    real = Scheduler._decode
+
+    def slow_decode(self):
+        time.sleep(0.02)
+        real(self)
+    monkeypatch.setattr(Scheduler, "_decode", slow_decode)
+    sched = Scheduler(model, tok, max_batch=1, max_queue=1)
+    with serve_in_thread(sched, DEFAULT_MODEL, timeout=5) as url:
+        yield url, sched
+
+
+def test_queue_full_gets_429_with_retry_after_and_a_disconnect_frees_the_slot(slow_server, builtin):
+    """Slot taken by a stream and queue place taken: the next request gets 429 with Retry-After
+    (the client raises RateLimitError). Closing the stream mid-way frees the slot at once: the
+    queued request starts and finishes long before the stream's 200 tokens would have."""
+    url, sched = slow_server
+    model, tok = builtin
+    stream = httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json={"prompt": "ROMEO:", "max_tokens": 200, "temperature": 0, "stream": True})
+    r = stream.__enter__()
+    lines = r.iter_lines()
+    assert next(lines).startswith("data: ")
+    wait_for(lambda: sched.stats()["running"] == 1)
+    queued = {}
+    t = threading.Thread(target=lambda: queued.update(r=httpx.post(
+        url + "/v1/completions", json={"prompt": "JULIET:", "max_tokens": 5, "temperature": 0}, timeout=30)))
+    t.start()
+    wait_for(lambda: sched.stats()["queued"] == 1)
+    full = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 5})
+    assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+    assert full.json()["error"]["type"] == "rate_limit_error"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=DEFAULT_MODEL, prompt="a", max_tokens=5)
+    t0 = time.monotonic()
+    stream.__exit__(None, None, None)                          # the client hangs up mid-stream
+    t.join(10)
+    assert time.monotonic() - t0 < 2.0                         # 200 tokens x 20 ms would be 4 s
+    assert queued["r"].status_code == 200
+    assert_same_text(model, tok, "JULIET:", queued["r"].json()["choices"][0]["text"], offline(model, tok, "JULIET:", 5, 0)[1])
+    wait_for(lambda: sched.stats()["running"] == 0)
+    s = sched.stats()
+    assert s["cancelled"] == 1 and s["free_slots"] == 1 and s["rejected"] == 2
+    # a plain (not streamed) request whose client gives up is cancelled as soon as it hangs up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 200}, timeout=0.5)
+    wait_for(lambda: sched.stats()["cancelled"] == 2, timeout=2.0)   # long before its 4 s of steps
+    assert sched.stats()["running"] == 0
+
+
+def test_an_exception_in_one_request_fails_only_that_request(server, builtin, monkeypatch):
+    """Sampling raises for one prompt: that request gets 500 (streamed: an error event, which the
+    client raises as APIError); a request running beside it and the next ones succeed."""
+    url, sched = server
+    model, tok = builtin
+    poison, real = tok.encode("BOOM"), Scheduler._sample
+
+    def sample(self, seq, logits):
+        if seq.prompt_ids == poison and len(seq.tokens) >= 2:
+            raise RuntimeError("injected failure")
+        return real(self, seq, logits)
+    monkeypatch.setattr(Scheduler, "_sample", sample)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    results = {}
+    t = threading.Thread(target=lambda: results.update(ok=client.completions.create(
+        model=DEFAULT_MODEL, prompt="ROMEO:", max_tokens=60, temperature=0.8, seed=4)))
+    t.start()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "BOOM", "max_tokens": 20, "temperature": 0.5}, timeout=30)
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    with pytest.raises(openai.APIError, match="injected failure"):
+        list(client.completions.create(model=DEFAULT_MODEL, prompt="BOOM", max_tokens=20, temperature=0.5,
+                                       stream=True))
+    t.join(30)
+    assert results["ok"].choices[0].text == offline(model, tok, "ROMEO:", 60, 0.8, seed=4)[1]
+    r = client.completions.create(model=DEFAULT_MODEL, prompt="ROMEO:", max_tokens=5, temperature=0)
+    assert_same_text(model, tok, "ROMEO:", r.choices[0].text, offline(model, tok, "ROMEO:", 5, 0)[1])
+    wait_for(lambda: sched.stats()["running"] == 0)
+
+
+def _serve_load():
+    spec = importlib.util.spec_from_file_location("serve_load", os.path.join(ROOT, "benchmarks", "serve_load.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_short_load_nothing_lost_and_slots_free(builtin):
+    """benchmarks/serve_load.py's load test, short: 8 concurrent clients, 32 mixed requests
+    (prompt lengths, max_tokens, greedy/seeded, streamed, stop strings, some cancelled mid-way).
+    Every request not cancelled is complete and equal to offline generate; all slots free."""
+    model, tok = builtin
+    load = _serve_load()
+    sched = Scheduler(model, tok, max_batch=4, max_queue=64)
+    with serve_in_thread(sched, DEFAULT_MODEL) as url:
+        res = load.load_test(url, model, tok, n_requests=32, clients=8, seed=3, max_tokens=(1, 24))
+    assert res["problems"] == []
+    assert res["cancelled"] > 0 and res["completed"] >= 20 and res["streamed"] > 0
+    assert res["finished_sequences"] == 32 and sched.cache.lengths == [0] * 4
+
+
+@pytest.mark.slow
+def test_cli_serve_sigterm_finishes_in_flight_stream_and_exits_0(tmp_path):
+    """`gpt2mha serve` in a subprocess: SIGTERM during a stream lets it finish (all tokens,
+    [DONE]), then the process exits 0."""
+    load = _serve_load()
+    server = load.Server(None, max_batch=2, log_path=str(tmp_path / "serve.log"))
+    try:
+        body = {"prompt": "ROMEO:", "max_tokens": 120, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["usage"]["completion_tokens"] == 120
+        assert server.proc.wait(30) == 0
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.log.close()
+    log = (tmp_path / "serve.log").read_text()
+    assert "status=200" in log and "generated_tokens=120" in log
+
+
+def test_cli_serve_rejects_bad_flags(capsys):
+    from gpt2mha.cli import main
+
+    assert main(["serve", "--max-batch", "0"]) == 2
+    assert "--max-batch=0" in capsys.readouterr().err
