@@ -256,3 +256,27 @@ def test_state_dict_conversion_size_errors():
     bad = dict(sd, **{"h.0.attn.c_proj.weight": torch.zeros(16)})
     with pytest.raises(ValueError, match=r"h.0.attn.c_proj.weight has shape \[16\]; expected a 2-D"):
         conv1d_to_linear_state_dict(bad)
+
+
+@pytest.mark.parametrize("wrapper", ["_orig_mod.", "module.", "module._orig_mod."])
+def test_state_dict_conversion_strips_wrapper_prefixes(wrapper):
+    """Issue 12 item 12: a torch.compile'd (or DDP) nanoGPT state dict, every key prefixed, was
+    passed through with nothing transposed. The prefix is stripped and the result equals the
+    plain dict's conversion; the transposes are checked against the plain tensors themselves."""
+    plain = conv1d_to_linear_state_dict(hf_tiny_gpt2().state_dict())      # nanoGPT's Linear layout
+    wrapped = {wrapper + k: v for k, v in plain.items()}
+    back = linear_to_conv1d_state_dict(wrapped)
+    assert back.keys() == plain.keys()
+    assert back["transformer.h.1.mlp.c_fc.weight"].shape == (16, 64)
+    for k in plain:
+        expect = plain[k].t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else plain[k]
+        assert torch.equal(back[k], expect), k
+
+
+def test_state_dict_conversion_refuses_unknown_or_mixed_prefixes():
+    plain = conv1d_to_linear_state_dict(hf_tiny_gpt2().state_dict())
+    with pytest.raises(ValueError, match=r"the prefix 'model\.transformer\.h\.0\.' is not a GPT-2 block's"):
+        linear_to_conv1d_state_dict({"model." + k: v for k, v in plain.items()})
+    mixed = {("_orig_mod." + k if "h.0." in k else k): v for k, v in plain.items()}
+    with pytest.raises(ValueError, match=r"wrapper prefix '_orig_mod\.'.*others do not"):
+        linear_to_conv1d_state_dict(mixed)

@@ -322,7 +322,9 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
     """Build a :class:`GPT2` from a built-in name, a local HF directory, or a hub id.
 
     Args:
-        name_or_dir: e.g. ``"shakespeare-byte"``, ``"./my-gpt2"``, ``"openai-community/gpt2"``.
+        name_or_dir: e.g. ``"shakespeare-byte"``, ``"./my-gpt2"``, ``"openai-community/gpt2"``;
+            a path in another format (OpenAI's TF checkpoint directory, nanoGPT's ``ckpt.pt``,
+            the book's GPTModel ``.pth``) is read by :func:`gpt2mha.formats.load_any`.
         dtype: parameter dtype of the returned model (float32 by default): a torch dtype or a
             name such as ``"bf16"`` (:func:`as_dtype`).
 
@@ -334,6 +336,9 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
             :func:`check_state_dict`.
     """
     dtype = as_dtype(dtype)
+    if os.path.exists(name_or_dir) and not os.path.isfile(os.path.join(name_or_dir, CONFIG_NAME)):
+        from .formats import load_any      # OpenAI's TF directory, nanoGPT's ckpt.pt / out_dir, a book .pth
+        return load_any(name_or_dir, dtype=dtype)
     directory = resolve(name_or_dir)
     config_path = os.path.join(directory, CONFIG_NAME)
     try:

@@ -75,8 +75,17 @@ def cmd_generate(args) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
-    if args.prompt == "":
-        raise ValueError("PROMPT is empty; give at least one character to continue")
+    prompts = args.prompt
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
+    if args.unconditional and prompts:
+        raise ValueError(f"--unconditional starts from <|endoftext|> alone; drop the PROMPT ({prompts[0]!r}) or "
+                         f"the flag")
+    if not args.unconditional and not prompts:
+        raise ValueError("give a PROMPT to continue (or --unconditional to sample from <|endoftext|>)")
+    if "" in prompts:
+        which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else "PROMPT"
+        raise ValueError(f"{which} is empty; give at least one character to continue")
     from . import parallel
     parallel.check_world(args.tp)                     # --tp N needs N ranks (torchrun)
     if args.quantize and args.tp > 1:
@@ -86,6 +95,12 @@ def cmd_generate(args) -> int:
     tok = tokenizer_for(model.config)
     if args.stop_at_eos and tok.eot_token is None:
         raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
+    if args.unconditional and tok.eot_token is None:
+        raise ValueError(f"--unconditional starts from <|endoftext|>, which the {tok.name!r} tokenizer of this model "
+                         f"does not have; give a PROMPT instead")
+    if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
+        return _generate_samples(args, model, tok)
+    args.prompt = prompts[0]
     try:
         idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long, device=model.wte.weight.device)
     except UnicodeError:
@@ -104,6 +119,46 @@ def cmd_generate(args) -> int:
                          sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
     parallel.check_same_tokens(ids)
     out.write(("" if started else args.prompt) + stream.flush() + "\n")
+    return 0
+
+
+def _generate_samples(args, model, tok) -> int:
+    """``--num-samples`` / several PROMPTs / ``--unconditional``: every (prompt, sample) is one
+    row of a left-padded batch (OpenAI's ``sample_sequence`` with ``batch_size``; unconditional
+    rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
+    line, its padding dropped by :func:`gpt2mha.tokenizer.decode_rows`; with ``--stop-at-eos`` a
+    row ends at its first ``<|endoftext|>``."""
+    import torch
+
+    from . import parallel
+    from .generate import left_pad
+    from .tokenizer import decode_rows
+
+    try:
+        encoded = [[tok.eot_token]] if args.unconditional else [tok.encode(p) for p in args.prompt]
+    except UnicodeError:
+        raise ValueError("PROMPT is not valid UTF-8 text") from None
+    rows = [ids for ids in encoded for _ in range(args.num_samples)]
+    idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
+    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                         attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
+    parallel.check_same_tokens(out)
+    out, mask = out.cpu(), mask.cpu()
+    T = idx.shape[1]
+    if args.stop_at_eos:                       # a finished row repeats <|endoftext|>: keep the first
+        hits = out[:, T:] == tok.eot_token
+        first = torch.where(hits.any(1), hits.int().argmax(1) + T + 1, out.shape[1])
+        texts = [decode_rows(tok, out[i:i + 1, :int(first[i])], mask[i:i + 1])[0] for i in range(len(rows))]
+    else:
+        texts = decode_rows(tok, out, mask)
+    skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
+    stdout = parallel.rank0_stdout()
+    for i, text in enumerate(texts):
+        label = f"sample {i % args.num_samples + 1} of {args.num_samples}"
+        if not args.unconditional and len(args.prompt) > 1:
+            label = f"prompt {i // args.num_samples + 1} of {len(args.prompt)}, " + label
+        print(f"{'=' * 20} {label} {'=' * 20}", text[skip:], sep="\n", file=stdout)
     return 0
 
 
@@ -132,7 +187,7 @@ def cmd_perplexity(args) -> int:
     from . import parallel
 
     text = read_text(args.file, args.split)
-    model = quantized(load_model(args.model), args).to(parallel.info().device)
+    model = quantized(load_model(args.model, args.dtype), args).to(parallel.info().device)
     result = parallel.perplexity(model, text, stride=args.stride)   # windows split over torchrun's ranks
     if not parallel.info().is_main:
         return 0
@@ -196,7 +251,7 @@ def cmd_heads(args) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out!r} is a file; expected a directory to write the maps into "
                          f"(it is created if missing)")
-    model = load_model(args.model)
+    model = load_model(args.model, args.dtype)
     c = model.config
     check_selection(c.n_layer, c.n_head, args.layer, args.head)   # before the (slower) forward pass
     result = analyse_heads(model, args.prompt)
@@ -282,6 +337,8 @@ def _add_inspect_commands(sub) -> None:
     hd.add_argument("--out", default="heads", metavar="DIR", help="output directory (default ./heads)")
     hd.add_argument("--top", type=int, default=3, help="heads listed per role (default 3)")
     hd.add_argument("--json", action="store_true", help="print files, strongest heads and all scores as JSON")
+    hd.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                    help="weights' dtype, as for generate (default float32)")
     hd.set_defaults(func=cmd_heads)
 
     warning = ("WARNING: check imports FILE.py and runs its code (module body, constructor, forward) with your "
@@ -324,6 +381,79 @@ def _add_bench_command(sub) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+def _json_arg(text: str | None, name: str) -> dict | None:
+    """A JSON object given inline or as a file path (``--book-config``)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(open(text).read() if os.path.isfile(text) else text)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name}={text!r} is neither a JSON object nor a readable JSON file: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={text!r}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def cmd_convert(args) -> int:
+    from .formats import convert
+
+    written = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, src_format=args.src_format,
+                      book_config=_json_arg(args.book_config, "--book-config"))
+    print("wrote " + ", ".join(written))
+    return 0
+
+
+def cmd_check_model(args) -> int:
+    from .compare import check_model, format_model_report
+
+    report = check_model(args.src, cls=args.cls, fmt=args.src_format, book_config=_json_arg(args.book_config, "--book-config"),
+                         batch=args.batch, tokens=args.tokens, seed=args.seed, atol=args.atol)
+    print(json.dumps(report.to_dict()) if args.json else format_model_report(report))
+    return report.exit_code
+
+
+def _add_formats_commands(sub) -> None:
+    """Parsers of ``convert`` and ``check-model`` (:mod:`gpt2mha.formats`)."""
+    cv = sub.add_parser("convert", help="convert a checkpoint (OpenAI TF dir, nanoGPT ckpt.pt, the book's GPTModel "
+                                        ".pth, Hugging Face dir) to a Hugging Face dir, the book's or nanoGPT's format",
+                        description="Read SRC in any supported format (detected: a Hugging Face directory; OpenAI's "
+                                    "download_model.py directory, read with TensorFlow: pip install 'gpt2mha[tf]'; "
+                                    "nanoGPT's ckpt.pt or out_dir; the book's GPTModel state dict .pth, whose config "
+                                    "dict comes from --book-config or NAME.json beside it) and write it to DST. "
+                                    "Nothing existing is overwritten without --overwrite.")
+    cv.add_argument("src", metavar="SRC")
+    cv.add_argument("dst", metavar="DST", help="hf: a directory; book: NAME.pth (+ NAME.json); nanogpt: a directory "
+                                               "or file (ckpt.pt)")
+    cv.add_argument("--to", choices=["hf", "book", "nanogpt"], default="hf", help="format to write (default hf)")
+    cv.add_argument("--from", dest="src_format", choices=["hf", "openai", "book", "nanogpt"], default=None,
+                    help="format of SRC (default: detected)")
+    cv.add_argument("--book-config", default=None, metavar="JSON",
+                    help="the book's config dict (JSON or a JSON file), e.g. '{\"n_heads\": 12}'; only n_heads "
+                         "is needed, the other sizes are read off the tensors")
+    cv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    cv.set_defaults(func=cmd_convert)
+
+    warning = "WARNING: with --class, FILE.py is imported and run with your permissions. Only use files you trust."
+    cm = sub.add_parser("check-model", help="compare your whole model with gpt2mha on the same checkpoint, layer by layer",
+                        description="Load SRC into gpt2mha and into your own model (--class FILE.py:Class: the book's "
+                                    "GPTModel built with the config dict, nanoGPT's GPT built with GPTConfig(**model_args), "
+                                    "each loaded with its load_state_dict from the file's tensors) or, without --class, "
+                                    "the format's reference (the book's chapter 4 GPTModel; NumPy's OpenAI formulas for "
+                                    "OpenAI/Hugging Face checkpoints). Run both on the same ids in float64 and report "
+                                    "the embeddings, each block's attention, MLP and output, ln_f and the logits, the "
+                                    "first that differs and why. Exit 0: matches; 1: differs; 2: could not run. "
+                                    + warning, epilog=warning)
+    cm.add_argument("src", metavar="SRC")
+    cm.add_argument("--class", dest="cls", default=None, metavar="FILE.py:Class", help="your model class")
+    cm.add_argument("--from", dest="src_format", choices=["hf", "openai", "book", "nanogpt"], default=None,
+                    help="format of SRC (default: detected)")
+    cm.add_argument("--book-config", default=None, metavar="JSON", help="the book's config dict (JSON or a JSON file)")
+    cm.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
+    cm.add_argument("--tokens", type=int, default=8, help="tokens per sequence (default 8, at most n_ctx)")
+    cm.add_argument("--seed", type=int, default=0, help="seed of the random ids (default 0)")
+    cm.add_argument("--atol", type=float, default=1e-6, help="tolerance, times max(1, |activation|) (default 1e-6)")
+    cm.add_argument("--json", action="store_true", help="print one JSON object")
+    cm.set_defaults(func=cmd_check_model)
 def cmd_serve(args) -> int:
     import logging
 
@@ -379,8 +509,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="continue a prompt (streams tokens as they are sampled)",
                        formatter_class=DefaultsHelpFormatter)
-    g.add_argument("prompt", metavar="PROMPT")
+    g.add_argument("prompt", metavar="PROMPT", nargs="*",
+                   help="text to continue; several PROMPTs are sampled as one batch and printed as labelled samples")
     _model_arg(g)
+    g.add_argument("--unconditional", action="store_true",
+                   help="sample from <|endoftext|> alone, as OpenAI's generate_unconditional_samples.py (BPE models)")
+    g.add_argument("--num-samples", type=int, default=1, help="samples per PROMPT, printed one after another, labelled")
     g.add_argument("--max-new-tokens", type=int, default=100, help="number of tokens to generate (>= 0)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
@@ -407,6 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score the whole file, or the trainer's split of it (train: first 90%% of the bytes, "
                         "val: last 10%%)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights' dtype, as for generate (the logits and the loss stay float32)")
     _quantize_args(p)
     p.set_defaults(func=cmd_perplexity)
 
@@ -430,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
     _add_inspect_commands(sub)
     _add_bench_command(sub)
+    _add_formats_commands(sub)
     _add_serve_command(sub)
     return parser
 

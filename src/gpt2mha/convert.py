@@ -269,8 +269,41 @@ def heads_to_fused(heads: list[dict[str, torch.Tensor]], c_proj_bias: torch.Tens
 
 
 # ----------------------------------------------------------- whole-model state dicts
+#: Prefixes that wrappers add to every key of the model they wrap: ``torch.compile``
+#: (``_orig_mod.``) and DataParallel / DistributedDataParallel (``module.``).
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def strip_wrapper_prefixes(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the prefixes of :data:`WRAPPER_PREFIXES` (``_orig_mod.``, ``module.``, also nested)
+    that every key of a wrapped model's state dict carries; returns a new dict.
+
+    Raises:
+        ValueError: only some keys carry such a prefix (naming the prefix and a key with and
+            one without it): the dict mixes two models, and guessing could drop weights.
+    """
+    out = dict(sd)
+    while out:
+        prefix = next((p for p in WRAPPER_PREFIXES if any(k.startswith(p) for k in out)), None)
+        if prefix is None:
+            return out
+        without = [k for k in out if not k.startswith(prefix)]
+        if without:
+            with_ = next(k for k in out if k.startswith(prefix))
+            raise ValueError(f"some keys carry the wrapper prefix {prefix!r} (e.g. {with_!r}) and others do not "
+                             f"(e.g. {without[0]!r}); refusing to guess which model each belongs to")
+        out = {k[len(prefix):]: v for k, v in out.items()}
+    return out
+
+
 def _convert_state_dict(sd: dict[str, torch.Tensor], to_linear: bool) -> dict[str, torch.Tensor]:
     src = "Conv1D [in, out]" if to_linear else "nn.Linear [out, in]"
+    sd = strip_wrapper_prefixes(sd)
+    unknown = [k for k in sd if k.endswith(CONV1D_WEIGHTS) and not _BLOCK_KEY.match(k)]
+    if unknown:
+        prefix = unknown[0][:unknown[0].index(next(w for w in CONV1D_WEIGHTS if unknown[0].endswith(w)))]
+        raise ValueError(f"{unknown[0]}: the prefix {prefix!r} is not a GPT-2 block's ('h.{{i}}.' or "
+                         f"'transformer.h.{{i}}.'); strip it first, nothing was converted")
     out, blocks = dict(sd), {}
     for key in sd:
         m = _BLOCK_KEY.match(key)
@@ -306,11 +339,15 @@ def conv1d_to_linear_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.
     ``[C, 3C]`` → ``[3C, C]``, ``attn.c_proj.weight [C, C]``, ``mlp.c_fc.weight [C, 4C]`` →
     ``[4C, C]``, ``mlp.c_proj.weight [4C, C]`` → ``[C, 4C]``; keys may carry a
     ``transformer.`` prefix; every other tensor (biases, LayerNorms, wte, wpe, lm_head, legacy
-    ``attn.bias`` buffers) is passed through unchanged. Returns a new dict.
+    ``attn.bias`` buffers) is passed through unchanged. Returns a new dict. The key prefixes
+    of ``torch.compile`` (``_orig_mod.``) and DDP (``module.``) are stripped first
+    (:func:`strip_wrapper_prefixes`), so the result's keys are the plain model's.
 
     Raises:
         ValueError: a Conv1D weight whose shape does not fit n_embd (from ``ln_1.weight`` or
-            ``wte.weight``) and the MLP width, e.g. a state dict already in Linear layout.
+            ``wte.weight``) and the MLP width, e.g. a state dict already in Linear layout; a
+            block weight under any other prefix (named: nothing would be transposed); keys
+            only some of which carry a wrapper prefix.
     """
     return _convert_state_dict(sd, to_linear=True)
 
@@ -318,7 +355,11 @@ def conv1d_to_linear_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.
 def linear_to_conv1d_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """nn.Linear-layout GPT-2 state dict (nanoGPT) → Conv1D layout; inverse of :func:`conv1d_to_linear_state_dict`.
 
+    A ``torch.compile``'d nanoGPT's keys (``_orig_mod.transformer.h.0.…``) and DDP's
+    (``module.…``) lose that prefix; the result's keys are the plain model's.
+
     Raises:
-        ValueError: a weight whose shape does not fit the nn.Linear ``[out, in]`` layout.
+        ValueError: a weight whose shape does not fit the nn.Linear ``[out, in]`` layout, a
+            block weight under an unknown prefix (named), or a mix of prefixed and plain keys.
     """
     return _convert_state_dict(sd, to_linear=False)

@@ -1,0 +1,140 @@
+"""Generation as OpenAI's sampler offers it (issue 16, section 3): --unconditional, several
+prompts and --num-samples as labelled samples, a decode that drops left padding, and --dtype
+on perplexity and heads."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from gpt2mha import GPT2, GPT2Config
+from gpt2mha.cli import main
+from gpt2mha.generate import left_pad
+from gpt2mha.tokenizer import ByteTokenizer, GPT2Tokenizer, decode_rows
+
+LABEL = re.compile(r"^={20} (.*) ={20}$", re.M)
+
+
+def samples(text):
+    """{label: sample text} from generate's labelled output."""
+    parts = LABEL.split(text)
+    return {parts[i]: parts[i + 1].removeprefix("\n").removesuffix("\n") for i in range(1, len(parts), 2)}
+
+
+@pytest.fixture
+def byte_model(tmp_path):
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=256, n_ctx=64, n_embd=32, n_head=4, n_layer=2, tokenizer="bytes"))
+    model.save_pretrained(str(tmp_path / "bytes"))
+    return str(tmp_path / "bytes")
+
+
+@pytest.fixture
+def bpe_model(tmp_path):
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1, tokenizer="gpt2"))
+    model.save_pretrained(str(tmp_path / "bpe"))
+    return str(tmp_path / "bpe")
+
+
+def test_unconditional_starts_from_endoftext(bpe_model, capsys, one_thread):
+    """As OpenAI's sample_sequence(start_token=enc.encoder['<|endoftext|>']): each sample is
+    what the model generates after id 50256 alone, printed without it, labelled."""
+    assert main(["generate", "--unconditional", "--num-samples", "3", "--model", bpe_model, "--max-new-tokens", "6",
+                 "--seed", "5"]) == 0
+    got = samples(capsys.readouterr().out)
+    model = GPT2.from_pretrained(bpe_model)
+    out = model.generate(torch.full((3, 1), 50256), 6, seed=5)
+    tok = GPT2Tokenizer()
+    assert got == {f"sample {i + 1} of 3": tok.decode(out[i, 1:].tolist()) for i in range(3)}
+
+
+def test_unconditional_errors(byte_model, bpe_model, capsys):
+    assert main(["generate", "--unconditional", "--model", byte_model]) == 2
+    assert "--unconditional starts from <|endoftext|>, which the 'bytes' tokenizer" in capsys.readouterr().err
+    assert main(["generate", "hi", "--unconditional", "--model", bpe_model]) == 2
+    assert "drop the PROMPT ('hi')" in capsys.readouterr().err
+    assert main(["generate", "--model", bpe_model]) == 2
+    assert "give a PROMPT" in capsys.readouterr().err
+    assert main(["generate", "hi", "--num-samples", "0", "--model", bpe_model]) == 2
+    assert "--num-samples=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_several_prompts_and_samples_are_labelled_and_unpadded(byte_model, capsys, one_thread):
+    """Prompts of different lengths in one batch: each labelled sample equals that prompt
+    generated alone (greedy), with no NUL bytes from the left padding."""
+    prompts = ["a", "hello, world"]
+    assert main(["generate", *prompts, "--num-samples", "2", "--model", byte_model, "--max-new-tokens", "7",
+                 "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "\x00" not in text
+    got = samples(text)
+    model = GPT2.from_pretrained(byte_model)
+    expect = {}
+    for j, p in enumerate(prompts):
+        alone = bytes(model.generate(torch.tensor([list(p.encode())]), 7, temperature=0)[0].tolist())
+        for s in range(2):
+            expect[f"prompt {j + 1} of 2, sample {s + 1} of 2"] = alone.decode("utf-8", errors="replace")
+    assert got == expect
+
+
+def test_decode_rows_drops_left_padding():
+    tok = ByteTokenizer()
+    rows = [list(b"hi"), list(b"hello"), list(b"x")]
+    idx, mask = left_pad(rows)                                  # pad id 0: a NUL byte when decoded
+    out = torch.cat([idx, torch.tensor([[33], [63], [46]])], dim=1)   # one generated token per row
+    assert decode_rows(tok, out, mask) == ["hi!", "hello?", "x."]
+    assert tok.decode(out[0].tolist()).startswith("\x00")     # what a plain decode gives
+    assert decode_rows(tok, idx) == [tok.decode(r) for r in idx.tolist()]
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 5\); expected \[B=3, T_mask <= 6\]"):
+        decode_rows(tok, out, mask[:2])
+
+
+def numbers(obj):
+    """Every number in a JSON value, in order (the role scores, whatever their nesting)."""
+    if isinstance(obj, dict):
+        return [x for k in sorted(obj) for x in numbers(obj[k])]
+    if isinstance(obj, list):
+        return [x for v in obj for x in numbers(v)]
+    return [float(obj)] if isinstance(obj, (int, float)) and not isinstance(obj, bool) else []
+
+
+def test_dtype_on_perplexity_and_heads(byte_model, tmp_path, capsys, one_thread):
+    """--dtype reaches the model: bfloat16 results differ from float32 (the flag took effect)
+    and stay close (the same weights, rounded)."""
+    f = tmp_path / "t.txt"
+    f.write_text("To be, or not to be, that is the question. " * 3)
+    res = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main(["perplexity", str(f), "--model", byte_model, "--json", "--dtype", dtype]) == 0
+        res[dtype] = json.loads(capsys.readouterr().out)["loss_per_token"]
+    assert res["float32"] != res["bfloat16"] and res["bfloat16"] == pytest.approx(res["float32"], rel=0.01)
+    scores = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main(["heads", "to be or not to be", "--model", byte_model, "--json", "--dtype", dtype,
+                     "--out", str(tmp_path / dtype)]) == 0
+        scores[dtype] = torch.tensor(numbers(json.loads(capsys.readouterr().out)["scores"]))
+    assert not torch.equal(scores["float32"], scores["bfloat16"])
+    torch.testing.assert_close(scores["bfloat16"], scores["float32"], atol=0.02, rtol=0)
+
+
+def test_stop_at_eos_ends_each_labelled_sample_at_its_first_endoftext(tmp_path, capsys, one_thread):
+    """A model built to always predict <|endoftext|> (ln_f's output is the constant v, and
+    wte[50256] is the only row along v): with --stop-at-eos each sample shows it once; without,
+    every new token is it."""
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1, tokenizer="gpt2"))
+    with torch.no_grad():
+        v = torch.randn(16)
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.copy_(v)
+        model.wte.weight.mul_(0.01)
+        model.wte.weight[50256] = 10 * v / v.norm()
+    model.save_pretrained(str(tmp_path / "eos"))
+    eot = "<|endoftext|>"
+    for flags, n in ((["--stop-at-eos"], 1), ([], 4)):
+        assert main(["generate", "hello", "a b", "--model", str(tmp_path / "eos"), "--max-new-tokens", "4",
+                     "--temperature", "0", *flags]) == 0
+        got = samples(capsys.readouterr().out)
+        assert got == {"prompt 1 of 2, sample 1 of 1": "hello" + eot * n, "prompt 2 of 2, sample 1 of 1": "a b" + eot * n}
