@@ -10,18 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2mha import GPT2, CausalSelfAttention, GPT2Config, KVCache
+from gpt2mha import GPT2, CausalSelfAttention, KVCache
+from test_robustness import small_model
 from gpt2mha.attention import attend_explicit, attend_sdpa, attention_mask
 from gpt2mha.generate import MIN_TEMPERATURE, row_seed, sample_next
-
-
-def small_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    model = GPT2(GPT2Config(**{**dict(n_vocab=97, n_ctx=40, n_embd=32, n_head=4, n_layer=2), **kw})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
 
 
 MODEL = small_model()
