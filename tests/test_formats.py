@@ -294,7 +294,25 @@ def test_convert_refuses_to_overwrite(tmp_path, capsys):
     book = str(tmp_path / "b.pth")
     assert main(["convert", str(dst), book, "--to", "book"]) == 0
     assert main(["convert", str(dst), book, "--to", "book"]) == 2
-    assert "b.pth" in capsys.readouterr().err
+    assert "b.pth, " in (err := capsys.readouterr().err) and "already exist; refusing to overwrite them" in err
+
+
+def test_convert_takes_builtin_names_and_refuses_quantized_sources_for_float_formats(tmp_path, capsys):
+    """From a new-user walkthrough: `convert shakespeare-byte DST` said "no such file", and a
+    quantized checkpoint converted --to book wrote int8 tensors of the wrong shapes with exit 0."""
+    from gpt2mha import GPT2
+    hf = str(tmp_path / "hf")
+    assert main(["convert", "shakespeare-byte", hf]) == 0
+    idx = torch.tensor([list(b"ROMEO:")])
+    with torch.no_grad():
+        torch.testing.assert_close(GPT2.from_pretrained(hf)(idx).logits, GPT2.from_pretrained("shakespeare-byte")(idx).logits)
+    q8 = str(tmp_path / "q8")
+    GPT2.from_pretrained("shakespeare-byte").quantize("int8").save_pretrained(q8)
+    capsys.readouterr()
+    for to, dst in (("book", tmp_path / "q8.pth"), ("nanogpt", tmp_path / "q8nano")):
+        assert main(["convert", q8, str(dst), "--to", to]) == 2
+        assert f"is a quantized checkpoint (int8); the {to} format holds float weights only" in capsys.readouterr().err
+        assert not os.path.exists(dst)
 
 
 # -------------------------------------------------------------------------- check-model

@@ -460,7 +460,8 @@ def cmd_serve(args) -> int:
     try:
         from .serve import serve
     except ImportError as e:
-        raise SystemExit(f"error: gpt2mha serve needs FastAPI and uvicorn ({e}): pip install 'gpt2mha[serve]'")
+        raise SystemExit(f"error: gpt2mha serve needs FastAPI and uvicorn ({e}): pip install 'gpt2mha[serve]' "
+                         f"(from a clone of the repository: pip install -e '.[serve]')")
     from .tokenizer import tokenizer_for
     from . import DEFAULT_MODEL
 

@@ -34,7 +34,7 @@ import pickle
 
 import torch
 
-from .checkpoints import CONFIG_NAME, CheckpointError, check_state_dict, load_pretrained, save_pretrained
+from .checkpoints import CONFIG_NAME, CheckpointError, builtin_models, check_state_dict, load_pretrained, save_pretrained
 from .convert import conv1d_to_linear_state_dict, linear_to_conv1d_state_dict, strip_wrapper_prefixes
 from .model import GPT2, GPT2Config
 from .tokenizer import ENCODER_JSON_SHA256, VOCAB_BPE_SHA256
@@ -563,7 +563,8 @@ def save_nanogpt(model: GPT2, path: str, overwrite: bool = False) -> str:
 def _refuse_existing(paths: list[str], overwrite: bool) -> None:
     existing = [p for p in paths if os.path.exists(p)]
     if existing and not overwrite:
-        raise FileExistsError(f"{', '.join(existing)} already exists; refusing to overwrite it (pass --overwrite / "
+        raise FileExistsError(f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; refusing to "
+                              f"overwrite {'it' if len(existing) == 1 else 'them'} (pass --overwrite / "
                               f"overwrite=True)")
 
 
@@ -580,6 +581,8 @@ def read_any(src: str, fmt: str | None = None, book_config: dict | None = None) 
     """
     if fmt is not None and fmt not in FORMATS:
         raise CheckpointError(f"format={fmt!r}; expected one of {FORMATS}")
+    if fmt is None and not os.path.exists(src) and src in builtin_models():
+        fmt = "hf"                                               # a built-in name, as --model takes
     fmt = fmt or detect_format(src)
     if fmt == "hf":
         return load_pretrained(src), fmt
@@ -622,6 +625,9 @@ def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_for
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"SRC and DST are the same path ({src}); write the conversion elsewhere")
     model, _ = read_any(src, src_format, book_config)
+    if to != "hf" and getattr(model, "quantization", None):
+        raise CheckpointError(f"{src} is a quantized checkpoint ({model.quantization['scheme']}); the {to} format holds "
+                              f"float weights only: convert the float checkpoint, then quantize it in gpt2mha")
     if to == "hf":
         if os.path.isdir(dst) and os.listdir(dst) and not overwrite:
             raise FileExistsError(f"{dst} is not empty; refusing to overwrite it (pass --overwrite / overwrite=True)")
