@@ -478,6 +478,9 @@ class GPT2(nn.Module):
         past_len = cache.length if cache is not None else (past.shape[4] if past is not None else 0)
         self._check_inputs(idx, past_len, attention_mask, position_ids)
         if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise ValueError(f"cache must be a KVCache; got {type(cache).__name__} (a SlotCache is driven "
+                                 f"through GPT2.step by the serving scheduler)")
             c, p = self.config, self.wte.weight
             cache.check(idx.shape[0], idx.shape[1], c.n_layer, c.n_head, c.head_dim, p.dtype, p.device)
             return GPT2Output(self.step(idx, cache, attention_mask, position_ids, last_only=last_only), None)

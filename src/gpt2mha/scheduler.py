@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from .generate import check_sampling, row_seed, sample_next
+from .generate import check_sampling, left_pad, row_seed, sample_next
 from .kv_cache import KVCache, SlotCache
 from .tokenizer import StreamDecoder
 
@@ -363,13 +363,9 @@ class Scheduler:
         if not seqs:
             return
         c = self.model.config
-        T = max(len(s.prompt_ids) for s in seqs)
-        ids = torch.zeros(len(seqs), T, dtype=torch.long)
-        mask = torch.zeros(len(seqs), T, dtype=torch.long)
-        for i, s in enumerate(seqs):                           # left padding: every row ends at T
-            ids[i, T - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
-            mask[i, T - len(s.prompt_ids):] = 1
+        ids, mask = left_pad([s.prompt_ids for s in seqs])     # left padding: every row ends at T
         ids, mask = ids.to(self.device), mask.to(self.device)
+        T = ids.shape[1]
         cache = KVCache(c.n_layer, len(seqs), c.n_head, T, c.head_dim, dtype=self.cache.k.dtype, device=self.device)
         padded = len(seqs) > 1 and any(len(s.prompt_ids) < T for s in seqs)
         logits = self.model(ids, attention_mask=mask if padded else None, cache=cache, last_only=True).logits
