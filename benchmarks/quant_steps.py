@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     base = GPT2(GPT2Config()).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        models = {"float32": base, "int8": copy.deepcopy(base).quantize("int8"),
-                  "int4": copy.deepcopy(base).quantize("int4")}
+        models = {"float32": base, "int8": copy.deepcopy(base).quantize("int8", method="rtn"),
+                  "int4": copy.deepcopy(base).quantize("int4", method="rtn")}
     idx = torch.randint(0, 50257, (args.batch, 4 + args.steps), generator=torch.Generator().manual_seed(0))
     times = {k: [] for k in models}
     caches = {}

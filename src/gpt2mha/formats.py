@@ -610,10 +610,14 @@ def load_any(src: str, dtype: torch.dtype = torch.float32, book_config: dict | N
 
 
 def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_format: str | None = None,
-            book_config: dict | None = None) -> list[str]:
+            book_config: dict | None = None, quantize=None) -> list[str]:
     """Read ``src`` (any of :data:`FORMATS`) and write it to ``dst`` as ``to`` (``hf``: a
     directory ``GPT2LMHeadModel`` loads; ``book``: ``DST.pth`` + ``DST.json``; ``nanogpt``:
     ``ckpt.pt``). Returns the paths written.
+
+    ``quantize``: a function applied to the float model before an ``hf`` directory is written
+    (e.g. ``lambda m: m.quantize("int8")``), so the directory holds a quantized model
+    (gpt2mha reads it; transformers does not).
 
     Raises:
         FileExistsError: ``dst`` exists (a non-empty directory for ``hf``), unless ``overwrite``.
@@ -624,7 +628,13 @@ def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_for
         raise ValueError(f"to={to!r}; gpt2mha writes {', '.join(WRITABLE)} (OpenAI's TF format is read only)")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"SRC and DST are the same path ({src}); write the conversion elsewhere")
+    if quantize is not None and to != "hf":
+        raise ValueError(f"quantize: only the hf format holds quantized weights, not {to!r}")
+    if to == "hf" and os.path.isdir(dst) and os.listdir(dst) and not overwrite:
+        raise FileExistsError(f"{dst} is not empty; refusing to overwrite it (pass --overwrite / overwrite=True)")
     model, _ = read_any(src, src_format, book_config)
+    if quantize is not None:
+        model = quantize(model)
     if to != "hf" and getattr(model, "quantization", None):
         raise CheckpointError(f"{src} is a quantized checkpoint ({model.quantization['scheme']}); the {to} format holds "
                               f"float weights only: convert the float checkpoint, then quantize it in gpt2mha")

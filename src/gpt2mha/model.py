@@ -423,20 +423,25 @@ class GPT2(nn.Module):
     #: checkpoint was loaded); None for a float model.
     quantization: dict | None = None
 
-    def quantize(self, scheme: str, group_size: int | None = None) -> "GPT2":
+    def quantize(self, scheme: str, group_size: int | None = None, method: str = "gptq",
+                 calibration=None) -> "GPT2":
         """Weight-only quantize the model in place for fast CPU inference; returns the model.
 
         ``"int8"``: symmetric, one scale per output channel; ``"int4"``: a scale and a zero per
-        group of ``group_size`` inputs (default 64). Every block Conv1D and the LM head are
-        quantized (a tied head as a separate copy; the embedding lookup stays float); matmuls run
-        on PyTorch's int8/int4 CPU kernels with bf16 activations, the attention itself is
-        untouched. See :func:`gpt2mha.quantize.quantize_model` for the details, the per-tensor
-        error report (``model.quantization_report``) and the errors it raises (unknown scheme,
-        bad group size, quantizing twice). A quantized model is for inference: ``.train()``
-        raises; ``save_pretrained``/``from_pretrained`` store and restore it.
+        group of ``group_size`` inputs (default 32). Every block Conv1D and the LM head (int8 in
+        both schemes; a tied head as a separate copy whose dequantized values the embedding
+        lookup reads) are quantized; the attention itself is untouched. ``method="gptq"`` (the
+        default) rounds the weights by GPTQ on ``calibration`` text or token ids (None: the
+        packaged Shakespeare sample), ``"rtn"`` rounds to nearest. int8 products are exact
+        integer products of the weights with 16-bit activations; int4 runs PyTorch's int4 CPU
+        kernel on bf16 activations. See :func:`gpt2mha.quantize.quantize_model` for the details,
+        the per-tensor error report (``model.quantization_report``) and the errors it raises
+        (unknown scheme or method, bad group size or calibration, quantizing twice). A quantized
+        model is for inference: ``.train()`` raises; ``save_pretrained``/``from_pretrained``
+        store and restore it.
         """
         from .quantize import quantize_model
-        return quantize_model(self, scheme, group_size)
+        return quantize_model(self, scheme, group_size, method, calibration)
 
     def train(self, mode: bool = True) -> "GPT2":
         """As ``nn.Module.train``; raises ValueError for a quantized model (train the float one)."""
