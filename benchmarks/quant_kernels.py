@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt2mha.bench import interleaved_medians
-from gpt2mha.quantize import quantize_int4, quantize_int8
+from gpt2mha.quantize import int8_matmul, quantize_int4, quantize_int8
 
 BLOCK_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))   # (in, out), as kernels.py
 HEAD_SHAPE = (768, 50304)   # 50257 padded to a multiple of 64: the int4 kernel needs N % 16 == 0
@@ -58,6 +58,9 @@ def variants(ws: list[torch.Tensor], rows: int, torchao: bool) -> dict:
         out[f"int8pack, {name} act"] = (
             lambda qs=qs, dt=dt: [torch.ops.aten._weight_int8pack_mm(xs[dt][q.shape[1]], q, s) for q, s in qs],
             sum(q.numel() + s.numel() * s.element_size() for q, s in qs))
+    out["int8 exact: int8_matmul (2 int8 pieces, _int_mm), float32 act"] = (   # what QuantizedLinear runs
+        lambda: [int8_matmul(x32[q.shape[1]], q, s) for q, s in q8],
+        sum(q.numel() + s.numel() * s.element_size() for q, s in q8))
     for g in (32, 64, 128):
         q4 = [quantize_int4(w, g) for w in ws]                              # (int32 [out, in], scale_zero)
         packed = [(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz) for q, sz in q4]

@@ -569,7 +569,8 @@ def builtin_agreement(text: str | None = None, log=print) -> list[dict]:
         name = str(dtype).removeprefix("torch.")
         rows.append(row(f"top-1 agreement, {name} with float32, built-in {DEFAULT_MODEL} on held-out text", agree,
                         None, "fraction", target=">= 0.99", met=agree >= 0.99,
-                        note=f"{len(tokens)} tokens; {_decisive_note(decisive)}"))
+                        note=f"{len(tokens)} tokens; {_decisive_note(decisive)}; quantized as GPT2.quantize's "
+                             f"default ({low.quantization['method']}, group {low.quantization['group_size']})"))
         log(rows[-1])
     return rows
 
@@ -713,7 +714,8 @@ def builtin_quantized_agreement(schemes, text: str | None = None, log=print) -> 
         target = {"int8": 0.995, "int4": 0.97}[scheme]
         rows.append(row(f"top-1 agreement, {scheme} with float32, built-in {DEFAULT_MODEL} on held-out text", agree,
                         None, "fraction", target=f">= {target}", met=agree >= target,
-                        note=f"{len(tokens)} tokens; {_decisive_note(decisive)}"))
+                        note=f"{len(tokens)} tokens; {_decisive_note(decisive)}; quantized as GPT2.quantize's "
+                             f"default ({low.quantization['method']}, group {low.quantization['group_size']})"))
         log(rows[-1])
     return rows
 

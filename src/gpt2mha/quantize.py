@@ -11,11 +11,14 @@ weights divided by the memory bandwidth. Two ways to read fewer or faster bytes 
 * **Weight-only quantization** (gpt-fast's ``int8``/``int4`` modes, llama.cpp's ``q8_0``/``q4_0``):
   weights stored as int8 with one scale per output channel (symmetric), or as int4 with a scale
   and a zero per group of ``group_size`` inputs (asymmetric), activations kept in floating
-  point. The rounding and packing are ours (:func:`quantize_int8`, :func:`quantize_int4`); the
-  matrix products are PyTorch's CPU kernels ``aten._weight_int8pack_mm`` and
-  ``aten._weight_int4pack_mm_for_cpu`` (chosen by measurement over torchao,
-  benchmarks/quant_kernels.py and RESULTS.md). :class:`QuantizedLinear` holds one quantized
-  matrix; :func:`quantize_model` swaps every Conv1D of the blocks and the LM head for one.
+  point. The rounding and packing are ours: round to nearest (:func:`quantize_int8`,
+  :func:`quantize_int4`) or GPTQ on calibration text (:func:`gptq`, the default of
+  :func:`quantize_model`). The matrix products are PyTorch's: int8 as exact integer products
+  (``torch._int_mm``) of 16-bit activations split into two int8 pieces (:func:`int8_matmul`),
+  int4 on ``aten._weight_int4pack_mm_for_cpu`` with bf16 activations (chosen by measurement
+  over ``aten._weight_int8pack_mm`` and torchao, benchmarks/quant_kernels.py and RESULTS.md).
+  :class:`QuantizedLinear` holds one quantized matrix; :func:`quantize_model` swaps every
+  Conv1D of the blocks and the LM head for one.
 
 Shapes: a Conv1D weight is ``[n_in, n_out]`` (``x @ W``); quantized weights are stored
 ``[out, in]`` (``N = out`` rows of ``K = in`` inputs), as the kernels read them.
@@ -44,9 +47,9 @@ DEFAULT_GROUP_SIZE = {"int8": None, "int4": 32}
 DEFAULT_CALIBRATION = "calibration.txt"
 #: Group sizes the int4 CPU kernel takes.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
-#: Dtype of the activations handed to the kernels and of the stored scales: the int8/int4 CPU
-#: kernels run 2-3x faster on bf16 than on float32 activations (RESULTS.md). The product is
-#: converted back to the model's dtype; the bias and the residual stream stay in it.
+#: Dtype of the stored scales, and of the activations handed to the int4 kernel, which runs
+#: 30x faster on bf16 than on float32 activations (RESULTS.md). The product is converted back
+#: to the model's dtype; the bias and the residual stream stay in it.
 KERNEL_DTYPE = torch.bfloat16
 #: The LM head is int8 in both schemes: on the built-in model an int4 head (group 64) lowered
 #: int4's top-1 agreement with float32 from 93.8% to 91.0% and raised its bits/byte by 0.0024,
@@ -300,8 +303,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     multiplied by ``q`` with ``torch._int_mm``, whose int32 sums are exact; one float32 rescale
     per row and per output channel follows. The product is as exact as float32 activations
     would give (relative error ~3e-5 against ~2e-3 for bf16 activations on
-    ``aten._weight_int8pack_mm``, whose output is also rounded to bf16), at about the speed of
-    the bf16 kernel (RESULTS.md, "Quantized decode: precision").
+    ``aten._weight_int8pack_mm``, whose output is also rounded to bf16), at 1.3-1.6x that
+    kernel's time (RESULTS.md, "Second pass: exact int8 products, GPTQ, int4 group 32").
     """
     M = x.shape[0]
     pieces, a = split_activations(x)
@@ -334,10 +337,11 @@ class QuantizedLinear(nn.Module):
     kernel the weight is also kept in its CPU-specific packed layout (rows padded to a multiple
     of 16), rebuilt whenever the buffers are loaded.
 
-    Forward: ``[..., n_in]`` → ``[..., n_out]`` in x's dtype. On CPU the activations go to the
-    kernel in :data:`KERNEL_DTYPE` and its output comes back to x's dtype before the bias is
-    added (float32 bias and residual stream for a float32 model); elsewhere the weight is
-    dequantized for each call (correct, not fast).
+    Forward: ``[..., n_in]`` → ``[..., n_out]`` in x's dtype. On CPU int8 runs
+    :func:`int8_matmul` (float32 result), int4 hands the kernel :data:`KERNEL_DTYPE`
+    activations; the product comes back to x's dtype before the bias is added (float32 bias
+    and residual stream for a float32 model). Elsewhere the weight is dequantized for each call
+    (correct, not fast).
 
     Raises:
         RuntimeError: in forward, if autograd would need a gradient through the layer
