@@ -484,3 +484,48 @@ def test_cli_serve_rejects_bad_flags(capsys):
 
     assert main(["serve", "--max-batch", "0"]) == 2
     assert "--max-batch=0" in capsys.readouterr().err
+
+
+def test_prefill_groups_bound_the_padding_and_keep_every_sequence():
+    """length_groups: every sequence in exactly one group, shortest first, and no group padded
+    to more than 1.1 times its real prompt tokens (a single long prompt is a group of its own)."""
+    from gpt2mha.scheduler import Sequence, length_groups
+
+    gen = torch.Generator().manual_seed(31)
+    lengths = torch.randint(1, 120, (40,), generator=gen).tolist() + [200]
+    seqs = [Sequence([0] * n, SamplingParams(), lambda *a: None, index=i) for i, n in enumerate(lengths)]
+    groups = length_groups(seqs, waste=0.1)
+    assert sorted(s.index for g in groups for s in g) == list(range(len(seqs)))
+    flat = [len(s.prompt_ids) for g in groups for s in g]
+    assert flat == sorted(flat)
+    for g in groups:
+        real = sum(len(s.prompt_ids) for s in g)
+        assert len(g) * max(len(s.prompt_ids) for s in g) <= 1.1 * real + 1e-9
+    assert [len(s.prompt_ids) for s in groups[-1]] == [200]
+    assert length_groups([]) == []
+
+
+def test_relay_wakes_the_loop_once_per_batch_and_delivers_in_order():
+    """Events sent from another thread while the loop is busy arrive in their queues in order,
+    with one wake-up (call_soon_threadsafe) for the whole batch instead of one per event."""
+    import asyncio
+
+    from gpt2mha.serve import Relay
+
+    async def main():
+        relay, loop = Relay(), asyncio.get_running_loop()
+        relay.loop = loop
+        wakes = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(1), original(*a))
+        queues = [asyncio.Queue(), asyncio.Queue()]
+        sender = threading.Thread(target=lambda: [relay.send(queues[i % 2], i) for i in range(10)])
+        sender.start()
+        sender.join(10)                          # the loop is not running handlers meanwhile
+        got = [[await asyncio.wait_for(q.get(), 5) for _ in range(5)] for q in queues]
+        relay.send(queues[0], 10)                # a later event wakes the loop again
+        got[0].append(await asyncio.wait_for(queues[0].get(), 5))
+        return got, len(wakes)
+
+    got, wakes = asyncio.run(main())
+    assert got == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9]] and wakes == 2

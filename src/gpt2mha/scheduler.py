@@ -3,10 +3,11 @@
 The loop (:meth:`Scheduler.step`, run by one background thread in the server):
 
 1. free the slots of cancelled sequences;
-2. admit waiting sequences into free slots: they are prefilled together, left-padded (the same
-   forward over a :class:`~gpt2mha.kv_cache.KVCache` that :func:`gpt2mha.generate.generate`
-   runs for a list of prompts), each one's first token is sampled from its row of the
-   prefill's logits, and its keys/values (pads skipped) are copied into its slot;
+2. admit waiting sequences into free slots: they are prefilled in batches of similar prompt
+   lengths (:func:`length_groups`), left-padded (the same forward over a
+   :class:`~gpt2mha.kv_cache.KVCache` that :func:`gpt2mha.generate.generate` runs for a list
+   of prompts), each one's first token is sampled from its row of the prefill's logits, and
+   its keys/values (pads skipped) are copied into its slot;
 3. one decode step for every running sequence at once: ``GPT2.step`` over the
    :class:`~gpt2mha.kv_cache.SlotCache`, each row at its own position with its own key mask;
 4. sample each row with its own generator, turn tokens into UTF-8-safe text, and free the slot
@@ -145,6 +146,26 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+
+#: Padding a prefill batch may add, as a fraction of its real prompt tokens (:func:`length_groups`).
+PREFILL_PAD_WASTE = 0.1
+
+
+def length_groups(seqs: list[Sequence], waste: float = PREFILL_PAD_WASTE) -> list[list[Sequence]]:
+    """``seqs`` cut into prefill batches of similar prompt lengths (shortest first), each padded
+    to at most ``(1 + waste)`` times its real tokens: the built-in model's prefill is
+    compute-bound, so a batch padded to its longest prompt wastes work (16 prompts of 10-60
+    bytes: 61 ms as one batch, 52 ms one by one, 43 ms in groups with 10% padding, one thread)."""
+    groups, current, total = [], [], 0
+    for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
+        n = len(seq.prompt_ids)
+        if current and (len(current) + 1) * n > (1 + waste) * (total + n):
+            groups.append(current)
+            current, total = [], 0
+        current.append(seq)
+        total += n
+    return groups + [current] if current else groups
 
 
 class Scheduler:
@@ -347,15 +368,16 @@ class Scheduler:
                     live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
-        try:
-            self._prefill(live)
-        except Exception:
-            for seq in live:
-                if not seq.done and seq.slot is None:
-                    try:
-                        self._prefill([seq])
-                    except Exception as e:               # this request fails; the others go on
-                        self._fail(seq, e)
+        for group in length_groups(live):
+            try:
+                self._prefill(group)
+            except Exception:
+                for seq in group:
+                    if not seq.done and seq.slot is None:
+                        try:
+                            self._prefill([seq])
+                        except Exception as e:           # this request fails; the others go on
+                            self._fail(seq, e)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """One forward over the prompts of ``seqs`` (left-padded, positions from the mask) into a

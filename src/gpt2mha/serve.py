@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import secrets
+import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -185,6 +186,36 @@ def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int) -> list[list[
     return out
 
 
+class Relay:
+    """Hands the scheduler thread's events to the event loop's request queues in batches.
+
+    ``send`` (any thread) appends ``(queue, item)`` to a pending list; only the first event of a
+    batch wakes the loop (one ``call_soon_threadsafe``, i.e. one write to its self-pipe), and
+    the loop then moves everything pending into the queues at once. A decode step of 16 rows
+    thus costs one wake-up instead of 16, and the scheduler thread spends less time holding
+    the GIL the loop needs.
+    """
+
+    def __init__(self):
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.pending: list = []
+        self.lock = threading.Lock()
+
+    def send(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.pending.append((queue, item))
+            wake = len(self.pending) == 1
+        if wake:
+            with contextlib.suppress(RuntimeError):   # the loop may be closed at shutdown
+                self.loop.call_soon_threadsafe(self.flush)
+
+    def flush(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
 def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     """The ASGI app serving ``scheduler``'s model as ``model_name``.
 
@@ -204,6 +235,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     started = [time.time()]
     app = FastAPI(title="gpt2mha", description="OpenAI-compatible completions over gpt2mha", lifespan=lifespan)
     tokenizer, n_ctx = scheduler.tokenizer, scheduler.n_ctx
+    relay = Relay()
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -232,11 +264,11 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
                                 top_p=body.top_p, seed=body.seed, stop=stops)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        events = asyncio.Queue()
+        relay.loop = asyncio.get_running_loop()       # the server's one loop
 
-        def on_event(seq, text, done):                # scheduler thread → this request's loop
-            with contextlib.suppress(RuntimeError):   # the loop may be closed at shutdown
-                loop.call_soon_threadsafe(events.put_nowait, (seq, text, done))
+        def on_event(seq, text, done):                # scheduler thread → this request's queue
+            relay.send(events, (seq, text, done))
 
         try:
             seqs = scheduler.submit(prompts, params, on_event)
