@@ -290,6 +290,50 @@ def engine(model, tokenizer, levels=(1, 4, 16), steps: int = 20, max_batch: int 
     return rows
 
 
+def engine_workload(model, tokenizer, n_requests: int, max_tokens: int, levels=(1, 4, 16), seed: int = 1,
+                    repeats: int = 3) -> list[dict]:
+    """The throughput part's requests run by the scheduler alone (no HTTP, this process):
+    ``c`` sequences in flight, a new one submitted as soon as one finishes, prefill included.
+    The ceiling the server's ratio can reach for this workload; median of ``repeats`` rounds."""
+    import torch
+
+    from gpt2mha.scheduler import SamplingParams, Scheduler
+
+    prompts = [tokenizer.encode(p) for p in prompts_from_text(n_requests, seed, 10, 60)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    rows = []
+    for c in levels:
+        rates = []
+        for _ in range(repeats):
+            sched = Scheduler(model, tokenizer, max_batch=16)
+            todo, finished = list(prompts[::-1]), []
+
+            def on_event(seq, text, done):
+                if done:
+                    finished.append(seq)
+
+            with torch.inference_mode(), model.decoding():
+                t0 = time.perf_counter()
+                for _ in range(min(c, len(todo))):
+                    sched.submit([todo.pop()], params, on_event)
+                while not sched.idle():
+                    sched.step()
+                    while todo and len(finished) + c > len(prompts) - len(todo):
+                        sched.submit([todo.pop()], params, on_event)
+                dt = time.perf_counter() - t0
+                sched.stop()
+            rates.append(sum(len(s.tokens) for s in finished) / dt)
+        rows.append(dict(clients=c, tokens_per_s=sorted(rates)[len(rates) // 2]))
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows
+
+
+def print_engine_workload(name: str, rows: list[dict]) -> None:
+    print(f"{name}, the same requests through the scheduler alone (prefill included, no HTTP): "
+          + "; ".join(f"{r['clients']} in flight {r['tokens_per_s']:.0f} tok/s ({r['speedup']:.2f}x)" for r in rows))
+
+
 def print_engine(name: str, rows: list[dict]) -> None:
     print(f"\n{name}, scheduler alone (no HTTP, this process, {__import__('torch').get_num_threads()} threads): "
           + "; ".join(f"{r['rows']} rows {r['step_ms']:.1f} ms/step {r['tokens_per_s']:.0f} tok/s ({r['speedup']:.2f}x)"
@@ -399,6 +443,8 @@ def main(argv=None) -> int:
         import torch
         torch.set_num_threads(args.threads)
     print_engine(DEFAULT_MODEL, engine(model, tok))
+    print_engine_workload(DEFAULT_MODEL, engine_workload(model, tok, args.bench_requests, args.bench_tokens,
+                                                         repeats=args.repeats))
     if not args.skip_124m:
         from gpt2mha import GPT2Config
         with tempfile.TemporaryDirectory() as d:
@@ -417,6 +463,8 @@ def main(argv=None) -> int:
                 failed |= rc != 0
             m = GPT2.from_pretrained(d)
             print_engine("random GPT-2 124M", engine(m, tokenizer_for(m.config)))
+            print_engine_workload("random GPT-2 124M", engine_workload(m, tokenizer_for(m.config), args.bench_requests,
+                                                                       args.bench_tokens, repeats=1))
     print(f"\nload after: {uptime()}")
     return 1 if failed else 0
 
