@@ -77,6 +77,10 @@ def quantized(model, args):
             calibration = read_text(args.calibration, "all")
         except ValueError as e:
             raise ValueError(f"--calibration: {e}") from None
+    if args.quantize_method == "gptq":
+        source = args.calibration or "the packaged calibration text"
+        print(f"quantizing to {args.quantize} with GPTQ on {source} (seconds for the built-in model, ~40 s for 124M "
+              f"on 2 cores; --quantize-method rtn is instant)", file=sys.stderr, flush=True)
     return model.quantize(args.quantize, args.group_size, args.quantize_method, calibration)
 
 
