@@ -149,12 +149,14 @@ def test_gptq_lowers_the_output_error_on_correlated_inputs(scheme, group_size):
 
 def test_gptq_refuses_a_hessian_of_the_wrong_shape_or_with_nan():
     w = torch.randn(8, 32)
-    with pytest.raises(ValueError, match=r"hessian: expected a finite \[32, 32\] matrix"):
+    with pytest.raises(ValueError, match=r"hessian: expected a \[32, 32\] matrix for a weight \[8, 32\], got \[16, 16\]"):
         gptq(w, torch.eye(16), "int8")
     bad = torch.eye(32)
     bad[1, 1] = float("nan")
-    with pytest.raises(ValueError, match="hessian"):
+    with pytest.raises(ValueError, match="hessian: holds NaN or inf"):
         gptq(w, bad, "int8")
+    with pytest.raises(ValueError, match="hessian: not positive definite even in float64"):
+        gptq(w, -torch.eye(32), "int8")                          # no damping makes a negative H usable
 
 
 # ------------------------------------------------------------------ the model
@@ -550,3 +552,130 @@ def test_cli_calibration_and_convert_quantize(tmp_path, capsys):
     assert "--calibration: FILE=" in capsys.readouterr().err
     assert main(["convert", str(src), str(tmp_path / "book.pth"), "--to", "book", "--quantize", "int8"]) == 2
     assert "only the hf format holds quantized weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_a_quantize_that_stops_half_way_leaves_the_float_model_as_it_was(method, monkeypatch, tmp_path):
+    """An error (or Ctrl-C) in the middle of quantize() puts back every original module and the
+    float embedding: same logits as before, not marked quantized, saves and reloads as float,
+    and quantizes normally afterwards."""
+    import gpt2mha.quantize as Q
+
+    model = small_model(seed=26)
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(26))
+    with torch.no_grad():
+        before = model(idx).logits
+    wte = model.wte.weight.detach().clone()
+    calls, real = [0], Q.QuantizedLinear.from_float.__func__
+
+    def flaky(cls, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:                                           # the head and three block layers are done
+            raise KeyboardInterrupt
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Q.QuantizedLinear, "from_float", classmethod(flaky))
+    calibration = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(26)) if method == "gptq" else None
+    with pytest.raises(KeyboardInterrupt):
+        model.quantize("int8", method=method, calibration=calibration)
+    monkeypatch.undo()
+    assert model.quantization is None and model._modules.get("quantized_head") is None
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    assert torch.equal(model.wte.weight, wte)
+    with torch.no_grad():
+        assert torch.equal(model(idx).logits, before)
+    model.save_pretrained(str(tmp_path))
+    assert GPT2.from_pretrained(str(tmp_path)).quantization is None
+    model.quantize("int8", method=method, calibration=calibration)
+    assert model.quantization["method"] == method
+
+
+def test_gptq_errors_name_the_layer_and_leave_the_model_intact():
+    """Activations that are not finite are a named error for the first layer that sees them
+    (the head comes first: the float model's final states), and the model stays float;
+    products of finite inputs that overflow float32 are redone in float64."""
+    from gpt2mha.quantize import _hessians
+
+    model = small_model(seed=27)
+    with torch.no_grad():
+        model.h[0].ln_1.weight.fill_(1e30)                          # the forward overflows to inf/NaN
+    calibration = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(27))
+    with pytest.raises(ValueError, match=r"^quantized_head: hessian: holds NaN or inf"):
+        model.quantize("int8", calibration=calibration)
+    assert model.quantization is None and not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    layer = torch.nn.Identity()
+    big = torch.full((4, 8), 1e20)                                  # 1e40 per product: beyond float32
+    H = _hessians({"x": layer}, lambda: layer(big))["x"]
+    assert H.dtype == torch.float64 and torch.isfinite(H).all() and float(H[0, 0]) == pytest.approx(4e40)
+
+
+def test_calibration_of_the_wrong_kind_is_a_named_error(tmp_path):
+    text = tmp_path / "cal.txt"
+    text.write_text("some text " * 100)
+    model = small_model(n_vocab=256, tokenizer="bytes")
+    cases = [(b"bytes", r"calibration: expected text \(str\) or integer token ids, got bytes"),
+             (text, r"got PosixPath; to calibrate on a file pass its text"),
+             ("", "calibration: the text is empty"),
+             (str(text), r"fewer than one row of 256.*is a file name: pass open\("),
+             ([[1, 2, 3], [4, 5]], r"calibration: expected text or integer token ids .* \(equal rows\), got list"),
+             (torch.zeros(2, 0, dtype=torch.long), r"calibration: rows \[2, 0\]"),
+             ([], "calibration: no tokens")]
+    for calibration, message in cases:
+        with pytest.raises(ValueError, match=message):
+            small_model(n_vocab=256, tokenizer="bytes", n_ctx=256).quantize("int8", calibration=calibration)
+    assert model.quantize("int8", calibration=text.read_text()).quantization["method"] == "gptq"
+
+
+def test_int8_products_stay_exact_beside_an_outlier_feature():
+    """A row with one huge feature (an 'attention sink' dimension, here 3000 against N(0, 1))
+    would set a coarse step for the rest of the row; int8_matmul then uses three pieces and
+    stays ≥ 10x closer to float64 than bf16 activations (reference: float64 matmul)."""
+    g = torch.Generator().manual_seed(28)
+    q, scales = quantize_int8(torch.randn(300, 192, generator=g))
+    q[:, 7] = 0                                                     # the outlier's weights are zero
+    for M in (1, 4):
+        x = torch.randn(M, 192, generator=g)
+        x[:, 7] = 3000
+        ref = x.double() @ dequantize_int8(q, scales).double().t()
+        err = float((int8_matmul(x, q, scales).double() - ref).norm() / ref.norm())
+        bf16 = float((torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).double() - ref).norm()
+                     / ref.norm())
+        assert err < 5e-4 and err < bf16 / 10, (err, bf16)
+
+
+def test_checkpoint_with_an_unknown_method_is_refused(tmp_path):
+    quantized("int8", seed=29).save_pretrained(str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    cfg["gpt2mha"]["quantization"]["method"] = "bogus"
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    with pytest.raises(QuantizationError, match="quantization method 'bogus' is unknown"):
+        GPT2.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"no int4 group size .* use int8 \(group_size was not given: 32 is int4's default\)"):
+        small_model(n_embd=48, n_head=4).quantize("int4", method="rtn")
+
+
+def test_cli_quantize_flags_name_themselves_and_convert_never_writes_over_its_source(tmp_path, capsys):
+    """--quantize-method alone is refused like --group-size alone; library errors are given
+    with the flag they came from; convert refuses a DST that is a symlink to SRC (with
+    --quantize --overwrite it would replace the float weights it reads)."""
+    from gpt2mha.cli import main
+
+    src = tmp_path / "float"
+    small_model(seed=30, n_vocab=256, tokenizer="bytes").save_pretrained(str(src))
+    short = tmp_path / "short.txt"
+    short.write_text("abc")
+    runs = [(["generate", "ab", "--model", str(src), "--quantize-method", "rtn"],
+             "--quantize-method rtn applies only with --quantize int8|int4"),
+            (["generate", "ab", "--model", str(src), "--quantize", "int4", "--group-size", "48"],
+             "--group-size: group_size=48: int4 needs one of"),
+            (["generate", "ab", "--model", str(src), "--quantize", "int8", "--calibration", str(short)],
+             f"--calibration {short}: calibration: 3 tokens, fewer than one row of 64")]
+    for argv, message in runs:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+    link = tmp_path / "link"
+    os.symlink(src, link)
+    before = (src / "model.safetensors").read_bytes()
+    assert main(["convert", str(src), str(link), "--quantize", "int8", "--overwrite"]) == 2
+    assert "SRC and DST are the same path" in capsys.readouterr().err
+    assert (src / "model.safetensors").read_bytes() == before and GPT2.from_pretrained(str(src)).quantization is None

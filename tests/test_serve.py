@@ -529,3 +529,42 @@ def test_relay_wakes_the_loop_once_per_batch_and_delivers_in_order():
 
     got, wakes = asyncio.run(main())
     assert got == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9]] and wakes == 2
+
+
+@pytest.mark.slow
+def test_cli_serve_quantized_under_its_own_name(tmp_path, builtin):
+    """`gpt2mha serve --quantize int8 --quantize-method rtn --served-model-name bard`: the
+    served model is the quantized one (greedy text equal to offline generate of the same
+    quantized model) and answers to its given name; SIGTERM exits 0."""
+    import copy
+
+    model, tok = builtin
+    load = _serve_load()
+    port = load.free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = __import__("subprocess").Popen(
+        [__import__("sys").executable, "-m", "gpt2mha.cli", "serve", "--port", str(port), "--threads", "1",
+         "--quantize", "int8", "--quantize-method", "rtn", "--served-model-name", "bard"], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: proc.poll() is not None or _up(url), 60)
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "bard"
+        body = {"model": "bard", "prompt": "ROMEO:", "max_tokens": 24, "temperature": 0}
+        text = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        q = copy.deepcopy(model).quantize("int8", method="rtn")
+        assert_same_text(q, tok, "ROMEO:", text, offline(q, tok, "ROMEO:", 24, temperature=0)[1])
+        assert httpx.post(url + "/v1/completions", json={**body, "model": "shakespeare-byte"}).status_code == 404
+        proc.terminate()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def _up(url):
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -569,8 +569,7 @@ def builtin_agreement(text: str | None = None, log=print) -> list[dict]:
         name = str(dtype).removeprefix("torch.")
         rows.append(row(f"top-1 agreement, {name} with float32, built-in {DEFAULT_MODEL} on held-out text", agree,
                         None, "fraction", target=">= 0.99", met=agree >= 0.99,
-                        note=f"{len(tokens)} tokens; {_decisive_note(decisive)}; quantized as GPT2.quantize's "
-                             f"default ({low.quantization['method']}, group {low.quantization['group_size']})"))
+                        note=f"{len(tokens)} tokens; {_decisive_note(decisive)}"))
         log(rows[-1])
     return rows
 

@@ -48,7 +48,7 @@ def _quantize_args(p: argparse.ArgumentParser) -> None:
                         "quantized loads quantized without this flag")
     p.add_argument("--group-size", type=int, default=None, help="int4's group of inputs per scale (32, 64, 128, 256; "
                                                                 "default 32)")
-    p.add_argument("--quantize-method", choices=["gptq", "rtn"], default="gptq",
+    p.add_argument("--quantize-method", choices=["gptq", "rtn"], default=None,
                    help="gptq (default): round so the layers' outputs on calibration text stay close (seconds for "
                         "the built-in model, ~30-40 s for 124M on 2 cores); rtn: round to nearest, instant")
     p.add_argument("--calibration", default=None, metavar="FILE",
@@ -60,9 +60,11 @@ def quantized(model, args):
     match them). Abnormal tensors are reported on stderr (a QuantizationWarning)."""
     if args.group_size is not None and args.quantize != "int4":
         raise ValueError(f"--group-size={args.group_size} applies only to --quantize int4")
-    if args.calibration is not None and (args.quantize is None or args.quantize_method != "gptq"):
+    if args.calibration is not None and (args.quantize is None or args.quantize_method == "rtn"):
         raise ValueError(f"--calibration {args.calibration}: calibration text is read only by "
                          f"--quantize int8|int4 with --quantize-method gptq")
+    if args.quantize_method is not None and args.quantize is None:
+        raise ValueError(f"--quantize-method {args.quantize_method} applies only with --quantize int8|int4")
     if args.quantize is None:
         return model
     if model.quantization:
@@ -77,11 +79,20 @@ def quantized(model, args):
             calibration = read_text(args.calibration, "all")
         except ValueError as e:
             raise ValueError(f"--calibration: {e}") from None
-    if args.quantize_method == "gptq":
+    method = args.quantize_method or "gptq"
+    if method == "gptq":
         source = args.calibration or "the packaged calibration text"
         print(f"quantizing to {args.quantize} with GPTQ on {source} (seconds for the built-in model, ~40 s for 124M "
               f"on 2 cores; --quantize-method rtn is instant)", file=sys.stderr, flush=True)
-    return model.quantize(args.quantize, args.group_size, args.quantize_method, calibration)
+    try:
+        return model.quantize(args.quantize, args.group_size, method, calibration)
+    except ValueError as e:                                      # name the flag the value came from
+        message = str(e)
+        if message.startswith("calibration") and args.calibration is not None:
+            message = f"--calibration {args.calibration}: {message}"
+        elif message.startswith("group_size"):
+            message = f"--group-size: {message}"
+        raise ValueError(message) from None
 
 
 def cmd_generate(args) -> int:
@@ -415,7 +426,8 @@ def _json_arg(text: str | None, name: str) -> dict | None:
 def cmd_convert(args) -> int:
     from .formats import convert
 
-    if args.quantize is None and (args.group_size is not None or args.calibration is not None):
+    if args.quantize is None and (args.group_size is not None or args.calibration is not None
+                                  or args.quantize_method is not None):
         quantized(None, args)                                   # the named error for a stray option
     written = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, src_format=args.src_format,
                       book_config=_json_arg(args.book_config, "--book-config"),
@@ -497,8 +509,9 @@ def cmd_serve(args) -> int:
         import torch
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    model = load_model(args.model, args.dtype)
-    serve(model, tokenizer_for(model.config), args.model or DEFAULT_MODEL, host=args.host, port=args.port,
+    model = quantized(load_model(args.model, args.dtype), args)
+    name = args.served_model_name or args.model or DEFAULT_MODEL
+    serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port,
           max_batch=args.max_batch, max_queue=args.max_queue, graceful_timeout=args.graceful_timeout)
     return 0
 
@@ -523,6 +536,9 @@ def _add_serve_command(sub) -> None:
                         "machine shared with other work, fewer threads than cores avoid oversubscription")
     s.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in /v1/models and requests' 'model' field (default: --model as given)")
+    _quantize_args(s)
     s.set_defaults(func=cmd_serve)
 
 

@@ -626,7 +626,7 @@ def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_for
     """
     if to not in WRITABLE:
         raise ValueError(f"to={to!r}; gpt2mha writes {', '.join(WRITABLE)} (OpenAI's TF format is read only)")
-    if os.path.abspath(src) == os.path.abspath(dst):
+    if os.path.realpath(src) == os.path.realpath(dst):        # a symlink to SRC is SRC
         raise ValueError(f"SRC and DST are the same path ({src}); write the conversion elsewhere")
     if quantize is not None and to != "hf":
         raise ValueError(f"quantize: only the hf format holds quantized weights, not {to!r}")

@@ -26,7 +26,9 @@ Shapes: a Conv1D weight is ``[n_in, n_out]`` (``x @ W``); quantized weights are 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import warnings
 from typing import NamedTuple
 
@@ -229,19 +231,30 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | 
     """
     W = w.detach().float().clone()
     N, K = W.shape
-    if hessian.shape != (K, K) or not torch.isfinite(hessian).all():
-        raise ValueError(f"hessian: expected a finite [{K}, {K}] matrix for a weight [{N}, {K}], "
-                         f"got {list(hessian.shape)}")
-    H = hessian.detach().float().clone()
+    if hessian.shape != (K, K):
+        raise ValueError(f"hessian: expected a [{K}, {K}] matrix for a weight [{N}, {K}], got {list(hessian.shape)}")
+    if not torch.isfinite(hessian).all():
+        raise ValueError("hessian: holds NaN or inf (calibration activations that are not finite)")
+    H = hessian.detach().float().to(W.device).clone()
     diag = torch.diagonal(H)
     diag[diag == 0] = 1                                         # inputs never seen: no correlations
     diag += damp * diag.mean()
     try:
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     except RuntimeError:                                        # not positive definite in float32
-        H = H.double()
-        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
-    Q = torch.empty(N, K)
+        H = hessian.detach().double().to(W.device).clone()
+        diag = torch.diagonal(H)
+        diag[diag == 0] = 1
+        diag += damp * diag.mean()
+        try:
+            Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+        except RuntimeError:
+            raise ValueError(f"hessian: not positive definite even in float64 with damp={damp} (calibration "
+                             f"activations or weights of extreme magnitude); quantize with method='rtn'") from None
+    if not torch.isfinite(Hinv).all():
+        raise ValueError("hessian: its inverse is not finite (activations of extreme magnitude); "
+                         "quantize with method='rtn'")
+    Q = torch.empty(N, K, device=W.device)
     if scheme == "int8":
         _, scales = quantize_int8(w)
         s = scales.float()
@@ -253,7 +266,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | 
     block = max(GPTQ_BLOCK, group_size or 0)
     for i1 in range(0, K, block):
         i2 = min(i1 + block, K)
-        W1, E1, Hi = W[:, i1:i2].clone(), torch.empty(N, i2 - i1), Hinv[i1:i2, i1:i2]
+        W1, E1, Hi = W[:, i1:i2].clone(), torch.empty(N, i2 - i1, device=W.device), Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             if scheme == "int4" and (i1 + i) % group_size == 0:
                 g = W1[:, i:i + group_size]
@@ -274,46 +287,61 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | 
 
 
 # ------------------------------------------------------------------ int8 products
-#: int8 activations pieces per row in :func:`int8_matmul`: two give ~15 significant bits.
-ACTIVATION_PIECES = 2
+#: A row whose largest |activation| exceeds this many times its mean |activation| (an outlier
+#: feature) is split into three int8 pieces instead of two (:func:`int8_matmul`).
+WIDE_ROW = 40.0
 
 
-def split_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write float ``x [M, K]`` as ``a · (hi + lo / 254)`` with int8 ``hi``, ``lo`` and one float
-    ``a [M, 1]`` per row (``max |x| / 127``), so that integer products see ~15 significant bits.
+def split_activations(x: torch.Tensor, pieces: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write float ``x [M, K]`` as ``a · (p₀ + p₁/254 + p₂/254² + …)`` with ``pieces`` int8
+    ``pᵢ`` and one float ``a [M, 1]`` per row (``max |x| / 127``), so that integer products see
+    ~8 + 8·(pieces − 1) significant bits of the row's largest value.
 
-    ``hi = round(x / a)``, ``lo = round((x / a − hi) · 254)``; the error is at most
-    ``a / 508 = max|x| / 64516`` per element (bf16 rounding is up to ``|x| / 256``).
+    ``p₀ = round(x / a)``, then each next piece rounds 254 × what the previous left over; the
+    error is at most ``a / (2·254^(pieces−1))``: ``max|x| / 64516`` for two pieces,
+    ``max|x| / 16.4e6`` for three (float32's own precision). Non-finite rows give NaN.
 
     Returns:
-        ``(pieces int8 [2M, K]: hi rows then lo rows, a float32 [M, 1])``.
+        ``(pieces int8 [pieces·M, K]: all p₀ rows, then all p₁ rows, …, a float32 [M, 1])``.
     """
     x = x.float()
     a = x.abs().amax(-1, keepdim=True).clamp_(min=1e-30) / 127
     u = x / a
-    hi = u.round()
-    lo = (u - hi).mul_(254).round_()
-    return torch.cat([hi, lo]).to(torch.int8), a
+    out = []
+    for i in range(pieces):
+        p = u.round()
+        out.append(p)
+        if i < pieces - 1:
+            u = (u - p).mul_(254)
+    return torch.cat(out).to(torch.int8), a
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ (q · scales)ᵀ`` → float32 ``[M, N]`` for int8 ``q [N, K]``, scales ``[N]``.
 
-    The activations are split into two int8 pieces per row (:func:`split_activations`) and
-    multiplied by ``q`` with ``torch._int_mm``, whose int32 sums are exact; one float32 rescale
-    per row and per output channel follows. The product is as exact as float32 activations
-    would give (relative error ~3e-5 against ~2e-3 for bf16 activations on
-    ``aten._weight_int8pack_mm``, whose output is also rounded to bf16), at 1.3-1.6x that
-    kernel's time (RESULTS.md, "Second pass: exact int8 products, GPTQ, int4 group 32").
+    The activations are split into int8 pieces per row (:func:`split_activations`: two, or
+    three when a row holds an outlier beyond :data:`WIDE_ROW` times its mean magnitude, which
+    would otherwise set a coarse step for the rest of the row) and multiplied by ``q`` with
+    ``torch._int_mm``, whose int32 sums are exact; one float32 rescale per row and per output
+    channel follows. The product is about as exact as float32 activations give (relative error
+    ~3e-5 on ordinary rows, against ~2e-3 for bf16 activations on ``aten._weight_int8pack_mm``,
+    whose output is also rounded to bf16), at 1.3-1.6x that kernel's time (RESULTS.md, "Second
+    pass: exact int8 products, GPTQ, int4 group 32").
     """
     M = x.shape[0]
-    pieces, a = split_activations(x)
-    if M == 1:                                                  # two single rows take the GEMV path
-        hi, lo = torch._int_mm(pieces[:1], q.t()), torch._int_mm(pieces[1:], q.t())
+    xf = x.float()
+    xa = xf.abs()
+    wide = bool((xa.amax(-1) > WIDE_ROW * xa.mean(-1)).any())
+    n = 3 if wide else 2
+    pieces, a = split_activations(xf, n)
+    if M == 1:                                                  # single rows take the GEMV path
+        parts = [torch._int_mm(pieces[i:i + 1], q.t()) for i in range(n)]
     else:
-        y = torch._int_mm(pieces, q.t())
-        hi, lo = y[:M], y[M:]
-    return lo.float().mul_(1 / 254).add_(hi).mul_(a).mul_(scales.float())
+        parts = torch._int_mm(pieces, q.t()).split(M)
+    y = parts[-1].float()
+    for part in reversed(parts[:-1]):                           # Horner: p₀ + (p₁ + p₂/254)/254
+        y = y.mul_(1 / 254).add_(part)
+    return y.mul_(a).mul_(scales.float())
 
 
 # ------------------------------------------------------------------ the quantized layer
@@ -451,8 +479,10 @@ def check_scheme(scheme, group_size, n_in: int | None = None) -> None:
     if isinstance(group_size, bool) or group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"group_size={group_size!r}: int4 needs one of {INT4_GROUP_SIZES} (the CPU kernel's sizes)")
     if n_in is not None and n_in % group_size:
-        raise ValueError(f"group_size={group_size} does not divide the layer's input width {n_in} "
-                         f"(n_embd or 4·n_embd); choose one of {[g for g in INT4_GROUP_SIZES if n_in % g == 0]}")
+        fits = [g for g in INT4_GROUP_SIZES if n_in % g == 0]
+        raise ValueError(f"group_size={group_size} does not divide the layer's input width {n_in} (n_embd or "
+                         f"4·n_embd); " + (f"choose one of {fits}" if fits else
+                                           f"no int4 group size {INT4_GROUP_SIZES} does: use int8"))
 
 
 # ------------------------------------------------------------------ the whole model
@@ -541,10 +571,26 @@ def calibration_ids(model, calibration) -> torch.Tensor:
             vocabulary, rows longer than n_ctx, or fewer tokens than one row.
     """
     c = model.config
+    path_hint = ""
+    if isinstance(calibration, (bytes, bytearray, os.PathLike)):
+        raise ValueError(f"calibration: expected text (str) or integer token ids, got {type(calibration).__name__}; "
+                         f"to calibrate on a file pass its text, open(path, encoding='utf-8').read() (the CLI's "
+                         f"--calibration FILE reads the file)")
     if isinstance(calibration, str):
+        if not calibration:
+            raise ValueError("calibration: the text is empty")
+        if len(calibration) < 4096 and os.path.isfile(calibration):
+            path_hint = (f" (calibration= takes the text itself, and {calibration!r} is a file name: pass "
+                         f"open({calibration!r}, encoding='utf-8').read())")
         from .tokenizer import get_tokenizer
         calibration = get_tokenizer(c.tokenizer).encode(calibration)
-    ids = torch.as_tensor(calibration)
+    try:
+        ids = torch.as_tensor(calibration)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"calibration: expected text or integer token ids [N] or [B, T] (equal rows), got "
+                         f"{type(calibration).__name__} ({e})") from None
+    if ids.numel() == 0 and ids.dim() == 1:
+        raise ValueError("calibration: no tokens")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() not in (1, 2):
         raise ValueError(f"calibration: expected text or integer token ids [N] or [B, T], got a {ids.dim()}-D "
                          f"{ids.dtype} tensor")
@@ -554,9 +600,9 @@ def calibration_ids(model, calibration) -> torch.Tensor:
     if ids.dim() == 1:
         T = min(c.n_ctx, 256)
         if len(ids) < T:
-            raise ValueError(f"calibration: {len(ids)} tokens, fewer than one row of {T}; give more text")
+            raise ValueError(f"calibration: {len(ids)} tokens, fewer than one row of {T}; give more text{path_hint}")
         ids = ids[:len(ids) // T * T].view(-1, T)
-    if ids.shape[1] > c.n_ctx or ids.shape[0] == 0:
+    if ids.shape[1] > c.n_ctx or ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"calibration: rows [{ids.shape[0]}, {ids.shape[1]}]: need at least one row of at most "
                          f"n_ctx={c.n_ctx} tokens")
     return ids
@@ -569,7 +615,10 @@ def _hessians(modules: dict[str, nn.Module], run, of_output: bool = False) -> di
         def hook(mod, args, out, name=name):
             x = (out if of_output else args[0]).detach()
             x = x.reshape(-1, x.shape[-1]).float()
-            hessians[name] = hessians.get(name, 0) + (x.t() @ x).double()
+            h = x.t() @ x
+            if not torch.isfinite(h).all():                     # float32 overflow: redo in float64
+                h = x.double().t() @ x.double()
+            hessians[name] = hessians.get(name, 0) + h.double()
         hooks.append(m.register_forward_hook(hook))
     try:
         run()
@@ -591,7 +640,13 @@ def _gptq_layers(model, scheme: str, group_size: int | None, ids: torch.Tensor, 
     head last). Returns ``(layers by path, hessians by path)``.
     """
     rows = max(1, 2048 // ids.shape[1])                         # ~2048 tokens per forward
-    chunks = ids.split(rows)
+    chunks = ids.to(model.wte.weight.device).split(rows)
+
+    def layer(path, w, b, scheme, group_size, hessian):
+        try:
+            return QuantizedLinear.from_float(w, b, scheme, group_size, hessian=hessian)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def final_states():
         for idx in chunks:
@@ -602,21 +657,43 @@ def _gptq_layers(model, scheme: str, group_size: int | None, ids: torch.Tensor, 
 
     hessians = _hessians({"quantized_head": model.ln_f}, final_states, of_output=True)
     w, _ = weights["quantized_head"]
-    layers = {"quantized_head": QuantizedLinear.from_float(w, None, HEAD_SCHEME, hessian=hessians["quantized_head"])}
-    if w is model.wte.weight:
-        weights["quantized_head"] = (w.clone(), None)           # the float head, for the error report
-        model.wte.weight.copy_(layers["quantized_head"].dequantized())
+    layers = {"quantized_head": layer("quantized_head", w, None, HEAD_SCHEME, None, hessians["quantized_head"])}
+    if w is model.wte.weight:                                   # a new tensor: the float one stays intact
+        model.wte.weight = nn.Parameter(layers["quantized_head"].dequantized().to(w.dtype), requires_grad=False)
     xs = [model.embed(idx, 0) for idx in chunks]
     for i, block in enumerate(model.h):
         paths = {f"h.{i}.{p}": block.get_submodule(p) for p in BLOCK_LINEARS}
         hessians.update(_hessians(paths, lambda: [block(x) for x in xs]))
         for path in paths:
             w, b = weights[path]
-            layers[path] = QuantizedLinear.from_float(w, b, scheme, group_size, hessian=hessians[path])
+            layers[path] = layer(path, w, b, scheme, group_size, hessians[path])
             parent, _, name = path.rpartition(".")
             setattr(model.get_submodule(parent), name, layers[path])
         xs = [block(x)[0] for x in xs]
     return layers, hessians
+
+
+def _state_before(model, sources: dict) -> dict:
+    """What :func:`quantize_model` changes, to put back if it stops half-way."""
+    return dict(sources=dict(sources), wte=model.wte.weight, lm_head=model._modules.get("lm_head", False),
+                training=model.training, grads=[(p, p.requires_grad) for p in model.parameters()])
+
+
+def _restore(model, before: dict) -> None:
+    """Undo a :func:`quantize_model` that stopped half-way: the original modules and tensors
+    (never written in place) go back, nothing quantized stays."""
+    for path, module in before["sources"].items():
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, module)
+    model.wte.weight = before["wte"]
+    if before["lm_head"] is not False:
+        model.lm_head = before["lm_head"]
+    model._modules.pop("quantized_head", None)
+    model.quantization = None
+    for p, flag in before["grads"]:
+        with contextlib.suppress(RuntimeError):
+            p.requires_grad_(flag)
+    model.train(before["training"])
 
 
 @torch.no_grad()
@@ -660,9 +737,15 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
     if getattr(model, "quantization", None):
         raise ValueError(f"this model is already quantized ({model.quantization['scheme']}); quantizing twice would "
                          f"round the rounded weights again: quantize the float model instead")
+    defaulted = group_size is None
     if scheme in SCHEMES and group_size is None:
         group_size = DEFAULT_GROUP_SIZE[scheme]
-    check_scheme(scheme, group_size, model.config.n_embd)
+    try:
+        check_scheme(scheme, group_size, model.config.n_embd)
+    except ValueError as e:
+        if defaulted and group_size is not None:
+            raise ValueError(f"{e} (group_size was not given: {group_size} is {scheme}'s default)") from None
+        raise
     sources = {f"h.{i}.{path}": model.get_submodule(f"h.{i}.{path}") for i in range(model.config.n_layer)
                for path in BLOCK_LINEARS}
     weights = {path: (m.weight.t(), m.bias) for path, m in sources.items()}      # [out, in]
@@ -686,19 +769,26 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
             raise ValueError(f"{e} (the packaged calibration text, encoded with this model's {model.config.tokenizer!r} "
                              f"tokenizer); pass calibration= token ids the model takes, or method='rtn'") from None
     tied = head_weight(model) is model.wte.weight
+    before = _state_before(model, sources)
     model.eval()
-    if ids is not None:
-        layers, hessians = _gptq_layers(model, scheme, group_size, ids, weights)
-    else:
-        layers, hessians = {}, {}
-        for path, (w, b) in weights.items():
-            head = path == "quantized_head"
-            layers[path] = QuantizedLinear.from_float(w, b, HEAD_SCHEME if head else scheme, None if head else group_size)
-    report = [error_row(path, w, layers[path], hessians.get(path)) for path, (w, b) in weights.items()]
-    install(model, layers, scheme, group_size, tied)
-    if tied:
-        model.wte.weight.copy_(layers["quantized_head"].dequantized())
-    model.quantization["method"] = method
+    try:
+        if ids is not None:
+            layers, hessians = _gptq_layers(model, scheme, group_size, ids, weights)
+        else:
+            layers, hessians = {}, {}
+            for path, (w, b) in weights.items():
+                head = path == "quantized_head"
+                layers[path] = QuantizedLinear.from_float(w, b, HEAD_SCHEME if head else scheme,
+                                                          None if head else group_size)
+        report = [error_row(path, w, layers[path], hessians.get(path)) for path, (w, b) in weights.items()]
+        install(model, layers, scheme, group_size, tied)
+        if tied:                                                # a new tensor: never written in place
+            model.wte.weight = nn.Parameter(layers["quantized_head"].dequantized().to(before["wte"].dtype),
+                                            requires_grad=False)
+        model.quantization["method"] = method
+    except BaseException:                                       # errors and Ctrl-C: the float model, as it was
+        _restore(model, before)
+        raise
     model.quantization_report = report
     abnormal = [r for r in report if r["abnormal"]]
     for r in abnormal:
@@ -749,6 +839,9 @@ def read_scheme(entry, source: str) -> tuple[str, int | None, bool]:
         check_scheme(entry.get("scheme"), entry.get("group_size"))
     except ValueError as e:
         raise QuantizationError(f"{source}: {e}") from None
+    if entry.get("method", "rtn") not in METHODS:
+        raise QuantizationError(f"{source}: quantization method {entry.get('method')!r} is unknown; expected one of "
+                                f"{METHODS}")
     return entry["scheme"], entry["group_size"], bool(entry.get("tied", True))
 
 
