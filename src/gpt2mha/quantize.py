@@ -235,22 +235,20 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | 
         raise ValueError(f"hessian: expected a [{K}, {K}] matrix for a weight [{N}, {K}], got {list(hessian.shape)}")
     if not torch.isfinite(hessian).all():
         raise ValueError("hessian: holds NaN or inf (calibration activations that are not finite)")
-    H = hessian.detach().float().to(W.device).clone()
-    diag = torch.diagonal(H)
-    diag[diag == 0] = 1                                         # inputs never seen: no correlations
-    diag += damp * diag.mean()
-    try:
-        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    except RuntimeError:                                        # not positive definite in float32
-        H = hessian.detach().double().to(W.device).clone()
+    Hinv = None
+    for dtype in (torch.float32, torch.float64):               # float64 when float32 is not positive definite
+        H = hessian.detach().to(W.device, dtype).clone()
         diag = torch.diagonal(H)
-        diag[diag == 0] = 1
+        diag[diag == 0] = 1                                     # inputs never seen: no correlations
         diag += damp * diag.mean()
         try:
             Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+            break
         except RuntimeError:
-            raise ValueError(f"hessian: not positive definite even in float64 with damp={damp} (calibration "
-                             f"activations or weights of extreme magnitude); quantize with method='rtn'") from None
+            continue
+    if Hinv is None:
+        raise ValueError(f"hessian: not positive definite even in float64 with damp={damp} (calibration "
+                         f"activations or weights of extreme magnitude); quantize with method='rtn'")
     if not torch.isfinite(Hinv).all():
         raise ValueError("hessian: its inverse is not finite (activations of extreme magnitude); "
                          "quantize with method='rtn'")
