@@ -1,0 +1,72 @@
+"""The public model: the core :class:`~gpt2mha.core.model.GPT2` with loading, saving,
+generation and quantization attached, each a short call into the module that does it.
+
+``gpt2mha.GPT2`` is this class; the core class stays free of everything but the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .core import model as core
+from .inference.generate import generate as _generate
+from .inference.quant import quantize_model
+
+
+class GPT2(core.GPT2):
+    """GPT-2 language model (see :class:`gpt2mha.core.model.GPT2` for the modules, the forward
+    and the capture points), plus :meth:`from_pretrained`, :meth:`save_pretrained`,
+    :meth:`generate` and :meth:`quantize`."""
+
+    #: ``{"scheme", "group_size", "head", "tied", "method"}`` once :meth:`quantize` ran (or a
+    #: quantized checkpoint was loaded); None for a float model.
+    quantization: dict | None = None
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str, **kwargs) -> "GPT2":
+        """Load a built-in model name, a local Hugging Face GPT-2 directory, or a hub id.
+
+        Keyword arguments go to :func:`gpt2mha.io.checkpoints.load_pretrained`, e.g.
+        ``dtype=torch.bfloat16`` for the parameters' dtype; see it for the details and errors.
+        """
+        from .io.checkpoints import load_pretrained
+        return load_pretrained(name_or_dir, model_cls=cls, **kwargs)
+
+    def save_pretrained(self, directory: str, **kwargs) -> None:
+        """Write ``config.json`` + ``model.safetensors`` that ``GPT2LMHeadModel`` loads.
+
+        See :func:`gpt2mha.io.checkpoints.save_pretrained`.
+        """
+        from .io.checkpoints import save_pretrained
+        save_pretrained(self, directory, **kwargs)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, **kwargs) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after ``idx [B, T]``; returns ``[B, T + max_new_tokens]``.
+
+        ``temperature=0`` is greedy. See :func:`gpt2mha.inference.generate.generate` for all options.
+        """
+        return _generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         seed=seed, **kwargs)
+
+    def quantize(self, scheme: str, group_size: int | None = None, method: str = "gptq",
+                 calibration=None) -> "GPT2":
+        """Weight-only quantize the model in place for fast CPU inference; returns the model.
+
+        ``"int8"``: symmetric, one scale per output channel; ``"int4"``: a scale and a zero per
+        group of ``group_size`` inputs (default 32). Every block Conv1D and the LM head are
+        swapped for quantized layers; ``method="gptq"`` (default) rounds by GPTQ on
+        ``calibration`` text or ids (None: the packaged Shakespeare sample), ``"rtn"`` to
+        nearest. See :func:`gpt2mha.inference.quant.quantize_model` for the details, the error
+        report (``model.quantization_report``) and the errors it raises. A quantized model is
+        for inference: ``.train()`` raises; ``save_pretrained``/``from_pretrained`` store and
+        restore it.
+        """
+        return quantize_model(self, scheme, group_size, method, calibration)
+
+    def train(self, mode: bool = True) -> "GPT2":
+        """As ``nn.Module.train``; raises ValueError for a quantized model (train the float one)."""
+        if mode and self.quantization:
+            raise ValueError(f"this model is quantized ({self.quantization['scheme']}): its weights are rounded integers "
+                             f"and cannot be trained; train the float model, then quantize it")
+        return super().train(mode)

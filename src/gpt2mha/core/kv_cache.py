@@ -1,0 +1,258 @@
+"""The preallocated (static) KV cache: one layout for every way the model is run.
+
+OpenAI's interface passes ``past [B, n_layer, 2, h, P, head_dim]`` in and gets the new tokens'
+``present`` back, which the caller concatenates: every step copies the whole past.
+:class:`KVCache` instead allocates ``[B, h, T_max, head_dim]`` keys and values per layer once
+and writes each step's keys/values in place (one indexed assignment, as in gpt-fast), so a
+decode step costs only what it attends to.
+
+Every row keeps its own tokens from cache index 0, at its own length: row ``b``'s token at
+index ``j`` is its ``j``-th token, and a query at index ``i`` may read keys ``0 … i`` — the
+causal rule of OpenAI's ``attention_mask`` written in cache indices. Rows of one batch may
+hold different lengths (prompts of different lengths, sequences joining a running batch), and
+no row's keys are shifted by its neighbours' lengths. OpenAI's ``past``/``present`` is this
+cache built from ``past`` for one call (:meth:`KVCache.from_past`).
+
+A forward over ``T`` new tokens is planned once (:meth:`KVCache.plan`, a :class:`CacheStep`:
+where each row writes, how many keys every layer reads, which of them each query may see),
+then each layer writes and reads with :meth:`KVCache.update`, then :meth:`KVCache.advance`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import checks
+
+
+class CacheStep(NamedTuple):
+    """How one forward of ``T`` new tokens uses a :class:`KVCache` (:meth:`KVCache.plan`).
+
+    Attributes:
+        start: the cache index every row writes its first new token at, when all rows hold the
+            same length (then the keys' mask is OpenAI's ``attention_mask(T, span)``); None when
+            lengths differ.
+        pos: ``[B, T]`` int64 cache index of each new token (its position), or None with ``start``.
+        span: keys every layer reads, indices ``0 … span-1``.
+        mask: None (the bottom-right causal mask), or bool ``[B, 1, T, span]``: query ``(b, t)``
+            may read key ``j`` iff ``j <= pos[b, t]``.
+        rows: ``[B, 1]`` row indices for the per-row write, or None with ``start``.
+    """
+
+    start: int | None
+    pos: torch.Tensor | None
+    span: int
+    mask: torch.Tensor | None
+    rows: torch.Tensor | None = None
+
+    def positions(self, batch: int, n_new: int, device) -> torch.Tensor:
+        """Position ids ``[B, T]`` (or ``[T]`` when every row starts together) of the new tokens."""
+        if self.pos is not None:
+            return self.pos
+        return torch.arange(self.start, self.start + n_new, device=device)
+
+
+class KVCache:
+    """Static key/value cache for every layer, one row per sequence.
+
+    Args:
+        n_layer, batch_size, n_head, max_len, head_dim: sizes; ``max_len`` is ``T_max``.
+        dtype, device: storage dtype/device (match the model's).
+
+    Attributes:
+        k, v: ``[n_layer, B, h, T_max, head_dim]`` storage (zeros at first, so keys never
+            written are finite; written in place, never rebound).
+        lengths: list of B ints: tokens each row holds (its next write index).
+
+    Raises:
+        ValueError: if any size is not positive.
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        checks.positive_ints(n_layer=n_layer, batch_size=batch_size, n_head=n_head, max_len=max_len,
+                             head_dim=head_dim)
+        shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        self._bind(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   [0] * batch_size)
+
+    def _bind(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> None:
+        self.k, self.v = k, v
+        self._lengths = lengths                                 # shared with the views of :meth:`rows`
+        self.layers = list(zip(k.unbind(0), v.unbind(0)))      # per layer: views [B, h, T_max, head_dim]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens each row holds (its next write index), a new list of B ints."""
+        return self._lengths[:self.batch_size]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        """``T_max``, the number of positions each row can hold."""
+        return self.k.shape[3]
+
+    @property
+    def length(self) -> int:
+        """Tokens held by the longest row (for equal rows: the past length ``P``)."""
+        return max(self.lengths)
+
+    def rows(self, n: int) -> "KVCache":
+        """A cache over rows ``0 … n-1`` sharing this one's storage and lengths (no copy):
+        what a forward over ``n`` sequences of a larger, slotted cache writes into."""
+        if not 1 <= n <= self.batch_size:
+            raise ValueError(f"rows={n} must be in [1, batch_size={self.batch_size}]")
+        view = KVCache.__new__(KVCache)
+        view._bind(self.k[:, :n], self.v[:, :n], self._lengths)
+        return view
+
+    def check(self, batch_size: int, n_new: int, n_layer: int, n_head: int, head_dim: int,
+              dtype: torch.dtype, device: torch.device) -> None:
+        """Check that this cache fits a model and an input before anything is written.
+
+        Args: the input's ``batch_size`` and ``n_new`` tokens; the model's ``n_layer``,
+        ``n_head``, ``head_dim``, parameter ``dtype`` and ``device``.
+
+        Raises:
+            ValueError: naming the first size, dtype or device that differs (a 4-row cache for a
+                1-row input would otherwise be broadcast into and overwritten), or too little free
+                length for ``n_new`` more tokens.
+        """
+        L, B, h, _, hd = self.k.shape
+        for name, have, want in (("batch size", B, batch_size), ("n_layer", L, n_layer),
+                                 ("n_head", h, n_head), ("head_dim", hd, head_dim)):
+            if have != want:
+                raise ValueError(f"cache has {name}={have} but the {'input' if name == 'batch size' else 'model'} "
+                                 f"has {want}; build it as KVCache(n_layer={n_layer}, batch_size={batch_size}, "
+                                 f"n_head={n_head}, max_len=..., head_dim={head_dim})")
+        if self.k.dtype != dtype:
+            raise ValueError(f"cache dtype is {self.k.dtype} but the model's parameters are {dtype}; "
+                             f"build the cache (or KVCache.from_past(..., dtype=...)) in {dtype}")
+        if self.k.device != torch.device(device):
+            raise ValueError(f"cache is on {self.k.device} but the model is on {device}")
+        if self.length + n_new > self.max_len:
+            raise ValueError(f"cache holds {self.length} of max_len={self.max_len} positions; "
+                             f"{n_new} new tokens do not fit")
+
+    def plan(self, n_new: int, *, span: int | None = None, per_row: bool = False) -> CacheStep:
+        """Where ``n_new`` tokens per row go and what each layer reads (one :class:`CacheStep`
+        for all layers). Rows of equal length write at one index and read OpenAI's causal mask;
+        otherwise (or with ``per_row``) row ``b`` writes at ``lengths[b] …`` and reads its own
+        keys only, through a mask.
+
+        Args:
+            span: keys every layer reads (default: the longest row's, ``max(lengths) + n_new``);
+                a fixed span (e.g. ``max_len``) gives every step the same shapes, which a
+                compiled decode step needs; the extra keys are masked.
+            per_row: always plan per row (tensor positions and a mask), even for equal lengths.
+
+        Raises:
+            ValueError: a row would pass ``max_len``, or ``span`` is too short or too long.
+        """
+        lengths = self.lengths
+        longest = max(lengths)
+        if longest + n_new > self.max_len:
+            raise ValueError(f"KVCache is full: {longest} cached + {n_new} new > max_len={self.max_len}")
+        if span is not None and not longest + n_new <= span <= self.max_len:
+            raise ValueError(f"span={span} must be in [{longest + n_new}, max_len={self.max_len}]")
+        if min(lengths) == longest and span is None and not per_row:
+            return CacheStep(longest, None, longest + n_new, None)
+        device = self.k.device
+        span = longest + n_new if span is None else span
+        pos = torch.tensor(lengths, device=device)[:, None] + torch.arange(n_new, device=device)   # [B, T]
+        mask = torch.arange(span, device=device) <= pos[:, :, None]                       # [B, T, span]
+        return CacheStep(None, pos, span, mask[:, None], torch.arange(len(lengths), device=device)[:, None])
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new keys/values ``[B, h, T, head_dim]`` where ``step`` says; returns the
+        layer's keys and values ``[B, h, span, head_dim]`` (views, no copy)."""
+        k_all, v_all = self.layers[layer]                      # [B, h, T_max, head_dim] each
+        if step.start is not None:                             # one index for every row
+            k_all.narrow(2, step.start, k.shape[2]).copy_(k)
+            v_all.narrow(2, step.start, v.shape[2]).copy_(v)
+        else:                                                  # row b at pos[b]: index_put
+            k_all[step.rows, :, step.pos] = k.transpose(1, 2)  # [B, T, h, head_dim]
+            v_all[step.rows, :, step.pos] = v.transpose(1, 2)
+        return k_all[:, :, :step.span], v_all[:, :, :step.span]
+
+    def advance(self, n: int) -> None:
+        """Every row holds ``n`` more tokens (called by the model after all layers)."""
+        for b in range(self.batch_size):
+            self._lengths[b] += n
+
+    def trim(self, lengths) -> None:
+        """Set each row's length (``lengths [B]``, each at most its current one): a row padded on
+        the right in a batched prefill keeps only its real tokens, and its next token is written
+        over the first pad.
+
+        Raises:
+            ValueError: a length of the wrong count, negative, or beyond what the row holds.
+        """
+        new = [int(n) for n in lengths]
+        if len(new) != self.batch_size or any(not 0 <= n <= have for n, have in zip(new, self.lengths)):
+            raise ValueError(f"lengths={new} must give each of the {self.batch_size} rows a length in "
+                             f"[0, its current {self.lengths}]")
+        self._lengths[:self.batch_size] = new
+
+    def reset(self, row: int) -> None:
+        """Empty row ``row`` (its storage is overwritten by the next tokens written there)."""
+        self._lengths[row] = 0
+
+    def load(self, row: int, other: "KVCache", other_row: int = 0, start: int = 0) -> None:
+        """Copy ``other``'s row ``other_row``, indices ``start … other.lengths[other_row]-1``, into
+        row ``row`` at indices ``0 …`` (``start`` > 0 skips a left-padded row's pads).
+
+        Raises:
+            ValueError: a row out of range, or a cache of other sizes or too long.
+        """
+        if not 0 <= row < self.batch_size:
+            raise ValueError(f"row={row} is out of range [0, {self.batch_size})")
+        n = other.lengths[other_row] - start
+        L, _, h, _, hd = other.k.shape
+        if (L, h, hd) != (self.k.shape[0], self.k.shape[2], self.k.shape[4]) or not 0 <= n <= self.max_len:
+            raise ValueError(f"cache of shape {tuple(other.k.shape)} holding {n + start} positions from {start} "
+                             f"does not fit a row of [n_layer={self.k.shape[0]}, h={self.k.shape[2]}, "
+                             f"T_max={self.max_len}, head_dim={self.k.shape[4]}]")
+        self.k[:, row, :, :n] = other.k[:, other_row, :, start:start + n]
+        self.v[:, row, :, :n] = other.v[:, other_row, :, start:start + n]
+        self._lengths[row] = n
+
+    def to_past(self) -> torch.Tensor:
+        """The filled part in OpenAI's layout ``[B, n_layer, 2, h, P, head_dim]`` (a copy).
+
+        Raises:
+            ValueError: rows of different lengths (``past`` has one P for all rows).
+        """
+        if min(self.lengths) != self.length:
+            raise ValueError(f"rows hold different lengths {self.lengths}; OpenAI's past has one length")
+        P = self.length
+        return torch.stack([self.k[:, :, :, :P], self.v[:, :, :, :P]], dim=2).transpose(0, 1).contiguous()
+
+    @classmethod
+    def from_past(cls, past: torch.Tensor, max_len: int, dtype: torch.dtype | None = None) -> "KVCache":
+        """Build a cache of capacity ``max_len`` holding ``past [B, n_layer, 2, h, P, head_dim]``.
+
+        Args:
+            dtype: the cache's dtype (the model's parameter dtype); default: ``past``'s own.
+
+        Raises:
+            ValueError: if ``past`` is not a floating 6-D tensor or ``P > max_len``.
+        """
+        if not isinstance(past, torch.Tensor) or not past.is_floating_point():
+            raise ValueError(f"past must be a floating-point tensor; got "
+                             f"{past.dtype if isinstance(past, torch.Tensor) else type(past).__name__}")
+        if past.dim() != 6:
+            raise ValueError(f"past has shape {tuple(past.shape)}; expected [B, n_layer, 2, h, P, head_dim]")
+        B, L, two, h, P, hd = past.shape
+        if two != 2 or P > max_len:
+            raise ValueError(f"past has shape {tuple(past.shape)}; axis 2 must be 2 and P={P} <= max_len={max_len}")
+        cache = cls(L, B, h, max_len, hd, dtype=dtype or past.dtype, device=past.device)
+        cache.k[:, :, :, :P] = past[:, :, 0].transpose(0, 1)
+        cache.v[:, :, :, :P] = past[:, :, 1].transpose(0, 1)
+        cache._lengths[:] = [P] * B
+        return cache

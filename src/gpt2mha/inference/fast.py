@@ -1,0 +1,118 @@
+"""Decode speed applied from outside the model: swap modules for faster-laid-out copies.
+
+Decoding one token at a time streams every weight once per step, so the layout a kernel reads
+fastest matters. :func:`for_decoding` returns a view of a model (a new module tree sharing
+every parameter and capture point) in which:
+
+* the LM head multiplies by a float32 ``[n_embd, n_vocab]`` copy of its weight
+  (:class:`TransposedHead`): on CPU ``x @ W`` over a contiguous copy streams faster for a few
+  rows than ``F.linear`` over ``wte``, and a bf16/fp16 model skips upcasting ``wte`` per step;
+* on CPU, every bf16/fp16 :class:`~gpt2mha.core.attention.Conv1D` multiplies by an
+  ``[n_out, n_in]`` copy (:class:`TransposedConv1D`): torch's reduced-precision kernels read
+  that layout faster. A float32 model keeps GPT-2's ``[in, out]``, its fastest.
+
+The copies are taken when the view is made and belong to it: ``generate`` makes one per call
+and the serving scheduler one per server, so they are never stale and the user's model is never
+changed. The same products in another layout: results agree with the model's own to float
+rounding (tests hold them to it). The figures behind each choice are in benchmarks/RESULTS.md.
+Quantized layers (:mod:`gpt2mha.inference.quant`) already hold their kernels' layouts and are
+left as they are. In the spirit of gpt-fast's ``convert_for_runtime``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.attention import Conv1D
+from ..core.model import LMHead, logits_dtype
+
+
+def transposed_copy(w: torch.Tensor, dtype: torch.dtype | None = None, block: int = 256) -> torch.Tensor:
+    """A new contiguous ``[C, R]`` copy of a 2-D ``w [R, C]`` (no grad), in ``dtype`` if given.
+
+    Copied ``block`` rows at a time: a blocked transpose keeps both sides in cache, faster than
+    ``w.t().contiguous()`` for GPT-2's wte and block matrices (benchmarks/RESULTS.md).
+    """
+    w = w.detach()
+    out = torch.empty(w.shape[1], w.shape[0], dtype=dtype or w.dtype, device=w.device)
+    for i in range(0, w.shape[0], block):
+        out[:, i:i + block].copy_(w[i:i + block].t())
+    return out
+
+
+class TransposedConv1D(nn.Module):
+    """A :class:`~gpt2mha.core.attention.Conv1D` computed as ``F.linear(x, Wᵀ, b)`` over an
+    ``[n_out, n_in]`` copy of its weight (the same product in another summation order);
+    ``bias`` is the original's. ``[..., n_in]`` → ``[..., n_out]``. Inference only."""
+
+    def __init__(self, conv: Conv1D):
+        super().__init__()
+        self.n_in, self.n_out = conv.n_in, conv.n_out
+        self.register_buffer("weight_t", transposed_copy(conv.weight), persistent=False)   # [n_out, n_in]
+        self.bias = conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_t, self.bias)
+
+
+class TransposedHead(nn.Module):
+    """An :class:`~gpt2mha.core.model.LMHead` computed as ``x @ W`` over a contiguous
+    ``[n_embd, n_vocab]`` copy of its weight in the logits' dtype (float32): ``[B, T, n_embd]``
+    → ``[B, T, n_vocab]`` float32 logits. Inference only."""
+
+    def __init__(self, head: LMHead):
+        super().__init__()
+        self.register_buffer("weight_t", transposed_copy(head.weight, logits_dtype(head.weight.dtype)),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.weight_t.dtype) @ self.weight_t
+
+
+def swap_modules(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None]) -> nn.Module:
+    """A new module tree over ``model``: every module for which ``replace(path, module)`` returns
+    a module is swapped for it, every other one is shared or (on the path to a swap) shallow-
+    copied, so parameters, buffers and capture points stay the very same tensors and modules.
+    ``model`` itself is not changed."""
+    def visit(path: str, module: nn.Module) -> nn.Module:
+        new = replace(path, module)
+        if new is not None:
+            return new
+        children = {name: visit(f"{path}.{name}" if path else name, child)
+                    for name, child in module._modules.items() if child is not None}
+        if all(children[n] is module._modules[n] for n in children):
+            return module
+        out = copy.copy(module)                                 # shallow: parameters shared
+        out._modules = {**module._modules, **children}
+        return out
+    return visit("", model)
+
+
+def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn.Module:
+    """``model`` with the decode-speed swaps of this module (a view: nothing of ``model`` is
+    changed or copied but the swapped weights; the caller sets the mode).
+
+    Args:
+        model: a :class:`~gpt2mha.core.model.GPT2` (float or quantized, any device).
+        head: swap the LM head for a :class:`TransposedHead` (on CPU, or whenever the logits'
+            dtype differs from the weight's). Costs one float32 copy of the head (154 MB for
+            124M) while the view lives.
+        conv1d: on CPU, swap bf16/fp16 Conv1Ds for :class:`TransposedConv1D` (one more copy of
+            the block weights while the view lives).
+    """
+    def replace(path: str, m: nn.Module) -> nn.Module | None:
+        if head and type(m) is LMHead:
+            w = m.weight
+            if w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype:
+                return TransposedHead(m)
+        if conv1d and type(m) is Conv1D and m.weight.device.type == "cpu" \
+                and m.weight.dtype in (torch.bfloat16, torch.float16):
+            return TransposedConv1D(m)
+        return None
+    with torch.no_grad():
+        return swap_modules(model, replace)

@@ -1,0 +1,214 @@
+"""The decode loop (OpenAI's ``sample_sequence`` in ``src/sample.py``).
+
+One prefill over the whole prompt fills a :class:`~gpt2mha.core.kv_cache.KVCache`; each later
+step feeds only the newest token and reads the cache. The loop runs on a decode view of the
+model (:func:`gpt2mha.inference.fast.for_decoding`); sampling is :mod:`.sampling`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..core import checks
+from ..core.kv_cache import KVCache
+from .fast import for_decoding
+from .sampling import row_generators, sample_next
+
+def as_prompts(idx) -> list[list[int]]:
+    """Prompts given as a list of token lists, 1-D tensors, ``[1, T]`` tensors or numpy arrays →
+    lists of Python ints.
+
+    Raises:
+        ValueError: naming the prompt and the value when an id is not an integer (``1.7``
+            would otherwise be truncated to 1 silently) or a prompt is not 1-D.
+    """
+    prompts = []
+    for i, p in enumerate(idx):
+        if isinstance(p, torch.Tensor) or hasattr(p, "__array__"):
+            t = torch.as_tensor(p)
+            if t.dim() == 2 and t.shape[0] == 1:
+                t = t[0]
+            if t.dim() != 1:
+                raise ValueError(f"prompts[{i}] has shape {tuple(t.shape)}; expected a 1-D (or [1, T]) list of token ids")
+            if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
+                raise ValueError(f"prompts[{i}] holds {t.dtype} values; token ids must be integers")
+            prompts.append(t.tolist())
+            continue
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
+            raise ValueError(f"prompts[{i}]={p!r} is not a list of token ids (encode text with the tokenizer first)")
+        ids = []
+        for j, v in enumerate(p):
+            try:
+                ids.append(checks.as_int(v, f"prompts[{i}][{j}]"))
+            except ValueError:
+                raise ValueError(f"prompts[{i}][{j}]={v!r} is not a token id; ids must be integers >= 0") from None
+        prompts.append(ids)
+    return prompts
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists of different lengths into a batch.
+
+    Returns:
+        ``idx [B, T_max]`` (int64) with ``pad_token_id`` on the left of shorter rows and
+        ``attention_mask [B, T_max]`` (1 real, 0 pad), so every row's last token is at the end.
+
+    Raises:
+        ValueError: no prompts, or an empty prompt (naming its index).
+    """
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; give at least one prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+    T = max(len(p) for p in prompts)
+    idx = torch.full((len(prompts), T), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        idx[i, T - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, T - len(p):] = 1
+    return idx, mask
+
+
+def prompt_batch(idx, attention_mask, n_vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The prompts of :func:`generate` as one checked batch ``(idx [B, T], mask [B, T] or None)``:
+    a list of prompts is left-padded (:func:`left_pad`), a tensor is checked with its mask.
+
+    Raises:
+        ValueError: text instead of ids, ids that are not integers or outside the vocabulary,
+            an empty prompt, a mask given with lists, a mask of the wrong shape or with values
+            other than 0/1, or a row that ends in padding.
+    """
+    if isinstance(idx, str):
+        raise ValueError(f"idx={idx[:40]!r} is text; generate takes token ids: encode it first, e.g. "
+                         f"torch.tensor([get_tokenizer(model.config.tokenizer).encode(text)])")
+    if isinstance(idx, (list, tuple)):
+        if attention_mask is not None:
+            raise ValueError("attention_mask is built from the lists; pass it only with a padded tensor")
+        idx, attention_mask = left_pad(as_prompts(idx))
+        idx, attention_mask = idx.to(device), attention_mask.to(device)
+    if not isinstance(idx, torch.Tensor):
+        raise ValueError(f"idx must be a [B, T] tensor of token ids or a list of prompts; got {type(idx).__name__}")
+    checks.token_ids(idx, n_vocab)
+    if attention_mask is None:
+        return idx, None
+    mask = checks.like_idx(attention_mask, "attention_mask", idx, (tuple(idx.shape),), integer=False)
+    if not bool(mask[:, -1].all()):
+        rows = torch.nonzero(~mask[:, -1]).flatten().tolist()
+        raise ValueError(f"attention_mask: rows {rows} end in padding; generation needs left padding "
+                         f"(pads first, every row's last token real)")
+    return idx, mask.long()
+
+
+def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = None, eos_token_id: int | None = None,
+             attention_mask: torch.Tensor | None = None, sliding_window: bool = False,
+             on_token: Callable[[torch.Tensor], None] | None = None,
+             vocab_size: int | None = None, min_p: float = 0.0) -> torch.Tensor:
+    """Sample ``max_new_tokens`` tokens after ``idx``.
+
+    Args:
+        model: a :class:`~gpt2mha.core.model.GPT2`.
+        idx: prompt ids ``[B, T]`` (int64), or a list of prompts of different lengths (token
+            lists, 1-D or ``[1, T]`` tensors, numpy arrays; :func:`as_prompts`), left-padded
+            automatically (:func:`left_pad`, pad id 0). A padded tensor needs
+            ``attention_mask [B, T]`` marking real tokens 1 and pads 0 (bool or 0/1 values).
+        max_new_tokens: number of tokens to add (>= 0).
+        temperature, top_k, top_p, min_p: sampling (see
+            :func:`~gpt2mha.inference.sampling.sample_next`); temperature 0 is greedy.
+        seed: seeds one private generator per row (:func:`~gpt2mha.inference.sampling.row_seed`):
+            the same call gives the same tokens, and row i samples exactly as its prompt alone
+            with ``row_seed(seed, i)`` (row 0: ``seed`` itself).
+        eos_token_id: once a row emits it, the row is finished and keeps emitting it; the loop
+            stops early when every row is finished (the result is still padded to full length).
+        sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)
+            by conditioning each step on the last n_ctx tokens only (positions restart at 0 for
+            that window; slower once the window slides: no cache).
+        on_token: called with each step's new ids ``[B]`` as soon as they are sampled.
+        vocab_size: sample only ids below it (for embeddings padded past the tokenizer's
+            vocabulary, e.g. nanoGPT's 50304 rows for GPT-2's 50257 ids).
+
+    Returns:
+        ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens (an
+        ordinary tensor: it may be edited in place or used in training).
+
+    The model runs in eval mode for the call (dropout off, so a seed fixes the tokens) and is
+    put back in the mode it was in.
+
+    Raises:
+        ValueError: bad sampling arguments, a negative max_new_tokens, a bad seed, bad prompts
+            (:func:`prompt_batch`), or a prompt plus new tokens longer than n_ctx without
+            ``sliding_window``, before any work is done.
+    """
+    temperature, top_k, top_p, min_p = checks.sampling(temperature, top_k, top_p, min_p)
+    max_new_tokens = checks.as_int(max_new_tokens, "max_new_tokens")
+    seed = checks.seed(seed)
+    c = model.config
+    idx, attention_mask = prompt_batch(idx, attention_mask, c.n_vocab, model.wte.weight.device)
+    if vocab_size is not None and not 0 < vocab_size <= c.n_vocab:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={c.n_vocab}]")
+    B, T = idx.shape
+    if T + max_new_tokens > c.n_ctx and not sliding_window:
+        raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "
+                         f"n_ctx={c.n_ctx}; shorten the prompt, lower max_new_tokens, or use sliding_window=True "
+                         f"(CLI: --sliding-window)")
+    if max_new_tokens == 0:
+        return idx.clone()
+    generator = row_generators(seed, B, idx.device) if seed is not None else None
+    sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator)
+    was_training = model.training
+    model.eval()                                               # dropout off: a seed fixes the tokens
+    try:
+        with torch.inference_mode():
+            out = decode_loop(for_decoding(model), idx, max_new_tokens, attention_mask, sample,
+                              eos_token_id, on_token, vocab_size)
+    finally:
+        model.train(was_training)
+    return out.clone()                                         # outside inference mode: an ordinary tensor
+
+
+def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_token_id, on_token,
+                vocab_size) -> torch.Tensor:
+    """The loop of :func:`generate` after its checks: one prefill over the prompt into a
+    :class:`KVCache`, then one sampled token per step fed back through the cache (the model's
+    own checks are skipped: every input here was checked once, by :func:`generate`)."""
+    B, T = idx.shape
+    n_ctx = model.config.n_ctx
+    out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=idx.device)
+    out[:, :T] = idx
+    mask = None
+    if attention_mask is not None:
+        mask = torch.ones(B, T + max_new_tokens, dtype=torch.bool, device=idx.device)
+        mask[:, :T] = attention_mask.bool()
+    finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
+    p = model.wte.weight
+    cache = KVCache(model.config.n_layer, B, model.config.n_head, min(n_ctx, T + max_new_tokens),
+                    model.config.head_dim, dtype=p.dtype, device=p.device)
+    start = max(0, T - n_ctx)                                  # > 0 only for a sliding window
+    logits = model(idx[:, start:], attention_mask=None if mask is None else mask[:, start:T], cache=cache,
+                   last_only=True, validate=False).logits
+    for step in range(max_new_tokens):
+        pos = T + step                                         # index of the token being chosen
+        token = sample_next(logits[:, -1, :vocab_size], **sample)
+        if eos_token_id is not None:
+            token = torch.where(finished, eos_token_id, token)
+            finished |= token == eos_token_id
+        out[:, pos] = token
+        if on_token is not None:
+            on_token(token)
+        if step == max_new_tokens - 1:
+            break
+        if eos_token_id is not None and bool(finished.all()):
+            out[:, pos + 1:] = eos_token_id
+            break
+        if cache.length < cache.max_len:
+            logits = model(token[:, None], attention_mask=None if mask is None else mask[:, start:pos + 1],
+                           cache=cache, last_only=True, validate=False).logits
+        else:                                                  # sliding window: recompute the last n_ctx
+            start = pos + 1 - n_ctx
+            window_mask = None if mask is None else mask[:, start:pos + 1]
+            logits = model(out[:, start:pos + 1], attention_mask=window_mask, last_only=True,
+                           validate=False).logits
+    return out

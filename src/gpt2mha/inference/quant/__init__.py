@@ -1,0 +1,18 @@
+"""Weight-only int8 / int4 quantization, applied by swapping modules.
+
+:func:`quantize_model` replaces every block Conv1D and the LM head of a model with a
+:class:`QuantizedLinear` (:class:`QuantizedHead`), rounded to nearest or by GPTQ;
+:mod:`.checkpoint` stores and restores such a model. The pieces, one concern each:
+:mod:`.schemes` (what int8/int4 weights mean, rounding to nearest, packing), :mod:`.gptq`
+(GPTQ's rounding), :mod:`.linear` (the quantized layer and its products), :mod:`.model` (the
+whole model, calibration, the error report).
+"""
+
+from .linear import QuantizedHead, QuantizedLinear, int8_matmul, split_activations
+from .model import QuantizationWarning, calibration_ids, default_calibration, quantize_model
+from .schemes import (DEFAULT_GROUP_SIZE, HEAD_SCHEME, INT4_GROUP_SIZES, KERNEL_DTYPE, METHODS, SCHEMES,
+                      QuantizationError, check_scheme)
+
+__all__ = ["QuantizedHead", "QuantizedLinear", "int8_matmul", "split_activations", "QuantizationWarning",
+           "calibration_ids", "default_calibration", "quantize_model", "DEFAULT_GROUP_SIZE", "HEAD_SCHEME",
+           "INT4_GROUP_SIZES", "KERNEL_DTYPE", "METHODS", "SCHEMES", "QuantizationError", "check_scheme"]

@@ -1,0 +1,323 @@
+"""Quantizing a whole model: every block Conv1D and the LM head swapped for a
+:class:`~.linear.QuantizedLinear`, rounded to nearest or by GPTQ on calibration text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from ...core.hooks import record
+from .gptq import gptq  # noqa: F401  (re-exported: the rounding GPTQ layers use)
+from .linear import QuantizedHead, QuantizedLinear
+from .schemes import (ABNORMAL_ERROR, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, HEAD_SCHEME, METHODS, SCHEMES,
+                      check_scheme)
+
+#: The four Conv1Ds of a block, by their path inside it.
+BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+class QuantizationWarning(UserWarning):
+    """A tensor whose quantization error is abnormal (:data:`ABNORMAL_ERROR`)."""
+
+
+def error_row(name: str, w: torch.Tensor, layer: QuantizedLinear, hessian: torch.Tensor | None = None) -> dict:
+    """Quantization error of one tensor.
+
+    ``rel_error = rms(W − deq(W)) / rms(W)``, and ``robust_rel_error``, the same error over a
+    robust spread of W, ``1.4826 · median |W|`` (σ for a Gaussian): an outlier channel inflates
+    rms(W) as much as the error, so only the robust figure shows that it stretched the scales
+    for every other weight of its rows or groups. ``abnormal`` when the robust figure exceeds
+    :data:`ABNORMAL_ERROR`, or an error is not finite. Also ``max_abs_error``, and with the
+    calibration inputs' ``hessian = Σ xᵀx`` the error of the products,
+    ``output_rel_error = ‖x·(W − deq(W))ᵀ‖ / ‖x·Wᵀ‖`` over those inputs (None without).
+    """
+    w = w.detach().float()
+    err = layer.dequantized() - w
+    rms_err = err.pow(2).mean().sqrt()
+    rel = float(rms_err / w.pow(2).mean().sqrt().clamp(min=1e-30))
+    robust = float(rms_err / (1.4826 * w.abs().median()).clamp(min=1e-30))
+    out = None
+    if hessian is not None:
+        h = hessian.float()
+        out = float(((err @ h) * err).sum().clamp(min=0).sqrt() / ((w @ h) * w).sum().clamp(min=1e-30).sqrt())
+    return dict(name=name, shape=list(w.shape), scheme=layer.scheme, rel_error=rel, robust_rel_error=robust,
+                max_abs_error=float(err.abs().max()), output_rel_error=out,
+                abnormal=not robust <= ABNORMAL_ERROR[layer.scheme])
+
+
+def quantized_layers(model, scheme: str, group_size: int | None) -> dict[str, QuantizedLinear]:
+    """Empty :class:`QuantizedLinear` layers for every block Conv1D and the head of ``model``
+    (shapes only, to be filled by ``load_state_dict``), by module path."""
+    c = model.config
+    layers = {}
+    for i in range(c.n_layer):
+        for path, (n_in, n_out) in zip(BLOCK_LINEARS, ((c.n_embd, 3 * c.n_embd), (c.n_embd, c.n_embd),
+                                                      (c.n_embd, 4 * c.n_embd), (4 * c.n_embd, c.n_embd))):
+            layers[f"h.{i}.{path}"] = QuantizedLinear(n_in, n_out, scheme, group_size)
+    layers["lm_head"] = QuantizedHead(c.n_embd, c.n_vocab, HEAD_SCHEME)
+    return layers
+
+
+def install(model, layers: dict[str, nn.Module], scheme: str, group_size: int | None, tied: bool) -> None:
+    """Put ``layers`` into ``model`` at their paths, record the scheme, freeze the rest."""
+    for path, layer in layers.items():
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, layer)
+    model.quantization = {"scheme": scheme, "group_size": group_size, "head": HEAD_SCHEME, "tied": tied}
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+#: Rows of calibration tokens run through the model at a time.
+CALIBRATION_BATCH = 8
+
+
+def default_calibration() -> str:
+    """The packaged calibration text (:data:`DEFAULT_CALIBRATION`)."""
+    from importlib.resources import files
+    return files("gpt2mha").joinpath("data", DEFAULT_CALIBRATION).read_text(encoding="utf-8")
+
+
+def calibration_ids(model, calibration) -> torch.Tensor:
+    """Calibration tokens ``[B, T]`` (int64) for :func:`quantize_model` from text (encoded with
+    the model's tokenizer) or token ids (1-D, cut into rows of ``T = min(n_ctx, 256)``, or
+    ``[B, T]``).
+
+    Raises:
+        ValueError: naming ``calibration``: not text or integer ids, ids outside the
+            vocabulary, rows longer than n_ctx, or fewer tokens than one row.
+    """
+    c = model.config
+    path_hint = ""
+    if isinstance(calibration, (bytes, bytearray, os.PathLike)):
+        raise ValueError(f"calibration: expected text (str) or integer token ids, got {type(calibration).__name__}; "
+                         f"to calibrate on a file pass its text, open(path, encoding='utf-8').read() (the CLI's "
+                         f"--calibration FILE reads the file)")
+    if isinstance(calibration, str):
+        if not calibration:
+            raise ValueError("calibration: the text is empty")
+        if len(calibration) < 4096 and os.path.isfile(calibration):
+            path_hint = (f" (calibration= takes the text itself, and {calibration!r} is a file name: pass "
+                         f"open({calibration!r}, encoding='utf-8').read())")
+        from ...tokenizer import get_tokenizer
+        calibration = get_tokenizer(c.tokenizer).encode(calibration)
+    try:
+        ids = torch.as_tensor(calibration)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"calibration: expected text or integer token ids [N] or [B, T] (equal rows), got "
+                         f"{type(calibration).__name__} ({e})") from None
+    if ids.numel() == 0 and ids.dim() == 1:
+        raise ValueError("calibration: no tokens")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() not in (1, 2):
+        raise ValueError(f"calibration: expected text or integer token ids [N] or [B, T], got a {ids.dim()}-D "
+                         f"{ids.dtype} tensor")
+    ids = ids.long()
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < c.n_vocab):
+        raise ValueError(f"calibration: token ids must be in [0, {c.n_vocab}), got {int(ids.min())}..{int(ids.max())}")
+    if ids.dim() == 1:
+        T = min(c.n_ctx, 256)
+        if len(ids) < T:
+            raise ValueError(f"calibration: {len(ids)} tokens, fewer than one row of {T}; give more text{path_hint}")
+        ids = ids[:len(ids) // T * T].view(-1, T)
+    if ids.shape[1] > c.n_ctx or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"calibration: rows [{ids.shape[0]}, {ids.shape[1]}]: need at least one row of at most "
+                         f"n_ctx={c.n_ctx} tokens")
+    return ids
+
+
+def _gram(xs) -> torch.Tensor:
+    """``Σ xᵀx`` (float64 ``[K, K]``) over activations ``xs`` (tensors ``[..., K]``)."""
+    total = 0
+    for x in xs:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        h = x.t() @ x
+        if not torch.isfinite(h).all():                         # float32 overflow: redo in float64
+            h = x.double().t() @ x.double()
+        total = total + h.double()
+    return total
+
+
+def _hessians(modules: dict[str, nn.Module], run) -> dict[str, torch.Tensor]:
+    """``Σ xᵀx`` (float64 ``[K, K]``) of each module's inputs while ``run()`` runs."""
+    hessians, hooks = {}, []
+    for name, m in modules.items():
+        def hook(mod, args, name=name):
+            hessians[name] = hessians.get(name, 0) + _gram([args[0]])
+        hooks.append(m.register_forward_pre_hook(hook))
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return hessians
+
+
+@torch.no_grad()
+def _gptq_layers(model, scheme: str, group_size: int | None, ids: torch.Tensor, weights: dict) -> tuple[dict, dict]:
+    """GPTQ every layer of ``weights`` on the calibration ``ids``, block after block (GPTQ's
+    sequential order: each block is calibrated on the outputs of the blocks already quantized).
+    The quantized layers replace the Conv1Ds as they are made.
+
+    The head comes first, from the float model's final LayerNorm outputs: a tied ``wte`` is then
+    the dequantized head before the blocks are calibrated, so they see the embeddings they will
+    get (on the built-in model this order agreed with float32 on more held-out bytes than the
+    head last). Returns ``(layers by path, hessians by path)``.
+    """
+    rows = max(1, 2048 // ids.shape[1])                         # ~2048 tokens per forward
+    chunks = ids.to(model.wte.weight.device).split(rows)
+
+    def layer(path, w, b, scheme, group_size, hessian, cls=QuantizedLinear):
+        try:
+            return cls.from_float(w, b, scheme, group_size, hessian=hessian)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def at(point):                                              # the activations at one capture point
+        return [record(model, [point], lambda: model(idx), stop=True)[point] for idx in chunks]
+
+    hessians = {"lm_head": _gram(at("ln_f.hook_normalized"))}   # the float model's final states
+    w, _ = weights["lm_head"]
+    layers = {"lm_head": layer("lm_head", w, None, HEAD_SCHEME, None, hessians["lm_head"], QuantizedHead)}
+    if w is model.wte.weight:                                   # a new tensor: the float one stays intact
+        model.wte.weight = nn.Parameter(layers["lm_head"].dequantized().to(w.dtype), requires_grad=False)
+    xs = at("h.0.hook_resid_pre")                               # block 0's inputs (embeddings)
+    for i, block in enumerate(model.h):                         # GPTQ's order: block by block
+        paths = {f"h.{i}.{p}": block.get_submodule(p) for p in BLOCK_LINEARS}
+        hessians.update(_hessians(paths, lambda: [block(x) for x in xs]))
+        for path in paths:
+            w, b = weights[path]
+            layers[path] = layer(path, w, b, scheme, group_size, hessians[path])
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent), name, layers[path])
+        xs = [block(x)[0] for x in xs]
+    return layers, hessians
+
+
+def _state_before(model, sources: dict) -> dict:
+    """What :func:`quantize_model` changes, to put back if it stops half-way."""
+    return dict(sources=dict(sources), wte=model.wte.weight, lm_head=model.lm_head,
+                training=model.training, grads=[(p, p.requires_grad) for p in model.parameters()])
+
+
+def _restore(model, before: dict) -> None:
+    """Undo a :func:`quantize_model` that stopped half-way: the original modules and tensors
+    (never written in place) go back, nothing quantized stays."""
+    for path, module in before["sources"].items():
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, module)
+    model.wte.weight = before["wte"]
+    model.lm_head = before["lm_head"]
+    model.quantization = None
+    for p, flag in before["grads"]:
+        with contextlib.suppress(RuntimeError):
+            p.requires_grad_(flag)
+    model.train(before["training"])
+
+
+@torch.no_grad()
+def quantize_model(model, scheme: str, group_size: int | None = None, method: str = "gptq", calibration=None):
+    """Weight-only quantize ``model`` in place: every block Conv1D (``c_attn``, ``attn.c_proj``,
+    ``c_fc``, ``mlp.c_proj``) and the LM head become :class:`QuantizedLinear` layers.
+
+    The LM head is quantized to int8 (:data:`HEAD_SCHEME`) into ``model.lm_head``. When it is
+    tied to ``wte``, ``wte`` is overwritten with the dequantized head, so the float embedding
+    lookup and the head read the same numbers, and a checkpoint stores them once (quantized):
+    the model reloads with identical logits. LayerNorms, biases and ``wpe`` stay float.
+
+    ``method="gptq"`` (the default) rounds the weights by :func:`gptq`, block after block, so
+    that the layers' outputs on the calibration text stay close to the float model's;
+    ``"rtn"`` rounds each weight to nearest (gpt-fast's and llama.cpp's default: instant, no
+    data). GPTQ takes seconds to a minute (RESULTS.md gives the times measured) and is what reaches
+    the top-1 agreement with float32 that README's "Quantized decode" states.
+
+    Each tensor's error is measured (:func:`error_row`) into ``model.quantization_report``;
+    tensors with an abnormal error (e.g. an outlier channel stretching a scale) are listed in a
+    :class:`QuantizationWarning`.
+
+    Args:
+        model: a float :class:`~gpt2mha.core.model.GPT2` on the CPU (eval mode afterwards; no
+            parameter requires grad).
+        scheme: ``"int8"`` or ``"int4"``; group_size: int4's group (default
+            :data:`DEFAULT_GROUP_SIZE`), None for int8.
+        method: ``"gptq"`` or ``"rtn"`` (:data:`METHODS`).
+        calibration: GPTQ's text, or token ids ``[N]`` / ``[B, T]`` (:func:`calibration_ids`);
+            None: the packaged :func:`default_calibration` text. Only with ``"gptq"``.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: unknown scheme or method, a group size the scheme or n_embd does not
+            allow, calibration given with ``"rtn"`` or unusable (:func:`calibration_ids`), a
+            model already quantized, or weights holding NaN/inf (named).
+    """
+    if getattr(model, "quantization", None):
+        raise ValueError(f"this model is already quantized ({model.quantization['scheme']}); quantizing twice would "
+                         f"round the rounded weights again: quantize the float model instead")
+    defaulted = group_size is None
+    if scheme in SCHEMES and group_size is None:
+        group_size = DEFAULT_GROUP_SIZE[scheme]
+    try:
+        check_scheme(scheme, group_size, model.config.n_embd)
+    except ValueError as e:
+        if defaulted and group_size is not None:
+            raise ValueError(f"{e} (group_size was not given: {group_size} is {scheme}'s default)") from None
+        raise
+    sources = {f"h.{i}.{path}": model.get_submodule(f"h.{i}.{path}") for i in range(model.config.n_layer)
+               for path in BLOCK_LINEARS}
+    weights = {path: (m.weight.t(), m.bias) for path, m in sources.items()}      # [out, in]
+    weights["lm_head"] = (model.lm_head.weight, None)
+    bad = [path for path, (w, b) in weights.items()
+           if not torch.isfinite(w).all() or (b is not None and not torch.isfinite(b).all())]
+    if bad:
+        raise ValueError(f"cannot quantize: {', '.join(bad)} hold NaN or inf values")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is unknown; expected one of {METHODS}")
+    if method == "rtn" and calibration is not None:
+        raise ValueError("calibration: round-to-nearest (method='rtn') uses no calibration text; "
+                         "pass method='gptq' to use it")
+    ids = None
+    if method == "gptq":
+        try:
+            ids = calibration_ids(model, default_calibration() if calibration is None else calibration)
+        except ValueError as e:
+            if calibration is not None:
+                raise
+            raise ValueError(f"{e} (the packaged calibration text, encoded with this model's {model.config.tokenizer!r} "
+                             f"tokenizer); pass calibration= token ids the model takes, or method='rtn'") from None
+    tied = model.lm_head.weight is model.wte.weight
+    before = _state_before(model, sources)
+    model.eval()
+    try:
+        if ids is not None:
+            layers, hessians = _gptq_layers(model, scheme, group_size, ids, weights)
+        else:
+            layers, hessians = {}, {}
+            for path, (w, b) in weights.items():
+                head = path == "lm_head"
+                layers[path] = (QuantizedHead if head else QuantizedLinear).from_float(
+                    w, b, HEAD_SCHEME if head else scheme, None if head else group_size)
+        report = [error_row(path, w, layers[path], hessians.get(path)) for path, (w, b) in weights.items()]
+        install(model, layers, scheme, group_size, tied)
+        if tied:                                                # a new tensor: never written in place
+            model.wte.weight = nn.Parameter(layers["lm_head"].dequantized().to(before["wte"].dtype),
+                                            requires_grad=False)
+        model.quantization["method"] = method
+    except BaseException:                                       # errors and Ctrl-C: the float model, as it was
+        _restore(model, before)
+        raise
+    model.quantization_report = report
+    abnormal = [r for r in report if r["abnormal"]]
+    for r in abnormal:
+        warnings.warn(f"{r['name']} {r['shape']}: abnormal {r['scheme']} quantization error ({r['robust_rel_error']:.3f} "
+                      f"of the weights' robust spread, limit {ABNORMAL_ERROR[r['scheme']]}; an outlier channel or group "
+                      f"stretching the scales?)", QuantizationWarning, stacklevel=3)
+    return model
+
+

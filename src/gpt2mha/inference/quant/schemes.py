@@ -1,0 +1,146 @@
+"""What int8 and int4 weights mean: the schemes, their rounding to nearest, and int4 packing.
+
+Weight-only quantization as gpt-fast's ``int8``/``int4`` modes and llama.cpp's ``q8_0``/``q4_0``:
+int8 with one scale per output channel (symmetric), int4 with a scale and a zero per group of
+``group_size`` inputs (asymmetric), activations kept in floating point. Weights are ``[N, K]``
+(``N = out`` rows of ``K = in`` inputs), the layout the kernels read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: Schemes accepted by :meth:`gpt2mha.GPT2.quantize`.
+SCHEMES = ("int8", "int4")
+#: How the weights are rounded: "gptq" (:func:`gptq`, on calibration text) or "rtn" (to nearest).
+METHODS = ("gptq", "rtn")
+#: Group size used when none is given (int8 has one scale per output channel, no groups).
+#: int4's 32 is the size that reached issue 13's 97% top-1 agreement on the built-in model with
+#: GPTQ (64: 96.7%), and decodes as fast as 64 on this CPU (RESULTS.md, "Quantized decode").
+DEFAULT_GROUP_SIZE = {"int8": None, "int4": 32}
+#: The calibration text GPTQ uses when none is given: the first 16 KiB of Tiny Shakespeare,
+#: inside the built-in model's training split (package data ``gpt2mha/data/calibration.txt``).
+DEFAULT_CALIBRATION = "calibration.txt"
+#: Group sizes the int4 CPU kernel takes.
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+#: Dtype of the stored scales, and of the activations handed to the int4 kernel, which runs
+#: 30x faster on bf16 than on float32 activations (RESULTS.md). The product is converted back
+#: to the model's dtype; the bias and the residual stream stay in it.
+KERNEL_DTYPE = torch.bfloat16
+#: The LM head is int8 in both schemes: on the built-in model an int4 head (group 64) lowered
+#: int4's top-1 agreement with float32 from 93.8% to 91.0% and raised its bits/byte by 0.0024,
+#: for 0.45 ms/step less on 124M (RESULTS.md). A tied embedding then carries int8's ~1% error.
+HEAD_SCHEME = "int8"
+#: Robust relative error (:func:`error_row`) above which a tensor is reported as abnormal. A
+#: Gaussian weight gives ~0.01 in int8 (per channel) and ~0.09 in int4 (group 64, asymmetric);
+#: an outlier stretching a channel's or a group's range pushes it well past these limits.
+ABNORMAL_ERROR = {"int8": 0.03, "int4": 0.20}
+
+
+class QuantizationError(ValueError):
+    """A quantized checkpoint or tensor that cannot be used as it is; the message names it."""
+
+
+def _round_scales_up(s: torch.Tensor) -> torch.Tensor:
+    """``s`` (float32, > 0) in :data:`KERNEL_DTYPE`, rounded up so that ``w / scale`` stays in range."""
+    low = s.to(KERNEL_DTYPE)
+    return torch.where(low.float() < s, torch.nextafter(low, torch.full_like(low, math.inf)), low)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 quantization of ``w [N, K]`` (rows = output channels).
+
+    ``scale[n] = max_k |w[n, k]| / 127`` (rounded up to :data:`KERNEL_DTYPE`; an all-zero row
+    gets scale 1), ``q = round(w / scale)`` in ``[-127, 127]``, so ``|w − q·scale| ≤ scale / 2``.
+
+    Returns:
+        ``(q int8 [N, K], scales [N])`` in :data:`KERNEL_DTYPE`.
+
+    Source: gpt-fast ``quantize.py`` (``dynamically_quantize_per_channel``), LLM.int8's
+    absmax quantization.
+    """
+    w = w.detach().float().contiguous()
+    amax = w.abs().amax(dim=1)
+    scales = _round_scales_up(torch.where(amax > 0, amax / 127, torch.ones_like(amax)))
+    q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``q [N, K] int8`` × ``scales [N]`` → float32 ``[N, K]``."""
+    return q.float() * scales.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 quantization of ``w [N, K]`` along K (the inputs).
+
+    Each row's K inputs are cut into groups of ``group_size``; a group spanning ``[lo, hi]`` gets
+    ``scale = (hi − lo) / 15`` and ``zero = lo + 8·scale`` (both rounded to
+    :data:`KERNEL_DTYPE`), and ``q = round((w − zero) / scale) + 8`` in ``[0, 15]``: the
+    dequantized value is ``(q − 8)·scale + zero``, PyTorch's int4pack convention.
+
+    Returns:
+        ``(q int32 [N, K] in 0..15, scale_zero [K / group_size, N, 2])``; scale_zero in
+        :data:`KERNEL_DTYPE`, ``[..., 0]`` scales and ``[..., 1]`` zeros, the layout
+        ``aten._weight_int4pack_mm_for_cpu`` reads.
+
+    Source: gpt-fast ``quantize.py`` (``get_group_qparams``), torchao's float-zero affine scheme.
+    """
+    w = w.detach().float().contiguous()
+    N, K = w.shape
+    g = w.view(N, K // group_size, group_size)
+    scale, zero = _int4_params(g.amin(-1), g.amax(-1))                     # [N, K/g]
+    q = torch.round((g - zero[..., None]) / scale[..., None]) + 8
+    q = q.clamp_(0, 15).to(torch.int32).view(N, K)
+    scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+    return q, scale_zero
+
+
+def _int4_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 ``(scale, zero)`` (float32 holding :data:`KERNEL_DTYPE` values) of groups spanning
+    ``[lo, hi]``: ``scale = (hi − lo) / 15`` rounded up, ``zero = lo + 8·scale`` rounded."""
+    scale = _round_scales_up(((hi - lo) / 15).clamp(min=1e-6)).float()
+    return scale, (lo + 8 * scale).to(KERNEL_DTYPE).float()
+
+
+def dequantize_int4(q: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``q [N, K]`` (0..15) with ``scale_zero [K / group_size, N, 2]`` → float32 ``[N, K]``."""
+    N, K = q.shape
+    sz = scale_zero.float().transpose(0, 1)                                 # [N, K/g, 2]
+    g = q.view(N, K // group_size, group_size).float()
+    return ((g - 8) * sz[..., :1] + sz[..., 1:]).view(N, K)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` values 0..15 → uint8 ``[N, K / 2]``: input ``2i`` in the low nibble, ``2i + 1``
+    in the high one (the storage layout on disk; the kernel's own packing is CPU-specific)."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: uint8 ``[N, K / 2]`` → int32 ``[N, K]``."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1).to(torch.int32)
+
+
+def check_scheme(scheme, group_size, n_in: int | None = None) -> None:
+    """Raises ValueError naming the argument for an unknown scheme or a group size the scheme
+    or the kernel cannot use (int4: one of :data:`INT4_GROUP_SIZES` dividing ``n_in``)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r} is unknown; expected one of {SCHEMES}")
+    if scheme == "int8":
+        if group_size is not None:
+            raise ValueError(f"group_size={group_size!r}: int8 has one scale per output channel, no groups; "
+                             f"leave group_size as None")
+        return
+    if isinstance(group_size, bool) or group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size={group_size!r}: int4 needs one of {INT4_GROUP_SIZES} (the CPU kernel's sizes)")
+    if n_in is not None and n_in % group_size:
+        fits = [g for g in INT4_GROUP_SIZES if n_in % g == 0]
+        raise ValueError(f"group_size={group_size} does not divide the layer's input width {n_in} (n_embd or "
+                         f"4·n_embd); " + (f"choose one of {fits}" if fits else
+                                           f"no int4 group size {INT4_GROUP_SIZES} does: use int8"))
+
+

@@ -1,0 +1,96 @@
+"""The one cache path: OpenAI's past/present, the static KVCache, rows of different lengths.
+
+References: the uncached forward over the same tokens (the cache must not change what a token
+attends to), and OpenAI's past/present concatenation (bitwise: the same products in the same
+order).
+"""
+
+import pytest
+import torch
+
+from gpt2mha import GPT2, GPT2Config, KVCache
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GPT2(GPT2Config(n_vocab=97, n_ctx=48, n_embd=32, n_head=4, n_layer=2, tokenizer="bytes")).eval()
+
+
+def new_cache(model, batch, max_len=48):
+    c = model.config
+    return KVCache(c.n_layer, batch, c.n_head, max_len, c.head_dim)
+
+
+@torch.no_grad()
+def test_past_is_the_cache_built_for_one_call_bitwise(model):
+    idx = torch.randint(0, 97, (2, 12))
+    full = model(idx)
+    part = model(idx[:, :7])
+    rest = model(idx[:, 7:], past=part.present)
+    cache = new_cache(model, 2)
+    model(idx[:, :7], cache=cache)
+    cached = model(idx[:, 7:], cache=cache)
+    assert torch.equal(rest.logits, cached.logits)                     # same path, same numbers
+    torch.testing.assert_close(rest.present, full.present[:, :, :, :, 7:], atol=1e-6, rtol=1e-5)
+    assert torch.equal(cache.to_past(), torch.cat([part.present, rest.present], dim=4))
+    torch.testing.assert_close(rest.logits, full.logits[:, 7:], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_rows_of_different_lengths_attend_only_to_their_own_tokens(model):
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,)) for n in (9, 4, 13)]
+    T = max(len(p) for p in prompts)
+    idx = torch.stack([torch.cat([p, torch.zeros(T - len(p), dtype=torch.long)]) for p in prompts])  # right-padded
+    cache = new_cache(model, 3)
+    model(idx, cache=cache)
+    cache.trim([len(p) for p in prompts])
+    assert cache.lengths == [9, 4, 13]
+    nxt = torch.tensor([[5], [6], [7]])
+    for step in range(3):                                               # every row at its own position
+        logits = model(nxt, cache=cache, last_only=True).logits[:, -1]
+        for b, p in enumerate(prompts):
+            alone = model(torch.cat([p, nxt[b].repeat(step + 1)])[None]).logits[0, -1]
+            torch.testing.assert_close(logits[b], alone, atol=1e-5, rtol=1e-5)
+    assert cache.lengths == [12, 7, 16]
+
+
+@torch.no_grad()
+def test_a_view_of_the_first_rows_writes_into_the_whole_cache(model):
+    cache = new_cache(model, 4)
+    view = cache.rows(2)
+    idx = torch.randint(0, 97, (2, 5))
+    model(idx, cache=view)
+    assert cache.lengths == [5, 5, 0, 0] and view.lengths == [5, 5]
+    assert cache.k[:, 2:].abs().sum() == 0                             # rows beyond the view untouched
+    other = new_cache(model, 2)
+    model(idx, cache=other)
+    assert torch.equal(cache.k[:, :2, :, :5], other.k[:, :, :, :5])
+
+
+@torch.no_grad()
+def test_load_copies_a_prefilled_row_into_a_slot(model):
+    prefill = new_cache(model, 2)
+    idx = torch.randint(0, 97, (2, 6))
+    model(idx, cache=prefill)
+    slots = new_cache(model, 3)
+    slots.load(2, prefill, other_row=1, start=2)                        # skip two left pads
+    assert slots.lengths == [0, 0, 4]
+    assert torch.equal(slots.k[:, 2, :, :4], prefill.k[:, 1, :, 2:6])
+    slots.reset(2)
+    assert slots.lengths == [0, 0, 0]
+
+
+def test_cache_plan_and_trim_errors_name_the_problem(model):
+    cache = new_cache(model, 2, max_len=8)
+    with pytest.raises(ValueError, match="max_len=8"):
+        cache.plan(9)
+    with pytest.raises(ValueError, match="span=3"):
+        cache.plan(4, span=3)
+    with pytest.raises(ValueError, match="lengths=\\[1, 1\\]"):
+        cache.trim([1, 1])                                              # longer than what the rows hold
+    with pytest.raises(ValueError, match="rows=3"):
+        cache.rows(3)
+    with pytest.raises(ValueError, match="n_layer=0"):
+        KVCache(0, 1, 1, 1, 1)
