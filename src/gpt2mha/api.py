@@ -11,6 +11,8 @@ import torch
 from .core import model as core
 from .inference.generate import generate as _generate
 from .inference.quant import quantize_model
+from .io.checkpoints import save_pretrained
+from .io.formats import load_any
 
 
 class GPT2(core.GPT2):
@@ -26,18 +28,18 @@ class GPT2(core.GPT2):
     def from_pretrained(cls, name_or_dir: str, **kwargs) -> "GPT2":
         """Load a built-in model name, a local Hugging Face GPT-2 directory, or a hub id.
 
-        Keyword arguments go to :func:`gpt2mha.io.checkpoints.load_pretrained`, e.g.
-        ``dtype=torch.bfloat16`` for the parameters' dtype; see it for the details and errors.
+        A path in another format (OpenAI's TF checkpoint directory, nanoGPT's ``ckpt.pt``, the
+        book's GPTModel ``.pth``) is read too. Keyword arguments go to
+        :func:`gpt2mha.io.formats.load_any`, e.g. ``dtype=torch.bfloat16`` for the parameters'
+        dtype; see it for the details and errors.
         """
-        from .io.checkpoints import load_pretrained
-        return load_pretrained(name_or_dir, model_cls=cls, **kwargs)
+        return load_any(name_or_dir, model_cls=cls, **kwargs)
 
     def save_pretrained(self, directory: str, **kwargs) -> None:
         """Write ``config.json`` + ``model.safetensors`` that ``GPT2LMHeadModel`` loads.
 
         See :func:`gpt2mha.io.checkpoints.save_pretrained`.
         """
-        from .io.checkpoints import save_pretrained
         save_pretrained(self, directory, **kwargs)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,

@@ -229,11 +229,16 @@ class GPT2(nn.Module):
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = LMHead(config.n_embd, config.n_vocab)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight               # one tensor, two names (as transformers)
+        self.tie_weights()
         self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()
         self.init_weights()
         name_hook_points(self)
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the very tensor ``wte.weight`` is, when the config ties them
+        (GPT-2; transformers' ``tie_weights``). Moving a model off the meta device unties them."""
+        if self.config.tie_word_embeddings and type(self.lm_head) is LMHead:
+            self.lm_head.weight = self.wte.weight
 
     def output_weight(self) -> torch.Tensor:
         """The LM head's weight ``[n_vocab, n_embd]`` (``wte.weight`` when tied)."""

@@ -34,9 +34,10 @@ import pickle
 
 import torch
 
-from .checkpoints import CONFIG_NAME, CheckpointError, builtin_models, check_state_dict, load_pretrained, save_pretrained
+from .checkpoints import (CONFIG_NAME, CheckpointError, as_dtype, builtin_models, check_state_dict, load_into,
+                          load_pretrained, save_pretrained, state_tensors)
 from .convert import conv1d_to_linear_state_dict, linear_to_conv1d_state_dict, strip_wrapper_prefixes
-from .model import GPT2, GPT2Config
+from ..core.model import GPT2, GPT2Config
 from .tokenizer import ENCODER_JSON_SHA256, VOCAB_BPE_SHA256
 
 FORMATS = ("hf", "openai", "book", "nanogpt")
@@ -87,18 +88,16 @@ def tie_head(sd: dict[str, torch.Tensor], config: GPT2Config) -> tuple[dict, GPT
 
 
 def model_from_state_dict(sd: dict[str, torch.Tensor], config: GPT2Config, source: str,
-                          dtype: torch.dtype = torch.float32) -> GPT2:
-    """A :class:`GPT2` in eval mode from a state dict in gpt2mha's names (Conv1D layout).
+                          dtype: torch.dtype = torch.float32, model_cls=GPT2) -> GPT2:
+    """A model of ``model_cls`` in eval mode from a state dict in gpt2mha's names (Conv1D layout).
 
     Raises:
-        CheckpointError: see :func:`gpt2mha.checkpoints.check_state_dict`.
+        CheckpointError: see :func:`gpt2mha.io.checkpoints.check_state_dict`.
     """
     with torch.device("meta"):
-        model = GPT2(config)
+        model = model_cls(config)
     check_state_dict(model, sd, source)
-    model = model.to_empty(device="cpu")
-    model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
-    return model.to(dtype).eval()
+    return load_into(model, sd, dtype)
 
 
 def read_torch_file(path: str):
@@ -262,10 +261,10 @@ def read_openai(directory: str) -> tuple[dict[str, torch.Tensor], GPT2Config]:
     return sd, config
 
 
-def load_openai(directory: str, dtype: torch.dtype = torch.float32) -> GPT2:
-    """OpenAI's checkpoint directory → :class:`GPT2` (eval mode); see :func:`read_openai`."""
+def load_openai(directory: str, dtype: torch.dtype = torch.float32, model_cls=GPT2) -> GPT2:
+    """OpenAI's checkpoint directory → a model of ``model_cls`` (eval mode); see :func:`read_openai`."""
     sd, config = read_openai(directory)
-    return model_from_state_dict(sd, config, directory, dtype)
+    return model_from_state_dict(sd, config, directory, dtype, model_cls)
 
 
 # --------------------------------------------------------------------------------- book
@@ -378,7 +377,7 @@ def gpt2_to_book(model: GPT2) -> tuple[dict[str, torch.Tensor], dict]:
     if not c.embd_pdrop == c.attn_pdrop == c.resid_pdrop:
         raise ValueError(f"the book's GPTModel has one drop_rate; this model has embd_pdrop={c.embd_pdrop}, "
                          f"attn_pdrop={c.attn_pdrop}, resid_pdrop={c.resid_pdrop}")
-    sd, C = _state_dict(model.state_dict()), c.n_embd
+    sd, C = _state_dict(state_tensors(model)), c.n_embd
     qkv_bias = any(bool(sd[f"h.{i}.attn.c_attn.bias"].ne(0).any()) for i in range(c.n_layer))
     cfg = {"vocab_size": c.n_vocab, "context_length": c.n_ctx, "emb_dim": C, "n_heads": c.n_head,
            "n_layers": c.n_layer, "drop_rate": c.resid_pdrop, "qkv_bias": qkv_bias}
@@ -527,7 +526,7 @@ def gpt2_to_nanogpt(model: GPT2) -> dict:
     c = model.config
     if not c.tie_word_embeddings:
         raise ValueError("nanoGPT ties lm_head to wte; this model has a separate LM head (tie_word_embeddings=False)")
-    sd = _state_dict(model.state_dict())
+    sd = _state_dict(state_tensors(model))
     bias = any(bool(v.ne(0).any()) for k, v in sd.items() if k.endswith(".bias"))
     lin = conv1d_to_linear_state_dict({"transformer." + k: v for k, v in sd.items()})
     if not bias:
@@ -573,8 +572,9 @@ def _mkdir_for(path: str) -> None:
     os.makedirs(parent, exist_ok=True)
 
 
-def read_any(src: str, fmt: str | None = None, book_config: dict | None = None) -> tuple[GPT2, str]:
-    """Load any of :data:`FORMATS` as a float32 :class:`GPT2`; returns ``(model, format)``.
+def read_any(src: str, fmt: str | None = None, book_config: dict | None = None,
+             model_cls=GPT2) -> tuple[GPT2, str]:
+    """Load any of :data:`FORMATS` as a float32 model of ``model_cls``; returns ``(model, format)``.
 
     Raises:
         CheckpointError: an unknown ``fmt`` or anything its reader refuses.
@@ -585,25 +585,30 @@ def read_any(src: str, fmt: str | None = None, book_config: dict | None = None) 
         fmt = "hf"                                               # a built-in name, as --model takes
     fmt = fmt or detect_format(src)
     if fmt == "hf":
-        return load_pretrained(src), fmt
+        return load_pretrained(src, model_cls), fmt
     if fmt == "openai":
-        return load_openai(src), fmt
+        return load_openai(src, model_cls=model_cls), fmt
     if fmt == "book":
         sd, config, _ = read_book(src, book_config)
     else:
         sd, config = read_nanogpt(src)
-    return model_from_state_dict(sd, config, src), fmt
+    return model_from_state_dict(sd, config, src, model_cls=model_cls), fmt
 
 
-def load_any(src: str, dtype: torch.dtype = torch.float32, book_config: dict | None = None) -> GPT2:
-    """A local checkpoint in any of :data:`FORMATS` (detected) → :class:`GPT2` in ``dtype``.
-
-    What ``GPT2.from_pretrained`` / ``--model`` call for a path that is not a Hugging Face
-    directory (OpenAI's directory, nanoGPT's ``ckpt.pt`` or ``out_dir``, a book ``.pth``).
+def load_any(src: str, dtype: torch.dtype = torch.float32, book_config: dict | None = None,
+             model_cls=GPT2) -> GPT2:
+    """Any model a user names → a model of ``model_cls`` in ``dtype`` (eval mode): a built-in
+    name, a Hugging Face directory or hub id (:func:`~gpt2mha.io.checkpoints.load_pretrained`),
+    or a local checkpoint in another of :data:`FORMATS` (detected: OpenAI's directory,
+    nanoGPT's ``ckpt.pt`` or ``out_dir``, a book ``.pth``). What ``GPT2.from_pretrained`` and
+    ``--model`` call.
     """
-    model, _ = read_any(src, book_config=book_config)
+    if not os.path.exists(src) or os.path.isfile(os.path.join(src, CONFIG_NAME)):
+        return load_pretrained(src, model_cls, as_dtype(dtype))
+    dtype = as_dtype(dtype)
+    model, _ = read_any(src, book_config=book_config, model_cls=model_cls)
     if dtype != torch.float32:
-        overflow = [k for k, v in model.state_dict().items() if not torch.isfinite(v.to(dtype)).all()]
+        overflow = [k for k, v in state_tensors(model).items() if not torch.isfinite(v.to(dtype)).all()]
         if overflow:
             raise CheckpointError(f"{src}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
     return model.to(dtype)

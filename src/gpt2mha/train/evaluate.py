@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .tokenizer import tokenizer_for
+from ..io.tokenizer import tokenizer_for
 
 
 @dataclass

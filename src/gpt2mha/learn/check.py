@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .attention import attention_mask
+from ..core.attention import attention_mask
 
 #: Seed 001's stage order (``view``/``transpose`` do not exist in the wrapper layout).
 STAGES = ("input", "projections", "view", "transpose", "scores", "weights", "contexts", "merged", "output")

@@ -24,10 +24,11 @@ import warnings
 
 import torch
 
-from .model import GPT2, GPT2Config
+from ..core.model import GPT2, GPT2Config
+from ..inference.quant.checkpoint import load_state, state_to_save
 
 #: Built-in models shipped inside the package (``gpt2mha/models/<name>/``).
-MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, CONFIG_NAME = "model.safetensors", "pytorch_model.bin", "config.json"
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -177,6 +178,28 @@ def resolve_lm_head(sd: dict[str, torch.Tensor], config: GPT2Config,
     return sd, dataclasses.replace(config, tie_word_embeddings=False)
 
 
+def state_tensors(model: GPT2) -> dict[str, torch.Tensor]:
+    """The model's state dict as a checkpoint stores it: a tied ``lm_head.weight`` (the very
+    tensor ``wte.weight`` is) appears once, as ``wte.weight``."""
+    sd = model.state_dict()
+    if model.lm_head.weight is model.wte.weight:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def load_into(model: GPT2, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> GPT2:
+    """Fill a model built on the meta device with ``sd`` (checked by :func:`check_state_dict`):
+    real storage on the CPU, the head tied again where the config ties it, float32 values
+    converted to ``dtype``; eval mode."""
+    model = model.to_empty(device="cpu")
+    model.tie_weights()
+    full = {k: v.to(torch.float32) for k, v in sd.items()}
+    if model.config.tie_word_embeddings:
+        full["lm_head.weight"] = full["wte.weight"]
+    model.load_state_dict(full, strict=True)
+    return model.to(dtype).eval()
+
+
 def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> None:
     """Compare ``sd`` with the model's parameters before copying anything.
 
@@ -184,7 +207,7 @@ def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> N
         CheckpointError: listing every missing, unexpected or mis-shaped tensor (with both
             shapes), a non-floating dtype, or a tensor holding NaN/inf (with its name).
     """
-    expected = model.state_dict()
+    expected = state_tensors(model)
     summary = config_mismatch(model.config, sd)
     problems = [f"missing tensor {k} {list(v.shape)}" for k, v in expected.items() if k not in sd]
     problems += [f"unexpected tensor {k} {list(v.shape)}" for k, v in sd.items() if k not in expected]
@@ -319,12 +342,13 @@ def download(repo_id: str) -> str:
 
 
 def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch.float32) -> GPT2:
-    """Build a :class:`GPT2` from a built-in name, a local HF directory, or a hub id.
+    """Build a model from a built-in name, a local Hugging Face directory, or a hub id.
 
     Args:
-        name_or_dir: e.g. ``"shakespeare-byte"``, ``"./my-gpt2"``, ``"openai-community/gpt2"``;
-            a path in another format (OpenAI's TF checkpoint directory, nanoGPT's ``ckpt.pt``,
-            the book's GPTModel ``.pth``) is read by :func:`gpt2mha.formats.load_any`.
+        name_or_dir: e.g. ``"shakespeare-byte"``, ``"./my-gpt2"``, ``"openai-community/gpt2"``
+            (other formats: :func:`gpt2mha.io.formats.load_any`).
+        model_cls: the class to build (:class:`~gpt2mha.core.model.GPT2` or a subclass, e.g.
+            the public ``gpt2mha.GPT2``).
         dtype: parameter dtype of the returned model (float32 by default): a torch dtype or a
             name such as ``"bf16"`` (:func:`as_dtype`).
 
@@ -336,9 +360,6 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
             :func:`check_state_dict`.
     """
     dtype = as_dtype(dtype)
-    if os.path.exists(name_or_dir) and not os.path.isfile(os.path.join(name_or_dir, CONFIG_NAME)):
-        from .formats import load_any      # OpenAI's TF directory, nanoGPT's ckpt.pt / out_dir, a book .pth
-        return load_any(name_or_dir, dtype=dtype)
     directory = resolve(name_or_dir)
     config_path = os.path.join(directory, CONFIG_NAME)
     try:
@@ -358,8 +379,7 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {LEGACY_WEIGHTS_NAME}) next to {CONFIG_NAME}"
                               + ("; sharded checkpoints are not supported: re-save as one file" if sharded else ""))
     sd = normalize_keys(read_state_dict(weights_path), weights_path)
-    if "quantization" in cfg.get("gpt2mha", {}):                  # saved after GPT2.quantize (issue 13)
-        from .quantize import load_state
+    if "quantization" in cfg.get("gpt2mha", {}):                  # saved after GPT2.quantize
         with torch.device("meta"):
             model = model_cls(config)
         return load_state(model, cfg["gpt2mha"]["quantization"], sd, weights_path, dtype)
@@ -371,9 +391,7 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         overflow = [k for k, v in sd.items() if not torch.isfinite(v.to(dtype)).all()]
         if overflow:
             raise CheckpointError(f"{weights_path}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
-    model = model.to_empty(device="cpu")
-    model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
-    return model.to(dtype).eval()
+    return load_into(model, sd, dtype)
 
 
 def is_checkpoint_dir(directory: str) -> bool:
@@ -413,15 +431,14 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
         raise ValueError(f"dtype={dtype} must be a floating-point torch dtype")
     hf_config = config_to_hf(model.config)
     if getattr(model, "quantization", None):                     # int8/int4 weights stored as they are
-        from .quantize import state_to_save
         tensors, entry = state_to_save(model, dtype)
         tensors = {f"transformer.{k}": v for k, v in tensors.items()}
         hf_config["gpt2mha"]["quantization"] = entry
         hf_config["quantization_config"] = {"quant_method": "gpt2mha", **entry}   # transformers cannot load it
     else:
         tensors = {k if k == "lm_head.weight" else f"transformer.{k}": v.detach().to(dtype).contiguous()
-                   for k, v in model.state_dict().items()}
-    overflow = [k for k, v in model.state_dict().items()
+                   for k, v in state_tensors(model).items()}
+    overflow = [k for k, v in state_tensors(model).items()
                 if v.is_floating_point() and bool(torch.isfinite(v).all()) and not bool(torch.isfinite(v.to(dtype)).all())]
     if overflow:
         raise ValueError(f"dtype={dtype} cannot hold the values of {', '.join(overflow)} (they would be stored as inf); "

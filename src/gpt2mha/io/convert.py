@@ -25,8 +25,8 @@ import re
 import torch
 from torch import nn
 
-from .attention import CausalSelfAttention
-from .book import MultiHeadAttention, MultiHeadAttentionWrapper
+from ..core.attention import CausalSelfAttention
+from ..learn.book import MultiHeadAttention, MultiHeadAttentionWrapper
 
 #: The four weights per block that GPT-2 stores as Conv1D ``[in, out]`` and nn.Linear as
 #: ``[out, in]`` (nanoGPT's ``from_pretrained`` transposes exactly these).

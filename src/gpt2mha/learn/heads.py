@@ -511,7 +511,7 @@ def analyse_heads(model, prompt: str) -> HeadsResult:
     Raises:
         ValueError: empty prompt, fewer than 2 tokens, or more tokens than the context.
     """
-    from .tokenizer import tokenizer_for
+    from ..io.tokenizer import tokenizer_for
 
     if not prompt:
         raise ValueError("PROMPT is empty; give at least two tokens of text")

@@ -22,20 +22,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import ATTN_IMPLS, attend_explicit, attend_sdpa
+from ..core import checks
+from ..core.attention import ATTN_IMPLS, attend_explicit, attend_sdpa
 
 
-def check_sizes(**sizes: int) -> None:
-    """Raise ValueError unless every keyword is a positive int (names the argument)."""
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+check_sizes = checks.positive_ints          # the book's classes check what the core checks, the same way
 
 
 def check_dropout(dropout: float) -> None:
     """Raise ValueError unless ``0 <= dropout < 1``."""
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout={dropout!r} must be a number in [0, 1)")
+    checks.dropout_p(dropout=dropout)
 
 
 def check_input(x: torch.Tensor, d_in: int, context_length: int, past_len: int = 0) -> None:
@@ -63,9 +59,10 @@ def causal_attend(q, k, v, mask, dropout: nn.Dropout, training: bool, attn_impl:
             ``gpt2mha.attention_mask(T, S)``; with no past (S = T) that is the book's
             ``mask[:T, :T]``.
         dropout: the module's ``nn.Dropout`` on the attention weights (active when training).
-        attn_impl: ``"explicit"`` (:func:`gpt2mha.attention.attend_explicit`: scores
-            ``q @ kᵀ / √head_dim``, masked to -1e10 rather than -inf so no row can ever give
-            NaN, max-subtracted softmax) or ``"sdpa"`` (:func:`gpt2mha.attention.attend_sdpa`).
+        attn_impl: ``"explicit"`` (:func:`gpt2mha.core.attention.attend_explicit`: scores
+            ``q @ kᵀ / √head_dim``, masked to the dtype's lowest value rather than -inf so no
+            row can ever give NaN, max-subtracted softmax) or ``"sdpa"``
+            (:func:`gpt2mha.core.attention.attend_sdpa`).
         need_weights: also return the weights ``[..., T, S]`` (forces the explicit path).
 
     Returns:
@@ -76,7 +73,9 @@ def causal_attend(q, k, v, mask, dropout: nn.Dropout, training: bool, attn_impl:
     T, S = q.shape[-2], k.shape[-2]
     allowed = ~mask.bool()[S - T:S, :S]                             # [T, S], True = may attend
     if need_weights or attn_impl == "explicit":
-        return attend_explicit(q, k, v, allowed, dropout.p, training)
+        seen = []                                                   # the softmaxed weights, before dropout
+        a = attend_explicit(q, k, v, allowed, dropout.p, training, hook_pattern=lambda w: seen.append(w) or w)
+        return a, seen[0] if need_weights else None
     # mask=None: T == S is plain causal (is_causal); one query after a past sees every key
     return attend_sdpa(q, k, v, None if S == T or T == 1 else allowed, dropout.p, training), None
 

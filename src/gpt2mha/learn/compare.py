@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .checkpoints import CheckpointError
-from .formats import _book_state_dict_of, detect_format, read_any, read_book, read_torch_file
+from ..io.checkpoints import CheckpointError
+from ..io.formats import _book_state_dict_of, detect_format, read_any, read_book, read_torch_file
 
 BLOCKS = ("trf_blocks", "transformer.h", "h", "blocks", "layers", "transformer.blocks", "model.layers")
 ATTN = ("att", "attn", "attention", "self_attn", "mha")
@@ -162,7 +162,7 @@ def reference_stages(sd: dict[str, torch.Tensor], n_head: int, idx: torch.Tensor
     """The same stages from :mod:`gpt2mha.reference` (NumPy, OpenAI's formulas, float64)."""
     import numpy as np
 
-    from . import reference as R
+    from ..core import reference as R
 
     p = {k: v.detach().double().numpy() for k, v in sd.items()}
     ids = idx.numpy()
@@ -316,7 +316,7 @@ def _learner_model(src: str, fmt: str, cls: str | None, book_config: dict | None
         _, _, cfg = read_book(src, book_config, obj=obj)
         model, sd = cls_obj(cfg), _book_state_dict_of(obj)
     else:
-        from .convert import strip_wrapper_prefixes
+        from ..io.convert import strip_wrapper_prefixes
         module = sys.modules.get(cls_obj.__module__)
         config_cls = getattr(module, "GPTConfig", None)
         args = dict(obj["model_args"])

@@ -1,0 +1,114 @@
+"""Capture points: reading and replacing activations inside the model.
+
+References: the activations computed by hand from the model's own weights (first principles:
+the residual stream is the sum of what the blocks add; the pattern is softmax(q·kᵀ/√d) under the
+causal mask; hook_z, c_proj and hook_result add up to the sublayer's output).
+"""
+
+import math
+
+import pytest
+import torch
+
+from gpt2mha import GPT2, GPT2Config, KVCache
+from gpt2mha.core.hooks import HookPoint, record
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = GPT2(GPT2Config(n_vocab=61, n_ctx=32, n_embd=24, n_head=3, n_layer=2, tokenizer="bytes")).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m
+
+
+def test_every_capture_point_is_named_by_its_path(model):
+    points = {n: m for n, m in model.named_modules() if isinstance(m, HookPoint)}
+    assert all(m.name == n for n, m in points.items())
+    for name in ("hook_embed", "hook_pos_embed", "h.0.hook_resid_pre", "h.0.ln_1.hook_normalized",
+                 "h.0.attn.hook_q", "h.0.attn.hook_k", "h.0.attn.hook_v", "h.0.attn.hook_attn_scores",
+                 "h.0.attn.hook_pattern", "h.0.attn.hook_z", "h.0.attn.hook_result", "h.0.hook_attn_out",
+                 "h.0.hook_resid_mid", "h.0.mlp.hook_pre", "h.0.mlp.hook_post", "h.0.hook_mlp_out",
+                 "h.1.hook_resid_post", "ln_f.hook_normalized"):
+        assert name in points
+
+
+@torch.no_grad()
+def test_recorded_activations_are_what_the_forward_computes(model):
+    idx = torch.randint(0, 61, (2, 7))
+    names = ["hook_embed", "hook_pos_embed", "h.0.hook_resid_pre", "h.0.attn.hook_q", "h.0.attn.hook_k",
+             "h.0.attn.hook_pattern", "h.0.attn.hook_z", "h.0.hook_attn_out", "h.0.hook_resid_mid",
+             "h.0.hook_mlp_out", "h.0.hook_resid_post", "h.1.hook_resid_pre"]
+    logits = []
+    acts = record(model, names, lambda: logits.append(model(idx).logits))
+    assert torch.equal(acts["h.0.hook_resid_pre"], acts["hook_embed"] + acts["hook_pos_embed"])
+    assert torch.equal(acts["h.0.hook_resid_mid"], acts["h.0.hook_resid_pre"] + acts["h.0.hook_attn_out"])
+    assert torch.equal(acts["h.0.hook_resid_post"], acts["h.0.hook_resid_mid"] + acts["h.0.hook_mlp_out"])
+    assert torch.equal(acts["h.1.hook_resid_pre"], acts["h.0.hook_resid_post"])
+    q, k = acts["h.0.attn.hook_q"], acts["h.0.attn.hook_k"]          # [B, T, h, head_dim]
+    assert q.shape == (2, 7, 3, 8)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(8)
+    scores = scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(acts["h.0.attn.hook_pattern"], scores.softmax(-1), atol=1e-6, rtol=1e-5)
+    # a pattern hook runs the explicit core (SDPA has no pattern): the same math, float rounding apart
+    torch.testing.assert_close(logits[0], model(idx).logits, atol=1e-5, rtol=1e-5)
+    plain = [n for n in names if "pattern" not in n]
+    again = []
+    record(model, plain, lambda: again.append(model(idx).logits))
+    assert torch.equal(again[0], model(idx).logits)                  # reading the rest changes nothing
+
+
+@torch.no_grad()
+def test_a_hook_that_returns_a_tensor_replaces_the_activation(model):
+    idx = torch.randint(0, 61, (1, 6))
+    clean = model(idx).logits
+    handle = model.h[0].attn.hook_z.add_hook(lambda z, hook: z * 0)   # every head of layer 0 ablated
+    try:
+        ablated = model(idx).logits
+    finally:
+        handle.remove()
+    attn_out = record(model, ["h.0.hook_attn_out"], lambda: model(idx))["h.0.hook_attn_out"]
+    torch.testing.assert_close(attn_out, model.h[0].attn.c_proj.bias.expand_as(attn_out))
+    assert not torch.allclose(ablated, clean)
+    assert torch.equal(model(idx).logits, clean)                     # removed: back to the clean run
+
+
+@torch.no_grad()
+def test_head_results_add_up_to_the_sublayer_output(model):
+    idx = torch.randint(0, 61, (2, 5))
+    plain = record(model, ["h.1.hook_attn_out"], lambda: model(idx))["h.1.hook_attn_out"]
+    acts = record(model, ["h.1.attn.hook_result", "h.1.hook_attn_out"], lambda: model(idx))
+    assert acts["h.1.attn.hook_result"].shape == (2, 5, 3, 24)
+    torch.testing.assert_close(acts["h.1.attn.hook_result"].sum(2) + model.h[1].attn.c_proj.bias, plain,
+                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(acts["h.1.hook_attn_out"], plain, atol=1e-6, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_hooks_see_the_cached_decode_steps(model):
+    idx = torch.randint(0, 61, (1, 9))
+    c = model.config
+    cache = KVCache(c.n_layer, 1, c.n_head, c.n_ctx, c.head_dim)
+    model(idx[:, :8], cache=cache)
+    step = record(model, ["h.1.attn.hook_pattern"], lambda: model(idx[:, 8:], cache=cache))["h.1.attn.hook_pattern"]
+    full = record(model, ["h.1.attn.hook_pattern"], lambda: model(idx))["h.1.attn.hook_pattern"]
+    assert step.shape == (1, 3, 1, 9)                                 # one query over all 9 keys
+    torch.testing.assert_close(step[:, :, 0], full[:, :, 8], atol=1e-6, rtol=1e-5)
+
+
+def test_record_names_a_point_that_does_not_exist(model):
+    with pytest.raises(ValueError, match="h.0.attn.hook_qq"):
+        record(model, ["h.0.attn.hook_qq"], lambda: None)
+
+
+@torch.no_grad()
+def test_record_can_stop_the_forward_early(model):
+    calls = []
+    handle = model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        acts = record(model, ["h.0.hook_resid_pre"], lambda: model(torch.zeros(1, 3, dtype=torch.long)), stop=True)
+    finally:
+        handle.remove()
+    assert acts["h.0.hook_resid_pre"].shape == (1, 3, 24) and calls == []
