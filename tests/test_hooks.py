@@ -67,9 +67,9 @@ def test_a_hook_that_returns_a_tensor_replaces_the_activation(model):
     handle = model.h[0].attn.hook_z.add_hook(lambda z, hook: z * 0)   # every head of layer 0 ablated
     try:
         ablated = model(idx).logits
+        attn_out = record(model, ["h.0.hook_attn_out"], lambda: model(idx))["h.0.hook_attn_out"]
     finally:
         handle.remove()
-    attn_out = record(model, ["h.0.hook_attn_out"], lambda: model(idx))["h.0.hook_attn_out"]
     torch.testing.assert_close(attn_out, model.h[0].attn.c_proj.bias.expand_as(attn_out))
     assert not torch.allclose(ablated, clean)
     assert torch.equal(model(idx).logits, clean)                     # removed: back to the clean run
