@@ -324,7 +324,8 @@ def cmd_check(args) -> int:
     except CheckError as e:
         print(f"error: {e}\nresult: COULD NOT RUN (exit 2)", file=sys.stderr)
         return 2
-    report = check(args.target, kwargs, batch=args.batch, tokens=args.tokens, past=args.past, seed=args.seed)
+    report = check(args.target, kwargs, batch=args.batch, tokens=args.tokens, past=args.past, seed=args.seed,
+                   long_tokens=args.long_tokens)
     print(json.dumps(report.to_dict()) if args.json else format_report(report))
     return report.exit_code
 
@@ -379,8 +380,15 @@ def _add_inspect_commands(sub) -> None:
                                     "such as the book's CausalAttention), copy reference weights in, run both on "
                                     "the same "
                                     "input and report the shapes stage by stage, the first differing stage, the "
-                                    "max abs error and a diagnosis of classic mistakes. Exit code 0: matches; 1: "
-                                    "runs but does not match; 2: could not be run. " + warning,
+                                    "max abs error and a diagnosis of classic mistakes. The module is also rebuilt "
+                                    "with another head count and run at --long-tokens tokens, and a cached step is "
+                                    "compared when forward takes a cache (a returned present fed back as past / "
+                                    "layer_past / past_key_values, with use_cache; a cache object, transformers' "
+                                    "Cache interface, a dict or a list filled in place; a cache kept in the module "
+                                    "with use_cache=True or start_pos). Exit code 0: matches; 1: "
+                                    "runs but does not match; 2: could not be run; 3: matches without a cache, but "
+                                    "forward takes a cache that no convention could use (or --past 0), so the "
+                                    "cached path was not compared. " + warning,
                         epilog=warning)
     ck.add_argument("target", metavar="FILE.py:ClassName", help="also package.module:ClassName")
     ck.add_argument("--args", nargs="+", action="extend", default=[], metavar="ARG",
@@ -391,6 +399,9 @@ def _add_inspect_commands(sub) -> None:
     ck.add_argument("--tokens", type=int, default=5, help="T (default 5)")
     ck.add_argument("--past", type=int, default=3,
                     help="cached tokens for the cache step, when forward takes a past argument (default 3; 0: skip)")
+    ck.add_argument("--long-tokens", type=int, default=70,
+                    help="a second sequence length checked, past 64 (default 70; 0: skip); a context length given "
+                         "in --args caps it")
     ck.add_argument("--seed", type=int, default=0)
     ck.add_argument("--json", action="store_true", help="print one JSON object")
     ck.set_defaults(func=cmd_check)
