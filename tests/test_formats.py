@@ -20,7 +20,7 @@ import torch
 
 from gpt2mha import GPT2
 from gpt2mha.checkpoints import CheckpointError
-from gpt2mha.formats import convert, detect_format, load_any, read_book
+from gpt2mha.formats import CheckpointWarning, convert, detect_format, load_any, read_book
 from gpt2mha.cli import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
@@ -69,6 +69,8 @@ def write_tf_checkpoint(directory, arrays, hp):
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             saver.save(sess, os.path.join(directory, "model.ckpt"))
+    with open(os.path.join(directory, "checkpoint"), "w") as f:       # as OpenAI ships it (the Saver writes
+        f.write('model_checkpoint_path: "model.ckpt"\nall_model_checkpoint_paths: "model.ckpt"\n')  # absolute paths)
     with open(os.path.join(directory, "hparams.json"), "w") as f:
         json.dump(hp, f)
     return directory
@@ -149,6 +151,42 @@ def test_openai_checkpoint_wrong_variables_named(tmp_path):
         GPT2.from_pretrained(d)
     assert "model/h1/mlp/c_fc/w: shape [24, 96] != expected [1, 24, 96]" in str(e.value)
     assert "missing tensor model/ln_f/b [24]" in str(e.value)
+
+
+def test_openai_checkpoint_file_naming_another_directory_reads_the_directory_given(openai_dir, tmp_path):
+    """TF's Saver writes the absolute path it saved to into `checkpoint`, so a copied directory
+    names the original's files: the copy's own files are read, with a warning, and a truncated
+    copy is an error naming its data file, never the original's numbers."""
+    import re
+    import warnings
+
+    directory, arrays = openai_dir
+    copy = str(tmp_path / "copy")
+    own = openai_arrays(HP, seed=5)
+    write_tf_checkpoint(copy, own, HP)
+    with open(os.path.join(copy, "checkpoint"), "w") as f:         # what TF's Saver wrote in the original
+        f.write(f'model_checkpoint_path: "{os.path.abspath(directory)}/model.ckpt"\n')
+    with pytest.warns(CheckpointWarning, match=r"points to .*124M/model.ckpt, outside .*copy"):
+        model = GPT2.from_pretrained(copy)
+    assert torch.equal(model.wte.weight, torch.from_numpy(own["model/wte"]))          # the copy's numbers
+    assert not torch.equal(model.wte.weight, torch.from_numpy(arrays["model/wte"]))
+    data = os.path.join(copy, "model.ckpt.data-00000-of-00001")
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError) as e:
+        GPT2.from_pretrained(copy)
+    assert re.match(re.escape(data) + r": cannot read variable model/\S+ \[.*\]: the data file is truncated", str(e.value))
+    # OpenAI's own download names the prefix relatively: read without a warning; truncated: the same error
+    with open(os.path.join(copy, "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "model.ckpt"\nall_model_checkpoint_paths: "model.ckpt"\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CheckpointError, match=re.escape(data) + ": cannot read variable"):
+            load_any(copy)
+    with open(os.path.join(copy, "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "model-1000"\n')
+    with pytest.raises(CheckpointError, match=r"no model-1000.index \(the checkpoint the `checkpoint` file names"):
+        load_any(copy)
 
 
 def test_openai_checkpoint_without_tensorflow_names_the_extra(openai_dir, monkeypatch):
