@@ -56,8 +56,10 @@ def _quantize_args(p: argparse.ArgumentParser) -> None:
 
 
 def quantized(model, args):
-    """``model`` quantized as ``--quantize``/``--group-size`` ask (a model loaded quantized must
-    match them). Abnormal tensors are reported on stderr (a QuantizationWarning)."""
+    """``model`` quantized as ``--quantize``/``--group-size``/``--quantize-method`` ask. A model
+    loaded quantized is used as saved: each of those flags given must match what it was saved
+    with, and ``--calibration`` is refused (nothing is re-quantized); the error names both sides.
+    Abnormal tensors are reported on stderr (a QuantizationWarning)."""
     if args.group_size is not None and args.quantize != "int4":
         raise ValueError(f"--group-size={args.group_size} applies only to --quantize int4")
     if args.calibration is not None and (args.quantize is None or args.quantize_method == "rtn"):
@@ -68,10 +70,17 @@ def quantized(model, args):
     if args.quantize is None:
         return model
     if model.quantization:
-        if args.quantize != model.quantization["scheme"] or args.group_size not in (None, model.quantization["group_size"]):
-            raise ValueError(f"--quantize {args.quantize}: this model was saved quantized as "
-                             f"{model.quantization['scheme']} (group_size={model.quantization['group_size']}); "
-                             f"quantize the float model instead")
+        q = model.quantization
+        saved = {"--quantize": q["scheme"], "--group-size": q["group_size"], "--quantize-method": q.get("method", "rtn")}
+        asked = {"--quantize": args.quantize, "--group-size": args.group_size, "--quantize-method": args.quantize_method}
+        clash = [f"{flag} {asked[flag]}" for flag in asked if asked[flag] is not None and asked[flag] != saved[flag]]
+        if args.calibration is not None:                         # nothing is re-quantized: it would be ignored
+            clash.append(f"--calibration {args.calibration}")
+        if clash:
+            raise ValueError(f"{' '.join(clash)}: this model was saved quantized as {q['scheme']} (group_size="
+                             f"{q['group_size']}, method {saved['--quantize-method']}); a model loaded quantized is "
+                             f"not quantized again: drop these flags to use it as saved, or quantize the float model "
+                             f"instead")
         return model
     calibration = None
     if args.calibration is not None:
