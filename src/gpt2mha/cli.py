@@ -492,12 +492,14 @@ def _add_formats_commands(sub) -> None:
                         description="Load SRC into gpt2mha and into your own model (--class FILE.py:Class: the book's "
                                     "GPTModel built with the config dict, nanoGPT's GPT built with GPTConfig(**model_args), "
                                     "each loaded with its load_state_dict from the file's tensors) or, without --class, "
-                                    "the format's reference (the book's chapter 4 GPTModel; NumPy's OpenAI formulas for "
+                                    "the format's reference (the book's chapter 4 GPTModel; nanoGPT's model.py GPT, "
+                                    "built in: nanoGPT need not be installed; NumPy's OpenAI formulas for "
                                     "OpenAI/Hugging Face checkpoints). Run both on the same ids in float64 and report "
                                     "the embeddings, each block's attention, MLP and output, ln_f and the logits, the "
                                     "first that differs and why. Exit 0: matches; 1: differs; 2: could not run. "
                                     + warning, epilog=warning)
-    cm.add_argument("src", metavar="SRC")
+    cm.add_argument("src", metavar="SRC", help="a checkpoint file or directory in any format convert reads, a "
+                                               "built-in model name or a hub id (as --model)")
     cm.add_argument("--class", dest="cls", default=None, metavar="FILE.py:Class", help="your model class")
     cm.add_argument("--from", dest="src_format", choices=["hf", "openai", "book", "nanogpt"], default=None,
                     help="format of SRC (default: detected)")

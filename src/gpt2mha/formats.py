@@ -164,6 +164,22 @@ def detect_format(path: str) -> str:
     return _detect_object(obj, path)
 
 
+def source_format(src: str) -> str:
+    """:func:`detect_format` for a path; ``"hf"`` for what ``--model`` takes besides paths: a
+    built-in model name (a local path of that name wins) or a hub id (``owner/name``, no file
+    extension).
+
+    Raises:
+        CheckpointError: see :func:`detect_format` (e.g. no such file or directory).
+    """
+    if not os.path.exists(src):
+        if src in builtin_models():
+            return "hf"
+        if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", src) and not os.path.splitext(src)[1]:
+            return "hf"
+    return detect_format(src)
+
+
 def _detect_object(obj, source: str) -> str:
     if isinstance(obj, dict) and "model_args" in obj and "model" in obj:
         return "nanogpt"
@@ -639,9 +655,7 @@ def read_any(src: str, fmt: str | None = None, book_config: dict | None = None) 
     """
     if fmt is not None and fmt not in FORMATS:
         raise CheckpointError(f"format={fmt!r}; expected one of {FORMATS}")
-    if fmt is None and not os.path.exists(src) and src in builtin_models():
-        fmt = "hf"                                               # a built-in name, as --model takes
-    fmt = fmt or detect_format(src)
+    fmt = fmt or source_format(src)                              # a built-in name or hub id, as --model takes
     if fmt == "hf":
         return load_pretrained(src), fmt
     if fmt == "openai":
