@@ -42,6 +42,11 @@ def test_correct_modules_match(target, kind, cache):
     missing = {s.stage for s in r.stages if not s.found}
     sdpa = target.endswith(("CausalSelfAttention", "FusedLinearAttention"))
     assert missing <= ({"scores", "weights"} if sdpa else set())
+    # rebuilt with another head count and run past 64 tokens, the cache included
+    assert [v.label.partition("=")[0] for v in r.variations][-1] == "T" and len(r.variations) == 2
+    assert all(v.ok and v.max_abs_error < 1e-5 for v in r.variations)
+    assert r.variations[-1].config["T"] == 70 and r.variations[0].config["num_heads"] != 4
+    assert all(v.cache_status == ("tested" if cache else "none") for v in r.variations)
 
 
 def test_project_layouts_pass_through_the_cli_with_args(capsys):
@@ -71,6 +76,14 @@ BROKEN_CASES = [  # file, diagnosis, exit code, first differing stage
     ("mask_after_softmax", "mask_after_softmax", 1, "weights"),
     ("anti_causal_mask", "anti_causal_mask", 1, "weights"),
     ("split_keys_wrong", "split_keys_no_transpose", 1, "view"),
+    # wrong only on the cached path, each under another cache convention
+    ("past_key_values_no_offset", "mask_not_offset", 1, "weights (cached step)"),
+    ("hf_cache_ignores_past", "past_ignored", 1, "scores (cached step)"),
+    ("cache_object_overwrites", "past_ignored", 1, "scores (cached step)"),
+    ("kv_cache_dict_wrong_order", "past_after_new", 1, "scores (cached step)"),
+    ("use_cache_no_position", "mask_not_offset", 1, "weights (cached step)"),
+    # right only with the head count asked for by default
+    ("hard_coded_heads", "hard_coded_heads", 1, "view (num_heads=3)"),
 ]
 
 
@@ -81,7 +94,8 @@ def test_each_classic_mistake_is_caught_with_the_right_diagnosis(name, diagnosis
     assert r.diagnoses == [diagnosis]
     assert r.first_differing_stage == stage
     if code == 1:
-        assert r.max_abs_error > 1e-3 or r.cache_max_abs_error > 1e-3
+        errors = [r.max_abs_error, r.cache_max_abs_error] + [v.max_abs_error for v in r.variations]
+        assert max(e for e in errors if e is not None) > 1e-3
     else:
         assert "forward raised RuntimeError" in r.error and f"{name}.py line" in r.error
 
@@ -301,6 +315,11 @@ def test_dropout_without_training_flag_is_caught_in_eval_mode(capsys):
 def test_tokens_need_room_for_the_cache_only_when_the_cache_is_tested():
     r = check(f"{GOOD}:BookMultiHeadAttention", {"context_length": 6}, tokens=6, past=3)
     assert r.verdict == "match" and r.cache.startswith("not tested")
+    # a context length given caps the longer length: said, not silently skipped
+    assert [v.label for v in r.variations] == ["num_heads=3"]
+    assert any("not checked at 70 tokens: context_length=6 was given" in n for n in r.notes)
+    r = check(f"{GOOD}:BookMultiHeadAttention", {"context_length": 40})
+    assert r.verdict == "match" and r.variations[-1].label == "T=40"
     r = check(f"{GOOD}:BookMultiHeadAttention", tokens=20)           # default context grows to the tokens
     assert r.verdict == "match" and r.kwargs["context_length"] == 20
     r = check("gpt2mha.book:MultiHeadAttention", tokens=20, past=3)
@@ -316,3 +335,119 @@ def test_torch_multihead_attention_without_a_causal_mask_is_diagnosed(tmp_path):
     assert (r.verdict, r.diagnoses) == ("mismatch", ["no_mask"])
     assert "torch.nn.MultiheadAttention at attn (batch_first=True)" in r.layout
     assert not any("never called" in n for n in r.notes)       # MHA uses out_proj.weight, not out_proj(...)
+
+
+# -------------------------------------------------------- every path compared: caches, heads, lengths
+CACHE_CONVENTIONS = [  # correct class in good_mha.py, how the cache must have been passed
+    ("HFLegacyPastKeyValues", "past_key_values=present"),
+    ("HFCacheObject", "past_key_values = a cache object with transformers' Cache interface"),
+    ("InPlaceDictCache", "kv_cache = a dict filled in place"),
+    ("OwnCacheObject", "cache = a KVCache(max_batch_size=2, max_seq_len=8, n_heads=4, head_dim=6) filled in place"),
+    ("BookKVCache", "use_cache=True, the cache kept in the module"),
+    ("LlamaStartPos", "start_pos, the cache kept in the module"),
+]
+
+
+@pytest.mark.parametrize("name,how", CACHE_CONVENTIONS, ids=[c[0] for c in CACHE_CONVENTIONS])
+def test_each_cache_convention_is_compared_and_a_correct_module_matches(name, how):
+    # the cached step (3 tokens, then 5 with what the first call cached) must equal the
+    # reference's attention of the 5 new queries over all 8 keys (first principles, reference())
+    r = check(f"{GOOD}:{name}")
+    assert (r.verdict, r.exit_code) == ("match", 0), (r.error, r.cache, r.notes)
+    assert r.cache == f"tested: 3 past tokens, then 5 new ones with {how}" or r.cache.startswith(
+        f"tested: 3 past tokens, then 5 new ones with {how}")
+    assert r.cache_max_abs_error < 1e-5
+    assert [v.cache_status for v in r.variations] == ["tested", "tested"] and all(v.ok for v in r.variations)
+
+
+def test_the_broken_cache_modules_pass_without_their_cache():
+    # what made them dangerous: without the cached step each one is right
+    for name in ("past_key_values_no_offset", "hf_cache_ignores_past", "cache_object_overwrites",
+                 "kv_cache_dict_wrong_order", "use_cache_no_position"):
+        r = check(os.path.join(BROKEN, f"{name}.py:MultiHeadAttention"))
+        assert r.max_abs_error < TOL and r.cache_max_abs_error > 1e-2, name
+
+
+@pytest.mark.parametrize("name,label", [("hard_coded_heads", "num_heads=3"), ("local_window", "T=70"),
+                                        ("fixed_mask_64", "T=70")])
+def test_modules_right_only_at_the_first_sizes_are_caught_by_the_default_variations(name, label):
+    target = os.path.join(BROKEN, f"{name}.py:MultiHeadAttention")
+    alone = check(target, long_tokens=0, vary_heads=False)           # the old check: 4 heads, 5 tokens
+    assert (alone.verdict, alone.exit_code) == ("match", 0)
+    r = check(target)
+    assert (r.verdict, r.exit_code) == ("mismatch", 1)
+    bad = [v for v in r.variations if not v.ok]
+    assert [v.label for v in bad] == [label] and r.first_differing_stage.endswith(f"({label})")
+    if name == "fixed_mask_64":                                      # a 64 x 64 mask cannot cover 70 tokens
+        assert "forward raised RuntimeError" in bad[0].error and "fixed_mask_64.py line" in bad[0].error
+    else:
+        assert bad[0].max_abs_error > 1e-2
+    if name == "local_window":                                       # right up to 6 tokens, wrong from 7 on
+        assert check(target, tokens=6, long_tokens=0, vary_heads=False).verdict == "match"
+        assert check(target, tokens=7, long_tokens=0, vary_heads=False).verdict == "mismatch"
+
+
+UNUSABLE_CACHE = """import torch
+from torch import nn
+
+
+class Store:
+    def __init__(self):
+        self.k = None
+
+
+class M(nn.Module):
+    def __init__(self, embed_dim, num_heads):
+        super().__init__()
+        self.h = num_heads
+        self.q_proj, self.k_proj = nn.Linear(embed_dim, embed_dim), nn.Linear(embed_dim, embed_dim)
+        self.v_proj, self.o_proj = nn.Linear(embed_dim, embed_dim), nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, x, cache=None):
+        b, T, C = x.shape
+        split = lambda t: t.view(b, T, self.h, C // self.h).transpose(1, 2)
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        if cache is not None:
+            k, v = cache.remember(k, v)          # an interface the checker cannot know
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, T, C))
+"""
+
+
+def test_a_cache_the_check_cannot_use_is_match_without_cache_exit_3(tmp_path, capsys):
+    (tmp_path / "m.py").write_text(UNUSABLE_CACHE)
+    r = check(f"{tmp_path / 'm.py'}:M")
+    assert (r.verdict, r.exit_code) == ("match_without_cache", 3) and r.max_abs_error < 1e-5
+    assert r.cache.startswith("not tested: forward takes cache but no way of passing a cache worked")
+    assert "'HFStyleCache' object has no attribute 'remember'" in r.cache and "a dict filled in place" in r.cache
+    assert main(["check", f"{tmp_path / 'm.py'}:M"]) == 3
+    out = capsys.readouterr().out
+    assert "result: MATCH WITHOUT CACHE" in out and "(exit 3)" in out
+    # --past 0 leaves the cache of a module that has one uncompared: not a full match either
+    assert main(["check", "gpt2mha.book:MultiHeadAttention", "--past", "0"]) == 3
+    assert "not tested (--past 0), although forward takes past, return_present" in capsys.readouterr().out
+    # a module without any cache argument still gets a plain MATCH
+    assert main(["check", f"{GOOD}:BookMultiHeadAttention", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == "match" and [v["label"] for v in data["variations"]] == ["num_heads=3", "T=70"]
+
+
+def test_forward_args_classify_cache_flag_and_positions():
+    from gpt2mha.check import forward_args
+
+    class A(torch.nn.Module):
+        def forward(self, hidden_states, layer_past=None, attention_mask=None, use_cache=False, kv_seq_len=0,
+                    cache_position=None, output_attentions=False):
+            pass
+
+    fa = forward_args(A)
+    assert (fa.cache, fa.flag, fa.positions) == ("layer_past", "use_cache", {"cache_position": "tensor"})
+
+    class B(torch.nn.Module):
+        def forward(self, x, start_pos):
+            pass
+
+    fa = forward_args(B())
+    assert (fa.cache, fa.flag, fa.positions, fa.required_positions) == (None, None, {"start_pos": "int"},
+                                                                         ["start_pos"])
+    assert not forward_args(torch.nn.Linear(2, 2)).takes_cache

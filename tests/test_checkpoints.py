@@ -294,3 +294,142 @@ def test_float16_save_of_a_weight_beyond_its_range_writes_nothing(tmp_path):
     assert not d.exists()
     model.save_pretrained(str(d), dtype=torch.bfloat16)          # bf16 holds it: saves and loads
     assert GPT2.from_pretrained(str(d)).h[0].mlp.c_fc.weight[0, 0].item() == torch.tensor(1e5).bfloat16().item()
+
+
+# ------------------------------------------------------------------------------ sharded
+def _shards(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith("model-") and n.endswith(".safetensors"))
+
+
+def test_transformers_sharded_checkpoint_loads_with_the_same_logits(hf_checkpoint, tmp_path):
+    """What transformers writes for large models (save_pretrained(max_shard_size=...)): an index
+    and shards; gpt2mha used to refuse it."""
+    hf, _ = hf_checkpoint
+    d = str(tmp_path / "sharded")
+    hf.save_pretrained(d, max_shard_size="100KB")
+    assert os.path.isfile(os.path.join(d, "model.safetensors.index.json")) and len(_shards(d)) >= 3
+    assert not os.path.exists(os.path.join(d, "model.safetensors"))
+    idx = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits_of(GPT2.from_pretrained(d), idx), logits_of(hf, idx), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("max_shard_size", ["100KB", 120_000])
+def test_save_pretrained_shards_that_transformers_loads(hf_checkpoint, tmp_path, max_shard_size):
+    from transformers import GPT2LMHeadModel
+
+    hf, path = hf_checkpoint
+    d = str(tmp_path / "ours")
+    GPT2.from_pretrained(path).save_pretrained(d, max_shard_size=max_shard_size)
+    shards = _shards(d)
+    assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    limit = 100_000 if max_shard_size == "100KB" else max_shard_size
+    for name in shards:                                   # each at most the limit unless one tensor is larger
+        tensors = load_file(os.path.join(d, name))
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert size <= limit or len(tensors) == 1
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+    assert set(index["weight_map"].values()) == set(shards) and index["metadata"]["total_size"] > 0
+    idx = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(1))
+    theirs = GPT2LMHeadModel.from_pretrained(d).eval()
+    torch.testing.assert_close(logits_of(theirs, idx), logits_of(hf, idx), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits_of(GPT2.from_pretrained(d), idx), logits_of(hf, idx), atol=1e-4, rtol=1e-4)
+    # saving again into the same directory replaces the earlier save's weight files, whichever form
+    GPT2.from_pretrained(path).save_pretrained(d)
+    assert _shards(d) == [] and not os.path.exists(os.path.join(d, "model.safetensors.index.json"))
+    GPT2.from_pretrained(path).save_pretrained(d, max_shard_size=max_shard_size)
+    assert _shards(d) == shards and not os.path.exists(os.path.join(d, "model.safetensors"))
+    # everything fits in one shard: one model.safetensors, as transformers writes it
+    e = str(tmp_path / "one")
+    GPT2.from_pretrained(path).save_pretrained(e, max_shard_size="10MB")
+    assert sorted(os.listdir(e)) == ["config.json", "model.safetensors"]
+
+
+def test_max_shard_size_values():
+    from gpt2mha.checkpoints import shard_size_bytes
+
+    # huggingface_hub's units (what transformers' save_pretrained takes): decimal, 1 KB = 1000 bytes
+    assert [shard_size_bytes(v) for v in ("10MB", "5GB", "500KB", "1TB", 1234)] == [10**7, 5 * 10**9, 5 * 10**5,
+                                                                                     10**12, 1234]
+    for bad in ("10 apples", "MB", 0, -5, True, 1.5):
+        with pytest.raises(ValueError, match=r"max_shard_size="):
+            shard_size_bytes(bad)
+    with pytest.raises(ValueError, match="max_shard_size='lots'"):
+        GPT2(GPT2Config.from_preset("tiny")).save_pretrained("/nonexistent/never-written", max_shard_size="lots")
+
+
+def test_sharded_pytorch_model_bin_loads(hf_checkpoint, tmp_path):
+    hf, path = hf_checkpoint
+    d = tmp_path / "bin"
+    d.mkdir()
+    shutil.copy(os.path.join(path, "config.json"), d)
+    sd = hf.state_dict()
+    names = list(sd)
+    parts = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+             "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    for shard, keys in parts.items():
+        torch.save({k: sd[k].clone() for k in keys}, d / shard)
+    json.dump({"metadata": {}, "weight_map": {k: shard for shard, keys in parts.items() for k in keys}},
+              open(d / "pytorch_model.bin.index.json", "w"))
+    idx = torch.randint(0, 300, (2, 5))
+    torch.testing.assert_close(logits_of(GPT2.from_pretrained(str(d)), idx), logits_of(hf, idx), atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_errors_name_the_shard_and_the_tensor(hf_checkpoint, tmp_path):
+    hf, _ = hf_checkpoint
+    d = str(tmp_path / "sharded")
+    hf.save_pretrained(d, max_shard_size="100KB")
+    index_path = os.path.join(d, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    shards = _shards(d)
+    # a key in two shards
+    first, second = (load_file(os.path.join(d, s)) for s in shards[:2])
+    key = next(iter(second))
+    save_file({**first, key: second[key]}, os.path.join(d, shards[0]), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor {key} is in two shards, {shards[0]} and {shards[1]}"):
+        GPT2.from_pretrained(d)
+    save_file(first, os.path.join(d, shards[0]), metadata={"format": "pt"})
+    GPT2.from_pretrained(d)
+    # the index lists a tensor twice, or names a file outside the directory
+    text = open(index_path).read()
+    with open(index_path, "w") as f:
+        f.write(text.replace('"weight_map": {', f'"weight_map": {{\n "{key}": "{shards[0]}",', 1))
+    with pytest.raises(CheckpointError, match=f"tensor {key} is listed twice in weight_map"):
+        GPT2.from_pretrained(d)
+    json.dump({**index, "weight_map": {**index["weight_map"], key: "../elsewhere.safetensors"}}, open(index_path, "w"))
+    with pytest.raises(CheckpointError, match="must name shard files in this directory"):
+        GPT2.from_pretrained(d)
+    json.dump(index, open(index_path, "w"))
+    # a missing shard
+    os.remove(os.path.join(d, shards[-1]))
+    with pytest.raises(CheckpointError, match=f"missing shard {shards[-1]} \\(\\d+ tensors, e.g. "):
+        GPT2.from_pretrained(d)
+
+
+def test_sharded_checkpoint_from_the_hub_cache(hf_checkpoint, tmp_path, monkeypatch):
+    """A hub repo holding an index and shards: the index is fetched, then each shard it names
+    (here from huggingface_hub's real offline cache layout; no network)."""
+    import huggingface_hub
+    import huggingface_hub.constants as c
+
+    hf, _ = hf_checkpoint
+    src = str(tmp_path / "src")
+    hf.save_pretrained(src, max_shard_size="100KB")
+    snap = tmp_path / "hub" / "models--someone--sharded-gpt2" / "snapshots" / ("1" * 40)
+    snap.mkdir(parents=True)
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), snap)
+    (tmp_path / "hub" / "models--someone--sharded-gpt2" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--sharded-gpt2" / "refs" / "main").write_text("1" * 40)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    asked, real = [], huggingface_hub.hf_hub_download
+
+    def recording(repo_id, filename, **kwargs):
+        asked.append(filename)
+        return real(repo_id, filename, cache_dir=str(tmp_path / "hub"), **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", recording)
+    idx = torch.randint(0, 300, (1, 6))
+    torch.testing.assert_close(logits_of(load_pretrained("someone/sharded-gpt2"), idx), logits_of(hf, idx),
+                               atol=1e-4, rtol=1e-4)
+    assert asked == ["config.json", "model.safetensors", "model.safetensors.index.json"] + _shards(src)

@@ -20,7 +20,7 @@ import torch
 
 from gpt2mha import GPT2
 from gpt2mha.checkpoints import CheckpointError
-from gpt2mha.formats import convert, detect_format, load_any, read_book
+from gpt2mha.formats import CheckpointWarning, convert, detect_format, load_any, read_book
 from gpt2mha.cli import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
@@ -69,6 +69,8 @@ def write_tf_checkpoint(directory, arrays, hp):
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             saver.save(sess, os.path.join(directory, "model.ckpt"))
+    with open(os.path.join(directory, "checkpoint"), "w") as f:       # as OpenAI ships it (the Saver writes
+        f.write('model_checkpoint_path: "model.ckpt"\nall_model_checkpoint_paths: "model.ckpt"\n')  # absolute paths)
     with open(os.path.join(directory, "hparams.json"), "w") as f:
         json.dump(hp, f)
     return directory
@@ -149,6 +151,42 @@ def test_openai_checkpoint_wrong_variables_named(tmp_path):
         GPT2.from_pretrained(d)
     assert "model/h1/mlp/c_fc/w: shape [24, 96] != expected [1, 24, 96]" in str(e.value)
     assert "missing tensor model/ln_f/b [24]" in str(e.value)
+
+
+def test_openai_checkpoint_file_naming_another_directory_reads_the_directory_given(openai_dir, tmp_path):
+    """TF's Saver writes the absolute path it saved to into `checkpoint`, so a copied directory
+    names the original's files: the copy's own files are read, with a warning, and a truncated
+    copy is an error naming its data file, never the original's numbers."""
+    import re
+    import warnings
+
+    directory, arrays = openai_dir
+    copy = str(tmp_path / "copy")
+    own = openai_arrays(HP, seed=5)
+    write_tf_checkpoint(copy, own, HP)
+    with open(os.path.join(copy, "checkpoint"), "w") as f:         # what TF's Saver wrote in the original
+        f.write(f'model_checkpoint_path: "{os.path.abspath(directory)}/model.ckpt"\n')
+    with pytest.warns(CheckpointWarning, match=r"points to .*124M/model.ckpt, outside .*copy"):
+        model = GPT2.from_pretrained(copy)
+    assert torch.equal(model.wte.weight, torch.from_numpy(own["model/wte"]))          # the copy's numbers
+    assert not torch.equal(model.wte.weight, torch.from_numpy(arrays["model/wte"]))
+    data = os.path.join(copy, "model.ckpt.data-00000-of-00001")
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError) as e:
+        GPT2.from_pretrained(copy)
+    assert re.match(re.escape(data) + r": cannot read variable model/\S+ \[.*\]: the data file is truncated", str(e.value))
+    # OpenAI's own download names the prefix relatively: read without a warning; truncated: the same error
+    with open(os.path.join(copy, "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "model.ckpt"\nall_model_checkpoint_paths: "model.ckpt"\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CheckpointError, match=re.escape(data) + ": cannot read variable"):
+            load_any(copy)
+    with open(os.path.join(copy, "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "model-1000"\n')
+    with pytest.raises(CheckpointError, match=r"no model-1000.index \(the checkpoint the `checkpoint` file names"):
+        load_any(copy)
 
 
 def test_openai_checkpoint_without_tensorflow_names_the_extra(openai_dir, monkeypatch):
@@ -381,7 +419,63 @@ def test_check_model_openai_against_numpy_reference(openai_dir, capsys):
 
 def test_check_model_reports_what_cannot_run(tmp_path, capsys):
     nano_checkpoint(str(tmp_path / "ckpt.pt"))
-    assert main(["check-model", str(tmp_path / "ckpt.pt")]) == 2
-    assert "pass --class path/to/nanoGPT/model.py:GPT" in capsys.readouterr().out
+    assert main(["check-model", str(tmp_path / "nope.pt")]) == 2
+    assert "nope.pt: no such file or directory" in capsys.readouterr().out
     assert main(["check-model", str(tmp_path / "ckpt.pt"), "--class", BOOK_GPT + ":GPTModel"]) == 2
     assert "COULD NOT RUN" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_builtin_nanogpt_reference_agrees_with_nanogpts_model(bias, one_thread):
+    """gpt2mha.nanogpt_gpt.GPT, loaded with the state dict of the nanoGPT-layout model of
+    tests/data (nanoGPT's erf GELU, bias on or off), computes what that model computes: every
+    stage check-model records and the logits of both forward branches, in float64."""
+    from gpt2mha.compare import capture
+    from gpt2mha.nanogpt_gpt import GPT as BuiltinGPT, GPTConfig as BuiltinConfig
+
+    args = dict(n_layer=2, n_head=3, n_embd=24, block_size=16, bias=bias, vocab_size=256, dropout=0.0)
+    theirs = _randomize(NanoGPT(NanoConfig(**args, gelu="none")), 3).double()
+    ours = BuiltinGPT(BuiltinConfig(**args)).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    ours.double()
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full, loss = ours(idx, targets=idx)
+        torch.testing.assert_close(full, theirs(idx, targets=idx)[0], atol=1e-10, rtol=0)
+        torch.testing.assert_close(ours(idx)[0], theirs(idx)[0], atol=1e-10, rtol=0)
+        assert ours(idx)[0].shape == (2, 1, 256)
+        torch.testing.assert_close(ours(idx)[0], full[:, -1:], atol=1e-12, rtol=0)
+        assert torch.isclose(loss, torch.nn.functional.cross_entropy(full.reshape(-1, 256), idx.reshape(-1)))
+    a, _ = capture(ours, idx, 2)
+    b, _ = capture(theirs, idx, 2)
+    assert list(a) == list(b) and len(a) == 1 + 3 * 2 + 2
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-10, rtol=0)
+
+
+def test_check_model_on_a_nanogpt_checkpoint_without_nanogpt(tmp_path, capsys, one_thread):
+    """`check-model ckpt.pt` used to demand nanoGPT's code (--class); it now runs the built-in
+    nanoGPT reference, and reports what the independent nanoGPT-layout model reports."""
+    nano_checkpoint(str(tmp_path / "ckpt.pt"), gelu="none")
+    assert main(["check-model", str(tmp_path / "ckpt.pt"), "--json"]) == 1
+    builtin = json.loads(capsys.readouterr().out)
+    assert builtin["reference"] == "gpt2mha.nanogpt_gpt.GPT (nanoGPT's model.py)"
+    assert builtin["first_diff"] == "block 0 mlp" and "exact (erf) GELU" in builtin["diagnosis"]
+    assert main(["check-model", str(tmp_path / "ckpt.pt"), "--class", NANO_GPT + ":GPT", "--json"]) == 1
+    independent = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in builtin["stages"]] == [s["name"] for s in independent["stages"]]
+    for mine, theirs in zip(builtin["stages"], independent["stages"]):
+        assert mine["ok"] == theirs["ok"] and abs(mine["max_abs_err"] - theirs["max_abs_err"]) < 1e-12
+    assert main(["check-model", str(tmp_path)]) == 1                   # nanoGPT's out_dir
+    assert "first difference: block 0 mlp" in capsys.readouterr().out
+
+
+def test_check_model_takes_builtin_names_as_model_and_convert_do(capsys, one_thread):
+    from gpt2mha.formats import source_format
+
+    assert main(["check-model", "shakespeare-byte", "--tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint  shakespeare-byte (hf)" in out and "gpt2mha.reference" in out and "MATCHES (exit 0)" in out
+    assert source_format("someone/tiny-gpt2") == "hf" and source_format("shakespeare-byte") == "hf"
+    with pytest.raises(CheckpointError, match="no such file or directory"):
+        source_format("out/ckpt.pt")

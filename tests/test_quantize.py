@@ -679,3 +679,87 @@ def test_cli_quantize_flags_name_themselves_and_convert_never_writes_over_its_so
     assert main(["convert", str(src), str(link), "--quantize", "int8", "--overwrite"]) == 2
     assert "SRC and DST are the same path" in capsys.readouterr().err
     assert (src / "model.safetensors").read_bytes() == before and GPT2.from_pretrained(str(src)).quantization is None
+
+
+# ------------------------------------------------------------------ what a checkpoint may hold
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_scales_that_would_overflow_the_models_products_are_refused_by_name(tmp_path, scheme):
+    """Scales multiplied by 1e30 are finite and positive, and used to load and give NaN logits
+    (q·kᵀ, or LayerNorm's squared deviations, overflow). Every scale tensor so corrupted is now
+    refused, naming it; scales multiplied by 1e10 still give finite logits, so they load (the
+    limit is what overflows, from first principles, not a guess at "normal" scales)."""
+    from safetensors.torch import load_file
+
+    good = str(tmp_path / "good")
+    quantized(scheme, seed=30).save_pretrained(good)
+    keys = [k for k in load_file(os.path.join(good, "model.safetensors")) if k.endswith(("scales", "scale_zero"))]
+    assert len(keys) == 2 * 4 + 1                                  # every block layer and the head
+    idx = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    for i, key in enumerate(keys):
+        for factor in (1e30, 1e10):
+            d = str(tmp_path / f"{i}-{factor:g}")
+            os.makedirs(d)
+            for name in ("config.json", "model.safetensors"):
+                with open(os.path.join(good, name), "rb") as src, open(os.path.join(d, name), "wb") as dst:
+                    dst.write(src.read())
+            _rewrite(os.path.join(d, "model.safetensors"), **{key: lambda t: (t.float() * factor).to(t.dtype)})
+            if factor == 1e30:
+                with pytest.raises(QuantizationError) as e:
+                    GPT2.from_pretrained(d)
+                problem = str(e.value).splitlines()[1].strip()
+                assert problem.startswith(key.removeprefix("transformer.") + ": "), (key, problem)
+                assert "overflow" in problem or "beyond" in problem
+            else:
+                with torch.no_grad():
+                    assert torch.isfinite(GPT2.from_pretrained(d)(idx).logits).all(), key
+                if key.endswith("quantized_head.scales"):            # the tied wte is the dequantized head
+                    with pytest.raises(QuantizationError, match=r"values of wte\.weight overflow torch\.float16"):
+                        GPT2.from_pretrained(d, dtype="float16")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("tied", "false", "tied='false' must be a JSON boolean"),
+    ("tied", 0, "tied=0 must be a JSON boolean"),
+    ("group_size", 32.0, "group_size=32.0 must be a JSON integer or null"),
+    ("group_size", True, "group_size=True must be a JSON integer or null"),
+    ("format", True, "format=True must be a JSON integer"),
+    ("scheme", 4, "scheme=4 must be a JSON string"),
+    ("method", None, "method=None must be a JSON string"),
+    ("extra", 1, "unknown field 'extra'"),
+])
+def test_every_field_of_the_quantization_entry_is_type_checked(tmp_path, field, value, message):
+    # "tied": "false" used to be read as true (bool("false")), "group_size": 32.0 as 32
+    quantized("int4", seed=31, group_size=32).save_pretrained(str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    cfg["gpt2mha"]["quantization"][field] = value
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    with pytest.raises(QuantizationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        GPT2.from_pretrained(str(tmp_path))
+    del cfg["gpt2mha"]["quantization"][field]
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    if field in ("method", "extra"):                               # method may be absent (older checkpoints)
+        GPT2.from_pretrained(str(tmp_path))
+    else:
+        with pytest.raises(QuantizationError, match=f"missing field '{field}'"):
+            GPT2.from_pretrained(str(tmp_path))
+
+
+def test_a_model_loaded_quantized_is_not_requantized_with_other_flags(tmp_path, capsys):
+    from gpt2mha.cli import main
+
+    d = str(tmp_path / "rtn")
+    quantized("int4", seed=32, group_size=32, n_vocab=256, tokenizer="bytes").save_pretrained(d)
+    run = ["generate", "ab", "--model", d, "--max-new-tokens", "2", "--temperature", "0"]
+    assert main(run + ["--quantize", "int4", "--quantize-method", "gptq"]) == 2
+    err = capsys.readouterr().err
+    assert "--quantize-method gptq: this model was saved quantized as int4 (group_size=32, method rtn)" in err
+    assert main(run + ["--quantize", "int4", "--group-size", "64"]) == 2
+    assert "--group-size 64: this model was saved quantized as int4" in capsys.readouterr().err
+    text = tmp_path / "c.txt"
+    text.write_text("calibration")
+    assert main(run + ["--quantize", "int4", "--quantize-method", "gptq", "--calibration", str(text)]) == 2
+    assert f"--quantize-method gptq --calibration {text}: " in capsys.readouterr().err
+    # flags that say what it was saved with are accepted: the same tokens as without them
+    assert main(run + ["--quantize", "int4", "--quantize-method", "rtn", "--group-size", "32"]) == 0
+    with_flags = capsys.readouterr().out
+    assert main(run) == 0 and capsys.readouterr().out == with_flags

@@ -36,7 +36,8 @@ class GPT2(core.GPT2):
         return load_any(name_or_dir, model_cls=cls, **kwargs)
 
     def save_pretrained(self, directory: str, **kwargs) -> None:
-        """Write ``config.json`` + ``model.safetensors`` that ``GPT2LMHeadModel`` loads.
+        """Write ``config.json`` + ``model.safetensors`` that ``GPT2LMHeadModel`` loads (with
+        ``max_shard_size=``: shards and ``model.safetensors.index.json``, as transformers writes).
 
         See :func:`gpt2mha.io.checkpoints.save_pretrained`.
         """

@@ -56,8 +56,10 @@ def _quantize_args(p: argparse.ArgumentParser) -> None:
 
 
 def quantized(model, args):
-    """``model`` quantized as ``--quantize``/``--group-size`` ask (a model loaded quantized must
-    match them). Abnormal tensors are reported on stderr (a QuantizationWarning)."""
+    """``model`` quantized as ``--quantize``/``--group-size``/``--quantize-method`` ask. A model
+    loaded quantized is used as saved: each of those flags given must match what it was saved
+    with, and ``--calibration`` is refused (nothing is re-quantized); the error names both sides.
+    Abnormal tensors are reported on stderr (a QuantizationWarning)."""
     if args.group_size is not None and args.quantize != "int4":
         raise ValueError(f"--group-size={args.group_size} applies only to --quantize int4")
     if args.calibration is not None and (args.quantize is None or args.quantize_method == "rtn"):
@@ -68,10 +70,17 @@ def quantized(model, args):
     if args.quantize is None:
         return model
     if model.quantization:
-        if args.quantize != model.quantization["scheme"] or args.group_size not in (None, model.quantization["group_size"]):
-            raise ValueError(f"--quantize {args.quantize}: this model was saved quantized as "
-                             f"{model.quantization['scheme']} (group_size={model.quantization['group_size']}); "
-                             f"quantize the float model instead")
+        q = model.quantization
+        saved = {"--quantize": q["scheme"], "--group-size": q["group_size"], "--quantize-method": q.get("method", "rtn")}
+        asked = {"--quantize": args.quantize, "--group-size": args.group_size, "--quantize-method": args.quantize_method}
+        clash = [f"{flag} {asked[flag]}" for flag in asked if asked[flag] is not None and asked[flag] != saved[flag]]
+        if args.calibration is not None:                         # nothing is re-quantized: it would be ignored
+            clash.append(f"--calibration {args.calibration}")
+        if clash:
+            raise ValueError(f"{' '.join(clash)}: this model was saved quantized as {q['scheme']} (group_size="
+                             f"{q['group_size']}, method {saved['--quantize-method']}); a model loaded quantized is "
+                             f"not quantized again: drop these flags to use it as saved, or quantize the float model "
+                             f"instead")
         return model
     calibration = None
     if args.calibration is not None:
@@ -324,7 +333,8 @@ def cmd_check(args) -> int:
     except CheckError as e:
         print(f"error: {e}\nresult: COULD NOT RUN (exit 2)", file=sys.stderr)
         return 2
-    report = check(args.target, kwargs, batch=args.batch, tokens=args.tokens, past=args.past, seed=args.seed)
+    report = check(args.target, kwargs, batch=args.batch, tokens=args.tokens, past=args.past, seed=args.seed,
+                   long_tokens=args.long_tokens)
     print(json.dumps(report.to_dict()) if args.json else format_report(report))
     return report.exit_code
 
@@ -379,8 +389,15 @@ def _add_inspect_commands(sub) -> None:
                                     "such as the book's CausalAttention), copy reference weights in, run both on "
                                     "the same "
                                     "input and report the shapes stage by stage, the first differing stage, the "
-                                    "max abs error and a diagnosis of classic mistakes. Exit code 0: matches; 1: "
-                                    "runs but does not match; 2: could not be run. " + warning,
+                                    "max abs error and a diagnosis of classic mistakes. The module is also rebuilt "
+                                    "with another head count and run at --long-tokens tokens, and a cached step is "
+                                    "compared when forward takes a cache (a returned present fed back as past / "
+                                    "layer_past / past_key_values, with use_cache; a cache object, transformers' "
+                                    "Cache interface, a dict or a list filled in place; a cache kept in the module "
+                                    "with use_cache=True or start_pos). Exit code 0: matches; 1: "
+                                    "runs but does not match; 2: could not be run; 3: matches without a cache, but "
+                                    "forward takes a cache that no convention could use (or --past 0), so the "
+                                    "cached path was not compared. " + warning,
                         epilog=warning)
     ck.add_argument("target", metavar="FILE.py:ClassName", help="also package.module:ClassName")
     ck.add_argument("--args", nargs="+", action="extend", default=[], metavar="ARG",
@@ -391,6 +408,9 @@ def _add_inspect_commands(sub) -> None:
     ck.add_argument("--tokens", type=int, default=5, help="T (default 5)")
     ck.add_argument("--past", type=int, default=3,
                     help="cached tokens for the cache step, when forward takes a past argument (default 3; 0: skip)")
+    ck.add_argument("--long-tokens", type=int, default=70,
+                    help="a second sequence length checked, past 64 (default 70; 0: skip); a context length given "
+                         "in --args caps it")
     ck.add_argument("--seed", type=int, default=0)
     ck.add_argument("--json", action="store_true", help="print one JSON object")
     ck.set_defaults(func=cmd_check)
@@ -472,12 +492,14 @@ def _add_formats_commands(sub) -> None:
                         description="Load SRC into gpt2mha and into your own model (--class FILE.py:Class: the book's "
                                     "GPTModel built with the config dict, nanoGPT's GPT built with GPTConfig(**model_args), "
                                     "each loaded with its load_state_dict from the file's tensors) or, without --class, "
-                                    "the format's reference (the book's chapter 4 GPTModel; NumPy's OpenAI formulas for "
+                                    "the format's reference (the book's chapter 4 GPTModel; nanoGPT's model.py GPT, "
+                                    "built in: nanoGPT need not be installed; NumPy's OpenAI formulas for "
                                     "OpenAI/Hugging Face checkpoints). Run both on the same ids in float64 and report "
                                     "the embeddings, each block's attention, MLP and output, ln_f and the logits, the "
                                     "first that differs and why. Exit 0: matches; 1: differs; 2: could not run. "
                                     + warning, epilog=warning)
-    cm.add_argument("src", metavar="SRC")
+    cm.add_argument("src", metavar="SRC", help="a checkpoint file or directory in any format convert reads, a "
+                                               "built-in model name or a hub id (as --model)")
     cm.add_argument("--class", dest="cls", default=None, metavar="FILE.py:Class", help="your model class")
     cm.add_argument("--from", dest="src_format", choices=["hf", "openai", "book", "nanogpt"], default=None,
                     help="format of SRC (default: detected)")

@@ -2,7 +2,10 @@
 
 A checkpoint directory holds ``config.json`` (transformers' ``GPT2Config`` keys) and
 ``model.safetensors`` (or a legacy ``pytorch_model.bin``, read only with
-``torch.load(weights_only=True)``). Keys may be spelled ``h.0.…`` (OpenAI's conversion) or
+``torch.load(weights_only=True)``), or either sharded as transformers writes large models:
+``model.safetensors.index.json`` (``weight_map``: tensor name → shard file) beside
+``model-00001-of-0000N.safetensors`` … (:func:`read_sharded`; ``save_pretrained(…,
+max_shard_size=…)`` writes them). Keys may be spelled ``h.0.…`` (OpenAI's conversion) or
 ``transformer.h.0.…`` (``GPT2LMHeadModel``); the legacy buffers ``attn.bias`` /
 ``attn.masked_bias`` are ignored. The LM head follows transformers: tied to ``wte`` unless
 ``tie_word_embeddings`` is false or the file holds an ``lm_head.weight`` that differs from
@@ -19,6 +22,7 @@ import difflib
 import json
 import os
 import pickle
+import re
 import tempfile
 import warnings
 
@@ -30,6 +34,14 @@ from ..inference.quant.checkpoint import load_state, state_to_save
 #: Built-in models shipped inside the package (``gpt2mha/models/<name>/``).
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, CONFIG_NAME = "model.safetensors", "pytorch_model.bin", "config.json"
+#: The index of a sharded checkpoint (transformers' names): ``{"metadata": …, "weight_map":
+#: {tensor name: shard file name}}``, beside shards ``model-00001-of-00003.safetensors`` ….
+WEIGHTS_INDEX_NAME, LEGACY_WEIGHTS_INDEX_NAME = WEIGHTS_NAME + ".index.json", LEGACY_WEIGHTS_NAME + ".index.json"
+#: Weight files in the order transformers prefers them: one safetensors file, sharded
+#: safetensors, one .bin, sharded .bin.
+WEIGHTS_FILES = (WEIGHTS_NAME, WEIGHTS_INDEX_NAME, LEGACY_WEIGHTS_NAME, LEGACY_WEIGHTS_INDEX_NAME)
+#: A shard's file name as transformers and huggingface_hub write it.
+SHARD_PATTERN = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
@@ -125,6 +137,101 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"{path}: expected a dict of tensors")
     return sd
+
+
+def _weight_map(index_path: str) -> dict[str, str]:
+    """``weight_map`` of a sharded checkpoint's index, checked: an object of tensor name → shard
+    file name, each shard a plain file name (nothing outside the directory is read), no tensor
+    listed twice.
+
+    Raises:
+        CheckpointError: unreadable JSON, no ``weight_map``, a shard path, a duplicate name.
+    """
+    duplicates = []
+
+    def pairs(items):
+        seen = {}
+        for k, v in items:
+            if k in seen:
+                duplicates.append((k, seen[k], v))
+            seen[k] = v
+        return seen
+
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f, object_pairs_hook=pairs)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index_path}: cannot read JSON: {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: expected an object with a non-empty \"weight_map\" (tensor name → shard "
+                              f"file), as transformers writes it")
+    for k, a, b in duplicates:
+        if isinstance(a, str) and isinstance(b, str):
+            raise CheckpointError(f"{index_path}: tensor {k} is listed twice in weight_map ({a} and {b}); refusing to "
+                                  f"guess which one is meant")
+    bad = [f"{k}: {v!r}" for k, v in weight_map.items()
+           if not isinstance(v, str) or not v or os.path.basename(v) != v or v in (".", "..")]
+    if bad:
+        raise CheckpointError(f"{index_path}: weight_map must name shard files in this directory (plain file names); "
+                              f"got {', '.join(bad[:3])}")
+    return weight_map
+
+
+def read_sharded(index_path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a sharded checkpoint: every shard the index's ``weight_map`` names, read from
+    the index's directory (:func:`read_state_dict` each), checked against the index.
+
+    Raises:
+        CheckpointError: see :func:`_weight_map`; a missing shard (named, with how many tensors
+            it should hold), a tensor found in two shards (both named), a tensor the index puts
+            in a shard that does not hold it, or one a shard holds that the index does not list.
+    """
+    directory = os.path.dirname(index_path)
+    weight_map = _weight_map(index_path)
+    shards = list(dict.fromkeys(weight_map.values()))
+    missing = [f for f in shards if not os.path.isfile(os.path.join(directory, f))]
+    if missing:
+        counts = {f: sum(v == f for v in weight_map.values()) for f in missing}
+        raise CheckpointError(f"{index_path}: missing shard{'s' if len(missing) > 1 else ''} "
+                              + ", ".join(f"{f} ({counts[f]} tensors, e.g. "
+                                          f"{next(k for k, v in weight_map.items() if v == f)})" for f in missing)
+                              + f" in {directory}")
+    sd, where, problems = {}, {}, []
+    for shard in shards:
+        for k, t in read_state_dict(os.path.join(directory, shard)).items():
+            if k in where:
+                raise CheckpointError(f"{index_path}: tensor {k} is in two shards, {where[k]} and {shard}; refusing to "
+                                      f"guess which one is meant")
+            where[k] = shard
+            if k not in weight_map:
+                problems.append(f"{shard} holds {k}, which the index does not list")
+            elif weight_map[k] != shard:
+                problems.append(f"the index puts {k} in {weight_map[k]}, but {shard} holds it")
+            sd[k] = t
+    problems += [f"the index puts {k} in {v}, which does not hold it" for k, v in weight_map.items() if k not in where]
+    if problems:
+        raise CheckpointError(f"{index_path}: the shards do not match the index:\n  " + "\n  ".join(problems[:10])
+                              + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""))
+    return sd
+
+
+def find_weights(directory: str) -> str:
+    """The weights of a checkpoint directory: the first of :data:`WEIGHTS_FILES` present.
+
+    Raises:
+        CheckpointError: none of them (naming what was looked for).
+    """
+    for name in WEIGHTS_FILES:
+        if os.path.isfile(os.path.join(directory, name)):
+            return os.path.join(directory, name)
+    raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {WEIGHTS_INDEX_NAME} with its shards, "
+                          f"{LEGACY_WEIGHTS_NAME}, {LEGACY_WEIGHTS_INDEX_NAME}) next to {CONFIG_NAME}")
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a weights file or of a sharded checkpoint's index (:func:`read_sharded`)."""
+    return read_sharded(path) if path.endswith(".index.json") else read_state_dict(path)
 
 
 def normalize_keys(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[str, torch.Tensor]:
@@ -309,7 +416,8 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def download(repo_id: str) -> str:
     """Fetch ``config.json`` and the weights of a hub repo (cached by huggingface_hub, with a
-    progress bar) and return the local snapshot directory.
+    progress bar) and return the local snapshot directory. The weights are the first of
+    :data:`WEIGHTS_FILES` the repo has; an index is downloaded first, then each shard it names.
 
     With ``HF_HUB_OFFLINE=1``, or when the hub cannot be reached (:func:`hub_reachable`), only
     huggingface_hub's local cache is read, at once.
@@ -325,10 +433,19 @@ def download(repo_id: str) -> str:
     local_only = offline or not hub_reachable()
     try:
         config_path = hf_hub_download(repo_id, CONFIG_NAME, local_files_only=local_only)
-        try:
-            hf_hub_download(repo_id, WEIGHTS_NAME, local_files_only=local_only)
-        except EntryNotFoundError:
-            hf_hub_download(repo_id, LEGACY_WEIGHTS_NAME, local_files_only=local_only)
+        for name in WEIGHTS_FILES:                 # offline, a file not cached is EntryNotFoundError's subclass
+            try:
+                path = hf_hub_download(repo_id, name, local_files_only=local_only)
+            except EntryNotFoundError:
+                if name == WEIGHTS_FILES[-1]:
+                    raise
+                continue
+            if name.endswith(".index.json"):      # then every shard it names
+                for shard in dict.fromkeys(_weight_map(path).values()):
+                    hf_hub_download(repo_id, shard, local_files_only=local_only)
+            break
+    except CheckpointError:
+        raise
     except Exception as e:
         why = ("HF_HUB_OFFLINE is set and it is not in the local cache" if offline else
                f"the hub ({constants.ENDPOINT}) cannot be reached and it is not in the local cache" if local_only else
@@ -356,8 +473,8 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         The model in eval mode.
 
     Raises:
-        CheckpointError: see :func:`resolve`, :func:`config_from_hf`, :func:`read_state_dict`,
-            :func:`check_state_dict`.
+        CheckpointError: see :func:`resolve`, :func:`config_from_hf`, :func:`find_weights`,
+            :func:`read_state_dict`, :func:`read_sharded`, :func:`check_state_dict`.
     """
     dtype = as_dtype(dtype)
     directory = resolve(name_or_dir)
@@ -370,15 +487,8 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object")
     config = config_from_hf(cfg, config_path)
-    for name in (WEIGHTS_NAME, LEGACY_WEIGHTS_NAME):
-        weights_path = os.path.join(directory, name)
-        if os.path.isfile(weights_path):
-            break
-    else:
-        sharded = os.path.isfile(os.path.join(directory, WEIGHTS_NAME + ".index.json"))
-        raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {LEGACY_WEIGHTS_NAME}) next to {CONFIG_NAME}"
-                              + ("; sharded checkpoints are not supported: re-save as one file" if sharded else ""))
-    sd = normalize_keys(read_state_dict(weights_path), weights_path)
+    weights_path = find_weights(directory)
+    sd = normalize_keys(read_weights(weights_path), weights_path)
     if "quantization" in cfg.get("gpt2mha", {}):                  # saved after GPT2.quantize
         with torch.device("meta"):
             model = model_cls(config)
@@ -404,8 +514,32 @@ def is_checkpoint_dir(directory: str) -> bool:
     return isinstance(cfg, dict) and isinstance(cfg.get("gpt2mha"), dict)
 
 
+def shard_size_bytes(max_shard_size) -> int:
+    """``max_shard_size`` in bytes: an int, or a string as transformers' ``save_pretrained``
+    takes it (huggingface_hub's ``parse_size_to_int``: ``"10MB"``, ``"5GB"``, ``"500KB"``,
+    ``"1TB"``; decimal units, 1 MB = 10⁶ bytes).
+
+    Raises:
+        ValueError: naming the value: not an int or such a string, or not positive.
+    """
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    if isinstance(max_shard_size, str):
+        try:
+            size = parse_size_to_int(max_shard_size)
+        except ValueError as e:
+            raise ValueError(f"max_shard_size={max_shard_size!r}: {e}") from None
+    elif isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
+        size = max_shard_size
+    else:
+        raise ValueError(f"max_shard_size={max_shard_size!r}: expected bytes as an int or a size such as '10MB'")
+    if size <= 0:
+        raise ValueError(f"max_shard_size={max_shard_size!r} must be positive")
+    return size
+
+
 def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
-                    dtype: torch.dtype = torch.float32) -> None:
+                    dtype: torch.dtype = torch.float32, max_shard_size: int | str | None = None) -> None:
     """Write ``config.json`` and ``model.safetensors`` (``transformer.``-prefixed keys; the head
     tied, or ``lm_head.weight`` with ``tie_word_embeddings: false`` for an untied model) that
     ``GPT2LMHeadModel.from_pretrained`` loads with the same logits.
@@ -413,14 +547,22 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
     ``dtype`` is the storage dtype of the weights (float32 by default; float16 halves the file,
     as for the built-in model); loading converts back to the dtype asked for.
 
+    ``max_shard_size`` (bytes, or ``"10MB"``-style: :func:`shard_size_bytes`) splits the weights
+    as transformers does (huggingface_hub's ``split_torch_state_dict_into_shards``): shards
+    ``model-00001-of-0000N.safetensors`` of at most that size (a larger tensor gets a shard of
+    its own) and ``model.safetensors.index.json``; when everything fits in one shard, or with
+    None (the default), one ``model.safetensors``. Weight files of an earlier save in the
+    directory (its single file, index or shards) are removed once the new ones are written.
+
     Files are written to temporaries and renamed, so an interrupted save leaves the previous
     checkpoint intact.
 
     Raises:
         FileExistsError: ``directory`` is non-empty and not a gpt2mha checkpoint, unless
             ``overwrite=True`` (nothing a user has is overwritten without asking).
-        ValueError: ``dtype`` is not floating point, or a weight does not fit in it (e.g. a
-            value beyond float16's ±65504 would be stored as inf); nothing is written then.
+        ValueError: ``dtype`` is not floating point, ``max_shard_size`` unreadable, or a weight
+            does not fit in ``dtype`` (e.g. a value beyond float16's ±65504 would be stored as
+            inf); nothing is written then.
     """
     from safetensors.torch import save_file
 
@@ -429,6 +571,7 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
                               f"(choose another directory or pass overwrite=True)")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating-point torch dtype")
+    shard_size = None if max_shard_size is None else shard_size_bytes(max_shard_size)
     hf_config = config_to_hf(model.config)
     if getattr(model, "quantization", None):                     # int8/int4 weights stored as they are
         tensors, entry = state_to_save(model, dtype)
@@ -444,9 +587,28 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
         raise ValueError(f"dtype={dtype} cannot hold the values of {', '.join(overflow)} (they would be stored as inf); "
                          f"save in float32 or bfloat16. Nothing was written.")
     os.makedirs(directory, exist_ok=True)
-    _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    split = None
+    if shard_size is not None:
+        from huggingface_hub import split_torch_state_dict_into_shards
+        split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                                   max_shard_size=shard_size)
+    if split is None or not split.is_sharded:
+        _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        written = {WEIGHTS_NAME}
+    else:
+        for name, names in split.filename_to_tensors.items():
+            _atomic_write(directory, name, lambda p, names=names: save_file({n: tensors[n] for n in names}, p,
+                                                                            metadata={"format": "pt"}))
+        index = json.dumps({"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename},
+                           indent=2, sort_keys=True) + "\n"
+        _atomic_write(directory, WEIGHTS_INDEX_NAME, lambda p: _write_text(p, index))
+        written = {*split.filename_to_tensors, WEIGHTS_INDEX_NAME}
     text = json.dumps(hf_config, indent=2) + "\n"
     _atomic_write(directory, CONFIG_NAME, lambda p: _write_text(p, text))
+    for name in os.listdir(directory):          # an earlier save's weights: read before, or beside, the new ones
+        if name not in written and (name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) or
+                                    (SHARD_PATTERN.fullmatch(name) and name.endswith(".safetensors"))):
+            os.remove(os.path.join(directory, name))
 
 
 def _atomic_write(directory: str, name: str, write) -> None:

@@ -27,10 +27,13 @@ an exact copy or transpose (no arithmetic), so a round trip is bitwise.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import os
 import pickle
+import re
+import warnings
 
 import torch
 
@@ -45,6 +48,11 @@ WRITABLE = ("hf", "book", "nanogpt")
 OPENAI_FILES = ("checkpoint", "model.ckpt.index", "model.ckpt.data-00000-of-00001", "hparams.json")
 BOOK_CONFIG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers", "drop_rate", "qkv_bias")
 TF_EXTRA = "pip install 'gpt2mha[tf]'"
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint that loads, but not the way its files say (e.g. TF's ``checkpoint`` file
+    naming another directory's files)."""
 
 
 # ------------------------------------------------------------------------------- common
@@ -155,6 +163,22 @@ def detect_format(path: str) -> str:
     return _detect_object(obj, path)
 
 
+def source_format(src: str) -> str:
+    """:func:`detect_format` for a path; ``"hf"`` for what ``--model`` takes besides paths: a
+    built-in model name (a local path of that name wins) or a hub id (``owner/name``, no file
+    extension).
+
+    Raises:
+        CheckpointError: see :func:`detect_format` (e.g. no such file or directory).
+    """
+    if not os.path.exists(src):
+        if src in builtin_models():
+            return "hf"
+        if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", src) and not os.path.splitext(src)[1]:
+            return "hf"
+    return detect_format(src)
+
+
 def _detect_object(obj, source: str) -> str:
     if isinstance(obj, dict) and "model_args" in obj and "model" in obj:
         return "nanogpt"
@@ -222,12 +246,14 @@ def read_openai(directory: str) -> tuple[dict[str, torch.Tensor], GPT2Config]:
     """OpenAI's checkpoint directory → (state dict in gpt2mha's names, config).
 
     ``hparams.json`` gives ``n_vocab, n_ctx, n_embd, n_head, n_layer``; the checkpoint named by
-    the ``checkpoint`` file (or ``model.ckpt``) is read with ``tf.train.load_checkpoint``;
+    the ``checkpoint`` file (or ``model.ckpt``), inside ``directory`` only
+    (:func:`checkpoint_prefix`), is read with ``tf.train.load_checkpoint``;
     ``encoder.json``/``vocab.bpe``, when present, are hash-verified (:func:`verify_bpe_files`).
 
     Raises:
         CheckpointError: TensorFlow missing (naming the extra), bad hparams, a missing,
-            unexpected or mis-shaped variable (OpenAI's names and shapes), or modified BPE files.
+            unexpected or mis-shaped variable (OpenAI's names and shapes), modified BPE files,
+            or a truncated or corrupt data file (naming it and the variable).
     """
     hp_path = os.path.join(directory, "hparams.json")
     try:
@@ -243,26 +269,75 @@ def read_openai(directory: str) -> tuple[dict[str, torch.Tensor], GPT2Config]:
     except ValueError as e:
         raise CheckpointError(f"{hp_path}: {e}") from None
     verify_bpe_files(directory)
+    prefix = checkpoint_prefix(directory)
     tf = _import_tf()
-    prefix = os.path.join(directory, "model.ckpt")
     try:
-        reader = tf.train.load_checkpoint(directory if os.path.isfile(os.path.join(directory, "checkpoint")) else prefix)
+        reader = tf.train.load_checkpoint(prefix)                # the prefix itself: no `checkpoint` lookup
         shapes = reader.get_variable_to_shape_map()
     except Exception as e:
-        raise CheckpointError(f"{directory}: TensorFlow could not read the checkpoint (truncated or corrupt?): "
+        raise CheckpointError(f"{prefix}: TensorFlow could not read the checkpoint (truncated or corrupt?): "
                               f"{str(e).splitlines()[0][:300]}") from None
     names = openai_variables(config)
     shapes = {k: v for k, v in shapes.items() if k.startswith("model/")}   # not global_step, optimizer slots
     check_tensors({k: tuple(s) for k, s in shapes.items()}, {k: s for k, (_, s) in names.items()}, directory)
     sd = {}
     for name, (key, shape) in names.items():
-        t = torch.from_numpy(reader.get_tensor(name).copy())
+        try:
+            array = reader.get_tensor(name)
+        except Exception as e:                                   # TensorFlow: IndexError "Read less bytes ..."
+            data = ", ".join(sorted(glob.glob(glob.escape(prefix) + ".data-*"))) or prefix + ".data-*"
+            raise CheckpointError(f"{data}: cannot read variable {name} {list(shape)}: the data file is truncated "
+                                  f"or corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        t = torch.from_numpy(array.copy())
         sd[key] = t[0] if len(shape) == 3 else t                 # conv1d [1, nx, nf] → Conv1D [nx, nf]
     return sd, config
 
 
+def checkpoint_prefix(directory: str) -> str:
+    """The TensorFlow checkpoint prefix to read in OpenAI's ``directory``: the one TF's
+    ``checkpoint`` state file names (``model_checkpoint_path: "model.ckpt"``), else ``model.ckpt``.
+
+    Only files inside ``directory`` are read: TF's Saver writes the absolute path it saved to,
+    so in a copied or moved directory ``checkpoint`` names the original's files; a path outside
+    ``directory`` is replaced by its file name inside ``directory``, with a warning.
+
+    Raises:
+        CheckpointError: an unreadable ``checkpoint`` file, one without
+            ``model_checkpoint_path``, or no ``<prefix>.index`` in the directory.
+    """
+    state = os.path.join(directory, "checkpoint")
+    name, named = "model.ckpt", None
+    if os.path.isfile(state):
+        try:
+            with open(state, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{state}: cannot read TensorFlow's checkpoint state: {e}") from None
+        m = re.search(r'^\s*model_checkpoint_path:\s*"((?:[^"\\]|\\.)*)"', text, re.M)
+        if m is None:
+            raise CheckpointError(f"{state}: no model_checkpoint_path line; expected TensorFlow's checkpoint state, "
+                                  f"e.g. model_checkpoint_path: \"model.ckpt\"")
+        named = m.group(1).replace('\\"', '"').replace("\\\\", "\\")
+        target = named if os.path.isabs(named) else os.path.join(directory, named)
+        root = os.path.realpath(directory)
+        if os.path.realpath(target).startswith(root + os.sep):
+            name = os.path.relpath(os.path.realpath(target), root)
+        else:
+            name = os.path.basename(named.rstrip("/\\")) or name
+            warnings.warn(f"{state} points to {named}, outside {directory} (TensorFlow writes the absolute path it "
+                          f"saved to; the directory was copied or moved?); reading {os.path.join(directory, name)}, "
+                          f"the files in the directory given", CheckpointWarning, stacklevel=3)
+    prefix = os.path.join(directory, name)
+    if not os.path.isfile(prefix + ".index"):
+        raise CheckpointError(f"{directory}: no {name}.index" + (f" (the checkpoint the `checkpoint` file names: "
+                                                                 f"{named})" if named else "")
+                              + f"; expected OpenAI's files {', '.join(OPENAI_FILES)}")
+    return prefix
+
+
 def load_openai(directory: str, dtype: torch.dtype = torch.float32, model_cls=GPT2) -> GPT2:
     """OpenAI's checkpoint directory → a model of ``model_cls`` (eval mode); see :func:`read_openai`."""
+
     sd, config = read_openai(directory)
     return model_from_state_dict(sd, config, directory, dtype, model_cls)
 
@@ -581,9 +656,7 @@ def read_any(src: str, fmt: str | None = None, book_config: dict | None = None,
     """
     if fmt is not None and fmt not in FORMATS:
         raise CheckpointError(f"format={fmt!r}; expected one of {FORMATS}")
-    if fmt is None and not os.path.exists(src) and src in builtin_models():
-        fmt = "hf"                                               # a built-in name, as --model takes
-    fmt = fmt or detect_format(src)
+    fmt = fmt or source_format(src)                              # a built-in name or hub id, as --model takes
     if fmt == "hf":
         return load_pretrained(src, model_cls), fmt
     if fmt == "openai":

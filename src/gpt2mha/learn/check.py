@@ -15,8 +15,9 @@ without one; bare ``nn.Parameter`` weights are tried as ``x @ W`` and ``x @ W.T`
   hooks on its submodules plus a ``TorchFunctionMode`` that records every tensor operation);
   a stage counts as seen when a recorded tensor equals the reference's, and the stage after
   the last one seen is the first differing stage;
-* the output's max abs error, and for a module whose forward takes a cache (``past``, ...)
-  the error of a cached step (first ``past`` tokens, then the rest with the returned present);
+* the output's max abs error, and for a module whose forward takes a cache (``past``,
+  ``past_key_values``, ``kv_cache``, ``use_cache``, ``start_pos`` ...) the error of a cached step
+  (first ``past`` tokens, then the rest with what the first call cached);
 * eval-mode determinism: a second run, and with a dropout argument a copy built with dropout
   0.5 run twice, must give the dropout-0 output (``F.dropout`` without ``training=``);
 * a diagnosis: the reference is re-run with each classic mistake (seeds 000-003) and the
@@ -24,12 +25,23 @@ without one; bare ``nn.Parameter`` weights are tried as ``x @ W`` and ``x @ W.T`
   the mistakes that stop a module from running (a ``view`` on a non-contiguous tensor, a
   missing transpose before ``q @ kᵀ``).
 
+Every check also rebuilds the module with another head count and runs it at
+:data:`LONG_TOKENS` tokens (past 64), cached step included, so a hard-coded head count or a
+fixed-size mask or window is caught. The cached step tries the common conventions
+(:func:`cached_step`): a returned ``present`` fed back (``past``, ``layer_past``,
+``past_key_values`` with ``use_cache``), a cache object filled in place (the user's ``*Cache``
+class, transformers' ``Cache`` interface, a dict, a list), or a cache kept in the module
+(``use_cache=True``, ``start_pos``).
+
 Exit codes (the CLI): 0 the module matches, 1 it runs but does not match, 2 it could not be
-checked (file, class, constructor, layout or forward failed).
+checked (file, class, constructor, layout or forward failed), 3 it matches without a cache but
+its forward takes a cache (argument, flag or position) that no convention could use, so the
+cached path was not compared.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import importlib.util
@@ -74,8 +86,22 @@ SPLIT_NAMES = (("W_query", "W_key", "W_value"), ("q_proj", "k_proj", "v_proj"), 
                ("W_q", "W_k", "W_v"), ("wq", "wk", "wv"))
 FUSED_NAMES = ("c_attn", "qkv", "W_qkv", "Wqkv", "qkv_proj", "in_proj", "to_qkv")
 OUT_NAMES = ("out_proj", "o_proj", "c_proj", "W_o", "wo", "proj", "out")
-PAST_NAMES = ("past", "layer_past", "past_kv", "kv_cache", "past_key_value")
-PRESENT_FLAGS = ("return_present", "use_cache", "return_cache")
+#: Names of forward's cache argument, preferred in this order; any other argument whose name
+#: holds one of :data:`CACHE_WORDS` is taken as a cache argument too (``my_kv=None``).
+PAST_NAMES = ("past", "layer_past", "past_kv", "kv_cache", "past_key_value", "past_key_values", "cache",
+              "layer_cache", "kv")
+CACHE_WORDS = ("past", "cache", "kv")
+#: Flags asking forward to return or keep its keys/values (any bool argument whose name holds a
+#: cache word or "present" counts too).
+PRESENT_FLAGS = ("return_present", "use_cache", "return_cache", "use_kv_cache", "return_kv", "cache_enabled")
+#: Position arguments of a cached forward: "int" takes the first new token's position (llama's
+#: ``start_pos``), "tensor" the new tokens' positions ``arange(P, P + T)`` (transformers'
+#: ``cache_position``, gpt-fast's ``input_pos``; ``position_ids`` as ``[b, T]``).
+POSITION_ARGS = {"start_pos": "int", "offset": "int", "past_length": "int", "pos": "int", "position_offset": "int",
+                 "seqlen_offset": "int", "cache_position": "tensor", "input_pos": "tensor", "position_ids": "tensor"}
+#: A second sequence length every check also runs (with the cache step): past 64, and past any
+#: small fixed window or buffer a module may hide.
+LONG_TOKENS = 70
 
 #: Classic mistakes the reference can reproduce: key → diagnosis.
 MISTAKES = {
@@ -97,6 +123,11 @@ MISTAKES = {
     "mask_not_offset": "causal mask not offset for a cache: with P cached tokens the T new queries need rows "
                        "P..P+T-1 of the mask (attention_mask(T, P+T), aligned bottom-right), not the top-left "
                        "[:T, :P+T] slice that hides each query's own and most recent keys",
+    "past_ignored": "the cache is stored but never read: with P cached tokens the T new queries attend only to "
+                    "each other; attend to the cached keys and values followed by the new ones (torch.cat([past_k, "
+                    "k], dim=token axis), the same for v), or append to the cache instead of replacing it",
+    "past_after_new": "cache concatenated in the wrong order: the new keys/values come before the cached ones; "
+                      "the cached tokens are earlier positions: torch.cat([past_k, k]) along the token axis",
     "mask_after_softmax": "mask applied after the softmax without renormalising: masking the weights to 0 after "
                           "softmax leaves rows that no longer sum to 1 (and the future still shaped them); fill the "
                           "scores with -inf before the softmax",
@@ -118,6 +149,9 @@ MISTAKES = {
                        "run to run (or differs from dropout = 0); F.dropout(x, p) defaults to training=True, so "
                        "write F.dropout(x, p, training=self.training) (or dropout_p=p if self.training else 0.0 "
                        "for scaled_dot_product_attention), or use an nn.Dropout module",
+    "hard_coded_heads": "head count hard-coded: built with another head count, the module still splits into the "
+                        "first configuration's number of heads (a literal in view(b, T, 4, head_dim), d_out // 4, "
+                        "or self.num_heads set to a constant?); use the constructor's num_heads everywhere",
     "view_non_contiguous": "view on a non-contiguous tensor: after transpose(1, 2) the tensor must be made "
                            "contiguous before view (transpose(1, 2).contiguous().view(b, T, d_out)) or use reshape",
 }
@@ -217,12 +251,72 @@ def parse_args(items: list[str] | None) -> dict:
     return kwargs
 
 
-def forward_takes_past(cls: type) -> bool:
-    """Whether ``cls.forward`` has a cache argument (one of :data:`PAST_NAMES`)."""
+@dataclass
+class ForwardArgs:
+    """What forward's signature says about a cache: the cache argument (``past``,
+    ``past_key_values``, ``kv_cache`` ...), the flag asking for it (``use_cache``,
+    ``return_present`` ...), position arguments (:data:`POSITION_ARGS` name → kind, and which
+    of them are required) and the cache argument's annotation (None when none or unresolved)."""
+
+    cache: str | None = None
+    flag: str | None = None
+    positions: dict = field(default_factory=dict)
+    required_positions: list = field(default_factory=list)
+    annotation: object = None
+
+    @property
+    def takes_cache(self) -> bool:
+        """Whether forward has any cache path to compare (a cache argument, flag or position)."""
+        return bool(self.cache or self.flag or self.positions)
+
+    def names(self) -> list[str]:
+        return [n for n in (self.cache, self.flag) if n] + list(self.positions)
+
+
+def forward_args(target) -> ForwardArgs:
+    """Classify the arguments of ``target.forward`` (a module or its class) after the input.
+
+    A name in :data:`POSITION_ARGS` is a position; one in :data:`PRESENT_FLAGS`, or a bool
+    default whose name holds a cache word or "present", the flag; one in :data:`PAST_NAMES` or
+    holding a :data:`CACHE_WORDS` word (not a length, size or index), the cache argument
+    (the first of :data:`PAST_NAMES`' order when several).
+    """
+    fn = target.forward
     try:
-        return any(n in PAST_NAMES for n in pyinspect.signature(cls.forward).parameters)
+        params = list(pyinspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return False
+        return ForwardArgs()
+    if isinstance(target, type) and params and params[0].name == "self":
+        params = params[1:]
+    out, caches = ForwardArgs(), []
+    for p in params[1:]:                                   # the first one is the input x
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        low = p.name.lower()
+        words = any(w in low for w in CACHE_WORDS)
+        if p.name in POSITION_ARGS:
+            out.positions[p.name] = POSITION_ARGS[p.name]
+            if p.default is p.empty:
+                out.required_positions.append(p.name)
+        elif p.name in PRESENT_FLAGS or (isinstance(p.default, bool) and (words or "present" in low)):
+            out.flag = out.flag or p.name
+        elif p.name in PAST_NAMES or (words and not low.endswith(("len", "length", "size", "idx", "index"))):
+            caches.append(p)
+    if caches:
+        best = min(caches, key=lambda p: PAST_NAMES.index(p.name) if p.name in PAST_NAMES else len(PAST_NAMES))
+        out.cache = best.name
+        try:
+            import typing
+            out.annotation = typing.get_type_hints(fn).get(best.name)
+        except Exception:                                  # an annotation that does not resolve: ignore it
+            out.annotation = None
+    return out
+
+
+def forward_takes_past(cls: type) -> bool:
+    """Whether ``cls.forward`` has a cache path: a cache argument, a flag or a position
+    (:func:`forward_args`)."""
+    return forward_args(cls).takes_cache
 
 
 def constructor_kwargs(cls: type, given: dict, min_context: int) -> dict:
@@ -584,23 +678,28 @@ def reference(x: torch.Tensor, p: RefParams, h: int, past: int = 0, mistakes=fro
         qh, kh, vh = (t.transpose(1, 2) for t in (q4, k4, v4))                        # [b, h, S, hd]
     if "split_keys_no_transpose" in mistakes:
         kh = k4.reshape(b, h, S, hd)                                                  # keys only
-    scores = qh[:, :, past:] @ kh.transpose(-1, -2)                                   # [b, h, T, S]
+    ka, va, S_att = kh, vh, S                                                         # the keys attended to
+    if past and "past_ignored" in mistakes:                                           # new keys only
+        ka, va, S_att = kh[:, :, past:], vh[:, :, past:], T
+    elif past and "past_after_new" in mistakes:                                       # [new | past]
+        ka, va = (torch.cat([t[:, :, past:], t[:, :, :past]], dim=2) for t in (kh, vh))
+    scores = qh[:, :, past:] @ ka.transpose(-1, -2)                                   # [b, h, T, S]
     denominator = {"scale_d_out": math.sqrt(d), "scale_d_in": math.sqrt(d_in), "scale_head_dim_no_sqrt": hd,
                    "scale_none": 1.0}
     scale = next((denominator[m] for m in denominator if m in mistakes), math.sqrt(hd))
-    mask = attention_mask(T, S)
+    mask = attention_mask(T, S_att)
     if "mask_not_offset" in mistakes:
-        mask = torch.ones(S, S, dtype=torch.bool).tril()[:T, :S]
+        mask = torch.ones(S_att, S_att, dtype=torch.bool).tril()[:T, :S_att]
     if "anti_causal_mask" in mistakes:                                                # key j >= query i + past
-        mask = torch.arange(S)[None, :] >= torch.arange(T)[:, None] + past
+        mask = torch.arange(S_att)[None, :] >= torch.arange(T)[:, None] + (S_att - T)
     if "no_mask" in mistakes:
-        mask = torch.ones(T, S, dtype=torch.bool)
+        mask = torch.ones(T, S_att, dtype=torch.bool)
     dim = -2 if "softmax_queries" in mistakes else 1 if "softmax_heads" in mistakes else -1
     if "mask_after_softmax" in mistakes:
         weights = torch.softmax(scores / scale, dim=dim).masked_fill(~mask, 0.0)
     else:
         weights = torch.softmax((scores / scale).masked_fill(~mask, float("-inf")), dim=dim)
-    a = weights @ vh                                                                  # [b, h, T, hd]
+    a = weights @ va                                                                  # [b, h, T, hd]
     if "merge_no_transpose" in mistakes:
         merged = a.contiguous().view(b, T, d)
     elif "merge_wrong_order" in mistakes:
@@ -620,7 +719,7 @@ def reference(x: torch.Tensor, p: RefParams, h: int, past: int = 0, mistakes=fro
 
 def applicable_mistakes(layout: Layout, cache_tested: bool) -> list[str]:
     """The :data:`MISTAKES` the reference can reproduce for this layout."""
-    skip = {"view_non_contiguous", "dropout_in_eval"}
+    skip = {"view_non_contiguous", "dropout_in_eval", "hard_coded_heads"}
     if layout.kind != "fused":
         skip.add("interleaved_qkv")
     if layout.kind == "wrapper":
@@ -631,7 +730,7 @@ def applicable_mistakes(layout: Layout, cache_tested: bool) -> list[str]:
     if layout.out is None:
         skip.add("no_out_proj")
     if not cache_tested:
-        skip.add("mask_not_offset")
+        skip |= {"mask_not_offset", "past_ignored", "past_after_new"}
     return [m for m in MISTAKES if m not in skip]
 
 
@@ -713,6 +812,207 @@ def run_module(module: nn.Module, x: torch.Tensor, **kwargs) -> Run:
     if output is not None:
         ops.append(Op("output", tuple(output.shape), output.detach().clone()))
     return Run(output, present, ops, calls, error)
+
+
+# -------------------------------------------------------------------------------- cache
+class HFStyleCache:
+    """An empty cache with the part of transformers' ``Cache`` interface attention layers call:
+    ``update(key_states, value_states, layer_idx, cache_kwargs=None)`` appends ``[b, h, T, hd]``
+    keys and values on the token axis (-2) and returns everything stored for that layer;
+    ``get_seq_length(layer_idx=0)``, ``get_usable_length``, ``len()`` and ``cache[layer_idx]``
+    → ``(keys, values)``. Source: transformers ``cache_utils.DynamicCache``."""
+
+    def __init__(self):
+        self.key_cache: dict[int, torch.Tensor] = {}
+        self.value_cache: dict[int, torch.Tensor] = {}
+
+    def update(self, key_states, value_states, layer_idx=0, cache_kwargs=None):
+        if layer_idx in self.key_cache:
+            key_states = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
+            value_states = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+        self.key_cache[layer_idx], self.value_cache[layer_idx] = key_states, value_states
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx=0) -> int:
+        return self.key_cache[layer_idx].shape[-2] if layer_idx in self.key_cache else 0
+
+    def get_usable_length(self, new_seq_length=0, layer_idx=0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def __len__(self) -> int:
+        return len(self.key_cache)
+
+    def __getitem__(self, layer_idx):
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+
+def _fingerprint(obj, depth: int = 3):
+    """What identifies the contents of ``obj`` (tensors by identity, shape and version; containers
+    and plain objects by their items), so an in-place write into it is noticed."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", id(obj), tuple(obj.shape), None if obj.is_inference() else obj._version)
+    if isinstance(obj, (bool, int, float, str, type(None))):
+        return obj
+    if depth == 0 or isinstance(obj, nn.Module) or callable(obj) and not hasattr(obj, "__dict__"):
+        return ("object", id(obj))
+    if isinstance(obj, dict):
+        return ("dict", tuple((repr(k), _fingerprint(v, depth - 1)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return ("list", tuple(_fingerprint(v, depth - 1) for v in obj))
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return ("object", type(obj).__name__, _fingerprint(vars(obj), depth - 1))
+    return ("object", id(obj))
+
+
+def _module_state(module: nn.Module):
+    """Fingerprint of what a module keeps between calls: its buffers and plain attributes
+    (``self.cache_k``, ``self.ptr_current_pos`` ...), in every submodule."""
+    return tuple((name, _fingerprint({k: v for k, v in vars(m).items() if not k.startswith("_") or k == "_buffers"}))
+                 for name, m in module.named_modules())
+
+
+def _fresh(module: nn.Module) -> nn.Module:
+    """A deep copy (so a cache kept in the module does not touch the module checked), or the
+    module itself when it cannot be copied."""
+    try:
+        return copy.deepcopy(module)
+    except Exception:
+        return module
+
+
+def position_kwargs(fa: ForwardArgs, start: int, T: int, b: int, names=None) -> dict:
+    """Values of forward's position arguments for ``T`` tokens starting at position ``start``."""
+    out = {}
+    for name in (fa.positions if names is None else names):
+        pos = torch.arange(start, start + T)
+        out[name] = start if fa.positions[name] == "int" else (pos.expand(b, T) if name == "position_ids" else pos)
+    return out
+
+
+def plain_kwargs(module: nn.Module, T: int, b: int) -> dict:
+    """Arguments a plain (uncached) forward needs besides x: required positions, at 0."""
+    fa = forward_args(module)
+    return position_kwargs(fa, 0, T, b, fa.required_positions)
+
+
+#: Constructor argument names of a cache class, and which size fills them.
+CACHE_CLASS_ARGS = {"batch_size": "b", "max_batch_size": "b", "batch": "b", "b": "b", "bsz": "b",
+                    "max_seq_len": "S", "max_seq_length": "S", "max_len": "S", "max_length": "S", "seq_len": "S",
+                    "context_length": "S", "max_cache_len": "S", "n_heads": "h", "num_heads": "h", "n_head": "h",
+                    "n_kv_heads": "h", "num_kv_heads": "h", "head_dim": "hd", "d_head": "hd"}
+
+
+def _annotation_classes(annotation) -> list[type]:
+    import typing
+    if isinstance(annotation, type):
+        return [annotation]
+    return [c for arg in typing.get_args(annotation) for c in _annotation_classes(arg)]
+
+
+def _cache_factories(module: nn.Module, fa: ForwardArgs, sizes: dict) -> list[tuple[str, object]]:
+    """Empty caches to hand forward's cache argument, each ``(description, factory)``: the class
+    its annotation names and the ``*Cache*`` classes defined beside the module (built with no
+    arguments, or with the sizes their required arguments name, :data:`CACHE_CLASS_ARGS`), an
+    :class:`HFStyleCache`, a dict, a list."""
+    classes = [c for c in _annotation_classes(fa.annotation)
+               if c.__module__ not in ("builtins", "torch", "typing") and not issubclass(c, (nn.Module, torch.Tensor))]
+    home = sys.modules.get(type(module).__module__)
+    if home is not None:
+        classes += [c for c in vars(home).values() if isinstance(c, type) and "cache" in c.__name__.lower()
+                    and c.__module__ == home.__name__ and not issubclass(c, (nn.Module, torch.Tensor))
+                    and c not in classes]
+    out = []
+    for c in classes:
+        try:
+            params = [p for p in pyinspect.signature(c).parameters.values()
+                      if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        except (TypeError, ValueError):
+            continue
+        if all(sizes.get(CACHE_CLASS_ARGS.get(p.name.lower())) is not None for p in params):
+            args = {p.name: sizes[CACHE_CLASS_ARGS[p.name.lower()]] for p in params}
+            shown = ", ".join(f"{k}={v}" for k, v in args.items())
+            out.append((f"a {c.__name__}({shown}) filled in place", lambda c=c, args=args: c(**args)))
+    out += [("a cache object with transformers' Cache interface (update(k, v, layer_idx)) filled in place",
+             HFStyleCache), ("a dict filled in place", dict), ("a list filled in place", list)]
+    return out
+
+
+@dataclass
+class CacheResult:
+    """The cached step: ``status`` "tested" (``step`` is the run of the new tokens), "failed"
+    (forward raised on it), "untested" (forward takes a cache the check could not use) or
+    "none" (forward takes no cache); ``text`` says which and how the cache was passed."""
+
+    status: str
+    text: str
+    step: Run | None = None
+
+
+def cached_step(module: nn.Module, x: torch.Tensor, P: int, num_heads: int | None = None,
+                head_dim: int | None = None) -> CacheResult:
+    """Run ``module`` on the first ``P`` tokens of ``x [b, P + T, d_in]``, then on the last T
+    with what it cached, trying each common convention on a fresh copy of the module:
+
+    * returned: ``out, present = m(x1[, flag=True])``, then ``m(x2, cache=present)`` (OpenAI's
+      ``past``, transformers' legacy ``layer_past``/``past_key_values`` with ``use_cache``);
+    * filled in place: the same cache object passed to both calls (:func:`_cache_factories`:
+      a ``*Cache`` class of the user's, transformers' Cache interface, a dict, a list);
+    * kept in the module: a flag (``use_cache=True``) or positions (``start_pos``) and no cache
+      argument, the module's own state changing between calls (the book's KV-cache chapter,
+      llama's ``cache_k``).
+
+    A convention counts when the first call stored something (a present returned, the object
+    or the module changed); position arguments get ``0`` then ``P``. ``num_heads``/``head_dim``
+    fill a cache class's constructor arguments of those names.
+    """
+    fa = forward_args(module)
+    b, S, _ = x.shape
+    T = S - P
+    if not fa.takes_cache:
+        return CacheResult("none", "not tested (forward takes no cache argument)")
+    if P == 0:
+        return CacheResult("untested", f"not tested (--past 0), although forward takes {', '.join(fa.names())}")
+    flag = {fa.flag: True} if fa.flag else {}
+    attempts = []                                               # (description, kind, factory)
+    if fa.cache:
+        attempts.append((f"{fa.cache}=present", "returned", None))
+        sizes = {"b": b, "S": S, "h": num_heads, "hd": head_dim}
+        attempts += [(f"{fa.cache} = {d}", "in place", f) for d, f in _cache_factories(module, fa, sizes)]
+    else:
+        attempts.append(((f"{fa.flag}=True" if fa.flag else ", ".join(fa.positions)) + ", the cache kept in the module",
+                         "module", None))
+    tried, failed = [], None
+    for what, kind, factory in attempts:
+        m = _fresh(module)
+        container = factory() if factory else None
+        first_kw = {**flag, **position_kwargs(fa, 0, P, b)}
+        step_kw = {**flag, **position_kwargs(fa, P, T, b)}
+        if kind == "in place":
+            first_kw[fa.cache] = step_kw[fa.cache] = container
+        before = _fingerprint(container) if kind == "in place" else _module_state(m)
+        first = run_module(m, x[:, :P], **first_kw)
+        if first.error is not None:
+            tried.append(f"{what}: forward on the first {P} tokens raised {type(first.error).__name__}: {first.error}")
+            continue
+        if kind == "returned":
+            took = first.present is not None
+            step_kw[fa.cache] = first.present
+        else:
+            took = (_fingerprint(container) if kind == "in place" else _module_state(m)) != before
+        if not took:
+            tried.append(f"{what}: the first {P} tokens " + ("returned no present" if kind == "returned"
+                                                             else "stored nothing"))
+            continue
+        step = run_module(m, x[:, P:], **step_kw)
+        if step.error is None and step.output is not None:
+            return CacheResult("tested", f"tested: {P} past tokens, then {T} new ones with {what}", step)
+        failed = failed or (what, step.error)
+        tried.append(f"{what}: forward on the new tokens raised {type(step.error).__name__}: {step.error}")
+    if failed is not None:
+        what, error = failed
+        return CacheResult("failed", f"failed: forward with {what} raised {type(error).__name__}: {error}")
+    return CacheResult("untested", f"not tested: forward takes {', '.join(fa.names())} but no way of passing a cache "
+                                   f"worked (tried {'; '.join(tried)})")
 
 
 # ------------------------------------------------------------------------------- stages
@@ -870,7 +1170,10 @@ def diagnose_by_shapes(run: Run, b: int, T: int, h: int) -> list[str]:
 # -------------------------------------------------------------------------------- report
 @dataclass
 class CheckReport:
-    """Everything :func:`check` found; ``exit_code`` is 0 match, 1 mismatch, 2 could not run."""
+    """Everything :func:`check` found; ``exit_code`` is 0 match, 1 mismatch, 2 could not run,
+    3 match without cache (forward takes a cache that could not be compared); ``verdict`` is
+    "match", "mismatch", "error" or "match_without_cache". ``variations``: the other head count
+    and length checked (:class:`Variation`)."""
 
     target: str
     verdict: str = "error"
@@ -889,25 +1192,16 @@ class CheckReport:
     notes: list = field(default_factory=list)
     error: str | None = None
     modules_called: list = field(default_factory=list)
+    variations: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["diagnosis_text"] = [MISTAKES[m] for m in self.diagnoses]
-        for key in ("max_abs_error", "cache_max_abs_error"):
-            if d[key] is not None and not math.isfinite(d[key]):
-                d[key] = str(d[key])
+        for item in [d] + d["variations"]:
+            for key in ("max_abs_error", "cache_max_abs_error"):
+                if item[key] is not None and not math.isfinite(item[key]):
+                    item[key] = str(item[key])
         return d
-
-
-def _past_arg(module: nn.Module) -> tuple[str | None, str | None]:
-    """(name of forward's cache argument, name of its "return the present" flag), each or None."""
-    try:
-        params = pyinspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return None, None
-    past = next((n for n in PAST_NAMES if n in params), None)
-    flag = next((n for n in PRESENT_FLAGS if n in params), None)
-    return past, flag
 
 
 def _build(target, kwargs: dict, tokens: int, past: int) -> tuple[nn.Module, dict]:
@@ -928,7 +1222,7 @@ def _construct(cls, kwargs: dict) -> nn.Module:
 
 
 def check(target, kwargs: dict | None = None, *, batch: int = 2, tokens: int = 5, past: int = 3,
-          seed: int = 0) -> CheckReport:
+          seed: int = 0, long_tokens: int = LONG_TOKENS, vary_heads: bool = True) -> CheckReport:
     """Check a multi-head attention module against the reference (see the module docstring).
 
     Args:
@@ -938,24 +1232,40 @@ def check(target, kwargs: dict | None = None, *, batch: int = 2, tokens: int = 5
             :data:`DEFAULT_KWARGS` (d_in=20, d_out=24, num_heads=4, context_length=16 or the
             tokens needed, dropout=0).
         batch, tokens: input ``[batch, tokens, d_in]``; past: cached tokens for the cache step
-            (0 skips it; it runs only when forward takes a ``past``-like argument, and only then
-            must the context hold past + tokens).
+            (0 skips it; it runs only when forward takes a cache argument, flag or position
+            (:func:`forward_args`), and only then must the context hold past + tokens).
         seed: seed of the random input and weights.
+        long_tokens: a second length checked (default :data:`LONG_TOKENS`, past 64; 0 skips it);
+            vary_heads: also rebuild the module with another head count.
 
     Bare ``nn.Parameter`` weights are tried as ``[in, out]`` (``x @ W``) and as ``[out, in]``
     (``x @ W.T``); the report keeps the convention that matches (else the one that runs) and
     says which. With a dropout argument the module is also built with dropout 0.5 and run
-    twice in eval mode: both outputs must equal the dropout-0 output.
+    twice in eval mode: both outputs must equal the dropout-0 output. The cached step tries
+    each common way of passing a cache (:func:`cached_step`); when forward takes one and none
+    works, a matching module gets the verdict "match_without_cache" (exit code 3).
 
     Returns:
         :class:`CheckReport`; never raises for a faulty module (verdict "error", exit code 2).
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)           # tensors of a few hundred numbers: threads only add overhead
+    try:
+        return _check(target, kwargs, batch, tokens, past, seed, long_tokens, vary_heads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(target, kwargs, batch, tokens, past, seed, long_tokens, vary_heads) -> CheckReport:
     name = target if isinstance(target, str) else getattr(target, "__name__", repr(target))
     report = CheckReport(target=name)
+    given = dict(kwargs or {})
+    opts = dict(given=given, long_tokens=long_tokens, vary_heads=vary_heads)
     try:
-        if batch < 1 or tokens < 2 or past < 0:
-            raise CheckError(f"need batch >= 1, tokens >= 2 and past >= 0 (got {batch}, {tokens}, {past})")
-        module, report.kwargs = _build(target, dict(kwargs or {}), tokens, past)
+        if batch < 1 or tokens < 2 or past < 0 or long_tokens < 0:
+            raise CheckError(f"need batch >= 1, tokens >= 2, past >= 0 and long_tokens >= 0 (got {batch}, {tokens}, "
+                             f"{past}, {long_tokens})")
+        module, report.kwargs = _build(target, dict(given), tokens, past)
         try:
             layout = recognise_layout(module, report.kwargs)
         except CheckError as e:                 # bare weights read as [in, out] may not fit; try [out, in]
@@ -964,9 +1274,9 @@ def check(target, kwargs: dict | None = None, *, batch: int = 2, tokens: int = 5
             except CheckError:
                 raise e from None
         if not has_bare_weights(layout):
-            _run_check(module, layout, report, batch, tokens, past, seed)
+            _run_check(module, layout, report, batch, tokens, past, seed, **opts)
         else:
-            report = _check_both_conventions(module, report, batch, tokens, past, seed)
+            report = _check_both_conventions(module, report, batch, tokens, past, seed, opts)
     except CheckError as e:
         report.verdict, report.exit_code, report.error = "error", 2, str(e)
     return report
@@ -975,13 +1285,13 @@ def check(target, kwargs: dict | None = None, *, batch: int = 2, tokens: int = 5
 CONVENTIONS = {True: "[in, out], used as x @ W", False: "[out, in], used as x @ W.T (nn.Linear's convention)"}
 
 
-def _check_both_conventions(module, report: CheckReport, b, T, P, seed) -> CheckReport:
+def _check_both_conventions(module, report: CheckReport, b, T, P, seed, opts: dict) -> CheckReport:
     """Run the check with bare weights read as ``[in, out]`` and as ``[out, in]``; keep the best."""
     def attempt(in_out: bool, diagnose: bool) -> CheckReport:
-        r = dataclasses.replace(report, notes=[], diagnoses=[], stages=[], cache_stages=[])
+        r = dataclasses.replace(report, notes=[], diagnoses=[], stages=[], cache_stages=[], variations=[])
         try:
             _run_check(module, recognise_layout(module, report.kwargs, bare_in_out=in_out), r, b, T, P, seed,
-                       diagnose)
+                       diagnose, bare_in_out=in_out, **opts)
         except CheckError as e:
             r.verdict, r.exit_code, r.error = "error", 2, str(e)
         return r
@@ -989,13 +1299,14 @@ def _check_both_conventions(module, report: CheckReport, b, T, P, seed) -> Check
     tried = []
     for in_out in (True, False):                      # without the (slower) diagnosis by reproduction
         tried.append((in_out, attempt(in_out, False)))
-        if tried[-1][1].verdict == "match":
+        if tried[-1][1].verdict in ("match", "match_without_cache"):
             break
-    in_out, best = min(tried, key=lambda t: (t[1].exit_code, not t[0]))
+    rank = {0: 0, 3: 1, 1: 2, 2: 3}                     # match, match without cache, mismatch, error
+    in_out, best = min(tried, key=lambda t: (rank[t[1].exit_code], not t[0]))
     if best.verdict == "mismatch":
         best = attempt(in_out, True)
     others = [f"{CONVENTIONS[i]}: {r.verdict}" for i, r in tried if i != in_out]
-    if best.verdict == "match":
+    if best.verdict in ("match", "match_without_cache"):
         best.notes.append(f"bare nn.Parameter weights: the module stores them {CONVENTIONS[in_out]}")
     else:
         best.notes.append(f"bare nn.Parameter weights: tried both conventions; reporting {CONVENTIONS[in_out]}"
@@ -1004,9 +1315,12 @@ def _check_both_conventions(module, report: CheckReport, b, T, P, seed) -> Check
 
 
 def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: int, seed: int,
-               diagnose: bool = True) -> None:
+               diagnose: bool = True, given: dict | None = None, long_tokens: int = LONG_TOKENS,
+               vary_heads: bool = True, bare_in_out: bool = True) -> None:
     """Fill ``report`` for a built module with a recognised layout (``diagnose``: also look for the
-    classic mistakes that reproduce a mismatch)."""
+    classic mistakes that reproduce a mismatch). When the output and the cached step match, the
+    module is also built and checked with another head count and at ``long_tokens`` tokens
+    (:func:`plan_variations`; ``given``: the constructor arguments the caller passed)."""
     h, hd = layout.num_heads, layout.head_dim
     report.layout = layout.describe()
     report.config = dict(b=b, T=T, past=P, d_in=layout.d_in, d_out=layout.d_out, num_heads=h, head_dim=hd, seed=seed)
@@ -1024,7 +1338,8 @@ def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: i
         raise CheckError(f"could not copy the reference weights in: {e}") from None
     x = torch.randn(b, P + T, layout.d_in, generator=gen)
     ref = reference(x[:, P:], p, h)
-    run = run_module(module, x[:, P:])
+    plain = plain_kwargs(module, T, b)
+    run = run_module(module, x[:, P:], **plain)
     report.modules_called = sorted({n for n, _ in run.calls})
     report.stages = stage_rows(layout, ref, run)
     report.diagnoses = diagnose_by_shapes(run, b, T, h)
@@ -1035,7 +1350,15 @@ def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: i
     outputs = {0: run.output}
     if run.output.shape != ref["output"].shape:
         report.notes.append(f"output shape {tuple(run.output.shape)} != expected {tuple(ref['output'].shape)}")
-    _check_cache(module, layout, report, x, p, run, P, outputs)
+    cache = cached_step(module, x, P, h, hd)
+    report.cache = cache.text
+    if cache.status == "failed":
+        report.cache_max_abs_error = float("inf")
+    elif cache.status == "tested":
+        ref_cached = reference(x, p, h, P)
+        report.cache_max_abs_error = _max_err(cache.step.output, ref_cached["output"])
+        report.cache_stages = stage_rows(layout, ref_cached, cache.step)
+        outputs[P] = cache.step.output
     report.first_differing_stage = first_differing(report.stages)
     if report.first_differing_stage is None and report.cache_stages:
         cached = first_differing(report.cache_stages)
@@ -1048,7 +1371,18 @@ def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: i
     if layout.out is not None and layout.out.name not in report.modules_called and not ok and not layout.source:
         # (torch.nn.MultiheadAttention uses out_proj's weight without calling the module)
         report.notes.append(f"{layout.out.name} is defined but forward never called it")
-    nondeterministic = _check_dropout(module, layout, report, x[:, P:], run.output)
+    if outputs_ok:
+        report.variations = run_variations(type(module), report.kwargs, given or {}, layout, b, T, P, seed,
+                                           long_tokens, vary_heads, bare_in_out, report.notes)
+        failing = [v for v in report.variations if not v.ok]
+        if failing:
+            ok, f = False, failing[0]
+            report.first_differing_stage = f"{f.first_differing_stage or 'output'} ({f.label})"
+            report.diagnoses += [m for m in f.diagnoses if m not in report.diagnoses]
+            what = f.error or f"the output differs by {_fmt_err(f.max_abs_error)}" + (
+                f", the cached step by {_fmt_err(f.cache_max_abs_error)}" if f.cache_max_abs_error is not None else "")
+            report.notes.append(f"the first configuration matches, but with {f.label}: {what}")
+    nondeterministic = _check_dropout(module, layout, report, x[:, P:], run.output, plain)
     if nondeterministic:
         report.diagnoses.append("dropout_in_eval")
         ok = False
@@ -1058,18 +1392,174 @@ def _run_check(module, layout: Layout, report: CheckReport, b: int, T: int, P: i
         report.diagnoses += [m for m in extra if m not in report.diagnoses]
     if ok:
         report.diagnoses = []
-    report.verdict, report.exit_code = ("match", 0) if ok else ("mismatch", 1)
+    untested = cache.status == "untested" or any(v.cache_status == "untested" for v in report.variations)
+    report.verdict, report.exit_code = (("match_without_cache", 3) if untested else ("match", 0)) if ok \
+        else ("mismatch", 1)
+
+
+def _fmt_err(e: float | None) -> str:
+    return "-" if e is None else f"{e:.3g}"
+
+
+# ------------------------------------------------------------------------- variations
+@dataclass
+class Variation:
+    """One more configuration the check ran after the first one matched: ``label`` says what
+    changed (``num_heads=3``, ``T=70``), ``config`` the sizes; the output's and the cached step's
+    max abs errors, the cache text and status (see :class:`CacheResult`), ``ok``, the error
+    forward raised (or None), the first differing stage and the diagnoses."""
+
+    label: str
+    config: dict = field(default_factory=dict)
+    max_abs_error: float | None = None
+    cache: str = ""
+    cache_status: str = ""
+    cache_max_abs_error: float | None = None
+    ok: bool = False
+    error: str | None = None
+    first_differing_stage: str | None = None
+    diagnoses: list = field(default_factory=list)
+
+
+def other_head_counts(layout: Layout) -> list[int]:
+    """Head counts to rebuild the module with, nearest the layout's first: divisors of d_out
+    (not 1 or d_out) for one projection per role, any count for per-head modules."""
+    h = layout.num_heads
+    if layout.kind == "wrapper":
+        return [c for c in (3, 2, 5) if c != h][:2]
+    d = layout.d_out
+    divisors = [c for c in range(2, d) if d % c == 0 and c != h]
+    return sorted(divisors, key=lambda c: (abs(c - h), c))[:3]
+
+
+def plan_variations(cls: type, kwargs: dict, given: dict, layout: Layout, T: int, P: int,
+                    long_tokens: int = LONG_TOKENS, vary_heads: bool = True) -> tuple[list, list[str]]:
+    """The configurations to check besides the first: ``([(label, [kwargs candidates], T), ...],
+    notes on what could not be varied)``.
+
+    * another head count (:func:`other_head_counts`), when the constructor takes one
+      (:data:`HEAD_ALIASES`): a module that hard-codes its count passes only when the count
+      asked for happens to equal it;
+    * ``long_tokens`` tokens (past 64), with a context argument the caller did not give raised
+      to hold them (plus the past); a context the caller gave caps the length.
+    """
+    try:
+        params = pyinspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    plans, notes = [], []
+    if vary_heads and not layout.single_head:
+        name = next((n for n in HEAD_ALIASES if n in kwargs or n in params), None)
+        counts = other_head_counts(layout)
+        if name is None:
+            notes.append(f"head count not varied: the constructor takes no head count argument ({layout.heads_from})")
+        elif counts:
+            plans.append((name, [{**kwargs, name: c} for c in counts], T))
+    if long_tokens and long_tokens > T:
+        past = P if forward_takes_past(cls) else 0
+        contexts = [n for n in CONTEXT_NAMES if n in kwargs or n in params]
+        fixed = {n: given[n] for n in contexts if _is_count(given.get(n))}
+        T2 = min([long_tokens] + [v - past for v in fixed.values()])
+        if T2 <= T:
+            n = next(iter(fixed))
+            notes.append(f"not checked at {long_tokens} tokens: {n}={fixed[n]} was given (pass {n}>={long_tokens + past} "
+                         f"to check past 64 tokens)")
+        else:
+            long_kwargs = {**kwargs, **{n: max(T2 + past, kwargs[n] if _is_count(kwargs.get(n)) else 0)
+                                        for n in contexts if n not in fixed}}
+            plans.append((None, [long_kwargs], T2))
+    return plans, notes
+
+
+def run_variations(cls: type, kwargs: dict, given: dict, layout: Layout, b: int, T: int, P: int, seed: int,
+                   long_tokens: int, vary_heads: bool, bare_in_out: bool, notes: list) -> list[Variation]:
+    """Build and check each configuration of :func:`plan_variations` (new random weights and
+    input, the cached step included); a head count the module cannot be built with is skipped
+    for the next candidate. Notes on what was not varied are appended to ``notes``."""
+    plans, skipped = plan_variations(cls, kwargs, given, layout, T, P, long_tokens, vary_heads)
+    notes += skipped
+    out = []
+    for i, (name, candidates, tokens) in enumerate(plans):
+        errors = []
+        for kw in candidates:
+            try:
+                module = _construct(cls, kw)
+                vlayout = recognise_layout(module, kw, bare_in_out=bare_in_out)
+            except CheckError as e:
+                errors.append(str(e))
+                continue
+            label = f"{name}={kw[name]}" if name else f"T={tokens}"
+            out.append(_check_variation(module, vlayout, label, b, tokens, P, seed + 1 + i,
+                                        layout.num_heads if name else None))
+            break
+        else:
+            notes.append(f"{name} not varied: building the module with {name} in "
+                         f"{[kw[name] for kw in candidates]} failed ({errors[-1] if errors else 'no candidate'})")
+    return out
+
+
+def _check_variation(module, layout: Layout, label: str, b: int, T: int, P: int, seed: int,
+                     first_heads: int | None) -> Variation:
+    """Compare one rebuilt module with the reference: the output and the cached step; on a
+    mismatch the first differing stage and a diagnosis (``first_heads``: the first
+    configuration's head count, to recognise a hard-coded one)."""
+    h, hd = layout.num_heads, layout.head_dim
+    v = Variation(label, dict(b=b, T=T, past=P, d_in=layout.d_in, d_out=layout.d_out, num_heads=h, head_dim=hd,
+                              seed=seed))
+    gen = torch.Generator().manual_seed(seed)
+    p = make_params(layout, gen)
+    try:
+        copy_params(layout, p)
+    except RuntimeError as e:
+        v.error = f"could not copy the reference weights in: {e}"
+        return v
+    x = torch.randn(b, P + T, layout.d_in, generator=gen)
+    ref = reference(x[:, P:], p, h)
+    run = run_module(module, x[:, P:], **plain_kwargs(module, T, b))
+    if run.error is not None:
+        v.error = f"forward raised {type(run.error).__name__}: {run.error}{_where(run.error)}"
+        v.first_differing_stage = first_differing(stage_rows(layout, ref, run))
+        return v
+    v.max_abs_error = _max_err(run.output, ref["output"])
+    outputs, refs = {0: run.output}, {0: ref}
+    cache = cached_step(module, x, P, h, hd)
+    v.cache, v.cache_status = cache.text, cache.status
+    if cache.status == "failed":
+        v.cache_max_abs_error = float("inf")
+    elif cache.status == "tested":
+        refs[P] = reference(x, p, h, P)
+        v.cache_max_abs_error = _max_err(cache.step.output, refs[P]["output"])
+        outputs[P] = cache.step.output
+    v.ok = v.max_abs_error <= TOL and (v.cache_max_abs_error is None or v.cache_max_abs_error <= TOL)
+    if v.ok:
+        return v
+    v.first_differing_stage = first_differing(stage_rows(layout, ref, run))
+    if v.first_differing_stage is None and P in refs:
+        cached = first_differing(stage_rows(layout, refs[P], cache.step))
+        v.first_differing_stage = cached and f"{cached} (cached step)"
+    if any(o is None or o.shape != refs[k]["output"].shape for k, o in outputs.items()):
+        return v
+    if first_heads and first_heads != h and layout.d_out % first_heads == 0 and all(
+            _max_err(o, reference(x if past else x[:, P:], p, first_heads, past)["output"]) <= TOL
+            for past, o in outputs.items()):
+        v.diagnoses = ["hard_coded_heads"]
+    else:
+        v.diagnoses = diagnose_by_reproduction(x, p, layout, outputs, T, applicable_mistakes(layout, len(outputs) > 1))
+    return v
 
 
 #: Dropout probability of the eval-mode determinism check.
 DROPOUT_CHECK_P = 0.5
 
 
-def _check_dropout(module, layout: Layout, report: CheckReport, x: torch.Tensor, y0: torch.Tensor) -> bool:
+def _check_dropout(module, layout: Layout, report: CheckReport, x: torch.Tensor, y0: torch.Tensor,
+                   plain: dict | None = None) -> bool:
     """Eval mode must turn dropout off: run the module again (same input), and, when its constructor
     takes a dropout argument, a copy built with dropout = :data:`DROPOUT_CHECK_P` twice; every
-    output must equal ``y0`` (the dropout-0 output). Returns True if one differs."""
-    again = run_module(module, x)
+    output must equal ``y0`` (the dropout-0 output). ``plain``: forward's other arguments
+    (:func:`plain_kwargs`). Returns True if one differs."""
+    plain = plain or {}
+    again = run_module(module, x, **plain)
     if again.error is None and _max_err(again.output, y0) > 0:
         report.dropout = "FAILED: two eval-mode runs on the same input differ"
         return True
@@ -1084,7 +1574,7 @@ def _check_dropout(module, layout: Layout, report: CheckReport, x: torch.Tensor,
     except (CheckError, RuntimeError) as e:
         report.dropout = f"not tested (building it with {names[0]}={DROPOUT_CHECK_P} failed: {e})"
         return False
-    runs = [run_module(other, x) for _ in range(2)]
+    runs = [run_module(other, x, **plain) for _ in range(2)]
     if any(r.error is not None for r in runs):
         error = runs[0].error or runs[1].error
         report.dropout = f"not tested (forward with {names[0]}={DROPOUT_CHECK_P} raised {error})"
@@ -1098,31 +1588,6 @@ def _check_dropout(module, layout: Layout, report: CheckReport, x: torch.Tensor,
         return True
     report.dropout = f"tested: in eval mode with {what} the output equals dropout 0 (max abs error {max(errs):.3g})"
     return False
-
-
-def _check_cache(module, layout, report, x, p, run: Run, P: int, outputs: dict) -> None:
-    """Run the cached step when forward takes a cache: ``module(x[:, :P])`` then
-    ``module(x[:, P:], past=<its present>)``; record the error against the reference."""
-    past_name, flag = _past_arg(module)
-    if P == 0 or past_name is None:
-        report.cache = "not tested (" + ("--past 0" if P == 0 else "forward takes no past argument") + ")"
-        return
-    extra = {flag: True} if flag else {}
-    first = run_module(module, x[:, :P], **extra)
-    if first.error is not None or first.present is None:
-        why = f"raised {type(first.error).__name__}: {first.error}" if first.error else "returned no present"
-        report.cache = f"not tested (forward on the first {P} tokens {why})"
-        return
-    step = run_module(module, x[:, P:], **{past_name: first.present}, **extra)
-    if step.error is not None:
-        report.cache = f"failed: forward with {past_name}= raised {type(step.error).__name__}: {step.error}"
-        report.cache_max_abs_error = float("inf")
-        return
-    ref = reference(x, p, layout.num_heads, P)
-    report.cache = f"tested: {P} past tokens, then {x.shape[1] - P} new ones with {past_name}=present"
-    report.cache_max_abs_error = _max_err(step.output, ref["output"])
-    report.cache_stages = stage_rows(layout, ref, step)
-    outputs[P] = step.output
 
 
 def _fmt_shape(shape, count=1) -> str:
@@ -1159,6 +1624,23 @@ def format_report(r: CheckReport) -> str:
         lines.append(f"cache: {r.cache}" + (f", max abs error {r.cache_max_abs_error:.3g}"
                                             if r.cache_max_abs_error is not None else ""))
         lines.append(f"dropout: {r.dropout}")
+    if r.variations:
+        lines.append("also checked (rebuilt, new random weights and input):")
+        for v in r.variations:
+            c = v.config
+            sizes = ", ".join(f"{k}={c[k]}" for k in ("num_heads", "head_dim", "T") if not v.label.startswith(k + "="))
+            text = f"  {v.label} ({sizes}): "
+            if v.error:
+                text += f"{v.error}   DIFFERS"
+            else:
+                text += f"output max abs error {_fmt_err(v.max_abs_error)}"
+                if v.cache_status in ("tested", "failed"):
+                    text += f", cached step {_fmt_err(v.cache_max_abs_error)}"
+                elif v.cache_status == "untested":
+                    text += ", cache not tested"
+                text += "   ok" if v.ok else "   DIFFERS" + (f" (first differing stage: {v.first_differing_stage})"
+                                                           if v.first_differing_stage else "")
+            lines.append(text)
     for note in r.notes:
         lines.append(f"note: {note}")
     if r.error:
@@ -1171,6 +1653,8 @@ def format_report(r: CheckReport) -> str:
                      "differing stage")
     result = {"match": "MATCH: the module computes GPT-2's multi-head causal attention (exit 0)",
               "mismatch": "MISMATCH: the module runs but its output differs from the reference (exit 1)",
-              "error": "COULD NOT RUN: the module could not be checked (exit 2)"}[r.verdict]
+              "error": "COULD NOT RUN: the module could not be checked (exit 2)",
+              "match_without_cache": "MATCH WITHOUT CACHE: the module matches without a cache, but forward takes a "
+                                     "cache the check could not compare (exit 3)"}[r.verdict]
     lines.append(f"\nresult: {result}")
     return "\n".join(lines)

@@ -4,8 +4,9 @@ The checkpoint is read twice: into :class:`~gpt2mha.GPT2` (:mod:`gpt2mha.formats
 the learner's own model, their class given as ``FILE.py:Class`` (built as the format builds
 it: the book's ``GPTModel(cfg)``, nanoGPT's ``GPT(GPTConfig(**model_args))``) and loaded with
 its own ``load_state_dict`` from the file's tensors, or, without a class, the format's
-reference: :class:`gpt2mha.book_gpt.GPTModel` for the book, :mod:`gpt2mha.reference` (NumPy,
-OpenAI's formulas) for OpenAI's and Hugging Face's checkpoints. Both run in float64 on the same
+reference: :class:`gpt2mha.learn.book_gpt.GPTModel` for the book, :class:`gpt2mha.learn.nanogpt_gpt.GPT`
+(nanoGPT's ``model.py``) for nanoGPT, :mod:`gpt2mha.reference` (NumPy, OpenAI's formulas) for
+OpenAI's and Hugging Face's checkpoints (a built-in name or hub id is one of those). Both run in float64 on the same
 random ids; forward hooks record, in order, the embeddings (input of block 0), each block's
 attention output, MLP output and output, the final LayerNorm and the logits. The first stage
 whose max abs error exceeds ``atol · max(1, max|gpt2mha|)`` is reported, with a diagnosis
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..io.checkpoints import CheckpointError
-from ..io.formats import _book_state_dict_of, detect_format, read_any, read_book, read_torch_file
+from ..io.formats import _book_state_dict_of, read_any, read_book, read_torch_file, source_format
 
 BLOCKS = ("trf_blocks", "transformer.h", "h", "blocks", "layers", "transformer.blocks", "model.layers")
 ATTN = ("att", "attn", "attention", "self_attn", "mha")
@@ -230,9 +231,10 @@ def check_model(src: str, cls: str | None = None, fmt: str | None = None, book_c
     """Compare the learner's model (or the format's reference) with gpt2mha on ``src``'s weights.
 
     Args:
-        src: a checkpoint any :mod:`gpt2mha.formats` reader takes.
+        src: a checkpoint any :mod:`gpt2mha.formats` reader takes, a built-in model name or a
+            hub id (as ``--model``; :func:`gpt2mha.formats.source_format`).
         cls: ``FILE.py:Class`` of the learner's model (book, nanoGPT checkpoints); None: the
-            format's reference (see the module docstring; nanoGPT has none here).
+            format's reference (see the module docstring).
         batch, tokens: the random ids ``[batch, min(tokens, n_ctx)]``, drawn with ``seed``.
         atol: a stage matches when ``max|theirs - ours| <= atol · max(1, max|ours|)`` (float64).
 
@@ -244,7 +246,7 @@ def check_model(src: str, cls: str | None = None, fmt: str | None = None, book_c
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"--{name}={v!r} must be a positive integer")
     try:
-        fmt = fmt or detect_format(src)
+        fmt = fmt or source_format(src)
         report.format = fmt
         ours, _ = read_any(src, fmt, book_config)
     except CheckpointError as e:
@@ -300,12 +302,12 @@ def _learner_model(src: str, fmt: str, cls: str | None, book_config: dict | None
     if cls is None:
         if fmt == "book":
             from .book_gpt import GPTModel
-            cls_obj, ref = GPTModel, "gpt2mha.book_gpt.GPTModel (the book's chapter 4 model)"
+            cls_obj, ref = GPTModel, "gpt2mha.learn.book_gpt.GPTModel (the book's chapter 4 model)"
         elif fmt in ("openai", "hf"):
             return None, "gpt2mha.reference (NumPy, OpenAI's formulas)"
         else:
-            raise ValueError("a nanoGPT checkpoint is checked against your nanoGPT code: pass --class "
-                             "path/to/nanoGPT/model.py:GPT")
+            from . import nanogpt_gpt
+            cls_obj, ref = nanogpt_gpt.GPT, "gpt2mha.learn.nanogpt_gpt.GPT (nanoGPT's model.py)"
     else:
         if fmt not in ("book", "nanogpt"):
             raise ValueError(f"--class needs a book or nanoGPT checkpoint (their state dict loads into your class); "
@@ -320,8 +322,12 @@ def _learner_model(src: str, fmt: str, cls: str | None, book_config: dict | None
         module = sys.modules.get(cls_obj.__module__)
         config_cls = getattr(module, "GPTConfig", None)
         args = dict(obj["model_args"])
-        model = cls_obj(config_cls(**args) if config_cls is not None else args)
         sd = strip_wrapper_prefixes(obj["model"])
+        if cls is None:                  # the built-in: nanoGPT's own fields; no causal-mask buffers (flash path)
+            fields = {f.name for f in dataclasses.fields(config_cls)}
+            args = {k: v for k, v in args.items() if k in fields}
+            sd = {k: v for k, v in sd.items() if not (k.endswith(".attn.bias") and v.dim() == 4)}
+        model = cls_obj(config_cls(**args) if config_cls is not None else args)
     result = model.load_state_dict(sd, strict=False)
     params = {n for n, _ in model.named_parameters()}
     missing = [k for k in result.missing_keys if k in params]

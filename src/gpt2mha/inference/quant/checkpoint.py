@@ -1,13 +1,25 @@
 """Quantized checkpoints: what ``save_pretrained`` writes for a quantized model, and the checks
 that run before any tensor of one is loaded.
+
+Format 2 stores the quantized head as ``lm_head.*`` (the module it is); format 1 (gpt2mha before
+the package was split) stored it as ``quantized_head.*`` and is still read.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from .linear import QuantizedHead, QuantizedLinear
+from .model import BLOCK_LINEARS, install, quantized_layers
+from .schemes import (HEAD_SCHEME, KERNEL_DTYPE, METHODS, QuantizationError, check_scheme, dequantize_int4,
+                      unpack_int4)
+
 #: The format of a quantized checkpoint, recorded in config.json's "gpt2mha.quantization".
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Formats this version reads (1: the head stored as ``quantized_head.*``).
+READABLE_FORMATS = (1, 2)
 
 
 def state_to_save(model, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
@@ -31,31 +43,58 @@ def state_to_save(model, dtype: torch.dtype = torch.float32) -> tuple[dict[str, 
     return tensors, {**q, "format": FORMAT_VERSION}
 
 
+#: The fields of config.json's quantization entry and their JSON types ("method" may be absent:
+#: checkpoints saved before GPTQ existed were rounded to nearest).
+ENTRY_FIELDS = {"scheme": "string", "group_size": "integer or null", "head": "string", "tied": "boolean",
+                "format": "integer", "method": "string"}
+
+
+def _json_type_ok(value, kind: str) -> bool:
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
+    integer = isinstance(value, int) and not isinstance(value, bool)
+    return integer or (kind == "integer or null" and value is None)
+
+
 def read_scheme(entry, source: str) -> tuple[str, int | None, bool]:
     """``(scheme, group_size, tied)`` from config.json's quantization entry.
 
+    Every field is type-checked as JSON writes it (:data:`ENTRY_FIELDS`): ``"tied": "false"``
+    (a string) or ``"group_size": 32.0`` is refused, never read as something else; an unknown
+    field is refused too (a newer writer's checkpoint).
+
     Raises:
-        QuantizationError: an entry this version cannot read (names the field).
+        QuantizationError: an entry this version cannot read (names the field and its value).
     """
     if not isinstance(entry, dict):
         raise QuantizationError(f"{source}: gpt2mha.quantization must be an object, got {entry!r}")
-    if entry.get("format") != FORMAT_VERSION or entry.get("head") != HEAD_SCHEME:
-        raise QuantizationError(f"{source}: quantization format {entry.get('format')!r} with a {entry.get('head')!r} "
-                                f"head; this gpt2mha reads format {FORMAT_VERSION} with an {HEAD_SCHEME} head")
+    problems = [f"{k}={entry[k]!r} must be a JSON {kind}" for k, kind in ENTRY_FIELDS.items()
+                if k in entry and not _json_type_ok(entry[k], kind)]
+    problems += [f"missing field {k!r} ({kind})" for k, kind in ENTRY_FIELDS.items() if k not in entry and k != "method"]
+    problems += [f"unknown field {k!r}" for k in entry if k not in ENTRY_FIELDS]
+    if problems:
+        raise QuantizationError(f"{source}: gpt2mha.quantization: " + "; ".join(problems)
+                                + f" (expected {', '.join(f'{k}: {v}' for k, v in ENTRY_FIELDS.items())})")
+    if entry["format"] not in READABLE_FORMATS or entry["head"] != HEAD_SCHEME:
+        raise QuantizationError(f"{source}: quantization format {entry['format']!r} with a {entry['head']!r} "
+                                f"head; this gpt2mha reads formats {READABLE_FORMATS} with an {HEAD_SCHEME} head")
     try:
-        check_scheme(entry.get("scheme"), entry.get("group_size"))
+        check_scheme(entry["scheme"], entry["group_size"])
     except ValueError as e:
         raise QuantizationError(f"{source}: {e}") from None
     if entry.get("method", "rtn") not in METHODS:
         raise QuantizationError(f"{source}: quantization method {entry.get('method')!r} is unknown; expected one of "
                                 f"{METHODS}")
-    return entry["scheme"], entry["group_size"], bool(entry.get("tied", True))
+    return entry["scheme"], entry["group_size"], entry["tied"]
 
 
 def check_state(model, sd: dict[str, torch.Tensor], source: str, tied: bool) -> None:
     """Compare a quantized checkpoint's tensors with the (quantized, empty) ``model`` before
     anything is copied: names, shapes, exact dtypes of the quantized buffers, finite float
-    tensors, and scales that are finite and > 0.
+    tensors, scales that are finite and > 0, and scales and zeros small enough that no product
+    the model computes can overflow (:func:`overflow_problems`).
 
     Raises:
         QuantizationError: listing every problem, e.g. ``h.0.mlp.c_fc.scales: corrupted scale
@@ -89,8 +128,101 @@ def check_state(model, sd: dict[str, torch.Tensor], source: str, tied: bool) -> 
             problems.append(f"{k}: dtype {t.dtype} is not a floating-point type")
         elif not torch.isfinite(t).all():
             problems.append(f"{k}: contains NaN or inf values")
+    if not problems:
+        problems = overflow_problems(sd, model.config, model.quantization["scheme"], group_size, tied)
     if problems:
         raise QuantizationError(f"{source}: cannot load the quantized checkpoint:\n  " + "\n  ".join(problems))
+
+
+#: The largest finite value of the kernels' products: bfloat16's (the int4 kernel's activations,
+#: scales and output), a little below float32's (the int8 products and the float32 model).
+KERNEL_MAX = torch.finfo(KERNEL_DTYPE).max
+#: |GELU(t)| <= max(|t|, GELU_MIN): the tanh GELU's most negative value is about -0.170.
+GELU_MIN = 0.17
+
+
+def _row_norms(sd: dict, path: str, scheme: str, group_size: int | None) -> torch.Tensor:
+    """float64 ``‖deq(W)[n, :]‖₂`` of every output channel n of the quantized layer at ``path``."""
+    w = sd[path + ".weight"]
+    if scheme == "int8":
+        return w.double().pow(2).sum(1).sqrt() * sd[path + ".scales"].double()
+    return dequantize_int4(unpack_int4(w), sd[path + ".scale_zero"], group_size).double().norm(dim=1)
+
+
+def overflow_problems(sd: dict[str, torch.Tensor], config, scheme: str, group_size: int | None,
+                      tied: bool) -> list[str]:
+    """Whether any value the model computes can overflow with these scales and zeros, for any
+    input: worst-case magnitudes in float64, from first principles, each compared with
+    :data:`KERNEL_MAX`. Returns the problems, each naming the scale tensor that causes it.
+
+    The bounds follow the pre-norm block, so they do not compound across blocks: a LayerNorm
+    output ``u = γ ⊙ x̂ + β`` has ``‖x̂‖₂ ≤ √C``, so ``‖u‖₂ ≤ max|γ|·√C + ‖β‖₂``; a layer's
+    output channel n is at most ``‖u‖₂ · ‖deq(W)[n]‖₂ + |b[n]|`` (Cauchy-Schwarz) -- the product
+    the kernel computes; the scores of head h at most ``‖q_h‖·‖k_h‖ / √head_dim``; an attention
+    context channel at most its value channel (a convex combination); ``|GELU(t)| ≤ max(|t|,
+    0.17)``. The residual stream is at most ``max|wte| + max|wpe|`` plus every attention and MLP
+    output bound, and LayerNorm squares its deviations from the mean (C of them, summed in
+    float32): ``C · (2R)²`` must stay finite. Ordinary checkpoints sit tens of orders of
+    magnitude below these limits; scales multiplied by 1e30 do not.
+    """
+    C, H = config.n_embd, config.n_head
+    hd = C // H
+    problems: list[str] = []
+    gains: dict[str, float] = {}                # largest ‖deq(W)[n]‖₂ of each quantized layer
+
+    def blame(paths) -> str:                    # of the layers a value passed through: the largest gain
+        path = max(paths, key=lambda q: gains.get(q, 0.0))
+        return f"{path}.{'scales' if path == 'lm_head' or scheme == 'int8' else 'scale_zero'}"
+
+    def flag(paths, what: str, value: float) -> None:
+        problems.append(f"{blame(paths)}: {what} can reach {value:.3g}, beyond the {KERNEL_MAX:.3g} the kernels' "
+                        f"products hold (bfloat16/float32): scales or zeros out of any range a quantizer produces "
+                        f"from working weights (corrupted, or multiplied by a constant?)")
+
+    def ln(prefix) -> float:
+        g, b = sd[prefix + ".weight"].double(), sd[prefix + ".bias"].double()
+        return float(g.abs().max()) * math.sqrt(C) + float(b.norm())
+
+    def linear(path, u_norm: float, upstream=()) -> torch.Tensor:
+        norms = _row_norms(sd, path, HEAD_SCHEME if path == "lm_head" else scheme, group_size)
+        gains[path] = float(norms.max())
+        bias = sd.get(path + ".bias")
+        bound = u_norm * norms + (bias.double().abs() if bias is not None else 0.0)
+        if not problems and not float(bound.max()) <= KERNEL_MAX:
+            flag((path, *upstream), "its outputs (the kernel's product)", float(bound.max()))
+        return bound
+
+    head_norms = _row_norms(sd, "lm_head", HEAD_SCHEME, None)
+    gains["lm_head"] = float(head_norms.max())
+    embed = float(sd["wte.weight"].double().abs().max()) if "wte.weight" in sd else 0.0
+    if tied:                                    # wte is the dequantized head: each entry <= its row's norm
+        embed = max(embed, gains["lm_head"])
+    residual = [(("lm_head",) if tied else (), embed), ((), float(sd["wpe.weight"].double().abs().max()))]
+    for i in range(config.n_layer):
+        p = f"h.{i}."
+        attn, proj, fc, mproj = (p + n for n in BLOCK_LINEARS)
+        y = linear(attn, ln(p + "ln_1"))
+        q, k, v = (t.view(H, hd).norm(dim=1) for t in y.split(C))
+        scores = q * k / math.sqrt(hd)
+        if not problems and not float(scores.max()) <= KERNEL_MAX:
+            flag((attn,), "the attention scores q·kᵀ/√head_dim", float(scores.max()))
+        z = linear(proj, float(v.norm()), (attn,))
+        f = linear(fc, ln(p + "ln_2"))
+        m = linear(mproj, float(f.clamp(min=GELU_MIN).norm()), (fc,))
+        residual += [((proj, attn), float(z.max())), ((mproj, fc), float(m.max()))]
+        if problems:
+            return problems
+        R = sum(r for _, r in residual)
+        if not C * (2 * R) ** 2 <= KERNEL_MAX:
+            paths, most = max(residual, key=lambda r: r[1])
+            culprit = blame(paths) if paths else "wpe.weight" if most == residual[1][1] else "wte.weight"
+            problems.append(f"{culprit}: the residual stream can reach {R:.3g} by block {i} (up to {most:.3g} "
+                            f"through this tensor), so LayerNorm's sum of squared deviations ({C}·(2·{R:.3g})²) "
+                            f"overflows float32: scales or zeros out of any range a quantizer produces from working "
+                            f"weights (corrupted, or multiplied by a constant?)")
+            return problems
+    linear("lm_head", ln("ln_f"))
+    return problems
 
 
 def load_state(model, entry, sd: dict[str, torch.Tensor], source: str, dtype: torch.dtype):
@@ -102,9 +234,13 @@ def load_state(model, entry, sd: dict[str, torch.Tensor], source: str, dtype: to
         The quantized model on the CPU, float tensors in ``dtype``, in eval mode.
 
     Raises:
-        QuantizationError: see :func:`read_scheme`, :func:`check_state`.
+        QuantizationError: see :func:`read_scheme`, :func:`check_state`; or a float tensor (a
+            tied wte: the dequantized head) that overflows ``dtype``.
     """
     scheme, group_size, tied = read_scheme(entry, source)
+    if entry["format"] == 1:                    # format 1 named the quantized head quantized_head.*
+        sd = {"lm_head." + k.removeprefix("quantized_head.") if k.startswith("quantized_head.") else k: v
+              for k, v in sd.items()}
     try:
         check_scheme(scheme, group_size, model.config.n_embd)
     except ValueError as e:
@@ -119,5 +255,10 @@ def load_state(model, entry, sd: dict[str, torch.Tensor], source: str, dtype: to
         model.load_state_dict({k: v if k in quantized else v.to(torch.float32) for k, v in sd.items()}, strict=False)
         if tied:
             model.wte.weight.copy_(model.lm_head.dequantized())
+    if dtype != torch.float32:                  # the float tensors (a tied wte: the dequantized head) in dtype
+        overflow = [k for k, v in model.state_dict().items() if k not in quantized and v.is_floating_point()
+                    and not bool(torch.isfinite(v.to(dtype)).all())]
+        if overflow:
+            raise QuantizationError(f"{source}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
     model.quantization["method"] = entry.get("method", "rtn")
     return model.to(dtype).eval()

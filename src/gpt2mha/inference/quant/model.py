@@ -105,7 +105,7 @@ def calibration_ids(model, calibration) -> torch.Tensor:
         if len(calibration) < 4096 and os.path.isfile(calibration):
             path_hint = (f" (calibration= takes the text itself, and {calibration!r} is a file name: pass "
                          f"open({calibration!r}, encoding='utf-8').read())")
-        from ...tokenizer import get_tokenizer
+        from ...io.tokenizer import get_tokenizer
         calibration = get_tokenizer(c.tokenizer).encode(calibration)
     try:
         ids = torch.as_tensor(calibration)
