@@ -141,12 +141,18 @@ KERNEL_MAX = torch.finfo(KERNEL_DTYPE).max
 GELU_MIN = 0.17
 
 
-def _row_norms(sd: dict, path: str, scheme: str, group_size: int | None) -> torch.Tensor:
-    """float64 ``‖deq(W)[n, :]‖₂`` of every output channel n of the quantized layer at ``path``."""
+def _row_norms(sd: dict, path: str, scheme: str, group_size: int | None, rows: int = 4096) -> torch.Tensor:
+    """``‖deq(W)[n, :]‖₂`` of every output channel n of the quantized layer at ``path``, as
+    float64 ``[N]`` (computed in float32, ``rows`` rows at a time: a bound needs no more
+    precision; a dequantized value beyond float32 gives inf, which is beyond every limit too)."""
     w = sd[path + ".weight"]
-    if scheme == "int8":
-        return w.double().pow(2).sum(1).sqrt() * sd[path + ".scales"].double()
-    return dequantize_int4(unpack_int4(w), sd[path + ".scale_zero"], group_size).double().norm(dim=1)
+    if scheme == "int8":                        # ‖q[n]‖ · scale[n]
+        q = torch.cat([torch.linalg.vector_norm(w[i:i + rows].float(), dim=1) for i in range(0, w.shape[0], rows)])
+        return q.double() * sd[path + ".scales"].double()
+    sz = sd[path + ".scale_zero"]
+    return torch.cat([torch.linalg.vector_norm(dequantize_int4(unpack_int4(w[i:i + rows]), sz[:, i:i + rows],
+                                                               group_size), dim=1)
+                      for i in range(0, w.shape[0], rows)]).double()
 
 
 def overflow_problems(sd: dict[str, torch.Tensor], config, scheme: str, group_size: int | None,
