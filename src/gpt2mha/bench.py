@@ -44,10 +44,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .cli import BENCH_SECTIONS as SECTIONS
+from .cli import add_bench_arguments as add_arguments  # noqa: F401 (python -m gpt2mha.bench)
 from .kv_cache import KVCache
 from .model import GPT2, GPT2Config, logits_dtype
 
-SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp", "quant")
 MMAP_THRESHOLD = 1 << 20   # bytes: allocations this large bypass glibc's heap in the memory children
 DECISIVE = 0.05          # top-2 probability margin that makes a position "decisive" for agreement
 REPO_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "data", "tinyshakespeare.txt")
@@ -812,19 +813,6 @@ def format_table(result: dict) -> str:
         lines.append(f"| {r['figure']} | {_fmt(r['value'], r['unit'])} | {_fmt(r['vs'], r['unit'])} | "
                      f"{r['unit']} | {_fmt(r['ratio'])} | {r['target'] or '-'} | {_fmt(r['met'])} | {r['note']} |")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="scaled-down sizes (under 2 minutes)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--preset", default="124M", help="model size preset for the random weights (default 124M)")
-    p.add_argument("--only", default=",".join(SECTIONS),
-                   help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
-    p.add_argument("--text", default=None, metavar="FILE",
-                   help="real text for top-1 agreement (default: the repo's data/tinyshakespeare.txt)")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    p.add_argument("--quantize", default="int8,int4", metavar="int8|int4",
-                   help="weight-only schemes the quant section decodes with (comma-separated; default both)")
 
 
 def main_args(args) -> int:

@@ -402,11 +402,29 @@ def cmd_bench(args) -> int:
     return main_args(args)
 
 
-def _add_bench_command(sub) -> None:
-    from .bench import add_arguments
+#: The sections of ``gpt2mha bench`` (:mod:`gpt2mha.bench`), in the order they run.
+BENCH_SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp", "quant")
 
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``gpt2mha bench`` and ``python -m gpt2mha.bench`` (kept here, without torch,
+    so that building the command's parser imports nothing heavy)."""
+    p.add_argument("--quick", action="store_true",
+                   help="scaled-down sizes, every section bounded (about 2 minutes on 2 idle cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--preset", default="124M", help="model size preset for the random weights (default 124M)")
+    p.add_argument("--only", default=",".join(BENCH_SECTIONS),
+                   help=f"comma-separated sections to run (default all: {','.join(BENCH_SECTIONS)})")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="real text for top-1 agreement (default: the repo's data/tinyshakespeare.txt)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--quantize", default="int8,int4", metavar="int8|int4",
+                   help="weight-only schemes the quant section decodes with (comma-separated; default both)")
+
+
+def _add_bench_command(sub) -> None:
     b = sub.add_parser("bench", help="speed and memory against Hugging Face transformers on the same random weights")
-    add_arguments(b)
+    add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
 
 
@@ -543,7 +561,10 @@ def _add_serve_command(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="gpt2mha", description="GPT-2 multi-head attention, exact and fast.")
+    parser.add_argument("--version", action="version", version=f"gpt2mha {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="continue a prompt (streams tokens as they are sampled)",
