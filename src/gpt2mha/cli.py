@@ -229,21 +229,48 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    from .model import GPT2Config
-    from .train import TrainConfig, train
+#: train's options that set the model (GPT2Config fields), as argparse names them
+TRAIN_MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "n_ctx": "--n-ctx",
+                     "tokenizer": "--tokenizer", "attn_pdrop": "--attn-pdrop", "resid_pdrop": "--resid-pdrop"}
+#: train's options that set the optimisation (TrainConfig fields)
+TRAIN_SETTINGS = ("iters", "batch_size", "lr", "min_lr", "warmup", "seed", "eval_interval")
 
-    sizes = {k: v for k, v in dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                                   n_ctx=args.n_ctx).items() if v is not None}
-    drop = {k: v for k, v in dict(attn_pdrop=args.attn_pdrop, resid_pdrop=args.resid_pdrop,
-                                  embd_pdrop=args.resid_pdrop).items() if v is not None}
-    tokenizer = args.tokenizer or ("gpt2" if args.preset in ("124M", "355M", "774M", "1558M") else "bytes")
-    n_vocab = 50257 if tokenizer == "gpt2" else 256
-    config = GPT2Config.from_preset(args.preset, n_vocab=n_vocab, tokenizer=tokenizer, **sizes, **drop)
-    tc = TrainConfig(**{k: v for k, v in dict(iters=args.iters, batch_size=args.batch_size, lr=args.lr,
-                                              min_lr=args.min_lr, warmup=args.warmup, seed=args.seed,
-                                              eval_interval=args.eval_interval).items() if v is not None})
-    log = train(args.data, args.out, config, tc, resume=args.resume)   # DistributedDataParallel under torchrun
+
+def cmd_train(args) -> int:
+    """``gpt2mha train``. Every option defaults to None, so the ones given on the command line
+    are known: a new run fills the others from the preset and :class:`~gpt2mha.train.TrainConfig`,
+    ``--resume`` from the checkpoint (the train function prints each setting given that differs
+    from it), ``--init-from`` from the model it loads."""
+    from .train import train
+
+    if args.resume and args.init_from is not None:
+        raise ValueError(f"--init-from {args.init_from} starts a new run from a model's weights; --resume continues "
+                         f"the checkpoint in --out: use one of them")
+    model = {k: getattr(args, k) for k in TRAIN_MODEL_FLAGS if getattr(args, k) is not None}
+    if model.get("resid_pdrop") is not None:
+        model["embd_pdrop"] = model["resid_pdrop"]                   # --resid-pdrop covers the embeddings too
+    if args.init_from is not None and args.preset is not None:
+        raise ValueError(f"--preset {args.preset}: the model comes from --init-from {args.init_from}; drop --preset")
+    if args.init_from is not None or (args.resume and args.preset is None):
+        config = model or None                                       # checked against that model by train()
+    else:                                                            # a new run; or --resume with the same preset
+        from .model import GPT2Config
+
+        preset = args.preset or "tiny"
+        if "tokenizer" not in model:
+            model["tokenizer"] = "gpt2" if preset in ("124M", "355M", "774M", "1558M") else "bytes"
+        config = GPT2Config.from_preset(preset, n_vocab=50257 if model["tokenizer"] == "gpt2" else 256, **model)
+    settings = {k: getattr(args, k) for k in TRAIN_SETTINGS if getattr(args, k) is not None}
+    try:
+        log = train(args.data, args.out, config, settings, resume=args.resume,     # DDP under torchrun
+                    init_from=args.init_from)
+    except ValueError as e:                                          # name the flags the fields came from
+        import re
+
+        flags = {**TRAIN_MODEL_FLAGS, **{k: "--" + k.replace("_", "-") for k in (*TRAIN_SETTINGS, "init_from")}}
+        flags = {k: v for k, v in flags.items() if getattr(args, k) is not None}          # the ones given
+        message = re.sub(r"\b(%s)=" % "|".join(flags), lambda m: flags[m.group(1)] + "=", str(e)) if flags else str(e)
+        raise ValueError(f"--preset {args.preset}: {message}" if args.resume and args.preset else message) from None
     from .parallel import info
     if log["evals"] and info().is_main:
         last = log["evals"][-1]
@@ -609,20 +636,32 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a GPT-2 on a text file (first 90%% train, last 10%% validation)")
     t.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file")
     t.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory (new, or ours with --resume)")
-    t.add_argument("--preset", default="tiny", help="size preset (tiny, shakespeare, 124M, ...); the flags below override it")
+    t.add_argument("--preset", default=None,
+                   help="size preset of a new run (tiny, shakespeare, 124M, ...; default tiny); the flags below "
+                        "override it")
     for flag in ("--n-layer", "--n-head", "--n-embd", "--n-ctx"):
         t.add_argument(flag, type=int, default=None)
-    t.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=None)
-    t.add_argument("--iters", type=int, default=None)
-    t.add_argument("--batch-size", type=int, default=None)
-    t.add_argument("--lr", type=float, default=None)
-    t.add_argument("--min-lr", type=float, default=None)
-    t.add_argument("--warmup", type=int, default=None)
-    t.add_argument("--eval-interval", type=int, default=None)
-    t.add_argument("--attn-pdrop", type=float, default=None, help="dropout on attention weights")
-    t.add_argument("--resid-pdrop", type=float, default=None, help="dropout on residual branches and embeddings")
-    t.add_argument("--seed", type=int, default=None)
-    t.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    t.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=None,
+                   help="of a new run (default: gpt2 for the GPT-2 presets, else bytes)")
+    t.add_argument("--iters", type=int, default=None, help="optimizer steps in all (default 2000)")
+    t.add_argument("--batch-size", type=int, default=None, help="windows per step, the global batch (default 32)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
+    t.add_argument("--min-lr", type=float, default=None, help="the cosine's floor (default 2e-4)")
+    t.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default 100)")
+    t.add_argument("--eval-interval", type=int, default=None,
+                   help="validate and checkpoint every this many steps (default 250)")
+    t.add_argument("--attn-pdrop", type=float, default=None, help="dropout on attention weights (default 0)")
+    t.add_argument("--resid-pdrop", type=float, default=None,
+                   help="dropout on residual branches and embeddings (default 0)")
+    t.add_argument("--seed", type=int, default=None, help="initialisation and batch sampler (default 1337)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the checkpoint in --out with its settings, optimizer and random states; the "
+                        "options above given here override its settings (one line each says so); the model's "
+                        "sizes and the seed cannot change")
+    t.add_argument("--init-from", default=None, metavar="MODEL",
+                   help="fine-tune: start a new run at step 0, with its own optimizer, from MODEL's weights (any "
+                        "--model value: built-in name, directory, hub id, nanoGPT ckpt.pt, ...); the data is read "
+                        "with MODEL's tokenizer; only dropout may differ from MODEL's config")
     t.set_defaults(func=cmd_train)
     _add_inspect_commands(sub)
     _add_bench_command(sub)
