@@ -98,12 +98,21 @@ def quantized(model, args):
 def cmd_generate(args) -> int:
     import torch
 
-    from .generate import check_sampling
+    from .generate import check_min_p, check_sampling
     from .tokenizer import StreamDecoder, tokenizer_for
 
     check_sampling(args.temperature, args.top_k, args.top_p)
+    try:
+        check_min_p(args.min_p)
+    except ValueError as e:
+        raise ValueError(f"--min-p={args.min_p} must be a number in [0, 1] (0: off)") from None
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    if args.prompt_file is not None:
+        if args.prompt:
+            raise ValueError(f"--prompt-file {args.prompt_file} is the prompt; drop the PROMPT ({args.prompt[0]!r}) "
+                             f"or the flag")
+        args.prompt = [read_prompt_file(args.prompt_file)]
     prompts = args.prompt
     if args.num_samples < 1:
         raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
@@ -113,7 +122,8 @@ def cmd_generate(args) -> int:
     if not args.unconditional and not prompts:
         raise ValueError("give a PROMPT to continue (or --unconditional to sample from <|endoftext|>)")
     if "" in prompts:
-        which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else "PROMPT"
+        which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else \
+            f"--prompt-file {args.prompt_file}" if args.prompt_file is not None else "PROMPT"
         raise ValueError(f"{which} is empty; give at least one character to continue")
     from . import parallel
     parallel.check_world(args.tp)                     # --tp N needs N ranks (torchrun)
@@ -144,7 +154,7 @@ def cmd_generate(args) -> int:
         out.flush()
 
     ids = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                         min_p=args.min_p, seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
                          sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
     parallel.check_same_tokens(ids)
     out.write(("" if started else args.prompt) + stream.flush() + "\n")
@@ -157,8 +167,6 @@ def _generate_samples(args, model, tok) -> int:
     rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
     line, its padding dropped by :func:`gpt2mha.tokenizer.decode_rows`; with ``--stop-at-eos`` a
     row ends at its first ``<|endoftext|>``."""
-    import torch
-
     from . import parallel
     from .generate import left_pad
     from .tokenizer import decode_rows
@@ -170,17 +178,10 @@ def _generate_samples(args, model, tok) -> int:
     rows = [ids for ids in encoded for _ in range(args.num_samples)]
     idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
-                         attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
+                         top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                         eos_token_id=tok.eot_token if args.stop_at_eos else None, attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
     parallel.check_same_tokens(out)
-    out, mask = out.cpu(), mask.cpu()
-    T = idx.shape[1]
-    if args.stop_at_eos:                       # a finished row repeats <|endoftext|>: keep the first
-        hits = out[:, T:] == tok.eot_token
-        first = torch.where(hits.any(1), hits.int().argmax(1) + T + 1, out.shape[1])
-        texts = [decode_rows(tok, out[i:i + 1, :int(first[i])], mask[i:i + 1])[0] for i in range(len(rows))]
-    else:
-        texts = decode_rows(tok, out, mask)
+    texts = decode_rows(tok, out.cpu(), mask.cpu(), tok.eot_token if args.stop_at_eos else None)
     skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
     stdout = parallel.rank0_stdout()
     for i, text in enumerate(texts):
@@ -189,6 +190,20 @@ def _generate_samples(args, model, tok) -> int:
             label = f"prompt {i // args.num_samples + 1} of {len(args.prompt)}, " + label
         print(f"{'=' * 20} {label} {'=' * 20}", text[skip:], sep="\n", file=stdout)
     return 0
+
+
+def read_prompt_file(path: str) -> str:
+    """``--prompt-file``: the file's exact text (a trailing newline included), or standard input's
+    for ``-``. Raises ValueError naming the file when it cannot be read or is not UTF-8."""
+    if path != "-":
+        try:
+            return read_text(path)
+        except ValueError as e:
+            raise ValueError(f"--prompt-file: {e}") from None
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file -: standard input is not UTF-8 text (byte {e.start})") from None
 
 
 def read_text(path: str, split: str = "all") -> str:
@@ -598,6 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=DefaultsHelpFormatter)
     g.add_argument("prompt", metavar="PROMPT", nargs="*",
                    help="text to continue; several PROMPTs are sampled as one batch and printed as labelled samples")
+    g.add_argument("--prompt-file", "-f", default=None, metavar="FILE",
+                   help="read the prompt from FILE (its exact UTF-8 text, a final newline included), '-' for "
+                        "standard input; instead of PROMPT")
     _model_arg(g)
     g.add_argument("--unconditional", action="store_true",
                    help="sample from <|endoftext|> alone, as OpenAI's generate_unconditional_samples.py (BPE models)")
@@ -606,6 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep only tokens at least this fraction as likely as the most likely one, after "
+                        "--temperature (transformers' min_p); in [0, 1], 0: off")
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights' dtype; on CPU bfloat16/float16 halve the weights' memory but decode no "

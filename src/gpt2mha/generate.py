@@ -3,7 +3,9 @@
 One prefill over the whole prompt fills a :class:`~gpt2mha.kv_cache.KVCache`; each later step
 feeds only the newest token and reads the cache. Sampling follows the official code:
 ``logits / temperature``, then top-k (keep logits >= the k-th largest), then top-p (keep the
-largest logits whose cumulative probability stays within p, at least one), then a draw.
+largest logits whose cumulative probability stays within p, at least one), then min-p (keep the
+tokens whose probability is at least ``min_p`` times the largest, as transformers'
+``MinPLogitsWarper``; not in OpenAI's code), then a draw.
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> tuple[float,
     return float(temperature), top_k, float(top_p)
 
 
+def check_min_p(min_p: float) -> float:
+    """Validate ``min_p`` (0 turns min-p sampling off) and return it as a float.
+
+    Raises:
+        ValueError: naming it if it is not a real number in [0, 1].
+    """
+    if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0 <= min_p <= 1:
+        raise ValueError(f"min_p={min_p!r} must be a number in [0, 1] (0: off)")
+    return float(min_p)
+
+
 def row_seed(seed: int, row: int) -> int:
     """The seed of row ``row``'s generator when a batch is sampled with ``seed``.
 
@@ -89,20 +102,34 @@ def top_p_logits(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(logits < min_values, float("-inf"))
 
 
+def min_p_logits(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """``[B, V]`` → same with every logit whose probability is below ``min_p`` times the row's
+    largest probability set to -inf (min_p = 0: unchanged; the most likely token always stays).
+
+    Source: transformers' ``MinPLogitsWarper`` (Nguyen et al. 2024, "Min P sampling"), applied to
+    the logits after temperature, top-k and top-p as transformers' ``generate`` orders them.
+    """
+    if min_p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                generator: torch.Generator | list[torch.Generator] | None = None) -> torch.Tensor:
+                generator: torch.Generator | list[torch.Generator] | None = None, min_p: float = 0.0) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from last-position logits ``[B, V]``.
 
     Temperature 0 (or below :data:`MIN_TEMPERATURE`) is argmax. Logits are shifted by their row
     maximum before dividing by the temperature (softmax does not change), so a tiny temperature
-    cannot overflow to inf. ``generator`` is one generator for the whole batch, or a list with
-    one per row (row i drawn from ``generator[i]``, as if sampled alone).
+    cannot overflow to inf; then top-k, top-p and min-p (:func:`min_p_logits`) filter them.
+    ``generator`` is one generator for the whole batch, or a list with one per row (row i drawn
+    from ``generator[i]``, as if sampled alone).
     """
     logits = logits.float()
     if temperature < MIN_TEMPERATURE:
         return logits.argmax(dim=-1)
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature      # <= 0: no overflow
-    logits = top_p_logits(top_k_logits(logits, top_k), top_p)
+    logits = min_p_logits(top_p_logits(top_k_logits(logits, top_k), top_p), min_p)
     probs = torch.softmax(logits, dim=-1)
     if isinstance(generator, (list, tuple)):
         return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g) for i, g in enumerate(generator)]).squeeze(-1)
@@ -165,11 +192,79 @@ def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Ten
     return idx, mask
 
 
+def strip_padding(out: torch.Tensor, prompts=None, *, attention_mask: torch.Tensor | None = None,
+                  new_only: bool = False, eos_token_id: int | None = None) -> list[list[int]]:
+    """Each row of a batch :func:`generate` returned, as a list of token ids without its left
+    padding: the prompt followed by the new tokens (or, with ``new_only``, the new tokens alone).
+
+    The pad id (0) is also a real token (the NUL byte, GPT-2's ``!``), so pads cannot be told
+    from tokens by value: say where each prompt starts with the prompts themselves or the mask.
+
+    Args:
+        out: ``[B, T + N]`` ids from ``generate`` (T the padded prompt width, N new tokens).
+        prompts: the prompts given to ``generate`` (token lists, tensors, arrays), for their
+            lengths; row i's prompt is its last ``len(prompts[i])`` columns of the first T.
+        attention_mask: instead of ``prompts``, ``[B, T]`` of 1 (real) / 0 (pad) over the
+            prompt columns, as :func:`left_pad` returns it. Neither: no padding, T unknown
+            (then ``new_only`` is an error).
+        new_only: return only the N new tokens of each row.
+        eos_token_id: cut each row after the first of its new tokens equal to it (a finished
+            row repeats it), keeping that one.
+
+    Returns:
+        ``B`` lists of Python ints.
+
+    Raises:
+        ValueError: both or (with ``new_only``) neither of prompts / attention_mask, a count
+            or shape that does not fit ``out``.
+    """
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise ValueError(f"out must be the [B, T + N] ids generate returned; got "
+                         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+    if prompts is not None and attention_mask is not None:
+        raise ValueError("pass prompts or attention_mask, not both")
+    B, total = out.shape
+    if prompts is not None:
+        lengths = [len(p) for p in as_prompts(prompts)]
+        if len(lengths) != B:
+            raise ValueError(f"prompts has {len(lengths)} prompts for {B} rows of out")
+        T = max(lengths)
+        starts = [T - n for n in lengths]
+    elif attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or \
+                attention_mask.shape[0] != B or attention_mask.shape[1] > total:
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+            raise ValueError(f"attention_mask has shape {shape}; expected [B={B}, T_mask <= {total}] over the "
+                             f"prompt columns")
+        T = attention_mask.shape[1]
+        keep = as_bool_mask(attention_mask, "attention_mask").cpu()
+        starts = None
+    elif new_only:
+        raise ValueError("new_only needs prompts or attention_mask, to know where each prompt ends")
+    else:
+        T, starts = total, [0] * B
+    if T > total:
+        raise ValueError(f"the prompts are {T} tokens wide but out has {total} columns")
+    ids = out.tolist()
+    rows = []
+    for i, row in enumerate(ids):
+        new = row[T:]
+        if eos_token_id is not None and eos_token_id in new:
+            new = new[:new.index(eos_token_id) + 1]
+        if new_only:
+            rows.append(new)
+        elif starts is not None:
+            rows.append(row[starts[i]:T] + new)
+        else:
+            rows.append([t for t, k in zip(row[:T], keep[i].tolist()) if k] + new)
+    return rows
+
+
 def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, eos_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, sliding_window: bool = False,
              on_token: Callable[[torch.Tensor], None] | None = None,
-             vocab_size: int | None = None) -> torch.Tensor:
+             vocab_size: int | None = None, min_p: float = 0.0) -> torch.Tensor:
     """Sample ``max_new_tokens`` tokens after ``idx``.
 
     Args:
@@ -179,7 +274,9 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             automatically (:func:`left_pad`, pad id 0). A padded tensor needs
             ``attention_mask [B, T]`` marking real tokens 1 and pads 0 (bool or 0/1 values).
         max_new_tokens: number of tokens to add (>= 0).
-        temperature, top_k, top_p: sampling (see :func:`sample_next`); temperature 0 is greedy.
+        temperature, top_k, top_p, min_p: sampling (see :func:`sample_next`); temperature 0 is
+            greedy; min_p in [0, 1] keeps the tokens at least min_p times as likely as the most
+            likely one (0: off).
         seed: seeds one private generator per row (:func:`row_seed`): the same call gives the
             same tokens, and row i samples exactly as its prompt alone with ``row_seed(seed, i)``
             (row 0: ``seed`` itself).
@@ -194,7 +291,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
 
     Returns:
         ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens (an
-        ordinary tensor: it may be edited in place or used in training).
+        ordinary tensor: it may be edited in place or used in training). A batch of prompts
+        keeps its left padding; :func:`strip_padding` gives each row without it.
 
     The model runs in eval mode for the call (dropout off, so a seed fixes the tokens) and is
     put back in the mode it was in.
@@ -206,6 +304,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             without ``sliding_window``, before any work is done.
     """
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
+    min_p = check_min_p(min_p)
     max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
     device = model.wte.weight.device
     if isinstance(idx, str):
@@ -258,14 +357,14 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     try:
         with torch.inference_mode(), model.decoding():
             out = decode_loop(model, idx, max_new_tokens, attention_mask, generator, temperature, top_k, top_p,
-                              eos_token_id, on_token, vocab_size)
+                              eos_token_id, on_token, vocab_size, min_p)
     finally:
         model.train(was_training)
     return out.clone()                                         # outside inference mode: an ordinary tensor
 
 
 def decode_loop(model, idx, max_new_tokens, attention_mask, generator, temperature, top_k, top_p,
-                eos_token_id, on_token, vocab_size) -> torch.Tensor:
+                eos_token_id, on_token, vocab_size, min_p: float = 0.0) -> torch.Tensor:
     """The loop of :func:`generate` after its checks: one prefill over the prompt into a
     :class:`KVCache`, then one sampled token per step fed back through the cache."""
     B, T = idx.shape
@@ -285,7 +384,7 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, generator, temperatu
                    last_only=True).logits
     for step in range(max_new_tokens):
         pos = T + step                                         # index of the token being chosen
-        token = sample_next(logits[:, -1, :vocab_size], temperature, top_k, top_p, generator)
+        token = sample_next(logits[:, -1, :vocab_size], temperature, top_k, top_p, generator, min_p)
         if eos_token_id is not None:
             token = torch.where(finished, eos_token_id, token)
             finished |= token == eos_token_id
