@@ -186,3 +186,34 @@ def test_strip_padding_gives_each_row_as_its_prompt_alone_would():
                            (dict(attention_mask=torch.ones(3, 2)), r"expected \[B=2, T_mask <= 7\]")]:
         with pytest.raises(ValueError, match=needle):
             strip_padding(fake, **kwargs)
+
+
+def test_every_argument_of_generate_is_checked_and_named():
+    """Each argument of the wrong type, dtype, device or range is a ValueError naming it, raised
+    before any work (``meta`` stands in for a tensor on another device than the model's)."""
+    m = model()
+    idx = torch.randint(0, 50, (2, 4))
+    meta = torch.device("meta")
+    cases = [("idx", dict(idx=idx.float())), ("idx", dict(idx=idx.bool())), ("idx", dict(idx=idx.to(meta))),
+             ("idx", dict(idx=idx.numpy())), ("idx", dict(idx=idx[0])), ("idx", dict(idx="ROMEO:")),
+             ("prompts[0][1]", dict(idx=[[1, 2.5]])),
+             ("attention_mask", dict(attention_mask=[[1] * 4] * 2)),
+             ("attention_mask", dict(attention_mask=torch.ones(2, 4).to(meta))),
+             ("attention_mask", dict(attention_mask=torch.full((2, 4), 0.5))),
+             ("attention_mask", dict(attention_mask=torch.ones(2, 5))),
+             ("max_new_tokens", dict(max_new_tokens=2.0)), ("max_new_tokens", dict(max_new_tokens=-1)),
+             ("temperature", dict(temperature="1")), ("top_k", dict(top_k=1.5)), ("top_p", dict(top_p=0)),
+             ("min_p", dict(min_p=2)), ("seed", dict(seed=torch.tensor(3.0))),
+             ("eos_token_id", dict(eos_token_id=3.5)), ("eos_token_id", dict(eos_token_id=50)),
+             ("eos_token_id", dict(eos_token_id=torch.tensor(-1))), ("eos_token_id", dict(eos_token_id="3")),
+             ("vocab_size", dict(vocab_size=3.5)), ("vocab_size", dict(vocab_size=0)),
+             ("vocab_size", dict(vocab_size=51)), ("on_token", dict(on_token=3)),
+             ("sliding_window", dict(sliding_window="no"))]
+    for name, kwargs in cases:
+        kwargs = {"idx": idx, "max_new_tokens": 2, **kwargs}
+        with pytest.raises(ValueError) as info:
+            m.generate(kwargs.pop("idx"), kwargs.pop("max_new_tokens"), **kwargs)
+        assert str(info.value).startswith(name), (name, str(info.value))
+    # 0-d integer tensors are integers
+    out = m.generate(idx, torch.tensor(2), temperature=0, eos_token_id=torch.tensor(3), vocab_size=torch.tensor(50))
+    assert out.shape == (2, 6)

@@ -298,10 +298,13 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     put back in the mode it was in.
 
     Raises:
-        ValueError: bad sampling arguments, a negative max_new_tokens, a bad seed, ids that are
-            not integers or outside the vocabulary, text instead of ids, a mask with values
-            other than 0/1, a right-padded row, or a prompt plus new tokens longer than n_ctx
-            without ``sliding_window``, before any work is done.
+        ValueError: naming the argument, before any work is done: bad sampling arguments, a
+            negative max_new_tokens, a bad seed, ids that are not integers or outside the
+            vocabulary, text instead of ids, a mask that is not a tensor or has values other
+            than 0/1, a tensor on another device than the model's, a right-padded row, an
+            eos_token_id or vocab_size that is not an id / size of this model, an on_token that
+            cannot be called, a sliding_window that is not a bool, or a prompt plus new tokens
+            longer than n_ctx without ``sliding_window``.
     """
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     min_p = check_min_p(min_p)
@@ -325,6 +328,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     if idx.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"idx must hold token ids as int64 (or int32); got dtype {idx.dtype}"
                          + (" (use idx.long())" if not idx.is_floating_point() else ""))
+    if idx.device != device:
+        raise ValueError(f"idx is on {idx.device} but the model is on {device}; move it with idx.to({str(device)!r})")
     if int(idx.min()) < 0 or int(idx.max()) >= model.config.n_vocab:
         raise ValueError(f"idx must hold token ids in [0, n_vocab={model.config.n_vocab}); "
                          f"got values {idx.min().item()} … {idx.max().item()}")
@@ -332,17 +337,32 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         seed = as_int(seed, "seed")
         if seed >= 2**63:
             raise ValueError(f"seed={seed} must be an integer in [0, 2**63)")
-    if vocab_size is not None and not 0 < vocab_size <= model.config.n_vocab:
-        raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={model.config.n_vocab}]")
+    if vocab_size is not None:
+        vocab_size = as_int(vocab_size, "vocab_size", minimum=1)
+        if vocab_size > model.config.n_vocab:
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={model.config.n_vocab}]")
+    if eos_token_id is not None:
+        eos_token_id = as_int(eos_token_id, "eos_token_id")
+        if eos_token_id >= model.config.n_vocab:
+            raise ValueError(f"eos_token_id={eos_token_id} must be a token id in [0, n_vocab={model.config.n_vocab})")
+    if on_token is not None and not callable(on_token):
+        raise ValueError(f"on_token must be a function called with each step's ids [B]; got {type(on_token).__name__}")
+    if sliding_window not in (True, False):
+        raise ValueError(f"sliding_window={sliding_window!r} must be True or False")
     n_ctx = model.config.n_ctx
     B, T = idx.shape
     if T + max_new_tokens > n_ctx and not sliding_window:
         raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "
                          f"n_ctx={n_ctx}; shorten the prompt, lower max_new_tokens, or use sliding_window=True (CLI: --sliding-window)")
     if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, T):
-            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-            raise ValueError(f"attention_mask has shape {shape}; expected [B={B}, T={T}]")
+        if not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(f"attention_mask must be a tensor [B={B}, T={T}] of 1 (real) / 0 (pad); got "
+                             f"{type(attention_mask).__name__}")
+        if tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, T={T}]")
+        if attention_mask.device != device:
+            raise ValueError(f"attention_mask is on {attention_mask.device} but the model is on {device}; move it "
+                             f"with attention_mask.to({str(device)!r})")
         attention_mask = as_bool_mask(attention_mask, "attention_mask").long()   # 0.5 is an error, not a pad
         if not bool(attention_mask[:, -1].bool().all()):
             rows = torch.nonzero(~attention_mask[:, -1].bool()).flatten().tolist()

@@ -250,6 +250,14 @@ class GPT2(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # ----------------------------------------------------------------------------- checks
+    def _check_device(self, name: str, t: torch.Tensor) -> None:
+        """A tensor argument must be on the model's device (a ``meta`` tensor, or a CPU tensor for
+        a CUDA model, would otherwise fail deep inside torch)."""
+        device = self.wte.weight.device
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the model is on {device}; move it with "
+                             f"{name}.to({str(device)!r})")
+
     def _check_inputs(self, idx, past_len, attention_mask, position_ids):
         if not isinstance(idx, torch.Tensor):
             raise ValueError(f"idx must be a tensor of token ids [B, T] (int64); got {type(idx).__name__}"
@@ -262,6 +270,7 @@ class GPT2(nn.Module):
         if idx.dim() != 2:
             raise ValueError(f"idx has shape {tuple(idx.shape)}; expected [B, T]"
                              + (" (one sequence: idx[None])" if idx.dim() == 1 else ""))
+        self._check_device("idx", idx)
         B, T = idx.shape
         if T == 0 or B == 0:
             raise ValueError(f"idx has shape {(B, T)}; need at least one sequence and one token")
@@ -271,15 +280,28 @@ class GPT2(nn.Module):
         if lo < 0 or hi >= self.config.n_vocab:
             bad = lo if lo < 0 else hi
             raise ValueError(f"idx contains token id {bad}, outside the vocabulary [0, n_vocab={self.config.n_vocab})")
-        if attention_mask is not None and tuple(attention_mask.shape) != (B, past_len + T):
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, past + T="
-                             f"{past_len + T}] covering the {past_len} cached and {T} new tokens")
         if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise ValueError(f"attention_mask must be a tensor [B={B}, past + T={past_len + T}] of 1 (real) / "
+                                 f"0 (pad); got {type(attention_mask).__name__}")
+            if tuple(attention_mask.shape) != (B, past_len + T):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, past + T="
+                                 f"{past_len + T}] covering the {past_len} cached and {T} new tokens")
+            self._check_device("attention_mask", attention_mask)
             as_bool_mask(attention_mask, "attention_mask")     # bool or 0/1 values, as every mask
-        if position_ids is not None and tuple(position_ids.shape) not in ((B, T), (1, T), (T,)):
-            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [B={B}, T={T}]")
-        if position_ids is not None and (int(position_ids.min()) < 0 or int(position_ids.max()) >= self.config.n_ctx):
-            raise ValueError(f"position_ids must be in [0, n_ctx={self.config.n_ctx})")
+        if position_ids is not None:
+            if not isinstance(position_ids, torch.Tensor):
+                raise ValueError(f"position_ids must be a tensor [B={B}, T={T}] of int64 positions; got "
+                                 f"{type(position_ids).__name__}")
+            if position_ids.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"position_ids must hold positions as int64 (or int32); got dtype {position_ids.dtype}"
+                                 + (" (use position_ids.long())" if position_ids.dtype != torch.bool else ""))
+            if tuple(position_ids.shape) not in ((B, T), (1, T), (T,)):
+                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [B={B}, T={T}]")
+            self._check_device("position_ids", position_ids)
+            lo, hi = int(position_ids.min()), int(position_ids.max())
+            if lo < 0 or hi >= self.config.n_ctx:
+                raise ValueError(f"position_ids must be in [0, n_ctx={self.config.n_ctx}); got {lo if lo < 0 else hi}")
 
     def _check_past(self, past, B):
         c = self.config
@@ -294,6 +316,7 @@ class GPT2(nn.Module):
             if e is not None and e != s:
                 raise ValueError(f"past has shape {tuple(past.shape)}: {name} is {s}, expected {e} "
                                  f"([B={B}, n_layer={c.n_layer}, 2, n_head={c.n_head}, P, head_dim={c.head_dim}])")
+        self._check_device("past", past)
 
     # ---------------------------------------------------------------------------- forward
     def embed(self, idx, past_len, attention_mask=None, position_ids=None):
@@ -471,21 +494,26 @@ class GPT2(nn.Module):
             :func:`logits_dtype`), present is in the model's dtype and None when ``cache`` is used.
 
         Raises:
-            ValueError: bad idx (rank, dtype, ids outside the vocab, longer than n_ctx with
-                the past), a past of the wrong shape or not floating point, a cache that does
-                not fit, or a mask of the wrong length or with values other than 0/1.
+            ValueError: naming the argument: bad idx (not a tensor, rank, dtype, ids outside
+                the vocab, longer than n_ctx with the past), a past of the wrong shape or not
+                floating point, a cache that is not a KVCache or does not fit, a mask that is not
+                a tensor, of the wrong length or with values other than 0/1, position_ids that
+                are not an integer tensor of the right shape within [0, n_ctx), any tensor on
+                another device than the model's, or a last_only that is not a bool.
         """
         B = idx.shape[0] if isinstance(idx, torch.Tensor) and idx.dim() == 2 else None
         if past is not None and cache is not None:
             raise ValueError("pass either past or cache, not both")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a KVCache; got {type(cache).__name__} (a SlotCache is driven "
+                             f"through GPT2.step by the serving scheduler)")
+        if not isinstance(last_only, bool):
+            raise ValueError(f"last_only={last_only!r} must be True or False")
         if past is not None:
             self._check_past(past, B)
         past_len = cache.length if cache is not None else (past.shape[4] if past is not None else 0)
         self._check_inputs(idx, past_len, attention_mask, position_ids)
         if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise ValueError(f"cache must be a KVCache; got {type(cache).__name__} (a SlotCache is driven "
-                                 f"through GPT2.step by the serving scheduler)")
             c, p = self.config, self.wte.weight
             cache.check(idx.shape[0], idx.shape[1], c.n_layer, c.n_head, c.head_dim, p.dtype, p.device)
             return GPT2Output(self.step(idx, cache, attention_mask, position_ids, last_only=last_only), None)
