@@ -92,6 +92,7 @@ def test_bad_input_is_refused(tmp_path, capsys):
         (["--data", str(empty)], "is empty"),
         (["--data", str(short)], "fewer than one context"),
         (["--data", VERDICT, "--n-embd", "30"], "n_embd=30 is not divisible by n_head=4"),
+        (["--data", VERDICT, "--lr", "1e-4"], "min_lr=0.0002 must be <= --lr=0.0001"),
         (["--data", VERDICT, "--out", str(foreign)], "not a gpt2mha checkpoint"),
     ]
     for extra, needle in cases:

@@ -740,7 +740,8 @@ def machine() -> dict:
 def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str | None = None, log=print,
         config: GPT2Config | None = None, memory: bool = True, sizes: Sizes | None = None,
         schemes=("int8", "int4")) -> dict:
-    """Run the chosen sections; returns ``{"machine", "preset", "quick", "sizes", "rows"}``.
+    """Run the chosen sections; returns ``{"machine", "preset", "quick", "sizes", "rows",
+    "seconds"}`` (``seconds``: the wall time of each section, of the setup and in total).
 
     ``config`` (default: the preset's) and ``sizes`` (default: FULL or QUICK) override the
     sizes, e.g. for a seconds-long run on a tiny model in the tests.
@@ -752,32 +753,44 @@ def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str 
                                 attn_tokens=min(sizes.attn_tokens, config.n_ctx),
                                 new_tokens=min(sizes.new_tokens, config.n_ctx - sizes.prompt),
                                 nocache_tokens=min(sizes.nocache_tokens, config.n_ctx - sizes.prompt))
-    rows = []
+    rows, seconds = [], {}
+
+    def timed(name, fn, *args):
+        """Run one section, logging and recording its wall time."""
+        t0 = time.perf_counter()
+        out = fn(*args)
+        seconds[name] = round(time.perf_counter() - t0, 1)
+        log(f"section {name}: {seconds[name]:.0f} s")
+        return out
+
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpt2mha-bench-") as tmp:
-        directory = random_checkpoint(os.path.join(tmp, "ckpt"), config)
+        directory = timed("setup", random_checkpoint, os.path.join(tmp, "ckpt"), config)
         if {"decode", "cache", "positions", "lowp"} & set(sections):
             ours = load_ours(directory)
             hf = load_hf(directory) if {"decode", "lowp"} & set(sections) else None
             if "decode" in sections:
-                rows += bench_decode(ours, hf, sizes, log)
+                rows += timed("decode", bench_decode, ours, hf, sizes, log)
             if "cache" in sections:
-                rows += bench_cache(ours, sizes, log)
+                rows += timed("cache", bench_cache, ours, sizes, log)
             if "positions" in sections:
-                rows += bench_positions(ours, sizes, log)
+                rows += timed("positions", bench_positions, ours, sizes, log)
             if "lowp" in sections:
-                rows += bench_low_precision(directory, ours, hf, sizes, text, log)
+                rows += timed("lowp", bench_low_precision, directory, ours, hf, sizes, text, log)
             del ours, hf
             gc.collect()
         if "quant" in sections:                                  # issue 13: int8 / int4 decode
             ours, hf = load_ours(directory), load_hf(directory)
-            rows += bench_quantized(directory, ours, hf, sizes, schemes, text, memory, log)
+            rows += timed("quant", bench_quantized, directory, ours, hf, sizes, schemes, text, memory, log)
             del ours, hf
             gc.collect()
         if "prefill" in sections:
-            rows += bench_prefill(directory, sizes, log, memory=memory)
+            rows += timed("prefill", bench_prefill, directory, sizes, log, memory)
         if "attention" in sections:
-            rows += bench_attention(sizes, config.n_embd, config.n_head, log)
-    return dict(machine=machine(), preset=preset, quick=quick, sizes=dataclasses.asdict(sizes), rows=rows)
+            rows += timed("attention", bench_attention, sizes, config.n_embd, config.n_head, log)
+    seconds["total"] = round(time.perf_counter() - t_start, 1)
+    return dict(machine=machine(), preset=preset, quick=quick, sizes=dataclasses.asdict(sizes), rows=rows,
+                seconds=seconds)
 
 
 def _fmt(v, unit=""):

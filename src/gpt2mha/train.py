@@ -46,6 +46,10 @@ class TrainConfig:
         eval_interval: validate and checkpoint every this many steps; eval_iters: validation
             batches (fixed windows, the same at every validation).
         seed: seeds the initialisation and the batch sampler.
+
+    Raises:
+        ValueError: non-positive iters, batch_size, eval_interval or eval_iters; lr <= 0; a
+            negative min_lr or warmup; min_lr > lr.
     """
 
     iters: int = 2000
@@ -65,6 +69,9 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if not self.lr > 0 or self.min_lr < 0 or self.warmup < 0:
             raise ValueError(f"lr={self.lr} must be > 0, min_lr={self.min_lr} and warmup={self.warmup} >= 0")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} must be <= lr={self.lr}: the learning rate decays from lr to "
+                             f"min_lr (set both)")
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
