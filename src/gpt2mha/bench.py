@@ -22,8 +22,8 @@ How things are measured:
   fp32 model's at every position of real text (``data/tinyshakespeare.txt`` by default).
 
 transformers is a benchmark/test dependency only; it is imported inside the functions here.
-Run ``gpt2mha bench --quick`` for scaled-down sizes (well under 2 minutes), ``--json`` for one
-JSON object.
+Run ``gpt2mha bench --quick`` for scaled-down sizes (:data:`QUICK`: every section's work bounded,
+about 2 minutes on 2 idle cores), ``--json`` for one JSON object.
 """
 
 from __future__ import annotations
@@ -68,13 +68,25 @@ class Sizes:
     attn_batch: int = 8
     attn_tokens: int = 1024
     agree_tokens: int = 2048              # real-text tokens scored for top-1 agreement
+    builtin_agree_tokens: int = 8192      # held-out tokens the built-in model's agreement rows score
     repeats: int = 3
     attn_repeats: int = 9                 # the sublayer times scatter ±10% run to run: more runs
+    quant_batches: tuple[int, ...] | None = None      # the quant section's batch sizes (None: ``batches``)
+    cosine_tokens: int = 1024             # real-text tokens of the quantized logits' cosine (at most n_ctx)
+    calibration_bytes: int | None = None  # GPTQ of the built-in model on this many bytes of the packaged
+    #                                       calibration text (None: all 16 KiB, GPT2.quantize's default)
+    memory_variants: tuple[str, ...] = ("gpt2mha fused", "gpt2mha explicit", "transformers sdpa",
+                                        "transformers eager")      # prefill peaks measured (a child each)
+    bandwidth_repeats: int = 5
 
 
 FULL = Sizes()
-QUICK = Sizes(new_tokens=32, nocache_tokens=32, position_steps=8, prefill_tokens=256, attn_batch=2,
-              attn_tokens=256, agree_tokens=512, repeats=2, attn_repeats=5)
+#: ``--quick``: every section's work bounded (tokens, batches, windows, calibration text, memory
+#: children, repeats) so the whole run takes about 2 minutes on 2 idle cores.
+QUICK = Sizes(new_tokens=24, nocache_tokens=24, positions=(64, 512), position_steps=8, prefill_tokens=256,
+              attn_batch=2, attn_tokens=256, agree_tokens=512, builtin_agree_tokens=2048, repeats=2,
+              attn_repeats=5, quant_batches=(1,), cosine_tokens=256, calibration_bytes=4096,
+              memory_variants=("gpt2mha fused", "gpt2mha explicit"), bandwidth_repeats=3)
 
 
 def _require_transformers():
@@ -375,7 +387,8 @@ def bench_prefill(directory: str, sizes: Sizes, log=print, memory: bool = True) 
     times = interleaved_medians({v: (lambda m=m: prefill(m, idx)) for v, m in models.items()}, sizes.repeats)
     del models
     gc.collect()
-    peaks = {v: prefill_peak_mb(v, directory, T) if memory else None for v in PREFILL_VARIANTS}
+    peaks = {v: prefill_peak_mb(v, directory, T) if memory and v in sizes.memory_variants else None
+             for v in PREFILL_VARIANTS}
     for v in PREFILL_VARIANTS:
         log(f"prefill {v}: {times[v] * 1e3:.0f} ms, peak {peaks[v]} MB")
     f, e, hs = times["gpt2mha fused"], times["gpt2mha explicit"], times["transformers sdpa"]
@@ -386,9 +399,10 @@ def bench_prefill(directory: str, sizes: Sizes, log=print, memory: bool = True) 
     ]
     if memory:
         pf, pe, ph = peaks["gpt2mha fused"], peaks["gpt2mha explicit"], peaks["transformers sdpa"]
+        hf_peaks = (f"transformers sdpa {ph:.0f} MB, eager {peaks['transformers eager']:.0f} MB; "
+                    if ph is not None and peaks["transformers eager"] is not None else "")
         rows.append(_ratio_row(f"prefill T={T} peak memory (RSS added): fused / explicit", pf, pe, "MB",
-                               target_max=0.6, note=f"transformers sdpa {ph:.0f} MB, eager "
-                                                    f"{peaks['transformers eager']:.0f} MB; KV cache included; live-tensor peak "
+                               target_max=0.6, note=f"{hf_peaks}KV cache included; live-tensor peak "
                                                     f"(MALLOC_MMAP_THRESHOLD_=1 MiB)"))
     for r in rows:
         log(r)
@@ -486,22 +500,34 @@ def real_text_tokens(config: GPT2Config, n_tokens: int, path: str | None = None,
 
 
 @torch.inference_mode()
-def top1_agreement(reference: GPT2, other: GPT2, tokens: torch.Tensor, min_margin: float = 0.0) -> float:
-    """Fraction of positions where ``other``'s argmax equals ``reference``'s (teacher forcing,
-    windows of n_ctx tokens). With ``min_margin`` > 0 only the positions where the reference is
-    decisive count: its two most likely tokens differ in probability by at least that much
-    (near-ties flip under any rounding, so these measure the precision, not the coin toss)."""
+def top1_agreements(reference: GPT2, other: GPT2, tokens: torch.Tensor,
+                    min_margin: float = DECISIVE) -> tuple[float, float]:
+    """``(all, decisive)``: the fraction of positions where ``other``'s argmax equals
+    ``reference``'s (teacher forcing, windows of n_ctx tokens), over every position and over the
+    positions where the reference is decisive: its two most likely tokens differ in probability
+    by at least ``min_margin`` (near-ties flip under any rounding, so these measure the
+    precision, not the coin toss). One forward of each model per window; nan where no position
+    counts."""
     n_ctx = reference.config.n_ctx
-    same = total = 0
+    same = [0, 0]
+    total = [0, 0]
     for start in range(0, len(tokens), n_ctx):
         window = tokens[start:start + n_ctx][None]
         ref = reference(window).logits.float()                             # [1, T, n_vocab]
         top2 = ref.softmax(-1).topk(2, dim=-1).values
-        keep = (top2[..., 0] - top2[..., 1]) >= min_margin
         agree = ref.argmax(-1) == other(window).logits.argmax(-1)
-        same += int((agree & keep).sum())
-        total += int(keep.sum())
-    return same / total if total else float("nan")
+        for i, keep in enumerate((torch.ones_like(agree), (top2[..., 0] - top2[..., 1]) >= min_margin)):
+            same[i] += int((agree & keep).sum())
+            total[i] += int(keep.sum())
+    a, d = (s_ / t_ if t_ else float("nan") for s_, t_ in zip(same, total))
+    return a, d
+
+
+def top1_agreement(reference: GPT2, other: GPT2, tokens: torch.Tensor, min_margin: float = 0.0) -> float:
+    """Fraction of positions where ``other``'s argmax equals ``reference``'s; with ``min_margin``
+    > 0 only over the positions where the reference is decisive (:func:`top1_agreements`)."""
+    agree, decisive = top1_agreements(reference, other, tokens, min_margin)
+    return decisive if min_margin > 0 else agree
 
 
 def _decisive_note(decisive: float) -> str:
@@ -528,8 +554,7 @@ def bench_low_precision(directory: str, ours32: GPT2, hf, sizes: Sizes, text: st
                                  "ours32": lambda: ours_greedy(ours32, idx, sizes.new_tokens),
                                  "hf": lambda: hf_greedy(hf, idx, sizes.new_tokens)}, sizes.repeats, warmup=0)
         tok_s, ours_fp32, hf_fp32 = (sizes.new_tokens / t[k] for k in ("lp", "ours32", "hf"))
-        agree = top1_agreement(ours32, model, tokens) if tokens is not None else None
-        decisive = top1_agreement(ours32, model, tokens, DECISIVE) if tokens is not None else None
+        agree, decisive = top1_agreements(ours32, model, tokens) if tokens is not None else (None, None)
         n_same = int((greedy32 == greedy_lp).all(0).long().cumprod(0).sum()) - sizes.prompt
         new = [_ratio_row(f"decode tok/s, batch 1: gpt2mha {name} / transformers float32", tok_s, hf_fp32,
                                "tok/s", target_min=2.5 if dtype == torch.bfloat16 else None,
@@ -548,25 +573,26 @@ def bench_low_precision(directory: str, ours32: GPT2, hf, sizes: Sizes, text: st
             log(r)
         rows += new
         del model
-    rows += builtin_agreement(text, log=log)
+    rows += builtin_agreement(text, log=log, n_tokens=sizes.builtin_agree_tokens)
     return rows
 
 
-def builtin_agreement(text: str | None = None, log=print) -> list[dict]:
-    """bf16/fp16 top-1 agreement of the built-in (trained) model with its fp32 self on real text."""
+def builtin_agreement(text: str | None = None, log=print, n_tokens: int = FULL.builtin_agree_tokens) -> list[dict]:
+    """bf16/fp16 top-1 agreement of the built-in (trained) model with its fp32 self on the last
+    ``n_tokens`` tokens of real text (held out from its training)."""
     from . import DEFAULT_MODEL
     from .checkpoints import builtin_models
 
     if DEFAULT_MODEL not in builtin_models():
         return []
     ref = GPT2.from_pretrained(DEFAULT_MODEL)
-    tokens = real_text_tokens(ref.config, 32 * ref.config.n_ctx, text, tail=True)
+    tokens = real_text_tokens(ref.config, n_tokens, text, tail=True)
     if tokens is None:
         return []
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
         low = GPT2.from_pretrained(DEFAULT_MODEL, dtype=dtype)
-        agree, decisive = top1_agreement(ref, low, tokens), top1_agreement(ref, low, tokens, DECISIVE)
+        agree, decisive = top1_agreements(ref, low, tokens)
         name = str(dtype).removeprefix("torch.")
         rows.append(row(f"top-1 agreement, {name} with float32, built-in {DEFAULT_MODEL} on held-out text", agree,
                         None, "fraction", target=">= 0.99", met=agree >= 0.99,
@@ -645,8 +671,8 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
     from .quantize import QuantizationWarning
 
     rows = []
-    bandwidth = memory_bandwidth()
-    tokens = real_text_tokens(ours32.config, ours32.config.n_ctx, text)
+    bandwidth = memory_bandwidth(repeats=sizes.bandwidth_repeats)
+    tokens = real_text_tokens(ours32.config, min(sizes.cosine_tokens, ours32.config.n_ctx), text)
     float_size = os.path.getsize(os.path.join(directory, "model.safetensors"))
     float_mb = resident_mb(directory) if memory else None
     for scheme in schemes:
@@ -654,7 +680,7 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
             warnings.simplefilter("always", QuantizationWarning)
             model = load_ours(directory).quantize(scheme, method="rtn")   # random weights: speed, size, cosine
         abnormal = [r["name"] for r in model.quantization_report if r["abnormal"]]
-        for B in sizes.batches:
+        for B in sizes.quant_batches or sizes.batches:
             idx = _prompt(B, sizes.prompt, model.config.n_vocab, seed=B)
             greedy32, greedy_q = ours_greedy(ours32, idx, sizes.new_tokens), ours_greedy(model, idx, sizes.new_tokens)
             hf_greedy(hf, idx, sizes.new_tokens)                                # warm-up
@@ -692,30 +718,41 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
             log(rows[-1])
         del model, caught
         gc.collect()
-    return rows + builtin_quantized_agreement(schemes, text, log)
+    return rows + builtin_quantized_agreement(schemes, text, log, n_tokens=sizes.builtin_agree_tokens,
+                                              calibration_bytes=sizes.calibration_bytes)
 
 
-def builtin_quantized_agreement(schemes, text: str | None = None, log=print) -> list[dict]:
+def builtin_quantized_agreement(schemes, text: str | None = None, log=print,
+                                n_tokens: int = FULL.builtin_agree_tokens,
+                                calibration_bytes: int | None = None) -> list[dict]:
     """int8/int4 top-1 agreement of the built-in (trained) model with its float32 self on the
-    held-out tail of the text (issue 13's targets: 99.5% / 97%)."""
+    last ``n_tokens`` tokens of the text (held out; issue 13's targets: 99.5% / 97%), quantized
+    by GPTQ on the packaged calibration text, or on its first ``calibration_bytes`` bytes."""
     from . import DEFAULT_MODEL
     from .checkpoints import builtin_models
+    from .quantize import default_calibration
 
     if DEFAULT_MODEL not in builtin_models():
         return []
     ref = GPT2.from_pretrained(DEFAULT_MODEL)
-    tokens = real_text_tokens(ref.config, 32 * ref.config.n_ctx, text, tail=True)
+    tokens = real_text_tokens(ref.config, n_tokens, text, tail=True)
     if tokens is None:
         return []
+    calibration = default_calibration()
+    how = "the packaged calibration text"
+    if calibration_bytes is not None and calibration_bytes < len(calibration.encode("utf-8")):
+        calibration = calibration.encode("utf-8")[:calibration_bytes].decode("utf-8", errors="ignore")
+        how = f"the first {calibration_bytes} bytes of the packaged calibration text (--quick)"
     rows = []
     for scheme in schemes:
-        low = GPT2.from_pretrained(DEFAULT_MODEL).quantize(scheme)
-        agree, decisive = top1_agreement(ref, low, tokens), top1_agreement(ref, low, tokens, DECISIVE)
+        low = GPT2.from_pretrained(DEFAULT_MODEL).quantize(scheme, calibration=calibration)
+        agree, decisive = top1_agreements(ref, low, tokens)
         target = {"int8": 0.995, "int4": 0.97}[scheme]
         rows.append(row(f"top-1 agreement, {scheme} with float32, built-in {DEFAULT_MODEL} on held-out text", agree,
                         None, "fraction", target=f">= {target}", met=agree >= target,
                         note=f"{len(tokens)} tokens; {_decisive_note(decisive)}; quantized as GPT2.quantize's "
-                             f"default ({low.quantization['method']}, group {low.quantization['group_size']})"))
+                             f"default ({low.quantization['method']}, group {low.quantization['group_size']}) on "
+                             f"{how}"))
         log(rows[-1])
     return rows
 
