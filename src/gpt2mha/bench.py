@@ -778,7 +778,8 @@ def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str 
         config: GPT2Config | None = None, memory: bool = True, sizes: Sizes | None = None,
         schemes=("int8", "int4")) -> dict:
     """Run the chosen sections; returns ``{"machine", "preset", "quick", "sizes", "rows",
-    "seconds"}`` (``seconds``: the wall time of each section, of the setup and in total).
+    "seconds"}`` (``seconds``: the wall time of each section, of the setup and in total;
+    ``machine["load_average"]``: the 1-minute load average at the start and at the end).
 
     ``config`` (default: the preset's) and ``sizes`` (default: FULL or QUICK) override the
     sizes, e.g. for a seconds-long run on a tiny model in the tests.
@@ -800,7 +801,10 @@ def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str 
         log(f"section {name}: {seconds[name]:.0f} s")
         return out
 
-    t_start = time.perf_counter()
+    t_start, load_start = time.perf_counter(), _load_average()
+    if load_start is not None and load_start > (os.cpu_count() or 1):
+        log(f"note: load average {load_start:.1f} on {os.cpu_count()} cores: other work shares the CPU, so the times "
+            f"(and this run's length) grow with it; each ratio's two sides are timed in turn")
     with tempfile.TemporaryDirectory(prefix="gpt2mha-bench-") as tmp:
         directory = timed("setup", random_checkpoint, os.path.join(tmp, "ckpt"), config)
         if {"decode", "cache", "positions", "lowp"} & set(sections):
@@ -826,8 +830,18 @@ def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str 
         if "attention" in sections:
             rows += timed("attention", bench_attention, sizes, config.n_embd, config.n_head, log)
     seconds["total"] = round(time.perf_counter() - t_start, 1)
-    return dict(machine=machine(), preset=preset, quick=quick, sizes=dataclasses.asdict(sizes), rows=rows,
+    m = machine()
+    m["load_average"] = [load_start, _load_average()]                    # at the start and at the end
+    return dict(machine=m, preset=preset, quick=quick, sizes=dataclasses.asdict(sizes), rows=rows,
                 seconds=seconds)
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (runnable processes; ``uptime``'s first figure), None where unknown."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def _fmt(v, unit=""):
@@ -856,7 +870,10 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     lines = [f"machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, "
              f"transformers {m['transformers']}, Python {m['python']}; preset {result['preset']}"
-             f"{' (quick sizes)' if result['quick'] else ''}", "",
+             f"{' (quick sizes)' if result['quick'] else ''}"
+             + (f"; load average {m['load_average'][0]} at the start, {m['load_average'][1]} at the end"
+                if m.get("load_average") and None not in m["load_average"] else "")
+             + (f"; {result['seconds']['total']:.0f} s in all" if result.get("seconds") else ""), "",
              "| figure (A / B) | A | B | unit | ratio A/B | target | met | note |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -104,7 +104,7 @@ def cmd_generate(args) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p)
     try:
         check_min_p(args.min_p)
-    except ValueError as e:
+    except ValueError:
         raise ValueError(f"--min-p={args.min_p} must be a number in [0, 1] (0: off)") from None
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
@@ -179,7 +179,8 @@ def _generate_samples(args, model, tok) -> int:
     idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                         eos_token_id=tok.eot_token if args.stop_at_eos else None, attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
+                         eos_token_id=tok.eot_token if args.stop_at_eos else None, attention_mask=mask,
+                         sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
     parallel.check_same_tokens(out)
     texts = decode_rows(tok, out.cpu(), mask.cpu(), tok.eot_token if args.stop_at_eos else None)
     skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
