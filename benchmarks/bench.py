@@ -22,8 +22,8 @@ How things are measured:
   fp32 model's at every position of real text (``data/tinyshakespeare.txt`` by default).
 
 transformers is a benchmark/test dependency only; it is imported inside the functions here.
-Run ``gpt2mha bench --quick`` for scaled-down sizes (well under 2 minutes), ``--json`` for one
-JSON object.
+Run ``gpt2mha bench --quick`` for scaled-down sizes (:data:`QUICK`: every section's work bounded,
+about 2 minutes on 2 idle cores), ``--json`` for one JSON object.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .cli import BENCH_SECTIONS as SECTIONS
+from .cli import add_bench_arguments as add_arguments  # noqa: F401 (python -m gpt2mha.bench)
 from .kv_cache import KVCache
 from .model import GPT2, GPT2Config, logits_dtype
 
-SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp", "quant")
 MMAP_THRESHOLD = 1 << 20   # bytes: allocations this large bypass glibc's heap in the memory children
 DECISIVE = 0.05          # top-2 probability margin that makes a position "decisive" for agreement
 REPO_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "data", "tinyshakespeare.txt")
@@ -67,13 +68,25 @@ class Sizes:
     attn_batch: int = 8
     attn_tokens: int = 1024
     agree_tokens: int = 2048              # real-text tokens scored for top-1 agreement
+    builtin_agree_tokens: int = 8192      # held-out tokens the built-in model's agreement rows score
     repeats: int = 3
     attn_repeats: int = 9                 # the sublayer times scatter ±10% run to run: more runs
+    quant_batches: tuple[int, ...] | None = None      # the quant section's batch sizes (None: ``batches``)
+    cosine_tokens: int = 1024             # real-text tokens of the quantized logits' cosine (at most n_ctx)
+    calibration_bytes: int | None = None  # GPTQ of the built-in model on this many bytes of the packaged
+    #                                       calibration text (None: all 16 KiB, GPT2.quantize's default)
+    memory_variants: tuple[str, ...] = ("gpt2mha fused", "gpt2mha explicit", "transformers sdpa",
+                                        "transformers eager")      # prefill peaks measured (a child each)
+    bandwidth_repeats: int = 5
 
 
 FULL = Sizes()
-QUICK = Sizes(new_tokens=32, nocache_tokens=32, position_steps=8, prefill_tokens=256, attn_batch=2,
-              attn_tokens=256, agree_tokens=512, repeats=2, attn_repeats=5)
+#: ``--quick``: every section's work bounded (tokens, batches, windows, calibration text, memory
+#: children, repeats) so the whole run takes about 2 minutes on 2 idle cores.
+QUICK = Sizes(new_tokens=24, nocache_tokens=24, positions=(64, 512), position_steps=8, prefill_tokens=256,
+              attn_batch=2, attn_tokens=256, agree_tokens=512, builtin_agree_tokens=2048, repeats=2,
+              attn_repeats=5, quant_batches=(1,), cosine_tokens=256, calibration_bytes=4096,
+              memory_variants=("gpt2mha fused", "gpt2mha explicit"), bandwidth_repeats=3)
 
 
 def _require_transformers():
@@ -374,7 +387,8 @@ def bench_prefill(directory: str, sizes: Sizes, log=print, memory: bool = True) 
     times = interleaved_medians({v: (lambda m=m: prefill(m, idx)) for v, m in models.items()}, sizes.repeats)
     del models
     gc.collect()
-    peaks = {v: prefill_peak_mb(v, directory, T) if memory else None for v in PREFILL_VARIANTS}
+    peaks = {v: prefill_peak_mb(v, directory, T) if memory and v in sizes.memory_variants else None
+             for v in PREFILL_VARIANTS}
     for v in PREFILL_VARIANTS:
         log(f"prefill {v}: {times[v] * 1e3:.0f} ms, peak {peaks[v]} MB")
     f, e, hs = times["gpt2mha fused"], times["gpt2mha explicit"], times["transformers sdpa"]
@@ -385,9 +399,10 @@ def bench_prefill(directory: str, sizes: Sizes, log=print, memory: bool = True) 
     ]
     if memory:
         pf, pe, ph = peaks["gpt2mha fused"], peaks["gpt2mha explicit"], peaks["transformers sdpa"]
+        hf_peaks = (f"transformers sdpa {ph:.0f} MB, eager {peaks['transformers eager']:.0f} MB; "
+                    if ph is not None and peaks["transformers eager"] is not None else "")
         rows.append(_ratio_row(f"prefill T={T} peak memory (RSS added): fused / explicit", pf, pe, "MB",
-                               target_max=0.6, note=f"transformers sdpa {ph:.0f} MB, eager "
-                                                    f"{peaks['transformers eager']:.0f} MB; KV cache included; live-tensor peak "
+                               target_max=0.6, note=f"{hf_peaks}KV cache included; live-tensor peak "
                                                     f"(MALLOC_MMAP_THRESHOLD_=1 MiB)"))
     for r in rows:
         log(r)
@@ -485,22 +500,34 @@ def real_text_tokens(config: GPT2Config, n_tokens: int, path: str | None = None,
 
 
 @torch.inference_mode()
-def top1_agreement(reference: GPT2, other: GPT2, tokens: torch.Tensor, min_margin: float = 0.0) -> float:
-    """Fraction of positions where ``other``'s argmax equals ``reference``'s (teacher forcing,
-    windows of n_ctx tokens). With ``min_margin`` > 0 only the positions where the reference is
-    decisive count: its two most likely tokens differ in probability by at least that much
-    (near-ties flip under any rounding, so these measure the precision, not the coin toss)."""
+def top1_agreements(reference: GPT2, other: GPT2, tokens: torch.Tensor,
+                    min_margin: float = DECISIVE) -> tuple[float, float]:
+    """``(all, decisive)``: the fraction of positions where ``other``'s argmax equals
+    ``reference``'s (teacher forcing, windows of n_ctx tokens), over every position and over the
+    positions where the reference is decisive: its two most likely tokens differ in probability
+    by at least ``min_margin`` (near-ties flip under any rounding, so these measure the
+    precision, not the coin toss). One forward of each model per window; nan where no position
+    counts."""
     n_ctx = reference.config.n_ctx
-    same = total = 0
+    same = [0, 0]
+    total = [0, 0]
     for start in range(0, len(tokens), n_ctx):
         window = tokens[start:start + n_ctx][None]
         ref = reference(window).logits.float()                             # [1, T, n_vocab]
         top2 = ref.softmax(-1).topk(2, dim=-1).values
-        keep = (top2[..., 0] - top2[..., 1]) >= min_margin
         agree = ref.argmax(-1) == other(window).logits.argmax(-1)
-        same += int((agree & keep).sum())
-        total += int(keep.sum())
-    return same / total if total else float("nan")
+        for i, keep in enumerate((torch.ones_like(agree), (top2[..., 0] - top2[..., 1]) >= min_margin)):
+            same[i] += int((agree & keep).sum())
+            total[i] += int(keep.sum())
+    a, d = (s_ / t_ if t_ else float("nan") for s_, t_ in zip(same, total))
+    return a, d
+
+
+def top1_agreement(reference: GPT2, other: GPT2, tokens: torch.Tensor, min_margin: float = 0.0) -> float:
+    """Fraction of positions where ``other``'s argmax equals ``reference``'s; with ``min_margin``
+    > 0 only over the positions where the reference is decisive (:func:`top1_agreements`)."""
+    agree, decisive = top1_agreements(reference, other, tokens, min_margin)
+    return decisive if min_margin > 0 else agree
 
 
 def _decisive_note(decisive: float) -> str:
@@ -527,8 +554,7 @@ def bench_low_precision(directory: str, ours32: GPT2, hf, sizes: Sizes, text: st
                                  "ours32": lambda: ours_greedy(ours32, idx, sizes.new_tokens),
                                  "hf": lambda: hf_greedy(hf, idx, sizes.new_tokens)}, sizes.repeats, warmup=0)
         tok_s, ours_fp32, hf_fp32 = (sizes.new_tokens / t[k] for k in ("lp", "ours32", "hf"))
-        agree = top1_agreement(ours32, model, tokens) if tokens is not None else None
-        decisive = top1_agreement(ours32, model, tokens, DECISIVE) if tokens is not None else None
+        agree, decisive = top1_agreements(ours32, model, tokens) if tokens is not None else (None, None)
         n_same = int((greedy32 == greedy_lp).all(0).long().cumprod(0).sum()) - sizes.prompt
         new = [_ratio_row(f"decode tok/s, batch 1: gpt2mha {name} / transformers float32", tok_s, hf_fp32,
                                "tok/s", target_min=2.5 if dtype == torch.bfloat16 else None,
@@ -547,25 +573,26 @@ def bench_low_precision(directory: str, ours32: GPT2, hf, sizes: Sizes, text: st
             log(r)
         rows += new
         del model
-    rows += builtin_agreement(text, log=log)
+    rows += builtin_agreement(text, log=log, n_tokens=sizes.builtin_agree_tokens)
     return rows
 
 
-def builtin_agreement(text: str | None = None, log=print) -> list[dict]:
-    """bf16/fp16 top-1 agreement of the built-in (trained) model with its fp32 self on real text."""
+def builtin_agreement(text: str | None = None, log=print, n_tokens: int = FULL.builtin_agree_tokens) -> list[dict]:
+    """bf16/fp16 top-1 agreement of the built-in (trained) model with its fp32 self on the last
+    ``n_tokens`` tokens of real text (held out from its training)."""
     from . import DEFAULT_MODEL
     from .checkpoints import builtin_models
 
     if DEFAULT_MODEL not in builtin_models():
         return []
     ref = GPT2.from_pretrained(DEFAULT_MODEL)
-    tokens = real_text_tokens(ref.config, 32 * ref.config.n_ctx, text, tail=True)
+    tokens = real_text_tokens(ref.config, n_tokens, text, tail=True)
     if tokens is None:
         return []
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
         low = GPT2.from_pretrained(DEFAULT_MODEL, dtype=dtype)
-        agree, decisive = top1_agreement(ref, low, tokens), top1_agreement(ref, low, tokens, DECISIVE)
+        agree, decisive = top1_agreements(ref, low, tokens)
         name = str(dtype).removeprefix("torch.")
         rows.append(row(f"top-1 agreement, {name} with float32, built-in {DEFAULT_MODEL} on held-out text", agree,
                         None, "fraction", target=">= 0.99", met=agree >= 0.99,
@@ -644,8 +671,8 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
     from .quantize import QuantizationWarning
 
     rows = []
-    bandwidth = memory_bandwidth()
-    tokens = real_text_tokens(ours32.config, ours32.config.n_ctx, text)
+    bandwidth = memory_bandwidth(repeats=sizes.bandwidth_repeats)
+    tokens = real_text_tokens(ours32.config, min(sizes.cosine_tokens, ours32.config.n_ctx), text)
     float_size = os.path.getsize(os.path.join(directory, "model.safetensors"))
     float_mb = resident_mb(directory) if memory else None
     for scheme in schemes:
@@ -653,7 +680,7 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
             warnings.simplefilter("always", QuantizationWarning)
             model = load_ours(directory).quantize(scheme, method="rtn")   # random weights: speed, size, cosine
         abnormal = [r["name"] for r in model.quantization_report if r["abnormal"]]
-        for B in sizes.batches:
+        for B in sizes.quant_batches or sizes.batches:
             idx = _prompt(B, sizes.prompt, model.config.n_vocab, seed=B)
             greedy32, greedy_q = ours_greedy(ours32, idx, sizes.new_tokens), ours_greedy(model, idx, sizes.new_tokens)
             hf_greedy(hf, idx, sizes.new_tokens)                                # warm-up
@@ -691,30 +718,41 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
             log(rows[-1])
         del model, caught
         gc.collect()
-    return rows + builtin_quantized_agreement(schemes, text, log)
+    return rows + builtin_quantized_agreement(schemes, text, log, n_tokens=sizes.builtin_agree_tokens,
+                                              calibration_bytes=sizes.calibration_bytes)
 
 
-def builtin_quantized_agreement(schemes, text: str | None = None, log=print) -> list[dict]:
+def builtin_quantized_agreement(schemes, text: str | None = None, log=print,
+                                n_tokens: int = FULL.builtin_agree_tokens,
+                                calibration_bytes: int | None = None) -> list[dict]:
     """int8/int4 top-1 agreement of the built-in (trained) model with its float32 self on the
-    held-out tail of the text (issue 13's targets: 99.5% / 97%)."""
+    last ``n_tokens`` tokens of the text (held out; issue 13's targets: 99.5% / 97%), quantized
+    by GPTQ on the packaged calibration text, or on its first ``calibration_bytes`` bytes."""
     from . import DEFAULT_MODEL
     from .checkpoints import builtin_models
+    from .quantize import default_calibration
 
     if DEFAULT_MODEL not in builtin_models():
         return []
     ref = GPT2.from_pretrained(DEFAULT_MODEL)
-    tokens = real_text_tokens(ref.config, 32 * ref.config.n_ctx, text, tail=True)
+    tokens = real_text_tokens(ref.config, n_tokens, text, tail=True)
     if tokens is None:
         return []
+    calibration = default_calibration()
+    how = "the packaged calibration text"
+    if calibration_bytes is not None and calibration_bytes < len(calibration.encode("utf-8")):
+        calibration = calibration.encode("utf-8")[:calibration_bytes].decode("utf-8", errors="ignore")
+        how = f"the first {calibration_bytes} bytes of the packaged calibration text (--quick)"
     rows = []
     for scheme in schemes:
-        low = GPT2.from_pretrained(DEFAULT_MODEL).quantize(scheme)
-        agree, decisive = top1_agreement(ref, low, tokens), top1_agreement(ref, low, tokens, DECISIVE)
+        low = GPT2.from_pretrained(DEFAULT_MODEL).quantize(scheme, calibration=calibration)
+        agree, decisive = top1_agreements(ref, low, tokens)
         target = {"int8": 0.995, "int4": 0.97}[scheme]
         rows.append(row(f"top-1 agreement, {scheme} with float32, built-in {DEFAULT_MODEL} on held-out text", agree,
                         None, "fraction", target=f">= {target}", met=agree >= target,
                         note=f"{len(tokens)} tokens; {_decisive_note(decisive)}; quantized as GPT2.quantize's "
-                             f"default ({low.quantization['method']}, group {low.quantization['group_size']})"))
+                             f"default ({low.quantization['method']}, group {low.quantization['group_size']}) on "
+                             f"{how}"))
         log(rows[-1])
     return rows
 
@@ -739,7 +777,9 @@ def machine() -> dict:
 def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str | None = None, log=print,
         config: GPT2Config | None = None, memory: bool = True, sizes: Sizes | None = None,
         schemes=("int8", "int4")) -> dict:
-    """Run the chosen sections; returns ``{"machine", "preset", "quick", "sizes", "rows"}``.
+    """Run the chosen sections; returns ``{"machine", "preset", "quick", "sizes", "rows",
+    "seconds"}`` (``seconds``: the wall time of each section, of the setup and in total;
+    ``machine["load_average"]``: the 1-minute load average at the start and at the end).
 
     ``config`` (default: the preset's) and ``sizes`` (default: FULL or QUICK) override the
     sizes, e.g. for a seconds-long run on a tiny model in the tests.
@@ -751,32 +791,57 @@ def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str 
                                 attn_tokens=min(sizes.attn_tokens, config.n_ctx),
                                 new_tokens=min(sizes.new_tokens, config.n_ctx - sizes.prompt),
                                 nocache_tokens=min(sizes.nocache_tokens, config.n_ctx - sizes.prompt))
-    rows = []
+    rows, seconds = [], {}
+
+    def timed(name, fn, *args):
+        """Run one section, logging and recording its wall time."""
+        t0 = time.perf_counter()
+        out = fn(*args)
+        seconds[name] = round(time.perf_counter() - t0, 1)
+        log(f"section {name}: {seconds[name]:.0f} s")
+        return out
+
+    t_start, load_start = time.perf_counter(), _load_average()
+    if load_start is not None and load_start > (os.cpu_count() or 1):
+        log(f"note: load average {load_start:.1f} on {os.cpu_count()} cores: other work shares the CPU, so the times "
+            f"(and this run's length) grow with it; each ratio's two sides are timed in turn")
     with tempfile.TemporaryDirectory(prefix="gpt2mha-bench-") as tmp:
-        directory = random_checkpoint(os.path.join(tmp, "ckpt"), config)
+        directory = timed("setup", random_checkpoint, os.path.join(tmp, "ckpt"), config)
         if {"decode", "cache", "positions", "lowp"} & set(sections):
             ours = load_ours(directory)
             hf = load_hf(directory) if {"decode", "lowp"} & set(sections) else None
             if "decode" in sections:
-                rows += bench_decode(ours, hf, sizes, log)
+                rows += timed("decode", bench_decode, ours, hf, sizes, log)
             if "cache" in sections:
-                rows += bench_cache(ours, sizes, log)
+                rows += timed("cache", bench_cache, ours, sizes, log)
             if "positions" in sections:
-                rows += bench_positions(ours, sizes, log)
+                rows += timed("positions", bench_positions, ours, sizes, log)
             if "lowp" in sections:
-                rows += bench_low_precision(directory, ours, hf, sizes, text, log)
+                rows += timed("lowp", bench_low_precision, directory, ours, hf, sizes, text, log)
             del ours, hf
             gc.collect()
         if "quant" in sections:                                  # issue 13: int8 / int4 decode
             ours, hf = load_ours(directory), load_hf(directory)
-            rows += bench_quantized(directory, ours, hf, sizes, schemes, text, memory, log)
+            rows += timed("quant", bench_quantized, directory, ours, hf, sizes, schemes, text, memory, log)
             del ours, hf
             gc.collect()
         if "prefill" in sections:
-            rows += bench_prefill(directory, sizes, log, memory=memory)
+            rows += timed("prefill", bench_prefill, directory, sizes, log, memory)
         if "attention" in sections:
-            rows += bench_attention(sizes, config.n_embd, config.n_head, log)
-    return dict(machine=machine(), preset=preset, quick=quick, sizes=dataclasses.asdict(sizes), rows=rows)
+            rows += timed("attention", bench_attention, sizes, config.n_embd, config.n_head, log)
+    seconds["total"] = round(time.perf_counter() - t_start, 1)
+    m = machine()
+    m["load_average"] = [load_start, _load_average()]                    # at the start and at the end
+    return dict(machine=m, preset=preset, quick=quick, sizes=dataclasses.asdict(sizes), rows=rows,
+                seconds=seconds)
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (runnable processes; ``uptime``'s first figure), None where unknown."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def _fmt(v, unit=""):
@@ -805,26 +870,16 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     lines = [f"machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, "
              f"transformers {m['transformers']}, Python {m['python']}; preset {result['preset']}"
-             f"{' (quick sizes)' if result['quick'] else ''}", "",
+             f"{' (quick sizes)' if result['quick'] else ''}"
+             + (f"; load average {m['load_average'][0]} at the start, {m['load_average'][1]} at the end"
+                if m.get("load_average") and None not in m["load_average"] else "")
+             + (f"; {result['seconds']['total']:.0f} s in all" if result.get("seconds") else ""), "",
              "| figure (A / B) | A | B | unit | ratio A/B | target | met | note |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['figure']} | {_fmt(r['value'], r['unit'])} | {_fmt(r['vs'], r['unit'])} | "
                      f"{r['unit']} | {_fmt(r['ratio'])} | {r['target'] or '-'} | {_fmt(r['met'])} | {r['note']} |")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="scaled-down sizes (under 2 minutes)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--preset", default="124M", help="model size preset for the random weights (default 124M)")
-    p.add_argument("--only", default=",".join(SECTIONS),
-                   help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
-    p.add_argument("--text", default=None, metavar="FILE",
-                   help="real text for top-1 agreement (default: the repo's data/tinyshakespeare.txt)")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    p.add_argument("--quantize", default="int8,int4", metavar="int8|int4",
-                   help="weight-only schemes the quant section decodes with (comma-separated; default both)")
 
 
 def main_args(args) -> int:

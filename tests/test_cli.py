@@ -109,3 +109,47 @@ def test_perplexity_split_val_scores_the_trainers_held_out_bytes(byte_model, tmp
         assert main(["perplexity", *args, "--model", byte_model, "--json"]) == 0
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[0] == outs[1] and outs[0]["bytes"] == len(data) - len(data) * 9 // 10
+
+
+HEAVY = ("torch", "tensorflow", "transformers", "matplotlib", "fastapi", "tiktoken", "numpy")
+#: Runs ``python -m gpt2mha ARGS`` in this interpreter and prints, at exit, the heavy modules it imported.
+PROBE = """
+import json, runpy, sys
+sys.argv = ["gpt2mha", *sys.argv[1:]]
+try:
+    runpy.run_module("gpt2mha", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "heavy": sorted({m.split(".")[0] for m in sys.modules} & set(%r))}), file=sys.stderr)
+""" % (HEAVY,)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["generate", "--help"], ["train", "--help"],
+                                  ["bench", "--help"], ["serve", "--help"], ["heads", "--help"]])
+def test_help_and_version_import_no_heavy_module(args):
+    """The parser is built without torch, TensorFlow, transformers, matplotlib, FastAPI or
+    tiktoken: they are imported only by the commands that use them (checked in sys.modules)."""
+    out = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=OFFLINE,
+                         timeout=120)
+    result = json.loads(out.stderr.strip().splitlines()[-1])
+    assert result == {"code": 0, "heavy": []}, out.stderr
+    if args == ["--version"]:
+        import tomllib
+
+        with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+            version = tomllib.load(f)["project"]["version"]
+        assert out.stdout == f"gpt2mha {version}\n"
+
+
+def test_package_names_load_on_first_use():
+    """``import gpt2mha`` loads no torch; each public name imports its module on first access."""
+    code = ("import sys, gpt2mha; assert 'torch' not in sys.modules; from gpt2mha import GPT2, KVCache, PRESETS; "
+            "import gpt2mha.model as m; assert GPT2 is m.GPT2 and 'tiny' in PRESETS; "
+            "assert set(gpt2mha.__all__) <= set(dir(gpt2mha)); "
+            "assert all(getattr(gpt2mha, n) is not None for n in gpt2mha.__all__); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=OFFLINE, timeout=120)
+    assert out.stdout == "ok\n", out.stderr
+    import gpt2mha
+
+    with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
+        gpt2mha.NotAName

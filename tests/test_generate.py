@@ -119,3 +119,101 @@ def test_right_padding_bad_seed_and_vocab_limit():
         m.generate(torch.tensor([[1, 50]]), 0)
     out = m.generate(torch.tensor([[1, 2]] * 8), 20, temperature=5.0, seed=0, vocab_size=3)
     assert int(out[:, 2:].max()) < 3
+
+
+@pytest.mark.parametrize("min_p,temperature", [(0.05, 1.0), (0.1, 0.7), (0.3, 1.5), (1.0, 1.0), (0.0, 1.0)])
+def test_min_p_keeps_what_transformers_min_p_warper_keeps(min_p, temperature):
+    """min-p after temperature equals transformers' TemperatureLogitsWarper then
+    MinPLogitsWarper on the same logits: the same tokens survive, and sampling draws from their
+    renormalised softmax."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper
+
+    from gpt2mha.generate import min_p_logits
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 200, generator=g) * 3
+    logits[0, :3] = logits[0].max() + 1                                   # a three-way tie at the top
+    theirs = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if min_p > 0:
+        theirs = MinPLogitsWarper(min_p)(None, theirs)
+    ours = min_p_logits((logits - logits.amax(-1, keepdim=True)) / temperature, min_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    assert int((~torch.isinf(ours)).sum(-1).min()) >= 1
+    # the draw follows the kept tokens' softmax (20,000 draws of row 1)
+    rows = logits[1:2].repeat(20000, 1)
+    counts = torch.bincount(sample_next(rows, temperature, min_p=min_p, generator=torch.Generator().manual_seed(1)),
+                            minlength=200) / 20000.0
+    torch.testing.assert_close(counts, torch.softmax(theirs[1], -1), atol=0.015, rtol=0)
+
+
+def test_min_p_one_is_greedy_and_bad_min_p_is_refused():
+    m = model(6)
+    idx = torch.randint(0, 50, (2, 3))
+    greedy = m.generate(idx, 8, temperature=0)
+    sampled = m.generate(idx, 8, temperature=1.0, min_p=1.0, seed=3)
+    for row in range(2):
+        assert_same_greedy(m, sampled[row], greedy[row], 3)
+    for bad in (-0.1, 1.5, "0.1", True, float("nan")):
+        with pytest.raises(ValueError, match=r"min_p=.* must be a number in \[0, 1\]"):
+            m.generate(idx, 2, min_p=bad)
+
+
+def test_strip_padding_gives_each_row_as_its_prompt_alone_would():
+    """generate on prompts of different lengths keeps the left padding (pad id 0, itself a valid
+    token); strip_padding returns each row as the prompt generated alone (greedy) returns it."""
+    from gpt2mha.generate import left_pad, strip_padding
+
+    m = model(7)
+    prompts = [[5, 6, 7, 8, 9], [0, 3], [4]]                  # a real token 0 at the start of prompt 1
+    out = m.generate(prompts, 6, temperature=0)
+    assert out.shape == (3, 11) and out[2, :4].tolist() == [0, 0, 0, 0]
+    rows = strip_padding(out, prompts)
+    _, mask = left_pad(prompts)
+    assert strip_padding(out, attention_mask=mask) == rows
+    assert strip_padding(out, prompts, new_only=True) == [r[len(p):] for r, p in zip(rows, prompts)]
+    for p, r in zip(prompts, rows):
+        alone = m.generate(torch.tensor([p]), 6, temperature=0)[0]
+        assert len(r) == len(p) + 6 and r[:len(p)] == p
+        assert_same_greedy(m, torch.tensor(r), alone, len(p))
+    # a finished row repeats eos: cut after its first
+    fake = torch.tensor([[0, 1, 2, 9, 3, 9, 9], [1, 1, 2, 3, 4, 5, 6]])
+    assert strip_padding(fake, [[1, 2], [1, 1, 2]], eos_token_id=9) == [[1, 2, 9], [1, 1, 2, 3, 4, 5, 6]]
+    assert strip_padding(fake) == fake.tolist()
+    for kwargs, needle in [(dict(prompts=[[1]]), "1 prompts for 2 rows"),
+                           (dict(prompts=[[1], [2]], attention_mask=mask), "not both"),
+                           (dict(new_only=True), "new_only needs prompts or attention_mask"),
+                           (dict(prompts=[[1] * 9, [1]]), "9 tokens wide but out has 7 columns"),
+                           (dict(attention_mask=torch.ones(3, 2)), r"expected \[B=2, T_mask <= 7\]")]:
+        with pytest.raises(ValueError, match=needle):
+            strip_padding(fake, **kwargs)
+
+
+def test_every_argument_of_generate_is_checked_and_named():
+    """Each argument of the wrong type, dtype, device or range is a ValueError naming it, raised
+    before any work (``meta`` stands in for a tensor on another device than the model's)."""
+    m = model()
+    idx = torch.randint(0, 50, (2, 4))
+    meta = torch.device("meta")
+    cases = [("idx", dict(idx=idx.float())), ("idx", dict(idx=idx.bool())), ("idx", dict(idx=idx.to(meta))),
+             ("idx", dict(idx=idx.numpy())), ("idx", dict(idx=idx[0])), ("idx", dict(idx="ROMEO:")),
+             ("prompts[0][1]", dict(idx=[[1, 2.5]])),
+             ("attention_mask", dict(attention_mask=[[1] * 4] * 2)),
+             ("attention_mask", dict(attention_mask=torch.ones(2, 4).to(meta))),
+             ("attention_mask", dict(attention_mask=torch.full((2, 4), 0.5))),
+             ("attention_mask", dict(attention_mask=torch.ones(2, 5))),
+             ("max_new_tokens", dict(max_new_tokens=2.0)), ("max_new_tokens", dict(max_new_tokens=-1)),
+             ("temperature", dict(temperature="1")), ("top_k", dict(top_k=1.5)), ("top_p", dict(top_p=0)),
+             ("min_p", dict(min_p=2)), ("seed", dict(seed=torch.tensor(3.0))),
+             ("eos_token_id", dict(eos_token_id=3.5)), ("eos_token_id", dict(eos_token_id=50)),
+             ("eos_token_id", dict(eos_token_id=torch.tensor(-1))), ("eos_token_id", dict(eos_token_id="3")),
+             ("vocab_size", dict(vocab_size=3.5)), ("vocab_size", dict(vocab_size=0)),
+             ("vocab_size", dict(vocab_size=51)), ("on_token", dict(on_token=3)),
+             ("sliding_window", dict(sliding_window="no"))]
+    for name, kwargs in cases:
+        kwargs = {"idx": idx, "max_new_tokens": 2, **kwargs}
+        with pytest.raises(ValueError) as info:
+            m.generate(kwargs.pop("idx"), kwargs.pop("max_new_tokens"), **kwargs)
+        assert str(info.value).startswith(name), (name, str(info.value))
+    # 0-d integer tensors are integers
+    out = m.generate(idx, torch.tensor(2), temperature=0, eos_token_id=torch.tensor(3), vocab_size=torch.tensor(50))
+    assert out.shape == (2, 6)

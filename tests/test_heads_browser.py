@@ -92,7 +92,8 @@ def test_heads_html_renders_every_head_and_selection_changes_the_view(browser, p
     from selenium.webdriver.common.by import By
     cells = browser.find_elements(By.CSS_SELECTOR, "#heads td")
     assert [c.text for c in cells] == [f"layer {l} head {h}" for l in range(L) for h in range(H)]
-    assert browser.find_element(By.ID, "sel").text == "layer 0 head 0"
+    assert browser.find_element(By.ID, "sel").text == "layer 1 head 2"      # the page opens on --layer 1 --head 2
+    assert js("return Array.from(document.querySelectorAll('canvas.sel')).map(c => c.id)") == ["L1H2"]
     before = js("return document.getElementById('big').toDataURL()")
     browser.find_element(By.ID, f"L{L - 1}H{H - 1}").click()
     assert browser.find_element(By.ID, "sel").text == f"layer {L - 1} head {H - 1}"
@@ -142,7 +143,7 @@ def test_long_prompt_page_with_only_the_selected_layer_renders(browser, tmp_path
     assert severe(browser.get_log("browser")) == []
     js = browser.execute_script
     from selenium.webdriver.common.by import By
-    assert browser.find_element(By.ID, "sel").text == "layer 1 head 0"  # the first embedded layer is shown
+    assert browser.find_element(By.ID, "sel").text == "layer 1 head 3"  # the selected head is shown
     grey = js("""return ['L0H0', 'L1H3'].map(id => { const c = document.getElementById(id);
         const d = c.getContext('2d').getImageData(48, 60, 1, 1).data; return [d[0], d[1], d[2]]; })""")
     assert grey[0] == [204, 204, 204] and grey[1] != [204, 204, 204]   # layer 0 not embedded, layer 1 drawn

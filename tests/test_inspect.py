@@ -6,6 +6,7 @@ attend to the previous token, and PNG/HTML files read back from disk.
 """
 
 import json
+import os
 import re
 
 import numpy as np
@@ -17,7 +18,7 @@ from gpt2mha import DEFAULT_MODEL, GPT2, CausalSelfAttention, GPT2Config
 from gpt2mha.checkpoints import builtin_models
 from gpt2mha.cli import main
 from gpt2mha.inspect import (NO_ROLE, ROLE_THRESHOLD, analyse_heads, assign_roles, attention_maps, grid_geometry,
-                             head_geometry, induction_from_maps, relative_scores, repeated_random_tokens, role_scores,
+                             head_geometry, induction_from_maps, ordinal, relative_scores, repeated_random_tokens, role_scores,
                              strongest_heads, trace)
 
 SHAPE = re.compile(r"\((\d+(?:, \d+)*)\)")
@@ -388,3 +389,42 @@ def test_heads_html_stays_small_for_long_prompts(long_result, tmp_path):
     assert info["layers"] == [3] and page_data(page)["layers"] == [3]
     assert "embeds only layer(s) 3" in page and len(page) < size / 3
     assert torch.allclose(page_maps(page_data(page))[0], long_result.weights[3, 0], atol=0.5 / 255 + 1e-6)
+
+
+@pytest.mark.parametrize("T,step,cell", [(8, 1, 128), (9, 2, 128), (20, 3, 128), (65, 6, 192)])
+def test_grid_png_labels_drawn_follow_the_stated_thinning(T, step, cell, tmp_path):
+    """The labels matplotlib drew under grid.png's maps: every token up to 8 tokens (128-pixel maps,
+    one label per 16 pixels), then every ceil(T/8)-th with its position, and past 64 tokens
+    192-pixel maps with every ceil(T/12)-th (README, 'heads'); the note names the step with its
+    ordinal."""
+    from gpt2mha.inspect import write_grid_png
+
+    w = torch.softmax(torch.randn(2, 1, 4, T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -1e9), -1)
+    labels = [f"t{i}" for i in range(T)]
+    geo = write_grid_png(w, labels, str(tmp_path / "g.png"))
+    assert (geo["label_step"], geo["cell"]) == (step, cell)
+    if step == 1:
+        assert geo["labels_drawn"] == labels and geo["notes"] == []
+    else:
+        assert geo["labels_drawn"] == [f"{i} t{i}" for i in range(0, T, step)]
+        assert geo["notes"] == [f"grid.png labels every {ordinal(step)} of {T} tokens (0, {step}, {2 * step}, ...), "
+                                f"each with its position"]
+
+
+def test_ordinal():
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111, 112)] == \
+        ["1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th", "112th"]
+
+
+@pytest.mark.parametrize("flags,first", [(["--layer", "1", "--head", "2"], [1, 2]), (["--layer", "1"], [1, 0]),
+                                         (["--head", "3"], [0, 3])])
+def test_heads_html_opens_on_the_selected_head(tiny_dir, tmp_path, flags, first, capsys):
+    """heads.html starts on the head the command selected (the first one it drew at full size),
+    not on layer 0 head 0."""
+    out = tmp_path / "maps"
+    assert main(["heads", "To be, or not", "--model", tiny_dir, "--out", str(out), "--json", *flags]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert os.path.basename(files["heads"][0]) == f"layer{first[0]}_head{first[1]}.png"
+    page = (out / "heads.html").read_text()
+    assert page_data(page)["selected"] == first
+    assert "select(D.selected[0], D.selected[1]);" in page

@@ -161,3 +161,72 @@ def test_bad_inputs_are_clear_errors():
         model(torch.zeros(2, 1, dtype=torch.long), past=good[:, :, :, :2])
     with pytest.raises(ValueError, match="head_dim is 4, expected 8"):
         model(torch.zeros(2, 1, dtype=torch.long), past=good[..., :4])
+
+
+def _bad_forward_arguments(model):
+    """(name, kwargs) pairs: every tensor argument of forward given as a non-tensor, with the
+    wrong dtype, on another device (``meta``, standing in for a GPU tensor with a CPU model and
+    back) or with the wrong shape; the cached path (``cache=``) too."""
+    idx = torch.randint(0, 97, (2, 4))
+    past = model(idx).present.detach()
+    meta = torch.device("meta")
+    yield "idx", dict(idx=[[1, 2, 3]])
+    yield "idx", dict(idx=idx.float())
+    yield "idx", dict(idx=idx.bool())
+    yield "idx", dict(idx=idx.to(meta))
+    yield "idx", dict(idx=idx[None])
+    for extra in ({}, dict(cache=KVCache(3, 2, 4, 48, 8)), dict(past=past, idx=idx[:, :1])):
+        T, S = (1, 5) if "past" in extra else (4, 4)
+        base = dict(idx=idx, **extra) if "idx" not in extra else extra
+        yield "position_ids", {**base, "position_ids": torch.arange(float(T))}
+        yield "position_ids", {**base, "position_ids": torch.ones(T, dtype=torch.bool)}
+        yield "position_ids", {**base, "position_ids": torch.arange(T).to(torch.uint8)}
+        yield "position_ids", {**base, "position_ids": torch.arange(T).to(torch.complex64)}
+        yield "position_ids", {**base, "position_ids": list(range(T))}
+        yield "position_ids", {**base, "position_ids": torch.arange(T).to(meta)}
+        yield "position_ids", {**base, "position_ids": torch.arange(T)[None, None]}
+        yield "position_ids", {**base, "position_ids": torch.arange(T) + 48}
+        yield "attention_mask", {**base, "attention_mask": [[1] * S] * 2}
+        yield "attention_mask", {**base, "attention_mask": torch.ones(2, S).to(meta)}
+        yield "attention_mask", {**base, "attention_mask": torch.full((2, S), 0.5)}
+        yield "attention_mask", {**base, "attention_mask": torch.ones(2, S, dtype=torch.complex64)}
+        yield "attention_mask", {**base, "attention_mask": torch.ones(2, S + 1)}
+    yield "past", dict(idx=idx[:, :1], past=past.tolist())
+    yield "past", dict(idx=idx[:, :1], past=past.long())
+    yield "past", dict(idx=idx[:, :1], past=past.to(meta))
+    yield "past", dict(idx=idx[:, :1], past=past[:, :, 0])
+    yield "cache", dict(idx=idx, cache=[past])
+    yield "cache", dict(idx=idx, cache=KVCache(3, 2, 4, 48, 8, device=meta))
+    yield "cache", dict(idx=idx, cache=KVCache(3, 2, 4, 48, 8, dtype=torch.float64))
+    yield "last_only", dict(idx=idx, last_only="yes")
+
+
+def test_every_tensor_argument_of_forward_is_checked_and_named():
+    """A wrong dtype, device, shape or type of any argument is a ValueError naming it, never a
+    raw torch error from deep inside (e.g. ``position_ids=torch.arange(8.)`` used to fail in
+    the embedding lookup)."""
+    model = small_model()
+    cases = list(_bad_forward_arguments(model))
+    assert len(cases) > 40
+    for name, kwargs in cases:
+        kwargs = dict(kwargs)
+        with pytest.raises(ValueError) as info:
+            with torch.no_grad():
+                model(kwargs.pop("idx"), **kwargs)
+        assert str(info.value).startswith(name), (name, kwargs, str(info.value))
+    # the same arguments of the right kind run, and explicit positions equal the default ones
+    idx = torch.randint(0, 97, (2, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx, position_ids=torch.arange(4, dtype=torch.int32)).logits, model(idx).logits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cpu_tensors_for_a_cuda_model_are_named():
+    model = small_model().cuda()
+    idx = torch.randint(0, 97, (2, 4))
+    with pytest.raises(ValueError, match=r"^idx is on cpu but the model is on cuda:0"):
+        model(idx)
+    with pytest.raises(ValueError, match=r"^position_ids is on cpu"):
+        model(idx.cuda(), position_ids=torch.arange(4))
+    with pytest.raises(ValueError, match=r"^idx is on cpu"):
+        model.generate(idx, 2)

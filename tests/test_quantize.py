@@ -450,7 +450,7 @@ def test_bench_quantized_rows_on_a_small_model():
     pytest.importorskip("transformers")
     from gpt2mha import bench
 
-    sizes = bench.Sizes(new_tokens=6, batches=(1, 2), repeats=1)
+    sizes = bench.Sizes(new_tokens=6, batches=(1, 2), repeats=1, builtin_agree_tokens=512, calibration_bytes=4096)
     config = GPT2Config(n_vocab=300, n_ctx=64, n_embd=64, n_head=4, n_layer=2, tokenizer="bytes")
     result = bench.run(preset="small-test", config=config, sizes=sizes, memory=False, sections=("quant",),
                        text=SHAKESPEARE, log=lambda *a: None)

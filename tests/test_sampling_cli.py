@@ -3,7 +3,10 @@ prompts and --num-samples as labelled samples, a decode that drops left padding,
 on perplexity and heads."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from gpt2mha.cli import main
 from gpt2mha.generate import left_pad
 from gpt2mha.tokenizer import ByteTokenizer, GPT2Tokenizer, decode_rows
 
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}
 LABEL = re.compile(r"^={20} (.*) ={20}$", re.M)
 
 
@@ -138,3 +142,35 @@ def test_stop_at_eos_ends_each_labelled_sample_at_its_first_endoftext(tmp_path, 
                      "--temperature", "0", *flags]) == 0
         got = samples(capsys.readouterr().out)
         assert got == {"prompt 1 of 2, sample 1 of 1": "hello" + eot * n, "prompt 2 of 2, sample 1 of 1": "a b" + eot * n}
+
+
+def test_prompt_file_and_stdin_give_the_prompt_arguments_output(byte_model, tmp_path, capsys, one_thread):
+    """--prompt-file FILE (and '-' for standard input) is the PROMPT argument with the file's exact
+    text: the same output for the same seed; --min-p reaches the sampler (the Python API's
+    min_p gives the same text)."""
+    text = "ROMEO:\nWhat, ho!\n"
+    f = tmp_path / "prompt.txt"
+    f.write_bytes(text.encode())
+    args = ["--model", byte_model, "--max-new-tokens", "12", "--seed", "4", "--min-p", "0.5"]
+    assert main(["generate", text, *args]) == 0
+    expected = capsys.readouterr().out
+    assert main(["generate", "--prompt-file", str(f), *args]) == 0
+    assert capsys.readouterr().out == expected
+    model = GPT2.from_pretrained(byte_model)
+    prompt = torch.tensor([list(text.encode())])
+    ids = model.generate(prompt, 12, seed=4, min_p=0.5)
+    assert expected == bytes(ids[0].tolist()).decode("utf-8", errors="replace") + "\n"
+    assert not torch.equal(ids, model.generate(prompt, 12, seed=4))              # min_p changed the draw
+    piped = subprocess.run([sys.executable, "-m", "gpt2mha", "generate", "-f", "-", *args], input=text.encode(),
+                           capture_output=True, env=OFFLINE, timeout=300)
+    assert piped.returncode == 0 and piped.stdout.decode() == expected, piped.stderr
+    empty, latin = tmp_path / "empty.txt", tmp_path / "latin.txt"
+    empty.write_text("")
+    latin.write_bytes(b"caf\xe9")
+    for extra, needle in [(["--prompt-file", str(empty)], f"--prompt-file {empty} is empty"),
+                          (["--prompt-file", str(latin)], f"--prompt-file: FILE={str(latin)!r} is not UTF-8"),
+                          (["--prompt-file", str(tmp_path / "no")], "No such file"),
+                          (["x", "--prompt-file", str(f)], "drop the PROMPT ('x') or the flag"),
+                          (["x", "--min-p", "1.5"], "--min-p=1.5 must be a number in [0, 1]")]:
+        assert main(["generate", *extra, "--model", byte_model]) == 2, extra
+        assert needle in capsys.readouterr().err

@@ -520,7 +520,8 @@ def test_bench_sections_run_on_a_tiny_model(capsys):
     from gpt2mha import bench
 
     sizes = bench.Sizes(new_tokens=6, nocache_tokens=6, batches=(1, 2), positions=(8, 40), position_steps=3,
-                        prefill_tokens=32, attn_batch=2, attn_tokens=32, agree_tokens=64, repeats=1, attn_repeats=1)
+                        prefill_tokens=32, attn_batch=2, attn_tokens=32, agree_tokens=64, builtin_agree_tokens=512,
+                        repeats=1, attn_repeats=1)
     result = bench.run(preset="tiny-test", config=TINY, sizes=sizes, memory=False, text=VERDICT,
                        sections=("decode", "cache", "positions", "prefill", "attention", "lowp"),
                        log=lambda *a: None)
@@ -551,6 +552,28 @@ def test_bench_prefill_peak_memory_child(tmp_path):
     small_model(n_vocab=300, n_ctx=64).save_pretrained(directory)
     peak = bench.prefill_peak_mb("gpt2mha fused", directory, 64)
     assert peak is not None and 0 <= peak < 500
+
+
+def test_quick_sizes_bound_every_section():
+    """--quick scales down every size that sets a section's work (tokens, batches, positions,
+    windows, calibration text, memory children, repeats), not only the repeats."""
+    from dataclasses import fields
+
+    from gpt2mha import bench
+
+    full, quick = bench.FULL, bench.QUICK
+    effective = {"quant_batches": lambda s: s.quant_batches or s.batches,
+                 "calibration_bytes": lambda s: s.calibration_bytes or 16384}
+    for f in fields(bench.Sizes):
+        q, F = (effective[f.name](s) if f.name in effective else getattr(s, f.name) for s in (quick, full))
+        if f.name == "memory_variants":
+            assert set(q) < set(F), f.name
+        elif isinstance(F, tuple):
+            assert len(q) <= len(F) and max(q) <= max(F), f.name
+        else:
+            assert q <= F, f.name
+        if f.name not in ("prompt", "batches", "positions"):
+            assert q != F, f"--quick leaves {f.name} at the full run's {F}"
 
 
 def test_cli_bench_rejects_unknown_sections(capsys):

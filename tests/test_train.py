@@ -92,6 +92,7 @@ def test_bad_input_is_refused(tmp_path, capsys):
         (["--data", str(empty)], "is empty"),
         (["--data", str(short)], "fewer than one context"),
         (["--data", VERDICT, "--n-embd", "30"], "n_embd=30 is not divisible by n_head=4"),
+        (["--data", VERDICT, "--lr", "1e-4"], "min_lr=0.0002 must be <= --lr=0.0001"),
         (["--data", VERDICT, "--out", str(foreign)], "not a gpt2mha checkpoint"),
     ]
     for extra, needle in cases:
@@ -135,3 +136,122 @@ def test_resume_with_dropout_is_bit_identical_to_an_uninterrupted_run(tmp_path, 
     sb = torch.load(str(tmp_path / "b" / "trainer_state.pt"), weights_only=True)
     assert torch.equal(sa["rng"][0]["torch"], sb["rng"][0]["torch"])
     assert torch.equal(sa["rng"][0]["batches"], sb["rng"][0]["batches"])
+
+
+def _interrupt_after(monkeypatch, steps):
+    """Make the trainer's next run raise KeyboardInterrupt (Ctrl-C) when it draws training batch
+    ``steps + 1``."""
+    import gpt2mha.train as T
+
+    real, calls = T.get_batch, {"n": 0}
+
+    def interrupt(*args, **kw):
+        if args[0].numel() > 10000:                  # the train split (validation is ~2 KB)
+            calls["n"] += 1
+            if calls["n"] == steps + 1:
+                monkeypatch.setattr(T, "get_batch", real)
+                raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(T, "get_batch", interrupt)
+
+
+def test_cli_resume_without_flags_continues_bit_for_bit_and_overrides_only_what_is_given(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """A run made with non-default settings, Ctrl-C'd after its step-10 checkpoint and resumed with
+    ``--resume`` alone keeps the checkpoint's settings: the weights, losses and random states
+    equal one uninterrupted run's exactly. A flag given on resume overrides that setting alone,
+    with one line saying so."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    args = ["--iters", "20", "--batch-size", "4", "--eval-interval", "10", "--lr", "3e-3", "--warmup", "5",
+            "--seed", "5", "--attn-pdrop", "0.1"]
+    assert main(["train", "--data", VERDICT, "--out", a, *args]) == 0
+    _interrupt_after(monkeypatch, 13)
+    assert main(["train", "--data", VERDICT, "--out", b, *args]) == 130           # Ctrl-C
+    capsys.readouterr()
+    assert main(["train", "--data", VERDICT, "--out", b, "--resume"]) == 0
+    assert "resume:" not in capsys.readouterr().err                               # nothing overridden
+    ma, mb = GPT2.from_pretrained(a), GPT2.from_pretrained(b)
+    for (name, p), q in zip(ma.named_parameters(), mb.parameters()):
+        assert torch.equal(p, q), name
+    la, lb = (json.load(open(os.path.join(d, "training_log.json"))) for d in (a, b))
+    assert la["train_config"] == lb["train_config"] and la["train_config"]["batch_size"] == 4
+    assert [(e["step"], e["train_loss"], e["val_loss"]) for e in la["evals"]] == \
+        [(e["step"], e["train_loss"], e["val_loss"]) for e in lb["evals"]]
+    sa, sb = (torch.load(os.path.join(d, "trainer_state.pt"), weights_only=True) for d in (a, b))
+    assert torch.equal(sa["rng"][0]["torch"], sb["rng"][0]["torch"])
+
+    # resumed with --iters 30 (and --batch-size equal to the checkpoint's): iters alone changes
+    assert main(["train", "--data", VERDICT, "--out", b, "--resume", "--iters", "30", "--batch-size", "4"]) == 0
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("resume:")]
+    assert lines == ["resume: iters = 30 (overrides the checkpoint's 20)"]
+    lb = json.load(open(os.path.join(b, "training_log.json")))
+    assert [e["step"] for e in lb["evals"]] == [10, 20, 30]                       # eval_interval stays 10
+    assert {k: lb["train_config"][k] for k in ("iters", "batch_size", "lr", "warmup")} == \
+        {"iters": 30, "batch_size": 4, "lr": 3e-3, "warmup": 5}
+
+
+def test_resume_refuses_what_it_cannot_change(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(tiny_args(out, 20)) == 0
+    before = open(os.path.join(out, "model.safetensors"), "rb").read()
+    capsys.readouterr()
+    for extra, needle in [(["--seed", "9"], "--seed=9: a resumed run continues the random states"),
+                          (["--n-layer", "3"], "--n-layer=3: the checkpoint's model has n_layer 2"),
+                          (["--tokenizer", "gpt2"], "--tokenizer='gpt2': the checkpoint's model has tokenizer 'bytes'"),
+                          (["--preset", "shakespeare"], "--preset shakespeare: n_ctx=256: the checkpoint's model has n_ctx 64"),
+                          (["--init-from", out], "use one of them")]:
+        assert main(["train", "--data", VERDICT, "--out", out, "--resume", *extra]) == 2, extra
+        assert needle in capsys.readouterr().err
+    assert open(os.path.join(out, "model.safetensors"), "rb").read() == before
+    # the Python API: a TrainConfig taken whole says what it overrides; a dict changes only its keys
+    tc = TrainConfig(iters=20, batch_size=8, eval_interval=20, lr=3e-3, warmup=5, seed=1)
+    train(VERDICT, out, tc=tc, resume=True, progress=False)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match=r"tc: unknown setting\(s\) \['batch'\]"):
+        train(VERDICT, out, tc={"batch": 4}, resume=True, progress=False)
+
+
+def test_init_from_starts_a_new_run_from_the_models_weights(tmp_path, capsys):
+    """``--init-from MODEL``: step 0, a fresh AdamW, MODEL's weights. After one step every weight
+    moved by at most what one AdamW step allows from MODEL's (first principles: Adam's first
+    update m̂/√v̂ = g/|g| has magnitude <= 1, so |Δw| <= lr·(1 + weight_decay·|w|)), while a
+    new initialisation would be far from them."""
+    torch.manual_seed(0)
+    base = GPT2(GPT2Config.from_preset("tiny"))
+    base.save_pretrained(str(tmp_path / "base"))
+    out = str(tmp_path / "tuned")
+    assert main(["train", "--data", VERDICT, "--out", out, "--init-from", str(tmp_path / "base"), "--iters", "1",
+                 "--batch-size", "4", "--lr", "1e-3", "--warmup", "0", "--eval-interval", "1", "--seed", "2",
+                 "--attn-pdrop", "0.1"]) == 0
+    tuned = GPT2.from_pretrained(out)
+    lr, wd = 1e-3, TrainConfig().weight_decay
+    for (name, p), q in zip(base.named_parameters(), tuned.parameters()):
+        bound = lr * (1 + (wd * p.abs() if p.dim() >= 2 else 0)) + 1e-7
+        assert ((q - p).abs() <= bound).all(), name
+    assert sum((q - p).abs().sum() for p, q in zip(base.parameters(), tuned.parameters())) > 0   # it trained
+    state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)
+    assert state["step"] == 1 and state["optimizer"]["state"][0]["step"] == 1               # fresh optimizer
+    log = json.load(open(os.path.join(out, "training_log.json")))
+    assert log["init_from"] == str(tmp_path / "base") and [e["step"] for e in log["evals"]] == [1]
+    assert log["config"]["attn_pdrop"] == 0.1 and log["config"]["n_embd"] == 32                # dropout changed only
+
+
+def test_init_from_refusals(tmp_path, capsys):
+    torch.manual_seed(0)
+    GPT2(GPT2Config.from_preset("tiny")).save_pretrained(str(tmp_path / "base"))
+    GPT2(GPT2Config(n_vocab=1000, n_ctx=32, n_embd=16, n_head=2, n_layer=1)).save_pretrained(str(tmp_path / "v"))
+    q = GPT2(GPT2Config.from_preset("tiny")).quantize("int8", method="rtn")
+    q.save_pretrained(str(tmp_path / "q"))
+    base = str(tmp_path / "base")
+    for extra, needle in [(["--init-from", base, "--tokenizer", "gpt2"],
+                           f"--tokenizer='gpt2': the model {base!r} has tokenizer 'bytes'"),
+                          (["--init-from", base, "--n-embd", "64"], "--n-embd=64: the model"),
+                          (["--init-from", base, "--preset", "tiny"], f"--preset tiny: the model comes from --init-from"),
+                          (["--init-from", str(tmp_path / "q")], "is quantized (int8)"),
+                          (["--init-from", str(tmp_path / "v")], "n_vocab=1000, fewer ids than its tokenizer 'gpt2'"),
+                          (["--init-from", str(tmp_path / "missing")], "--init-from="),
+                          (["--init-from", base, "--resume"], "use one of them")]:
+        assert main(["train", "--data", VERDICT, "--out", str(tmp_path / "o"), "--iters", "1", *extra]) == 2, extra
+        assert needle in capsys.readouterr().err, extra
+    assert not os.path.exists(tmp_path / "o")

@@ -107,12 +107,21 @@ def quantized(model, args):
 def cmd_generate(args) -> int:
     import torch
 
-    from .generate import check_sampling
+    from .generate import check_min_p, check_sampling
     from .tokenizer import StreamDecoder, tokenizer_for
 
     check_sampling(args.temperature, args.top_k, args.top_p)
+    try:
+        check_min_p(args.min_p)
+    except ValueError:
+        raise ValueError(f"--min-p={args.min_p} must be a number in [0, 1] (0: off)") from None
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    if args.prompt_file is not None:
+        if args.prompt:
+            raise ValueError(f"--prompt-file {args.prompt_file} is the prompt; drop the PROMPT ({args.prompt[0]!r}) "
+                             f"or the flag")
+        args.prompt = [read_prompt_file(args.prompt_file)]
     prompts = args.prompt
     if args.num_samples < 1:
         raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
@@ -122,7 +131,8 @@ def cmd_generate(args) -> int:
     if not args.unconditional and not prompts:
         raise ValueError("give a PROMPT to continue (or --unconditional to sample from <|endoftext|>)")
     if "" in prompts:
-        which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else "PROMPT"
+        which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else \
+            f"--prompt-file {args.prompt_file}" if args.prompt_file is not None else "PROMPT"
         raise ValueError(f"{which} is empty; give at least one character to continue")
     from . import parallel
     parallel.check_world(args.tp)                     # --tp N needs N ranks (torchrun)
@@ -153,7 +163,7 @@ def cmd_generate(args) -> int:
         out.flush()
 
     ids = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                         min_p=args.min_p, seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
                          sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
     parallel.check_same_tokens(ids)
     out.write(("" if started else args.prompt) + stream.flush() + "\n")
@@ -166,8 +176,6 @@ def _generate_samples(args, model, tok) -> int:
     rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
     line, its padding dropped by :func:`gpt2mha.tokenizer.decode_rows`; with ``--stop-at-eos`` a
     row ends at its first ``<|endoftext|>``."""
-    import torch
-
     from . import parallel
     from .generate import left_pad
     from .tokenizer import decode_rows
@@ -179,17 +187,11 @@ def _generate_samples(args, model, tok) -> int:
     rows = [ids for ids in encoded for _ in range(args.num_samples)]
     idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
-                         attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
+                         top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                         eos_token_id=tok.eot_token if args.stop_at_eos else None, attention_mask=mask,
+                         sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
     parallel.check_same_tokens(out)
-    out, mask = out.cpu(), mask.cpu()
-    T = idx.shape[1]
-    if args.stop_at_eos:                       # a finished row repeats <|endoftext|>: keep the first
-        hits = out[:, T:] == tok.eot_token
-        first = torch.where(hits.any(1), hits.int().argmax(1) + T + 1, out.shape[1])
-        texts = [decode_rows(tok, out[i:i + 1, :int(first[i])], mask[i:i + 1])[0] for i in range(len(rows))]
-    else:
-        texts = decode_rows(tok, out, mask)
+    texts = decode_rows(tok, out.cpu(), mask.cpu(), tok.eot_token if args.stop_at_eos else None)
     skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
     stdout = parallel.rank0_stdout()
     for i, text in enumerate(texts):
@@ -198,6 +200,20 @@ def _generate_samples(args, model, tok) -> int:
             label = f"prompt {i // args.num_samples + 1} of {len(args.prompt)}, " + label
         print(f"{'=' * 20} {label} {'=' * 20}", text[skip:], sep="\n", file=stdout)
     return 0
+
+
+def read_prompt_file(path: str) -> str:
+    """``--prompt-file``: the file's exact text (a trailing newline included), or standard input's
+    for ``-``. Raises ValueError naming the file when it cannot be read or is not UTF-8."""
+    if path != "-":
+        try:
+            return read_text(path)
+        except ValueError as e:
+            raise ValueError(f"--prompt-file: {e}") from None
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file -: standard input is not UTF-8 text (byte {e.start})") from None
 
 
 def read_text(path: str, split: str = "all") -> str:
@@ -238,21 +254,48 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    from .model import GPT2Config
-    from .train import TrainConfig, train
+#: train's options that set the model (GPT2Config fields), as argparse names them
+TRAIN_MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "n_ctx": "--n-ctx",
+                     "tokenizer": "--tokenizer", "attn_pdrop": "--attn-pdrop", "resid_pdrop": "--resid-pdrop"}
+#: train's options that set the optimisation (TrainConfig fields)
+TRAIN_SETTINGS = ("iters", "batch_size", "lr", "min_lr", "warmup", "seed", "eval_interval")
 
-    sizes = {k: v for k, v in dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                                   n_ctx=args.n_ctx).items() if v is not None}
-    drop = {k: v for k, v in dict(attn_pdrop=args.attn_pdrop, resid_pdrop=args.resid_pdrop,
-                                  embd_pdrop=args.resid_pdrop).items() if v is not None}
-    tokenizer = args.tokenizer or ("gpt2" if args.preset in ("124M", "355M", "774M", "1558M") else "bytes")
-    n_vocab = 50257 if tokenizer == "gpt2" else 256
-    config = GPT2Config.from_preset(args.preset, n_vocab=n_vocab, tokenizer=tokenizer, **sizes, **drop)
-    tc = TrainConfig(**{k: v for k, v in dict(iters=args.iters, batch_size=args.batch_size, lr=args.lr,
-                                              min_lr=args.min_lr, warmup=args.warmup, seed=args.seed,
-                                              eval_interval=args.eval_interval).items() if v is not None})
-    log = train(args.data, args.out, config, tc, resume=args.resume)   # DistributedDataParallel under torchrun
+
+def cmd_train(args) -> int:
+    """``gpt2mha train``. Every option defaults to None, so the ones given on the command line
+    are known: a new run fills the others from the preset and :class:`~gpt2mha.train.TrainConfig`,
+    ``--resume`` from the checkpoint (the train function prints each setting given that differs
+    from it), ``--init-from`` from the model it loads."""
+    from .train import train
+
+    if args.resume and args.init_from is not None:
+        raise ValueError(f"--init-from {args.init_from} starts a new run from a model's weights; --resume continues "
+                         f"the checkpoint in --out: use one of them")
+    model = {k: getattr(args, k) for k in TRAIN_MODEL_FLAGS if getattr(args, k) is not None}
+    if model.get("resid_pdrop") is not None:
+        model["embd_pdrop"] = model["resid_pdrop"]                   # --resid-pdrop covers the embeddings too
+    if args.init_from is not None and args.preset is not None:
+        raise ValueError(f"--preset {args.preset}: the model comes from --init-from {args.init_from}; drop --preset")
+    if args.init_from is not None or (args.resume and args.preset is None):
+        config = model or None                                       # checked against that model by train()
+    else:                                                            # a new run; or --resume with the same preset
+        from .model import GPT2Config
+
+        preset = args.preset or "tiny"
+        if "tokenizer" not in model:
+            model["tokenizer"] = "gpt2" if preset in ("124M", "355M", "774M", "1558M") else "bytes"
+        config = GPT2Config.from_preset(preset, n_vocab=50257 if model["tokenizer"] == "gpt2" else 256, **model)
+    settings = {k: getattr(args, k) for k in TRAIN_SETTINGS if getattr(args, k) is not None}
+    try:
+        log = train(args.data, args.out, config, settings, resume=args.resume,     # DDP under torchrun
+                    init_from=args.init_from)
+    except ValueError as e:                                          # name the flags the fields came from
+        import re
+
+        flags = {**TRAIN_MODEL_FLAGS, **{k: "--" + k.replace("_", "-") for k in (*TRAIN_SETTINGS, "init_from")}}
+        flags = {k: v for k, v in flags.items() if getattr(args, k) is not None}          # the ones given
+        message = re.sub(r"\b(%s)=" % "|".join(flags), lambda m: flags[m.group(1)] + "=", str(e)) if flags else str(e)
+        raise ValueError(f"--preset {args.preset}: {message}" if args.resume and args.preset else message) from None
     from .parallel import info
     if log["evals"] and info().is_main:
         last = log["evals"][-1]
@@ -422,11 +465,29 @@ def cmd_bench(args) -> int:
     return main_args(args)
 
 
-def _add_bench_command(sub) -> None:
-    from .bench import add_arguments
+#: The sections of ``gpt2mha bench`` (:mod:`gpt2mha.bench`), in the order they run.
+BENCH_SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp", "quant")
 
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``gpt2mha bench`` and ``python -m gpt2mha.bench`` (kept here, without torch,
+    so that building the command's parser imports nothing heavy)."""
+    p.add_argument("--quick", action="store_true",
+                   help="scaled-down sizes, every section bounded (about 2 minutes on 2 idle cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--preset", default="124M", help="model size preset for the random weights (default 124M)")
+    p.add_argument("--only", default=",".join(BENCH_SECTIONS),
+                   help=f"comma-separated sections to run (default all: {','.join(BENCH_SECTIONS)})")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="real text for top-1 agreement (default: the repo's data/tinyshakespeare.txt)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--quantize", default="int8,int4", metavar="int8|int4",
+                   help="weight-only schemes the quant section decodes with (comma-separated; default both)")
+
+
+def _add_bench_command(sub) -> None:
     b = sub.add_parser("bench", help="speed and memory against Hugging Face transformers on the same random weights")
-    add_arguments(b)
+    add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
 
 
@@ -565,13 +626,19 @@ def _add_serve_command(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="gpt2mha", description="GPT-2 multi-head attention, exact and fast.")
+    parser.add_argument("--version", action="version", version=f"gpt2mha {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="continue a prompt (streams tokens as they are sampled)",
                        formatter_class=DefaultsHelpFormatter)
     g.add_argument("prompt", metavar="PROMPT", nargs="*",
                    help="text to continue; several PROMPTs are sampled as one batch and printed as labelled samples")
+    g.add_argument("--prompt-file", "-f", default=None, metavar="FILE",
+                   help="read the prompt from FILE (its exact UTF-8 text, a final newline included), '-' for "
+                        "standard input; instead of PROMPT")
     _model_arg(g)
     g.add_argument("--unconditional", action="store_true",
                    help="sample from <|endoftext|> alone, as OpenAI's generate_unconditional_samples.py (BPE models)")
@@ -580,6 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep only tokens at least this fraction as likely as the most likely one, after "
+                        "--temperature (transformers' min_p); in [0, 1], 0: off")
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights' dtype; on CPU bfloat16/float16 halve the weights' memory but decode no "
@@ -610,20 +680,32 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a GPT-2 on a text file (first 90%% train, last 10%% validation)")
     t.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file")
     t.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory (new, or ours with --resume)")
-    t.add_argument("--preset", default="tiny", help="size preset (tiny, shakespeare, 124M, ...); the flags below override it")
+    t.add_argument("--preset", default=None,
+                   help="size preset of a new run (tiny, shakespeare, 124M, ...; default tiny); the flags below "
+                        "override it")
     for flag in ("--n-layer", "--n-head", "--n-embd", "--n-ctx"):
         t.add_argument(flag, type=int, default=None)
-    t.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=None)
-    t.add_argument("--iters", type=int, default=None)
-    t.add_argument("--batch-size", type=int, default=None)
-    t.add_argument("--lr", type=float, default=None)
-    t.add_argument("--min-lr", type=float, default=None)
-    t.add_argument("--warmup", type=int, default=None)
-    t.add_argument("--eval-interval", type=int, default=None)
-    t.add_argument("--attn-pdrop", type=float, default=None, help="dropout on attention weights")
-    t.add_argument("--resid-pdrop", type=float, default=None, help="dropout on residual branches and embeddings")
-    t.add_argument("--seed", type=int, default=None)
-    t.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    t.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=None,
+                   help="of a new run (default: gpt2 for the GPT-2 presets, else bytes)")
+    t.add_argument("--iters", type=int, default=None, help="optimizer steps in all (default 2000)")
+    t.add_argument("--batch-size", type=int, default=None, help="windows per step, the global batch (default 32)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
+    t.add_argument("--min-lr", type=float, default=None, help="the cosine's floor (default 2e-4)")
+    t.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default 100)")
+    t.add_argument("--eval-interval", type=int, default=None,
+                   help="validate and checkpoint every this many steps (default 250)")
+    t.add_argument("--attn-pdrop", type=float, default=None, help="dropout on attention weights (default 0)")
+    t.add_argument("--resid-pdrop", type=float, default=None,
+                   help="dropout on residual branches and embeddings (default 0)")
+    t.add_argument("--seed", type=int, default=None, help="initialisation and batch sampler (default 1337)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the checkpoint in --out with its settings, optimizer and random states; the "
+                        "options above given here override its settings (one line each says so); the model's "
+                        "sizes and the seed cannot change")
+    t.add_argument("--init-from", default=None, metavar="MODEL",
+                   help="fine-tune: start a new run at step 0, with its own optimizer, from MODEL's weights (any "
+                        "--model value: built-in name, directory, hub id, nanoGPT ckpt.pt, ...); the data is read "
+                        "with MODEL's tokenizer; only dropout may differ from MODEL's config")
     t.set_defaults(func=cmd_train)
     _add_inspect_commands(sub)
     _add_bench_command(sub)

@@ -99,12 +99,25 @@ def bool_mask(mask: torch.Tensor | None, name: str = "attn_mask") -> torch.Tenso
     return mask != 0
 
 
-def token_ids(idx, n_vocab: int, name: str = "idx") -> None:
-    """Token ids ``[B, T]``: an int64/int32 tensor, B, T >= 1, every id in ``[0, n_vocab)``.
+def device(t: torch.Tensor, name: str, expected) -> None:
+    """A tensor argument must be on the model's device (a CPU tensor for a CUDA model, or a
+    ``meta`` tensor, would otherwise fail deep inside torch).
 
     Raises:
-        ValueError: text or another type, a float/uint8/bool dtype, a rank other than 2, an
-            empty batch or sequence, or an id outside the vocabulary (naming it).
+        ValueError: naming the argument, both devices and the fix.
+    """
+    if t.device != torch.device(expected):
+        raise ValueError(f"{name} is on {t.device} but the model is on {expected}; move it with "
+                         f"{name}.to({str(expected)!r})")
+
+
+def token_ids(idx, n_vocab: int, name: str = "idx", on=None) -> None:
+    """Token ids ``[B, T]``: an int64/int32 tensor (on device ``on`` when given), B, T >= 1,
+    every id in ``[0, n_vocab)``.
+
+    Raises:
+        ValueError: text or another type, a float/uint8/bool dtype, a rank other than 2, another
+            device, an empty batch or sequence, or an id outside the vocabulary (naming it).
     """
     if not isinstance(idx, torch.Tensor):
         raise ValueError(f"{name} must be a tensor of token ids [B, T] (int64); got {type(idx).__name__}"
@@ -117,6 +130,8 @@ def token_ids(idx, n_vocab: int, name: str = "idx") -> None:
     if idx.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(idx.shape)}; expected [B, T]"
                          + (" (one sequence: idx[None])" if idx.dim() == 1 else ""))
+    if on is not None:
+        device(idx, name, on)
     B, T = idx.shape
     if T == 0 or B == 0:
         raise ValueError(f"{name} has shape {(B, T)}; need at least one sequence and one token")
@@ -133,18 +148,19 @@ def like_idx(t, name: str, idx: torch.Tensor, shapes: tuple[tuple, ...], integer
         ValueError: not a tensor, another device, another shape, or the wrong kind of values.
     """
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor; got {type(t).__name__}")
-    if t.device != idx.device:
-        raise ValueError(f"{name} is on {t.device} but idx is on {idx.device}")
+        raise ValueError(f"{name} must be a tensor {list(shapes[0])} of "
+                         + ("int64 positions" if integer else "1 (real) / 0 (pad)") + f"; got {type(t).__name__}")
+    if integer and t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must hold positions as int64 (or int32); got dtype {t.dtype}"
+                         + (" (use .long())" if t.dtype != torch.bool else ""))
     if tuple(t.shape) not in shapes:
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected " + " or ".join(str(list(s)) for s in shapes))
-    if integer and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-        raise ValueError(f"{name} must hold integer positions; got dtype {t.dtype} (use .long())")
+    device(t, name, idx.device)
     return t if integer else bool_mask(t, name)
 
 
-def past(past, batch: int | None, n_layer: int, n_head: int, head_dim: int) -> None:
-    """OpenAI's ``past [B, n_layer, 2, n_head, P, head_dim]``, floating point.
+def past(past, batch: int | None, n_layer: int, n_head: int, head_dim: int, on=None) -> None:
+    """OpenAI's ``past [B, n_layer, 2, n_head, P, head_dim]``, floating point, on device ``on``.
 
     Raises:
         ValueError: not a floating tensor, the wrong rank, or a size that does not match the
@@ -161,6 +177,8 @@ def past(past, batch: int | None, n_layer: int, n_head: int, head_dim: int) -> N
         if e is not None and e != s:
             raise ValueError(f"past has shape {tuple(past.shape)}: {label} is {s}, expected {e} "
                              f"([B={batch}, n_layer={n_layer}, 2, n_head={n_head}, P, head_dim={head_dim}])")
+    if on is not None:
+        device(past, "past", on)
 
 
 def layer_past(past, x: torch.Tensor, n_head: int, head_dim: int) -> None:
@@ -176,6 +194,17 @@ def layer_past(past, x: torch.Tensor, n_head: int, head_dim: int) -> None:
     if past.dim() != 5 or any(e is not None and e != s for e, s in zip(expected, past.shape)):
         raise ValueError(f"past has shape {tuple(past.shape)}; expected "
                          f"[B={x.shape[0]}, 2, n_head={n_head}, P, head_dim={head_dim}]")
+
+
+def flag(value, name: str) -> bool:
+    """A True/False argument (not 1, "yes" or None).
+
+    Raises:
+        ValueError: naming it.
+    """
+    if value is not True and value is not False:
+        raise ValueError(f"{name}={value!r} must be True or False")
+    return value
 
 
 def hidden(x, n_embd: int, name: str = "x") -> None:

@@ -276,19 +276,20 @@ class GPT2(nn.Module):
         """Number of parameters (wte counted once when the head is tied to it)."""
         return sum(p.numel() for p in self.parameters())
 
-    def check_inputs(self, idx, past, attention_mask, position_ids, cache) -> None:
+    def check_inputs(self, idx, past, attention_mask, position_ids, cache, last_only=False) -> None:
         """Everything :meth:`forward` takes, checked before any work (:mod:`~gpt2mha.core.checks`).
 
         Raises:
             ValueError: naming the argument (see :meth:`forward`).
         """
         c = self.config
-        checks.token_ids(idx, c.n_vocab)
+        checks.token_ids(idx, c.n_vocab, on=self.wte.weight.device)
+        checks.flag(last_only, "last_only")
         B, T = idx.shape
         if past is not None and cache is not None:
             raise ValueError("pass either past or cache, not both")
         if past is not None:
-            checks.past(past, B, c.n_layer, c.n_head, c.head_dim)
+            checks.past(past, B, c.n_layer, c.n_head, c.head_dim, on=self.wte.weight.device)
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise ValueError(f"cache must be a KVCache; got {type(cache).__name__}")
@@ -331,12 +332,14 @@ class GPT2(nn.Module):
             :func:`logits_dtype`), present is in the model's dtype and None when ``cache`` is used.
 
         Raises:
-            ValueError: bad idx (rank, dtype, ids outside the vocab, longer than n_ctx with
-                the past), a past of the wrong shape or not floating point, a cache that does
-                not fit, or a mask or positions of the wrong shape, device or values.
+            ValueError: naming the argument: bad idx (not a tensor, rank, dtype, ids outside
+                the vocab, longer than n_ctx with the past), a past of the wrong shape or not
+                floating point, a cache that is not a KVCache or does not fit, a mask or
+                positions of the wrong type, dtype, shape or values, any tensor on another
+                device than the model's, or a last_only that is not a bool.
         """
         if validate and not torch.compiler.is_compiling():
-            self.check_inputs(idx, past, attention_mask, position_ids, cache)
+            self.check_inputs(idx, past, attention_mask, position_ids, cache, last_only)
             attention_mask = checks.bool_mask(attention_mask, "attention_mask")
         B, T = idx.shape
         if past is not None:                                    # OpenAI's past: a cache for this call

@@ -72,6 +72,74 @@ def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Ten
     return idx, mask
 
 
+def strip_padding(out: torch.Tensor, prompts=None, *, attention_mask: torch.Tensor | None = None,
+                  new_only: bool = False, eos_token_id: int | None = None) -> list[list[int]]:
+    """Each row of a batch :func:`generate` returned, as a list of token ids without its left
+    padding: the prompt followed by the new tokens (or, with ``new_only``, the new tokens alone).
+
+    The pad id (0) is also a real token (the NUL byte, GPT-2's ``!``), so pads cannot be told
+    from tokens by value: say where each prompt starts with the prompts themselves or the mask.
+
+    Args:
+        out: ``[B, T + N]`` ids from ``generate`` (T the padded prompt width, N new tokens).
+        prompts: the prompts given to ``generate`` (token lists, tensors, arrays), for their
+            lengths; row i's prompt is its last ``len(prompts[i])`` columns of the first T.
+        attention_mask: instead of ``prompts``, ``[B, T]`` of 1 (real) / 0 (pad) over the
+            prompt columns, as :func:`left_pad` returns it. Neither: no padding, T unknown
+            (then ``new_only`` is an error).
+        new_only: return only the N new tokens of each row.
+        eos_token_id: cut each row after the first of its new tokens equal to it (a finished
+            row repeats it), keeping that one.
+
+    Returns:
+        ``B`` lists of Python ints.
+
+    Raises:
+        ValueError: both or (with ``new_only``) neither of prompts / attention_mask, a count
+            or shape that does not fit ``out``.
+    """
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise ValueError(f"out must be the [B, T + N] ids generate returned; got "
+                         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+    if prompts is not None and attention_mask is not None:
+        raise ValueError("pass prompts or attention_mask, not both")
+    B, total = out.shape
+    if prompts is not None:
+        lengths = [len(p) for p in as_prompts(prompts)]
+        if len(lengths) != B:
+            raise ValueError(f"prompts has {len(lengths)} prompts for {B} rows of out")
+        T = max(lengths)
+        starts = [T - n for n in lengths]
+    elif attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or \
+                attention_mask.shape[0] != B or attention_mask.shape[1] > total:
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+            raise ValueError(f"attention_mask has shape {shape}; expected [B={B}, T_mask <= {total}] over the "
+                             f"prompt columns")
+        T = attention_mask.shape[1]
+        keep = checks.bool_mask(attention_mask, "attention_mask").cpu()
+        starts = None
+    elif new_only:
+        raise ValueError("new_only needs prompts or attention_mask, to know where each prompt ends")
+    else:
+        T, starts = total, [0] * B
+    if T > total:
+        raise ValueError(f"the prompts are {T} tokens wide but out has {total} columns")
+    ids = out.tolist()
+    rows = []
+    for i, row in enumerate(ids):
+        new = row[T:]
+        if eos_token_id is not None and eos_token_id in new:
+            new = new[:new.index(eos_token_id) + 1]
+        if new_only:
+            rows.append(new)
+        elif starts is not None:
+            rows.append(row[starts[i]:T] + new)
+        else:
+            rows.append([t for t, k in zip(row[:T], keep[i].tolist()) if k] + new)
+    return rows
+
+
 def prompt_batch(idx, attention_mask, n_vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The prompts of :func:`generate` as one checked batch ``(idx [B, T], mask [B, T] or None)``:
     a list of prompts is left-padded (:func:`left_pad`), a tensor is checked with its mask.
@@ -91,7 +159,7 @@ def prompt_batch(idx, attention_mask, n_vocab: int, device) -> tuple[torch.Tenso
         idx, attention_mask = idx.to(device), attention_mask.to(device)
     if not isinstance(idx, torch.Tensor):
         raise ValueError(f"idx must be a [B, T] tensor of token ids or a list of prompts; got {type(idx).__name__}")
-    checks.token_ids(idx, n_vocab)
+    checks.token_ids(idx, n_vocab, on=device)
     if attention_mask is None:
         return idx, None
     mask = checks.like_idx(attention_mask, "attention_mask", idx, (tuple(idx.shape),), integer=False)
@@ -117,7 +185,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             ``attention_mask [B, T]`` marking real tokens 1 and pads 0 (bool or 0/1 values).
         max_new_tokens: number of tokens to add (>= 0).
         temperature, top_k, top_p, min_p: sampling (see
-            :func:`~gpt2mha.inference.sampling.sample_next`); temperature 0 is greedy.
+            :func:`~gpt2mha.inference.sampling.sample_next`); temperature 0 is greedy; min_p in
+            [0, 1] keeps the tokens at least min_p times as likely as the most likely one (0: off).
         seed: seeds one private generator per row (:func:`~gpt2mha.inference.sampling.row_seed`):
             the same call gives the same tokens, and row i samples exactly as its prompt alone
             with ``row_seed(seed, i)`` (row 0: ``seed`` itself).
@@ -132,23 +201,36 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
 
     Returns:
         ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens (an
-        ordinary tensor: it may be edited in place or used in training).
+        ordinary tensor: it may be edited in place or used in training). A batch of prompts
+        keeps its left padding; :func:`strip_padding` gives each row without it.
 
     The model runs in eval mode for the call (dropout off, so a seed fixes the tokens) and is
     put back in the mode it was in.
 
     Raises:
-        ValueError: bad sampling arguments, a negative max_new_tokens, a bad seed, bad prompts
-            (:func:`prompt_batch`), or a prompt plus new tokens longer than n_ctx without
-            ``sliding_window``, before any work is done.
+        ValueError: naming the argument, before any work is done: bad sampling arguments, a
+            negative max_new_tokens, a bad seed, bad prompts (:func:`prompt_batch`: also a
+            tensor on another device than the model's), an eos_token_id or vocab_size that is
+            not an id / size of this model, an on_token that cannot be called, a sliding_window
+            that is not a bool, or a prompt plus new tokens longer than n_ctx without
+            ``sliding_window``.
     """
     temperature, top_k, top_p, min_p = checks.sampling(temperature, top_k, top_p, min_p)
     max_new_tokens = checks.as_int(max_new_tokens, "max_new_tokens")
     seed = checks.seed(seed)
     c = model.config
     idx, attention_mask = prompt_batch(idx, attention_mask, c.n_vocab, model.wte.weight.device)
-    if vocab_size is not None and not 0 < vocab_size <= c.n_vocab:
-        raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={c.n_vocab}]")
+    if vocab_size is not None:
+        vocab_size = checks.as_int(vocab_size, "vocab_size", minimum=1)
+        if vocab_size > c.n_vocab:
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={c.n_vocab}]")
+    if eos_token_id is not None:
+        eos_token_id = checks.as_int(eos_token_id, "eos_token_id")
+        if eos_token_id >= c.n_vocab:
+            raise ValueError(f"eos_token_id={eos_token_id} must be a token id in [0, n_vocab={c.n_vocab})")
+    if on_token is not None and not callable(on_token):
+        raise ValueError(f"on_token must be a function called with each step's ids [B]; got {type(on_token).__name__}")
+    checks.flag(sliding_window, "sliding_window")
     B, T = idx.shape
     if T + max_new_tokens > c.n_ctx and not sliding_window:
         raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "

@@ -112,7 +112,7 @@ def tokenizer_for(config):
     return tok
 
 
-def decode_rows(tokenizer, ids, attention_mask=None) -> list[str]:
+def decode_rows(tokenizer, ids, attention_mask=None, eos_token_id: int | None = None) -> list[str]:
     """Text of each row of ``ids [B, T]`` (e.g. ``generate``'s output) without its left padding.
 
     Args:
@@ -120,18 +120,16 @@ def decode_rows(tokenizer, ids, attention_mask=None) -> list[str]:
         attention_mask: ``[B, T_mask]`` with ``T_mask <= T``, 1 for real tokens and 0 for pads
             over the first ``T_mask`` columns (the padded prompts, as :func:`gpt2mha.generate.left_pad`
             returns it); the columns after it (generated tokens) are all real. None: no padding.
+        eos_token_id: end each row at the first generated token equal to it (kept).
 
     Raises:
-        ValueError: ``attention_mask`` rows or columns that do not fit ``ids``.
+        ValueError: ``attention_mask`` rows or columns that do not fit ``ids``
+            (:func:`gpt2mha.generate.strip_padding`).
     """
-    B, T = ids.shape
-    if attention_mask is None:
-        return [tokenizer.decode(row) for row in ids.tolist()]
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] > T:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, T_mask <= {T}]")
-    keep = attention_mask.bool().tolist()
-    return [tokenizer.decode([t for j, t in enumerate(row) if j >= len(k) or k[j]])
-            for row, k in zip(ids.tolist(), keep)]
+    from .generate import strip_padding
+
+    return [tokenizer.decode(row) for row in strip_padding(ids, attention_mask=attention_mask,
+                                                           eos_token_id=eos_token_id)]
 
 
 class StreamDecoder:

@@ -576,7 +576,9 @@ def grid_geometry(n_layer: int, n_head: int, T: int | None = None) -> dict:
     Returns:
         ``{"width", "height", "cell", "cells": {(layer, head): (x0, y0, x1, y1)}, "colorbar":
         (x0, y0, x1, y1), "label_step"}``, y from the top; layers are rows (layer 0 on top),
-        heads are columns; every ``label_step``-th token is labelled.
+        heads are columns; every ``label_step``-th token is labelled: at most one label per
+        :data:`LABEL_PX` pixels of a map's side, so every token up to 8 (128-pixel maps), then
+        ``ceil(T / 8)``; past 64 tokens the maps are 192 pixels and the step ``ceil(T / 12)``.
     """
     cell = CELL_LONG if T is not None and T > 64 else CELL
     width = LEFT + n_head * cell + (n_head - 1) * GAP + RIGHT
@@ -619,11 +621,17 @@ def _tick_labels(ax, labels: list[str], x: bool, y: bool, fontsize: float, step:
         ax.set_yticklabels(text, fontsize=fontsize)
 
 
+def ordinal(n: int) -> str:
+    """``1`` → ``"1st"``, ``2`` → ``"2nd"``, ``3`` → ``"3rd"``, ``11`` → ``"11th"``, ``22`` → ``"22nd"``."""
+    suffix = "th" if 11 <= n % 100 <= 13 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def grid_notes(labels: list[str], step: int) -> list[str]:
     """What the grid leaves out: thinned labels, shortened labels."""
     notes = []
     if step > 1:
-        notes.append(f"grid.png labels every {step}th of {len(labels)} tokens (0, {step}, {2 * step}, ...), "
+        notes.append(f"grid.png labels every {ordinal(step)} of {len(labels)} tokens (0, {step}, {2 * step}, ...), "
                      f"each with its position")
     if any(len(t) > LABEL_CHARS for t in labels):
         notes.append(f"grid.png token labels longer than {LABEL_CHARS} characters are cut (…)")
@@ -640,7 +648,8 @@ def write_grid_png(weights: torch.Tensor, labels: list[str], path: str, title: s
         path: the PNG to write.
 
     Returns:
-        :func:`grid_geometry` of the written image, plus ``"notes"`` (:func:`grid_notes`).
+        :func:`grid_geometry` of the written image, plus ``"notes"`` (:func:`grid_notes`) and
+        ``"labels_drawn"``: the token labels matplotlib drew under the maps.
     """
     plt = _plt()
     L, _, H, T, _ = weights.shape
@@ -663,6 +672,8 @@ def write_grid_png(weights: torch.Tensor, labels: list[str], path: str, title: s
     fig.suptitle(_mpl_text(title or "attention maps"), fontsize=8, y=1 - 8 / Hpx, va="top")
     fig.text(LEFT / W, 1 - 30 / Hpx, "rows: layers, columns: heads; in each map row = query token, column = key token",
              fontsize=LABEL_PT)
+    corner = fig.axes[(L - 1) * H]                                   # bottom-left map: both axes labelled
+    geo["labels_drawn"] = [t.get_text() for t in corner.get_xticklabels()]
     geo["notes"] = grid_notes(labels, geo["label_step"])
     if geo["notes"]:
         fig.text(4 / W, 6 / Hpx, _mpl_text("; ".join(geo["notes"])), fontsize=LABEL_PT)
@@ -727,7 +738,8 @@ def html_layers(n_layer: int, n_head: int, T: int, selected: list[tuple[int, int
 def write_html(result: HeadsResult, path: str, title: str = "attention heads", grid_png: str | None = None,
                selected: list[tuple[int, int]] | None = None, max_bytes: int = HTML_MAX_MAP_BYTES) -> dict:
     """One self-contained HTML page: every head as a small canvas (id ``L{layer}H{head}``),
-    a large view of the clicked head with token labels and hover values, the role and the
+    a large view of the clicked head (at first the first of ``selected``, e.g. ``--layer 2
+    --head 5``'s) with token labels and hover values, the role and the
     raw and relative scores of every head, and the grid PNG inlined as a data URI. No
     external resources.
 
@@ -752,7 +764,8 @@ def write_html(result: HeadsResult, path: str, title: str = "attention heads", g
                      f"prompt would take {L * H * T * (T + 1) // 2 / 1e6:.1f} MB (limit {max_bytes / 1e6:.1f} MB); "
                      f"pick others with --layer")
     q = quantise_maps(w[layers].reshape(len(layers) * H, T, T))
-    data = {"labels": result.labels, "n_layer": L, "n_head": H, "T": T, "layers": layers,
+    first = list(selected[0]) if selected else [layers[0], 0]              # the page opens on it
+    data = {"labels": result.labels, "n_layer": L, "n_head": H, "T": T, "layers": layers, "selected": first,
             "maps": base64.b64encode(q).decode()}
     payload = json.dumps(data).replace("</", "<\\/")
     rows = []
@@ -853,7 +866,7 @@ big.onmousemove = (e) => {{ const T = D.T, s = (big.width - 80) / T, r = big.get
   const v = weight(cur[0], cur[1], i, j);
   if (i >= 0 && j >= 0 && i < T && j < T && v !== null) document.getElementById("hover").textContent =
     `query ${{i}} "${{D.labels[i]}}" -> key ${{j}} "${{D.labels[j]}}": ${{v.toFixed(3)}}`; }};
-select(D.layers[0], 0);
+select(D.selected[0], D.selected[1]);
 </script>
 </body></html>
 """

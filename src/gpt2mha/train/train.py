@@ -46,6 +46,10 @@ class TrainConfig:
         eval_interval: validate and checkpoint every this many steps; eval_iters: validation
             batches (fixed windows, the same at every validation).
         seed: seeds the initialisation and the batch sampler.
+
+    Raises:
+        ValueError: non-positive iters, batch_size, eval_interval or eval_iters; lr <= 0; a
+            negative min_lr or warmup; min_lr > lr.
     """
 
     iters: int = 2000
@@ -65,6 +69,9 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if not self.lr > 0 or self.min_lr < 0 or self.warmup < 0:
             raise ValueError(f"lr={self.lr} must be > 0, min_lr={self.min_lr} and warmup={self.warmup} >= 0")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} must be <= lr={self.lr}: the learning rate decays from lr to "
+                             f"min_lr (set both)")
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -195,37 +202,86 @@ def _write(model, optimizer, step, gen, tc, log, out_dir, loss_ema, rngs):
     os.replace(tmp, os.path.join(out_dir, LOG_NAME))
 
 
-def train(data: str, out_dir: str, config: GPT2Config | None = None, tc: TrainConfig | None = None,
-          resume: bool = False, progress: bool = True) -> dict:
+#: GPT2Config fields a run started with ``init_from`` may change (they hold no weights).
+DROPOUT_FIELDS = ("embd_pdrop", "attn_pdrop", "resid_pdrop")
+
+
+def _config_changes(config: GPT2Config | dict | None, base: GPT2Config) -> dict:
+    """The fields of ``config`` (a :class:`GPT2Config` or a dict of its fields) whose values
+    differ from ``base``'s; unknown field names are a ValueError."""
+    if config is None:
+        return {}
+    fields = {f.name for f in dataclasses.fields(GPT2Config)}
+    given = dataclasses.asdict(config) if isinstance(config, GPT2Config) else dict(config)
+    unknown = sorted(set(given) - fields)
+    if unknown:
+        raise ValueError(f"config: unknown field(s) {unknown}; expected GPT2Config's {sorted(fields)}")
+    return {k: v for k, v in given.items() if v != getattr(base, k)}
+
+
+def _train_config(tc: TrainConfig | dict | None, saved: dict | None) -> tuple[TrainConfig, list[str]]:
+    """The settings of a run and, when resuming, one line per setting that differs from the
+    checkpoint's (``saved``). A dict holds only the settings to change (of the checkpoint's on
+    resume, of :class:`TrainConfig`'s defaults on a new run); a TrainConfig is taken whole."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    if isinstance(tc, dict):
+        unknown = sorted(set(tc) - fields)
+        if unknown:
+            raise ValueError(f"tc: unknown setting(s) {unknown}; expected TrainConfig's {sorted(fields)}")
+    if saved is None:
+        return (TrainConfig(**tc) if isinstance(tc, dict) else tc or TrainConfig()), []
+    base = TrainConfig(**{k: v for k, v in saved.items() if k in fields})
+    new = dataclasses.replace(base, **tc) if isinstance(tc, dict) else tc or base
+    if new.seed != base.seed:
+        raise ValueError(f"seed={new.seed}: a resumed run continues the random states saved with the checkpoint "
+                         f"(its seed is {base.seed}), so a new seed would change nothing; drop it, or start a new run")
+    lines = [f"resume: {name} = {getattr(new, name)} (overrides the checkpoint's {getattr(base, name)})"
+             for name in (f.name for f in dataclasses.fields(TrainConfig)) if getattr(new, name) != getattr(base, name)]
+    return new, lines
+
+
+def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: TrainConfig | dict | None = None,
+          resume: bool = False, progress: bool = True, init_from: str | None = None) -> dict:
     """Train (or resume training) a GPT-2 on ``data`` and checkpoint it into ``out_dir``.
 
     Args:
         data: path of a UTF-8 text file.
         out_dir: checkpoint directory; must be empty/new, or (with ``resume``) one of ours.
-        config: model sizes (ignored on resume: the checkpoint's own config is used).
-        tc: optimisation settings (on resume, ``iters`` may be raised to train longer).
-        resume: continue from the checkpoint in ``out_dir``.
+        config: model sizes of a new run (default: the ``tiny`` preset). With ``resume`` or
+            ``init_from`` the model's own config is used; ``config`` (a GPT2Config, or a dict of
+            the fields to change) may then differ from it only in dropout (``init_from``).
+        tc: the settings, a :class:`TrainConfig` or a dict of the ones to change. A resumed run
+            keeps the checkpoint's settings except those in the dict (e.g. ``{"iters": 4000}``),
+            and prints one line on stderr per setting that differs from the checkpoint's.
+        resume: continue from the checkpoint in ``out_dir``: the same settings, the optimizer,
+            the step and every random state, so an interrupted run resumed continues bit for bit.
         progress: show a tqdm bar with loss and tokens/s.
+        init_from: fine-tune: start a new run (step 0, a fresh optimizer) from this model's
+            weights; anything :func:`gpt2mha.checkpoints.load_pretrained` takes (a built-in
+            name, a directory, a hub id, nanoGPT's ckpt.pt, ...). The data is read with that
+            model's tokenizer (as nanoGPT's ``init_from``).
 
     Returns:
         The training log: ``{"config", "train_config", "data", "evals": [{step, train_loss,
-        val_loss, seconds}], "seconds", "tokens_per_second"}``.
+        val_loss, seconds}], "seconds", "tokens_per_second"}`` (and ``"init_from"``).
 
     Under ``torchrun`` (a process group initialised, :mod:`gpt2mha.parallel`) it trains with
     ``DistributedDataParallel``; ``batch_size`` is the global batch, split over the ranks.
 
     Raises:
         ValueError: bad data (see :func:`load_data`), resuming without a checkpoint, a
-            batch_size not divisible by the world size.
+            batch_size not divisible by the world size, ``resume`` with ``init_from``, a model
+            config that would change on resume (or, beyond dropout, with ``init_from``), a new
+            seed on resume, a quantized ``init_from`` model or one whose tokenizer cannot read
+            text.
         FileExistsError: ``out_dir`` is non-empty and not a gpt2mha checkpoint, or is one
             and ``resume`` was not asked for.
         gpt2mha.parallel.DistributedError: another rank died or did not answer in time.
     """
-    tc = tc or TrainConfig()
     di = parallel.info()
-    if tc.batch_size % di.world_size:
-        raise ValueError(f"batch_size={tc.batch_size} is not divisible by the world size {di.world_size}; "
-                         f"every rank takes batch_size / world_size rows of the global batch")
+    if resume and init_from is not None:
+        raise ValueError(f"init_from={init_from!r} starts a new run from a model's weights, resume continues the "
+                         f"checkpoint in {out_dir!r}: use one of them (CLI: --init-from or --resume)")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         if not is_checkpoint_dir(out_dir):
             raise FileExistsError(f"--out {out_dir!r} is not empty and is not a gpt2mha checkpoint; refusing to "
@@ -237,22 +293,47 @@ def train(data: str, out_dir: str, config: GPT2Config | None = None, tc: TrainCo
         raise ValueError(f"--resume: no checkpoint in {out_dir!r}")
 
     if resume:
-        model = load_pretrained(out_dir).train()
         state = torch.load(os.path.join(out_dir, STATE_NAME), weights_only=True)
+        tc, overridden = _train_config(tc, state["train_config"])
+    else:
+        tc, overridden = _train_config(tc, None)
+    if tc.batch_size % di.world_size:
+        raise ValueError(f"batch_size={tc.batch_size} is not divisible by the world size {di.world_size}; "
+                         f"every rank takes batch_size / world_size rows of the global batch")
+    if resume:
+        model = load_pretrained(out_dir).train()
+        changes = _config_changes(config, model.config)
+        if changes:
+            raise ValueError("; ".join(f"{k}={v!r}: the checkpoint's model has {k} {getattr(model.config, k)!r}"
+                                       for k, v in changes.items())
+                             + "; a resumed run continues that model: drop it (or fine-tune the checkpoint into a "
+                               "new run with init_from, CLI --init-from)")
         with open(os.path.join(out_dir, LOG_NAME)) as f:
             log = json.load(f)
         start = state["step"]
+        if di.is_main:
+            if log.get("data") != os.path.basename(data):
+                overridden.append(f"resume: data = {os.path.basename(data)} (the checkpoint trained on "
+                                  f"{log.get('data')})")
+            for line in overridden:
+                print(line, file=sys.stderr)
     else:
-        config = config or GPT2Config.from_preset("tiny")
         torch.manual_seed(tc.seed)
-        model = GPT2(config)
-        model.init_weights(seed=tc.seed)
+        if init_from is not None:
+            model = _fine_tune_start(init_from, config)
+        else:
+            config = config if isinstance(config, GPT2Config) else \
+                GPT2Config.from_preset("tiny", **_config_changes(config, GPT2Config.from_preset("tiny")))
+            model = GPT2(config)
+            model.init_weights(seed=tc.seed)
         model.train()
         if di.rank:                                             # each rank its own dropout stream
             torch.manual_seed(tc.seed + di.rank)
         state, start = None, 0
-        log = {"config": dataclasses.asdict(config), "train_config": dataclasses.asdict(tc),
+        log = {"config": dataclasses.asdict(model.config), "train_config": dataclasses.asdict(tc),
                "data": os.path.basename(data), "evals": [], "seconds": 0.0}
+        if init_from is not None:
+            log["init_from"] = init_from
     config = model.config
     log["train_config"] = dataclasses.asdict(tc)
     train_ids, val_ids = load_data(data, config.tokenizer, config.n_ctx)
@@ -316,6 +397,41 @@ def train(data: str, out_dir: str, config: GPT2Config | None = None, tc: TrainCo
     finally:
         bar.close()
     return log
+
+
+def _fine_tune_start(init_from: str, config: GPT2Config | dict | None) -> GPT2:
+    """The float32 model a fine-tuning run starts from, with the dropout of ``config`` if given.
+
+    Raises:
+        ValueError: a quantized model, a tokenizer that cannot read text, or a ``config`` that
+            changes anything but dropout (sizes and the tokenizer are the loaded model's).
+    """
+    from .checkpoints import CheckpointError
+    from .tokenizer import tokenizer_for
+
+    try:
+        model = load_pretrained(init_from)
+    except CheckpointError as e:
+        raise ValueError(f"init_from={init_from!r}: {e}") from None
+    if model.quantization:
+        raise ValueError(f"init_from={init_from!r} is quantized ({model.quantization['scheme']}): its weights are "
+                         f"rounded integers and cannot be trained; fine-tune the float model")
+    changes = _config_changes(config, model.config)
+    fixed = {k: v for k, v in changes.items() if k not in DROPOUT_FIELDS}
+    if fixed:
+        raise ValueError("; ".join(f"{k}={v!r}: the model {init_from!r} has {k} {getattr(model.config, k)!r}"
+                                   for k, v in fixed.items())
+                         + "; a run started from a model keeps its sizes (they hold its weights) and its tokenizer "
+                           "(the data is read with it); only dropout may change")
+    try:
+        tokenizer_for(model.config)
+    except ValueError as e:
+        raise ValueError(f"init_from={init_from!r}: {e}") from None
+    if changes:                                                 # dropout: rebuild, same weights
+        tuned = GPT2(dataclasses.replace(model.config, **changes))
+        tuned.load_state_dict(model.state_dict())
+        model = tuned
+    return model
 
 
 def _is_collective_error(e: BaseException) -> bool:
