@@ -482,8 +482,8 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
             choices = [{"index": s.index, "text": "".join(texts[s.index]), "logprobs": None,
                         "finish_reason": s.finish_reason} for s in seqs]
             return JSONResponse({**head, "choices": choices, "usage": usage(seqs)})
-        except BaseException:                         # cancelled: the client left, or a shutdown's last resort
-            status = 503 if scheduler.stopping else 499
+        except BaseException:                         # the task cancelled: a shutdown's last resort (AnswerCancelled)
+            status = 503
             raise
         finally:
             for t in (waiter, watcher):
