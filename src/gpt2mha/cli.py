@@ -624,7 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed for reproducible sampling (default: a random one; with --tp, rank 0 draws it for all)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights' dtype; on CPU bfloat16/float16 halve the weights' memory but decode no "
                         "faster than float32 (benchmarks/RESULTS.md); logits stay float32")
