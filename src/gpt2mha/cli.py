@@ -572,8 +572,12 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     model = quantized(load_model(args.model, args.dtype), args)
     name = args.served_model_name or args.model or DEFAULT_MODEL
-    serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
-          max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes)
+    try:
+        serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
+              max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes)
+    except RuntimeError as e:                 # could not bind: uvicorn logged why
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

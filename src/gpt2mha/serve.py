@@ -579,6 +579,8 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     Raises:
         ValueError: a port outside [0, 65535], a negative or non-finite graceful_timeout,
             max_body_bytes < 1, or bad max_batch/max_queue (:class:`~gpt2mha.scheduler.Scheduler`).
+        RuntimeError: the server could not start (e.g. the address is in use or the host
+            unknown; uvicorn logs the reason).
     """
     import signal
 
@@ -589,10 +591,13 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info")
     # uvicorn re-raises the signal it shut down on; a no-op SIGTERM handler makes that a clean exit (0)
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    server = GracefulServer(config, scheduler, graceful_timeout)
     try:
-        GracefulServer(config, scheduler, graceful_timeout).run()
+        server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if not server.started:
+        raise RuntimeError(f"the server did not start on {host}:{port} (the reason is logged above)")
 
 
 @contextlib.contextmanager
