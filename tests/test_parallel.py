@@ -80,6 +80,7 @@ def tp_checks(rank, world, config_kwargs, greedy_steps):
     finally:
         G.KVCache = KVCache
     out["greedy"] = (full_tokens.tolist(), tp_tokens.tolist(), [len(p) for p in prompts])
+    out["unseeded"] = tp.generate(prompts, 20, temperature=1.0).tolist()   # the Python API: one shared seed
     out["cache_bytes"] = (full_cache.k.nbytes + full_cache.v.nbytes, tp_cache.k.nbytes + tp_cache.v.nbytes)
     out["param_bytes"] = (dict((n, p.nbytes) for n, p in full.named_parameters()),
                           dict((n, p.nbytes) for n, p in tp.named_parameters()))
@@ -116,6 +117,7 @@ def check_tp_results(results, config: GPT2Config, world: int):
         sharded = sum(b for n, b in full_p.items() if not any(s in n for s in replicated))
         assert sum(full_p.values()) - sum(tp_p.values()) == sharded - sharded // world
     assert per_rank[0]["greedy"][1] == per_rank[1]["greedy"][1]        # every rank decoded the same ids
+    assert per_rank[0]["unseeded"] == per_rank[1]["unseeded"]          # and sampled the same without a seed
 
 
 def test_tp2_equals_one_process_on_a_4_head_model(tmp_path):

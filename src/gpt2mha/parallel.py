@@ -366,12 +366,13 @@ def all_reduce_sum(values, device=None) -> list[float]:
     return t.tolist()
 
 
-def gather_objects(obj) -> list:
-    """``[obj of rank 0, obj of rank 1, …]`` on every rank (``[obj]`` when not distributed)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def gather_objects(obj, group=None) -> list:
+    """``[obj of rank 0, obj of rank 1, …]`` of ``group`` (default: the world) on each of its
+    ranks (``[obj]`` when not distributed)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -423,23 +424,33 @@ def tensor_parallel(model: GPT2, tp: int) -> GPT2:
     return shard_model(model.to(info().device))
 
 
-def shared_seed(seed: int | None) -> int | None:
-    """The seed every rank samples with, so that tensor-parallel ranks draw the same tokens from
-    their (equal, all-reduced) logits: ``seed`` itself when given, else one drawn at random by
-    rank 0 (63 bits) and sent to all (one all-gather). Not distributed: ``seed`` unchanged
-    (None keeps torch's global generator).
+def shared_seed(seed: int | None, group=None) -> int | None:
+    """The seed every rank of ``group`` (default: the world) samples with, so that
+    tensor-parallel ranks draw the same tokens from their (equal, all-reduced) logits: ``seed``
+    itself when given, else one drawn at random by the group's first rank (63 bits) and sent to
+    all (one all-gather). Not distributed: ``seed`` unchanged (None keeps torch's global
+    generator).
 
     Raises:
         DistributedError: the ranks were given different seeds.
     """
-    if info().world_size == 1:
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return seed
-    proposals = gather_objects((seed, secrets.randbits(63)))
+    proposals = gather_objects((seed, secrets.randbits(63)), group)
     given = [p[0] for p in proposals]
     if any(g != given[0] for g in given):
         raise DistributedError(f"the ranks were given different seeds ({', '.join(f'rank {r}: {g}' for r, g in enumerate(given))}); "
                                f"tensor-parallel ranks must sample with one seed: pass the same --seed to every rank")
     return given[0] if given[0] is not None else proposals[0][1]
+
+
+def tp_group(model: nn.Module):
+    """``(is tensor parallel over several ranks, its process group)`` for a model
+    :func:`shard_model` sharded (``(False, None)`` for any other)."""
+    for m in model.modules():
+        if isinstance(m, RowParallelConv1D):
+            return m.world_size > 1, m.group
+    return False, None
 
 
 def weights_fingerprint(model: nn.Module) -> float:
