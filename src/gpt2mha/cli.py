@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -41,7 +42,6 @@ def number(kind: type, low: float, high: float | None = None, note: str = ""):
             value = kind(text)
         except ValueError:
             value = None
-        import math
         if value is None or not math.isfinite(value) or value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"expected {expected}{note}, got {text!r}")
         return value
@@ -159,7 +159,7 @@ def check_generate_args(args) -> None:
         raise ValueError(f"{which} is empty; give at least one character to continue")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed={args.seed} must be an integer in [0, 2**63)")
-    if isinstance(args.tp, bool) or args.tp < 1:
+    if args.tp < 1:
         raise ValueError(f"--tp {args.tp} must be a positive integer")
     if args.quantize and args.tp > 1:
         raise ValueError(f"--quantize {args.quantize} with --tp {args.tp}: tensor parallelism shards float weights; "
@@ -565,8 +565,7 @@ def cmd_serve(args) -> int:
     from .tokenizer import tokenizer_for
     from . import DEFAULT_MODEL
 
-    check_quantize_args(args)                 # (the numbers were checked by argparse)
-    if args.threads is not None:
+    if args.threads is not None:              # (the numbers were checked by argparse, the flags by main)
         import torch
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
@@ -609,7 +608,7 @@ def _add_serve_command(sub) -> None:
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in /v1/models and requests' 'model' field (default: --model as given)")
     _quantize_args(s)
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=cmd_serve, check=check_quantize_args)
 
 
 def build_parser() -> argparse.ArgumentParser:

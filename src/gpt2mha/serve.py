@@ -544,6 +544,7 @@ class GracefulServer(uvicorn.Server):
         self.scheduler, self.graceful_timeout = scheduler, graceful_timeout
 
     async def shutdown(self, sockets=None) -> None:
+        """uvicorn's shutdown, with :meth:`cancel_in_flight` due ``graceful_timeout`` s after it starts."""
         timer = asyncio.get_running_loop().call_later(self.graceful_timeout, self.cancel_in_flight)
         try:
             await super().shutdown(sockets=sockets)
@@ -551,6 +552,7 @@ class GracefulServer(uvicorn.Server):
             timer.cancel()
 
     def cancel_in_flight(self) -> None:
+        """Cancel every queued or running sequence (their requests then answer 503), log one line."""
         n = self.scheduler.cancel_all()
         if n:
             log.warning("graceful timeout of %gs exceeded: cancelling %d in-flight sequence(s)", self.graceful_timeout, n)
