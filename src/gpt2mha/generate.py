@@ -182,7 +182,10 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         temperature, top_k, top_p: sampling (see :func:`sample_next`); temperature 0 is greedy.
         seed: seeds one private generator per row (:func:`row_seed`): the same call gives the
             same tokens, and row i samples exactly as its prompt alone with ``row_seed(seed, i)``
-            (row 0: ``seed`` itself).
+            (row 0: ``seed`` itself). None: torch's global generator; for a model sharded over
+            several ranks (:func:`gpt2mha.parallel.shard_model`), a seed drawn by the group's
+            first rank and shared (:func:`gpt2mha.parallel.shared_seed`), so that every rank
+            draws the same tokens.
         eos_token_id: once a row emits it, the row is finished and keeps emitting it; the loop
             stops early when every row is finished (the result is still padded to full length).
         sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)
@@ -249,6 +252,11 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             rows = torch.nonzero(~attention_mask[:, -1].bool()).flatten().tolist()
             raise ValueError(f"attention_mask: rows {rows} end in padding; generation needs left padding "
                              f"(pads first, every row's last token real)")
+    if seed is None and temperature > 0 and max_new_tokens > 0:
+        from .parallel import shared_seed, tp_group
+        sharded, group = tp_group(model)
+        if sharded:                                            # its ranks must draw the same tokens
+            seed = shared_seed(None, group)
     generator = row_generators(seed, B, idx.device) if seed is not None else None
     if max_new_tokens == 0:
         return idx.clone()

@@ -310,18 +310,12 @@ def train(data: str, out_dir: str, config: GPT2Config | None = None, tc: TrainCo
                 log["tokens_per_second"] = tokens / (time.perf_counter() - t0)
                 _save(model, optimizer, done, gen, tc, log, out_dir, loss_ema)
     except (torch.distributed.DistError, RuntimeError) as e:
-        if di.world_size == 1 or isinstance(e, parallel.DistributedError) or not _is_collective_error(e):
+        if di.world_size == 1 or isinstance(e, parallel.DistributedError) or not parallel.is_collective_error(e):
             raise
         raise parallel.collective_failure(e, f"at step {step}") from e
     finally:
         bar.close()
     return log
-
-
-def _is_collective_error(e: BaseException) -> bool:
-    text = f"{type(e).__name__} {e}".lower()
-    return isinstance(e, torch.distributed.DistError) or any(
-        s in text for s in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
 
 
 def _restore_rng(gen: torch.Generator, state: dict, di) -> None:
