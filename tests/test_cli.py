@@ -153,3 +153,24 @@ def test_package_names_load_on_first_use():
 
     with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
         gpt2mha.NotAName
+
+
+def test_flag_conflicts_are_found_before_torchrun_and_said_once(capsys, monkeypatch):
+    """A conflict of flags is a usage error found from the command line alone, before any
+    process group (not a complaint about WORLD_SIZE), exit 2 as argparse's; under torchrun
+    (RANK set) only rank 0 says it, as only rank 0 prints argparse's own errors."""
+    conflict = "--quantize int8 with --tp 2: tensor parallelism shards float weights"
+    assert main(["generate", "hi", "--tp", "2", "--quantize", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert conflict in err and "WORLD_SIZE" not in err
+    assert main(["perplexity", "no-such-file.txt", "--group-size", "32"]) == 2    # before reading the file
+    assert "--group-size=32 applies only to --quantize int4" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")                                   # another rank of the same launch
+    assert main(["generate", "hi", "--tp", "2", "--quantize", "int8"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", "--no-such-flag"])
+    assert e.value.code == 2 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--no-such-flag"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err

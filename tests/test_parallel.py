@@ -80,6 +80,7 @@ def tp_checks(rank, world, config_kwargs, greedy_steps):
     finally:
         G.KVCache = KVCache
     out["greedy"] = (full_tokens.tolist(), tp_tokens.tolist(), [len(p) for p in prompts])
+    out["unseeded"] = tp.generate(prompts, 20, temperature=1.0).tolist()   # the Python API: one shared seed
     out["cache_bytes"] = (full_cache.k.nbytes + full_cache.v.nbytes, tp_cache.k.nbytes + tp_cache.v.nbytes)
     out["param_bytes"] = (dict((n, p.nbytes) for n, p in full.named_parameters()),
                           dict((n, p.nbytes) for n, p in tp.named_parameters()))
@@ -116,6 +117,7 @@ def check_tp_results(results, config: GPT2Config, world: int):
         sharded = sum(b for n, b in full_p.items() if not any(s in n for s in replicated))
         assert sum(full_p.values()) - sum(tp_p.values()) == sharded - sharded // world
     assert per_rank[0]["greedy"][1] == per_rank[1]["greedy"][1]        # every rank decoded the same ids
+    assert per_rank[0]["unseeded"] == per_rank[1]["unseeded"]          # and sampled the same without a seed
 
 
 def test_tp2_equals_one_process_on_a_4_head_model(tmp_path):
@@ -265,6 +267,131 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_with_a_clear_message(tmp_pat
     assert results[1][0] in ("missing",) if how == "dies" else True
 
 
+# -------------------------------------------------- the CLI on several ranks (sampling, failures)
+def run_cli(argv):
+    """``gpt2mha ARGV`` in this process: (exit code, stdout, stderr); SystemExit becomes the code."""
+    import contextlib
+    import io
+
+    from gpt2mha.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def disagreeing_checks(rank):
+    """Ranks given different settings, seeds, or holding different tokens: each check's message."""
+    out = {}
+    for name, check in (("settings", lambda: parallel.agree({"--top-k": 40, "--temperature": 0.8 + 0.1 * rank})),
+                        ("seeds", lambda: parallel.shared_seed(5 + rank)),
+                        ("tokens", lambda: parallel.check_same_tokens(torch.tensor([[1, 2, 3, 4 + rank, 5]])))):
+        try:
+            check()
+            out[name] = None
+        except parallel.DistributedError as e:
+            out[name] = str(e)
+    parallel.check_same_tokens(torch.tensor([[1, 2, 3]]))           # equal tokens pass
+    parallel.agree({"--top-k": 40})
+    return out
+
+
+def unseeded_cli_ranks(rank, world, commands):
+    """Each command run by ``gpt2mha``'s main on this rank (the process group kept between them),
+    with the seed each rank sampled with recorded; then :func:`disagreeing_checks`."""
+    seeds, real_seed, real_teardown = [], parallel.shared_seed, parallel.teardown
+    parallel.shared_seed = lambda seed: (seeds.append(real_seed(seed)), seeds[-1])[1]
+    parallel.teardown = lambda: None
+    try:
+        return [run_cli(argv) for argv in commands], seeds, disagreeing_checks(rank)
+    finally:
+        parallel.shared_seed, parallel.teardown = real_seed, real_teardown
+
+
+def test_unseeded_tp2_generate_samples_one_seed_and_prints_what_one_process_prints_with_it(tmp_path, capsys):
+    """Without --seed, the tensor-parallel ranks sample with one seed drawn by rank 0 (before, each
+    drew from its own unseeded generator and the run failed): both ranks exit 0, rank 0 alone
+    prints, and what it prints is what one process prints with --seed set to that seed
+    (reference: the single-process CLI), for one prompt and for --num-samples batches.
+    Ranks that would sample differently (other settings or seed given, or tokens that part)
+    are stopped with the cause named, the same message on every rank."""
+    from gpt2mha.cli import main
+
+    commands = [["generate", "ROMEO:", "--tp", "2", "--max-new-tokens", "24"],
+                ["generate", "ROMEO:", "JULIET:", "--num-samples", "2", "--tp", "2", "--max-new-tokens", "12",
+                 "--temperature", "0.9", "--top-k", "30"]]
+    (r0, seeds0, bad0), (r1, seeds1, bad1) = values(run_ranks(unseeded_cli_ranks, 2, str(tmp_path), commands,
+                                                              timeout=150))
+    assert seeds0 == seeds1 and len(seeds0) == 2 and None not in seeds0 and seeds0[0] != seeds0[1]
+    for (code0, out0, err0), (code1, out1, err1), argv, seed in zip(r0, r1, commands, seeds0):
+        assert (code0, code1) == (0, 0), (err0, err1)
+        assert out1 == "" and err0 == err1 == ""
+        i = argv.index("--tp")
+        one = argv[:i] + argv[i + 2:] + ["--seed", str(seed)]
+        assert main(one) == 0
+        assert out0 == capsys.readouterr().out and out0.startswith(("ROMEO:", "=" * 20))
+
+    assert bad0 == bad1
+    assert "disagree on --temperature (rank 0: 0.8, rank 1: 0.9" in bad0["settings"] and "top-k" not in bad0["settings"]
+    assert "different seeds (rank 0: 5, rank 1: 6)" in bad0["seeds"]
+    assert "rank 1 sampled token 5 where rank 0 sampled 4 (row 0, position 3)" in bad0["tokens"]
+    assert "logits differed" in bad0["tokens"]
+
+
+def failing_rank_cli(rank, world, command, how, text_path):
+    """Rank 1 dies (os._exit) or stalls past the 5 s collective timeout in the middle of
+    ``gpt2mha generate --tp 2`` or ``perplexity``; every rank runs the CLI's main."""
+    import time
+
+    import gpt2mha.evaluate as E
+
+    def fail():
+        if how == "dies":
+            os._exit(3)
+        time.sleep(12)
+
+    if rank == 1 and command == "generate":
+        real, calls = parallel.RowParallelConv1D.forward, {"n": 0}
+
+        def forward(self, x):
+            calls["n"] += 1
+            if calls["n"] == 40:                            # some tokens in (2 all-reduces a layer, 6 layers)
+                fail()
+            return real(self, x)
+        parallel.RowParallelConv1D.forward = forward
+    if rank == 1 and command == "perplexity":
+        E.score_windows = lambda *a, **k: fail()            # before its share reaches the all-reduce
+    argv = (["generate", "ROMEO:", "--tp", "2", "--max-new-tokens", "60", "--seed", "1"] if command == "generate"
+            else ["perplexity", text_path, "--stride", "128"])
+    return run_cli(argv)
+
+
+@pytest.mark.parametrize("command,how", [("generate", "dies"), pytest.param("generate", "stalls", marks=pytest.mark.slow),
+                                         pytest.param("perplexity", "dies", marks=pytest.mark.slow)])
+def test_a_rank_that_dies_or_stalls_in_a_torchrun_command_is_one_line(tmp_path, command, how):
+    """The README's promise for every command under torchrun: when a peer dies or stalls past
+    GPT2MHA_DIST_TIMEOUT, the surviving rank prints one line, `error: rank 0: a collective in
+    COMMAND failed: another rank died or did not answer within 5 s ...`, no traceback, exit 1;
+    a streamed generation first ends its line."""
+    text_path = str(tmp_path / "text.txt")
+    with open(VERDICT, encoding="utf-8") as f:
+        open(text_path, "w", encoding="utf-8").write(f.read()[:3000])
+    results = run_ranks(failing_rank_cli, 2, str(tmp_path), command, how, text_path, timeout=120,
+                        collective_timeout=5)
+    status, (code, out, err) = results[0]
+    assert status == "ok"
+    assert code == 1, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: rank 0: a collective in {command} failed: another rank died or did not answer "
+                          f"within 5 s"), err
+    if command == "generate":
+        assert out.startswith("ROMEO:") and out.endswith("\n") and len(out) > len("ROMEO:\n")
+
+
 # ---------------------------------------------------------------------------- the torchrun CLI
 @pytest.mark.slow
 def test_torchrun_generate_tp2_prints_once_the_tokens_of_one_process(tmp_path):
@@ -283,6 +410,16 @@ def test_torchrun_generate_tp2_prints_once_the_tokens_of_one_process(tmp_path):
     assert "n_head=3 is not divisible by the tensor-parallel size tp=2" in bad.stderr
     no_torchrun = single(["generate", "hi", "--tp", "2"])
     assert no_torchrun.returncode == 2 and "--tp 2 needs 2 processes, this run has 1" in no_torchrun.stderr
+    # a flag conflict is found before the process group and said once (rank 0), exit 2
+    conflict = "--quantize int8 with --tp 2: tensor parallelism shards float weights"
+    for run in (torchrun(["generate", "hi", "--tp", "2", "--quantize", "int8"]),
+                single(["generate", "hi", "--tp", "2", "--quantize", "int8"])):
+        assert run.returncode != 0 and run.stderr.count(conflict) == 1 and "WORLD_SIZE" not in run.stderr, run.stderr
+    assert "exitcode  : 2" in run.stderr or run.returncode == 2
+    # unseeded: the ranks share one seed (no "sampled different tokens"); rank 0 prints the 2 samples once
+    free = torchrun(["generate", "ROMEO:", "--num-samples", "2", "--max-new-tokens", "20", "--tp", "2"])
+    assert free.returncode == 0, free.stderr
+    assert [free.stdout.count(f"sample {i} of 2") for i in (1, 2)] == [1, 1]
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ started and stopped by the tests.
 
 import importlib.util
 import json
+import logging
 import os
 import signal
 import threading
@@ -21,7 +22,7 @@ from conftest import assert_same_greedy
 from gpt2mha import GPT2, DEFAULT_MODEL, GPT2Config
 from gpt2mha.generate import row_seed
 from gpt2mha.kv_cache import KVCache, SlotCache
-from gpt2mha.scheduler import QueueFull, SamplingParams, Scheduler, TextStream
+from gpt2mha.scheduler import ExceedsCapacity, QueueFull, SamplingParams, Scheduler, TextStream
 from gpt2mha.tokenizer import ByteTokenizer, tokenizer_for
 
 pytest.importorskip("fastapi")                  # the 'serve' extra (the 'test' extra installs it)
@@ -211,6 +212,8 @@ def test_scheduler_refuses_work_beyond_free_slots_plus_queue(builtin):
     sched.submit([[67]], p, lambda *a: None)
     with pytest.raises(QueueFull):
         sched.submit([[69]], p, lambda *a: None)
+    with pytest.raises(ExceedsCapacity, match=r"at most 3 sequences at once \(max_batch=2 running \+ max_queue=1"):
+        sched.submit([[1]] * 4, p, lambda *a: None)                   # more than could ever fit: not "retry later"
     assert sched.stats()["queued"] == 3 and sched.stats()["rejected"] == 3
     sched.run_until_idle()
     assert sched.stats()["completed"] == 3
@@ -313,6 +316,13 @@ BAD_REQUESTS = [
     ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "a", "n": 2}, "n"),
     ({"prompt": "a", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    # strings that are not Unicode text: JSON escapes of lone UTF-16 surrogates (Python's json decodes them)
+    ('{"prompt": "\\ud800abc"}', "prompt"),
+    ('{"prompt": ["ok", "a\\udfff"]}', "prompt"),
+    ('{"prompt": "a", "stop": ["x", "\\ud83d"]}', "stop"),
+    ('{"model": "\\udc00", "prompt": "a"}', "model"),
+    ('{"prompt": "a", "\\ud800": 1}', "\\ud800"),
+    ('[' * 100_000, None),                                              # nested past the JSON parser's depth
 ]
 
 
@@ -323,11 +333,136 @@ def test_bad_requests_get_400_naming_the_field(server, body, param):
     content = body if isinstance(body, str) else json.dumps(body)
     r = httpx.post(url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
+    assert r.headers["content-type"] == "application/json"
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
     if param is not None:
         assert param.split(".")[-1] in err["message"]
     assert sched.stats()["completed"] == before
+
+
+def test_a_surrogate_pair_is_one_character_and_served(server):
+    """The valid counterpart of the lone surrogates above: the pair \\ud83d\\ude00 is U+1F600,
+    4 UTF-8 bytes, i.e. 4 prompt tokens of the byte-level model (first principles)."""
+    url, _ = server
+    r = httpx.post(url + "/v1/completions", content='{"prompt": "\\ud83d\\ude00", "max_tokens": 0}',
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len("\U0001F600".encode()) == 4
+
+
+def test_body_size_limit_413_and_prompts_tokenized_off_the_loop_and_only_when_they_can_fit(builtin, monkeypatch):
+    """A body over max_body_bytes gets 413 with OpenAI's error object, whether its size is declared
+    (Content-Length) or only counted (chunked); the next request on the server still works. A
+    prompt whose UTF-8 length alone exceeds n_ctx tokens (byte model: one token per byte) is
+    refused without being tokenized, and tokenizing runs in a worker thread, not the event
+    loop's (uvicorn's) thread."""
+    from gpt2mha.tokenizer import ByteTokenizer
+
+    model, tok = builtin
+    seen = []
+    real = ByteTokenizer.encode
+    monkeypatch.setattr(ByteTokenizer, "encode", lambda self, text: (
+        seen.append((len(text), threading.current_thread().name)), real(self, text))[1])
+    sched = Scheduler(model, tok, max_batch=2)
+    limit = 64 << 10
+    with serve_in_thread(sched, DEFAULT_MODEL, max_body_bytes=limit) as url:
+        big = json.dumps({"prompt": "x" * limit, "max_tokens": 1}).encode()
+        for content in (big, iter([big[i:i + 4096] for i in range(0, len(big), 4096)])):   # declared, chunked
+            r = httpx.post(url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and r.headers["content-type"] == "application/json", r.text
+            err = r.json()["error"]
+            assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
+            assert f"at most {limit} bytes" in err["message"]
+        long = "y" * (limit // 2)                                   # under the body limit, 128 x n_ctx bytes
+        r = httpx.post(url + "/v1/completions", json={"prompt": ["ok", long], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert f"prompt[1] has {len(long)} tokens" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert all(n <= model.config.n_ctx for n, _ in seen)           # the 32 KiB prompt never reached encode
+    assert (6, "gpt2mha-uvicorn") not in seen and [n for n, _ in seen].count(6) == 1   # "ROMEO:", in a worker
+
+
+def test_a_request_that_can_never_be_admitted_is_400_and_the_client_gets_it_at_once(builtin):
+    """max_batch 2 + max_queue 1 hold at most 3 sequences: a request of 4 prompts could never be
+    admitted, so it is a 400 naming prompt and the limit (a 429 would be retried by the openai
+    client). The client sends it once and raises BadRequestError at once; 3 prompts are served."""
+    model, tok = builtin
+    sched = Scheduler(model, tok, max_batch=2, max_queue=1)
+    sent = []
+    with serve_in_thread(sched, DEFAULT_MODEL) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=2, timeout=20,
+                               http_client=httpx.Client(event_hooks={"request": [sent.append]}))
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=DEFAULT_MODEL, prompt=["a", "b", "c", "d"], max_tokens=2)
+        assert time.monotonic() - t0 < 5 and len(sent) == 1               # no retries
+        assert e.value.status_code == 400 and e.value.body["param"] == "prompt"
+        assert e.value.body["code"] == "too_many_prompts" and "at most 3" in e.value.body["message"]
+        r = client.completions.create(model=DEFAULT_MODEL, prompt=["a", "b", "c"], max_tokens=2, temperature=0)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+    assert sched.stats()["rejected"] == 0
+
+
+class LogRecords(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("last_resort", [False, True], ids=["scheduler-cancels", "uvicorn-cancels"])
+def test_shutdown_past_the_graceful_timeout_answers_503_and_ends_streams_cleanly(builtin, monkeypatch, caplog,
+                                                                                 last_resort):
+    """Shutdown (what SIGTERM does) while a plain request and a stream run 200 tokens at 20 ms a
+    step, with a 0.3 s graceful timeout: the plain request gets a 503 with OpenAI's error object
+    (application/json), the stream an error event then `data: [DONE]`; one log line each
+    (status=503) and no traceback in uvicorn's log. The same holds when the scheduler does not
+    react and uvicorn itself cancels the request tasks (the last resort)."""
+    import gpt2mha.serve as S
+
+    model, tok = builtin
+    real = Scheduler._decode
+    monkeypatch.setattr(Scheduler, "_decode", lambda self: (time.sleep(0.02), real(self))[1])
+    if last_resort:                                                 # a scheduler that does not cancel in time
+        monkeypatch.setattr(Scheduler, "cancel_all", lambda self: setattr(self, "_stopping", True) or 0)
+        monkeypatch.setattr(S, "CANCEL_GRACE_S", 0.3)
+    caplog.set_level(logging.INFO, logger="gpt2mha.serve")
+    sched = Scheduler(model, tok, max_batch=2)
+    results = {}
+
+    def plain():
+        results["plain"] = httpx.post(url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 200}, timeout=30)
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json={"prompt": "JULIET:", "max_tokens": 200, "stream": True}) as r:
+            results["stream"] = [line for line in r.iter_lines() if line]
+
+    uvicorn_log = LogRecords()
+    with serve_in_thread(sched, DEFAULT_MODEL, timeout=10, graceful_timeout=0.3) as url:
+        logging.getLogger("uvicorn.error").addHandler(uvicorn_log)
+        threads = [threading.Thread(target=f) for f in (plain, stream)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: sched.stats()["running"] == 2)
+        t0 = time.monotonic()
+    for t in threads:
+        t.join(10)
+    logging.getLogger("uvicorn.error").removeHandler(uvicorn_log)
+    assert time.monotonic() - t0 < 3.5                             # not the 4 s the 200 steps need
+    r = results["plain"]
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["type"] == "server_error" and "shutting down" in r.json()["error"]["message"]
+    lines = results["stream"]
+    assert lines[-1] == "data: [DONE]" and "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
+    assert all("choices" in json.loads(line[6:]) for line in lines[:-2])
+    done = [rec.getMessage() for rec in caplog.records if rec.name == "gpt2mha.serve" and
+            rec.getMessage().startswith("request cmpl-")]
+    assert len(done) == 2 and all("status=503" in m for m in done), done
+    assert not [rec for rec in uvicorn_log.records if rec.exc_info], [rec.getMessage() for rec in uvicorn_log.records]
 
 
 def test_shutting_down_scheduler_answers_503_with_retry_after(builtin):
@@ -479,11 +614,87 @@ def test_cli_serve_sigterm_finishes_in_flight_stream_and_exits_0(tmp_path):
     assert "status=200" in log and "generated_tokens=120" in log
 
 
-def test_cli_serve_rejects_bad_flags(capsys):
-    from gpt2mha.cli import main
+SLOW_SERVE = ("import sys, time\n"
+              "from gpt2mha.scheduler import Scheduler\n"
+              "real = Scheduler._decode\n"
+              "Scheduler._decode = lambda self: (time.sleep(0.02), real(self))[1]   # 20 ms a step\n"
+              "from gpt2mha.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
 
-    assert main(["serve", "--max-batch", "0"]) == 2
-    assert "--max-batch=0" in capsys.readouterr().err
+
+@pytest.mark.slow
+def test_cli_serve_sigterm_past_the_graceful_timeout_answers_503_without_tracebacks(tmp_path):
+    """`gpt2mha serve --graceful-timeout 0.5` (decode slowed to 20 ms a step), SIGTERM while two
+    plain requests and two streams of 200 tokens run: the plain ones get 503 with OpenAI's error
+    object, the streams an error event then `data: [DONE]`; the log has one status=503 line per
+    request and no traceback; the process exits 0."""
+    import subprocess
+    import sys
+
+    port = _serve_load().free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SERVE, "serve", "--port", str(port), "--threads", "1",
+                             "--max-batch", "4", "--graceful-timeout", "0.5"], stdout=log, stderr=log)
+    url, results = f"http://127.0.0.1:{port}", {}
+
+    def plain(i):
+        results[f"plain{i}"] = httpx.post(url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 200},
+                                          timeout=60)
+
+    def stream(i):
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 200,
+                                                                  "stream": True}, timeout=60) as r:
+            results[f"stream{i}"] = [line for line in r.iter_lines() if line]
+
+    try:
+        wait_for(lambda: proc.poll() is not None or _up(url), 60)
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        threads = [threading.Thread(target=f, args=(i,)) for f in (plain, stream) for i in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: httpx.get(url + "/health").json()["running"] == 4, 30)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    text = (tmp_path / "serve.log").read_text()
+    for i in range(2):
+        r = results[f"plain{i}"]
+        assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+        assert r.json()["error"]["type"] == "server_error"
+        lines = results[f"stream{i}"]
+        assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][6:]), lines[-2:]
+    assert text.count("status=503") == 4 and "Traceback" not in text and "Exception in ASGI" not in text, text
+
+
+@pytest.mark.parametrize("flag,value", [("--port", "99999"), ("--port", "-1"), ("--port", "80.5"),
+                                        ("--max-batch", "0"), ("--max-queue", "-1"), ("--threads", "0"),
+                                        ("--graceful-timeout", "-1"), ("--graceful-timeout", "nan"),
+                                        ("--max-body-bytes", "0")])
+def test_cli_serve_rejects_bad_numbers_as_usage_errors(capsys, flag, value):
+    """Out-of-range numbers are argparse usage errors (exit 2, the flag and value named, no
+    traceback): a port is 0..65535 (TCP's 16 bits; 0 = any free port). (The parser alone: a
+    regression must not start a server.)"""
+    from gpt2mha.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}: expected" in err and repr(value) in err
+    assert "Traceback" not in err
+
+
+def test_serve_api_checks_port_and_cli_default_body_limit_matches():
+    from gpt2mha import cli
+    from gpt2mha.serve import DEFAULT_MAX_BODY_BYTES, serve
+
+    with pytest.raises(ValueError, match=r"port=99999 must be an integer in \[0, 65535\]"):
+        serve(None, None, "m", port=99999)
+    assert cli.DEFAULT_MAX_BODY_BYTES == DEFAULT_MAX_BODY_BYTES
 
 
 def test_prefill_groups_bound_the_padding_and_keep_every_sequence():

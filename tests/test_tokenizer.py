@@ -62,3 +62,15 @@ def test_stream_decoder_holds_back_split_characters():
     stream = StreamDecoder(tok)
     pieces = [stream.push([i]) for i in ids]
     assert pieces[0] == "" and "".join(pieces) + stream.flush() == "é🙂x"
+
+
+def test_max_token_bytes_is_the_longest_token_so_bytes_bound_the_token_count():
+    """max_token_bytes (which lets the server refuse an over-long prompt without encoding it)
+    is the longest token's byte length over the whole vocabulary (reference: decode_bytes of
+    every id), so a text of n bytes has at least ceil(n / max_token_bytes) tokens; the byte
+    tokenizer's is 1 (its count is the UTF-8 length)."""
+    tok = get_tokenizer("gpt2")
+    assert tok.max_token_bytes == max(len(tok.decode_bytes([i])) for i in range(tok.n_vocab)) == 128
+    for text in ("-" * 3000, " " * 5000, "Hello, I am a language model. " * 50, "é😀" * 300):
+        assert len(tok.encode(text)) >= -(-len(text.encode()) // tok.max_token_bytes)
+    assert ByteTokenizer().max_token_bytes == 1 and len(ByteTokenizer().encode("é😀")) == len("é😀".encode())

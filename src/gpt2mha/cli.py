@@ -4,11 +4,49 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
+#: ``gpt2mha serve --max-body-bytes`` default (:data:`gpt2mha.serve.DEFAULT_MAX_BODY_BYTES`,
+#: repeated here so the parser does not import FastAPI).
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
+
+
+def is_rank0() -> bool:
+    """Whether this process is rank 0 of a ``torchrun`` launch (or not launched by torchrun):
+    the one that reports errors found in the command line, which every rank finds alike."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, silent on the ranks other than 0 of a ``torchrun`` launch: every rank
+    parses the same command line, so a usage error (exit 2) or ``--help`` is printed once."""
+
+    def _print_message(self, message, file=None):
+        if is_rank0():
+            super()._print_message(message, file)
+
+
+def number(kind: type, low: float, high: float | None = None, note: str = ""):
+    """An argparse ``type`` parsing an int or a finite float in ``[low, high]``; anything else
+    is a usage error naming the flag, the value and the range (exit 2)."""
+    name = "an integer" if kind is int else "a finite number"
+    expected = f"{name} >= {low}" if high is None else f"{name} in [{low}, {high}]"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}{note}, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -55,11 +93,8 @@ def _quantize_args(p: argparse.ArgumentParser) -> None:
                    help="UTF-8 text file GPTQ calibrates on (default: a 16 KiB Shakespeare sample in the package)")
 
 
-def quantized(model, args):
-    """``model`` quantized as ``--quantize``/``--group-size``/``--quantize-method`` ask. A model
-    loaded quantized is used as saved: each of those flags given must match what it was saved
-    with, and ``--calibration`` is refused (nothing is re-quantized); the error names both sides.
-    Abnormal tensors are reported on stderr (a QuantizationWarning)."""
+def check_quantize_args(args) -> None:
+    """The quantization flags must go together (raises ValueError naming them)."""
     if args.group_size is not None and args.quantize != "int4":
         raise ValueError(f"--group-size={args.group_size} applies only to --quantize int4")
     if args.calibration is not None and (args.quantize is None or args.quantize_method == "rtn"):
@@ -67,6 +102,14 @@ def quantized(model, args):
                          f"--quantize int8|int4 with --quantize-method gptq")
     if args.quantize_method is not None and args.quantize is None:
         raise ValueError(f"--quantize-method {args.quantize_method} applies only with --quantize int8|int4")
+
+
+def quantized(model, args):
+    """``model`` quantized as ``--quantize``/``--group-size``/``--quantize-method`` ask. A model
+    loaded quantized is used as saved: each of those flags given must match what it was saved
+    with, and ``--calibration`` is refused (nothing is re-quantized); the error names both sides.
+    Abnormal tensors are reported on stderr (a QuantizationWarning)."""
+    check_quantize_args(args)
     if args.quantize is None:
         return model
     if model.quantization:
@@ -104,11 +147,10 @@ def quantized(model, args):
         raise ValueError(message) from None
 
 
-def cmd_generate(args) -> int:
-    import torch
-
+def check_generate_args(args) -> None:
+    """What ``generate``'s command line alone decides (raises ValueError naming the flags); run
+    before any process group is joined, so under torchrun it is reported once, by rank 0."""
     from .generate import check_min_p, check_sampling
-    from .tokenizer import StreamDecoder, tokenizer_for
 
     check_sampling(args.temperature, args.top_k, args.top_p)
     try:
@@ -134,25 +176,47 @@ def cmd_generate(args) -> int:
         which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else \
             f"--prompt-file {args.prompt_file}" if args.prompt_file is not None else "PROMPT"
         raise ValueError(f"{which} is empty; give at least one character to continue")
-    from . import parallel
-    parallel.check_world(args.tp)                     # --tp N needs N ranks (torchrun)
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed={args.seed} must be an integer in [0, 2**63)")
+    if args.tp < 1:
+        raise ValueError(f"--tp {args.tp} must be a positive integer")
     if args.quantize and args.tp > 1:
         raise ValueError(f"--quantize {args.quantize} with --tp {args.tp}: tensor parallelism shards float weights; "
                          f"quantized models run in one process")
-    model = quantized(parallel.tensor_parallel(load_model(args.model, args.dtype), args.tp), args)
+    check_quantize_args(args)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .tokenizer import StreamDecoder, tokenizer_for
+
+    prompts = args.prompt
+    from . import parallel
+    di = parallel.check_world(args.tp)                # --tp N needs N ranks (torchrun)
+    model = load_model(args.model, args.dtype)
+    weights = parallel.weights_fingerprint(model) if di.world_size > 1 else None
+    model = quantized(parallel.tensor_parallel(model, args.tp), args)
     tok = tokenizer_for(model.config)
     if args.stop_at_eos and tok.eot_token is None:
         raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
     if args.unconditional and tok.eot_token is None:
         raise ValueError(f"--unconditional starts from <|endoftext|>, which the {tok.name!r} tokenizer of this model "
                          f"does not have; give a PROMPT instead")
-    if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
-        return _generate_samples(args, model, tok)
-    args.prompt = prompts[0]
     try:
-        idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.long, device=model.wte.weight.device)
+        encoded = [[tok.eot_token]] if args.unconditional else [tok.encode(p) for p in prompts]
     except UnicodeError:
         raise ValueError("PROMPT is not valid UTF-8 text") from None
+    # tensor-parallel ranks must sample the same tokens from their equal logits: same inputs, one seed
+    parallel.agree({"the prompts' token ids": encoded, "the weights (checksum)": weights, "--dtype": args.dtype,
+                    **{f"--{k.replace('_', '-')}": getattr(args, k) for k in (
+                        "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "num_samples", "stop_at_eos",
+                        "sliding_window", "unconditional")}})
+    seed = parallel.shared_seed(args.seed)
+    if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
+        return _generate_samples(args, model, tok, encoded, seed)
+    args.prompt = prompts[0]
+    idx = torch.tensor(encoded, dtype=torch.long, device=model.wte.weight.device)
     stream, out, started = StreamDecoder(tok), parallel.rank0_stdout(), []
 
     def on_token(token):
@@ -162,15 +226,21 @@ def cmd_generate(args) -> int:
         out.write(stream.push(token.tolist()))
         out.flush()
 
-    ids = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         min_p=args.min_p, seed=args.seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
-                         sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
+    try:
+        ids = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, min_p=args.min_p, seed=seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                             sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
+    except BaseException:                     # (e.g. another rank died): end the streamed line first
+        if started:
+            out.write("\n")
+            out.flush()
+        raise
     parallel.check_same_tokens(ids)
     out.write(("" if started else args.prompt) + stream.flush() + "\n")
     return 0
 
 
-def _generate_samples(args, model, tok) -> int:
+def _generate_samples(args, model, tok, encoded: list[list[int]], seed: int | None) -> int:
     """``--num-samples`` / several PROMPTs / ``--unconditional``: every (prompt, sample) is one
     row of a left-padded batch (OpenAI's ``sample_sequence`` with ``batch_size``; unconditional
     rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
@@ -180,16 +250,11 @@ def _generate_samples(args, model, tok) -> int:
     from .generate import left_pad
     from .tokenizer import decode_rows
 
-    try:
-        encoded = [[tok.eot_token]] if args.unconditional else [tok.encode(p) for p in args.prompt]
-    except UnicodeError:
-        raise ValueError("PROMPT is not valid UTF-8 text") from None
     rows = [ids for ids in encoded for _ in range(args.num_samples)]
     idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                         eos_token_id=tok.eot_token if args.stop_at_eos else None, attention_mask=mask,
-                         sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
+                         top_p=args.top_p, min_p=args.min_p, seed=seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                         attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
     parallel.check_same_tokens(out)
     texts = decode_rows(tok, out.cpu(), mask.cpu(), tok.eot_token if args.stop_at_eos else None)
     skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
@@ -582,20 +647,18 @@ def cmd_serve(args) -> int:
     from .tokenizer import tokenizer_for
     from . import DEFAULT_MODEL
 
-    for name in ("max_batch", "max_queue"):
-        value = getattr(args, name)
-        if value < (1 if name == "max_batch" else 0):
-            raise ValueError(f"--{name.replace('_', '-')}={value} must be >= {1 if name == 'max_batch' else 0}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads={args.threads} must be >= 1")
+    if args.threads is not None:              # (the numbers were checked by argparse, the flags by main)
         import torch
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     model = quantized(load_model(args.model, args.dtype), args)
     name = args.served_model_name or args.model or DEFAULT_MODEL
-    serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port,
-          max_batch=args.max_batch, max_queue=args.max_queue, graceful_timeout=args.graceful_timeout)
+    try:
+        serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
+              max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes)
+    except RuntimeError as e:                 # could not bind: uvicorn logged why
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -609,26 +672,31 @@ def _add_serve_command(sub) -> None:
                                    "ones join at the next step. Needs the 'serve' extra: pip install -e '.[serve]'.")
     _model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    s.add_argument("--port", type=number(int, 0, 65535, " (0: any free port)"), default=8000,
+                   help="port (0: any free port)")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype")
-    s.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (cache slots)")
-    s.add_argument("--max-queue", type=int, default=256,
-                   help="sequences that may wait for a slot; beyond it requests get HTTP 429")
-    s.add_argument("--threads", type=int, default=None,
+    s.add_argument("--max-batch", type=number(int, 1), default=16, help="sequences decoded together (cache slots)")
+    s.add_argument("--max-queue", type=number(int, 0), default=256,
+                   help="sequences that may wait for a slot; beyond it requests get HTTP 429 (retry later). A "
+                        "request with more prompts than --max-batch + --max-queue gets 400: it can never fit")
+    s.add_argument("--threads", type=number(int, 1), default=None,
                    help="torch's intra-op threads for the model (default: torch's choice, one per core); on a "
                         "machine shared with other work, fewer threads than cores avoid oversubscription")
-    s.add_argument("--graceful-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
+    s.add_argument("--graceful-timeout", type=number(float, 0), default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish; then they are cancelled "
+                        "(HTTP 503, or an error event ending a stream)")
+    s.add_argument("--max-body-bytes", type=number(int, 1), default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help="largest request body accepted; larger ones get HTTP 413")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in /v1/models and requests' 'model' field (default: --model as given)")
     _quantize_args(s)
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=cmd_serve, check=check_quantize_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="gpt2mha", description="GPT-2 multi-head attention, exact and fast.")
+    parser = Parser(prog="gpt2mha", description="GPT-2 multi-head attention, exact and fast.")
     parser.add_argument("--version", action="version", version=f"gpt2mha {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -650,7 +718,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0,
                    help="keep only tokens at least this fraction as likely as the most likely one, after "
                         "--temperature (transformers' min_p); in [0, 1], 0: off")
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed for reproducible sampling (default: a random one; with --tp, rank 0 draws it for all)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights' dtype; on CPU bfloat16/float16 halve the weights' memory but decode no "
                         "faster than float32 (benchmarks/RESULTS.md); logits stay float32")
@@ -661,7 +730,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-parallel size: split the heads over this many processes "
                         "(torchrun --nproc-per-node N -m gpt2mha generate ... --tp N; README 'Scaling out')")
     _quantize_args(g)
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, check=check_generate_args)
 
     p = sub.add_parser("perplexity", help="loss, perplexity and bits per byte of a text file",
                        formatter_class=DefaultsHelpFormatter)
@@ -675,7 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights' dtype, as for generate (the logits and the loss stay float32)")
     _quantize_args(p)
-    p.set_defaults(func=cmd_perplexity)
+    p.set_defaults(func=cmd_perplexity, check=check_quantize_args)
 
     t = sub.add_parser("train", help="train a GPT-2 on a text file (first 90%% train, last 10%% validation)")
     t.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file")
@@ -717,6 +786,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .parallel import launched
+    try:                                      # what the command line alone decides: before torchrun's
+        if getattr(args, "check", None):      # process group, and said once (by rank 0), as argparse does
+            args.check(args)
+    except ValueError as e:
+        if is_rank0():
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         with launched(args.command):          # joins torchrun's process group for generate/train/perplexity
             return args.func(args)

@@ -13,7 +13,9 @@ import torch
 
 from ..core import checks
 from ..core.kv_cache import KVCache
+from ..train.distributed import shared_seed
 from .fast import for_decoding
+from .parallel import tp_group
 from .sampling import row_generators, sample_next
 
 def as_prompts(idx) -> list[list[int]]:
@@ -189,7 +191,10 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             [0, 1] keeps the tokens at least min_p times as likely as the most likely one (0: off).
         seed: seeds one private generator per row (:func:`~gpt2mha.inference.sampling.row_seed`):
             the same call gives the same tokens, and row i samples exactly as its prompt alone
-            with ``row_seed(seed, i)`` (row 0: ``seed`` itself).
+            with ``row_seed(seed, i)`` (row 0: ``seed`` itself). None: torch's global generator;
+            for a model sharded over several ranks (:func:`gpt2mha.inference.parallel.shard_model`),
+            a seed drawn by the group's first rank and shared
+            (:func:`gpt2mha.train.distributed.shared_seed`), so that every rank draws the same tokens.
         eos_token_id: once a row emits it, the row is finished and keeps emitting it; the loop
             stops early when every row is finished (the result is still padded to full length).
         sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)
@@ -238,6 +243,10 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
                          f"(CLI: --sliding-window)")
     if max_new_tokens == 0:
         return idx.clone()
+    if seed is None and temperature > 0:
+        sharded, group = tp_group(model)
+        if sharded:                                            # its ranks must draw the same tokens
+            seed = shared_seed(None, group)
     generator = row_generators(seed, B, idx.device) if seed is not None else None
     sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator)
     was_training = model.training

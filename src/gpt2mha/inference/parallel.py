@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import secrets
 import sys
 from dataclasses import dataclass
 
@@ -132,21 +133,37 @@ def teardown() -> None:
 @contextlib.contextmanager
 def launched(command: str | None):
     """The CLI's frame for one command: join ``torchrun``'s process group for the commands in
-    :data:`DISTRIBUTED_COMMANDS`, leave it afterwards, and turn a failed collective into one
-    clear line on stderr and exit status 1 (instead of a traceback, or a hang)."""
+    :data:`DISTRIBUTED_COMMANDS`, leave it afterwards, and turn a failed collective (a
+    :class:`DistributedError`, a ``torch.distributed.DistError``, or the ``RuntimeError`` gloo
+    raises when a peer died or timed out: :func:`is_collective_error`), wherever in the command
+    it happens, into one line on stderr, ``error: rank N: a collective in COMMAND failed: ...``,
+    and exit status 1 (instead of a traceback, or a hang)."""
     if command not in DISTRIBUTED_COMMANDS:
         yield DistInfo()
         return
     rank = os.environ.get("RANK", "0")
     try:
-        yield init_distributed()
+        di = init_distributed()
+        yield di
         barrier()                       # every rank done with its collectives before any leaves
-    except (DistributedError, dist.DistError) as e:
-        reason = e if isinstance(e, DistributedError) else collective_failure(e)
+    except (DistributedError, dist.DistError, RuntimeError) as e:
+        if not isinstance(e, DistributedError) and not (info().world_size > 1 and is_collective_error(e)):
+            raise
+        reason = e if isinstance(e, DistributedError) else collective_failure(e, f"in {command}")
+        sys.stdout.flush()
         print(f"error: rank {rank}: {reason}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:
         teardown()
+
+
+def is_collective_error(e: BaseException) -> bool:
+    """Whether ``e`` came out of a collective whose peer died or timed out: a
+    ``torch.distributed.DistError``, or the ``RuntimeError`` gloo raises (its message names gloo,
+    a closed connection, a peer or a timeout)."""
+    text = f"{type(e).__name__} {e}".lower()
+    return isinstance(e, dist.DistError) or any(
+        s in text for s in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
 
 
 def collective_failure(error: BaseException, where: str = "") -> DistributedError:
@@ -349,12 +366,13 @@ def all_reduce_sum(values, device=None) -> list[float]:
     return t.tolist()
 
 
-def gather_objects(obj) -> list:
-    """``[obj of rank 0, obj of rank 1, …]`` on every rank (``[obj]`` when not distributed)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def gather_objects(obj, group=None) -> list:
+    """``[obj of rank 0, obj of rank 1, …]`` of ``group`` (default: the world) on each of its
+    ranks (``[obj]`` when not distributed)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -406,13 +424,83 @@ def tensor_parallel(model: GPT2, tp: int) -> GPT2:
     return shard_model(model.to(info().device))
 
 
+def shared_seed(seed: int | None, group=None) -> int | None:
+    """The seed every rank of ``group`` (default: the world) samples with, so that
+    tensor-parallel ranks draw the same tokens from their (equal, all-reduced) logits: ``seed``
+    itself when given, else one drawn at random by the group's first rank (63 bits) and sent to
+    all (one all-gather). Not distributed: ``seed`` unchanged (None keeps torch's global
+    generator).
+
+    Raises:
+        DistributedError: the ranks were given different seeds.
+    """
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return seed
+    proposals = gather_objects((seed, secrets.randbits(63)), group)
+    given = [p[0] for p in proposals]
+    if any(g != given[0] for g in given):
+        raise DistributedError(f"the ranks were given different seeds ({', '.join(f'rank {r}: {g}' for r, g in enumerate(given))}); "
+                               f"tensor-parallel ranks must sample with one seed: pass the same --seed to every rank")
+    return given[0] if given[0] is not None else proposals[0][1]
+
+
+def tp_group(model: nn.Module):
+    """``(is tensor parallel over several ranks, its process group)`` for a model
+    :func:`shard_model` sharded (``(False, None)`` for any other)."""
+    for m in model.modules():
+        if isinstance(m, RowParallelConv1D):
+            return m.world_size > 1, m.group
+    return False, None
+
+
+def weights_fingerprint(model: nn.Module) -> float:
+    """A cheap float64 checksum of a model's parameters (the sum of every 997th value of each
+    parameter, times its index), to tell whether the ranks loaded the same weights before
+    sharding them."""
+    total = 0.0
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            total += (i + 1) * float(p.detach().reshape(-1)[::997].double().sum())
+    return total
+
+
+def agree(settings: dict) -> None:
+    """Every rank must hold the same ``settings`` (e.g. a command's sampling arguments, its
+    prompts' token ids and :func:`weights_fingerprint`): ranks that would run a
+    tensor-parallel computation on different inputs are stopped before it starts (one
+    all-gather; nothing when not distributed).
+
+    Raises:
+        DistributedError: naming the first setting that differs and each rank's value.
+    """
+    if info().world_size == 1:
+        return
+    per_rank = gather_objects(settings)
+    for name, value in settings.items():
+        values = [s.get(name) for s in per_rank]
+        if any(v != values[0] for v in values):
+            shown = ", ".join(f"rank {r}: {str(v)[:60]}" for r, v in enumerate(values))
+            raise DistributedError(f"the ranks disagree on {name} ({shown}); every rank must run the same command "
+                                   f"on the same files")
+
+
 def check_same_tokens(tokens: torch.Tensor) -> None:
-    """After a tensor-parallel ``generate``: every rank must hold the same ids (their logits are
-    all-reduced, so they do); raises :class:`DistributedError` if not (one all-gather)."""
+    """After a tensor-parallel ``generate`` (ranks that passed :func:`agree` and sampled with one
+    :func:`shared_seed`): every rank must hold the same ids, since their logits are all-reduced.
+    Raises :class:`DistributedError` naming the first position where a rank's ids part from
+    rank 0's (one all-gather)."""
     di = info()
     if di.world_size == 1:
         return
     ids = gather_objects(tokens.cpu().tolist())
-    if any(other != ids[0] for other in ids[1:]):
-        raise DistributedError("the ranks sampled different tokens (their logits disagreed); the output is not "
-                               "trustworthy")
+    for rank, other in enumerate(ids[1:], start=1):
+        if other != ids[0]:
+            row, col = next(((i, j) for i, (a, b) in enumerate(zip(ids[0], other)) for j, (x, y) in enumerate(zip(a, b))
+                             if x != y), (None, None))
+            if row is None:
+                raise DistributedError(f"rank {rank} generated ids of another shape than rank 0's; the output is not "
+                                       f"trustworthy")
+            raise DistributedError(f"rank {rank} sampled token {other[row][col]} where rank 0 sampled {ids[0][row][col]} "
+                                   f"(row {row}, position {col}), with the same seed, settings and weights: their "
+                                   f"logits differed there, so the ranks compute differently (different devices, "
+                                   f"dtypes or kernels?); the output is not trustworthy")

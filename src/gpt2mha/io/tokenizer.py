@@ -60,6 +60,12 @@ class GPT2Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token (128 for GPT-2): a text of n UTF-8 bytes has at least
+        ``ceil(n / max_token_bytes)`` tokens, known without encoding it."""
+        return max(len(b) for b in self._enc.token_byte_values())
+
     def decode_bytes(self, ids) -> bytes:
         return self._enc.decode_bytes([int(i) for i in ids])
 
@@ -73,6 +79,9 @@ class ByteTokenizer:
     name = "bytes"
     n_vocab = 256
     eot_token = None
+
+    #: One byte per token: a text's token count is its UTF-8 length.
+    max_token_bytes = 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -45,7 +45,13 @@ log = logging.getLogger("gpt2mha.serve")
 
 
 class QueueFull(Exception):
-    """More sequences were submitted than free slots plus room in the queue (HTTP 429)."""
+    """More sequences were submitted than free slots plus room in the queue right now (HTTP 429:
+    retry later)."""
+
+
+class ExceedsCapacity(ValueError):
+    """More sequences in one submission than the scheduler can ever hold at once
+    (``max_batch + max_queue``): retrying cannot help (HTTP 400)."""
 
 
 class ShuttingDown(Exception):
@@ -219,10 +225,15 @@ class Scheduler:
             ValueError: an empty prompt, ids outside the vocabulary, bad sampling values, or
                 prompt + max_tokens longer than n_ctx (the caller checks these first for
                 clear HTTP errors; this is the last guard).
-            QueueFull: not enough free slots plus queue room for all of them.
+            ExceedsCapacity: more prompts than :attr:`capacity`, i.e. never admissible.
+            QueueFull: not enough free slots plus queue room for all of them now.
             ShuttingDown: after :meth:`stop`.
         """
         check_sampling(params.temperature, params.top_k, params.top_p)
+        if len(prompts) > self.capacity:
+            raise ExceedsCapacity(f"{len(prompts)} prompts in one request; this server holds at most {self.capacity} "
+                                  f"sequences at once (max_batch={self.max_batch} running + max_queue={self.max_queue} "
+                                  f"waiting), so it can never admit them: send at most {self.capacity} per request")
         if isinstance(params.max_tokens, bool) or not isinstance(params.max_tokens, int) or params.max_tokens < 0:
             raise ValueError(f"max_tokens={params.max_tokens!r} must be an integer >= 0")
         for i, ids in enumerate(prompts):
@@ -245,6 +256,16 @@ class Scheduler:
             self.waiting.extend(seqs)
             self._cv.notify()
         return seqs
+
+    @property
+    def capacity(self) -> int:
+        """The most sequences that can be queued or running at once: ``max_batch + max_queue``."""
+        return self.max_batch + self.max_queue
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`cancel_all` or :meth:`stop` was called (new work is refused)."""
+        return self._stopping
 
     def cancel(self, seq: Sequence) -> None:
         """Stop ``seq``: its slot (or queue place) is freed at the next step, before any more
@@ -277,13 +298,21 @@ class Scheduler:
             self._thread = threading.Thread(target=self._run, name="gpt2mha-scheduler", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float | None = 10.0) -> None:
-        """Refuse new work, cancel everything queued or running, and join the thread."""
+    def cancel_all(self) -> int:
+        """Refuse new work (:class:`ShuttingDown`) and cancel every queued or running sequence;
+        each ends with finish_reason ``"cancelled"`` at the thread's next step. Does not wait.
+        Returns the number of sequences cancelled by this call."""
         with self._cv:
             self._stopping = True
-            for seq in list(self.waiting) + [s for s in self.slots if s is not None]:
+            live = [s for s in list(self.waiting) + self.slots if s is not None and not s.cancelled and not s.done]
+            for seq in live:
                 seq.cancelled = True
             self._cv.notify()
+        return len(live)
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Refuse new work, cancel everything queued or running, and join the thread."""
+        self.cancel_all()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None

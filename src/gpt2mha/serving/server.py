@@ -11,10 +11,16 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
 - ``GET /v1/models``, ``GET /health`` (running/queued counts, slots, tokens/s).
 
 Bad requests get HTTP 400 with OpenAI's error object ``{"error": {"message", "type", "param",
-"code"}}`` naming the field; a full queue gets 429 with ``Retry-After``; shutting down, 503.
-The app never touches tensors: it tokenizes, checks, submits to the
-:class:`~gpt2mha.scheduler.Scheduler` thread, and relays its text events. One log line per
-request (logger ``gpt2mha.serve``).
+"code"}}`` naming the field (also a string that is not Unicode text, and more prompts than the
+server can ever hold at once); a body over ``max_body_bytes``, 413; a queue that is full right
+now, 429 with ``Retry-After``; shutting down, 503. The app never touches tensors: it reads the
+body, then parses, checks and tokenizes it in a worker thread (so a large body does not stall
+the event loop), submits to the :class:`~gpt2mha.scheduler.Scheduler` thread, and relays its
+text events. One log line per request (logger ``gpt2mha.serve``).
+
+Shutdown (:class:`GracefulServer`): uvicorn stops accepting connections and in-flight requests
+may finish for ``graceful_timeout`` seconds; past it the scheduler cancels what is left, so a
+non-streamed request gets a 503 error object and a stream an error event then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -28,17 +34,24 @@ import secrets
 import threading
 import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .scheduler import QueueFull, SamplingParams, Scheduler, ShuttingDown
+from .scheduler import ExceedsCapacity, QueueFull, SamplingParams, Scheduler, ShuttingDown
 
 log = logging.getLogger("gpt2mha.serve")
 
 MAX_STOP = 4            # as OpenAI: up to 4 stop sequences
 RETRY_AFTER_S = 1
+#: Default limit of a request body (``gpt2mha serve --max-body-bytes``): far above any prompt
+#: the context admits (1024 GPT-2 tokens are at most 128 KiB), and a few ms of JSON to parse.
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+#: After ``graceful_timeout`` the scheduler cancels what is left; requests get this long to
+#: answer before uvicorn cancels their tasks itself (:class:`GracefulServer`).
+CANCEL_GRACE_S = 10.0
 
 
 class StreamOptions(BaseModel):
@@ -104,16 +117,46 @@ def parse_request(raw: bytes) -> CompletionRequest:
 
     Raises:
         APIError: 400 for malformed JSON (no param) or a field of the wrong type, an unknown
-            field, a missing prompt (param = that field).
+            field, a missing prompt, a string that is not Unicode text (param = that field).
     """
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "The request body is not valid JSON: nested too deeply") from None
+    check_unicode(data)
     try:
         return CompletionRequest.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
+
+
+def check_unicode(data, where: str = "", param: str | None = None) -> None:
+    """Every string of the parsed body (values and keys, at any depth) must be Unicode text:
+    JSON's ``\\ud800``-``\\udfff`` escapes that are not a surrogate pair decode to lone
+    surrogates, which no tokenizer (nor UTF-8) can encode.
+
+    Raises:
+        APIError: 400 naming the top-level field (``param``) and the string's place in it.
+    """
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = data[e.start:e.end].encode("utf-8", "backslashreplace").decode("ascii")
+            raise APIError(400, f"Invalid '{where or 'body'}': the string has a lone UTF-16 surrogate ({bad}) at "
+                                f"character {e.start}, which is not Unicode text (a \\ud800-\\udbff escape must be "
+                                f"followed by a \\udc00-\\udfff one)", param) from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            name = f"{where}.{key}" if where else key
+            check_unicode(key, name.encode("utf-8", "backslashreplace").decode("ascii"), param or
+                          key.encode("utf-8", "backslashreplace").decode("ascii"))
+            check_unicode(value, name, param or key)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            check_unicode(value, f"{where}[{i}]", param)
 
 
 def validation_error(errors: list[dict]) -> APIError:
@@ -166,14 +209,29 @@ def check_request(body: CompletionRequest, model_name: str, n_ctx: int) -> None:
 
 def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int) -> list[list[int]]:
     """Token ids of each prompt; raises :class:`APIError` for an empty or too long prompt or
-    prompt + max_tokens beyond the context."""
+    prompt + max_tokens beyond the context.
+
+    A prompt whose UTF-8 length alone proves it longer than ``n_ctx`` tokens (at least
+    ``ceil(bytes / tokenizer.max_token_bytes)`` of them) is refused without being tokenized, so
+    the work per prompt is bounded by ``n_ctx · max_token_bytes`` bytes whatever its size."""
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    longest = getattr(tokenizer, "max_token_bytes", None)
     out = []
     for i, text in enumerate(prompts):
         where = "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]"
         if text == "":
             raise APIError(400, f"{where} is empty; give at least one character to continue", "prompt")
-        ids = tokenizer.encode(text)
+        if longest:
+            n_bytes = len(text.encode("utf-8", "surrogatepass"))
+            at_least = -(-n_bytes // longest)
+            if at_least > n_ctx:
+                count = f"{at_least}" if longest == 1 else f"at least {at_least} ({n_bytes} bytes)"
+                raise APIError(400, f"{where} has {count} tokens; this model's maximum context length is "
+                                    f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
+        try:
+            ids = tokenizer.encode(text)
+        except UnicodeError:                          # parse_request refuses these first
+            raise APIError(400, f"{where} is not Unicode text", "prompt") from None
         if len(ids) > n_ctx:
             raise APIError(400, f"{where} has {len(ids)} tokens; this model's maximum context length is "
                                 f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
@@ -216,12 +274,87 @@ class Relay:
             queue.put_nowait(item)
 
 
-def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
-    """The ASGI app serving ``scheduler``'s model as ``model_name``.
+#: A body over the limit is still read (and dropped) up to this many bytes past it, so that the
+#: client, still sending, reads the 413 instead of a connection reset.
+DRAIN_BYTES = 64 << 20
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused past ``limit`` bytes (declared in Content-Length or counted
+    while a chunked body arrives).
+
+    Raises:
+        APIError: 413 (``code="request_too_large"``) naming the size and the limit.
+    """
+    declared = request.headers.get("content-length", "")
+    declared = int(declared) if declared.isdigit() else None
+    chunks, size = [], 0
+    if declared is None or declared <= limit + DRAIN_BYTES:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > limit + DRAIN_BYTES:
+                break
+    if (declared or 0) > limit or size > limit:
+        got = f"{declared} bytes" if declared is not None else f"over {limit} bytes"
+        raise APIError(413, f"The request body is {got}; this server accepts at most {limit} bytes "
+                            f"(gpt2mha serve --max-body-bytes)", type="invalid_request_error",
+                       code="request_too_large")
+    return b"".join(chunks)
+
+
+class AnswerCancelled:
+    """ASGI middleware for the last resort of a shutdown: a request whose task uvicorn cancels
+    (:data:`CANCEL_GRACE_S` after the scheduler cancelled it, e.g. a client that stopped
+    reading) still ends as the API promises, a 503 error object, or for a stream already
+    started an error event then ``data: [DONE]``, instead of uvicorn's text/plain 500 and a
+    logged traceback. The request's own log line is written by its handler."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = {"started": False, "ended": False, "sse": False}
+
+        async def watch(message):
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                state["sse"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                   for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["ended"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except asyncio.CancelledError:
+            if state["ended"]:
+                return
+            err = APIError(503, "The request was cancelled: the server is shutting down", type="server_error")
+            with contextlib.suppress(Exception):
+                if not state["started"]:
+                    await err.response()(scope, receive, send)
+                else:
+                    tail = "data: " + json.dumps(err.body()) + "\n\ndata: [DONE]\n\n" if state["sse"] else ""
+                    await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
+
+
+def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The ASGI app serving ``scheduler``'s model as ``model_name``; request bodies over
+    ``max_body_bytes`` get 413.
 
     The app's lifespan starts the scheduler's thread and, at shutdown, stops it (queued and
-    running sequences are cancelled; uvicorn first lets in-flight responses finish).
+    running sequences are cancelled; uvicorn first lets in-flight responses finish, see
+    :class:`GracefulServer`).
+
+    Raises:
+        ValueError: max_body_bytes < 1.
     """
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes={max_body_bytes!r} must be an integer >= 1")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -234,6 +367,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
 
     started = [time.time()]
     app = FastAPI(title="gpt2mha", description="OpenAI-compatible completions over gpt2mha", lifespan=lifespan)
+    app.add_middleware(AnswerCancelled)
     tokenizer, n_ctx = scheduler.tokenizer, scheduler.n_ctx
     relay = Relay()
 
@@ -258,9 +392,8 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         t0 = time.monotonic()
-        body = parse_request(await request.body())
-        check_request(body, model_name, n_ctx)
-        prompts = encode_prompts(body, tokenizer, n_ctx)
+        raw = await read_body(request, max_body_bytes)
+        body, prompts = await asyncio.get_running_loop().run_in_executor(None, prepare, raw)   # off the loop
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
                                 top_p=body.top_p, seed=body.seed, stop=stops)
@@ -272,6 +405,8 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
 
         try:
             seqs = scheduler.submit(prompts, params, on_event)
+        except ExceedsCapacity as e:
+            raise APIError(400, str(e), "prompt", code="too_many_prompts") from None
         except QueueFull as e:
             raise APIError(429, f"The server is busy: {e}", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -285,6 +420,18 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
             return StreamingResponse(stream(seqs, events, head, include_usage, t0),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await collect(seqs, events, head, request, t0)
+
+    def prepare(raw: bytes):
+        """Parse, check and tokenize a body (in a worker thread: tokenizing is the costly part)."""
+        body = parse_request(raw)
+        check_request(body, model_name, n_ctx)
+        n = 1 if isinstance(body.prompt, str) else len(body.prompt)
+        if n > scheduler.capacity:                    # never admissible: not a 429 to retry
+            raise APIError(400, f"prompt is a list of {n} prompts; this server holds at most {scheduler.capacity} "
+                                f"sequences at once (--max-batch {scheduler.max_batch} running + --max-queue "
+                                f"{scheduler.max_queue} waiting), so it can never admit them: send at most "
+                                f"{scheduler.capacity} prompts per request", "prompt", code="too_many_prompts")
+        return body, encode_prompts(body, tokenizer, n_ctx)
 
     def usage(seqs) -> dict:
         p, c = sum(len(s.prompt_ids) for s in seqs), sum(len(s.tokens) for s in seqs)
@@ -335,8 +482,8 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
             choices = [{"index": s.index, "text": "".join(texts[s.index]), "logprobs": None,
                         "finish_reason": s.finish_reason} for s in seqs]
             return JSONResponse({**head, "choices": choices, "usage": usage(seqs)})
-        except BaseException:
-            status = 499
+        except BaseException:                         # the task cancelled: a shutdown's last resort (AnswerCancelled)
+            status = 503
             raise
         finally:
             for t in (waiter, watcher):
@@ -368,7 +515,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
                     out.append(chunk([], usage=usage(seqs)))
             yield "".join(out) + "data: [DONE]\n\n"
         except BaseException:                         # client gone (the response task is cancelled)
-            status = 499
+            status = 503 if scheduler.stopping else 499
             raise
         finally:
             for s in seqs:
@@ -378,45 +525,102 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     return app
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with a shutdown that keeps the API's promises past the graceful timeout.
+
+    On SIGTERM (or ``should_exit``) uvicorn stops accepting connections and waits for in-flight
+    requests. ``graceful_timeout`` seconds later the scheduler cancels every sequence still
+    queued or running (:meth:`~gpt2mha.scheduler.Scheduler.cancel_all`) and refuses new ones,
+    so each request ends through its own handler: a non-streamed one with a 503 error object, a
+    stream with an error event then ``data: [DONE]``, one log line each. uvicorn's own
+    cancellation of the request tasks comes :data:`CANCEL_GRACE_S` later, as a last resort
+    (:class:`AnswerCancelled` answers those).
+    """
+
+    def __init__(self, config: "uvicorn.Config", scheduler: Scheduler, graceful_timeout: float):
+        check_graceful_timeout(graceful_timeout)
+        config.timeout_graceful_shutdown = graceful_timeout + CANCEL_GRACE_S
+        super().__init__(config)
+        self.scheduler, self.graceful_timeout = scheduler, graceful_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's shutdown, with :meth:`cancel_in_flight` due ``graceful_timeout`` s after it starts."""
+        timer = asyncio.get_running_loop().call_later(self.graceful_timeout, self.cancel_in_flight)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            timer.cancel()
+
+    def cancel_in_flight(self) -> None:
+        """Cancel every queued or running sequence (their requests then answer 503), log one line."""
+        n = self.scheduler.cancel_all()
+        if n:
+            log.warning("graceful timeout of %gs exceeded: cancelling %d in-flight sequence(s)", self.graceful_timeout, n)
+
+
+def check_graceful_timeout(graceful_timeout: float) -> None:
+    """Raises ValueError unless ``graceful_timeout`` is a finite number of seconds >= 0."""
+    if isinstance(graceful_timeout, bool) or not isinstance(graceful_timeout, (int, float)) or not (
+            math.isfinite(graceful_timeout) and graceful_timeout >= 0):
+        raise ValueError(f"graceful_timeout={graceful_timeout!r} must be a finite number of seconds >= 0")
+
+
+def check_port(port: int) -> None:
+    """Raises ValueError unless ``port`` is an integer in [0, 65535] (0: any free port)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port={port!r} must be an integer in [0, 65535] (0: any free port)")
+
+
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16,
-          max_queue: int = 256, graceful_timeout: float = 30.0) -> None:
+          max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``). On SIGTERM uvicorn stops
-    accepting connections and lets in-flight responses finish (up to ``graceful_timeout``
-    seconds, then cancels them); the scheduler is stopped and this returns normally."""
+    accepting connections and lets in-flight responses finish; past ``graceful_timeout``
+    seconds what is left is cancelled (503 / a stream's error event, :class:`GracefulServer`);
+    the scheduler is stopped and this returns normally.
+
+    Raises:
+        ValueError: a port outside [0, 65535], a negative or non-finite graceful_timeout,
+            max_body_bytes < 1, or bad max_batch/max_queue (:class:`~gpt2mha.scheduler.Scheduler`).
+        RuntimeError: the server could not start (e.g. the address is in use or the host
+            unknown; uvicorn logs the reason).
+    """
     import signal
 
-    import uvicorn
-
+    check_port(port)
+    check_graceful_timeout(graceful_timeout)
     scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue)
-    app = create_app(scheduler, model_name)
-    config = uvicorn.Config(app, host=host, port=port, access_log=False, timeout_graceful_shutdown=graceful_timeout,
-                            log_level="info")
+    app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes)
+    config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info")
     # uvicorn re-raises the signal it shut down on; a no-op SIGTERM handler makes that a clean exit (0)
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    server = GracefulServer(config, scheduler, graceful_timeout)
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if not server.started:
+        raise RuntimeError(f"the server did not start on {host}:{port} (the reason is logged above)")
 
 
 @contextlib.contextmanager
 def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                    timeout: float = 30.0):
+                    timeout: float = 30.0, graceful_timeout: float | None = None,
+                    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """Run the app with uvicorn in a background thread for the ``with`` block; yields the base
     URL (``http://host:port``, the real port when ``port`` is 0). For tests and scripts that
-    want the real server in their own process. On exit the server shuts down (in-flight
-    responses get ``timeout`` seconds) and the scheduler is stopped.
+    want the real server in their own process. On exit the server shuts down as
+    ``gpt2mha serve`` does on SIGTERM (in-flight responses get ``graceful_timeout`` seconds,
+    default ``timeout``, then are cancelled: :class:`GracefulServer`) and the scheduler is stopped.
 
     Raises:
         RuntimeError: the server did not start within ``timeout`` seconds.
     """
     import threading
 
-    import uvicorn
-
-    config = uvicorn.Config(create_app(scheduler, model_name), host=host, port=port, access_log=False,
-                            log_level="warning", timeout_graceful_shutdown=timeout)
-    server = uvicorn.Server(config)
+    graceful_timeout = timeout if graceful_timeout is None else graceful_timeout
+    config = uvicorn.Config(create_app(scheduler, model_name, max_body_bytes=max_body_bytes), host=host, port=port,
+                            access_log=False, log_level="warning")
+    server = GracefulServer(config, scheduler, graceful_timeout)
     thread = threading.Thread(target=server.run, name="gpt2mha-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
@@ -430,4 +634,4 @@ def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.
         yield f"http://{host}:{bound}"
     finally:
         server.should_exit = True
-        thread.join(timeout + 5)
+        thread.join(graceful_timeout + CANCEL_GRACE_S + 5)

@@ -391,7 +391,7 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
                 log["tokens_per_second"] = tokens / (time.perf_counter() - t0)
                 _save(model, optimizer, done, gen, tc, log, out_dir, loss_ema)
     except (torch.distributed.DistError, RuntimeError) as e:
-        if di.world_size == 1 or isinstance(e, parallel.DistributedError) or not _is_collective_error(e):
+        if di.world_size == 1 or isinstance(e, parallel.DistributedError) or not parallel.is_collective_error(e):
             raise
         raise parallel.collective_failure(e, f"at step {step}") from e
     finally:
@@ -432,12 +432,6 @@ def _fine_tune_start(init_from: str, config: GPT2Config | dict | None) -> GPT2:
         tuned.load_state_dict(model.state_dict())
         model = tuned
     return model
-
-
-def _is_collective_error(e: BaseException) -> bool:
-    text = f"{type(e).__name__} {e}".lower()
-    return isinstance(e, torch.distributed.DistError) or any(
-        s in text for s in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
 
 
 def _restore_rng(gen: torch.Generator, state: dict, di) -> None:
