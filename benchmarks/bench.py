@@ -44,10 +44,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cli import BENCH_SECTIONS as SECTIONS
-from .cli import add_bench_arguments as add_arguments  # noqa: F401 (python -m gpt2mha.bench)
-from .kv_cache import KVCache
-from .model import GPT2, GPT2Config, logits_dtype
+from gpt2mha import DEFAULT_MODEL
+from gpt2mha.api import GPT2
+from gpt2mha.cli import BENCH_SECTIONS as SECTIONS
+from gpt2mha.cli import add_bench_arguments as add_arguments
+from gpt2mha.core.attention import CausalSelfAttention
+from gpt2mha.core.kv_cache import KVCache
+from gpt2mha.core.model import GPT2Config, logits_dtype
+from gpt2mha.inference.fast import for_decoding
+from gpt2mha.inference.quant import QuantizationWarning, QuantizedLinear, default_calibration
+from gpt2mha.io.checkpoints import builtin_models
+from gpt2mha.io.convert import fused_to_mha
+from gpt2mha.io.tokenizer import get_tokenizer
 
 MMAP_THRESHOLD = 1 << 20   # bytes: allocations this large bypass glibc's heap in the memory children
 DECISIVE = 0.05          # top-2 probability margin that makes a position "decisive" for agreement
@@ -229,7 +237,8 @@ def bench_decode(ours: GPT2, hf, sizes: Sizes, log=print) -> list[dict]:
 def matmul_floor(model: GPT2, batch: int, repeats: int = 20) -> float:
     """Median time (s) of one decode step's weight matmuls and nothing else: each block's four
     Conv1Ds and the LM head on ``[batch, n_embd]`` rows, with the same modules and kernels as a
-    step inside ``model.decoding()`` but no attention, norms, residuals or sampling between them.
+    step of ``generate``'s decode view (:func:`~gpt2mha.inference.fast.for_decoding`) but no
+    attention, norms, residuals or sampling between them.
 
     At batch 1 every matmul streams its weight from memory once, so this is the floor for a
     step on this machine, set by its memory bandwidth (``weight bytes / floor``); at batch 8 it
@@ -240,13 +249,14 @@ def matmul_floor(model: GPT2, batch: int, repeats: int = 20) -> float:
     x = torch.randn(batch, c.n_embd, dtype=dtype)
     h = torch.randn(batch, 4 * c.n_embd, dtype=dtype)
 
-    def once():
-        for block in model.h:
-            block.attn.c_attn(x), block.attn.c_proj(x), block.mlp.c_fc(x), block.mlp.c_proj(h)
-        model.head(x[:, None])
+    view = for_decoding(model)
 
-    with model.decoding():
-        return median_seconds(once, repeats, warmup=2)
+    def once():
+        for block in view.h:
+            block.attn.c_attn(x), block.attn.c_proj(x), block.mlp.c_fc(x), block.mlp.c_proj(h)
+        view.lm_head(x[:, None])
+
+    return median_seconds(once, repeats, warmup=2)
 
 
 def ceiling_row(model: GPT2, batch: int, speeds: tuple[float, float], sizes: Sizes, name: str) -> dict:
@@ -284,24 +294,24 @@ def bench_cache(ours: GPT2, sizes: Sizes, log=print) -> list[dict]:
 @torch.inference_mode()
 def step_times(model: GPT2, positions: tuple[int, ...], steps: int, batch: int = 1) -> list[float]:
     """Median time (s) of one single-token decode step with each of ``positions`` tokens already
-    cached (inside ``model.decoding()``, as in ``generate``). One cache per position; the steps
+    cached (on the decode view, as in ``generate``). One cache per position; the steps
     are taken in turn across them (round-robin), so a slow spell of the machine hits all alike.
     """
     c = model.config
     dtype = next(model.parameters()).dtype
     idx = _prompt(batch, max(positions) + steps + 1, c.n_vocab)
     times = [[] for _ in positions]
-    with model.decoding():
-        caches = []
-        for p in positions:
-            cache = KVCache(c.n_layer, batch, c.n_head, p + steps + 1, c.head_dim, dtype=dtype)
-            model.step(idx[:, :p], cache)                                  # prefill
-            caches.append(cache)
-        for s in range(steps + 1):                                         # the first round warms up
-            for j, (p, cache) in enumerate(zip(positions, caches)):
-                t0 = time.perf_counter()
-                model.step(idx[:, p + s:p + s + 1], cache)
-                times[j].append(time.perf_counter() - t0)
+    view = for_decoding(model)
+    caches = []
+    for p in positions:
+        cache = KVCache(c.n_layer, batch, c.n_head, p + steps + 1, c.head_dim, dtype=dtype)
+        view(idx[:, :p], cache=cache, last_only=True, validate=False)      # prefill
+        caches.append(cache)
+    for s in range(steps + 1):                                             # the first round warms up
+        for j, (p, cache) in enumerate(zip(positions, caches)):
+            t0 = time.perf_counter()
+            view(idx[:, p + s:p + s + 1], cache=cache, last_only=True, validate=False)
+            times[j].append(time.perf_counter() - t0)
     return [statistics.median(t[1:]) for t in times]
 
 
@@ -336,7 +346,7 @@ def prefill(model, idx: torch.Tensor):
         c = model.config
         cache = KVCache(c.n_layer, idx.shape[0], c.n_head, idx.shape[1], c.head_dim,
                         dtype=next(model.parameters()).dtype)
-        return model.step(idx, cache)                                      # [B, 1, n_vocab]
+        return model(idx, cache=cache, last_only=True, validate=False).logits   # [B, 1, n_vocab]
     return model(idx, use_cache=True, logits_to_keep=1).logits
 
 
@@ -358,7 +368,7 @@ def prefill_peak_mb(variant: str, directory: str, tokens: int) -> float | None:
     """
     if not sys.platform.startswith("linux"):
         return None
-    cmd = [sys.executable, "-m", "gpt2mha.bench", "--memory-child", variant, "--checkpoint", directory,
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--checkpoint", directory,
            "--tokens", str(tokens)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -423,7 +433,6 @@ def bare_core(attn, x: torch.Tensor) -> torch.Tensor:
 
 def attention_variants(n_embd: int, n_head: int, T: int, seed: int = 0) -> dict:
     """Same-weights attention sublayers: name → callable ``x [B, T, n_embd] → y``."""
-    from .attention import CausalSelfAttention
 
     transformers = _require_transformers()
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
@@ -435,13 +444,9 @@ def attention_variants(n_embd: int, n_head: int, T: int, seed: int = 0) -> dict:
         ours.c_proj.bias.normal_(std=0.02)
     fns = {"gpt2mha CausalSelfAttention (fused)": lambda x: ours(x)[0],
            "bare c_attn + SDPA + c_proj": lambda x: bare_core(ours, x)}
-    try:
-        from .convert import fused_to_mha
-        book = fused_to_mha(ours, context_length=T, qkv_bias=True).eval()
-        book.attn_impl = "explicit"                          # the book's own core (its default)
-        fns["book MultiHeadAttention"] = lambda x: book(x)
-    except ImportError:
-        pass
+    book = fused_to_mha(ours, context_length=T, qkv_bias=True).eval()
+    book.attn_impl = "explicit"                              # the book's own core (its default)
+    fns["book MultiHeadAttention"] = lambda x: book(x)
     mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None]   # additive causal mask
     for impl in ("eager", "sdpa"):
         cfg = transformers.GPT2Config(n_embd=n_embd, n_head=n_head, n_positions=T, attn_implementation=impl)
@@ -487,7 +492,6 @@ def real_text_tokens(config: GPT2Config, n_tokens: int, path: str | None = None,
     """``n_tokens`` tokens of real text (tinyshakespeare by default) in the model's tokenizer:
     the first ones, or with ``tail`` the last ones (the part a model trained on the first 90%
     never saw)."""
-    from .tokenizer import get_tokenizer
 
     path = path or REPO_TEXT
     if not os.path.isfile(path):
@@ -580,8 +584,6 @@ def bench_low_precision(directory: str, ours32: GPT2, hf, sizes: Sizes, text: st
 def builtin_agreement(text: str | None = None, log=print, n_tokens: int = FULL.builtin_agree_tokens) -> list[dict]:
     """bf16/fp16 top-1 agreement of the built-in (trained) model with its fp32 self on the last
     ``n_tokens`` tokens of real text (held out from its training)."""
-    from . import DEFAULT_MODEL
-    from .checkpoints import builtin_models
 
     if DEFAULT_MODEL not in builtin_models():
         return []
@@ -618,7 +620,6 @@ def memory_bandwidth(mb: int = 340, repeats: int = 5) -> float:
 def step_bytes(model: GPT2) -> int:
     """Bytes of weights one decode step reads at batch 1: every block matrix and the LM head as
     stored for the kernels (int8/int4 with their scales, or float), with their biases."""
-    from .quantize import QuantizedLinear
 
     total = 0
     for m in model.modules():
@@ -633,7 +634,7 @@ def resident_mb(directory: str) -> float | None:
     a fresh process (weights, decode-time copies, cache), measured like :func:`prefill_peak_mb`."""
     if not sys.platform.startswith("linux"):
         return None
-    cmd = [sys.executable, "-m", "gpt2mha.bench", "--memory-child", "resident", "--checkpoint", directory]
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", "resident", "--checkpoint", directory]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if out.returncode != 0:
@@ -668,7 +669,6 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
     logits' cosine similarity to float32 on real text."""
     import warnings
 
-    from .quantize import QuantizationWarning
 
     rows = []
     bandwidth = memory_bandwidth(repeats=sizes.bandwidth_repeats)
@@ -728,9 +728,6 @@ def builtin_quantized_agreement(schemes, text: str | None = None, log=print,
     """int8/int4 top-1 agreement of the built-in (trained) model with its float32 self on the
     last ``n_tokens`` tokens of the text (held out; issue 13's targets: 99.5% / 97%), quantized
     by GPTQ on the packaged calibration text, or on its first ``calibration_bytes`` bytes."""
-    from . import DEFAULT_MODEL
-    from .checkpoints import builtin_models
-    from .quantize import default_calibration
 
     if DEFAULT_MODEL not in builtin_models():
         return []
@@ -899,7 +896,7 @@ def main_args(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpt2mha.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)

@@ -67,15 +67,16 @@ def load_model(name: str | None, dtype: str = "float32"):
     """The model named on the command line (``None``: :data:`gpt2mha.DEFAULT_MODEL`)."""
     import torch
 
-    from .checkpoints import builtin_models, load_pretrained
     from . import DEFAULT_MODEL
+    from .api import GPT2
+    from .io.checkpoints import builtin_models
 
     if name is None:
         if DEFAULT_MODEL not in builtin_models():
             raise SystemExit(f"error: the built-in model {DEFAULT_MODEL!r} is not installed in this package; "
                              f"pass --model DIR_OR_HUB_ID")
         name = DEFAULT_MODEL
-    return load_pretrained(name, dtype=getattr(torch, DTYPES[dtype]))
+    return GPT2.from_pretrained(name, dtype=getattr(torch, DTYPES[dtype]))
 
 
 def _quantize_args(p: argparse.ArgumentParser) -> None:
@@ -150,11 +151,11 @@ def quantized(model, args):
 def check_generate_args(args) -> None:
     """What ``generate``'s command line alone decides (raises ValueError naming the flags); run
     before any process group is joined, so under torchrun it is reported once, by rank 0."""
-    from .generate import check_min_p, check_sampling
+    from .core import checks
 
-    check_sampling(args.temperature, args.top_k, args.top_p)
+    checks.sampling(args.temperature, args.top_k, args.top_p)
     try:
-        check_min_p(args.min_p)
+        checks.sampling(0.0, 0, 1.0, args.min_p)
     except ValueError:
         raise ValueError(f"--min-p={args.min_p} must be a number in [0, 1] (0: off)") from None
     if args.max_new_tokens < 0:
@@ -189,13 +190,14 @@ def check_generate_args(args) -> None:
 def cmd_generate(args) -> int:
     import torch
 
-    from .tokenizer import StreamDecoder, tokenizer_for
+    from .inference import parallel
+    from .io.tokenizer import StreamDecoder, tokenizer_for
+    from .train import distributed
 
     prompts = args.prompt
-    from . import parallel
     di = parallel.check_world(args.tp)                # --tp N needs N ranks (torchrun)
     model = load_model(args.model, args.dtype)
-    weights = parallel.weights_fingerprint(model) if di.world_size > 1 else None
+    weights = distributed.weights_fingerprint(model) if di.world_size > 1 else None
     model = quantized(parallel.tensor_parallel(model, args.tp), args)
     tok = tokenizer_for(model.config)
     if args.stop_at_eos and tok.eot_token is None:
@@ -208,16 +210,16 @@ def cmd_generate(args) -> int:
     except UnicodeError:
         raise ValueError("PROMPT is not valid UTF-8 text") from None
     # tensor-parallel ranks must sample the same tokens from their equal logits: same inputs, one seed
-    parallel.agree({"the prompts' token ids": encoded, "the weights (checksum)": weights, "--dtype": args.dtype,
+    distributed.agree({"the prompts' token ids": encoded, "the weights (checksum)": weights, "--dtype": args.dtype,
                     **{f"--{k.replace('_', '-')}": getattr(args, k) for k in (
                         "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "num_samples", "stop_at_eos",
                         "sliding_window", "unconditional")}})
-    seed = parallel.shared_seed(args.seed)
+    seed = distributed.shared_seed(args.seed)
     if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
         return _generate_samples(args, model, tok, encoded, seed)
     args.prompt = prompts[0]
     idx = torch.tensor(encoded, dtype=torch.long, device=model.wte.weight.device)
-    stream, out, started = StreamDecoder(tok), parallel.rank0_stdout(), []
+    stream, out, started = StreamDecoder(tok), distributed.rank0_stdout(), []
 
     def on_token(token):
         if not started:                       # the prompt is echoed once the arguments have held up
@@ -246,9 +248,10 @@ def _generate_samples(args, model, tok, encoded: list[list[int]], seed: int | No
     rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
     line, its padding dropped by :func:`gpt2mha.tokenizer.decode_rows`; with ``--stop-at-eos`` a
     row ends at its first ``<|endoftext|>``."""
-    from . import parallel
-    from .generate import left_pad
-    from .tokenizer import decode_rows
+    from .inference import parallel
+    from .inference.generate import left_pad
+    from .io.tokenizer import decode_rows
+    from .train import distributed
 
     rows = [ids for ids in encoded for _ in range(args.num_samples)]
     idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
@@ -258,7 +261,7 @@ def _generate_samples(args, model, tok, encoded: list[list[int]], seed: int | No
     parallel.check_same_tokens(out)
     texts = decode_rows(tok, out.cpu(), mask.cpu(), tok.eot_token if args.stop_at_eos else None)
     skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
-    stdout = parallel.rank0_stdout()
+    stdout = distributed.rank0_stdout()
     for i, text in enumerate(texts):
         label = f"sample {i % args.num_samples + 1} of {args.num_samples}"
         if not args.unconditional and len(args.prompt) > 1:
@@ -289,7 +292,7 @@ def read_text(path: str, split: str = "all") -> str:
             data = f.read()
     except OSError as e:
         raise ValueError(f"FILE={path!r}: {e.strerror}") from None
-    from .train import split_bytes
+    from .train.train import split_bytes
     raw = data
     if split != "all":
         data = split_bytes(data)[split == "val"]
@@ -303,12 +306,12 @@ def read_text(path: str, split: str = "all") -> str:
 
 
 def cmd_perplexity(args) -> int:
-    from . import parallel
+    from .train import distributed
 
     text = read_text(args.file, args.split)
-    model = quantized(load_model(args.model, args.dtype), args).to(parallel.info().device)
-    result = parallel.perplexity(model, text, stride=args.stride)   # windows split over torchrun's ranks
-    if not parallel.info().is_main:
+    model = quantized(load_model(args.model, args.dtype), args).to(distributed.info().device)
+    result = distributed.perplexity(model, text, stride=args.stride)   # windows split over torchrun's ranks
+    if not distributed.info().is_main:
         return 0
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -331,7 +334,7 @@ def cmd_train(args) -> int:
     are known: a new run fills the others from the preset and :class:`~gpt2mha.train.TrainConfig`,
     ``--resume`` from the checkpoint (the train function prints each setting given that differs
     from it), ``--init-from`` from the model it loads."""
-    from .train import train
+    from .train.train import train
 
     if args.resume and args.init_from is not None:
         raise ValueError(f"--init-from {args.init_from} starts a new run from a model's weights; --resume continues "
@@ -344,7 +347,7 @@ def cmd_train(args) -> int:
     if args.init_from is not None or (args.resume and args.preset is None):
         config = model or None                                       # checked against that model by train()
     else:                                                            # a new run; or --resume with the same preset
-        from .model import GPT2Config
+        from .core.model import GPT2Config
 
         preset = args.preset or "tiny"
         if "tokenizer" not in model:
@@ -361,7 +364,7 @@ def cmd_train(args) -> int:
         flags = {k: v for k, v in flags.items() if getattr(args, k) is not None}          # the ones given
         message = re.sub(r"\b(%s)=" % "|".join(flags), lambda m: flags[m.group(1)] + "=", str(e)) if flags else str(e)
         raise ValueError(f"--preset {args.preset}: {message}" if args.resume and args.preset else message) from None
-    from .parallel import info
+    from .train.distributed import info
     if log["evals"] and info().is_main:
         last = log["evals"][-1]
         print(f"done: step {last['step']}, val loss {last['val_loss']:.4f} nats/token, "
@@ -375,7 +378,7 @@ TRACE_MAX_SIZE = 2**20
 
 
 def cmd_trace(args) -> int:
-    from .inspect import format_trace, trace
+    from .learn.trace import format_trace, trace
 
     for flag in ("batch", "tokens", "d_in", "d_out", "num_heads", "context_length", "past"):
         value = getattr(args, flag)
@@ -389,7 +392,7 @@ def cmd_trace(args) -> int:
 
 
 def cmd_heads(args) -> int:
-    from .inspect import (ROLE_THRESHOLD, analyse_heads, check_selection, format_strongest, selected_heads,
+    from .learn.heads import (ROLE_THRESHOLD, analyse_heads, check_selection, format_strongest, selected_heads,
                           strongest_heads, top_heads, write_heads)
 
     if args.top < 1:
@@ -430,7 +433,7 @@ def cmd_heads(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .check import CheckError, check, format_report, parse_args
+    from .learn.check import CheckError, check, format_report, parse_args
 
     if not 0 <= args.seed < 2**63:
         print(f"error: --seed={args.seed} must be an integer in [0, 2**63)\nresult: COULD NOT RUN (exit 2)",
@@ -525,17 +528,26 @@ def _add_inspect_commands(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    from .bench import main_args
+    """``benchmarks/bench.py`` of the source checkout this package runs from (the benchmarks are
+    not installed with the package)."""
+    import importlib.util
 
-    return main_args(args)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "bench.py")
+    if not os.path.isfile(path):
+        raise ValueError("gpt2mha bench runs benchmarks/bench.py from a source checkout of gpt2mha (git clone, then "
+                         "pip install -e .); this installation has no benchmarks/ directory")
+    spec = importlib.util.spec_from_file_location("gpt2mha_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.main_args(args)
 
 
-#: The sections of ``gpt2mha bench`` (:mod:`gpt2mha.bench`), in the order they run.
+#: The sections of ``gpt2mha bench`` (benchmarks/bench.py), in the order they run.
 BENCH_SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp", "quant")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``gpt2mha bench`` and ``python -m gpt2mha.bench`` (kept here, without torch,
+    """The options of ``gpt2mha bench`` and ``python benchmarks/bench.py`` (kept here, without torch,
     so that building the command's parser imports nothing heavy)."""
     p.add_argument("--quick", action="store_true",
                    help="scaled-down sizes, every section bounded (about 2 minutes on 2 idle cores)")
@@ -570,7 +582,7 @@ def _json_arg(text: str | None, name: str) -> dict | None:
 
 
 def cmd_convert(args) -> int:
-    from .formats import convert
+    from .io.formats import convert
 
     if args.quantize is None and (args.group_size is not None or args.calibration is not None
                                   or args.quantize_method is not None):
@@ -583,7 +595,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_check_model(args) -> int:
-    from .compare import check_model, format_model_report
+    from .learn.compare import check_model, format_model_report
 
     report = check_model(args.src, cls=args.cls, fmt=args.src_format, book_config=_json_arg(args.book_config, "--book-config"),
                          batch=args.batch, tokens=args.tokens, seed=args.seed, atol=args.atol)
@@ -640,12 +652,12 @@ def cmd_serve(args) -> int:
     import logging
 
     try:
-        from .serve import serve
+        from .serving.server import serve
     except ImportError as e:
         raise SystemExit(f"error: gpt2mha serve needs FastAPI and uvicorn ({e}): pip install 'gpt2mha[serve]' "
                          f"(from a clone of the repository: pip install -e '.[serve]')")
-    from .tokenizer import tokenizer_for
     from . import DEFAULT_MODEL
+    from .io.tokenizer import tokenizer_for
 
     if args.threads is not None:              # (the numbers were checked by argparse, the flags by main)
         import torch
@@ -785,7 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .parallel import launched
+    from .train.distributed import launched
     try:                                      # what the command line alone decides: before torchrun's
         if getattr(args, "check", None):      # process group, and said once (by rank 0), as argparse does
             args.check(args)

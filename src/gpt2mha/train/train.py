@@ -25,11 +25,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
-from . import parallel
-from .checkpoints import is_checkpoint_dir, load_pretrained, save_pretrained
-from .model import GPT2, GPT2Config
-from .tokenizer import get_tokenizer
+from ..api import GPT2
+from ..core.model import GPT2Config
+from ..io.checkpoints import CheckpointError, is_checkpoint_dir, save_pretrained
+from ..io.tokenizer import get_tokenizer, tokenizer_for
+from . import distributed
 
 STATE_NAME, LOG_NAME = "trainer_state.pt", "training_log.json"
 
@@ -132,14 +135,14 @@ def get_batch(ids: torch.Tensor, n_ctx: int, batch_size: int, generator: torch.G
 def evaluate_loss(model: GPT2, ids: torch.Tensor, tc: TrainConfig) -> float:
     """Mean next-token loss (nats) over ``eval_iters`` fixed batches of windows of ``ids``.
 
-    Under ``torchrun`` every rank scores its own rows of each batch (:func:`parallel.shard_rows`)
+    Under ``torchrun`` every rank scores its own rows of each batch (:func:`distributed.shard_rows`)
     and the sums are all-reduced, so every rank returns the single-process figure.
     """
     model.eval()
     gen = torch.Generator().manual_seed(0)
     n_ctx = model.config.n_ctx
-    di = parallel.info()
-    rows = parallel.shard_rows(tc.batch_size, di.rank, di.world_size)
+    di = distributed.info()
+    rows = distributed.shard_rows(tc.batch_size, di.rank, di.world_size)
     device = next(model.parameters()).device
     total = 0.0
     for _ in range(tc.eval_iters):
@@ -147,7 +150,7 @@ def evaluate_loss(model: GPT2, ids: torch.Tensor, tc: TrainConfig) -> float:
         x, y = x[rows].to(device), y[rows].to(device)
         total += F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), reduction="sum").item()
     model.train()
-    total, = parallel.all_reduce_sum([total], device=device if di.backend == "nccl" else None)
+    total, = distributed.all_reduce_sum([total], device=device if di.backend == "nccl" else None)
     return total / (tc.eval_iters * tc.batch_size * n_ctx)
 
 
@@ -180,10 +183,10 @@ def make_optimizer(model: GPT2, tc: TrainConfig) -> torch.optim.AdamW:
 def _save(model, optimizer, step, gen, tc, log, out_dir, loss_ema=None):
     """Write the checkpoint from rank 0 (after gathering every rank's random state); the other
     ranks wait for it at a barrier."""
-    rngs = parallel.gather_objects(rng_state(gen))              # a collective: every rank calls it
-    if parallel.info().is_main:
+    rngs = distributed.gather_objects(rng_state(gen))              # a collective: every rank calls it
+    if distributed.info().is_main:
         _write(model, optimizer, step, gen, tc, log, out_dir, loss_ema, rngs)
-    parallel.barrier()
+    distributed.barrier()
 
 
 def _write(model, optimizer, step, gen, tc, log, out_dir, loss_ema, rngs):
@@ -276,9 +279,9 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
             text.
         FileExistsError: ``out_dir`` is non-empty and not a gpt2mha checkpoint, or is one
             and ``resume`` was not asked for.
-        gpt2mha.parallel.DistributedError: another rank died or did not answer in time.
+        gpt2mha.train.distributed.DistributedError: another rank died or did not answer in time.
     """
-    di = parallel.info()
+    di = distributed.info()
     if resume and init_from is not None:
         raise ValueError(f"init_from={init_from!r} starts a new run from a model's weights, resume continues the "
                          f"checkpoint in {out_dir!r}: use one of them (CLI: --init-from or --resume)")
@@ -301,7 +304,7 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
         raise ValueError(f"batch_size={tc.batch_size} is not divisible by the world size {di.world_size}; "
                          f"every rank takes batch_size / world_size rows of the global batch")
     if resume:
-        model = load_pretrained(out_dir).train()
+        model = GPT2.from_pretrained(out_dir).train()
         changes = _config_changes(config, model.config)
         if changes:
             raise ValueError("; ".join(f"{k}={v!r}: the checkpoint's model has {k} {getattr(model.config, k)!r}"
@@ -350,11 +353,9 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
     log["world_size"] = di.world_size
     ddp = model
     if di.world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel
         ddp = DistributedDataParallel(model, device_ids=[di.local_rank] if di.backend == "nccl" else None)
-    rows = parallel.shard_rows(tc.batch_size, di.rank, di.world_size)
+    rows = distributed.shard_rows(tc.batch_size, di.rank, di.world_size)
 
-    from tqdm import tqdm
     bar = tqdm(range(start, tc.iters), initial=start, total=tc.iters, disable=not progress or not di.is_main,
                desc="train", mininterval=2.0)
     t0, seconds0, tokens = time.perf_counter(), log["seconds"], 0
@@ -374,7 +375,7 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
             tokens += x.numel() * di.world_size
             loss_value = loss.item()
             if di.world_size > 1:                               # the global batch's mean loss
-                loss_value = parallel.all_reduce_sum([loss_value])[0] / di.world_size
+                loss_value = distributed.all_reduce_sum([loss_value])[0] / di.world_size
             loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
             elapsed = time.perf_counter() - t0
             if step % 10 == 0:
@@ -391,9 +392,9 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
                 log["tokens_per_second"] = tokens / (time.perf_counter() - t0)
                 _save(model, optimizer, done, gen, tc, log, out_dir, loss_ema)
     except (torch.distributed.DistError, RuntimeError) as e:
-        if di.world_size == 1 or isinstance(e, parallel.DistributedError) or not parallel.is_collective_error(e):
+        if di.world_size == 1 or isinstance(e, distributed.DistributedError) or not distributed.is_collective_error(e):
             raise
-        raise parallel.collective_failure(e, f"at step {step}") from e
+        raise distributed.collective_failure(e, f"at step {step}") from e
     finally:
         bar.close()
     return log
@@ -406,11 +407,8 @@ def _fine_tune_start(init_from: str, config: GPT2Config | dict | None) -> GPT2:
         ValueError: a quantized model, a tokenizer that cannot read text, or a ``config`` that
             changes anything but dropout (sizes and the tokenizer are the loaded model's).
     """
-    from .checkpoints import CheckpointError
-    from .tokenizer import tokenizer_for
-
     try:
-        model = load_pretrained(init_from)
+        model = GPT2.from_pretrained(init_from)
     except CheckpointError as e:
         raise ValueError(f"init_from={init_from!r}: {e}") from None
     if model.quantization:
