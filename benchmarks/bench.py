@@ -59,7 +59,7 @@ from gpt2mha.io.tokenizer import get_tokenizer
 
 MMAP_THRESHOLD = 1 << 20   # bytes: allocations this large bypass glibc's heap in the memory children
 DECISIVE = 0.05          # top-2 probability margin that makes a position "decisive" for agreement
-REPO_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "data", "tinyshakespeare.txt")
+REPO_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "tinyshakespeare.txt")
 
 
 @dataclass

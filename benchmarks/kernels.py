@@ -22,7 +22,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from gpt2mha.bench import interleaved_medians
+from bench import interleaved_medians     # benchmarks/bench.py, this script's directory
 
 #: (in, out) of the four weight matrices of one GPT-2 124M block, in forward order.
 BLOCK_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))

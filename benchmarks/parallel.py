@@ -22,8 +22,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from gpt2mha import GPT2, GPT2Config, parallel
-from gpt2mha.train import TrainConfig, get_batch, make_optimizer
+from gpt2mha import GPT2, GPT2Config
+from gpt2mha.inference import parallel as tp
+from gpt2mha.train import distributed
+from gpt2mha.train.train import TrainConfig, get_batch, make_optimizer
 
 HERE = os.path.abspath(__file__)
 VERDICT = os.path.join(os.path.dirname(HERE), "..", "data", "the-verdict.txt")
@@ -35,10 +37,10 @@ def decode_rate(model: GPT2, steps: int, batch: int, repeats: int) -> float:
     model.generate(idx, 2, temperature=0)                       # warm-up
     best = float("inf")
     for _ in range(repeats):
-        parallel.barrier()
+        distributed.barrier()
         t0 = time.perf_counter()
         model.generate(idx, steps, temperature=0)
-        parallel.barrier()
+        distributed.barrier()
         best = min(best, time.perf_counter() - t0)
     return batch * steps / best
 
@@ -48,14 +50,14 @@ def train_rate(config: GPT2Config, steps: int, batch: int, repeats: int) -> floa
     there is one; the step is the trainer's (forward, backward, clip, AdamW)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    di = parallel.info()
+    di = distributed.info()
     torch.manual_seed(0)
     model = GPT2(config).train()
     ddp = DistributedDataParallel(model) if di.world_size > 1 else model
     opt = make_optimizer(model, TrainConfig(batch_size=batch))
     ids = torch.randint(0, config.n_vocab, (20_000,), generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)
-    rows = parallel.shard_rows(batch, di.rank, di.world_size)
+    rows = distributed.shard_rows(batch, di.rank, di.world_size)
 
     def step():
         x, y = get_batch(ids, config.n_ctx, batch, gen)
@@ -68,23 +70,23 @@ def train_rate(config: GPT2Config, steps: int, batch: int, repeats: int) -> floa
     step()
     best = float("inf")
     for _ in range(repeats):
-        parallel.barrier()
+        distributed.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
-        parallel.barrier()
+        distributed.barrier()
         best = min(best, time.perf_counter() - t0)
     return batch * config.n_ctx * steps / best
 
 
 def measure(args) -> dict:
     """Both figures for the current world (1 process, or this rank of torchrun's)."""
-    di = parallel.info()
+    di = distributed.info()
     tp_config = GPT2Config.from_preset(args.tp_preset, n_ctx=128)
     torch.manual_seed(0)
     model = GPT2(tp_config).eval()
     if di.world_size > 1:
-        parallel.shard_model(model)
+        tp.shard_model(model)
     out = {"decode_tok_s": decode_rate(model, args.decode_steps, args.batch, args.repeats)}
     del model
     out["train_tok_s"] = train_rate(GPT2Config.from_preset(args.train_preset), args.train_steps, args.train_batch,
@@ -93,17 +95,17 @@ def measure(args) -> dict:
 
 
 def worker(args) -> None:
-    parallel.init_distributed()
+    distributed.init_distributed()
     torch.set_num_threads(1)
     result = measure(args)
-    if parallel.info().is_main:
+    if distributed.info().is_main:
         print("RESULT " + json.dumps(result), flush=True)
-    parallel.teardown()
+    distributed.teardown()
 
 
 def bytes_table(args) -> dict:
     tp_config = GPT2Config.from_preset(args.tp_preset)
-    per_token = parallel.allreduce_bytes_per_token(tp_config)
+    per_token = tp.allreduce_bytes_per_token(tp_config)
     train_model = GPT2(GPT2Config.from_preset(args.train_preset))
     return {"tp_bytes_per_token": per_token, "tp_bytes_per_step": per_token * args.batch,
             "tp_allreduces_per_step": 2 * tp_config.n_layer,
@@ -164,7 +166,7 @@ def probe_worker() -> None:
 
     from gpt2mha.attention import CausalSelfAttention, merge_heads, split_heads
 
-    parallel.init_distributed()
+    distributed.init_distributed()
     rank, n = dist.get_rank(), 32
     mesh = init_device_mesh("cpu", (2,))
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
@@ -205,7 +207,7 @@ def probe_worker() -> None:
         f"(all queries, half the keys, no values); attention on it: max |y - one process| = {wrong:.2e} (wrong)")
 
     # 3. rows permuted first so each rank's q|k|v is contiguous: then Colwise + Rowwise are right
-    order = torch.cat([parallel.qkv_columns(n, 4, r, 2) for r in range(2)])
+    order = torch.cat([tp.qkv_columns(n, 4, r, 2) for r in range(2)])
     perm = nn.ModuleDict({"qkv": as_linear(attn.c_attn, order), "proj": as_linear(attn.c_proj)})
     parallelize_module(perm, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel()})
     with torch.no_grad():
@@ -216,7 +218,7 @@ def probe_worker() -> None:
     err = (y - ref).abs().max().item()
     say(f"3. nn.Linear with c_attn's columns permuted per rank + Colwise/Rowwise, attention told its 2 local heads: "
         f"max |y - one process| = {err:.2e} ({'equal' if err < 1e-5 else 'DIFFERENT'})")
-    parallel.teardown()
+    distributed.teardown()
 
 
 def main() -> None:

@@ -1,12 +1,64 @@
-"""Shared fixtures: small random GPT-2 checkpoints written by Hugging Face transformers."""
+"""Shared helpers and fixtures: small random GPT-2 models (ours and Hugging Face transformers'),
+the benchmark scripts of benchmarks/ loaded by path, one-thread runs and the greedy comparison."""
 
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+#: which parameters :func:`small_model` moves away from their initial values
+NOISE = {"ln": lambda name: "ln" in name,
+         "ln_bias": lambda name: "ln" in name or name.endswith("bias"),
+         "all": lambda name: True}
+
+
+def small_model(seed=0, *, noise="ln_bias", scale=0.2, **config):
+    """A random float32 :class:`gpt2mha.GPT2` in eval mode: ``GPT2Config(n_vocab=97, n_ctx=48,
+    n_embd=32, n_head=4, n_layer=3)`` with ``config`` overriding fields, GPT-2's initialisation
+    under ``torch.manual_seed(seed)``, then Gaussian noise of std ``scale`` added to the
+    parameters :data:`NOISE` ``[noise]`` selects (LayerNorms and biases by default), so that a
+    path which drops or doubles a scale or a bias is seen."""
+    from gpt2mha import GPT2, GPT2Config
+
+    torch.manual_seed(seed)
+    model = GPT2(GPT2Config(**{**dict(n_vocab=97, n_ctx=48, n_embd=32, n_head=4, n_layer=3), **config})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if NOISE[noise](name):
+                p.add_(torch.randn_like(p) * scale)
+    return model
+
+
+def load_benchmark(name: str = "bench"):
+    """``benchmarks/NAME.py`` imported by its path, as ``gpt2mha bench`` loads bench.py (the
+    benchmarks are scripts of the source checkout, not part of the package); the directory is
+    put on ``sys.path`` so that the scripts import each other as they do when run."""
+    if name in sys.modules:
+        return sys.modules[name]
+    directory = os.path.abspath(BENCHMARKS)
+    if directory not in sys.path:
+        sys.path.append(directory)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(directory, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+@pytest.fixture(scope="session")
+def bench():
+    """benchmarks/bench.py (:func:`load_benchmark`)."""
+    return load_benchmark("bench")
 
 
 def hf_random_gpt2(seed=0, **cfg):

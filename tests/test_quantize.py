@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from gpt2mha import GPT2, GPT2Config
-from gpt2mha.quantize import (QuantizationError, QuantizationWarning, QuantizedLinear, dequantize_int4,
-                              dequantize_int8, gptq, int8_matmul, pack_int4, quantize_int4, quantize_int8,
-                              split_activations, unpack_int4)
+from gpt2mha.inference.quant import (QuantizationError, QuantizationWarning, QuantizedLinear, int8_matmul,
+                                     split_activations)
+from gpt2mha.inference.quant.gptq import gptq
+from gpt2mha.inference.quant.schemes import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
+                                             quantize_int8, unpack_int4)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
