@@ -28,15 +28,15 @@ def _entry(rank, fn, world_size, port, out_dir, args, timeout_s):
     import torch
 
     torch.set_num_threads(1)
-    from gpt2mha import parallel
+    from gpt2mha.train import distributed
 
     try:
-        parallel.init_distributed()
+        distributed.init_distributed()
         result = ("ok", fn(rank, world_size, *args))
     except BaseException as e:                      # reported to the parent, never swallowed
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     finally:
-        parallel.teardown()
+        distributed.teardown()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
 

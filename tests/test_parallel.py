@@ -1,5 +1,5 @@
 """Tensor parallelism by heads, data-parallel training and distributed perplexity on 2 gloo
-processes over 127.0.0.1 (issue 15). The reference for every figure is the same computation in
+processes over 127.0.0.1. The reference for every figure is the same computation in
 one process (the unsharded model, the single-process trainer, evaluate.perplexity)."""
 
 import copy
@@ -12,7 +12,9 @@ import torch
 
 from dist_helpers import run_ranks, values
 from gpt2mha import GPT2, GPT2Config, KVCache
-from gpt2mha import parallel
+from gpt2mha.core.hooks import record
+from gpt2mha.inference import parallel
+from gpt2mha.train import distributed
 
 VERDICT = os.path.join(os.path.dirname(__file__), "data", "the-verdict.txt")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -140,13 +142,17 @@ def test_c_attn_shard_takes_q_k_and_v_of_its_heads():
     cols = [parallel.qkv_columns(n_embd, n_head, r, 3).tolist() for r in range(3)]
     assert cols[0] == [0, 1, 2, 3, 12, 13, 14, 15, 24, 25, 26, 27]
     assert sorted(sum(cols, [])) == list(range(3 * n_embd))       # every column exactly once
-    attn = GPT2(GPT2Config(n_vocab=8, n_ctx=8, n_embd=n_embd, n_head=n_head, n_layer=1)).h[0].attn
+    model = GPT2(GPT2Config(n_vocab=8, n_ctx=8, n_embd=n_embd, n_head=n_head, n_layer=1))
     x = torch.randn(1, 3, n_embd)
-    q, k, v = attn.qkv(x)                                          # [1, 6, 3, 2] each
-    shard = parallel.ShardedSelfAttention(attn, 1, 3)
-    qs, ks, vs = shard.qkv(x)                                      # heads 2, 3
-    for full, part in ((q, qs), (k, ks), (v, vs)):
-        torch.testing.assert_close(part, full[:, 2:4], atol=1e-6, rtol=0)
+    names = ["hook_q", "hook_k", "hook_v"]                          # [1, 3, h, 2] each
+    with torch.no_grad():
+        attn = model.h[0].attn
+        full = record(attn, names, lambda: attn(x), stop=True)
+        shard = parallel.shard_model(copy.deepcopy(model), rank=1, world_size=3).h[0].attn
+        part = record(shard, names, lambda: shard(x), stop=True)  # heads 2, 3 (stops before c_proj's all-reduce)
+    assert shard.n_head == 2
+    for name in names:
+        torch.testing.assert_close(part[name], full[name][:, :, 2:4], atol=1e-6, rtol=0)
 
 
 def test_heads_not_divisible_by_world_size_is_refused_before_any_work():
@@ -169,7 +175,7 @@ def ddp_and_scoring_checks(rank, world, out_dir):
     out = {}
     model = random_model(GPT2Config.from_preset("tiny"), seed=3)
     text = open(VERDICT, encoding="utf-8").read()[:4000]
-    out["ppl"] = dataclasses.asdict(parallel.perplexity(model, text, stride=24))
+    out["ppl"] = dataclasses.asdict(distributed.perplexity(model, text, stride=24))
 
     writes, real_write = [], T._write
     T._write = lambda *a, **k: (writes.append(a[2]), real_write(*a, **k))
@@ -251,7 +257,7 @@ def dying_rank(rank, world, out_dir, how):
     t0 = time.monotonic()
     try:
         train(VERDICT, os.path.join(out_dir, "run"), GPT2Config.from_preset("tiny"), tc, progress=False)
-    except parallel.DistributedError as e:
+    except distributed.DistributedError as e:
         return {"error": str(e), "seconds": time.monotonic() - t0}
     return {"error": None}
 
@@ -287,34 +293,34 @@ def run_cli(argv):
 def disagreeing_checks(rank):
     """Ranks given different settings, seeds, or holding different tokens: each check's message."""
     out = {}
-    for name, check in (("settings", lambda: parallel.agree({"--top-k": 40, "--temperature": 0.8 + 0.1 * rank})),
-                        ("seeds", lambda: parallel.shared_seed(5 + rank)),
+    for name, check in (("settings", lambda: distributed.agree({"--top-k": 40, "--temperature": 0.8 + 0.1 * rank})),
+                        ("seeds", lambda: distributed.shared_seed(5 + rank)),
                         ("tokens", lambda: parallel.check_same_tokens(torch.tensor([[1, 2, 3, 4 + rank, 5]])))):
         try:
             check()
             out[name] = None
-        except parallel.DistributedError as e:
+        except distributed.DistributedError as e:
             out[name] = str(e)
     parallel.check_same_tokens(torch.tensor([[1, 2, 3]]))           # equal tokens pass
-    parallel.agree({"--top-k": 40})
+    distributed.agree({"--top-k": 40})
     return out
 
 
 def unseeded_cli_ranks(rank, world, commands):
     """Each command run by ``gpt2mha``'s main on this rank (the process group kept between them),
     with the seed each rank sampled with recorded; then :func:`disagreeing_checks`."""
-    seeds, real_seed, real_teardown = [], parallel.shared_seed, parallel.teardown
-    parallel.shared_seed = lambda seed: (seeds.append(real_seed(seed)), seeds[-1])[1]
-    parallel.teardown = lambda: None
+    seeds, real_seed, real_teardown = [], distributed.shared_seed, distributed.teardown
+    distributed.shared_seed = lambda seed: (seeds.append(real_seed(seed)), seeds[-1])[1]
+    distributed.teardown = lambda: None
     try:
         return [run_cli(argv) for argv in commands], seeds, disagreeing_checks(rank)
     finally:
-        parallel.shared_seed, parallel.teardown = real_seed, real_teardown
+        distributed.shared_seed, distributed.teardown = real_seed, real_teardown
 
 
 def test_unseeded_tp2_generate_samples_one_seed_and_prints_what_one_process_prints_with_it(tmp_path, capsys):
-    """Without --seed, the tensor-parallel ranks sample with one seed drawn by rank 0 (before, each
-    drew from its own unseeded generator and the run failed): both ranks exit 0, rank 0 alone
+    """Without --seed, the tensor-parallel ranks sample with one seed drawn by rank 0 (not each
+    from its own unseeded generator, which would part the ranks' tokens): both ranks exit 0, rank 0 alone
     prints, and what it prints is what one process prints with --seed set to that seed
     (reference: the single-process CLI), for one prompt and for --num-samples batches.
     Ranks that would sample differently (other settings or seed given, or tokens that part)
@@ -347,8 +353,6 @@ def failing_rank_cli(rank, world, command, how, text_path):
     ``gpt2mha generate --tp 2`` or ``perplexity``; every rank runs the CLI's main."""
     import time
 
-    import gpt2mha.train.evaluate as E
-
     def fail():
         if how == "dies":
             os._exit(3)
@@ -364,7 +368,7 @@ def failing_rank_cli(rank, world, command, how, text_path):
             return real(self, x)
         parallel.RowParallelConv1D.forward = forward
     if rank == 1 and command == "perplexity":
-        E.score_windows = lambda *a, **k: fail()            # before its share reaches the all-reduce
+        distributed.score_windows = lambda *a, **k: fail()  # before its share reaches the all-reduce
     argv = (["generate", "ROMEO:", "--tp", "2", "--max-new-tokens", "60", "--seed", "1"] if command == "generate"
             else ["perplexity", text_path, "--stride", "128"])
     return run_cli(argv)
@@ -448,7 +452,8 @@ def test_tp1_shard_is_the_model_itself_without_a_process_group():
     config = GPT2Config(n_vocab=64, n_ctx=32, n_embd=32, n_head=4, n_layer=2, tokenizer="bytes")
     full = random_model(config)
     one = parallel.shard_model(copy.deepcopy(full), rank=0, world_size=1)
-    assert isinstance(one.h[0].attn, parallel.ShardedSelfAttention) and one.config.head_dim == config.head_dim
+    assert isinstance(one.config, parallel.ShardConfig) and one.config.head_dim == config.head_dim
+    assert isinstance(one.h[0].attn.c_proj, parallel.RowParallelConv1D) and one.h[0].attn.n_head == config.n_head
     idx = torch.randint(0, 64, (2, 7))
     with torch.no_grad():
         (a, pa), (b, pb) = full(idx), one(idx)
@@ -459,7 +464,7 @@ def test_tp1_shard_is_the_model_itself_without_a_process_group():
 def test_ddp_global_batch_not_divisible_by_the_world_size_is_refused(tmp_path, monkeypatch):
     from gpt2mha.train.train import TrainConfig, train
 
-    monkeypatch.setattr(parallel, "info", lambda: parallel.DistInfo(rank=0, world_size=3))
+    monkeypatch.setattr(distributed, "info", lambda: distributed.DistInfo(rank=0, world_size=3))
     with pytest.raises(ValueError, match=r"batch_size=4 is not divisible by the world size 3"):
         train(VERDICT, str(tmp_path / "run"), GPT2Config.from_preset("tiny"), TrainConfig(iters=2, batch_size=4),
               progress=False)

@@ -93,6 +93,12 @@ def swap_modules(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module
     return visit("", model)
 
 
+def hooked(m: nn.Module) -> bool:
+    """Whether forward hooks or pre-hooks are attached to ``m`` itself (e.g. a user's
+    activation steering, or ``torch.nn.utils.prune`` recomputing its weight before each call)."""
+    return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
 def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn.Module:
     """``model`` with the decode-speed swaps of this module (a view: nothing of ``model`` is
     changed or copied but the swapped weights; the caller sets the mode).
@@ -104,8 +110,14 @@ def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn
             124M) while the view lives.
         conv1d: on CPU, swap bf16/fp16 Conv1Ds for :class:`TransposedConv1D` (one more copy of
             the block weights while the view lives).
+
+    A module with forward hooks or pre-hooks of its own (:func:`hooked`; for the tied head,
+    also on ``wte``) is kept as it is: a copy would skip the hooks, and a weight a pre-hook
+    recomputes (pruning) may be stale until the module runs.
     """
     def replace(path: str, m: nn.Module) -> nn.Module | None:
+        if hooked(m) or (type(m) is TiedLMHead and hooked(m.wte)):
+            return None                                         # the user's hooks (pruning, steering) run as they are
         if head and type(m) in (LMHead, TiedLMHead):
             w = m.weight
             if w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype:

@@ -260,7 +260,7 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
             the step and every random state, so an interrupted run resumed continues bit for bit.
         progress: show a tqdm bar with loss and tokens/s.
         init_from: fine-tune: start a new run (step 0, a fresh optimizer) from this model's
-            weights; anything :func:`gpt2mha.checkpoints.load_pretrained` takes (a built-in
+            weights; anything :func:`gpt2mha.io.checkpoints.load_pretrained` takes (a built-in
             name, a directory, a hub id, nanoGPT's ckpt.pt, ...). The data is read with that
             model's tokenizer (as nanoGPT's ``init_from``).
 
@@ -268,7 +268,7 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
         The training log: ``{"config", "train_config", "data", "evals": [{step, train_loss,
         val_loss, seconds}], "seconds", "tokens_per_second"}`` (and ``"init_from"``).
 
-    Under ``torchrun`` (a process group initialised, :mod:`gpt2mha.parallel`) it trains with
+    Under ``torchrun`` (a process group initialised, :mod:`gpt2mha.train.distributed`) it trains with
     ``DistributedDataParallel``; ``batch_size`` is the global batch, split over the ranks.
 
     Raises:
