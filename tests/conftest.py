@@ -35,6 +35,11 @@ def small_model(seed=0, *, noise="ln_bias", scale=0.2, **config):
     return model
 
 
+#: :func:`small_model` as the padding, argument-check and generation tests use it: a 40-token
+#: context, 2 layers, every parameter moved by noise of std 0.05
+ROBUST = dict(n_ctx=40, n_layer=2, noise="all", scale=0.05)
+
+
 def load_benchmark(name: str = "bench"):
     """``benchmarks/NAME.py`` imported by its path, as ``gpt2mha bench`` loads bench.py (the
     benchmarks are scripts of the source checkout, not part of the package); the directory is

@@ -1,7 +1,8 @@
 """CausalSelfAttention (fused Conv1D layout) against independent references.
 
-References: the mask formula of OpenAI's ``attention_mask`` (seed 002), the column layout of
-seed 000 (q | k | v contiguous blocks) computed by hand with plain per-head loops, and
+References: the mask formula of OpenAI's ``attention_mask`` (openai/gpt-2 ``src/model.py``),
+GPT-2's fused column layout (q | k | v contiguous blocks) computed by hand with plain per-head
+loops, SDPA (PyTorch's fused kernel) for the explicit core, and
 transformers' GPT2Attention on the same weights.
 """
 
@@ -9,9 +10,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gpt2mha import CausalSelfAttention, attention_mask
-from gpt2mha.core.attention import combine_masks
+from gpt2mha.core.attention import attend_explicit, attend_sdpa, combine_masks
 from gpt2mha.core.hooks import record
 
 
@@ -34,7 +36,7 @@ def test_attention_mask_rejects_bad_sizes():
 
 
 def per_head_loop_reference(attn, x):
-    """Seed 000 done literally: head h reads q at h*64, k at 768 + h*64, v at 1536 + h*64."""
+    """GPT-2's fused layout done literally: head h reads q at h*64, k at 768 + h*64, v at 1536 + h*64."""
     W, b = attn.c_attn.weight, attn.c_attn.bias
     C, hd = attn.n_embd, attn.head_dim
     qkv = x @ W + b
@@ -159,3 +161,69 @@ def test_query_with_no_allowed_key_reads_nothing_on_both_paths():
     torch.testing.assert_close(outs["explicit"], outs["sdpa"], atol=1e-5, rtol=1e-5)
     w = record(attn, ["hook_pattern"], lambda: attn(x, attn_mask=mask))["hook_pattern"]
     assert (w[:, :, 1] == 0).all()                       # in particular no weight on future keys
+
+
+# -------------------------------------------------------- masks, extreme scores, low precision
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_causal_self_attention_reads_0_1_masks_the_same_in_both_cores(dtype):
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(32, 4).eval()
+    x = torch.randn(2, 5, 32)
+    causal = attention_mask(5, 5)
+    ref = attn(x)[0]                                              # plain causal
+    outs = []
+    for impl in ("sdpa", "explicit"):
+        attn.attn_impl = impl
+        with torch.no_grad():
+            outs.append(attn(x, attn_mask=causal.to(dtype))[0])
+    for out in outs:                                              # a 0/1 float mask is not an additive bias
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    bad = causal.float()
+    bad[0, 0] = 0.5
+    for impl in ("sdpa", "explicit"):
+        attn.attn_impl = impl
+        with pytest.raises(ValueError, match=r"attn_mask must be bool or hold only 0 .* got the value 0.5"):
+            attn(x, attn_mask=bad)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e12])
+def test_explicit_core_gives_masked_keys_zero_weight_for_any_finite_scores(scale):
+    # every real score around -1e12: with OpenAI's -1e10 fill the masked keys would be the row's
+    # maximum and take all the weight; SDPA gives them none. Reference: SDPA.
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 4, 8)
+    k = torch.randn(1, 2, 6, 8)
+    v = torch.randn(1, 2, 6, 8)
+    k = k * 0 - 1.0 if scale > 1 else k                           # q·k = -sum(q): one sign per query
+    q = q.abs() * scale if scale > 1 else q                       # scores ≈ -1e12 for every key
+    mask = attention_mask(4, 6)
+    seen = []
+    a = attend_explicit(q, k, v, mask, hook_pattern=lambda w: seen.append(w) or w)
+    w = seen[0]
+    assert (w[..., ~mask] == 0).all()
+    torch.testing.assert_close(w.sum(-1), torch.ones(1, 2, 4))
+    torch.testing.assert_close(a, attend_sdpa(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,S", [(1, 40), (40, 40), (5, 40)])
+def test_low_precision_attention_scores_stay_finite(dtype, T, S):
+    """Scores far beyond fp16's range (|q·k| ~ 1e5) still give a finite, correct softmax."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, n, 64, generator=gen) * 40 for n in (T, S))
+    v = torch.randn(2, 3, S, 64, generator=gen)
+    m = attention_mask(T, S)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m).float()
+    ql, kl, vl = (t.to(dtype) for t in (q, k, v))
+    fused = attend_sdpa(ql, kl, vl, None if T in (1, S) else m)
+    seen = []
+    explicit = attend_explicit(ql, kl, vl, m, hook_pattern=lambda p: seen.append(p) or p)
+    w = seen[0]
+    for a in (fused, explicit):
+        assert a.dtype == dtype and torch.isfinite(a).all()
+    assert torch.isfinite(w).all() and w.dtype == torch.float32
+    torch.testing.assert_close(fused.float(), explicit.float(), atol=2e-2, rtol=0)
+    # the reference is computed from the unrounded q, k: compare with the rounded inputs instead
+    ref_rounded = F.scaled_dot_product_attention(ql.double(), kl.double(), vl.double(), attn_mask=m).float()
+    torch.testing.assert_close(fused.float(), ref_rounded, atol=2e-2, rtol=0)
+    assert ref.shape == fused.shape

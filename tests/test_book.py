@@ -1,9 +1,10 @@
 """The book's attention classes (gpt2mha.learn.book) against the book itself.
 
-References: seed 003 (the book's chapter 3.6 listings, the running batch and the numbers they
-print), seed 001 (GPT-2 small's configuration: 768 / 768, 12 heads, context 1024, head_dim 64),
-the book's MultiHeadAttention forward transcribed literally below (``book_forward``), and
-gpt2mha.attention_mask (the official bottom-right mask rule of seed 002) for the KV cache.
+References: the book's chapter 3.6 listings (Raschka, "Build a Large Language Model (From
+Scratch)": the running batch and the numbers they print), GPT-2 small's attention settings
+(768 / 768, 12 heads, context 1024, head_dim 64), the book's MultiHeadAttention forward
+transcribed literally below (``book_forward``), and gpt2mha.attention_mask (OpenAI's
+bottom-right mask rule, openai/gpt-2 ``src/model.py``) for the KV cache.
 """
 
 import pytest
@@ -12,16 +13,16 @@ from hypothesis import given, settings, strategies as st
 
 from gpt2mha import CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper, attention_mask
 
-# Seed 003 / issue 4: "Your journey starts with one step" embeddings, stacked twice -> [2, 6, 3].
+# The book's "Your journey starts with one step" embeddings, stacked twice -> [2, 6, 3].
 INPUTS = torch.tensor([[0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],
                        [0.22, 0.58, 0.33], [0.77, 0.25, 0.10], [0.05, 0.80, 0.55]])
 BATCH = torch.stack((INPUTS, INPUTS), dim=0)
 
-# Seed 003, "context_vecs[0] (6x4) - head 1 | head 2" (printed to 2 decimals).
+# The book, section 3.6.1: "context_vecs[0] (6x4) - head 1 | head 2" (printed to 2 decimals).
 WRAPPER_EXPECTED = torch.tensor([[-0.45, 0.22, 0.48, 0.11], [-0.59, 0.01, 0.59, 0.33],
                                  [-0.63, -0.06, 0.62, 0.39], [-0.57, -0.08, 0.55, 0.36],
                                  [-0.55, -0.10, 0.53, 0.34], [-0.53, -0.11, 0.51, 0.35]])
-# Seed 003, "print(context_vecs)" of MultiHeadAttention (printed to 4 decimals).
+# The book, section 3.6.2: "print(context_vecs)" of MultiHeadAttention (printed to 4 decimals).
 MHA_EXPECTED = torch.tensor([[0.3190, 0.4858], [0.2943, 0.3897], [0.2856, 0.3593],
                              [0.2693, 0.3873], [0.2639, 0.3928], [0.2575, 0.4028]])
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors run
 
 
 def book_forward(mha, x):
-    """Seed 003's MultiHeadAttention.forward, line for line (the oracle for the refactored one)."""
+    """The book's MultiHeadAttention.forward, line for line (the oracle for the refactored one)."""
     b, num_tokens, d_in = x.shape
     keys, queries, values = mha.W_key(x), mha.W_query(x), mha.W_value(x)
     keys = keys.view(b, num_tokens, mha.num_heads, mha.head_dim).transpose(1, 2)
@@ -46,10 +47,10 @@ def book_forward(mha, x):
     return mha.out_proj(context_vec)
 
 
-# ------------------------------------------------------------------------ seed 003's numbers
+# ----------------------------------------------------------------------- the book's numbers
 @pytest.mark.parametrize("impl", ["explicit", "sdpa"])
 def test_wrapper_reproduces_seed003(impl):
-    # seed 003 section 3.6.1: torch.manual_seed(123); MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)
+    # the book, section 3.6.1: torch.manual_seed(123); MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)
     torch.manual_seed(123)
     context_length = BATCH.shape[1]
     mha = MultiHeadAttentionWrapper(3, 2, context_length, 0.0, num_heads=2)
@@ -62,7 +63,7 @@ def test_wrapper_reproduces_seed003(impl):
 
 @pytest.mark.parametrize("impl", ["explicit", "sdpa"])
 def test_multihead_attention_reproduces_seed003(impl):
-    # seed 003 section 3.6.2: torch.manual_seed(123); MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
+    # the book, section 3.6.2: torch.manual_seed(123); MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
     torch.manual_seed(123)
     batch_size, context_length, d_in = BATCH.shape
     mha = MultiHeadAttention(d_in, 2, context_length, 0.0, num_heads=2)
@@ -70,13 +71,13 @@ def test_multihead_attention_reproduces_seed003(impl):
     context_vecs = mha(BATCH)
     assert isinstance(context_vecs, torch.Tensor)  # the book's interface: just the context tensor
     assert context_vecs.shape == torch.Size([2, 6, 2])
-    assert mha.head_dim == 1  # seed 003: "d_out=2 is the TOTAL width (head_dim=1 each)"
+    assert mha.head_dim == 1  # the book: "d_out=2 is the TOTAL width (head_dim=1 each)"
     for row in context_vecs:
         assert (row - MHA_EXPECTED).abs().max() <= 0.00005 + 1e-6
 
 
 def test_causal_attention_is_the_wrappers_first_head():
-    # seed 003: "head 1 wrote the left two columns"; under the same seed a lone CausalAttention
+    # the book: "head 1 wrote the left two columns"; under the same seed a lone CausalAttention
     # (section 3.5, created first) is that head, because the wrapper creates its heads in order.
     torch.manual_seed(123)
     ca = CausalAttention(3, 2, 6, 0.0)
@@ -86,7 +87,7 @@ def test_causal_attention_is_the_wrappers_first_head():
 
 
 def test_names_buffers_and_creation_order():
-    # seed 003's attribute names and creation order (W_query, W_key, W_value, out_proj; mask buffer)
+    # the book's attribute names and creation order (W_query, W_key, W_value, out_proj; mask buffer)
     mha = MultiHeadAttention(3, 4, 5, 0.0, num_heads=2)
     assert list(mha.state_dict()) == ["mask", "W_query.weight", "W_key.weight", "W_value.weight",
                                       "out_proj.weight", "out_proj.bias"]
@@ -102,7 +103,7 @@ def test_names_buffers_and_creation_order():
 
 
 def test_weights_of_every_layout():
-    # need_weights: rows sum to 1 and future keys get exactly 0 (the causal mask of seed 003 / 002)
+    # need_weights: rows sum to 1 and future keys get exactly 0 (the book's causal mask, OpenAI's rule)
     torch.manual_seed(4)
     x = torch.randn(2, 5, 3)
     w_ca = CausalAttention(3, 2, 5, 0.0)(x, need_weights=True)[1]
@@ -115,7 +116,7 @@ def test_weights_of_every_layout():
 
 
 def test_book_state_dict_loads_unchanged():
-    # a state dict saved by the book's class has exactly these keys and shapes (seed 003 listing)
+    # a state dict saved by the book's class has exactly these keys and shapes (the book's listing)
     torch.manual_seed(0)
     src = MultiHeadAttention(6, 4, 8, 0.0, num_heads=2, qkv_bias=True)
     dst = MultiHeadAttention(6, 4, 8, 0.0, num_heads=2, qkv_bias=True)
@@ -124,9 +125,9 @@ def test_book_state_dict_loads_unchanged():
     assert torch.equal(src(x), dst(x))
 
 
-# ------------------------------------------------------------------------------- seed 001
+# -------------------------------------------------------------- GPT-2 small's attention settings
 def test_seed001_gpt2_small_configuration():
-    # seed 001: d_in = d_out = 768, 12 heads, context 1024 -> head_dim 64; [2, 1024, 768] in and out.
+    # GPT-2 small: d_in = d_out = 768, 12 heads, context 1024 -> head_dim 64; [2, 1024, 768] in and out.
     # 2,360,064 parameters = 3 * 768 * 768 (W_query, W_key, W_value, no qkv bias) + 768 * 768 + 768 (out_proj)
     torch.manual_seed(0)
     mha = MultiHeadAttention(768, 768, 1024, 0.0, num_heads=12)
@@ -142,7 +143,7 @@ def test_seed001_gpt2_small_configuration():
 
 
 def test_d_in_different_from_d_out():
-    # issue 4: "d_in != d_out works" (seed 003 itself uses d_in=3, d_out=2)
+    # d_in != d_out works (the book itself uses d_in=3, d_out=2)
     torch.manual_seed(1)
     mha = MultiHeadAttention(5, 8, 10, 0.0, num_heads=4, qkv_bias=True)
     x = torch.randn(3, 7, 5)
@@ -153,7 +154,7 @@ def test_d_in_different_from_d_out():
 
 # ----------------------------------------------------------------------------- bad input
 def test_divisibility_error_names_both_values():
-    # seed 001: "check this divisibility requirement rather than assuming"
+    # the divisibility of d_out by num_heads is checked, not assumed
     with pytest.raises(ValueError, match="d_out=10 is not divisible by num_heads=4"):
         MultiHeadAttention(3, 10, 6, 0.0, num_heads=4)
 
@@ -161,7 +162,7 @@ def test_divisibility_error_names_both_values():
 @pytest.mark.parametrize("cls, extra", [(CausalAttention, {}), (MultiHeadAttentionWrapper, {"num_heads": 2}),
                                         (MultiHeadAttention, {"num_heads": 2})])
 def test_bad_input_errors(cls, extra):
-    # issue 4 acceptance: clear errors naming the argument
+    # clear errors naming the argument
     m = cls(3, 2, 6, 0.0, **extra)
     with pytest.raises(ValueError, match=r"num_tokens=7 .*context_length=6"):
         m(torch.rand(2, 7, 3))
@@ -225,7 +226,7 @@ def test_training_dropout_matches_the_book():
        num_heads=st.integers(1, 4), head_dim=st.integers(1, 4), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_mha_backends_cache_and_book_agree(B, T, P, d_in, num_heads, head_dim, bias, seed):
     """Random sizes: the book's literal forward, both backends, and cached vs uncached all agree
-    (atol 1e-5, fp32); weights are zero exactly where gpt2mha.attention_mask (seed 002) says."""
+    (atol 1e-5, fp32); weights are zero exactly where gpt2mha.attention_mask (OpenAI's rule) says."""
     torch.manual_seed(seed)
     d_out = num_heads * head_dim
     mha = MultiHeadAttention(d_in, d_out, P + T, 0.0, num_heads, qkv_bias=bias).eval()

@@ -1,4 +1,4 @@
-"""The built-in model (issue 3): loads by name offline, meets the quality bar on held-out text
+"""The built-in model: loads by name offline, meets the quality bar on held-out text
 (a real measurement here, not a stored number), and samples reproducibly."""
 
 import hashlib

@@ -124,8 +124,8 @@ def test_hub_id_uses_huggingface_cache_offline(hf_checkpoint, tmp_path, monkeypa
 
 
 def test_no_network_reads_only_the_cache_at_once(hf_checkpoint, tmp_path, monkeypatch):
-    """Without HF_HUB_OFFLINE and without a network, huggingface_hub used to retry for ~25 s;
-    one failed TCP probe now sends every download to the local cache (local_files_only)."""
+    """Without HF_HUB_OFFLINE and without a network, huggingface_hub would retry for ~25 s;
+    one failed TCP probe sends every download to the local cache at once (local_files_only)."""
     import socket
 
     import huggingface_hub
@@ -219,8 +219,8 @@ def test_local_directory_wins_over_a_builtin_name(tmp_path, monkeypatch, hf_chec
 
 
 def test_a_typo_of_a_builtin_name_is_named_without_asking_the_hub(monkeypatch):
-    """`--model shakespeare` used to spend ~26 s retrying the hub offline before failing with no
-    hint; a name close to a built-in one now fails at once and suggests it."""
+    """`--model shakespeare` (a near miss of a built-in name) fails at once and suggests the
+    built-in name, instead of retrying the hub offline for ~26 s and failing with no hint."""
     import gpt2mha.io.checkpoints as ck
 
     def no_hub(repo_id):
@@ -234,7 +234,7 @@ def test_a_typo_of_a_builtin_name_is_named_without_asking_the_hub(monkeypatch):
         load_pretrained("gpt2")                                 # a real hub id still goes to the hub
 
 
-# ------------------------------------------------------------- issue 12: the LM head, fp16 saves
+# ---------------------------------------------------------------------- the LM head, fp16 saves
 def test_untied_lm_head_in_a_tied_config_loads_as_transformers_does(hf_checkpoint, tmp_path):
     # transformers keeps an lm_head.weight that differs from wte.weight (it unties them, with a
     # warning); dropping it gave logits ~11 away. Reference: GPT2LMHeadModel on the same file.
@@ -303,7 +303,7 @@ def _shards(directory):
 
 def test_transformers_sharded_checkpoint_loads_with_the_same_logits(hf_checkpoint, tmp_path):
     """What transformers writes for large models (save_pretrained(max_shard_size=...)): an index
-    and shards; gpt2mha used to refuse it."""
+    and shards, read like one file."""
     hf, _ = hf_checkpoint
     d = str(tmp_path / "sharded")
     hf.save_pretrained(d, max_shard_size="100KB")
@@ -433,3 +433,19 @@ def test_sharded_checkpoint_from_the_hub_cache(hf_checkpoint, tmp_path, monkeypa
     torch.testing.assert_close(logits_of(load_pretrained("someone/sharded-gpt2"), idx), logits_of(hf, idx),
                                atol=1e-4, rtol=1e-4)
     assert asked == ["config.json", "model.safetensors", "model.safetensors.index.json"] + _shards(src)
+
+
+# ----------------------------------------------------------- dtype names and config mismatches
+def test_dtype_given_as_text_and_config_size_mismatch_summary(hf_checkpoint):
+    _, path = hf_checkpoint
+    assert GPT2.from_pretrained(path, dtype="bf16").wte.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"dtype='bf17'; expected a floating torch dtype or one of"):
+        GPT2.from_pretrained(path, dtype="bf17")
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_path))
+    json.dump({**cfg, "n_embd": 64}, open(cfg_path, "w"))
+    with pytest.raises(CheckpointError) as e:
+        GPT2.from_pretrained(path)
+    first = str(e.value).splitlines()[0]
+    assert "config.json says n_embd=64 but the weights have n_embd=48 (wte.weight [300, 48])" in first
+    assert len(str(e.value).splitlines()) <= 12                    # not 28 shape lines

@@ -174,3 +174,33 @@ def test_flag_conflicts_are_found_before_torchrun_and_said_once(capsys, monkeypa
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--no-such-flag"])
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- messages for odd input
+def test_cli_tiny_temperature_is_greedy(capsys):
+    assert main(["generate", "ab", "--max-new-tokens", "5", "--temperature", "1e-45"]) == 0
+    tiny = capsys.readouterr().out
+    assert main(["generate", "ab", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    assert tiny == capsys.readouterr().out
+
+
+def test_non_utf8_files_get_a_hint(tmp_path):
+    from gpt2mha.cli import read_text
+    from gpt2mha.train.train import TrainConfig, train
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café au lait, ".encode("latin-1") * 50)
+    with pytest.raises(ValueError, match=r"is not UTF-8 text \(byte 3: b'\\xe9'\); re-encode it first, e.g. iconv"):
+        read_text(str(path))
+    with pytest.raises(ValueError, match=r"--data .* is not UTF-8 text \(byte 3.*iconv"):
+        train(str(path), str(tmp_path / "run"), GPT2Config.from_preset("tiny", n_ctx=8), TrainConfig(iters=1))
+
+
+def test_cli_absurd_values_are_errors_not_tracebacks(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    assert main(["heads", "ab", "--out", str(afile)]) == 2
+    assert "is a file; expected a directory" in capsys.readouterr().err and afile.read_text() == "mine"
+    assert main(["trace", "--batch", str(10**20)]) == 2
+    assert "--batch=100000000000000000000 is too large for a trace" in capsys.readouterr().err
+    assert main(["check", "gpt2mha.learn.book:MultiHeadAttention", "--seed", str(10**20)]) == 2
+    assert "--seed=100000000000000000000 must be an integer in [0, 2**63)" in capsys.readouterr().err

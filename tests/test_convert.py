@@ -1,8 +1,8 @@
 """Exact conversions between attention layouts and between whole-model state dicts (gpt2mha.io.convert).
 
 References: the outputs of the source module (a conversion must not change a single output),
-seed 000's column offsets for the per-head view (q at h*hd, k at n_embd + h*hd, v at
-2*n_embd + h*hd), the NumPy reference of OpenAI's formulas (gpt2mha.core.reference, seed 002), and
+GPT-2's fused column offsets for the per-head view (q at h*hd, k at n_embd + h*hd, v at
+2*n_embd + h*hd), the NumPy reference of OpenAI's formulas (gpt2mha.core.reference), and
 transformers' GPT2LMHeadModel (its Conv1D modules and logits) for the whole-model state dicts.
 """
 
@@ -18,7 +18,7 @@ from gpt2mha.core import reference
 from gpt2mha.io.convert import (conv1d_to_linear_state_dict, fused_to_heads, fused_to_mha, heads_to_fused,
                              linear_to_conv1d_state_dict, mha_to_fused, mha_to_wrapper, wrapper_to_mha)
 
-ATOL = 1e-5  # fp32 agreement between different computations (issue 4)
+ATOL = 1e-5  # fp32 agreement between different computations
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors run faster on one thread
@@ -45,7 +45,7 @@ def run(module, x, impl, past=None):
 
 
 def per_head_forward(heads, c_proj_bias, x):
-    """Seed 000 literally: each head attends on its own q, k, v columns; y = sum_h a_h @ proj_h + b."""
+    """GPT-2's fused layout taken literally: each head attends on its own q, k, v columns; y = sum_h a_h @ proj_h + b."""
     T = x.shape[1]
     m = attention_mask(T, T)
     y = c_proj_bias.expand(*x.shape[:2], -1).clone()
@@ -121,7 +121,7 @@ def test_all_layouts_backends_and_reference_agree(B, T, P, d_in, num_heads, head
     assert (again.W_query.bias is not None) == bias  # qkv_bias=None: inferred from c_attn.bias
     assert_same_params(again, mha)
 
-    # fused -> per-head view (seed 000 offsets) -> fused
+    # fused -> per-head view (q | k | v column offsets) -> fused
     heads = fused_to_heads(fused)
     assert len(heads) == num_heads
     for h, hh in enumerate(heads):
@@ -145,7 +145,7 @@ def test_conversions_keep_mode_backend_dtype_and_rng():
 
 
 def test_fused_to_mha_bias_rules():
-    # issue 4: qkv_bias=False in the book layout; converting back needs zero bias or qkv_bias=True
+    # qkv_bias=False in the book layout: converting back needs zero bias or qkv_bias=True
     torch.manual_seed(0)
     fused = CausalSelfAttention(8, 2)           # zero c_attn.bias after init
     assert fused_to_mha(fused, 4).W_query.bias is None
@@ -261,8 +261,8 @@ def test_state_dict_conversion_size_errors():
 
 @pytest.mark.parametrize("wrapper", ["_orig_mod.", "module.", "module._orig_mod."])
 def test_state_dict_conversion_strips_wrapper_prefixes(wrapper):
-    """Issue 12 item 12: a torch.compile'd (or DDP) nanoGPT state dict, every key prefixed, was
-    passed through with nothing transposed. The prefix is stripped and the result equals the
+    """A torch.compile'd (or DDP) nanoGPT state dict, every key prefixed, is converted like the
+    plain one, not passed through untransposed: the prefix is stripped and the result equals the
     plain dict's conversion; the transposes are checked against the plain tensors themselves."""
     plain = conv1d_to_linear_state_dict(hf_tiny_gpt2().state_dict())      # nanoGPT's Linear layout
     wrapped = {wrapper + k: v for k, v in plain.items()}

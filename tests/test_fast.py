@@ -267,10 +267,12 @@ def test_each_decode_view_copies_the_weights_in_use():
     assert torch.equal(model.generate(idx, 5, temperature=0), donor.generate(idx, 5, temperature=0))
 
     with torch.no_grad():                                       # dtype changed after a view was made
-        view = for_decoding(model)
+        old = for_decoding(model)
         model.half()
-        half = for_decoding(model)(idx).logits
-        torch.testing.assert_close(half, model(idx).logits, **close)
+        new = for_decoding(model)
+        assert old.h[0].attn.c_attn.weight_t.dtype == torch.bfloat16      # each view keeps its own copies
+        assert new.h[0].attn.c_attn.weight_t.dtype == torch.float16
+        torch.testing.assert_close(new(idx).logits, model(idx).logits, **close)
 
 
 def test_decode_view_keeps_modules_with_hooks_and_generate_runs_them():

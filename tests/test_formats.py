@@ -1,4 +1,4 @@
-"""Checkpoint formats learners have (issue 16, section 2): OpenAI's TF checkpoint directory,
+"""Checkpoint formats learners have: OpenAI's TF checkpoint directory,
 the book's GPTModel state dict, nanoGPT's ckpt.pt; loading, converting both ways, the CLI.
 
 Every checkpoint here is built from first principles by the format's own code: the TF one by
@@ -427,7 +427,7 @@ def test_check_model_reports_what_cannot_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_builtin_nanogpt_reference_agrees_with_nanogpts_model(bias, one_thread):
-    """gpt2mha.nanogpt_gpt.GPT, loaded with the state dict of the nanoGPT-layout model of
+    """gpt2mha.learn.nanogpt_gpt.GPT, loaded with the state dict of the nanoGPT-layout model of
     tests/data (nanoGPT's erf GELU, bias on or off), computes what that model computes: every
     stage check-model records and the logits of both forward branches, in float64."""
     from gpt2mha.learn.compare import capture
@@ -454,12 +454,12 @@ def test_builtin_nanogpt_reference_agrees_with_nanogpts_model(bias, one_thread):
 
 
 def test_check_model_on_a_nanogpt_checkpoint_without_nanogpt(tmp_path, capsys, one_thread):
-    """`check-model ckpt.pt` used to demand nanoGPT's code (--class); it now runs the built-in
-    nanoGPT reference, and reports what the independent nanoGPT-layout model reports."""
+    """`check-model ckpt.pt` needs no nanoGPT code (--class): it runs the built-in nanoGPT
+    reference, and reports what the independent nanoGPT-layout model reports."""
     nano_checkpoint(str(tmp_path / "ckpt.pt"), gelu="none")
     assert main(["check-model", str(tmp_path / "ckpt.pt"), "--json"]) == 1
     builtin = json.loads(capsys.readouterr().out)
-    assert builtin["reference"] == "gpt2mha.nanogpt_gpt.GPT (nanoGPT's model.py)"
+    assert builtin["reference"] == "gpt2mha.learn.nanogpt_gpt.GPT (nanoGPT's model.py)"
     assert builtin["first_diff"] == "block 0 mlp" and "exact (erf) GELU" in builtin["diagnosis"]
     assert main(["check-model", str(tmp_path / "ckpt.pt"), "--class", NANO_GPT + ":GPT", "--json"]) == 1
     independent = json.loads(capsys.readouterr().out)

@@ -1,11 +1,12 @@
 """Sampling semantics (OpenAI's sample.py: top_k_logits, top_p_logits) and the decode loop."""
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import assert_same_greedy
+from conftest import ROBUST, assert_same_greedy, small_model
 from gpt2mha import GPT2, GPT2Config
-from gpt2mha.inference.sampling import sample_next, top_k_logits, top_p_logits
+from gpt2mha.inference.sampling import MIN_TEMPERATURE, row_seed, sample_next, top_k_logits, top_p_logits
 
 
 def model(seed=0):
@@ -217,3 +218,109 @@ def test_every_argument_of_generate_is_checked_and_named():
     # 0-d integer tensors are integers
     out = m.generate(idx, torch.tensor(2), temperature=0, eos_token_id=torch.tensor(3), vocab_size=torch.tensor(50))
     assert out.shape == (2, 6)
+
+
+# ------------------------------------------ masks, ids, temperatures and what generate returns
+MODEL = small_model(**ROBUST)
+IDX = torch.tensor([[5, 17, 42, 8, 3]])
+
+
+def test_generate_refuses_a_mask_that_is_not_0_1():
+    idx = torch.tensor([[0, 5, 17], [3, 4, 5]])
+    with pytest.raises(ValueError, match=r"attention_mask must be bool or hold only 0 .* got the value 0.5"):
+        MODEL.generate(idx, 2, temperature=0, attention_mask=torch.tensor([[0.5, 1, 1], [1, 1, 1]]))
+    with pytest.raises(ValueError, match="attention_mask must be bool or hold only 0"):
+        MODEL.generate(idx, 2, temperature=0, attention_mask=torch.tensor([[2, 1, 1], [1, 1, 1]]))
+    # bool and float 0/1 masks mean the same as integer ones
+    ref = MODEL.generate(idx, 3, temperature=0, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    for m in (torch.tensor([[False, True, True], [True, True, True]]), torch.tensor([[0.0, 1, 1], [1, 1, 1]])):
+        assert torch.equal(MODEL.generate(idx, 3, temperature=0, attention_mask=m), ref)
+
+
+def test_float_ids_in_lists_are_refused_and_integer_kinds_accepted():
+    with pytest.raises(ValueError, match=r"prompts\[0\]\[0\]=1.7 is not a token id"):
+        MODEL.generate([[1.7, 2.2]], 2, temperature=0)
+    with pytest.raises(ValueError, match=r"prompts\[0\] holds torch.float32 values"):
+        MODEL.generate([torch.tensor([1.0, 2.0])], 2, temperature=0)
+    with pytest.raises(ValueError, match=r"idx must hold token ids as int64 \(or int32\); got dtype torch.float32"):
+        MODEL.generate(torch.tensor([[1.0, 2.0]]), 2, temperature=0)
+    ref = MODEL.generate([[5, 17, 42], [8, 3]], 3, temperature=0)
+    for prompts in ([np.array([5, 17, 42]), np.array([8, 3])],
+                    [torch.tensor([[5, 17, 42]]), torch.tensor([8, 3])],
+                    [[np.int64(5), np.int32(17), 42], (8, 3)]):
+        assert torch.equal(MODEL.generate(prompts, 3, temperature=0), ref)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-30, MIN_TEMPERATURE])
+def test_tiny_temperatures_sample_the_argmax_without_crashing(temperature):
+    logits = torch.tensor([[0.1, 3.0, -2.0, 2.9], [5.0, -1.0, 4.0, 0.0]])
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        assert sample_next(logits, temperature, generator=g).tolist() == [1, 0]
+    out = MODEL.generate(IDX, 4, temperature=temperature, seed=0)
+    assert torch.equal(out, MODEL.generate(IDX, 4, temperature=0))
+
+
+def test_generate_returns_an_ordinary_tensor():
+    out = MODEL.generate(IDX, 3, temperature=0)
+    assert not out.is_inference()
+    out[0, 0] = 1                                                 # editable in place
+    emb = MODEL.wte(out)                                          # and usable in training
+    emb.sum().backward()
+    assert MODEL.wte.weight.grad is not None
+    MODEL.zero_grad(set_to_none=True)
+
+
+def test_generate_on_a_training_model_samples_with_dropout_off_and_restores_the_mode():
+    model = small_model(**ROBUST, embd_pdrop=0.3, attn_pdrop=0.3, resid_pdrop=0.3)
+    ref = model.generate(IDX, 8, seed=3)                          # eval mode
+    model.train()
+    assert torch.equal(model.generate(IDX, 8, seed=3), ref)
+    assert torch.equal(model.generate(IDX, 8, seed=3), ref)
+    assert model.training and all(m.training for m in model.modules())
+
+
+def test_seeded_sampling_of_a_batch_row_equals_that_prompt_alone():
+    prompts = [[5, 17, 42], [8, 3], [60, 61, 62, 63]]
+    out = MODEL.generate(prompts, 10, temperature=1.0, top_k=20, seed=7)
+    for i, p in enumerate(prompts):
+        alone = MODEL.generate([p], 10, temperature=1.0, top_k=20, seed=row_seed(7, i))
+        assert out[i, -10:].tolist() == alone[0, -10:].tolist(), i
+    assert row_seed(7, 0) == 7 and len({row_seed(7, i) for i in range(100)}) == 100
+
+
+def test_generate_argument_messages_say_what_is_wrong():
+    with pytest.raises(ValueError, match="is text; generate takes token ids"):
+        MODEL.generate("ROMEO:", 5)
+    with pytest.raises(ValueError, match=r"idx has shape \(5,\); expected \[B, T\] \(one prompt: idx\[None\]\)"):
+        MODEL.generate(IDX[0], 5)
+    with pytest.raises(ValueError, match=r"got dtype torch.uint8"):
+        MODEL.generate(IDX.to(torch.uint8), 5)
+    with pytest.raises(ValueError, match=r"idx has shape \(1, 0\); an empty prompt cannot be continued"):
+        MODEL.generate(IDX[:, :0], 5)
+    with pytest.raises(ValueError, match=r"max_new_tokens=2.0 must be an integer >= 0; got float"):
+        MODEL.generate(IDX, 2.0)
+    # numpy integers are integers
+    ref = MODEL.generate(IDX, 3, temperature=0.7, top_k=5, seed=1)
+    assert torch.equal(MODEL.generate(IDX, np.int64(3), temperature=np.float32(0.7), top_k=np.int32(5),
+                                      seed=np.int64(1)), ref)
+
+
+def test_the_greedy_comparison_accepts_only_near_ties():
+    # conftest.assert_same_greedy lets two paths part only where the reference's top logits tie
+    seq = MODEL.generate(IDX, 4, temperature=0)[0]
+    assert_same_greedy(MODEL, seq, seq.clone(), 5)
+    with torch.no_grad():
+        logits = MODEL(seq[None, :5]).logits[0, -1]
+    worst = seq.clone()
+    worst[5] = int(logits.argmin())
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_same_greedy(MODEL, seq, worst, 5)
+
+
+def test_sampled_batch_is_reproducible_and_valid():
+    model = small_model(seed=3)
+    idx = torch.randint(0, 97, (8, 3), generator=torch.Generator().manual_seed(3))
+    a = model.generate(idx, 20, temperature=0.9, top_k=20, top_p=0.95, seed=7)
+    b = model.generate(idx, 20, temperature=0.9, top_k=20, top_p=0.95, seed=7)
+    assert torch.equal(a, b) and a.shape == (8, 23) and int(a.min()) >= 0 and int(a.max()) < 97

@@ -8,6 +8,7 @@ order).
 import pytest
 import torch
 
+from conftest import ROBUST, small_model
 from gpt2mha import GPT2, GPT2Config, KVCache
 
 
@@ -94,3 +95,50 @@ def test_cache_plan_and_trim_errors_name_the_problem(model):
         cache.rows(3)
     with pytest.raises(ValueError, match="n_layer=0"):
         KVCache(0, 1, 1, 1, 1)
+
+
+# ----------------------------------------------- checks of a cache against the model and input
+MODEL = small_model(**ROBUST)
+IDX = torch.tensor([[5, 17, 42, 8, 3]])
+
+
+def test_cache_that_does_not_fit_the_model_or_input_is_a_named_error():
+    c = MODEL.config
+
+    def cache(**kw):
+        sizes = dict(n_layer=c.n_layer, batch_size=1, n_head=c.n_head, max_len=16, head_dim=c.head_dim)
+        return KVCache(**{**sizes, **{k: v for k, v in kw.items() if k in sizes}}, dtype=kw.get("dtype", torch.float32))
+
+    rows4 = cache(batch_size=4)
+    with pytest.raises(ValueError, match="cache has batch size=4 but the input has 1"):
+        MODEL(IDX, cache=rows4)
+    assert rows4.k.abs().sum() == 0 and rows4.length == 0          # nothing was written into its rows
+    with pytest.raises(ValueError, match="cache has n_layer=1 but the model has 2"):
+        MODEL(IDX, cache=cache(n_layer=1))
+    with pytest.raises(ValueError, match="cache has n_head=2 but the model has 4"):
+        MODEL(IDX, cache=cache(n_head=2, head_dim=16))
+    with pytest.raises(ValueError, match="cache has head_dim=4 but the model has 8"):
+        MODEL(IDX, cache=cache(head_dim=4))
+    with pytest.raises(ValueError, match="cache dtype is torch.float16 but the model's parameters are torch.float32"):
+        MODEL(IDX, cache=cache(dtype=torch.float16))
+    full = cache(max_len=6)
+    MODEL(IDX, cache=full)
+    with pytest.raises(ValueError, match="cache holds 5 of max_len=6 positions; 2 new tokens do not fit"):
+        MODEL(IDX[:, :2], cache=full)
+    # a half-precision past for a float32 model: caught when used, convertible on purpose
+    past = MODEL(IDX).present
+    with pytest.raises(ValueError, match="cache dtype is torch.float16"):
+        MODEL(IDX[:, :1], cache=KVCache.from_past(past.half(), 8))
+    ok = KVCache.from_past(past.half(), 8, dtype=torch.float32)
+    torch.testing.assert_close(MODEL(IDX[:, :1], cache=ok).logits, MODEL(IDX[:, :1], past=past.half().float()).logits)
+    with pytest.raises(ValueError, match="past must be a floating-point tensor"):
+        KVCache.from_past(past.long(), 8)
+
+
+def test_forward_with_cache_still_checks_inputs():
+    model = small_model()
+    cache = KVCache(3, 1, 4, 48, 8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(torch.tensor([[97]]), cache=cache)
+    with pytest.raises(ValueError, match="position_ids"):
+        model(torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 48]]))

@@ -6,8 +6,9 @@ transformers is the independent reference (a test dependency only): logits (fp32
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from conftest import assert_same_greedy, hf_random_gpt2
+from conftest import ROBUST, assert_same_greedy, hf_random_gpt2, small_model
 from gpt2mha import GPT2, GPT2Config, KVCache
 
 
@@ -59,18 +60,8 @@ def test_save_pretrained_loads_in_transformers(tmp_path):
     assert torch.equal(hf.lm_head.weight, hf.transformer.wte.weight)
 
 
-def small_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    model = GPT2(GPT2Config(**{**dict(n_vocab=97, n_ctx=48, n_embd=32, n_head=4, n_layer=3), **kw})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-    return model
-
-
 def test_present_layout_and_cached_steps_equal_full_forward():
-    model = small_model()
+    model = small_model(noise="ln")
     torch.manual_seed(5)
     for _ in range(5):
         B, T, k = int(torch.randint(1, 4, ())), int(torch.randint(1, 20, ())), int(torch.randint(1, 8, ()))
@@ -89,7 +80,7 @@ def test_present_layout_and_cached_steps_equal_full_forward():
 
 
 def test_static_cache_equals_past_and_converts_to_official_layout():
-    model = small_model(seed=1)
+    model = small_model(seed=1, noise="ln")
     idx = torch.randint(0, 97, (2, 15))
     with torch.no_grad():
         full = model(idx)
@@ -104,7 +95,7 @@ def test_static_cache_equals_past_and_converts_to_official_layout():
 
 
 def test_fused_and_explicit_paths_agree():
-    model = small_model(seed=2)
+    model = small_model(seed=2, noise="ln")
     idx = torch.randint(0, 97, (2, 30))
     with torch.no_grad():
         fused = model(idx).logits
@@ -114,7 +105,7 @@ def test_fused_and_explicit_paths_agree():
 
 
 def test_greedy_tokens_equal_with_and_without_cache():
-    model = small_model(seed=3)
+    model = small_model(seed=3, noise="ln")
     idx = torch.randint(0, 97, (2, 5))
     cached = model.generate(idx, 25, temperature=0)
     seq = idx
@@ -143,7 +134,7 @@ def test_bad_inputs_are_clear_errors():
             GPT2Config(**{field: 0})
     with pytest.raises(ValueError, match="n_embd=-8"):
         GPT2Config(n_embd=-8, n_head=4)
-    model = small_model()
+    model = small_model(noise="ln")
     with pytest.raises(ValueError, match="49 > n_ctx=48"):
         model(torch.zeros(1, 49, dtype=torch.long))
     with pytest.raises(ValueError, match="token id 97, outside the vocabulary"):
@@ -203,9 +194,9 @@ def _bad_forward_arguments(model):
 
 def test_every_tensor_argument_of_forward_is_checked_and_named():
     """A wrong dtype, device, shape or type of any argument is a ValueError naming it, never a
-    raw torch error from deep inside (e.g. ``position_ids=torch.arange(8.)`` used to fail in
-    the embedding lookup)."""
-    model = small_model()
+    raw torch error from deep inside (e.g. ``position_ids=torch.arange(8.)`` failing in the
+    embedding lookup)."""
+    model = small_model(noise="ln")
     cases = list(_bad_forward_arguments(model))
     assert len(cases) > 40
     for name, kwargs in cases:
@@ -222,7 +213,7 @@ def test_every_tensor_argument_of_forward_is_checked_and_named():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cpu_tensors_for_a_cuda_model_are_named():
-    model = small_model().cuda()
+    model = small_model(noise="ln").cuda()
     idx = torch.randint(0, 97, (2, 4))
     with pytest.raises(ValueError, match=r"^idx is on cpu but the model is on cuda:0"):
         model(idx)
@@ -230,3 +221,80 @@ def test_cpu_tensors_for_a_cuda_model_are_named():
         model(idx.cuda(), position_ids=torch.arange(4))
     with pytest.raises(ValueError, match=r"^idx is on cpu"):
         model.generate(idx, 2)
+
+
+# ------------------------------------ past, the untied head, the MLP, the tied head's gradient
+IDX = torch.tensor([[5, 17, 42, 8, 3]])
+
+
+def test_integer_or_bool_past_is_refused():
+    model = small_model(**ROBUST)
+    past = model(IDX).present
+    for bad in (past.long(), past > 0):
+        with pytest.raises(ValueError, match="past must be a floating-point tensor"):
+            model(IDX[:, :1], past=bad)
+        with pytest.raises(ValueError, match="past must be a floating-point tensor"):
+            model.h[0].attn(torch.randn(1, 1, 32), past=bad[:, 0])
+
+
+def test_untied_model_decodes_with_its_own_head():
+    model = small_model(**ROBUST, tie_word_embeddings=False)
+    assert not torch.equal(model.lm_head.weight, model.wte.weight)
+    with torch.no_grad():
+        h = model.ln_f(model.h[1](model.h[0](model.wte(IDX) + model.wpe(torch.arange(5)))[0])[0])
+        torch.testing.assert_close(model(IDX).logits, h @ model.lm_head.weight.T, atol=1e-5, rtol=1e-5)
+    out = model.generate(IDX, 6, temperature=0)                   # cached decode (head copy) = no cache
+    ids = IDX
+    for _ in range(6):
+        with torch.no_grad():
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ids)
+
+
+def test_inference_mlp_equals_training_math_and_spares_outputs_others_may_hold():
+    """The MLP computes c_proj(gelu_tanh(x @ W_fc + b_fc)) (reference: that formula from its own
+    weights) with and without autograd, and never writes over c_fc's output: a forward hook, a
+    patched c_fc.forward returning a tensor the user keeps, and a torch function mode recording
+    outputs all still see the pre-activation, unchanged."""
+    model = small_model(seed=9)
+    mlp = model.h[0].mlp
+    x = torch.randn(2, 5, 32)
+    pre = torch.addmm(mlp.c_fc.bias, x.reshape(-1, 32), mlp.c_fc.weight).view(2, 5, 128)
+    expected = mlp.c_proj(F.gelu(pre, approximate="tanh"))
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), expected, atol=1e-6, rtol=1e-6)
+    kept = []
+    handle = mlp.c_fc.register_forward_hook(lambda m, i, out: kept.append(out))
+    try:
+        with torch.inference_mode():
+            torch.testing.assert_close(mlp(x), expected, atol=1e-6, rtol=1e-6)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(kept[0], pre.detach(), atol=1e-6, rtol=1e-6)
+
+    owned = pre.detach().clone()                                # activation patching: c_fc returns
+    mlp.c_fc.forward = lambda x: owned                          # a tensor the user keeps
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(owned, pre.detach())                     # not overwritten
+    del mlp.c_fc.forward
+
+    class Record(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.append(out)
+            return out
+
+    seen = []
+    with torch.no_grad(), Record():
+        mlp(x)
+    assert any(isinstance(t, torch.Tensor) and t.shape == pre.shape and torch.equal(t, pre.detach()) for t in seen)
+
+
+def test_head_uses_the_tied_weight_when_gradients_flow():
+    model = small_model(seed=7).train()
+    x = torch.randn(2, 3, 32)
+    assert model.lm_head(model.ln_f(x)).grad_fn is not None
+    model.lm_head(model.ln_f(x)).sum().backward()
+    expected = model.ln_f(x).detach().reshape(-1, 32).sum(0)    # d(sum logits)/d(wte[v]) = sum of rows
+    torch.testing.assert_close(model.wte.weight.grad, expected.expand(97, 32).contiguous())

@@ -1,4 +1,5 @@
-"""Weight-only int8/int4 quantization (issue 13) and decoding from several threads (issue 12).
+"""Weight-only int8/int4 quantization (schemes, GPTQ, the quantized model, its checkpoints) and
+decoding from several threads.
 
 References: the dequantized float64 matmul (for the kernels), the float32 model (for logits
 and tokens), the same model without the cache or alone in its batch, and single-threaded runs."""
@@ -12,9 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2mha import GPT2, GPT2Config
-from gpt2mha.inference.quant import (QuantizationError, QuantizationWarning, QuantizedLinear, int8_matmul,
-                                     split_activations)
+from conftest import small_model
+from gpt2mha import GPT2
+from gpt2mha.core.model import TiedLMHead
+from gpt2mha.inference.fast import for_decoding
+from gpt2mha.inference.quant import (QuantizationError, QuantizationWarning, QuantizedHead, QuantizedLinear,
+                                     int8_matmul, split_activations)
 from gpt2mha.inference.quant.gptq import gptq
 from gpt2mha.inference.quant.schemes import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
                                              quantize_int8, unpack_int4)
@@ -24,21 +28,23 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "data", "tinyshakespeare.txt")
 
 
-def small_model(seed=0, **kw):
-    """A random float32 GPT-2 whose widths the int4 kernel takes (n_embd 64, group 32 or 64)."""
-    torch.manual_seed(seed)
-    model = GPT2(GPT2Config(**{**dict(n_vocab=97, n_ctx=64, n_embd=64, n_head=4, n_layer=2), **kw})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.2)
-    return model
+def float_model(seed=0, **kw):
+    """A random float32 GPT-2 whose widths the int4 kernel takes: conftest's ``small_model`` with
+    ``n_ctx=64, n_embd=64, n_layer=2`` (group 32 or 64)."""
+    return small_model(seed, **{**dict(n_ctx=64, n_embd=64, n_layer=2), **kw})
+
+
+def module_tree(model):
+    """Every module (path, type, identity), buffer and parameter (path, identity, storage) of a model."""
+    return ([(n, type(m), id(m)) for n, m in model.named_modules()],
+            [(n, b.data_ptr(), tuple(b.shape), b.dtype) for n, b in model.named_buffers()],
+            [(n, id(p), p.data_ptr(), p.stride(), p.dtype) for n, p in model.named_parameters()])
 
 
 def quantized(scheme, seed=0, group_size=None, method="rtn", **kw):
-    """``small_model`` quantized; round-to-nearest unless ``method="gptq"`` (then calibrated on
+    """``float_model`` quantized; round-to-nearest unless ``method="gptq"`` (then calibrated on
     random ids: the packaged text's GPT-2 ids do not fit n_vocab=97)."""
-    model = small_model(seed, **kw)
+    model = float_model(seed, **kw)
     calibration = None
     if method == "gptq":
         calibration = torch.randint(0, model.config.n_vocab, (4, model.config.n_ctx),
@@ -164,7 +170,7 @@ def test_gptq_refuses_a_hessian_of_the_wrong_shape_or_with_nan():
 # ------------------------------------------------------------------ the model
 @pytest.mark.parametrize("scheme,min_cos", [("int8", 0.999), ("int4", 0.98)])
 def test_quantized_logits_track_float32(scheme, min_cos):
-    model = small_model(seed=3)
+    model = float_model(seed=3)
     idx = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = model(idx).logits
@@ -208,13 +214,11 @@ def test_builtin_model_quantized_agrees_with_float32_on_held_out_text(builtin, s
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_greedy_with_and_without_cache_identical_and_padded_rows_equal_rows_alone(scheme):
-    from gpt2mha.bench import greedy_without_cache
-
+def test_greedy_with_and_without_cache_identical_and_padded_rows_equal_rows_alone(scheme, bench):
     model = quantized(scheme, seed=4)
     idx = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(4))
     cached = model.generate(idx, 20, temperature=0)
-    assert torch.equal(cached, greedy_without_cache(model, idx, 20))
+    assert torch.equal(cached, bench.greedy_without_cache(model, idx, 20))
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]       # left-padded into one batch
     batch = model.generate(prompts, 12, temperature=0)
     for i, p in enumerate(prompts):
@@ -226,10 +230,11 @@ def test_greedy_with_and_without_cache_identical_and_padded_rows_equal_rows_alon
 
 def test_quantized_decoding_takes_no_float_head_copy_and_bf16_model_quantizes():
     model = quantized("int8", seed=5)
-    with model.decoding():
-        assert model._lm_head is None                               # the int8 head is used instead
+    view = for_decoding(model)
+    assert isinstance(model.lm_head, QuantizedHead) and view.lm_head is model.lm_head   # the int8 head itself
+    assert all(view.get_submodule(n) is m for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
     calibration = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(5))
-    bf16 = small_model(seed=5).to(torch.bfloat16).quantize("int4", 32, calibration=calibration)   # GPTQ in bf16
+    bf16 = float_model(seed=5).to(torch.bfloat16).quantize("int4", 32, calibration=calibration)   # GPTQ in bf16
     out = bf16.generate(torch.tensor([[1, 2, 3]]), 5, temperature=0)
     assert out.shape == (1, 8)
     with torch.no_grad():
@@ -238,7 +243,7 @@ def test_quantized_decoding_takes_no_float_head_copy_and_bf16_model_quantizes():
 
 
 def test_abnormal_tensor_is_reported_at_quantization_time():
-    model = small_model(seed=6)
+    model = float_model(seed=6)
     with torch.no_grad():
         model.h[1].mlp.c_fc.weight[7] *= 200                         # one outlier input channel
     with pytest.warns(QuantizationWarning, match=r"h\.1\.mlp\.c_fc"):
@@ -260,7 +265,7 @@ def test_save_load_round_trip_gives_identical_logits(tmp_path, scheme):
     assert loaded.quantization == model.quantization and not loaded.training
     cfg = json.load(open(tmp_path / "config.json"))
     assert cfg["gpt2mha"]["quantization"]["scheme"] == scheme and cfg["quantization_config"]["quant_method"] == "gpt2mha"
-    float_size = 4 * sum(p.numel() for p in small_model().parameters())
+    float_size = 4 * sum(p.numel() for p in float_model().parameters())
     assert os.path.getsize(tmp_path / "model.safetensors") < (0.35 if scheme == "int8" else 0.25) * float_size
 
 
@@ -319,13 +324,13 @@ def test_float_only_consumers_meet_a_clear_error(tmp_path):
 # ------------------------------------------------------------------ bad input
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match=r"scheme='int3' is unknown; expected one of \('int8', 'int4'\)"):
-        small_model().quantize("int3")
+        float_model().quantize("int3")
     with pytest.raises(ValueError, match="group_size=64 does not divide the layer's input width 96"):
-        small_model(n_embd=96, n_head=4).quantize("int4", 64)
+        float_model(n_embd=96, n_head=4).quantize("int4", 64)
     with pytest.raises(ValueError, match="group_size=100: int4 needs one of"):
-        small_model().quantize("int4", 100)
+        float_model().quantize("int4", 100)
     with pytest.raises(ValueError, match="int8 has one scale per output channel"):
-        small_model().quantize("int8", 32)
+        float_model().quantize("int8", 32)
     model = quantized("int8")
     with pytest.raises(ValueError, match=r"already quantized \(int8\)"):
         model.quantize("int4")
@@ -335,56 +340,66 @@ def test_bad_input_is_a_clear_error():
         p.requires_grad_(True)
     with pytest.raises(RuntimeError, match="quantized models are for inference"):
         model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
-    nan = small_model()
+    nan = float_model()
     with torch.no_grad():
         nan.h[0].attn.c_proj.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"h\.0\.attn\.c_proj hold NaN"):
         nan.quantize("int8")
 
 
-# ------------------------------------------------------------------ threads (issue 12, item 9)
-def test_another_threads_decoding_block_ending_keeps_the_copies_in_use():
-    """Thread A opens decoding() first, thread B opens it while A is inside, A closes first: B's
-    bf16 weight copies stay until B's own block closes (reference-counted, the last one out
-    frees them). Before, A's exit dropped the copies B was reading."""
-    model = small_model(seed=11).to(torch.bfloat16)
-    conv = model.h[0].attn.c_attn
-    a_inside, b_inside, a_done, seen = threading.Event(), threading.Event(), threading.Event(), {}
+# ------------------------------------------------------------------ threads
+def test_another_threads_generate_leaves_a_decode_view_in_use_intact():
+    """Thread A makes a decode view of a bf16 model (weight copies, as generate and a server
+    do) and computes with it; thread B runs a whole generate on the same model meanwhile; A's
+    view still holds the same copies and gives the same logits afterwards, equal to the model's
+    own forward (reference), and the model is left as it was."""
+    model = float_model(seed=11).to(torch.bfloat16)
+    tree = module_tree(model)
+    idx = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(11))
+    a_ready, b_done, seen = threading.Event(), threading.Event(), {}
 
     def thread_a():
-        with model.decoding():
-            seen["a"] = conv.weight_t
-            a_inside.set()
-            b_inside.wait(10)
-        a_done.set()
+        view = for_decoding(model)
+        seen["copy"] = view.h[0].attn.c_attn.weight_t
+        with torch.no_grad():
+            seen["before"] = view(idx).logits
+        a_ready.set()
+        b_done.wait(30)
+        seen["copy after"] = view.h[0].attn.c_attn.weight_t
+        with torch.no_grad():
+            seen["after"] = view(idx).logits
 
     def thread_b():
-        a_inside.wait(10)
-        with model.decoding():
-            seen["b before"] = conv.weight_t
-            b_inside.set()
-            a_done.wait(10)
-            seen["b after"] = conv.weight_t
+        a_ready.wait(30)
+        try:
+            seen["b"] = model.generate(idx[:1], 6, temperature=0)
+        finally:
+            b_done.set()
 
     threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(20)
-    assert seen["a"] is not None and seen["b before"] is seen["a"] and seen["b after"] is seen["a"]
-    assert conv.weight_t is None and model._lm_head is None and model._decoding == 0
+        t.join(60)
+    assert seen["copy after"] is seen["copy"] and seen["b"].shape == (1, 14)
+    assert torch.equal(seen["after"], seen["before"])
+    with torch.no_grad():
+        torch.testing.assert_close(seen["after"], model(idx).logits, atol=1e-4, rtol=1e-4)
+    assert module_tree(model) == tree
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 def test_two_threads_generating_with_one_model_match_single_threaded_output(kind):
     """One thread decodes long runs while the other starts and ends short ones around them;
     every result equals the same call made alone."""
-    model = small_model(seed=12, n_ctx=128).to(torch.bfloat16) if kind == "bf16" else quantized(kind, seed=12, n_ctx=128)
+    model = float_model(seed=12, n_ctx=128).to(torch.bfloat16) if kind == "bf16" else quantized(kind, seed=12, n_ctx=128)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
     gen = torch.Generator().manual_seed(12)
     long = [torch.randint(0, 97, (2, 4), generator=gen) for _ in range(3)]
     short = torch.randint(0, 97, (1, 3), generator=gen)
     expected_long = [model.generate(p, 100, temperature=0) for p in long]
     expected_short = model.generate(short, 2, temperature=0)
+    tree = module_tree(model)
     results, errors, done = [], [], threading.Event()
 
     def long_runs():
@@ -410,19 +425,20 @@ def test_two_threads_generating_with_one_model_match_single_threaded_output(kind
     assert not errors and len(results) == 3
     for got, want in zip(results, expected_long):
         assert torch.equal(got, want)
-    assert model._decoding == 0 and model._lm_head is None
+    assert module_tree(model) == tree                               # the model's modules and tensors as they were
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
 
 
 def test_untied_head_is_quantized_from_output_weight_and_round_trips(tmp_path):
     """An untied model's head comes from lm_head.weight (output_weight()); wte stays exactly as
-    it was (float, stored), the float lm_head is replaced by the int8 head."""
-    model = small_model(seed=13, tie_word_embeddings=False)
+    it was (float, stored), the float lm_head is replaced by the int8 head (model.lm_head)."""
+    model = float_model(seed=13, tie_word_embeddings=False)
     with torch.no_grad():
         model.lm_head.weight.copy_(torch.randn(97, 64, generator=torch.Generator().manual_seed(13)) * 0.05)
     wte, head = model.wte.weight.detach().clone(), model.output_weight().detach().clone()
     model.quantize("int8", method="rtn")
-    assert torch.equal(model.wte.weight, wte) and model.lm_head is None
-    torch.testing.assert_close(model.quantized_head.dequantized(), head, atol=float(head.abs().max()) / 254 * 1.01, rtol=0)
+    assert torch.equal(model.wte.weight, wte) and isinstance(model.lm_head, QuantizedHead)
+    torch.testing.assert_close(model.lm_head.dequantized(), head, atol=float(head.abs().max()) / 254 * 1.01, rtol=0)
     model.save_pretrained(str(tmp_path))
     loaded = GPT2.from_pretrained(str(tmp_path))
     idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(13))
@@ -447,46 +463,12 @@ def test_cli_quantize_flags(tmp_path, capsys):
     assert main(["bench", "--quantize", "int5"]) == 2
 
 
-@pytest.mark.slow
-def test_bench_quantized_rows_on_a_small_model():
-    pytest.importorskip("transformers")
-    from gpt2mha import bench
-
-    sizes = bench.Sizes(new_tokens=6, batches=(1, 2), repeats=1, builtin_agree_tokens=512, calibration_bytes=4096)
-    config = GPT2Config(n_vocab=300, n_ctx=64, n_embd=64, n_head=4, n_layer=2, tokenizer="bytes")
-    result = bench.run(preset="small-test", config=config, sizes=sizes, memory=False, sections=("quant",),
-                       text=SHAKESPEARE, log=lambda *a: None)
-    rows = {r["figure"]: r for r in result["rows"]}
-    for scheme in ("int8", "int4"):
-        speed = [r for f, r in rows.items() if f.startswith("decode tok/s") and scheme in f]
-        assert len(speed) == 2 and all(r["value"] > 0 and r["vs"] > 0 for r in speed)
-        assert "of the measured memory bandwidth" in speed[0]["note"]
-        size = rows[f"checkpoint size: {scheme} / float32 (model.safetensors)"]
-        assert 0 < size["ratio"] < 0.4
-        cos = [r for f, r in rows.items() if f.startswith("logits cosine") and scheme in f]
-        assert len(cos) == 1 and cos[0]["value"] > 0.9
-    assert rows["checkpoint size: int4 / float32 (model.safetensors)"]["ratio"] < rows[
-        "checkpoint size: int8 / float32 (model.safetensors)"]["ratio"]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS reset needs Linux /proc")
-def test_bench_resident_memory_child_sees_the_smaller_model(tmp_path):
-    from gpt2mha import bench
-
-    model = small_model(seed=15, n_embd=256, n_head=4, n_layer=4, n_vocab=2048)
-    model.save_pretrained(str(tmp_path / "f32"))
-    model.quantize("int8", method="rtn").save_pretrained(str(tmp_path / "int8"))
-    f32, q = bench.resident_mb(str(tmp_path / "f32")), bench.resident_mb(str(tmp_path / "int8"))
-    assert 0 < q < f32                                              # 4 × 3.1M weights vs ~1 byte each
-
-
 # ------------------------------------------------------------------ GPTQ on the model, calibration
 def test_gptq_model_beats_round_to_nearest_and_round_trips(tmp_path):
     """A GPTQ-quantized model (calibrated on ids drawn like the test ids) tracks float32's
     logits more closely than round-to-nearest on the same weights (reference: the float
     model); the method is recorded and survives save/load with identical logits."""
-    model = small_model(seed=24)
+    model = float_model(seed=24)
     gen = torch.Generator().manual_seed(24)
     calibration, idx = torch.randint(0, 97, (8, 64), generator=gen), torch.randint(0, 97, (4, 64), generator=gen)
     with torch.no_grad():
@@ -494,7 +476,7 @@ def test_gptq_model_beats_round_to_nearest_and_round_trips(tmp_path):
         errors = {}
         for method in ("rtn", "gptq"):
             q = quantized("int4", seed=24, group_size=32, method=method) if method == "rtn" else \
-                small_model(seed=24).quantize("int4", 32, calibration=calibration)
+                float_model(seed=24).quantize("int4", 32, calibration=calibration)
             errors[method] = float((q(idx).logits - ref).norm() / ref.norm())
     assert errors["gptq"] < 0.8 * errors["rtn"], errors
     assert q.quantization["method"] == "gptq"
@@ -509,20 +491,20 @@ def test_gptq_model_beats_round_to_nearest_and_round_trips(tmp_path):
 
 def test_calibration_and_method_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"method='awq' is unknown; expected one of \('gptq', 'rtn'\)"):
-        small_model().quantize("int8", method="awq")
+        float_model().quantize("int8", method="awq")
     with pytest.raises(ValueError, match="calibration: round-to-nearest .* uses no calibration text"):
-        small_model().quantize("int8", method="rtn", calibration="some text")
+        float_model().quantize("int8", method="rtn", calibration="some text")
     with pytest.raises(ValueError, match=r"calibration: token ids must be in \[0, 97\), got 0\.\.200"):
-        small_model().quantize("int8", calibration=torch.tensor([0, 200] * 64))
+        float_model().quantize("int8", calibration=torch.tensor([0, 200] * 64))
     with pytest.raises(ValueError, match=r"calibration: 10 tokens, fewer than one row of 64"):
-        small_model().quantize("int8", calibration=list(range(10)))
+        float_model().quantize("int8", calibration=list(range(10)))
     with pytest.raises(ValueError, match="calibration: expected text or integer token ids"):
-        small_model().quantize("int8", calibration=torch.rand(2, 8))
+        float_model().quantize("int8", calibration=torch.rand(2, 8))
     with pytest.raises(ValueError, match=r"calibration: rows \[1, 65\]: need at least one row of at most n_ctx=64"):
-        small_model().quantize("int8", calibration=torch.zeros(1, 65, dtype=torch.long))
+        float_model().quantize("int8", calibration=torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="packaged calibration text.*method='rtn'"):
-        small_model().quantize("int8")                             # GPT-2 ids beyond this toy vocabulary
-    model = small_model()
+        float_model().quantize("int8")                             # GPT-2 ids beyond this toy vocabulary
+    model = float_model()
     model.quantize("int8", calibration=torch.zeros(1, 64, dtype=torch.long))   # nothing was left half-done
     assert model.quantization["method"] == "gptq"
 
@@ -533,7 +515,7 @@ def test_cli_calibration_and_convert_quantize(tmp_path, capsys):
     from gpt2mha.cli import main
 
     src = tmp_path / "float"
-    small_model(seed=25, n_vocab=256, tokenizer="bytes").save_pretrained(str(src))
+    float_model(seed=25, n_vocab=256, tokenizer="bytes").save_pretrained(str(src))
     text = tmp_path / "cal.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     out = tmp_path / "q4"
@@ -561,9 +543,9 @@ def test_a_quantize_that_stops_half_way_leaves_the_float_model_as_it_was(method,
     """An error (or Ctrl-C) in the middle of quantize() puts back every original module and the
     float embedding: same logits as before, not marked quantized, saves and reloads as float,
     and quantizes normally afterwards."""
-    import gpt2mha.quantize as Q
+    import gpt2mha.inference.quant as Q
 
-    model = small_model(seed=26)
+    model = float_model(seed=26)
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(26))
     with torch.no_grad():
         before = model(idx).logits
@@ -581,7 +563,7 @@ def test_a_quantize_that_stops_half_way_leaves_the_float_model_as_it_was(method,
     with pytest.raises(KeyboardInterrupt):
         model.quantize("int8", method=method, calibration=calibration)
     monkeypatch.undo()
-    assert model.quantization is None and model._modules.get("quantized_head") is None
+    assert model.quantization is None and type(model.lm_head) is TiedLMHead and model.lm_head.weight is model.wte.weight
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
     assert torch.equal(model.wte.weight, wte)
     with torch.no_grad():
@@ -596,13 +578,13 @@ def test_gptq_errors_name_the_layer_and_leave_the_model_intact():
     """Activations that are not finite are a named error for the first layer that sees them
     (the head comes first: the float model's final states), and the model stays float;
     products of finite inputs that overflow float32 are redone in float64."""
-    from gpt2mha.quantize import _hessians
+    from gpt2mha.inference.quant.model import _hessians
 
-    model = small_model(seed=27)
+    model = float_model(seed=27)
     with torch.no_grad():
         model.h[0].ln_1.weight.fill_(1e30)                          # the forward overflows to inf/NaN
     calibration = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(27))
-    with pytest.raises(ValueError, match=r"^quantized_head: hessian: holds NaN or inf"):
+    with pytest.raises(ValueError, match=r"^lm_head: hessian: holds NaN or inf"):
         model.quantize("int8", calibration=calibration)
     assert model.quantization is None and not any(isinstance(m, QuantizedLinear) for m in model.modules())
     layer = torch.nn.Identity()
@@ -614,7 +596,7 @@ def test_gptq_errors_name_the_layer_and_leave_the_model_intact():
 def test_calibration_of_the_wrong_kind_is_a_named_error(tmp_path):
     text = tmp_path / "cal.txt"
     text.write_text("some text " * 100)
-    model = small_model(n_vocab=256, tokenizer="bytes")
+    model = float_model(n_vocab=256, tokenizer="bytes")
     cases = [(b"bytes", r"calibration: expected text \(str\) or integer token ids, got bytes"),
              (text, r"got PosixPath; to calibrate on a file pass its text"),
              ("", "calibration: the text is empty"),
@@ -624,7 +606,7 @@ def test_calibration_of_the_wrong_kind_is_a_named_error(tmp_path):
              ([], "calibration: no tokens")]
     for calibration, message in cases:
         with pytest.raises(ValueError, match=message):
-            small_model(n_vocab=256, tokenizer="bytes", n_ctx=256).quantize("int8", calibration=calibration)
+            float_model(n_vocab=256, tokenizer="bytes", n_ctx=256).quantize("int8", calibration=calibration)
     assert model.quantize("int8", calibration=text.read_text()).quantization["method"] == "gptq"
 
 
@@ -645,6 +627,36 @@ def test_int8_products_stay_exact_beside_an_outlier_feature():
         assert err < 5e-4 and err < bf16 / 10, (err, bf16)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_format_1_checkpoint_with_the_head_as_quantized_head_loads_bitwise(tmp_path, tied):
+    """Quantized checkpoints are written in format 2 (the int8 head stored as ``lm_head.*``, the
+    module's path); format 1 stored the same tensors as ``quantized_head.*`` and is still read,
+    to the same model. Reference: the format-2 file of the same model (logits bitwise equal)."""
+    from safetensors.torch import load_file, save_file
+
+    new, old = str(tmp_path / "format2"), str(tmp_path / "format1")
+    quantized("int4", seed=33, group_size=32, tie_word_embeddings=tied).save_pretrained(new)
+    cfg = json.load(open(os.path.join(new, "config.json")))
+    sd = load_file(os.path.join(new, "model.safetensors"))
+    assert cfg["gpt2mha"]["quantization"]["format"] == 2
+    assert {"transformer.lm_head.weight", "transformer.lm_head.scales"} <= sd.keys()
+    assert not any("quantized_head" in k for k in sd)
+    os.makedirs(old)
+    cfg["gpt2mha"]["quantization"]["format"] = 1
+    cfg["quantization_config"]["format"] = 1
+    json.dump(cfg, open(os.path.join(old, "config.json"), "w"))
+    save_file({k.replace("transformer.lm_head.", "transformer.quantized_head."): v for k, v in sd.items()},
+              os.path.join(old, "model.safetensors"), metadata={"format": "pt"})
+    a, b = GPT2.from_pretrained(new), GPT2.from_pretrained(old)
+    assert isinstance(b.lm_head, QuantizedHead) and a.quantization == b.quantization
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+    idx = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(33))
+    with torch.no_grad():
+        assert torch.equal(a(idx).logits, b(idx).logits)
+    assert torch.equal(a.generate(idx, 8, temperature=0), b.generate(idx, 8, temperature=0))
+
+
 def test_checkpoint_with_an_unknown_method_is_refused(tmp_path):
     quantized("int8", seed=29).save_pretrained(str(tmp_path))
     cfg = json.load(open(tmp_path / "config.json"))
@@ -653,7 +665,7 @@ def test_checkpoint_with_an_unknown_method_is_refused(tmp_path):
     with pytest.raises(QuantizationError, match="quantization method 'bogus' is unknown"):
         GPT2.from_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match=r"no int4 group size .* use int8 \(group_size was not given: 32 is int4's default\)"):
-        small_model(n_embd=48, n_head=4).quantize("int4", method="rtn")
+        float_model(n_embd=48, n_head=4).quantize("int4", method="rtn")
 
 
 def test_cli_quantize_flags_name_themselves_and_convert_never_writes_over_its_source(tmp_path, capsys):
@@ -663,7 +675,7 @@ def test_cli_quantize_flags_name_themselves_and_convert_never_writes_over_its_so
     from gpt2mha.cli import main
 
     src = tmp_path / "float"
-    small_model(seed=30, n_vocab=256, tokenizer="bytes").save_pretrained(str(src))
+    float_model(seed=30, n_vocab=256, tokenizer="bytes").save_pretrained(str(src))
     short = tmp_path / "short.txt"
     short.write_text("abc")
     runs = [(["generate", "ab", "--model", str(src), "--quantize-method", "rtn"],
@@ -686,9 +698,9 @@ def test_cli_quantize_flags_name_themselves_and_convert_never_writes_over_its_so
 # ------------------------------------------------------------------ what a checkpoint may hold
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_scales_that_would_overflow_the_models_products_are_refused_by_name(tmp_path, scheme):
-    """Scales multiplied by 1e30 are finite and positive, and used to load and give NaN logits
-    (q·kᵀ, or LayerNorm's squared deviations, overflow). Every scale tensor so corrupted is now
-    refused, naming it; scales multiplied by 1e10 still give finite logits, so they load (the
+    """Scales multiplied by 1e30 are finite and positive, but would give NaN logits (q·kᵀ, or
+    LayerNorm's squared deviations, overflow). Every scale tensor so corrupted is refused,
+    naming it; scales multiplied by 1e10 still give finite logits, so they load (the
     limit is what overflows, from first principles, not a guess at "normal" scales)."""
     from safetensors.torch import load_file
 
@@ -714,7 +726,7 @@ def test_scales_that_would_overflow_the_models_products_are_refused_by_name(tmp_
             else:
                 with torch.no_grad():
                     assert torch.isfinite(GPT2.from_pretrained(d)(idx).logits).all(), key
-                if key.endswith("quantized_head.scales"):            # the tied wte is the dequantized head
+                if key.endswith("lm_head.scales"):            # the tied wte is the dequantized head
                     with pytest.raises(QuantizationError, match=r"values of wte\.weight overflow torch\.float16"):
                         GPT2.from_pretrained(d, dtype="float16")
 
@@ -730,7 +742,7 @@ def test_scales_that_would_overflow_the_models_products_are_refused_by_name(tmp_
     ("extra", 1, "unknown field 'extra'"),
 ])
 def test_every_field_of_the_quantization_entry_is_type_checked(tmp_path, field, value, message):
-    # "tied": "false" used to be read as true (bool("false")), "group_size": 32.0 as 32
+    # "tied": "false" is not true (bool("false") would say so), "group_size": 32.0 is not an integer
     quantized("int4", seed=31, group_size=32).save_pretrained(str(tmp_path))
     cfg = json.load(open(tmp_path / "config.json"))
     cfg["gpt2mha"]["quantization"][field] = value

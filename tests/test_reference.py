@@ -1,6 +1,6 @@
 """The NumPy reference of OpenAI's formulas (gpt2mha.core.reference) against the formulas and models.
 
-References: the formulas of openai/gpt-2 ``src/model.py`` as seed 002 states them (mask
+References: the formulas of openai/gpt-2 ``src/model.py`` (mask
 ``m[i, j] = i >= j - ns + nd``, ``w·m - 1e10·(1 - m)``, max-subtracted softmax, scale
 rsqrt(head_dim), present = stack([k, v], 1), past concatenated on the sequence axis), PyTorch's
 own GELU-tanh / LayerNorm, gpt2mha's CausalSelfAttention and GPT2, and transformers'
@@ -21,7 +21,7 @@ import gpt2mha
 from gpt2mha import GPT2, GPT2Config, CausalSelfAttention
 from gpt2mha.core import reference
 
-ATOL = 1e-5  # fp32 torch vs float64 NumPy (issue 4)
+ATOL = 1e-5  # fp32 torch vs float64 NumPy
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors run faster on one thread
@@ -42,7 +42,7 @@ def randomize_(module, seed, scale=0.3):
 
 # ---------------------------------------------------------------------------------- pieces
 def test_module_imports_no_torch():
-    # issue 4: "No torch import in that module" - checked in the source and by loading the file
+    # no torch import in that module: checked in the source and by loading the file
     # alone in a fresh interpreter where importing torch is made impossible
     path = reference.__file__
     tree = ast.parse(open(path).read())
@@ -57,7 +57,7 @@ def test_module_imports_no_torch():
 
 
 def test_attention_mask_formula_and_torch_version():
-    # seed 002: m[i, j] = 1[i >= j - ns + nd]; gpt2mha.attention_mask implements the same rule
+    # OpenAI's attention_mask: m[i, j] = 1[i >= j - ns + nd]; gpt2mha.attention_mask implements the same rule
     for ns in range(1, 9):
         for nd in range(1, ns + 1):
             m = reference.attention_mask(nd, ns)
@@ -67,7 +67,7 @@ def test_attention_mask_formula_and_torch_version():
 
 
 def test_masking_and_softmax():
-    # seed 002: masked scores become w*m - 1e10*(1-m) and get exactly zero weight; softmax subtracts the max
+    # OpenAI's mask_attn_weights: masked scores become w*m - 1e10*(1-m) and get exactly zero weight; softmax subtracts the max
     w = np.random.default_rng(0).normal(size=(1, 1, 3, 5)) * 1e3
     masked = reference.mask_attn_weights(w)
     m = reference.attention_mask(3, 5)
@@ -79,7 +79,7 @@ def test_masking_and_softmax():
 
 
 def test_split_merge_and_head_columns():
-    # seed 000: head h owns columns h*hd ... (h+1)*hd - 1 of each n_embd block
+    # GPT-2's fused layout: head h owns columns h*hd ... (h+1)*hd - 1 of each n_embd block
     x = np.arange(2 * 3 * 12, dtype=np.float64).reshape(2, 3, 12)
     assert reference.split_states(x, 4).shape == (2, 3, 4, 3)
     assert np.array_equal(reference.merge_states(reference.split_states(x, 4)), x)

@@ -1,4 +1,4 @@
-"""Padding, fully masked rows, low precision, long inputs (issue 7).
+"""Padding, fully masked rows, low precision, long inputs.
 
 References: the same rows run unpadded and alone (a left-padded row must give the same logits
 on its real tokens), and the full uncached forward for cached steps.
@@ -8,22 +8,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import assert_same_greedy
+from conftest import ROBUST, assert_same_greedy, small_model
 from gpt2mha import GPT2, GPT2Config, attention_mask
 from gpt2mha.core.attention import combine_masks
 
 
-def small_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    model = GPT2(GPT2Config(**{**dict(n_vocab=97, n_ctx=40, n_embd=32, n_head=4, n_layer=2), **kw})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
-
-
-MODEL = small_model()
-LOW_PRECISION = {name: small_model().to(getattr(torch, name)) for name in ("bfloat16", "float16")}
+MODEL = small_model(**ROBUST)
+LOW_PRECISION = {name: small_model(**ROBUST).to(getattr(torch, name)) for name in ("bfloat16", "float16")}
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "explicit"])

@@ -1,4 +1,4 @@
-"""Generation as OpenAI's sampler offers it (issue 16, section 3): --unconditional, several
+"""Generation as OpenAI's sampler offers it: --unconditional, several
 prompts and --num-samples as labelled samples, a decode that drops left padding, and --dtype
 on perplexity and heads."""
 

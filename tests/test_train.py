@@ -103,7 +103,7 @@ def test_bad_input_is_refused(tmp_path, capsys):
 
 
 def test_resume_with_dropout_is_bit_identical_to_an_uninterrupted_run(tmp_path, monkeypatch):
-    """Issue 12, item 11: with dropout on, Ctrl-C after the step-10 checkpoint and --resume to 20
+    """With dropout on, Ctrl-C after the step-10 checkpoint and --resume to 20
     gives exactly the weights, losses and random states of one run to 20 (every RNG the trainer
     draws from is saved: the batch sampler and torch's CPU generator that dropout uses)."""
     import gpt2mha.train.train as T
@@ -255,3 +255,16 @@ def test_init_from_refusals(tmp_path, capsys):
         assert main(["train", "--data", VERDICT, "--out", str(tmp_path / "o"), "--iters", "1", *extra]) == 2, extra
         assert needle in capsys.readouterr().err, extra
     assert not os.path.exists(tmp_path / "o")
+
+
+# ------------------------------------------------------------------ the shared train/val split
+def test_val_split_of_a_multibyte_file_is_scored_and_matches_the_trainers(tmp_path, capsys):
+    from gpt2mha.cli import read_text
+    from gpt2mha.train.train import split_bytes
+    path = tmp_path / "e.txt"
+    path.write_text("é" * 1001, encoding="utf-8")                  # 2002 bytes: the 90% cut (1801) is mid-character
+    train, val = split_bytes(path.read_bytes())
+    assert train.decode("utf-8") + val.decode("utf-8") == "é" * 1001   # both halves decode, nothing lost
+    assert len(train) == 1802 and read_text(str(path), "val") == "é" * 100
+    assert main(["perplexity", str(path), "--split", "val", "--json"]) == 0
+    assert '"bytes": 200' in capsys.readouterr().out

@@ -113,7 +113,7 @@ def quantized(model, args):
     check_quantize_args(args)
     if args.quantize is None:
         return model
-    if model.quantization:
+    if getattr(model, "quantization", None):                     # convert reads a core GPT2, without the attribute
         q = model.quantization
         saved = {"--quantize": q["scheme"], "--group-size": q["group_size"], "--quantize-method": q.get("method", "rtn")}
         asked = {"--quantize": args.quantize, "--group-size": args.group_size, "--quantize-method": args.quantize_method}
@@ -137,8 +137,10 @@ def quantized(model, args):
         source = args.calibration or "the packaged calibration text"
         print(f"quantizing to {args.quantize} with GPTQ on {source} (seconds for the built-in model, ~40 s for 124M "
               f"on 2 cores; --quantize-method rtn is instant)", file=sys.stderr, flush=True)
+    from .inference.quant import quantize_model
+
     try:
-        return model.quantize(args.quantize, args.group_size, method, calibration)
+        return quantize_model(model, args.quantize, args.group_size, method, calibration)
     except ValueError as e:                                      # name the flag the value came from
         message = str(e)
         if message.startswith("calibration") and args.calibration is not None:
@@ -538,6 +540,7 @@ def cmd_bench(args) -> int:
                          "pip install -e .); this installation has no benchmarks/ directory")
     spec = importlib.util.spec_from_file_location("gpt2mha_bench", path)
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench                              # its dataclasses look their module up there
     spec.loader.exec_module(bench)
     return bench.main_args(args)
 
