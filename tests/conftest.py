@@ -40,6 +40,14 @@ def small_model(seed=0, *, noise="ln_bias", scale=0.2, **config):
 ROBUST = dict(n_ctx=40, n_layer=2, noise="all", scale=0.05)
 
 
+def module_tree(model):
+    """What a model holds: every module (path, type, identity), buffer and parameter (path,
+    identity, storage, strides). Equal before and after a call that must leave the model as it was."""
+    return ([(n, type(m), id(m)) for n, m in model.named_modules()],
+            [(n, b.data_ptr(), tuple(b.shape), b.dtype) for n, b in model.named_buffers()],
+            [(n, id(p), p.data_ptr(), p.stride(), p.dtype) for n, p in model.named_parameters()])
+
+
 def load_benchmark(name: str = "bench"):
     """``benchmarks/NAME.py`` imported by its path, as ``gpt2mha bench`` loads bench.py (the
     benchmarks are scripts of the source checkout, not part of the package); the directory is

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same_greedy, small_model
+from conftest import assert_same_greedy, module_tree, small_model
 from gpt2mha import GPT2, GPT2Config, KVCache
 from gpt2mha.core.model import TiedLMHead
 from gpt2mha.inference.fast import TransposedConv1D, TransposedHead, for_decoding
@@ -28,14 +28,6 @@ def reference_logits(model, idx):
     ref.load_state_dict({k: v.contiguous() for k, v in model.state_dict().items()})
     with torch.no_grad():
         return ref(idx).logits
-
-
-def module_tree(model):
-    """What a model holds: every module (path, type, identity), buffer and parameter (path,
-    identity, storage, strides). Equal before and after a call that must leave the model as it was."""
-    return ([(n, type(m), id(m)) for n, m in model.named_modules()],
-            [(n, b.data_ptr(), tuple(b.shape), b.dtype) for n, b in model.named_buffers()],
-            [(n, id(p), p.data_ptr(), p.stride(), p.dtype) for n, p in model.named_parameters()])
 
 
 def greedy_uncached(model, idx, steps):

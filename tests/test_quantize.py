@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import small_model
+from conftest import module_tree, small_model
 from gpt2mha import GPT2
 from gpt2mha.core.model import TiedLMHead
 from gpt2mha.inference.fast import for_decoding
@@ -32,13 +32,6 @@ def float_model(seed=0, **kw):
     """A random float32 GPT-2 whose widths the int4 kernel takes: conftest's ``small_model`` with
     ``n_ctx=64, n_embd=64, n_layer=2`` (group 32 or 64)."""
     return small_model(seed, **{**dict(n_ctx=64, n_embd=64, n_layer=2), **kw})
-
-
-def module_tree(model):
-    """Every module (path, type, identity), buffer and parameter (path, identity, storage) of a model."""
-    return ([(n, type(m), id(m)) for n, m in model.named_modules()],
-            [(n, b.data_ptr(), tuple(b.shape), b.dtype) for n, b in model.named_buffers()],
-            [(n, id(p), p.data_ptr(), p.stride(), p.dtype) for n, p in model.named_parameters()])
 
 
 def quantized(scheme, seed=0, group_size=None, method="rtn", **kw):
