@@ -393,7 +393,8 @@ def cmd_trace(args) -> int:
 
 def cmd_heads(args) -> int:
     from .learn.heads import (ROLE_THRESHOLD, analyse_heads, check_selection, format_strongest, selected_heads,
-                          strongest_heads, top_heads, write_heads)
+                              strongest_heads, top_heads)
+    from .learn.heads_html import write_heads
 
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be at least 1")
@@ -451,7 +452,8 @@ def cmd_check(args) -> int:
 
 
 def _add_inspect_commands(sub) -> None:
-    """Parsers of ``trace``, ``heads`` and ``check`` (:mod:`gpt2mha.inspect`, :mod:`gpt2mha.check`)."""
+    """Parsers of ``trace``, ``heads`` and ``check`` (:mod:`gpt2mha.learn.trace`, :mod:`gpt2mha.learn.heads`,
+    :mod:`gpt2mha.learn.check`)."""
     tr = sub.add_parser("trace", help="print a multi-head attention forward pass stage by stage with shapes",
                         description="Walk one forward pass stage by stage, in the order to debug shapes in (input, projections, view, "
                                     "transpose, scores, weights, contexts, merged, out_proj) with each tensor's "
@@ -604,7 +606,7 @@ def cmd_check_model(args) -> int:
 
 
 def _add_formats_commands(sub) -> None:
-    """Parsers of ``convert`` and ``check-model`` (:mod:`gpt2mha.formats`)."""
+    """Parsers of ``convert`` and ``check-model`` (:mod:`gpt2mha.io.formats`, :mod:`gpt2mha.learn.compare`)."""
     cv = sub.add_parser("convert", help="convert a checkpoint (OpenAI TF dir, nanoGPT ckpt.pt, the book's GPTModel "
                                         ".pth, Hugging Face dir) to a Hugging Face dir, the book's or nanoGPT's format",
                         description="Read SRC in any supported format (detected: a Hugging Face directory; OpenAI's "
