@@ -434,7 +434,8 @@ def cmd_heads(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .learn.check import CheckError, check, format_report, parse_args
+    from .learn.check import CheckError, check, format_report
+    from .learn.check_load import parse_args
 
     if not 0 <= args.seed < 2**63:
         print(f"error: --seed={args.seed} must be an integer in [0, 2**63)\nresult: COULD NOT RUN (exit 2)",
