@@ -80,7 +80,7 @@ def load_model(name: str | None, dtype: str = "float32"):
 
 
 def _quantize_args(p: argparse.ArgumentParser) -> None:
-    """``--quantize``, ``--group-size``, ``--quantize-method`` and ``--calibration`` (issue 13)."""
+    """``--quantize``, ``--group-size``, ``--quantize-method`` and ``--calibration``."""
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only quantize the model after loading: int8 (one scale per output channel) or int4 "
                         "(a scale and zero per group of inputs); the LM head is int8 in both. A directory saved "
