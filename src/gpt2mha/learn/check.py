@@ -56,10 +56,10 @@ from torch import nn
 
 from .check_cache import CacheResult, cached_step, plain_kwargs
 from .check_layout import Layout, has_bare_weights, recognise_layout
-from .check_load import DROPOUT_NAMES, CheckError, constructor_kwargs, construct, forward_takes_past, load_class, \
-    raised_at
-from .check_reference import MISTAKES, TOL, applicable_mistakes, copy_params, diagnose_by_reproduction, make_params, \
-    max_err, reference
+from .check_load import (DROPOUT_NAMES, CheckError, construct, constructor_kwargs, forward_takes_past, load_class,
+                         raised_at)
+from .check_reference import (MISTAKES, TOL, applicable_mistakes, copy_params, diagnose_by_reproduction, make_params,
+                              max_err, reference)
 from .check_stages import diagnose_by_shapes, first_differing, run_module, stage_rows
 from .check_variations import LONG_TOKENS, run_variations
 

@@ -20,6 +20,7 @@ from torch import nn
 from .check_load import ForwardArgs, forward_args
 from .check_stages import Run, run_module
 
+
 class HFStyleCache:
     """An empty cache with the part of transformers' ``Cache`` interface attention layers call:
     ``update(key_states, value_states, layer_idx, cache_kwargs=None)`` appends ``[b, h, T, hd]``

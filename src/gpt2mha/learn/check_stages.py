@@ -26,7 +26,7 @@ STAGES = ("input", "projections", "view", "transpose", "scores", "weights", "con
 #: Tolerances for "this recorded tensor is that reference stage".
 RTOL, ATOL = 1e-4, 1e-5
 
-
+#: Names of recorded operations, by what they do.
 MATMUL_OPS = ("matmul", "__matmul__", "__rmatmul__", "bmm", "einsum", "baddbmm")
 SOFTMAX_OPS = ("softmax", "_softmax")
 VIEW_OPS = ("view", "reshape", "unflatten", "split", "chunk", "unbind", "tensor_split")

@@ -12,8 +12,8 @@ import torch
 from .check_cache import cached_step, plain_kwargs
 from .check_layout import Layout, recognise_layout
 from .check_load import CONTEXT_NAMES, HEAD_ALIASES, CheckError, construct, forward_takes_past, is_count, raised_at
-from .check_reference import TOL, applicable_mistakes, copy_params, diagnose_by_reproduction, make_params, max_err, \
-    reference
+from .check_reference import (TOL, applicable_mistakes, copy_params, diagnose_by_reproduction, make_params, max_err,
+                              reference)
 from .check_stages import first_differing, run_module, stage_rows
 
 #: A second sequence length every check also runs (with the cache step): past 64, and past any
