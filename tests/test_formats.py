@@ -124,7 +124,7 @@ def test_openai_checkpoint_on_the_command_line(openai_dir, capsys):
 
 
 def test_openai_checkpoint_bpe_files_verified(openai_dir, tmp_path):
-    from gpt2mha.tokenizer import bpe_data_files
+    from gpt2mha.io.tokenizer import bpe_data_files
 
     directory, _ = openai_dir
     d = str(tmp_path / "m")
