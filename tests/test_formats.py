@@ -1,4 +1,4 @@
-"""Checkpoint formats learners have (issue 16, section 2): OpenAI's TF checkpoint directory,
+"""Checkpoint formats learners have: OpenAI's TF checkpoint directory,
 the book's GPTModel state dict, nanoGPT's ckpt.pt; loading, converting both ways, the CLI.
 
 Every checkpoint here is built from first principles by the format's own code: the TF one by
@@ -412,6 +412,25 @@ def test_check_model_points_at_a_wrong_attention(tmp_path, capsys, one_thread):
     assert "attention differs on the same input" in report["diagnosis"] and "gpt2mha check" in report["diagnosis"]
 
 
+def test_capture_points_are_the_stages_forward_hooks_and_numpy_see(one_thread):
+    """check-model reads gpt2mha at its capture points: the same stages, in the same order, as
+    forward hooks on its modules (how a learner's model is read) and as OpenAI's formulas in
+    NumPy (gpt2mha.core.reference) on the same weights, float64."""
+    from gpt2mha import GPT2Config
+    from gpt2mha.learn.compare import capture, capture_points, reference_stages
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=64, n_ctx=16, n_embd=24, n_head=3, n_layer=2, tokenizer="bytes")).double().eval()
+    idx = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    points = capture_points(model, idx)
+    hooked, _ = capture(model, idx, 2)
+    numpy = reference_stages(model.state_dict(), 3, idx)
+    assert list(points) == list(hooked) == list(numpy) and len(points) == 1 + 3 * 2 + 2
+    for name in points:
+        torch.testing.assert_close(points[name], hooked[name], atol=1e-12, rtol=0)
+        torch.testing.assert_close(points[name], numpy[name], atol=1e-10, rtol=0)
+
+
 def test_check_model_openai_against_numpy_reference(openai_dir, capsys):
     assert main(["check-model", openai_dir[0]]) == 0
     assert "gpt2mha.core.reference" in capsys.readouterr().out
@@ -427,7 +446,7 @@ def test_check_model_reports_what_cannot_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_builtin_nanogpt_reference_agrees_with_nanogpts_model(bias, one_thread):
-    """gpt2mha.nanogpt_gpt.GPT, loaded with the state dict of the nanoGPT-layout model of
+    """gpt2mha.learn.nanogpt_gpt.GPT, loaded with the state dict of the nanoGPT-layout model of
     tests/data (nanoGPT's erf GELU, bias on or off), computes what that model computes: every
     stage check-model records and the logits of both forward branches, in float64."""
     from gpt2mha.learn.compare import capture
@@ -459,7 +478,7 @@ def test_check_model_on_a_nanogpt_checkpoint_without_nanogpt(tmp_path, capsys, o
     nano_checkpoint(str(tmp_path / "ckpt.pt"), gelu="none")
     assert main(["check-model", str(tmp_path / "ckpt.pt"), "--json"]) == 1
     builtin = json.loads(capsys.readouterr().out)
-    assert builtin["reference"] == "gpt2mha.nanogpt_gpt.GPT (nanoGPT's model.py)"
+    assert builtin["reference"] == "gpt2mha.learn.nanogpt_gpt.GPT (nanoGPT's model.py)"
     assert builtin["first_diff"] == "block 0 mlp" and "exact (erf) GELU" in builtin["diagnosis"]
     assert main(["check-model", str(tmp_path / "ckpt.pt"), "--class", NANO_GPT + ":GPT", "--json"]) == 1
     independent = json.loads(capsys.readouterr().out)

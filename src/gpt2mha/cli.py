@@ -80,7 +80,7 @@ def load_model(name: str | None, dtype: str = "float32"):
 
 
 def _quantize_args(p: argparse.ArgumentParser) -> None:
-    """``--quantize``, ``--group-size``, ``--quantize-method`` and ``--calibration`` (issue 13)."""
+    """``--quantize``, ``--group-size``, ``--quantize-method`` and ``--calibration``."""
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only quantize the model after loading: int8 (one scale per output channel) or int4 "
                         "(a scale and zero per group of inputs); the LM head is int8 in both. A directory saved "
@@ -393,7 +393,8 @@ def cmd_trace(args) -> int:
 
 def cmd_heads(args) -> int:
     from .learn.heads import (ROLE_THRESHOLD, analyse_heads, check_selection, format_strongest, selected_heads,
-                          strongest_heads, top_heads, write_heads)
+                              strongest_heads, top_heads)
+    from .learn.heads_html import write_heads
 
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be at least 1")
@@ -433,7 +434,8 @@ def cmd_heads(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .learn.check import CheckError, check, format_report, parse_args
+    from .learn.check import CheckError, check, format_report
+    from .learn.check_load import parse_args
 
     if not 0 <= args.seed < 2**63:
         print(f"error: --seed={args.seed} must be an integer in [0, 2**63)\nresult: COULD NOT RUN (exit 2)",
@@ -451,7 +453,8 @@ def cmd_check(args) -> int:
 
 
 def _add_inspect_commands(sub) -> None:
-    """Parsers of ``trace``, ``heads`` and ``check`` (:mod:`gpt2mha.inspect`, :mod:`gpt2mha.check`)."""
+    """Parsers of ``trace``, ``heads`` and ``check`` (:mod:`gpt2mha.learn.trace`, :mod:`gpt2mha.learn.heads`,
+    :mod:`gpt2mha.learn.check`)."""
     tr = sub.add_parser("trace", help="print a multi-head attention forward pass stage by stage with shapes",
                         description="Walk one forward pass stage by stage, in the order to debug shapes in (input, projections, view, "
                                     "transpose, scores, weights, contexts, merged, out_proj) with each tensor's "
@@ -604,7 +607,7 @@ def cmd_check_model(args) -> int:
 
 
 def _add_formats_commands(sub) -> None:
-    """Parsers of ``convert`` and ``check-model`` (:mod:`gpt2mha.formats`)."""
+    """Parsers of ``convert`` and ``check-model`` (:mod:`gpt2mha.io.formats`, :mod:`gpt2mha.learn.compare`)."""
     cv = sub.add_parser("convert", help="convert a checkpoint (OpenAI TF dir, nanoGPT ckpt.pt, the book's GPTModel "
                                         ".pth, Hugging Face dir) to a Hugging Face dir, the book's or nanoGPT's format",
                         description="Read SRC in any supported format (detected: a Hugging Face directory; OpenAI's "
