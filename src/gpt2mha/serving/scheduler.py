@@ -234,9 +234,11 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Running/queued counts, slots, finished counts and generated tokens per second
-        (over the last :data:`RATE_WINDOW_S` seconds)."""
+        (over the last :data:`RATE_WINDOW_S` seconds). Every submitted sequence is counted in
+        exactly one of queued, running, completed, cancelled and failed (a queued one cancelled
+        stays queued until the loop's next step, which the cancel wakes)."""
         with self._cv:
-            queued = sum(not s.cancelled for s in self.waiting)
+            queued = len(self.waiting)
             self._forget_old(time.monotonic())
             running = sum(s is not None for s in self.slots)
             return dict(running=running, queued=queued, slots=self.max_batch, free_slots=self.max_batch - running,
@@ -310,33 +312,34 @@ class Scheduler:
 
     # ------------------------------------------------------------------------- the loop
     def step(self) -> None:
-        """One iteration: free cancelled slots, admit waiting sequences, one decode step."""
-        for seq in self.slots:
-            if seq is not None and seq.cancelled:
-                self._finish(seq, CANCELLED)
-        admit = []
+        """One iteration: finish cancelled sequences (running or queued), move waiting ones into
+        free slots and prefill them, one decode step.
+
+        Each move between the queue, the slots and the finished counts is made under the lock,
+        so :meth:`stats` always sees every submitted sequence in exactly one of them.
+        """
         with self._cv:
-            while self.waiting and len(admit) < self.slots.count(None):
-                seq = self.waiting.popleft()
-                if seq.cancelled:
+            for seq in self.slots:
+                if seq is not None and seq.cancelled:
                     self._finish(seq, CANCELLED)
-                else:
-                    admit.append(seq)
+            for seq in [s for s in self.waiting if s.cancelled]:
+                self.waiting.remove(seq)
+                self._finish(seq, CANCELLED)
+            admit = []
+            while self.waiting and None in self.slots:
+                seq = self.waiting.popleft()
+                seq.slot = self.slots.index(None)
+                self.slots[seq.slot] = seq
+                admit.append(seq)
         if admit:
             self._admit(admit)
-        with self._cv:                               # cancelled while waiting: out of the queue at once
-            gone = [s for s in self.waiting if s.cancelled]
-            for s in gone:
-                self.waiting.remove(s)
-        for s in gone:
-            self._finish(s, CANCELLED)
         if any(s is not None for s in self.slots):
             self._decode()
 
     def _admit(self, seqs: list[Sequence]) -> None:
-        """Give each new sequence a slot and a seed, prefill them in length groups (a group
-        whose batched forward fails is prefilled one by one, so only a sequence that fails
-        alone fails) and accept each one's first token."""
+        """Give each new sequence (already in its slot) its text stream and seed, prefill them in
+        length groups (a group whose batched forward fails is prefilled one by one, so only a
+        sequence that fails alone fails) and accept each one's first token."""
         now = time.monotonic()
         live = []
         for seq in seqs:
@@ -347,10 +350,8 @@ class Scheduler:
                 if p.max_tokens == 0:
                     self._finish(seq, LENGTH)
                     continue
-                slot = self.slots.index(None)
-                seq.slot, self.slots[slot] = slot, seq
                 seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
-                self.runner.open(slot, seed, p.temperature, p.top_k, p.top_p)
+                self.runner.open(seq.slot, seed, p.temperature, p.top_k, p.top_p)
                 live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
@@ -413,25 +414,27 @@ class Scheduler:
         return True
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> bool:
-        """Free the sequence's slot, send the rest of its text and the done event. Returns False."""
-        if seq.slot is not None:
-            self.runner.release(seq.slot)
-            self.slots[seq.slot] = None
-            seq.slot = None
-        if seq.done:
-            return False
-        if reason in (STOP, LENGTH) and seq.stream is not None:
+        """Send the rest of the sequence's text, free its slot and count it (together, under the
+        lock), then send the done event. Returns False."""
+        newly = not seq.done
+        if newly and reason in (STOP, LENGTH) and seq.stream is not None:
             delta = seq.stream.finish()
             if delta:
                 seq.on_event(seq, delta, False)
             seq.text = seq.stream.text
-        seq.finish_reason, seq.error, seq.t_end = reason, error, time.monotonic()
         with self._cv:
-            self.counts[reason] += 1
-        try:
-            seq.on_event(seq, "", True)
-        except Exception:
-            log.exception("on_event failed")
+            if seq.slot is not None:
+                self.runner.release(seq.slot)
+                self.slots[seq.slot] = None
+                seq.slot = None
+            if newly:
+                seq.finish_reason, seq.error, seq.t_end = reason, error, time.monotonic()
+                self.counts[reason] += 1
+        if newly:
+            try:
+                seq.on_event(seq, "", True)
+            except Exception:
+                log.exception("on_event failed")
         return False
 
     def _fail(self, seq: Sequence, e: Exception) -> None:
