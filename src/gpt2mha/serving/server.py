@@ -39,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..core import checks
 from .protocol import (APIError, cancelled_error, check_prompt_count, check_request, choice, encode_prompts,
                        failure, parse_request, sampling_params, sse, submit_error, usage, validation_error)
 from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown
@@ -70,6 +71,7 @@ class Relay:
         self.lock = threading.Lock()
 
     def send(self, queue: asyncio.Queue, item) -> None:
+        """Queue ``item`` for ``queue`` (from any thread); wakes the loop if none is pending."""
         with self.lock:
             self.pending.append((queue, item))
             wake = len(self.pending) == 1
@@ -78,6 +80,7 @@ class Relay:
                 self.loop.call_soon_threadsafe(self.flush)
 
     def flush(self) -> None:
+        """Move every pending item into its queue (on the loop)."""
         with self.lock:
             pending, self.pending = self.pending, []
         for queue, item in pending:
@@ -301,8 +304,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     Raises:
         ValueError: max_body_bytes < 1.
     """
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes={max_body_bytes!r} must be an integer >= 1")
+    max_body_bytes = checks.as_int(max_body_bytes, "max_body_bytes", minimum=1)
     started = [time.time()]
 
     @contextlib.asynccontextmanager
@@ -333,10 +335,12 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
 
 
 async def on_validation_error(request: Request, exc: RequestValidationError):
+    """FastAPI's own validation errors as OpenAI's 400 naming the field."""
     return validation_error(exc.errors()).response()
 
 
 async def on_api_error(request: Request, exc: APIError):
+    """An :class:`~gpt2mha.serving.protocol.APIError` as its answer, logged in one line."""
     log.info("request - status=%d param=%s error=%s", exc.status, exc.param, exc.message)
     return exc.response()
 
