@@ -6,9 +6,9 @@ the sequence in slot ``s``, from cache index 0 at its own length. The scheduler
 (:mod:`.scheduler`) decides which slot each sequence takes and asks for:
 
 - :meth:`Runner.open`: the slot's sampler (``sample_next``'s arguments and its own generator);
-- :meth:`Runner.prefill`: new prompts into their slots (:func:`prefill`: one left-padded forward
-  over a scratch cache, as :func:`gpt2mha.inference.generate.generate` runs a list of prompts,
-  then each row copied into its slot with its pads skipped), and each one's first token;
+- :meth:`Runner.prefill`: new prompts into their slots (:func:`prefill_batch`: one left-padded
+  forward over a scratch cache, as :func:`gpt2mha.inference.generate.generate` runs a list of
+  prompts, then each row copied into its slot with its pads skipped), and each one's first token;
 - :meth:`Runner.decode`: one forward over rows ``0 … n-1`` (``n`` = highest slot asked + 1), idx
   ``[n, 1]``, each row at its own position with a key mask of its own keys (the cache plans it),
   and each asked slot's next token;
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import checks
 from ..core.kv_cache import KVCache
 from ..inference.fast import for_decoding
 from ..inference.generate import left_pad
@@ -52,7 +53,7 @@ class Sampler:
         return self.temperature < MIN_TEMPERATURE
 
 
-def prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, KVCache, list[int]]:
+def prefill_batch(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, KVCache, list[int]]:
     """One forward over ``prompts``, left-padded into a batch (positions follow the mask), into a
     scratch :class:`KVCache` of their padded length.
 
@@ -68,9 +69,9 @@ def prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, KVCa
     """
     ids, mask = left_pad(prompts)                              # [B, T] each; every row ends at T
     B, T = ids.shape
-    c, p = model.config, model.wte.weight
-    cache = KVCache(c.n_layer, B, c.n_head, T, c.head_dim, dtype=p.dtype, device=device)
-    starts = [T - len(ids_) for ids_ in prompts]
+    c = model.config
+    cache = KVCache(c.n_layer, B, c.n_head, T, c.head_dim, dtype=model.wte.weight.dtype, device=device)
+    starts = [T - len(p) for p in prompts]
     padded = any(starts)
     logits = model(ids.to(device), attention_mask=mask.to(device).bool() if padded else None, cache=cache,
                    last_only=True, validate=False).logits      # [B, 1, n_vocab]
@@ -98,8 +99,9 @@ class Runner:
 
     def __init__(self, model, slots: int, vocab_size: int | None = None):
         c = model.config
-        vocab_size = c.n_vocab if vocab_size is None else vocab_size
-        if not 1 <= vocab_size <= c.n_vocab:
+        slots = checks.as_int(slots, "slots", minimum=1)
+        vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
+        if vocab_size > c.n_vocab:
             raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={c.n_vocab}]")
         self.model = model.eval()
         self.decoder = for_decoding(self.model)
@@ -112,6 +114,7 @@ class Runner:
 
     @property
     def slots(self) -> int:
+        """Rows of the cache (the most sequences decoded together)."""
         return self.cache.batch_size
 
     def open(self, slot: int, seed: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
@@ -146,7 +149,7 @@ class Runner:
         Raises:
             Exception: whatever the forward raised (nothing was written to the slots then).
         """
-        logits, scratch, starts = prefill(self.decoder, prompts, self.device)
+        logits, scratch, starts = prefill_batch(self.decoder, prompts, self.device)
         for i, slot in enumerate(slots):
             self.cache.load(slot, scratch, other_row=i, start=starts[i])
         return self._next_tokens(slots, logits, rows=range(len(slots)))
