@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from gpt2mha import CausalSelfAttention, attention_mask
-from gpt2mha.attention import combine_masks
+from gpt2mha.core.attention import combine_masks
+from gpt2mha.core.hooks import record
 
 
 def test_attention_mask_formula_all_small_sizes():
@@ -97,7 +98,9 @@ def test_past_concatenation_equals_full_pass_and_paths_agree():
         assert p2.shape == (2, 2, 4, 10 - split, 8)
         torch.testing.assert_close(torch.cat([p1, p2], -2), present_full)
         attn.attn_impl = "explicit"
-        y2e, _, w = attn(x[:, split:], past=p1, need_weights=True)
+        out = []
+        w = record(attn, ["hook_pattern"], lambda: out.append(attn(x[:, split:], past=p1)))["hook_pattern"]
+        y2e = out[0][0]
         attn.attn_impl = "sdpa"
         torch.testing.assert_close(y2e, y2, atol=1e-5, rtol=1e-5)
         assert w.shape == (2, 4, 10 - split, 10)
@@ -154,5 +157,5 @@ def test_query_with_no_allowed_key_reads_nothing_on_both_paths():
         attn.attn_impl = impl
         outs[impl] = attn(x, attn_mask=mask)[0]
     torch.testing.assert_close(outs["explicit"], outs["sdpa"], atol=1e-5, rtol=1e-5)
-    _, _, w = attn(x, attn_mask=mask, need_weights=True)
+    w = record(attn, ["hook_pattern"], lambda: attn(x, attn_mask=mask))["hook_pattern"]
     assert (w[:, :, 1] == 0).all()                       # in particular no weight on future keys

@@ -1,4 +1,4 @@
-"""The book's attention classes (gpt2mha.book) against the book itself.
+"""The book's attention classes (gpt2mha.learn.book) against the book itself.
 
 References: seed 003 (the book's chapter 3.6 listings, the running batch and the numbers they
 print), seed 001 (GPT-2 small's configuration: 768 / 768, 12 heads, context 1024, head_dim 64),

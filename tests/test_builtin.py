@@ -11,7 +11,7 @@ import torch
 
 import gpt2mha
 from gpt2mha import GPT2
-from gpt2mha.evaluate import perplexity
+from gpt2mha.train.evaluate import perplexity
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "data", "tinyshakespeare.txt")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def model():
-    import gpt2mha.checkpoints as ck
+    import gpt2mha.io.checkpoints as ck
 
     def no_network(repo_id):
         raise AssertionError(f"tried to download {repo_id}")

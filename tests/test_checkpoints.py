@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import hf_random_gpt2
 from gpt2mha import GPT2, GPT2Config
-from gpt2mha.checkpoints import CheckpointError, load_pretrained
+from gpt2mha.io.checkpoints import CheckpointError, load_pretrained
 
 
 def logits_of(model, idx):
@@ -205,7 +205,7 @@ def test_a_user_config_that_only_mentions_gpt2mha_is_not_ours(tmp_path):
 
 
 def test_local_directory_wins_over_a_builtin_name(tmp_path, monkeypatch, hf_checkpoint):
-    import gpt2mha.checkpoints as ck
+    import gpt2mha.io.checkpoints as ck
 
     hf, path = hf_checkpoint
     builtin = tmp_path / "models" / "same-name"
@@ -221,7 +221,7 @@ def test_local_directory_wins_over_a_builtin_name(tmp_path, monkeypatch, hf_chec
 def test_a_typo_of_a_builtin_name_is_named_without_asking_the_hub(monkeypatch):
     """`--model shakespeare` used to spend ~26 s retrying the hub offline before failing with no
     hint; a name close to a built-in one now fails at once and suggests it."""
-    import gpt2mha.checkpoints as ck
+    import gpt2mha.io.checkpoints as ck
 
     def no_hub(repo_id):
         raise AssertionError(f"the hub was asked for {repo_id!r}")
@@ -345,7 +345,7 @@ def test_save_pretrained_shards_that_transformers_loads(hf_checkpoint, tmp_path,
 
 
 def test_max_shard_size_values():
-    from gpt2mha.checkpoints import shard_size_bytes
+    from gpt2mha.io.checkpoints import shard_size_bytes
 
     # huggingface_hub's units (what transformers' save_pretrained takes): decimal, 1 KB = 1000 bytes
     assert [shard_size_bytes(v) for v in ("10MB", "5GB", "500KB", "1TB", 1234)] == [10**7, 5 * 10**9, 5 * 10**5,

@@ -144,7 +144,7 @@ def test_help_and_version_import_no_heavy_module(args):
 def test_package_names_load_on_first_use():
     """``import gpt2mha`` loads no torch; each public name imports its module on first access."""
     code = ("import sys, gpt2mha; assert 'torch' not in sys.modules; from gpt2mha import GPT2, KVCache, PRESETS; "
-            "import gpt2mha.model as m; assert GPT2 is m.GPT2 and 'tiny' in PRESETS; "
+            "import gpt2mha.api as m; assert GPT2 is m.GPT2 and 'tiny' in PRESETS; "
             "assert set(gpt2mha.__all__) <= set(dir(gpt2mha)); "
             "assert all(getattr(gpt2mha, n) is not None for n in gpt2mha.__all__); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=OFFLINE, timeout=120)

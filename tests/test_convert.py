@@ -1,8 +1,8 @@
-"""Exact conversions between attention layouts and between whole-model state dicts (gpt2mha.convert).
+"""Exact conversions between attention layouts and between whole-model state dicts (gpt2mha.io.convert).
 
 References: the outputs of the source module (a conversion must not change a single output),
 seed 000's column offsets for the per-head view (q at h*hd, k at n_embd + h*hd, v at
-2*n_embd + h*hd), the NumPy reference of OpenAI's formulas (gpt2mha.reference, seed 002), and
+2*n_embd + h*hd), the NumPy reference of OpenAI's formulas (gpt2mha.core.reference, seed 002), and
 transformers' GPT2LMHeadModel (its Conv1D modules and logits) for the whole-model state dicts.
 """
 
@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from gpt2mha import GPT2, GPT2Config, CausalSelfAttention, MultiHeadAttention, MultiHeadAttentionWrapper
-from gpt2mha import attention_mask, reference
-from gpt2mha.convert import (conv1d_to_linear_state_dict, fused_to_heads, fused_to_mha, heads_to_fused,
+from gpt2mha import attention_mask
+from gpt2mha.core import reference
+from gpt2mha.io.convert import (conv1d_to_linear_state_dict, fused_to_heads, fused_to_mha, heads_to_fused,
                              linear_to_conv1d_state_dict, mha_to_fused, mha_to_wrapper, wrapper_to_mha)
 
 ATOL = 1e-5  # fp32 agreement between different computations (issue 4)

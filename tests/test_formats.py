@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from gpt2mha import GPT2
-from gpt2mha.checkpoints import CheckpointError
-from gpt2mha.formats import CheckpointWarning, convert, detect_format, load_any, read_book
+from gpt2mha.io.checkpoints import CheckpointError
+from gpt2mha.io.formats import CheckpointWarning, convert, detect_format, load_any, read_book
 from gpt2mha.cli import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
@@ -124,7 +124,7 @@ def test_openai_checkpoint_on_the_command_line(openai_dir, capsys):
 
 
 def test_openai_checkpoint_bpe_files_verified(openai_dir, tmp_path):
-    from gpt2mha.tokenizer import bpe_data_files
+    from gpt2mha.io.tokenizer import bpe_data_files
 
     directory, _ = openai_dir
     d = str(tmp_path / "m")
@@ -414,7 +414,7 @@ def test_check_model_points_at_a_wrong_attention(tmp_path, capsys, one_thread):
 
 def test_check_model_openai_against_numpy_reference(openai_dir, capsys):
     assert main(["check-model", openai_dir[0]]) == 0
-    assert "gpt2mha.reference" in capsys.readouterr().out
+    assert "gpt2mha.core.reference" in capsys.readouterr().out
 
 
 def test_check_model_reports_what_cannot_run(tmp_path, capsys):
@@ -430,8 +430,8 @@ def test_builtin_nanogpt_reference_agrees_with_nanogpts_model(bias, one_thread):
     """gpt2mha.nanogpt_gpt.GPT, loaded with the state dict of the nanoGPT-layout model of
     tests/data (nanoGPT's erf GELU, bias on or off), computes what that model computes: every
     stage check-model records and the logits of both forward branches, in float64."""
-    from gpt2mha.compare import capture
-    from gpt2mha.nanogpt_gpt import GPT as BuiltinGPT, GPTConfig as BuiltinConfig
+    from gpt2mha.learn.compare import capture
+    from gpt2mha.learn.nanogpt_gpt import GPT as BuiltinGPT, GPTConfig as BuiltinConfig
 
     args = dict(n_layer=2, n_head=3, n_embd=24, block_size=16, bias=bias, vocab_size=256, dropout=0.0)
     theirs = _randomize(NanoGPT(NanoConfig(**args, gelu="none")), 3).double()
@@ -471,11 +471,11 @@ def test_check_model_on_a_nanogpt_checkpoint_without_nanogpt(tmp_path, capsys, o
 
 
 def test_check_model_takes_builtin_names_as_model_and_convert_do(capsys, one_thread):
-    from gpt2mha.formats import source_format
+    from gpt2mha.io.formats import source_format
 
     assert main(["check-model", "shakespeare-byte", "--tokens", "6"]) == 0
     out = capsys.readouterr().out
-    assert "checkpoint  shakespeare-byte (hf)" in out and "gpt2mha.reference" in out and "MATCHES (exit 0)" in out
+    assert "checkpoint  shakespeare-byte (hf)" in out and "gpt2mha.core.reference" in out and "MATCHES (exit 0)" in out
     assert source_format("someone/tiny-gpt2") == "hf" and source_format("shakespeare-byte") == "hf"
     with pytest.raises(CheckpointError, match="no such file or directory"):
         source_format("out/ckpt.pt")

@@ -5,7 +5,7 @@ import torch
 
 from conftest import assert_same_greedy
 from gpt2mha import GPT2, GPT2Config
-from gpt2mha.generate import sample_next, top_k_logits, top_p_logits
+from gpt2mha.inference.sampling import sample_next, top_k_logits, top_p_logits
 
 
 def model(seed=0):
@@ -128,7 +128,7 @@ def test_min_p_keeps_what_transformers_min_p_warper_keeps(min_p, temperature):
     renormalised softmax."""
     from transformers import MinPLogitsWarper, TemperatureLogitsWarper
 
-    from gpt2mha.generate import min_p_logits
+    from gpt2mha.inference.sampling import min_p_logits
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 200, generator=g) * 3
@@ -161,7 +161,7 @@ def test_min_p_one_is_greedy_and_bad_min_p_is_refused():
 def test_strip_padding_gives_each_row_as_its_prompt_alone_would():
     """generate on prompts of different lengths keeps the left padding (pad id 0, itself a valid
     token); strip_padding returns each row as the prompt generated alone (greedy) returns it."""
-    from gpt2mha.generate import left_pad, strip_padding
+    from gpt2mha.inference.generate import left_pad, strip_padding
 
     m = model(7)
     prompts = [[5, 6, 7, 8, 9], [0, 3], [4]]                  # a real token 0 at the start of prompt 1

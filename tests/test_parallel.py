@@ -45,7 +45,7 @@ class RecordingCache(KVCache):
 def tp_checks(rank, world, config_kwargs, greedy_steps):
     """Everything tensor-parallel on one rank: logits without/with past, with a KVCache, with a
     left-padded batch, greedy tokens, and the bytes of the parameters and of generate's cache."""
-    import gpt2mha.generate as G
+    import gpt2mha.inference.generate as G
 
     config = GPT2Config(**config_kwargs)
     full = random_model(config)
@@ -163,8 +163,8 @@ def test_heads_not_divisible_by_world_size_is_refused_before_any_work():
 def ddp_and_scoring_checks(rank, world, out_dir):
     """On each rank: distributed perplexity, DDP training (20 steps, checkpoint writes counted),
     --resume to 30, and dropout runs for a bit-identical DDP resume."""
-    import gpt2mha.train as T
-    from gpt2mha.train import TrainConfig, train
+    import gpt2mha.train.train as T
+    from gpt2mha.train.train import TrainConfig, train
 
     out = {}
     model = random_model(GPT2Config.from_preset("tiny"), seed=3)
@@ -189,8 +189,8 @@ def ddp_and_scoring_checks(rank, world, out_dir):
 
 
 def test_ddp2_training_and_scoring_equal_one_process(tmp_path):
-    from gpt2mha.evaluate import perplexity
-    from gpt2mha.train import TrainConfig, train
+    from gpt2mha.train.evaluate import perplexity
+    from gpt2mha.train.train import TrainConfig, train
 
     results = values(run_ranks(ddp_and_scoring_checks, 2, str(tmp_path), str(tmp_path), timeout=240))
 
@@ -232,8 +232,8 @@ def dying_rank(rank, world, out_dir, how):
     """Rank 1 dies (or hangs) at its 4th training batch; rank 0 must stop with a clear error."""
     import time
 
-    import gpt2mha.train as T
-    from gpt2mha.train import TrainConfig, train
+    import gpt2mha.train.train as T
+    from gpt2mha.train.train import TrainConfig, train
 
     real, calls = T.get_batch, {"n": 0}
 
@@ -347,7 +347,7 @@ def failing_rank_cli(rank, world, command, how, text_path):
     ``gpt2mha generate --tp 2`` or ``perplexity``; every rank runs the CLI's main."""
     import time
 
-    import gpt2mha.evaluate as E
+    import gpt2mha.train.evaluate as E
 
     def fail():
         if how == "dies":
@@ -457,7 +457,7 @@ def test_tp1_shard_is_the_model_itself_without_a_process_group():
 
 
 def test_ddp_global_batch_not_divisible_by_the_world_size_is_refused(tmp_path, monkeypatch):
-    from gpt2mha.train import TrainConfig, train
+    from gpt2mha.train.train import TrainConfig, train
 
     monkeypatch.setattr(parallel, "info", lambda: parallel.DistInfo(rank=0, world_size=3))
     with pytest.raises(ValueError, match=r"batch_size=4 is not divisible by the world size 3"):

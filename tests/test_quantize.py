@@ -175,7 +175,7 @@ def test_quantized_logits_track_float32(scheme, min_cos):
 @pytest.fixture(scope="module")
 def builtin():
     from gpt2mha import DEFAULT_MODEL
-    from gpt2mha.checkpoints import builtin_models
+    from gpt2mha.io.checkpoints import builtin_models
 
     if DEFAULT_MODEL not in builtin_models() or not os.path.exists(SHAKESPEARE):
         pytest.skip("the built-in model or data/tinyshakespeare.txt is not installed")

@@ -1,4 +1,4 @@
-"""The NumPy reference of OpenAI's formulas (gpt2mha.reference) against the formulas and models.
+"""The NumPy reference of OpenAI's formulas (gpt2mha.core.reference) against the formulas and models.
 
 References: the formulas of openai/gpt-2 ``src/model.py`` as seed 002 states them (mask
 ``m[i, j] = i >= j - ns + nd``, ``w·m - 1e10·(1 - m)``, max-subtracted softmax, scale
@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import gpt2mha
-from gpt2mha import GPT2, GPT2Config, CausalSelfAttention, reference
+from gpt2mha import GPT2, GPT2Config, CausalSelfAttention
+from gpt2mha.core import reference
 
 ATOL = 1e-5  # fp32 torch vs float64 NumPy (issue 4)
 

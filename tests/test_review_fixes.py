@@ -12,8 +12,8 @@ import torch
 
 from gpt2mha import GPT2, CausalSelfAttention, KVCache
 from test_robustness import small_model
-from gpt2mha.attention import attend_explicit, attend_sdpa, attention_mask
-from gpt2mha.generate import MIN_TEMPERATURE, row_seed, sample_next
+from gpt2mha.core.attention import attend_explicit, attend_sdpa, attention_mask
+from gpt2mha.inference.sampling import MIN_TEMPERATURE, row_seed, sample_next
 
 
 MODEL = small_model()
@@ -127,7 +127,9 @@ def test_explicit_core_gives_masked_keys_zero_weight_for_any_finite_scores(scale
     k = k * 0 - 1.0 if scale > 1 else k                           # q·k = -sum(q): one sign per query
     q = q.abs() * scale if scale > 1 else q                       # scores ≈ -1e12 for every key
     mask = attention_mask(4, 6)
-    a, w = attend_explicit(q, k, v, mask)
+    seen = []
+    a = attend_explicit(q, k, v, mask, hook_pattern=lambda w: seen.append(w) or w)
+    w = seen[0]
     assert (w[..., ~mask] == 0).all()
     torch.testing.assert_close(w.sum(-1), torch.ones(1, 2, 4))
     torch.testing.assert_close(a, attend_sdpa(q, k, v, mask), atol=1e-5, rtol=1e-5)
@@ -218,7 +220,7 @@ def test_untied_model_decodes_with_its_own_head():
 # ------------------------------------------------------------------ the shared train/val split
 def test_val_split_of_a_multibyte_file_is_scored_and_matches_the_trainers(tmp_path, capsys):
     from gpt2mha.cli import main, read_text
-    from gpt2mha.train import split_bytes
+    from gpt2mha.train.train import split_bytes
     path = tmp_path / "e.txt"
     path.write_text("é" * 1001, encoding="utf-8")                  # 2002 bytes: the 90% cut (1801) is mid-character
     train, val = split_bytes(path.read_bytes())
@@ -230,8 +232,8 @@ def test_val_split_of_a_multibyte_file_is_scored_and_matches_the_trainers(tmp_pa
 
 def test_non_utf8_files_get_a_hint(tmp_path):
     from gpt2mha.cli import main, read_text
-    from gpt2mha.model import GPT2Config
-    from gpt2mha.train import TrainConfig, train
+    from gpt2mha.core.model import GPT2Config
+    from gpt2mha.train.train import TrainConfig, train
     path = tmp_path / "latin1.txt"
     path.write_bytes("café au lait, ".encode("latin-1") * 50)
     with pytest.raises(ValueError, match=r"is not UTF-8 text \(byte 3: b'\\xe9'\); re-encode it first, e.g. iconv"):
@@ -244,7 +246,7 @@ def test_non_utf8_files_get_a_hint(tmp_path):
 def test_dtype_given_as_text_and_config_size_mismatch_summary(hf_checkpoint):
     import json
     import os
-    from gpt2mha.checkpoints import CheckpointError
+    from gpt2mha.io.checkpoints import CheckpointError
     _, path = hf_checkpoint
     assert GPT2.from_pretrained(path, dtype="bf16").wte.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"dtype='bf17'; expected a floating torch dtype or one of"):
@@ -268,7 +270,7 @@ def test_cli_absurd_values_are_errors_not_tracebacks(tmp_path, capsys):
     assert "is a file; expected a directory" in capsys.readouterr().err and afile.read_text() == "mine"
     assert main(["trace", "--batch", str(10**20)]) == 2
     assert "--batch=100000000000000000000 is too large for a trace" in capsys.readouterr().err
-    assert main(["check", "gpt2mha.book:MultiHeadAttention", "--seed", str(10**20)]) == 2
+    assert main(["check", "gpt2mha.learn.book:MultiHeadAttention", "--seed", str(10**20)]) == 2
     assert "--seed=100000000000000000000 must be an integer in [0, 2**63)" in capsys.readouterr().err
 
 

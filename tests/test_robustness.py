@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import assert_same_greedy
 from gpt2mha import GPT2, GPT2Config, attention_mask
-from gpt2mha.attention import combine_masks
+from gpt2mha.core.attention import combine_masks
 
 
 def small_model(seed=0, **kw):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import assert_same_greedy
 from gpt2mha import GPT2, GPT2Config, KVCache
-from gpt2mha.attention import attend_explicit, attend_sdpa, attention_mask
+from gpt2mha.core.attention import attend_explicit, attend_sdpa, attention_mask
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "data", "tinyshakespeare.txt")
 VERDICT = os.path.join(os.path.dirname(__file__), "data", "the-verdict.txt")
@@ -269,7 +269,7 @@ def test_copies_are_used_only_while_they_match_the_weights_in_use():
 def test_decoding_skips_conv1ds_without_a_weight_and_always_cleans_up():
     """A Conv1D subclass whose weight is not a tensor gets no copy (generate runs), and an
     error inside the block leaves no copy or flag behind."""
-    from gpt2mha.attention import Conv1D
+    from gpt2mha.core.attention import Conv1D
 
     class Quantised(Conv1D):
         def __init__(self, n_in, n_out):
@@ -419,7 +419,7 @@ def test_head_uses_the_tied_weight_when_gradients_flow():
 def _confident_model():
     """The built-in trained model if installed; otherwise a tiny byte model trained here."""
     from gpt2mha import DEFAULT_MODEL
-    from gpt2mha.checkpoints import builtin_models
+    from gpt2mha.io.checkpoints import builtin_models
 
     if DEFAULT_MODEL in builtin_models():
         return GPT2.from_pretrained(DEFAULT_MODEL)

@@ -7,7 +7,7 @@ import os
 
 from hypothesis import given, settings, strategies as st
 
-from gpt2mha.tokenizer import ByteTokenizer, StreamDecoder, bpe_data_files, get_tokenizer
+from gpt2mha.io.tokenizer import ByteTokenizer, StreamDecoder, bpe_data_files, get_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 

@@ -9,7 +9,7 @@ import torch
 
 from gpt2mha import GPT2, GPT2Config
 from gpt2mha.cli import main
-from gpt2mha.train import TrainConfig, lr_at, train
+from gpt2mha.train.train import TrainConfig, lr_at, train
 
 VERDICT = os.path.join(os.path.dirname(__file__), "data", "the-verdict.txt")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,7 +46,7 @@ def test_short_run_learns_saves_and_resumes(tmp_path):
 def test_ctrl_c_keeps_last_checkpoint_and_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     """Ctrl-C at step 25 leaves the step-20 checkpoint; resuming to 40 gives the same weights as
     one uninterrupted run to 40."""
-    import gpt2mha.train as T
+    import gpt2mha.train.train as T
 
     tc = TrainConfig(iters=40, batch_size=4, eval_interval=20, eval_iters=2, lr=3e-3, warmup=5, seed=3)
     cfg = GPT2Config.from_preset("tiny")
@@ -106,7 +106,7 @@ def test_resume_with_dropout_is_bit_identical_to_an_uninterrupted_run(tmp_path, 
     """Issue 12, item 11: with dropout on, Ctrl-C after the step-10 checkpoint and --resume to 20
     gives exactly the weights, losses and random states of one run to 20 (every RNG the trainer
     draws from is saved: the batch sampler and torch's CPU generator that dropout uses)."""
-    import gpt2mha.train as T
+    import gpt2mha.train.train as T
 
     tc = TrainConfig(iters=20, batch_size=4, eval_interval=10, eval_iters=2, lr=3e-3, warmup=5, seed=5)
     cfg = GPT2Config.from_preset("tiny", attn_pdrop=0.2, resid_pdrop=0.2, embd_pdrop=0.2)
@@ -141,7 +141,7 @@ def test_resume_with_dropout_is_bit_identical_to_an_uninterrupted_run(tmp_path, 
 def _interrupt_after(monkeypatch, steps):
     """Make the trainer's next run raise KeyboardInterrupt (Ctrl-C) when it draws training batch
     ``steps + 1``."""
-    import gpt2mha.train as T
+    import gpt2mha.train.train as T
 
     real, calls = T.get_batch, {"n": 0}
 

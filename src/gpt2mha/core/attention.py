@@ -57,7 +57,7 @@ def combine_masks(causal: torch.Tensor, key_padding: torch.Tensor | None) -> tor
 
     Args:
         causal: BoolTensor ``[T, S]`` (:func:`attention_mask`) or ``[B, 1, T, S]``.
-        key_padding: optional bool ``[B, S]``, True for real tokens, False for pads.
+        key_padding: optional ``[B, S]``, True/1 for real tokens, False/0 for pads.
 
     Returns:
         BoolTensor ``[T, S]`` (no padding) or ``[B, 1, T, S]``. A padding mask never switches
@@ -69,7 +69,7 @@ def combine_masks(causal: torch.Tensor, key_padding: torch.Tensor | None) -> tor
     if key_padding is None:
         return causal
     T, S = causal.shape[-2:]
-    mask = causal & key_padding[:, None, None, :]
+    mask = causal & key_padding.to(torch.bool)[:, None, None, :]
     own_key = torch.arange(T, device=causal.device)[:, None] + (S - T) == torch.arange(S, device=causal.device)
     return mask | own_key
 

@@ -111,9 +111,9 @@ def device(t: torch.Tensor, name: str, expected) -> None:
                          f"{name}.to({str(expected)!r})")
 
 
-def token_ids(idx, n_vocab: int, name: str = "idx", on=None) -> None:
+def token_ids(idx, n_vocab: int, name: str = "idx", on=None, one: str = "sequence") -> None:
     """Token ids ``[B, T]``: an int64/int32 tensor (on device ``on`` when given), B, T >= 1,
-    every id in ``[0, n_vocab)``.
+    every id in ``[0, n_vocab)``. ``one`` names a row in the hint for a 1-D tensor.
 
     Raises:
         ValueError: text or another type, a float/uint8/bool dtype, a rank other than 2, another
@@ -129,7 +129,7 @@ def token_ids(idx, n_vocab: int, name: str = "idx", on=None) -> None:
                             if idx.dtype == torch.uint8 else ""))
     if idx.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(idx.shape)}; expected [B, T]"
-                         + (" (one sequence: idx[None])" if idx.dim() == 1 else ""))
+                         + (f" (one {one}: {name}[None])" if idx.dim() == 1 else ""))
     if on is not None:
         device(idx, name, on)
     B, T = idx.shape
@@ -137,7 +137,8 @@ def token_ids(idx, n_vocab: int, name: str = "idx", on=None) -> None:
         raise ValueError(f"{name} has shape {(B, T)}; need at least one sequence and one token")
     lo, hi = int(idx.min()), int(idx.max())
     if lo < 0 or hi >= n_vocab:
-        raise ValueError(f"{name} contains token id {lo if lo < 0 else hi}, outside the vocabulary [0, n_vocab={n_vocab})")
+        raise ValueError(f"{name} contains token id {lo if lo < 0 else hi}, outside the vocabulary: expected token ids "
+                         f"in [0, n_vocab={n_vocab})")
 
 
 def like_idx(t, name: str, idx: torch.Tensor, shapes: tuple[tuple, ...], integer: bool) -> torch.Tensor:

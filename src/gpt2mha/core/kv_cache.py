@@ -81,7 +81,8 @@ class KVCache:
     def _bind(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> None:
         self.k, self.v = k, v
         self._lengths = lengths                                 # shared with the views of :meth:`rows`
-        self.layers = list(zip(k.unbind(0), v.unbind(0)))      # per layer: views [B, h, T_max, head_dim]
+        self.layers = [(k[i], v[i]) for i in range(k.shape[0])]  # per layer: views [B, h, T_max, head_dim]
+        # (one select() view each: autograd refuses in-place writes to the views unbind() returns)
 
     @property
     def lengths(self) -> list[int]:

@@ -188,8 +188,8 @@ class LMHead(nn.Module):
     computed and returned in float32 whatever the model's dtype (float64 for float64,
     :func:`logits_dtype`; under ``torch.autocast`` the autocast dtype wins).
 
-    ``weight [n_vocab, n_embd]`` is ``wte.weight`` itself when tied (GPT-2), as in transformers'
-    ``GPT2LMHeadModel``.
+    Its own ``weight [n_vocab, n_embd]`` (a model with ``tie_word_embeddings=False``); GPT-2's
+    tied head is :class:`TiedLMHead`.
     """
 
     def __init__(self, n_embd: int, n_vocab: int):
@@ -199,6 +199,23 @@ class LMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         acc = logits_dtype(self.weight.dtype)
         return F.linear(x.to(acc), self.weight.to(acc))
+
+
+class TiedLMHead(LMHead):
+    """GPT-2's head, tied to the token embedding: ``weight`` *is* ``wte.weight`` (read through a
+    reference to the embedding, not a parameter of its own, so the model's state dict holds the
+    tensor once, as ``wte.weight``, the way GPT-2 checkpoints store it).
+
+    Source: ``model`` in openai/gpt-2 ``src/model.py`` (``logits = h @ wteᵀ``).
+    """
+
+    def __init__(self, wte: nn.Embedding):
+        nn.Module.__init__(self)
+        self.__dict__["wte"] = wte                              # a reference, not a submodule
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.wte.weight
 
 
 class GPT2Output(NamedTuple):
@@ -213,8 +230,8 @@ class GPT2(nn.Module):
     """GPT-2 language model (``GPT2LMHeadModel``-compatible weights and outputs).
 
     Modules: ``wte [n_vocab, n_embd]``, ``wpe [n_ctx, n_embd]``, ``h`` (n_layer :class:`Block`),
-    ``ln_f``, ``lm_head`` (:class:`LMHead`, its weight tied to ``wte.weight`` as in GPT-2, or
-    its own with ``config.tie_word_embeddings=False``). Capture points ``hook_embed`` and
+    ``ln_f``, ``lm_head`` (:class:`TiedLMHead`, reading ``wte.weight`` as GPT-2 does, or an
+    :class:`LMHead` of its own with ``config.tie_word_embeddings=False``). Capture points ``hook_embed`` and
     ``hook_pos_embed`` ``[B, T, n_embd]``, then those of every block and ``ln_f.hook_normalized``.
 
     Args:
@@ -228,17 +245,10 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_ctx, config.n_embd)
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = LMHead(config.n_embd, config.n_vocab)
-        self.tie_weights()
+        self.lm_head = TiedLMHead(self.wte) if config.tie_word_embeddings else LMHead(config.n_embd, config.n_vocab)
         self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()
         self.init_weights()
         name_hook_points(self)
-
-    def tie_weights(self) -> None:
-        """Make ``lm_head.weight`` the very tensor ``wte.weight`` is, when the config ties them
-        (GPT-2; transformers' ``tie_weights``). Moving a model off the meta device unties them."""
-        if self.config.tie_word_embeddings and type(self.lm_head) is LMHead:
-            self.lm_head.weight = self.wte.weight
 
     def output_weight(self) -> torch.Tensor:
         """The LM head's weight ``[n_vocab, n_embd]`` (``wte.weight`` when tied)."""
@@ -299,6 +309,9 @@ class GPT2(nn.Module):
         if past_len + T > c.n_ctx:
             raise ValueError(f"idx has {T} tokens after {past_len} cached ones: {past_len + T} > n_ctx={c.n_ctx}")
         if attention_mask is not None:
+            if isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape) != (B, past_len + T):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B={B}, past + T="
+                                 f"{past_len + T}] covering the {past_len} cached and {T} new tokens")
             checks.like_idx(attention_mask, "attention_mask", idx, ((B, past_len + T),), integer=False)
         if position_ids is not None:
             checks.like_idx(position_ids, "position_ids", idx, ((B, T), (1, T), (T,)), integer=True)

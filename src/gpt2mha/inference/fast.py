@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.attention import Conv1D
-from ..core.model import LMHead, logits_dtype
+from ..core.model import LMHead, TiedLMHead, logits_dtype
 
 
 def transposed_copy(w: torch.Tensor, dtype: torch.dtype | None = None, block: int = 256) -> torch.Tensor:
@@ -106,7 +106,7 @@ def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn
             the block weights while the view lives).
     """
     def replace(path: str, m: nn.Module) -> nn.Module | None:
-        if head and type(m) is LMHead:
+        if head and type(m) in (LMHead, TiedLMHead):
             w = m.weight
             if w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype:
                 return TransposedHead(m)

@@ -161,7 +161,9 @@ def prompt_batch(idx, attention_mask, n_vocab: int, device) -> tuple[torch.Tenso
         idx, attention_mask = idx.to(device), attention_mask.to(device)
     if not isinstance(idx, torch.Tensor):
         raise ValueError(f"idx must be a [B, T] tensor of token ids or a list of prompts; got {type(idx).__name__}")
-    checks.token_ids(idx, n_vocab, on=device)
+    if idx.dim() == 2 and 0 in idx.shape:
+        raise ValueError(f"idx has shape {tuple(idx.shape)}; an empty prompt cannot be continued")
+    checks.token_ids(idx, n_vocab, on=device, one="prompt")
     if attention_mask is None:
         return idx, None
     mask = checks.like_idx(attention_mask, "attention_mask", idx, (tuple(idx.shape),), integer=False)

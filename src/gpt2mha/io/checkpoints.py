@@ -285,25 +285,11 @@ def resolve_lm_head(sd: dict[str, torch.Tensor], config: GPT2Config,
     return sd, dataclasses.replace(config, tie_word_embeddings=False)
 
 
-def state_tensors(model: GPT2) -> dict[str, torch.Tensor]:
-    """The model's state dict as a checkpoint stores it: a tied ``lm_head.weight`` (the very
-    tensor ``wte.weight`` is) appears once, as ``wte.weight``."""
-    sd = model.state_dict()
-    if model.lm_head.weight is model.wte.weight:
-        sd.pop("lm_head.weight", None)
-    return sd
-
-
 def load_into(model: GPT2, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> GPT2:
     """Fill a model built on the meta device with ``sd`` (checked by :func:`check_state_dict`):
-    real storage on the CPU, the head tied again where the config ties it, float32 values
-    converted to ``dtype``; eval mode."""
+    real storage on the CPU, float32 values converted to ``dtype``; eval mode."""
     model = model.to_empty(device="cpu")
-    model.tie_weights()
-    full = {k: v.to(torch.float32) for k, v in sd.items()}
-    if model.config.tie_word_embeddings:
-        full["lm_head.weight"] = full["wte.weight"]
-    model.load_state_dict(full, strict=True)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
     return model.to(dtype).eval()
 
 
@@ -314,7 +300,7 @@ def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> N
         CheckpointError: listing every missing, unexpected or mis-shaped tensor (with both
             shapes), a non-floating dtype, or a tensor holding NaN/inf (with its name).
     """
-    expected = state_tensors(model)
+    expected = model.state_dict()
     summary = config_mismatch(model.config, sd)
     problems = [f"missing tensor {k} {list(v.shape)}" for k, v in expected.items() if k not in sd]
     problems += [f"unexpected tensor {k} {list(v.shape)}" for k, v in sd.items() if k not in expected]
@@ -580,8 +566,8 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
         hf_config["quantization_config"] = {"quant_method": "gpt2mha", **entry}   # transformers cannot load it
     else:
         tensors = {k if k == "lm_head.weight" else f"transformer.{k}": v.detach().to(dtype).contiguous()
-                   for k, v in state_tensors(model).items()}
-    overflow = [k for k, v in state_tensors(model).items()
+                   for k, v in model.state_dict().items()}
+    overflow = [k for k, v in model.state_dict().items()
                 if v.is_floating_point() and bool(torch.isfinite(v).all()) and not bool(torch.isfinite(v.to(dtype)).all())]
     if overflow:
         raise ValueError(f"dtype={dtype} cannot hold the values of {', '.join(overflow)} (they would be stored as inf); "

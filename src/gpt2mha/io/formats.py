@@ -38,7 +38,7 @@ import warnings
 import torch
 
 from .checkpoints import (CONFIG_NAME, CheckpointError, as_dtype, builtin_models, check_state_dict, load_into,
-                          load_pretrained, save_pretrained, state_tensors)
+                          load_pretrained, save_pretrained)
 from .convert import conv1d_to_linear_state_dict, linear_to_conv1d_state_dict, strip_wrapper_prefixes
 from ..core.model import GPT2, GPT2Config
 from .tokenizer import ENCODER_JSON_SHA256, VOCAB_BPE_SHA256
@@ -452,7 +452,7 @@ def gpt2_to_book(model: GPT2) -> tuple[dict[str, torch.Tensor], dict]:
     if not c.embd_pdrop == c.attn_pdrop == c.resid_pdrop:
         raise ValueError(f"the book's GPTModel has one drop_rate; this model has embd_pdrop={c.embd_pdrop}, "
                          f"attn_pdrop={c.attn_pdrop}, resid_pdrop={c.resid_pdrop}")
-    sd, C = _state_dict(state_tensors(model)), c.n_embd
+    sd, C = _state_dict(model.state_dict()), c.n_embd
     qkv_bias = any(bool(sd[f"h.{i}.attn.c_attn.bias"].ne(0).any()) for i in range(c.n_layer))
     cfg = {"vocab_size": c.n_vocab, "context_length": c.n_ctx, "emb_dim": C, "n_heads": c.n_head,
            "n_layers": c.n_layer, "drop_rate": c.resid_pdrop, "qkv_bias": qkv_bias}
@@ -601,7 +601,7 @@ def gpt2_to_nanogpt(model: GPT2) -> dict:
     c = model.config
     if not c.tie_word_embeddings:
         raise ValueError("nanoGPT ties lm_head to wte; this model has a separate LM head (tie_word_embeddings=False)")
-    sd = _state_dict(state_tensors(model))
+    sd = _state_dict(model.state_dict())
     bias = any(bool(v.ne(0).any()) for k, v in sd.items() if k.endswith(".bias"))
     lin = conv1d_to_linear_state_dict({"transformer." + k: v for k, v in sd.items()})
     if not bias:
@@ -681,7 +681,7 @@ def load_any(src: str, dtype: torch.dtype = torch.float32, book_config: dict | N
     dtype = as_dtype(dtype)
     model, _ = read_any(src, book_config=book_config, model_cls=model_cls)
     if dtype != torch.float32:
-        overflow = [k for k, v in state_tensors(model).items() if not torch.isfinite(v.to(dtype)).all()]
+        overflow = [k for k, v in model.state_dict().items() if not torch.isfinite(v.to(dtype)).all()]
         if overflow:
             raise CheckpointError(f"{src}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
     return model.to(dtype)
