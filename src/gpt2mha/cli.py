@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-#: ``gpt2mha serve --max-body-bytes`` default (:data:`gpt2mha.serve.DEFAULT_MAX_BODY_BYTES`,
+#: ``gpt2mha serve --max-body-bytes`` default (:data:`gpt2mha.serving.server.DEFAULT_MAX_BODY_BYTES`,
 #: repeated here so the parser does not import FastAPI).
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
