@@ -10,7 +10,7 @@ Layouts (C = n_embd = d_out, h = heads, hd = head_dim = C // h):
   ``[in, out]`` used as ``x @ W + b``: ``c_attn.weight [C, 3C]`` = all q | all k | all v
   (contiguous blocks, not per-head chunks), ``c_proj.weight [C, C]``;
 * per-head view of the fused layout: head h's q, k, v columns at ``h*hd``, ``C + h*hd``,
-  ``2C + h*hd`` (seed 000).
+  ``2C + h*hd``.
 
 Every function copies (never aliases) and checks every size first, raising ValueError that
 names the tensor and both shapes. The KV caches of ``MultiHeadAttention`` and
@@ -207,7 +207,7 @@ def fused_to_mha(attn: CausalSelfAttention, context_length: int, qkv_bias: bool 
 
 # ----------------------------------------------------------------- fused <-> per-head view
 def fused_to_heads(attn: CausalSelfAttention) -> list[dict[str, torch.Tensor]]:
-    """Per-head view of GPT-2's fused attention (seed 000's column offsets).
+    """Per-head view of GPT-2's fused attention (its q | k | v column offsets).
 
     For head h (hd = head_dim, C = n_embd), in Conv1D layout (``x @ W + b``):
     ``q_weight = c_attn.weight[:, h*hd : h*hd+hd]``, ``k_weight`` at ``C + h*hd``, ``v_weight``
