@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ...core.hooks import record
-from .gptq import gptq  # noqa: F401  (re-exported: the rounding GPTQ layers use)
+
 from .linear import QuantizedHead, QuantizedLinear
 from .schemes import (ABNORMAL_ERROR, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, HEAD_SCHEME, METHODS, SCHEMES,
                       check_scheme)
