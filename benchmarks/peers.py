@@ -94,10 +94,13 @@ class Sizes:
     repeats: int = 3
     agree_tokens: int = 512           # random 124M: GPT-2 BPE tokens of held-out text
     byte_tokens: int = 32 * 256       # shakespeare-byte: held-out bytes (as the bench's built-in agreement)
+    slow: float = 20.0                # s: a first call longer than this is timed once, then the contender drops out
+    skip: tuple[str, ...] = ()        # contenders left out
 
 
 FULL = Sizes()
-QUICK = Sizes(new_tokens=32, prefill=(128,), repeats=1, agree_tokens=256, byte_tokens=8 * 256)
+QUICK = Sizes(new_tokens=16, prefill=(128,), repeats=1, agree_tokens=256, byte_tokens=8 * 256, slow=8.0,
+              skip=("llama.cpp f32", "ctranslate2 float32", "onnxruntime float32"))
 
 
 # ============================================================================ conversions
@@ -200,9 +203,8 @@ def write_gguf(hf_model, path: str, tokens: list[str], merges: list[str] | None)
         w.add_token_list(tokens)
         w.add_token_types([gguf.TokenType.CONTROL if t == "<|endoftext|>" else gguf.TokenType.NORMAL for t in tokens])
         w.add_token_merges(merges)
-        if "<|endoftext|>" in tokens:
-            w.add_bos_token_id(tokens.index("<|endoftext|>"))
-            w.add_eos_token_id(tokens.index("<|endoftext|>"))
+        w.add_add_bos_token(False)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, array in gguf_tensors(hf_model.state_dict(), c.n_layer).items():
         w.add_tensor(name, array)
     w.write_header_to_file()
@@ -586,7 +588,7 @@ def timed(log, what):
 
 
 def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merges, log, gguf_converter=None,
-                     variants=None) -> tuple[list[Contender], dict]:
+                     skip=()) -> tuple[list[Contender], dict]:
     """Convert ``hf_dir`` for each engine into ``work`` and load every contender; returns them
     (transformers float32 first) and ``{name: note}`` for those that could not run."""
     import transformers
@@ -596,7 +598,7 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
     float_bytes = dir_bytes(os.path.join(hf_dir, "model.safetensors"))
     out = [Torch(REFERENCE, hf, float_bytes, float_read_bytes(cfg), hf=True)]
     notes = {}
-    want = (lambda name: variants is None or name in variants)
+    want = (lambda name: name not in skip)
 
     if "gpt2mha" in engines:
         out.append(Torch("gpt2mha float32", GPT2.from_pretrained(hf_dir), float_bytes, float_read_bytes(cfg), hf=False))
@@ -616,6 +618,11 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
         if not os.path.isfile(f32):
             with timed(log, "GGUF f32"):
                 if gguf_converter:
+                    with open(os.path.join(hf_dir, "config.json")) as f:     # the script reads GPT-2's old key n_ctx,
+                        config = json.load(f)                                # which transformers 5 no longer writes
+                    config.setdefault("n_ctx", config["n_positions"])
+                    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+                        json.dump(config, f, indent=2)
                     subprocess.run([sys.executable, gguf_converter, hf_dir, "--outtype", "f32", "--outfile", f32],
                                    check=True, capture_output=True)
                 else:
@@ -726,30 +733,41 @@ def bits_per_token(model: AsModel, tokens: torch.Tensor) -> float:
     return nats / count / math.log(2)
 
 
-def measure_speed(contenders, cfg: GPT2Config, sizes: Sizes, settle: float, slow: float, log) -> dict:
+def measure_speed(contenders, cfg: GPT2Config, sizes: Sizes, settle: float, log) -> dict:
     """Decode tok/s at each batch, prefill seconds at each length, greedy tokens equal to the
-    reference's over the warm-up decode; ``{name: {figure: value}}`` (``"once"``: the figures
-    timed from the warm-up alone, see :func:`race`)."""
+    reference's over the warm-up decode; ``{name: {figure: value}}``. ``"once"`` lists the
+    figures timed from the warm-up alone (it took over ``sizes.slow`` s, see :func:`race`); the
+    contender then sits out the later speed figures (None), so one very slow contender cannot
+    stretch the run. The reference always runs."""
     res = {c.name: {"once": []} for c in contenders}
+    active = list(contenders)
+
+    def one(figure, fn_of, value_of):
+        t, out = race({c.name: fn_of(c) for c in active}, sizes.repeats, settle, sizes.slow)
+        for c in contenders:
+            res[c.name][figure] = value_of(t[c.name]) if c in active else None
+        for c in [c for c in active if c.name in t[None]]:
+            res[c.name]["once"].append(figure)
+            if c is not contenders[0]:
+                active.remove(c)
+        log(f"{figure}: " + ", ".join(f"{n} {v[figure]:.3g}" for n, v in res.items() if v[figure] is not None))
+        return out
+
+    for c in contenders:                                        # first-call work (lazy copies, packing) out of the way
+        for B in sizes.batches:
+            c.greedy(np.zeros((B, sizes.prompt), dtype=np.int64), 2)
+        c.first_token(np.zeros((1, 16), dtype=np.int64))
     for B in sizes.batches:
         prompt = torch.randint(0, cfg.n_vocab, (B, sizes.prompt), generator=torch.Generator().manual_seed(B)).numpy()
-        t, out = race({c.name: (lambda c=c: c.greedy(prompt, sizes.new_tokens)) for c in contenders}, sizes.repeats,
-                      settle, slow)
+        runners = [c for c in active]
+        out = one(f"decode b{B}", lambda c: (lambda: c.greedy(prompt, sizes.new_tokens)),
+                  lambda sec: B * sizes.new_tokens / sec)
         for c in contenders:
-            res[c.name][f"decode b{B}"] = B * sizes.new_tokens / t[c.name]
-            res[c.name][f"same b{B}"] = equal_prefix(out[REFERENCE], out[c.name])
-            if c.name in t[None]:
-                res[c.name]["once"].append(f"decode b{B}")
-        log(f"decode batch {B}: " + ", ".join(f"{n} {v[f'decode b{B}']:.1f}" for n, v in res.items()) + " tok/s")
+            res[c.name][f"same b{B}"] = equal_prefix(out[REFERENCE], out[c.name]) if c in runners else None
     for T in sizes.prefill:
         T = min(T, cfg.n_ctx)
         prompt = torch.randint(0, cfg.n_vocab, (1, T), generator=torch.Generator().manual_seed(T)).numpy()
-        t, _ = race({c.name: (lambda c=c: c.first_token(prompt)) for c in contenders}, sizes.repeats, settle, slow)
-        for c in contenders:
-            res[c.name][f"prefill {T}"] = t[c.name]
-            if c.name in t[None]:
-                res[c.name]["once"].append(f"prefill {T}")
-        log(f"prefill {T}: " + ", ".join(f"{n} {v[f'prefill {T}'] * 1e3:.0f}" for n, v in res.items()) + " ms")
+        one(f"prefill {T}", lambda c: (lambda: c.first_token(prompt)), lambda sec: sec)
     return res
 
 
@@ -784,8 +802,7 @@ def machine(threads: int) -> dict:
 
 
 # ============================================================================ the run
-def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, slow: float = 20.0, log=print,
-        gguf_converter=None, variants=None) -> dict:
+def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, log=print, gguf_converter=None) -> dict:
     """Build, measure, return everything (``format_report`` prints it)."""
     torch.set_num_threads(threads)
     load_start = os.getloadavg()
@@ -796,7 +813,7 @@ def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, slo
     log(f"memory bandwidth (torch.sum over 340 MB): {bandwidth / 1e9:.1f} GB/s")
     log(f"load average at start: {load_start}")
     tokens, merges = gpt2_vocab()
-    result = dict(machine=machine(threads), sizes=dataclasses.asdict(sizes), skipped=skipped, bandwidth=bandwidth, slow=slow,
+    result = dict(machine=machine(threads), sizes=dataclasses.asdict(sizes), skipped=skipped, bandwidth=bandwidth,
                   load_start=load_start, date=time.strftime("%Y-%m-%d %H:%M %Z"))
 
     # ---- the random 124M: speed, size, greedy agreement, top-1 on held-out text
@@ -806,11 +823,13 @@ def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, slo
         random_checkpoint(rand_dir, cfg, seed=0)
         write_tokenizer_files(rand_dir, tokens, merges)
     contenders, notes = build_contenders(rand_dir, os.path.join(work, "random-124M-engines"), engines, threads,
-                                         tokens, merges, log, gguf_converter, variants)
+                                         tokens, merges, log, gguf_converter, sizes.skip)
     log("contenders: " + ", ".join(c.name for c in contenders))
-    speed = measure_speed(contenders, cfg, sizes, settle, slow, log)
+    log(f"load average: {os.getloadavg()}")
+    speed = measure_speed(contenders, cfg, sizes, settle, log)
     held_out = real_text_tokens(cfg, sizes.agree_tokens, TEXT, tail=True)
     quality = measure_quality(contenders, held_out, cfg.n_ctx, bpb=False)
+    log(f"top-1 on the random 124M done; load average {os.getloadavg()}")
     rows = []
     for c in contenders:
         rows.append(dict(name=c.name, engine=c.engine, checkpoint_bytes=c.checkpoint_bytes, read_bytes=c.read_bytes,
@@ -828,10 +847,11 @@ def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, slo
     byte_notes = {}
     try:
         byte_contenders, byte_notes = build_contenders(byte_dir, os.path.join(work, f"{DEFAULT_MODEL}-engines"), engines,
-                                                       threads, byte_vocab(), None, log, None, variants)
+                                                       threads, byte_vocab(), None, log, None, sizes.skip)
         bcfg = GPT2.from_pretrained(byte_dir).config
         text = real_text_tokens(bcfg, sizes.byte_tokens, TEXT, tail=True)
         bq = measure_quality(byte_contenders, text, bcfg.n_ctx, bpb=True)
+        log(f"{DEFAULT_MODEL} quality done")
         for c in byte_contenders:
             c.close()
     except Exception as e:                                                # keep the 124M figures
@@ -880,16 +900,19 @@ def format_report(res: dict) -> str:
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in res["rows"]:
         cells = [r["name"] + (f" ({r['types']})" if r.get("types") else ""), f"{r['checkpoint_bytes'] / 1e6:.0f}"]
-        once = (lambda fig: "*" if fig in r["once"] else "")
-        cells += [f"{r[f'decode b{b}']:.1f}{once(f'decode b{b}')} ({_ratio(r[f'decode b{b}'], ref[f'decode b{b}'])})"
-                  for b in B]
-        cells += [f"{r[f'prefill {t}'] * 1e3:.0f}{once(f'prefill {t}')} "
-                  f"({_ratio(r[f'prefill {t}'], ref[f'prefill {t}'], False)})" for t in (min(t, 1024) for t in s["prefill"])]
-        cells += [f"{r[f'same b{b}']}" for b in B]
+        def speed(fig, value_of, faster_is_larger):
+            if r[fig] is None:
+                return "dropped"
+            star = "*" if fig in r["once"] else ""
+            return f"{value_of(r[fig])}{star} ({_ratio(r[fig], ref[fig], faster_is_larger)})"
+
+        cells += [speed(f"decode b{b}", lambda v: f"{v:.1f}", True) for b in B]
+        cells += [speed(f"prefill {t}", lambda v: f"{v * 1e3:.0f}", False) for t in (min(t, 1024) for t in s["prefill"])]
+        cells += ["-" if r[f"same b{b}"] is None else f"{r[f'same b{b}']}" for b in B]
         cells += [f"{r['top1_random']:.2%}" if r["top1_random"] is not None else f"- ({r['error_random']})"]
         cells += [f"{r['top1_byte']:.2%}" if r["top1_byte"] is not None else f"cannot: {r['error_byte']}",
                   f"{r['bpb_byte']:.4f}" if r["bpb_byte"] is not None else "-"]
-        if r["read_bytes"]:
+        if r["read_bytes"] and r["decode b1"]:
             gbs = r["read_bytes"] * r["decode b1"] / 1e9
             cells += [f"{r['read_bytes'] / 1e6:.0f}", f"{gbs:.1f} ({gbs * 1e9 / bandwidth:.0%})"]
         else:
@@ -901,8 +924,8 @@ def format_report(res: dict) -> str:
               f"contender for times (above 1 = faster). Top-1 and bits/byte: teacher forced over held-out text (the last "
               f"10% of data/tinyshakespeare.txt), windows of n_ctx. Weights read/token: block matrices, biases, norms "
               f"and the LM head as stored (CTranslate2: its model.bin less the position table); GB/s = that x batch-1 tok/s, "
-              f"against the larger bandwidth measured. *: the contender took over {res['slow']:.0f} s for its first call "
-              f"of that figure and was timed by that call alone."]
+              f"against the larger bandwidth measured. *: the contender took over {s['slow']:.0f} s for its first call "
+              f"of that figure and was timed by that call alone; dropped: it sat out the later speed figures after that."]
     return "\n".join(lines)
 
 
@@ -919,9 +942,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="make the random model's f32 GGUF with llama.cpp's own script from its source tree instead of "
                         "the gguf-package writer")
     p.add_argument("--settle", type=float, default=0.2, help="seconds of pause before each timed call (default 0.2)")
-    p.add_argument("--slow", type=float, default=20.0,
-                   help="a contender whose first call of a figure takes longer than this many seconds is timed by "
-                        "that call alone (default 20; keeps the run bounded)")
+    p.add_argument("--slow", type=float, default=None,
+                   help="seconds: a contender whose first call of a speed figure takes longer is timed by that call "
+                        "alone and left out of the later speed figures (default 20, --quick 8; bounds the run)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON to FILE")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -939,16 +962,20 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
+    t0 = time.time()
+
     def log(msg):
-        print(msg, file=sys.stderr, flush=True)
+        print(f"[{time.time() - t0:4.0f} s] {msg}", file=sys.stderr, flush=True)
 
     sizes = QUICK if args.quick else FULL
+    if args.slow is not None:
+        sizes = dataclasses.replace(sizes, slow=args.slow)
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
-        res = run(sizes, engines, args.threads, args.workdir, args.settle, args.slow, log, args.gguf_converter)
+        res = run(sizes, engines, args.threads, args.workdir, args.settle, log, args.gguf_converter)
     else:
         with tempfile.TemporaryDirectory(prefix="gpt2mha-peers-") as work:
-            res = run(sizes, engines, args.threads, work, args.settle, args.slow, log, args.gguf_converter)
+            res = run(sizes, engines, args.threads, work, args.settle, log, args.gguf_converter)
     print(format_report(res))
     if args.json:
         with open(args.json, "w") as f:
