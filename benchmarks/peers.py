@@ -351,80 +351,93 @@ class Torch(Contender):
 
 
 class LlamaCpp(Contender):
-    """A GGUF in llama.cpp through llama-cpp-python's bindings of its C API (``llama_decode``
-    on a batch holding every sequence, one KV cache, greedy argmax over the returned logits)."""
+    """A GGUF in llama.cpp through llama-cpp-python's bindings of its C API: ``llama_decode`` on
+    a batch that holds every sequence, greedy argmax over the logits it returns. One context per
+    batch size, as llama.cpp's defaults have it (``kv_unified`` off): one sequence of n_ctx for
+    batch 1, prefill and scoring; B sequences of 256 positions each for batch B."""
 
     engine = "llama.cpp"
     _log_callback = None
+    SEQ = 256                                                     # positions per sequence at batch > 1
 
-    def __init__(self, name, path, n_ctx, threads, read_bytes, max_batch=8):
+    def __init__(self, name, path, n_ctx, threads, read_bytes):
         import llama_cpp as L
 
         super().__init__(name, dir_bytes(path), read_bytes)
-        self.L = L
+        self.L, self.n_ctx, self.threads = L, n_ctx, threads
         self.version = getattr(L, "__version__", "?")
         if LlamaCpp._log_callback is None:                                # silence llama.cpp's load log
             LlamaCpp._log_callback = L.llama_log_callback(lambda level, text, data: None)
             L.llama_log_set(LlamaCpp._log_callback, ctypes.c_void_p(0))
             L.llama_backend_init()
-        mp = L.llama_model_default_params()
-        self.model = L.llama_model_load_from_file(path.encode(), mp)
+        self.model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
-        cp = L.llama_context_default_params()
-        self.n_ctx = cp.n_ctx = max(n_ctx, 1024)
-        cp.n_batch = self.n_batch = 1024
-        cp.n_ubatch = 512
-        cp.n_seq_max = max_batch
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.no_perf = True
-        self.ctx = L.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            raise RuntimeError(f"llama.cpp could not make a context for {path}")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
-        self.batch = L.llama_batch_init(self.n_batch, 0, max_batch)
+        self.contexts = {}                                            # n_seq → (ctx, batch, n_batch)
 
-    def _decode(self, tokens, positions, seqs, want) -> np.ndarray:
+    def _context(self, n_seq: int):
+        if n_seq not in self.contexts:
+            L = self.L
+            cp = L.llama_context_default_params()
+            cp.n_ctx = self.n_ctx if n_seq == 1 else n_seq * self.SEQ
+            cp.n_batch = self.n_ctx if n_seq == 1 else n_seq * self.SEQ
+            cp.n_ubatch = min(512, cp.n_batch)
+            cp.n_seq_max = n_seq
+            cp.n_threads = cp.n_threads_batch = self.threads
+            cp.no_perf = True
+            ctx = L.llama_init_from_model(self.model, cp)
+            if not ctx:
+                raise RuntimeError(f"llama.cpp could not make a context of {n_seq} sequence(s)")
+            self.contexts[n_seq] = (ctx, L.llama_batch_init(cp.n_batch, 0, n_seq), cp.n_batch)
+        return self.contexts[n_seq]
+
+    def _decode(self, n_seq, tokens, positions, seqs, want) -> np.ndarray:
         """One ``llama_decode`` of these entries; returns the logits of the ``want`` ones, in order."""
-        b, L = self.batch, self.L
+        L = self.L
+        ctx, b, _ = self._context(n_seq)
         n = len(tokens)
         for i in range(n):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(tokens[i]), int(positions[i]), 1, bool(want[i])
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(tokens[i]), int(positions[i]), 1, int(bool(want[i]))
             b.seq_id[i][0] = int(seqs[i])
         b.n_tokens = n
-        rc = L.llama_decode(self.ctx, b)
+        rc = L.llama_decode(ctx, b)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         rows = int(sum(bool(x) for x in want))
-        return np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(rows, self.n_vocab)).copy()
+        return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(rows, self.n_vocab)).copy()
 
-    def _clear(self):
-        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+    def _clear(self, n_seq):
+        self.L.llama_memory_clear(self.L.llama_get_memory(self._context(n_seq)[0]), True)
 
     def greedy(self, prompt, new):
         B, T = prompt.shape
-        self._clear()
-        logits = self._decode(prompt.reshape(-1), [t for _ in range(B) for t in range(T)],
+        if B > 1 and T + new > self.SEQ:
+            raise ValueError(f"prompt {T} + new {new} tokens exceed the {self.SEQ} positions of a batched sequence")
+        self._clear(B)
+        logits = self._decode(B, prompt.reshape(-1), [t for _ in range(B) for t in range(T)],
                               [s for s in range(B) for _ in range(T)], [t == T - 1 for _ in range(B) for t in range(T)])
         out = np.empty((B, new), dtype=np.int64)
         out[:, 0] = logits.argmax(-1)
         for step in range(1, new):
-            logits = self._decode(out[:, step - 1], [T + step - 1] * B, range(B), [True] * B)
+            logits = self._decode(B, out[:, step - 1], [T + step - 1] * B, range(B), [True] * B)
             out[:, step] = logits.argmax(-1)
         return out
 
     def logits(self, tokens):
-        self._clear()
+        self._clear(1)
+        n_batch = self._context(1)[2]
         rows = []
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            rows.append(self._decode(chunk, range(start, start + len(chunk)), [0] * len(chunk), [True] * len(chunk)))
+        for start in range(0, len(tokens), n_batch):
+            chunk = tokens[start:start + n_batch]
+            rows.append(self._decode(1, chunk, range(start, start + len(chunk)), [0] * len(chunk), [True] * len(chunk)))
         return np.concatenate(rows)
 
     def close(self):
         L = self.L
-        L.llama_batch_free(self.batch)
-        L.llama_free(self.ctx)
+        for ctx, batch, _ in self.contexts.values():
+            L.llama_batch_free(batch)
+            L.llama_free(ctx)
         L.llama_model_free(self.model)
 
 
