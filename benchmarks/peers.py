@@ -441,6 +441,23 @@ class LlamaCpp(Contender):
         L.llama_model_free(self.model)
 
 
+class quiet_fds:
+    """Send the process's stdout and stderr file descriptors to /dev/null for a while (native
+    code that prints past Python, like llama.cpp's quantizer)."""
+
+    def __enter__(self):
+        sys.stdout.flush(), sys.stderr.flush()
+        self.saved = [os.dup(1), os.dup(2)]
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1), os.dup2(null, 2)
+        os.close(null)
+
+    def __exit__(self, *exc):
+        for fd, saved in zip((1, 2), self.saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
 def llama_quantize(src: str, dst: str, kind: str, threads: int) -> None:
     """llama.cpp's quantizer (``llama_model_quantize``, default parameters) to ``q8_0``/``q4_0``."""
     import llama_cpp as L
@@ -448,7 +465,8 @@ def llama_quantize(src: str, dst: str, kind: str, threads: int) -> None:
     params = L.llama_model_quantize_default_params()
     params.ftype = {"q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": L.LLAMA_FTYPE_MOSTLY_Q4_0}[kind]
     params.nthread = threads
-    rc = L.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    with quiet_fds():
+        rc = L.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({kind}) returned {rc}")
 
