@@ -25,9 +25,10 @@ The contenders:
   ``onnxruntime.quantization.quantize_dynamic`` (int8 weights, per output channel).
 
 What is printed, every speed as a ratio to transformers float32 timed in the same rounds
-(contenders take turns, a, b, c, a, b, c, ...; the median of the rounds after a warm-up round; a
-pause of ``--settle`` seconds before each timed call lets the previous engine's OpenMP threads
-stop spinning on the 2 cores):
+(contenders take turns, a, b, c, a, b, c, ...; the median of the rounds, after a short warm-up
+call of each shape; a pause of ``--settle`` seconds before each timed call lets the previous
+engine's OpenMP threads stop spinning on the 2 cores; a contender whose first call of a figure
+takes over ``--slow`` seconds is timed by that call and sits out the later speed figures):
 
 * decode tokens/s, batch 1 and 8: a 4-token random prompt, 96 new greedy tokens, the prefill
   included (batch × new tokens / seconds of the whole call);
@@ -704,30 +705,26 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
 
 # ============================================================================ measuring
 def race(fns: dict, repeats: int, settle: float, slow: float) -> tuple[dict, dict]:
-    """Time each callable: one untimed call each (the warm-up, whose result is returned), then
-    ``repeats`` rounds, the contenders in turn; the median per contender. ``settle`` seconds of
-    sleep before each call (not timed) let the previous contender's worker threads go idle. A
-    contender whose warm-up took more than ``slow`` seconds is not run again: its warm-up time
-    stands as its figure (marked in ``once``), which keeps the run's length bounded.
+    """Median seconds of ``repeats`` calls of each callable, the contenders in turn (a, b, c, a,
+    b, c, ...), and the first call's results. ``settle`` seconds of sleep before each call (not
+    timed) let the previous contender's worker threads go idle. The first round counts: the
+    callers have warmed every contender up on the same shapes (:func:`measure_speed`). A
+    contender whose first call took more than ``slow`` seconds is not called again: that call's
+    time stands as its figure, which keeps the run's length bounded.
 
-    Returns ``({name: seconds}, {name: warm-up result})`` with ``once`` names under key ``None``
-    of the first dict as a set."""
-    first, outputs = {}, {}
-    for name, fn in fns.items():
-        time.sleep(settle)
-        t0 = time.perf_counter()
-        outputs[name] = fn()
-        first[name] = time.perf_counter() - t0
-    timed_fns = {n: fn for n, fn in fns.items() if first[n] <= slow}
-    times = {name: [] for name in timed_fns}
-    for _ in range(repeats):
-        for name, fn in timed_fns.items():
+    Returns ``({name: seconds, None: names timed once}, {name: first call's result})``."""
+    times, outputs = {name: [] for name in fns}, {}
+    for round_ in range(repeats):
+        for name, fn in fns.items():
+            if round_ and times[name][0] > slow:
+                continue
             time.sleep(settle)
             t0 = time.perf_counter()
-            fn()
+            out = fn()
             times[name].append(time.perf_counter() - t0)
-    medians = {n: statistics.median(times[n]) if n in timed_fns else first[n] for n in fns}
-    medians[None] = {n for n in fns if n not in timed_fns}
+            outputs.setdefault(name, out)
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    medians[None] = {n for n, t in times.items() if t[0] > slow}
     return medians, outputs
 
 
@@ -784,7 +781,7 @@ def measure_speed(contenders, cfg: GPT2Config, sizes: Sizes, settle: float, log)
         log(f"{figure}: " + ", ".join(f"{n} {v[figure]:.3g}" for n, v in res.items() if v[figure] is not None))
         return out
 
-    for c in contenders:                                        # first-call work (lazy copies, packing) out of the way
+    for c in contenders:                      # first-call work (lazy copies, packing, allocations) out of the way
         for B in sizes.batches:
             c.greedy(np.zeros((B, sizes.prompt), dtype=np.int64), 2)
         c.first_token(np.zeros((1, 16), dtype=np.int64))
@@ -950,8 +947,8 @@ def format_report(res: dict) -> str:
             cells += ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Sizes: prompt {s['prompt']} random tokens, {s['new_tokens']} new greedy tokens, batches {B}; prefill "
-              f"{s['prefill']} tokens at batch 1 (time to the first token); medians of {s['repeats']} rounds after a "
-              f"warm-up round, contenders in turn; ratios: contender / transformers float32 for tok/s, transformers / "
+              f"{s['prefill']} tokens at batch 1 (time to the first token); medians of {s['repeats']} rounds, contenders "
+              f"in turn, after a short warm-up call of each shape; ratios: contender / transformers float32 for tok/s, transformers / "
               f"contender for times (above 1 = faster). Top-1 and bits/byte: teacher forced over held-out text (the last "
               f"10% of data/tinyshakespeare.txt), windows of n_ctx. Weights read/token: block matrices, biases, norms "
               f"and the LM head as stored (CTranslate2: its model.bin less the position table); GB/s = that x batch-1 tok/s, "
