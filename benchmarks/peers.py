@@ -95,12 +95,13 @@ class Sizes:
     repeats: int = 3
     agree_tokens: int = 512           # random 124M: GPT-2 BPE tokens of held-out text
     byte_tokens: int = 32 * 256       # shakespeare-byte: held-out bytes (as the bench's built-in agreement)
-    slow: float = 20.0                # s: a first call longer than this is timed once, then the contender drops out
+    slow: float = 10.0                # s: a first call longer than this and SLOW_FACTOR x the reference's is
+                                      # timed alone, then the contender sits out the later speed figures
     skip: tuple[str, ...] = ()        # contenders left out
 
 
 FULL = Sizes()
-QUICK = Sizes(new_tokens=16, prefill=(128,), repeats=1, agree_tokens=256, byte_tokens=8 * 256, slow=8.0,
+QUICK = Sizes(new_tokens=16, prefill=(128,), repeats=1, agree_tokens=256, byte_tokens=8 * 256, slow=4.0,
               skip=("llama.cpp f32", "ctranslate2 float32", "onnxruntime float32"))
 
 
@@ -704,19 +705,27 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
 
 
 # ============================================================================ measuring
+#: A contender is "slow" for a figure when its first call takes over this many times the
+#: reference's (and over ``Sizes.slow`` seconds): see :func:`race`.
+SLOW_FACTOR = 2.0
+
+
 def race(fns: dict, repeats: int, settle: float, slow: float) -> tuple[dict, dict]:
     """Median seconds of ``repeats`` calls of each callable, the contenders in turn (a, b, c, a,
-    b, c, ...), and the first call's results. ``settle`` seconds of sleep before each call (not
-    timed) let the previous contender's worker threads go idle. The first round counts: the
-    callers have warmed every contender up on the same shapes (:func:`measure_speed`). A
-    contender whose first call took more than ``slow`` seconds is not called again: that call's
-    time stands as its figure, which keeps the run's length bounded.
+    b, c, ...), and the first call's results; the first callable is the reference. ``settle``
+    seconds of sleep before each call (not timed) let the previous contender's worker threads
+    go idle. The first round counts: the callers have warmed every contender up on the same
+    shapes (:func:`measure_speed`). A contender whose first call took over ``SLOW_FACTOR`` times
+    the reference's first call and over ``slow`` seconds is not called again: that call's time
+    stands as its figure, which keeps the run's length bounded.
 
     Returns ``({name: seconds, None: names timed once}, {name: first call's result})``."""
     times, outputs = {name: [] for name in fns}, {}
+    reference = next(iter(fns))
+    too_slow = (lambda name: name != reference and times[name][0] > max(slow, SLOW_FACTOR * times[reference][0]))
     for round_ in range(repeats):
         for name, fn in fns.items():
-            if round_ and times[name][0] > slow:
+            if round_ and too_slow(name):
                 continue
             time.sleep(settle)
             t0 = time.perf_counter()
@@ -724,7 +733,7 @@ def race(fns: dict, repeats: int, settle: float, slow: float) -> tuple[dict, dic
             times[name].append(time.perf_counter() - t0)
             outputs.setdefault(name, out)
     medians = {n: statistics.median(t) for n, t in times.items()}
-    medians[None] = {n for n, t in times.items() if t[0] > slow}
+    medians[None] = {n for n in fns if too_slow(n)}
     return medians, outputs
 
 
@@ -952,8 +961,8 @@ def format_report(res: dict) -> str:
               f"contender for times (above 1 = faster). Top-1 and bits/byte: teacher forced over held-out text (the last "
               f"10% of data/tinyshakespeare.txt), windows of n_ctx. Weights read/token: block matrices, biases, norms "
               f"and the LM head as stored (CTranslate2: its model.bin less the position table); GB/s = that x batch-1 tok/s, "
-              f"against the larger bandwidth measured. *: the contender took over {s['slow']:.0f} s for its first call "
-              f"of that figure and was timed by that call alone; dropped: it sat out the later speed figures after that."]
+              f"against the larger bandwidth measured. *: the contender's first call of that figure took over "
+              f"{SLOW_FACTOR:g}x the reference's and over {s['slow']:.0f} s, and was timed by that call alone; dropped: it sat out the later speed figures after that."]
     return "\n".join(lines)
 
 
@@ -971,8 +980,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the gguf-package writer")
     p.add_argument("--settle", type=float, default=0.2, help="seconds of pause before each timed call (default 0.2)")
     p.add_argument("--slow", type=float, default=None,
-                   help="seconds: a contender whose first call of a speed figure takes longer is timed by that call "
-                        "alone and left out of the later speed figures (default 20, --quick 8; bounds the run)")
+                   help="seconds: a contender whose first call of a speed figure takes longer, and over twice the "
+                        "reference's, is timed by that call alone and left out of the later speed figures (default "
+                        "10, --quick 4; bounds the run)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON to FILE")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
