@@ -808,11 +808,12 @@ def measure_speed(contenders, cfg: GPT2Config, sizes: Sizes, settle: float, log)
     return res
 
 
-def measure_quality(contenders, tokens: torch.Tensor, n_ctx: int, bpb: bool) -> dict:
+def measure_quality(contenders, tokens: torch.Tensor, n_ctx: int, bpb: bool, log=print) -> dict:
     """``{name: {"top1": fraction, "bpb": bits/byte}}`` against the first contender, teacher forced."""
     ref = AsModel(contenders[0], n_ctx)
     out = {}
     for c in contenders:
+        t0 = time.perf_counter()
         try:
             m = ref if c is contenders[0] else AsModel(c, n_ctx)
             out[c.name] = {"top1": top1_agreement(ref, m, tokens)}
@@ -820,6 +821,7 @@ def measure_quality(contenders, tokens: torch.Tensor, n_ctx: int, bpb: bool) -> 
                 out[c.name]["bpb"] = bits_per_token(m, tokens)
         except Exception as e:                                            # an engine that cannot score it
             out[c.name] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"  scored {c.name}: {time.perf_counter() - t0:.1f} s")
     return out
 
 
@@ -865,7 +867,7 @@ def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, log
     log(f"load average: {os.getloadavg()}")
     speed = measure_speed(contenders, cfg, sizes, settle, log)
     held_out = real_text_tokens(cfg, sizes.agree_tokens, TEXT, tail=True)
-    quality = measure_quality(contenders, held_out, cfg.n_ctx, bpb=False)
+    quality = measure_quality(contenders, held_out, cfg.n_ctx, bpb=False, log=log)
     log(f"top-1 on the random 124M done; load average {os.getloadavg()}")
     rows = []
     for c in contenders:
@@ -883,11 +885,12 @@ def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, log
         write_tokenizer_files(byte_dir, byte_vocab(), [])
     byte_notes = {}
     try:
+        log(f"{DEFAULT_MODEL}: converting and loading")
         byte_contenders, byte_notes = build_contenders(byte_dir, os.path.join(work, f"{DEFAULT_MODEL}-engines"), engines,
                                                        threads, byte_vocab(), None, log, None, sizes.skip)
         bcfg = GPT2.from_pretrained(byte_dir).config
         text = real_text_tokens(bcfg, sizes.byte_tokens, TEXT, tail=True)
-        bq = measure_quality(byte_contenders, text, bcfg.n_ctx, bpb=True)
+        bq = measure_quality(byte_contenders, text, bcfg.n_ctx, bpb=True, log=log)
         log(f"{DEFAULT_MODEL} quality done")
         for c in byte_contenders:
             c.close()
@@ -983,6 +986,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds: a contender whose first call of a speed figure takes longer, and over twice the "
                         "reference's, is timed by that call alone and left out of the later speed figures (default "
                         "10, --quick 4; bounds the run)")
+    p.add_argument("--skip", default="", metavar="NAMES",
+                   help="comma-separated contenders to leave out, e.g. 'gpt2mha int8,llama.cpp f32'")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON to FILE")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -1008,6 +1013,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     if args.slow is not None:
         sizes = dataclasses.replace(sizes, slow=args.slow)
+    skip = tuple(x.strip() for x in args.skip.split(",") if x.strip())
+    if REFERENCE in skip or "gpt2mha float32" in skip:
+        p.error(f"--skip: {REFERENCE!r} is the reference and 'gpt2mha float32' always runs")
+    sizes = dataclasses.replace(sizes, skip=sizes.skip + skip)
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
         res = run(sizes, engines, args.threads, args.workdir, args.settle, log, args.gguf_converter)
