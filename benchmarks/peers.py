@@ -82,6 +82,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "..", "data", "tinyshakespeare.txt")
 ENGINES = ("gpt2mha", "llama.cpp", "ctranslate2", "onnxruntime")
 REFERENCE = "transformers float32"
+#: Every contender besides the reference and gpt2mha float32 (``--skip`` takes these names).
+VARIANTS = ("gpt2mha int8", "gpt2mha int4", "llama.cpp f32", "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 float32",
+            "ctranslate2 int8", "onnxruntime float32", "onnxruntime int8")
 
 
 @dataclass
@@ -1014,8 +1017,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.slow is not None:
         sizes = dataclasses.replace(sizes, slow=args.slow)
     skip = tuple(x.strip() for x in args.skip.split(",") if x.strip())
-    if REFERENCE in skip or "gpt2mha float32" in skip:
-        p.error(f"--skip: {REFERENCE!r} is the reference and 'gpt2mha float32' always runs")
+    bad = [x for x in skip if x not in VARIANTS]
+    if bad:
+        p.error(f"--skip: unknown {bad}; expected some of {list(VARIANTS)} ({REFERENCE!r} and 'gpt2mha float32' "
+                f"always run)")
     sizes = dataclasses.replace(sizes, skip=sizes.skip + skip)
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
