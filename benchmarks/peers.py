@@ -629,6 +629,7 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
     (transformers float32 first) and ``{name: note}`` for those that could not run."""
     import transformers
 
+    os.makedirs(work, exist_ok=True)
     cfg = GPT2.from_pretrained(hf_dir).config
     hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="sdpa").eval()
     float_bytes = dir_bytes(os.path.join(hf_dir, "model.safetensors"))
@@ -659,8 +660,10 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
                     config.setdefault("n_ctx", config["n_positions"])
                     with open(os.path.join(hf_dir, "config.json"), "w") as f:
                         json.dump(config, f, indent=2)
-                    subprocess.run([sys.executable, gguf_converter, hf_dir, "--outtype", "f32", "--outfile", f32],
-                                   check=True, capture_output=True)
+                    done = subprocess.run([sys.executable, gguf_converter, hf_dir, "--outtype", "f32", "--outfile", f32],
+                                          capture_output=True, text=True)
+                    if done.returncode != 0:
+                        raise RuntimeError(f"--gguf-converter {gguf_converter} failed:\n{done.stderr[-2000:]}")
                 else:
                     write_gguf(hf, f32, tokens, merges)
         for kind in ("f32", "q8_0", "q4_0"):
