@@ -22,8 +22,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from gpt2mha import GPT2, GPT2Config, parallel
-from gpt2mha.train import TrainConfig, get_batch, make_optimizer
+from gpt2mha import GPT2, GPT2Config
+from gpt2mha.inference import parallel as tp
+from gpt2mha.train import distributed as parallel
+from gpt2mha.train.train import TrainConfig, get_batch, make_optimizer
 
 HERE = os.path.abspath(__file__)
 VERDICT = os.path.join(os.path.dirname(HERE), "..", "data", "the-verdict.txt")
@@ -84,7 +86,7 @@ def measure(args) -> dict:
     torch.manual_seed(0)
     model = GPT2(tp_config).eval()
     if di.world_size > 1:
-        parallel.shard_model(model)
+        tp.shard_model(model)
     out = {"decode_tok_s": decode_rate(model, args.decode_steps, args.batch, args.repeats)}
     del model
     out["train_tok_s"] = train_rate(GPT2Config.from_preset(args.train_preset), args.train_steps, args.train_batch,
@@ -103,7 +105,7 @@ def worker(args) -> None:
 
 def bytes_table(args) -> dict:
     tp_config = GPT2Config.from_preset(args.tp_preset)
-    per_token = parallel.allreduce_bytes_per_token(tp_config)
+    per_token = tp.allreduce_bytes_per_token(tp_config)
     train_model = GPT2(GPT2Config.from_preset(args.train_preset))
     return {"tp_bytes_per_token": per_token, "tp_bytes_per_step": per_token * args.batch,
             "tp_allreduces_per_step": 2 * tp_config.n_layer,
@@ -162,7 +164,7 @@ def probe_worker() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from gpt2mha.attention import CausalSelfAttention, merge_heads, split_heads
+    from gpt2mha.core.attention import CausalSelfAttention, merge_heads, split_heads
 
     parallel.init_distributed()
     rank, n = dist.get_rank(), 32
@@ -205,7 +207,7 @@ def probe_worker() -> None:
         f"(all queries, half the keys, no values); attention on it: max |y - one process| = {wrong:.2e} (wrong)")
 
     # 3. rows permuted first so each rank's q|k|v is contiguous: then Colwise + Rowwise are right
-    order = torch.cat([parallel.qkv_columns(n, 4, r, 2) for r in range(2)])
+    order = torch.cat([tp.qkv_columns(n, 4, r, 2) for r in range(2)])
     perm = nn.ModuleDict({"qkv": as_linear(attn.c_attn, order), "proj": as_linear(attn.c_proj)})
     parallelize_module(perm, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel()})
     with torch.no_grad():

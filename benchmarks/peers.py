@@ -2,7 +2,7 @@
 ``python benchmarks/peers.py [--quick] [--threads 2] [--engines NAMES] [--workdir DIR] [--json FILE]``.
 
 One random GPT-2 124M checkpoint (transformers' ``save_pretrained``, fixed seed, through
-``gpt2mha.bench.random_checkpoint``) is converted for every engine that is installed, and the
+``bench.random_checkpoint``) is converted for every engine that is installed, and the
 built-in byte-level model ``shakespeare-byte`` likewise; an engine whose package is missing is
 skipped and named. Install them with ``pip install 'gpt2mha[peers]'`` (llama-cpp-python
 compiles llama.cpp from source: about 15 minutes on 2 cores).
@@ -43,7 +43,7 @@ takes over ``--slow`` seconds is timed by that call and sits out the later speed
   cross-entropy in bits over the same windows; a window's first byte is not scored);
 * bytes of weights a batch-1 decode step reads (each block matrix and the LM head as stored,
   with biases; the embedding rows a step gathers are left out) and the GB/s that the batch-1
-  tokens/s implies, against the machine's memory bandwidth (``gpt2mha.bench.memory_bandwidth``).
+  tokens/s implies, against the machine's memory bandwidth (``bench.memory_bandwidth``).
 
 Every engine gets ``--threads`` threads (default 2). The machine (CPU model, cores, versions)
 and the load average at start and end are printed with the table.
@@ -59,7 +59,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -74,9 +73,10 @@ import torch
 import torch.nn.functional as F
 
 # gpt2mha: its public API and the bench helpers this benchmark uses, all imported here.
-from gpt2mha import GPT2, DEFAULT_MODEL, GPT2Config
-from gpt2mha.bench import hf_greedy, memory_bandwidth, random_checkpoint, real_text_tokens, step_bytes, top1_agreement
-from gpt2mha.tokenizer import bpe_data_files
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # benchmarks/bench.py, also when imported by path
+from bench import hf_greedy, memory_bandwidth, random_checkpoint, real_text_tokens, step_bytes, top1_agreement  # noqa: E402
+from gpt2mha import GPT2, DEFAULT_MODEL, GPT2Config  # noqa: E402
+from gpt2mha.io.tokenizer import bpe_data_files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "..", "data", "tinyshakespeare.txt")
@@ -751,7 +751,7 @@ def equal_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class AsModel:
-    """A contender seen as a model by :func:`gpt2mha.bench.top1_agreement`: ``config.n_ctx`` and
+    """A contender seen as a model by :func:`bench.top1_agreement`: ``config.n_ctx`` and
     ``__call__(window [1, T]) → .logits [1, T, V]``; the logits of each window are kept (the
     reference's are asked for once per contender, and bits/byte reads them again)."""
 
@@ -929,7 +929,7 @@ def format_report(res: dict) -> str:
              + ", ".join(f"{k} {x}" for k, x in v.items()),
              f"load average (1, 5, 15 min): start {', '.join(f'{x:.2f}' for x in res['load_start'])}; "
              f"end {', '.join(f'{x:.2f}' for x in res['load_end'])}",
-             f"memory bandwidth (gpt2mha.bench.memory_bandwidth, torch.sum over 340 MB, {m['threads']} threads): "
+             f"memory bandwidth (bench.memory_bandwidth, torch.sum over 340 MB, {m['threads']} threads): "
              f"{res['bandwidth'] / 1e9:.1f} GB/s at the start, {res['bandwidth_end'] / 1e9:.1f} GB/s at the end",
              ""]
     bandwidth = max(res["bandwidth"], res["bandwidth_end"])

@@ -27,8 +27,9 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from gpt2mha.bench import interleaved_medians
-from gpt2mha.quantize import int8_matmul, quantize_int4, quantize_int8
+from bench import interleaved_medians
+from gpt2mha.inference.quant.linear import int8_matmul
+from gpt2mha.inference.quant.schemes import quantize_int4, quantize_int8
 
 BLOCK_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))   # (in, out), as kernels.py
 HEAD_SHAPE = (768, 50304)   # 50257 padded to a multiple of 64: the int4 kernel needs N % 16 == 0

@@ -103,7 +103,7 @@ def test_tokenizer_files_give_the_ids_the_checkpoints_use(peers, tmp_path):
     """The vocab.json/merges.txt written beside the checkpoints (CTranslate2 and llama.cpp read
     their vocabularies from them): the byte model's tokenizer maps text to its UTF-8 bytes, and
     the GPT-2 one to the same ids as gpt2mha's tokenizer (tiktoken on OpenAI's files)."""
-    from gpt2mha.tokenizer import get_tokenizer
+    from gpt2mha.io.tokenizer import get_tokenizer
 
     text = "ROMEO: But soft, what light — ünïcode?\n"
     byte_dir, bpe_dir = tmp_path / "bytes", tmp_path / "bpe"

@@ -291,7 +291,7 @@ def test_decoding_skips_conv1ds_without_a_weight_and_always_cleans_up():
 
 
 def test_float32_conv1d_keeps_its_layout_and_copies_can_be_declined():
-    """float32 reads GPT-2's [in, out] fastest (benchmarks/kernels.py), so no copy is taken;
+    """float32 reads GPT-2's [in, out] fastest (benchmarks/weight_kernels.py), so no copy is taken;
     transpose_conv1d=False keeps a bf16 model's memory too."""
     model = small_model(seed=11)
     with model.decoding():
@@ -586,7 +586,7 @@ def test_cli_bench_rejects_unknown_sections(capsys):
 
 
 def test_kernel_survey_times_the_124m_block_matrices_in_both_layouts():
-    """benchmarks/kernels.py: the 48 matrices are 124M's (85M weights), the [out, in] set is the
+    """benchmarks/weight_kernels.py: the 48 matrices are 124M's (85M weights), the [out, in] set is the
     transpose of the [in, out] one, and a pass multiplies every matrix once (reference: x @ W)."""
     import importlib.util
 
