@@ -129,8 +129,11 @@ def test_hf_tokenizer_files_encode_and_decode_as_gpt2mha(tokenizer_dirs, name):
     assert auto.model_max_length == 1024
     if name == "bytes":
         assert auto.encode("é") == [0xC3, 0xA9] and auto.decode([0xC3, 0xA9]) == "é"
-        assert raw.get_vocab_size() == 256 and auto.eos_token_id is None and auto.bos_token_id is None
+        assert raw.get_vocab_size() == 256 and len(auto) == 256
         assert auto.decode([0xC3]) == "\ufffd" == ByteTokenizer().decode([0xC3])   # a split character, as gpt2mha
+        # NUL stands in as bos/eos for tools that need one; hidden only when special tokens are skipped
+        assert auto.eos_token_id == auto.bos_token_id == 0 and auto.pad_token_id is None
+        assert auto.decode([97, 0, 98]) == "a\x00b" and auto.decode([97, 0, 98], skip_special_tokens=True) == "ab"
     else:
         assert auto.eos_token_id == auto.bos_token_id == 50256 and len(auto) == 50257
         assert auto.decode([50256]) == "<|endoftext|>" and auto.decode([15496, 50256], skip_special_tokens=True) == "Hello"

@@ -228,8 +228,15 @@ def hf_tokenizer_files(name: str, model_max_length: int) -> dict[str, bytes]:
       token (so decoders can skip it); a program that reads it with the ``tokenizers`` library
       alone matches gpt2mha after ``tokenizer.encode_special_tokens = True``.
     - ``"bytes"``: ``tokenizer.json`` whose id of every byte ``b`` is ``b`` (a byte-level BPE with
-      the 256 one-byte tokens and no merges), no special tokens; ``tokenizer_config.json`` with
-      ``PreTrainedTokenizerFast``. ``decode(encode(text)) == text`` for any text.
+      the 256 one-byte tokens and no merges); ``tokenizer_config.json`` with
+      ``PreTrainedTokenizerFast``. ``decode(encode(text)) == text`` for any text. gpt2mha's byte
+      tokenizer has no special token, but transformers-side tools need one (lm-evaluation-harness's
+      ``hf`` model decodes ``eos_token_id`` for every generation and a BOS/EOS as the prefix of
+      every loglikelihood request, and crashes on None), so byte 0 (NUL, absent from text the
+      model reads) is named bos/eos, spelled ``"Ā"`` as the byte-level vocabulary spells byte 0.
+      Its id and text stay byte 0's (``split_special_tokens``: the text ``"Ā"`` is still its two
+      UTF-8 bytes); only ``decode(…, skip_special_tokens=True)`` (the pipeline's default) drops
+      NUL bytes. ``generation_config.json`` names no end token, so transformers never stops at it.
 
     Args:
         name: gpt2mha's tokenizer name (``GPT2Config.tokenizer``).
@@ -263,9 +270,11 @@ def _hf_tokenizer_files(name: str, model_max_length: int) -> tuple[tuple[str, by
                  "special_tokens_map.json": _json_bytes(specials)}
     elif name == "bytes":
         table = bytes_to_unicode()
-        tokenizer = _tokenizer_json({table[b]: b for b in range(256)}, [], [], use_regex=False)
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", **common,
-                  "bos_token": None, "eos_token": None, "unk_token": None, "pad_token": None}
+        nul = {"id": 0, "content": table[0], "single_word": False, "lstrip": False, "rstrip": False,
+               "normalized": False, "special": True}
+        tokenizer = _tokenizer_json({table[b]: b for b in range(256)}, [], [nul], use_regex=False)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **common, "bos_token": table[0],
+                  "eos_token": table[0], "unk_token": None, "pad_token": None, "split_special_tokens": True}
         files = {}
     else:
         raise ValueError(f"tokenizer={name!r}; expected 'gpt2' or 'bytes'")
