@@ -353,6 +353,31 @@ def test_convert_takes_builtin_names_and_refuses_quantized_sources_for_float_for
         assert not os.path.exists(dst)
 
 
+@pytest.mark.slow
+def test_converted_builtin_byte_model_generates_in_transformers_pipeline_as_gpt2mha(tmp_path, capsys):
+    """`gpt2mha convert shakespeare-byte DIR` writes a byte tokenizer transformers loads: its ids
+    are the prompt's UTF-8 bytes (a 3-byte dash included) and ``pipeline("text-generation")``'s
+    greedy continuation is the text of ``gpt2mha generate PROMPT --temperature 0`` on DIR (the
+    byte model has no end-of-text token: both run all the new tokens)."""
+    from transformers import AutoTokenizer, pipeline
+
+    from conftest import cli_continuation, greedy_margin
+
+    d, n = str(tmp_path / "byte"), 60
+    assert main(["convert", "shakespeare-byte", d]) == 0
+    assert "tokenizer.json" in capsys.readouterr().out
+    prompt = "KING RICHARD III:\nNow is the winter of our discontent \u2014 "
+    assert AutoTokenizer.from_pretrained(d).encode(prompt) == list(prompt.encode("utf-8"))
+    model = GPT2.from_pretrained(d)
+    ids = list(prompt.encode("utf-8"))
+    out = model.generate(torch.tensor([ids]), n, temperature=0)[0].tolist()
+    assert greedy_margin(model, out, len(ids)) > 1e-3          # no near-tie that rounding could flip
+    expected = cli_continuation(prompt, d, n)
+    assert expected == bytes(out[len(ids):]).decode("utf-8", errors="replace")
+    got = pipeline("text-generation", model=d)(prompt, do_sample=False, max_new_tokens=n, return_full_text=False)
+    assert got[0]["generated_text"] == expected
+
+
 # -------------------------------------------------------------------------- check-model
 BOOK_GPT = os.path.join(os.path.dirname(__file__), "data", "book_gpt.py")
 NANO_GPT = os.path.join(os.path.dirname(__file__), "data", "nanogpt_model.py")

@@ -34,6 +34,8 @@ from ..inference.quant.checkpoint import load_state, state_to_save
 #: Built-in models shipped inside the package (``gpt2mha/models/<name>/``).
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, CONFIG_NAME = "model.safetensors", "pytorch_model.bin", "config.json"
+#: transformers' generation defaults for the checkpoint (:func:`generation_config_to_hf`).
+GENERATION_CONFIG_NAME = "generation_config.json"
 #: The index of a sharded checkpoint (transformers' names): ``{"metadata": …, "weight_map":
 #: {tensor name: shard file name}}``, beside shards ``model-00001-of-00003.safetensors`` ….
 WEIGHTS_INDEX_NAME, LEGACY_WEIGHTS_INDEX_NAME = WEIGHTS_NAME + ".index.json", LEGACY_WEIGHTS_NAME + ".index.json"
@@ -111,6 +113,37 @@ def config_to_hf(config: GPT2Config) -> dict:
         "bos_token_id": eot, "eos_token_id": eot, "use_cache": True,
         "gpt2mha": {"tokenizer": config.tokenizer},
     }
+
+
+def generation_config_to_hf(config: GPT2Config) -> dict:
+    """:class:`GPT2Config` → ``generation_config.json``, the defaults transformers' ``generate``
+    and ``pipeline("text-generation")`` use with this checkpoint.
+
+    - ``eos_token_id`` / ``bos_token_id`` / ``pad_token_id``: ``<|endoftext|>`` (50256) for a
+      GPT-2 BPE model (as openai-community/gpt2's, so transformers stops there, as
+      ``gpt2mha generate --stop-at-eos`` does), none for the byte tokenizer, which has no
+      special token (transformers then always generates ``max_new_tokens``, as gpt2mha does).
+    - ``suppress_tokens``: the ids past the tokenizer's vocabulary when the model has more
+      (e.g. 50304 rows for 50257 BPE ids): gpt2mha never samples them
+      (``generate(vocab_size=…)``), so transformers must not either.
+    - greedy (``do_sample: false``) unless the caller asks for sampling.
+    """
+    from .tokenizer import tokenizer_class
+
+    tok_vocab = tokenizer_class(config.tokenizer).n_vocab
+    eot = 50256 if config.tokenizer == "gpt2" and config.n_vocab > 50256 else None
+    out = {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot, "do_sample": False}
+    if config.n_vocab > tok_vocab:
+        out["suppress_tokens"] = list(range(tok_vocab, config.n_vocab))
+    return out
+
+
+def tokenizer_fits(config: GPT2Config) -> bool:
+    """Whether the model can read every id of its tokenizer (``n_vocab`` ≥ the tokenizer's ids);
+    a smaller test model (e.g. 1000 ids with ``tokenizer="gpt2"``) gets no tokenizer files."""
+    from .tokenizer import tokenizer_class
+
+    return config.n_vocab >= tokenizer_class(config.tokenizer).n_vocab
 
 
 # ---------------------------------------------------------------------------------- weights
@@ -525,10 +558,17 @@ def shard_size_bytes(max_shard_size) -> int:
 
 
 def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
-                    dtype: torch.dtype = torch.float32, max_shard_size: int | str | None = None) -> None:
+                    dtype: torch.dtype = torch.float32, max_shard_size: int | str | None = None) -> list[str]:
     """Write ``config.json`` and ``model.safetensors`` (``transformer.``-prefixed keys; the head
     tied, or ``lm_head.weight`` with ``tie_word_embeddings: false`` for an untied model) that
-    ``GPT2LMHeadModel.from_pretrained`` loads with the same logits.
+    ``GPT2LMHeadModel.from_pretrained`` loads with the same logits, ``generation_config.json``
+    (:func:`generation_config_to_hf`) and the tokenizer files
+    (:func:`gpt2mha.tokenizer.hf_tokenizer_files`: ``tokenizer.json``, ``tokenizer_config.json``,
+    and for GPT-2 BPE ``vocab.json``, ``merges.txt``, ``special_tokens_map.json``), so
+    ``transformers.pipeline("text-generation", model=directory)`` and ``AutoTokenizer`` work on
+    the directory and tokenise as gpt2mha does. The tokenizer's name stays in ``config.json``'s
+    ``gpt2mha`` section, which is what gpt2mha reads back. A model with fewer ids than its
+    tokenizer (a test model) gets no tokenizer files.
 
     ``dtype`` is the storage dtype of the weights (float32 by default; float16 halves the file,
     as for the built-in model); loading converts back to the dtype asked for.
@@ -541,7 +581,11 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
     directory (its single file, index or shards) are removed once the new ones are written.
 
     Files are written to temporaries and renamed, so an interrupted save leaves the previous
-    checkpoint intact.
+    checkpoint intact. Tokenizer files of an earlier save that this model's tokenizer does not
+    have (e.g. ``vocab.json`` when a byte model replaces a BPE one) are removed.
+
+    Returns:
+        The paths written, ``config.json`` first.
 
     Raises:
         FileExistsError: ``directory`` is non-empty and not a gpt2mha checkpoint, unless
@@ -589,12 +633,22 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
                            indent=2, sort_keys=True) + "\n"
         _atomic_write(directory, WEIGHTS_INDEX_NAME, lambda p: _write_text(p, index))
         written = {*split.filename_to_tensors, WEIGHTS_INDEX_NAME}
+    from .tokenizer import HF_TOKENIZER_FILES, hf_tokenizer_files
+
+    extra = {GENERATION_CONFIG_NAME: json.dumps(generation_config_to_hf(model.config), indent=2) + "\n"}
+    if tokenizer_fits(model.config):
+        extra.update(hf_tokenizer_files(model.config.tokenizer, model.config.n_ctx))
+    for name, content in extra.items():
+        _atomic_write(directory, name, lambda p, content=content: _write_bytes(p, content))
     text = json.dumps(hf_config, indent=2) + "\n"
     _atomic_write(directory, CONFIG_NAME, lambda p: _write_text(p, text))
+    written |= {CONFIG_NAME, *extra}
     for name in os.listdir(directory):          # an earlier save's weights: read before, or beside, the new ones
-        if name not in written and (name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) or
+        if name not in written and (name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) or name in HF_TOKENIZER_FILES or
                                     (SHARD_PATTERN.fullmatch(name) and name.endswith(".safetensors"))):
             os.remove(os.path.join(directory, name))
+    first = [CONFIG_NAME, *sorted(n for n in written if n != CONFIG_NAME)]
+    return [os.path.join(directory, n) for n in first]
 
 
 def _atomic_write(directory: str, name: str, write) -> None:
@@ -612,3 +666,8 @@ def _atomic_write(directory: str, name: str, write) -> None:
 def _write_text(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
+
+
+def _write_bytes(path: str, content: str | bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(content.encode("utf-8") if isinstance(content, str) else content)

@@ -690,7 +690,9 @@ def load_any(src: str, dtype: torch.dtype = torch.float32, book_config: dict | N
 def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_format: str | None = None,
             book_config: dict | None = None, quantize=None) -> list[str]:
     """Read ``src`` (any of :data:`FORMATS`) and write it to ``dst`` as ``to`` (``hf``: a
-    directory ``GPT2LMHeadModel`` loads; ``book``: ``DST.pth`` + ``DST.json``; ``nanogpt``:
+    directory ``GPT2LMHeadModel`` loads, with the tokenizer and generation files that
+    transformers' ``pipeline`` and ``AutoTokenizer`` read, :func:`~gpt2mha.checkpoints.save_pretrained`;
+    ``book``: ``DST.pth`` + ``DST.json``; ``nanogpt``:
     ``ckpt.pt``). Returns the paths written.
 
     ``quantize``: a function applied to the float model before an ``hf`` directory is written
@@ -719,8 +721,7 @@ def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_for
     if to == "hf":
         if os.path.isdir(dst) and os.listdir(dst) and not overwrite:
             raise FileExistsError(f"{dst} is not empty; refusing to overwrite it (pass --overwrite / overwrite=True)")
-        save_pretrained(model, dst, overwrite=True)
-        return [os.path.join(dst, CONFIG_NAME), os.path.join(dst, "model.safetensors")]
+        return save_pretrained(model, dst, overwrite=True)
     if to == "book":
         return list(save_book(model, dst, overwrite))
     return [save_nanogpt(model, dst, overwrite)]
