@@ -506,7 +506,7 @@ def test_transformers_pipeline_generates_what_gpt2mha_generates(tmp_path, n_voca
 def test_save_pretrained_writes_the_tokenizer_of_the_model_and_removes_stale_files(tmp_path):
     from transformers import AutoTokenizer, GenerationConfig
 
-    from gpt2mha.checkpoints import save_pretrained
+    from gpt2mha.io.checkpoints import save_pretrained
 
     d = str(tmp_path / "m")
     small = dict(n_ctx=32, n_embd=16, n_head=2, n_layer=1)

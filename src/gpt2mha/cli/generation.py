@@ -108,11 +108,10 @@ def _generate_samples(args, model, tok, encoded: list[list[int]], seed: int | No
     """``--num-samples`` / several PROMPTs / ``--unconditional``: every (prompt, sample) is one
     row of a left-padded batch (OpenAI's ``sample_sequence`` with ``batch_size``; unconditional
     rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
-    line, its padding dropped by :func:`gpt2mha.tokenizer.decode_rows`; with ``--stop-at-eos`` a
+    line, its padding dropped by :func:`gpt2mha.inference.generate.decode_rows`; with ``--stop-at-eos`` a
     row ends at its first ``<|endoftext|>``."""
     from ..inference import parallel
-    from ..inference.generate import left_pad
-    from ..io.tokenizer import decode_rows
+    from ..inference.generate import decode_rows, left_pad
     from ..train import distributed
 
     rows = [ids for ids in encoded for _ in range(args.num_samples)]

@@ -134,26 +134,6 @@ def tokenizer_for(config):
     return tok
 
 
-def decode_rows(tokenizer, ids, attention_mask=None, eos_token_id: int | None = None) -> list[str]:
-    """Text of each row of ``ids [B, T]`` (e.g. ``generate``'s output) without its left padding.
-
-    Args:
-        ids: ``[B, T]`` token ids.
-        attention_mask: ``[B, T_mask]`` with ``T_mask <= T``, 1 for real tokens and 0 for pads
-            over the first ``T_mask`` columns (the padded prompts, as :func:`gpt2mha.generate.left_pad`
-            returns it); the columns after it (generated tokens) are all real. None: no padding.
-        eos_token_id: end each row at the first generated token equal to it (kept).
-
-    Raises:
-        ValueError: ``attention_mask`` rows or columns that do not fit ``ids``
-            (:func:`gpt2mha.generate.strip_padding`).
-    """
-    from .generate import strip_padding
-
-    return [tokenizer.decode(row) for row in strip_padding(ids, attention_mask=attention_mask,
-                                                           eos_token_id=eos_token_id)]
-
-
 # ------------------------------------------------------------- files transformers loads
 #: The tokenizer files :func:`hf_tokenizer_files` may write into a checkpoint directory
 #: (transformers' names); a save removes those of an earlier save that the new tokenizer lacks.
