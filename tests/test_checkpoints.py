@@ -471,7 +471,7 @@ def test_transformers_pipeline_generates_what_gpt2mha_generates(tmp_path, n_voca
     from transformers import AutoTokenizer, pipeline
 
     from conftest import cli_continuation, greedy_margin
-    from gpt2mha.tokenizer import get_tokenizer
+    from gpt2mha.io.tokenizer import get_tokenizer
 
     tok, n = get_tokenizer("gpt2"), 12
     model = random_bpe_model(n_vocab)

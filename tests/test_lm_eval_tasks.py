@@ -18,7 +18,7 @@ import torch
 
 from conftest import greedy_margin
 from gpt2mha import GPT2
-from gpt2mha.formats import convert
+from gpt2mha.io.formats import convert
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join("tests", "data", "lm_eval")        # data_files in the YAMLs are relative to the repo root

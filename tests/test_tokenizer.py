@@ -98,7 +98,7 @@ def tiktoken_gpt2():
 @pytest.fixture(scope="module")
 def tokenizer_dirs(tmp_path_factory):
     """{name: a directory holding only hf_tokenizer_files(name, 1024)}."""
-    from gpt2mha.tokenizer import hf_tokenizer_files
+    from gpt2mha.io.tokenizer import hf_tokenizer_files
 
     out = {}
     for name in ("gpt2", "bytes"):
@@ -167,7 +167,7 @@ def test_hf_vocab_and_merges_are_openais_files(tokenizer_dirs):
     import tiktoken_ext.openai_public as openai_public
     from transformers.convert_slow_tokenizer import bytes_to_unicode as hf_bytes_to_unicode
 
-    from gpt2mha.tokenizer import bytes_to_unicode
+    from gpt2mha.io.tokenizer import bytes_to_unicode
 
     source = inspect.getsource(openai_public.gpt2)
     for file in ("vocab.json", "merges.txt"):
@@ -178,7 +178,7 @@ def test_hf_vocab_and_merges_are_openais_files(tokenizer_dirs):
 
 
 def test_hf_tokenizer_files_refuse_unknown_name_and_modified_bpe_files(tmp_path, monkeypatch):
-    import gpt2mha.tokenizer as tk
+    import gpt2mha.io.tokenizer as tk
 
     with pytest.raises(ValueError, match="tokenizer='sentencepiece'; expected 'gpt2' or 'bytes'"):
         tk.hf_tokenizer_files("sentencepiece", 1024)

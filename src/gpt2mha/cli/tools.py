@@ -306,7 +306,7 @@ def cmd_serve(args) -> int:
 
 
 def _add_serve_command(sub) -> None:
-    """Parser of ``serve`` (:mod:`gpt2mha.serve`, :mod:`gpt2mha.scheduler`)."""
+    """Parser of ``serve`` (:mod:`gpt2mha.serving`)."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions) with continuous batching",
                        formatter_class=DefaultsHelpFormatter,
                        description="Serve the model over HTTP in the OpenAI completions format: POST /v1/completions "

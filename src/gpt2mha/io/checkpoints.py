@@ -25,10 +25,16 @@ import re
 import tempfile
 
 import torch
+import huggingface_hub
+from huggingface_hub import constants, split_torch_state_dict_into_shards
+from huggingface_hub.errors import EntryNotFoundError
+from huggingface_hub.serialization._base import parse_size_to_int
+from safetensors.torch import load_file, save_file
 
 from ..core.model import GPT2, GPT2Config
-from .state_dicts import CheckpointError, as_dtype, check_state_dict, load_into, normalize_keys, resolve_lm_head
 from ..inference.quant.checkpoint import load_state, state_to_save
+from .state_dicts import CheckpointError, as_dtype, check_state_dict, load_into, normalize_keys, resolve_lm_head
+from .tokenizer import HF_TOKENIZER_FILES, hf_tokenizer_files, tokenizer_class
 
 #: Built-in models shipped inside the package (``gpt2mha/models/<name>/``).
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
@@ -124,8 +130,6 @@ def generation_config_to_hf(config: GPT2Config) -> dict:
       (``generate(vocab_size=…)``), so transformers must not either.
     - greedy (``do_sample: false``) unless the caller asks for sampling.
     """
-    from .tokenizer import tokenizer_class
-
     tok_vocab = tokenizer_class(config.tokenizer).n_vocab
     eot = 50256 if config.tokenizer == "gpt2" and config.n_vocab > 50256 else None
     out = {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot, "do_sample": False}
@@ -137,8 +141,6 @@ def generation_config_to_hf(config: GPT2Config) -> dict:
 def tokenizer_fits(config: GPT2Config) -> bool:
     """Whether the model can read every id of its tokenizer (``n_vocab`` ≥ the tokenizer's ids);
     a smaller test model (e.g. 1000 ids with ``tokenizer="gpt2"``) gets no tokenizer files."""
-    from .tokenizer import tokenizer_class
-
     return config.n_vocab >= tokenizer_class(config.tokenizer).n_vocab
 
 
@@ -150,7 +152,6 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
         CheckpointError: truncated/corrupt file, or a pickle that would run code.
     """
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
         try:
             return load_file(path)
         except Exception as e:  # safetensors raises its own SafetensorError on bad headers/lengths
@@ -311,8 +312,6 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     import socket
     from urllib.parse import urlparse
 
-    from huggingface_hub import constants
-
     url = urlparse(constants.ENDPOINT)
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
@@ -333,23 +332,20 @@ def download(repo_id: str) -> str:
         CheckpointError: the download fails (offline and not cached, unknown repo), with how to
             use a local copy.
     """
-    from huggingface_hub import constants, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
     offline = bool(constants.HF_HUB_OFFLINE)
     local_only = offline or not hub_reachable()
     try:
-        config_path = hf_hub_download(repo_id, CONFIG_NAME, local_files_only=local_only)
+        config_path = huggingface_hub.hf_hub_download(repo_id, CONFIG_NAME, local_files_only=local_only)
         for name in WEIGHTS_FILES:                 # offline, a file not cached is EntryNotFoundError's subclass
             try:
-                path = hf_hub_download(repo_id, name, local_files_only=local_only)
+                path = huggingface_hub.hf_hub_download(repo_id, name, local_files_only=local_only)
             except EntryNotFoundError:
                 if name == WEIGHTS_FILES[-1]:
                     raise
                 continue
             if name.endswith(".index.json"):      # then every shard it names
                 for shard in dict.fromkeys(_weight_map(path).values()):
-                    hf_hub_download(repo_id, shard, local_files_only=local_only)
+                    huggingface_hub.hf_hub_download(repo_id, shard, local_files_only=local_only)
             break
     except CheckpointError:
         raise
@@ -429,8 +425,6 @@ def shard_size_bytes(max_shard_size) -> int:
     Raises:
         ValueError: naming the value: not an int or such a string, or not positive.
     """
-    from huggingface_hub.serialization._base import parse_size_to_int
-
     if isinstance(max_shard_size, str):
         try:
             size = parse_size_to_int(max_shard_size)
@@ -451,7 +445,7 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
     tied, or ``lm_head.weight`` with ``tie_word_embeddings: false`` for an untied model) that
     ``GPT2LMHeadModel.from_pretrained`` loads with the same logits, ``generation_config.json``
     (:func:`generation_config_to_hf`) and the tokenizer files
-    (:func:`gpt2mha.tokenizer.hf_tokenizer_files`: ``tokenizer.json``, ``tokenizer_config.json``,
+    (:func:`gpt2mha.io.tokenizer.hf_tokenizer_files`: ``tokenizer.json``, ``tokenizer_config.json``,
     and for GPT-2 BPE ``vocab.json``, ``merges.txt``, ``special_tokens_map.json``), so
     ``transformers.pipeline("text-generation", model=directory)`` and ``AutoTokenizer`` work on
     the directory and tokenise as gpt2mha does. The tokenizer's name stays in ``config.json``'s
@@ -482,8 +476,6 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
             does not fit in ``dtype`` (e.g. a value beyond float16's ±65504 would be stored as
             inf); nothing is written then.
     """
-    from safetensors.torch import save_file
-
     if os.path.isdir(directory) and os.listdir(directory) and not (overwrite or is_checkpoint_dir(directory)):
         raise FileExistsError(f"{directory} is not empty and is not a gpt2mha checkpoint; refusing to write into it "
                               f"(choose another directory or pass overwrite=True)")
@@ -491,38 +483,9 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
         raise ValueError(f"dtype={dtype} must be a floating-point torch dtype")
     shard_size = None if max_shard_size is None else shard_size_bytes(max_shard_size)
     hf_config = config_to_hf(model.config)
-    if getattr(model, "quantization", None):                     # int8/int4 weights stored as they are
-        tensors, entry = state_to_save(model, dtype)
-        tensors = {f"transformer.{k}": v for k, v in tensors.items()}
-        hf_config["gpt2mha"]["quantization"] = entry
-        hf_config["quantization_config"] = {"quant_method": "gpt2mha", **entry}   # transformers cannot load it
-    else:
-        tensors = {k if k == "lm_head.weight" else f"transformer.{k}": v.detach().to(dtype).contiguous()
-                   for k, v in model.state_dict().items()}
-    overflow = [k for k, v in model.state_dict().items()
-                if v.is_floating_point() and bool(torch.isfinite(v).all()) and not bool(torch.isfinite(v.to(dtype)).all())]
-    if overflow:
-        raise ValueError(f"dtype={dtype} cannot hold the values of {', '.join(overflow)} (they would be stored as inf); "
-                         f"save in float32 or bfloat16. Nothing was written.")
+    tensors = _tensors_to_save(model, dtype, hf_config)
     os.makedirs(directory, exist_ok=True)
-    split = None
-    if shard_size is not None:
-        from huggingface_hub import split_torch_state_dict_into_shards
-        split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
-                                                   max_shard_size=shard_size)
-    if split is None or not split.is_sharded:
-        _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-        written = {WEIGHTS_NAME}
-    else:
-        for name, names in split.filename_to_tensors.items():
-            _atomic_write(directory, name, lambda p, names=names: save_file({n: tensors[n] for n in names}, p,
-                                                                            metadata={"format": "pt"}))
-        index = json.dumps({"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename},
-                           indent=2, sort_keys=True) + "\n"
-        _atomic_write(directory, WEIGHTS_INDEX_NAME, lambda p: _write_text(p, index))
-        written = {*split.filename_to_tensors, WEIGHTS_INDEX_NAME}
-    from .tokenizer import HF_TOKENIZER_FILES, hf_tokenizer_files
-
+    written = _write_weights(directory, tensors, shard_size)
     extra = {GENERATION_CONFIG_NAME: json.dumps(generation_config_to_hf(model.config), indent=2) + "\n"}
     if tokenizer_fits(model.config):
         extra.update(hf_tokenizer_files(model.config.tokenizer, model.config.n_ctx))
@@ -537,6 +500,48 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
             os.remove(os.path.join(directory, name))
     first = [CONFIG_NAME, *sorted(n for n in written if n != CONFIG_NAME)]
     return [os.path.join(directory, n) for n in first]
+
+
+def _tensors_to_save(model: GPT2, dtype: torch.dtype, hf_config: dict) -> dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` stores, by transformers' names; a quantized model's as
+    stored for its kernels (its entry goes into ``hf_config``).
+
+    Raises:
+        ValueError: a weight that ``dtype`` cannot hold (nothing is written then).
+    """
+    if getattr(model, "quantization", None):                     # int8/int4 weights stored as they are
+        tensors, entry = state_to_save(model, dtype)
+        tensors = {f"transformer.{k}": v for k, v in tensors.items()}
+        hf_config["gpt2mha"]["quantization"] = entry
+        hf_config["quantization_config"] = {"quant_method": "gpt2mha", **entry}   # transformers cannot load it
+    else:
+        tensors = {k if k == "lm_head.weight" else f"transformer.{k}": v.detach().to(dtype).contiguous()
+                   for k, v in model.state_dict().items()}
+    overflow = [k for k, v in model.state_dict().items()
+                if v.is_floating_point() and bool(torch.isfinite(v).all()) and not bool(torch.isfinite(v.to(dtype)).all())]
+    if overflow:
+        raise ValueError(f"dtype={dtype} cannot hold the values of {', '.join(overflow)} (they would be stored as inf); "
+                         f"save in float32 or bfloat16. Nothing was written.")
+    return tensors
+
+
+def _write_weights(directory: str, tensors: dict[str, torch.Tensor], shard_size: int | None) -> set[str]:
+    """``model.safetensors``, or shards and their index as transformers writes them
+    (huggingface_hub's ``split_torch_state_dict_into_shards``); returns the names written."""
+    split = None
+    if shard_size is not None:
+        split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                                   max_shard_size=shard_size)
+    if split is None or not split.is_sharded:
+        _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        return {WEIGHTS_NAME}
+    for name, names in split.filename_to_tensors.items():
+        _atomic_write(directory, name, lambda p, names=names: save_file({n: tensors[n] for n in names}, p,
+                                                                        metadata={"format": "pt"}))
+    index = json.dumps({"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename},
+                       indent=2, sort_keys=True) + "\n"
+    _atomic_write(directory, WEIGHTS_INDEX_NAME, lambda p: _write_text(p, index))
+    return {*split.filename_to_tensors, WEIGHTS_INDEX_NAME}
 
 
 def _atomic_write(directory: str, name: str, write) -> None:

@@ -2,11 +2,11 @@
 
 Layouts (C = n_embd = d_out, h = heads, hd = head_dim = C // h):
 
-* per-head wrapper: :class:`~gpt2mha.book.MultiHeadAttentionWrapper`, head i owns
+* per-head wrapper: :class:`~gpt2mha.learn.book.MultiHeadAttentionWrapper`, head i owns
   ``W_query/W_key/W_value.weight [hd, d_in]`` (nn.Linear ``[out, in]``), no output projection;
-* weight split: :class:`~gpt2mha.book.MultiHeadAttention`, ``W_query/W_key/W_value.weight
+* weight split: :class:`~gpt2mha.learn.book.MultiHeadAttention`, ``W_query/W_key/W_value.weight
   [C, d_in]`` whose rows ``i*hd … (i+1)*hd - 1`` are head i, ``out_proj.weight [C, C]``;
-* fused: :class:`~gpt2mha.attention.CausalSelfAttention` (GPT-2, seeds 000/002), Conv1D
+* fused: :class:`~gpt2mha.core.attention.CausalSelfAttention` (GPT-2), Conv1D
   ``[in, out]`` used as ``x @ W + b``: ``c_attn.weight [C, 3C]`` = all q | all k | all v
   (contiguous blocks, not per-head chunks), ``c_proj.weight [C, C]``;
 * per-head view of the fused layout: head h's q, k, v columns at ``h*hd``, ``C + h*hd``,

@@ -144,7 +144,7 @@ def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_for
             book_config: dict | None = None, quantize=None) -> list[str]:
     """Read ``src`` (any of :data:`FORMATS`) and write it to ``dst`` as ``to`` (``hf``: a
     directory ``GPT2LMHeadModel`` loads, with the tokenizer and generation files that
-    transformers' ``pipeline`` and ``AutoTokenizer`` read, :func:`~gpt2mha.checkpoints.save_pretrained`;
+    transformers' ``pipeline`` and ``AutoTokenizer`` read, :func:`~gpt2mha.io.checkpoints.save_pretrained`;
     ``book``: ``DST.pth`` + ``DST.json``; ``nanogpt``:
     ``ckpt.pt``). Returns the paths written.
 

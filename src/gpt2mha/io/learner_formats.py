@@ -219,7 +219,7 @@ def nanogpt_to_gpt2(ckpt: dict, source: str = "ckpt.pt") -> tuple[dict[str, torc
 
     ``_orig_mod.``/``module.`` prefixes are stripped, the causal-mask buffers ``attn.bias``
     (nanoGPT without flash attention) dropped, the four nn.Linear weights per block transposed
-    (:func:`~gpt2mha.convert.linear_to_conv1d_state_dict`), and with ``bias=False`` every
+    (:func:`~gpt2mha.io.convert.linear_to_conv1d_state_dict`), and with ``bias=False`` every
     bias is zeros. ``block_size`` → n_ctx; ``vocab_size`` (e.g. 50304, padded) → n_vocab.
 
     Raises:

@@ -65,7 +65,7 @@ def openai_variables(config: GPT2Config) -> dict[str, tuple[str, tuple]]:
 
 def verify_bpe_files(directory: str) -> tuple[str, str] | None:
     """``(encoder.json, vocab.bpe)`` paths in ``directory`` after checking their sha256 against
-    OpenAI's (the hashes :mod:`gpt2mha.tokenizer` checks); None when the directory has neither.
+    OpenAI's (the hashes :mod:`gpt2mha.io.tokenizer` checks); None when the directory has neither.
 
     Raises:
         CheckpointError: only one of the two, or a file whose hash differs (a modified

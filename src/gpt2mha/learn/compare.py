@@ -273,8 +273,8 @@ def check_model(src: str, cls: str | None = None, fmt: str | None = None, book_c
     """Compare the learner's model (or the format's reference) with gpt2mha on ``src``'s weights.
 
     Args:
-        src: a checkpoint any :mod:`gpt2mha.formats` reader takes, a built-in model name or a
-            hub id (as ``--model``; :func:`gpt2mha.formats.source_format`).
+        src: a checkpoint any :mod:`gpt2mha.io.formats` reader takes, a built-in model name or a
+            hub id (as ``--model``; :func:`gpt2mha.io.formats.source_format`).
         cls: ``FILE.py:Class`` of the learner's model (book, nanoGPT checkpoints); None: the
             format's reference (see the module docstring).
         batch, tokens: the random ids ``[batch, min(tokens, n_ctx)]``, drawn with ``seed``.

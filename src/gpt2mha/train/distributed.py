@@ -189,12 +189,12 @@ def barrier() -> None:
 
 
 def perplexity(model, text: str, stride: int | None = None):
-    """:func:`gpt2mha.evaluate.perplexity` with the strided windows dealt round-robin over the
+    """:func:`gpt2mha.train.evaluate.perplexity` with the strided windows dealt round-robin over the
     ranks (rank r scores windows r, r+N, …); the summed nats and token counts are all-reduced in
     float64, so every rank returns the single-process figure (up to summation order, ~1e-15).
 
     Raises:
-        ValueError: as :func:`gpt2mha.evaluate.perplexity`.
+        ValueError: as :func:`gpt2mha.train.evaluate.perplexity`.
     """
     ids, stride = encode_for_scoring(model, text, stride)
     ids = ids.to(next(model.parameters()).device)

@@ -37,7 +37,7 @@ def perplexity(model, text: str, stride: int | None = None) -> PerplexityResult:
     """Score ``text`` with ``model`` (its config's tokenizer).
 
     Args:
-        model: a :class:`~gpt2mha.model.GPT2`.
+        model: a :class:`~gpt2mha.core.model.GPT2`.
         text: the text; must encode to at least 2 tokens.
         stride: window step in tokens, ``1 <= stride <= n_ctx`` (default n_ctx // 2).
 
@@ -48,7 +48,7 @@ def perplexity(model, text: str, stride: int | None = None) -> PerplexityResult:
     Raises:
         ValueError: text too short, or stride out of range.
 
-    :func:`gpt2mha.parallel.perplexity` deals the same windows over ``torchrun``'s ranks.
+    :func:`gpt2mha.train.distributed.perplexity` deals the same windows over ``torchrun``'s ranks.
     """
     ids, stride = encode_for_scoring(model, text, stride)
     nats, tokens = score_windows(model, ids, strided_windows(ids.numel(), model.config.n_ctx, stride))
