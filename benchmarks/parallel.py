@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from gpt2mha import GPT2, GPT2Config
 from gpt2mha.inference import parallel as tp
-from gpt2mha.train import distributed
+from gpt2mha.train import distributed as parallel
 from gpt2mha.train.train import TrainConfig, get_batch, make_optimizer
 
 HERE = os.path.abspath(__file__)
@@ -37,10 +37,10 @@ def decode_rate(model: GPT2, steps: int, batch: int, repeats: int) -> float:
     model.generate(idx, 2, temperature=0)                       # warm-up
     best = float("inf")
     for _ in range(repeats):
-        distributed.barrier()
+        parallel.barrier()
         t0 = time.perf_counter()
         model.generate(idx, steps, temperature=0)
-        distributed.barrier()
+        parallel.barrier()
         best = min(best, time.perf_counter() - t0)
     return batch * steps / best
 
@@ -50,14 +50,14 @@ def train_rate(config: GPT2Config, steps: int, batch: int, repeats: int) -> floa
     there is one; the step is the trainer's (forward, backward, clip, AdamW)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    di = distributed.info()
+    di = parallel.info()
     torch.manual_seed(0)
     model = GPT2(config).train()
     ddp = DistributedDataParallel(model) if di.world_size > 1 else model
     opt = make_optimizer(model, TrainConfig(batch_size=batch))
     ids = torch.randint(0, config.n_vocab, (20_000,), generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)
-    rows = distributed.shard_rows(batch, di.rank, di.world_size)
+    rows = parallel.shard_rows(batch, di.rank, di.world_size)
 
     def step():
         x, y = get_batch(ids, config.n_ctx, batch, gen)
@@ -70,18 +70,18 @@ def train_rate(config: GPT2Config, steps: int, batch: int, repeats: int) -> floa
     step()
     best = float("inf")
     for _ in range(repeats):
-        distributed.barrier()
+        parallel.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
-        distributed.barrier()
+        parallel.barrier()
         best = min(best, time.perf_counter() - t0)
     return batch * config.n_ctx * steps / best
 
 
 def measure(args) -> dict:
     """Both figures for the current world (1 process, or this rank of torchrun's)."""
-    di = distributed.info()
+    di = parallel.info()
     tp_config = GPT2Config.from_preset(args.tp_preset, n_ctx=128)
     torch.manual_seed(0)
     model = GPT2(tp_config).eval()
@@ -95,12 +95,12 @@ def measure(args) -> dict:
 
 
 def worker(args) -> None:
-    distributed.init_distributed()
+    parallel.init_distributed()
     torch.set_num_threads(1)
     result = measure(args)
-    if distributed.info().is_main:
+    if parallel.info().is_main:
         print("RESULT " + json.dumps(result), flush=True)
-    distributed.teardown()
+    parallel.teardown()
 
 
 def bytes_table(args) -> dict:
@@ -164,9 +164,9 @@ def probe_worker() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from gpt2mha.attention import CausalSelfAttention, merge_heads, split_heads
+    from gpt2mha.core.attention import CausalSelfAttention, merge_heads, split_heads
 
-    distributed.init_distributed()
+    parallel.init_distributed()
     rank, n = dist.get_rank(), 32
     mesh = init_device_mesh("cpu", (2,))
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
@@ -218,7 +218,7 @@ def probe_worker() -> None:
     err = (y - ref).abs().max().item()
     say(f"3. nn.Linear with c_attn's columns permuted per rank + Colwise/Rowwise, attention told its 2 local heads: "
         f"max |y - one process| = {err:.2e} ({'equal' if err < 1e-5 else 'DIFFERENT'})")
-    distributed.teardown()
+    parallel.teardown()
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Which weight-only int8/int4 kernels decode GPT-2 fastest on this CPU: ``python benchmarks/quant_kernels.py``.
 
-The survey behind the kernel choice in ``src/gpt2mha/inference/quant/linear.py``. It times one decode step's
+Issue 13's survey, behind the choice in ``src/gpt2mha/quantize.py``. It times one decode step's
 weight matmuls of GPT-2 124M, the 48 block matrices (kernels.py's ``BLOCK_SHAPES``, 85M
 weights, distinct so nothing stays in cache) and the LM head (``[50304, 768]``: n_vocab 50257 padded to a
 multiple of 64, as gpt2mha pads it for the int4 kernel), for
@@ -27,8 +27,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from bench import interleaved_medians     # benchmarks/bench.py, this script's directory
-from gpt2mha.inference.quant import int8_matmul
+from bench import interleaved_medians
+from gpt2mha.inference.quant.linear import int8_matmul
 from gpt2mha.inference.quant.schemes import quantize_int4, quantize_int8
 
 BLOCK_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))   # (in, out), as kernels.py

@@ -3,7 +3,7 @@
 
 A cheaper stand-in for ``gpt2mha bench --only quant`` when the machine is too busy for whole
 ``generate`` runs: each model decodes ``--steps`` single-token steps over a 4-token prompt in a
-static KV cache through the decode view ``generate`` uses (``for_decoding``), the three taking turns step by step (round-robin), and
+static KV cache on the decode view (as ``generate``), the three taking turns step by step (round-robin), and
 the median and minimum step times are printed. One thread avoids OpenMP's two-thread barriers,
 which stall whenever another process holds one of the cores.
 """
@@ -38,16 +38,16 @@ def main(argv: list[str] | None = None) -> int:
                   "int4": copy.deepcopy(base).quantize("int4", method="rtn")}
     idx = torch.randint(0, 50257, (args.batch, 4 + args.steps), generator=torch.Generator().manual_seed(0))
     times = {k: [] for k in models}
-    views = {name: for_decoding(m) for name, m in models.items()}
-    caches = {}
-    for name, m in views.items():
-        caches[name] = KVCache(12, args.batch, 12, 4 + args.steps, 64)
-        m(idx[:, :4], cache=caches[name], last_only=True)                 # prefill
-    for s in range(4, 4 + args.steps):
+    caches, views = {}, {name: for_decoding(m) for name, m in models.items()}      # as generate decodes
+    with torch.inference_mode():
         for name, m in views.items():
-            t0 = time.perf_counter()
-            m(idx[:, s:s + 1], cache=caches[name], last_only=True, validate=False)
-            times[name].append(time.perf_counter() - t0)
+            caches[name] = KVCache(12, args.batch, 12, 4 + args.steps, 64)
+            m(idx[:, :4], cache=caches[name], last_only=True, validate=False)  # prefill
+        for s in range(4, 4 + args.steps):
+            for name, m in views.items():
+                t0 = time.perf_counter()
+                m(idx[:, s:s + 1], cache=caches[name], last_only=True, validate=False)
+                times[name].append(time.perf_counter() - t0)
     ref = statistics.median(times["float32"][2:])
     print(f"batch {args.batch}, {args.threads} thread(s), {args.steps} steps each, in turn")
     for name, t in times.items():

@@ -29,7 +29,6 @@ import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -267,9 +266,7 @@ def throughput(base_url: str, n_requests: int, max_tokens: int, levels=(1, 4, 16
 def engine(model, tokenizer, levels=(1, 4, 16), steps: int = 20, max_batch: int = 16) -> list[dict]:
     """The scheduler alone, in this process (no HTTP): decode-step time and tokens/s with
     ``rows`` greedy sequences running, after prefill; the bound the server's figures approach."""
-    import torch
-
-    from gpt2mha.scheduler import SamplingParams, Scheduler
+    from gpt2mha.serving.scheduler import SamplingParams, Scheduler
 
     prompts = prompts_from_text(max(levels), 2, 10, 60)
     rows = []
@@ -277,13 +274,12 @@ def engine(model, tokenizer, levels=(1, 4, 16), steps: int = 20, max_batch: int 
         sched = Scheduler(model, tokenizer, max_batch=max_batch)
         sched.submit([tokenizer.encode(p) for p in prompts[:n]], SamplingParams(max_tokens=steps + 3, temperature=0),
                      lambda *a: None)
-        with torch.inference_mode(), model.decoding():
-            sched.step()                                          # prefills + one step
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                sched.step()
-            dt = (time.perf_counter() - t0) / steps
-            sched.stop()
+        sched.step()                                              # prefills + one step
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            sched.step()
+        dt = (time.perf_counter() - t0) / steps
+        sched.stop()
         rows.append(dict(rows=n, step_ms=1000 * dt, tokens_per_s=n / dt))
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
@@ -295,9 +291,7 @@ def engine_workload(model, tokenizer, n_requests: int, max_tokens: int, levels=(
     """The throughput part's requests run by the scheduler alone (no HTTP, this process):
     ``c`` sequences in flight, a new one submitted as soon as one finishes, prefill included.
     The ceiling the server's ratio can reach for this workload; median of ``repeats`` rounds."""
-    import torch
-
-    from gpt2mha.scheduler import SamplingParams, Scheduler
+    from gpt2mha.serving.scheduler import SamplingParams, Scheduler
 
     prompts = [tokenizer.encode(p) for p in prompts_from_text(n_requests, seed, 10, 60)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
@@ -312,16 +306,15 @@ def engine_workload(model, tokenizer, n_requests: int, max_tokens: int, levels=(
                 if done:
                     finished.append(seq)
 
-            with torch.inference_mode(), model.decoding():
-                t0 = time.perf_counter()
-                for _ in range(min(c, len(todo))):
+            t0 = time.perf_counter()
+            for _ in range(min(c, len(todo))):
+                sched.submit([todo.pop()], params, on_event)
+            while not sched.idle():
+                sched.step()
+                while todo and len(finished) + c > len(prompts) - len(todo):
                     sched.submit([todo.pop()], params, on_event)
-                while not sched.idle():
-                    sched.step()
-                    while todo and len(finished) + c > len(prompts) - len(todo):
-                        sched.submit([todo.pop()], params, on_event)
-                dt = time.perf_counter() - t0
-                sched.stop()
+            dt = time.perf_counter() - t0
+            sched.stop()
             rates.append(sum(len(s.tokens) for s in finished) / dt)
         rows.append(dict(clients=c, tokens_per_s=sorted(rates)[len(rates) // 2]))
     for r in rows:
@@ -415,7 +408,7 @@ def main(argv=None) -> int:
         args.requests, args.clients, args.bench_requests, args.skip_124m, args.repeats = 32, 8, 16, True, 1
 
     from gpt2mha import GPT2, DEFAULT_MODEL
-    from gpt2mha.tokenizer import tokenizer_for
+    from gpt2mha.io.tokenizer import tokenizer_for
 
     print(f"load before: {uptime()}; servers' --threads: {args.threads or 'default'}")
     failed = False

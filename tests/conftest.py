@@ -131,3 +131,30 @@ def assert_same_greedy(model, a, b, start: int, window: int | None = None, tol: 
                 f"position {j}: tokens {a[j]} vs {b[j]} differ, but their logits are {gaps} below the "
                 f"maximum: not a near-tie, a real difference")
             return
+
+
+def greedy_margin(model, ids, start: int, vocab: int | None = None) -> float:
+    """Smallest gap between the largest and the second-largest logit (float64, over the first
+    ``vocab`` ids) at the positions that chose ``ids[start:]`` of a greedy run of ``model`` (a
+    gpt2mha GPT2). Two implementations agree on every greedy token when it is well above their
+    float32 rounding differences (~1e-5), on any CPU and thread count."""
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ids)])).logits.double()[0, start - 1:len(ids) - 1, :vocab]
+    top2 = logits.topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())
+
+
+def cli_continuation(prompt: str, directory: str, n: int, *flags: str) -> str:
+    """What ``gpt2mha generate PROMPT --temperature 0 --max-new-tokens N --model DIR [flags]``
+    prints after the echoed prompt (without its final newline), run in this process."""
+    import contextlib
+    import io
+
+    from gpt2mha.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["generate", prompt, "--temperature", "0", "--max-new-tokens", str(n), "--model", directory, *flags])
+    out = buf.getvalue()
+    assert code == 0 and out.startswith(prompt) and out.endswith("\n"), out
+    return out[len(prompt):-1]

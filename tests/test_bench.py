@@ -1,6 +1,6 @@
 """The benchmark scripts of benchmarks/ on tiny models: ``gpt2mha bench``'s sections
 (benchmarks/bench.py, loaded by path as the command loads it) and the kernel survey
-(benchmarks/kernels.py). References: transformers' greedy tokens on the same weights, the
+(benchmarks/weight_kernels.py). References: transformers' greedy tokens on the same weights, the
 bench's own exact checks, first principles (sizes, shapes, x @ W). No timing assertions."""
 
 import json
@@ -81,9 +81,9 @@ def test_cli_bench_rejects_unknown_sections(capsys):
 
 
 def test_kernel_survey_times_the_124m_block_matrices_in_both_layouts():
-    """benchmarks/kernels.py: the 48 matrices are 124M's (85M weights), the [out, in] set is the
+    """benchmarks/weight_kernels.py: the 48 matrices are 124M's (85M weights), the [out, in] set is the
     transpose of the [in, out] one, and a pass multiplies every matrix once (reference: x @ W)."""
-    kernels = load_benchmark("kernels")
+    kernels = load_benchmark("weight_kernels")
     io, oi = kernels.matrices(torch.float32, "in,out", n_layer=2), kernels.matrices(torch.float32, "out,in", n_layer=2)
     assert len(io) == 8 and all(torch.equal(a.t(), b) and b.is_contiguous() for a, b in zip(io, oi))
     assert sum(w.numel() for w in kernels.matrices(torch.bfloat16, "in,out")) == 12 * 768 * (2304 + 768 + 3072 + 3072)

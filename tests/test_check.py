@@ -1,4 +1,4 @@
-"""gpt2mha.check and ``gpt2mha check``: the project's layouts pass, each classic mistake in
+"""gpt2mha.learn.check and ``gpt2mha check``: the project's layouts pass, each classic mistake in
 tests/data/broken_mha/ is caught with the right diagnosis, bad input gives exit code 2."""
 
 import itertools
@@ -11,8 +11,10 @@ import sys
 import pytest
 import torch
 
-from gpt2mha.check import (MISTAKES, TOL, CheckError, check, make_params, parse_args, recognise_layout, reference,
-                           applicable_mistakes)
+from gpt2mha.learn.check import CheckError, check
+from gpt2mha.learn.check_layout import recognise_layout
+from gpt2mha.learn.check_load import parse_args
+from gpt2mha.learn.check_reference import MISTAKES, TOL, applicable_mistakes, make_params, reference
 from gpt2mha.cli import main
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -22,9 +24,9 @@ GOOD = os.path.join(DATA, "good_mha.py")
 
 # ------------------------------------------------------------------------ passing layouts
 @pytest.mark.parametrize("target,kind,cache", [
-    ("gpt2mha.attention:CausalSelfAttention", "fused", True),
-    ("gpt2mha.book:MultiHeadAttention", "split", True),
-    ("gpt2mha.book:MultiHeadAttentionWrapper", "wrapper", False),
+    ("gpt2mha.core.attention:CausalSelfAttention", "fused", True),
+    ("gpt2mha.learn.book:MultiHeadAttention", "split", True),
+    ("gpt2mha.learn.book:MultiHeadAttentionWrapper", "wrapper", False),
     (f"{GOOD}:BookMultiHeadAttention", "split", False),
     (f"{GOOD}:BookWrapper", "wrapper", False),
     (f"{GOOD}:HFStyleAttention", "split", False),
@@ -50,11 +52,11 @@ def test_correct_modules_match(target, kind, cache):
 
 
 def test_project_layouts_pass_through_the_cli_with_args(capsys):
-    assert main(["check", "gpt2mha.attention:CausalSelfAttention", "--args", '{"n_embd": 36, "n_head": 6}']) == 0
+    assert main(["check", "gpt2mha.core.attention:CausalSelfAttention", "--args", '{"n_embd": 36, "n_head": 6}']) == 0
     out = capsys.readouterr().out
     assert "layout: fused (c_attn, c_proj) d_in=36 d_out=36 num_heads=6 head_dim=6" in out
     assert "result: MATCH" in out and "cache: tested" in out
-    assert main(["check", "gpt2mha.book:MultiHeadAttention", "--args", "d_in=12,d_out=16", "num_heads=2",
+    assert main(["check", "gpt2mha.learn.book:MultiHeadAttention", "--args", "d_in=12,d_out=16", "num_heads=2",
                  "qkv_bias=true", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["verdict"] == "match" and data["kwargs"]["qkv_bias"] is True and data["config"]["head_dim"] == 8
@@ -119,7 +121,7 @@ def test_broken_modules_fail_the_way_the_report_says(capsys):
 
 def test_every_mistake_changes_the_output_under_the_default_configuration():
     # otherwise two diagnoses could not be told apart (d_in=20, d_out=24, 4 heads of 6, T=5)
-    from gpt2mha.check import Layout, Proj
+    from gpt2mha.learn.check_layout import Layout, Proj
     gen = torch.Generator().manual_seed(0)
     W = torch.zeros(72, 20)
     layout = Layout("fused", 20, 24, 4, qkv=Proj("qkv", W, torch.zeros(72), False),
@@ -137,7 +139,7 @@ def test_reference_equals_causal_self_attention_with_a_cache():
     attn = CausalSelfAttention(24, 4)
     layout = recognise_layout(attn)
     p = make_params(layout, torch.Generator().manual_seed(1))
-    from gpt2mha.check import copy_params
+    from gpt2mha.learn.check_reference import copy_params
     copy_params(layout, p)
     x = torch.randn(2, 8, 24)
     _, present = attn(x[:, :3])
@@ -151,7 +153,7 @@ def test_equal_widths_make_scale_mistakes_ambiguous_and_the_report_says_both():
 
 
 def test_out_proj_is_optional_a_module_without_one_is_checked_without_it(tmp_path):
-    # the book calls out_proj optional: the reference drops it too (issue 16)
+    # the book calls out_proj optional: the reference drops it too
     src = open(os.path.join(BROKEN, "missing_out_proj.py")).read().replace(
         "        self.out_proj = nn.Linear(d_out, d_out)\n", "")
     (tmp_path / "no_proj.py").write_text(src)
@@ -196,7 +198,7 @@ def test_import_errors_constructor_errors_and_bad_args(tmp_path, capsys):
     assert "expected key=value" in capsys.readouterr().err
     assert main(["check", GOOD + ":BookMultiHeadAttention", "--args", "context_length=4"]) == 2
     assert "shorter than the check's tokens = 5" in capsys.readouterr().out       # forward takes no cache
-    assert main(["check", "gpt2mha.book:MultiHeadAttention", "--args", "context_length=6"]) == 2
+    assert main(["check", "gpt2mha.learn.book:MultiHeadAttention", "--args", "context_length=6"]) == 2
     assert "shorter than the check's past + tokens = 8" in capsys.readouterr().out
 
 
@@ -222,12 +224,12 @@ def test_help_warns_that_the_file_runs_and_exit_codes_from_a_real_process():
     assert data["exit_code"] == 1 and data["first_differing_stage"] == "weights"
 
 
-# -------------------------------------------------------------- what learners write (issue 16)
+# ---------------------------------------------------------------------- what learners write
 LEARNER = os.path.join(DATA, "learner_mha.py")
 
 
 def test_the_books_single_head_causal_attention_passes(capsys):
-    assert main(["check", "gpt2mha.book:CausalAttention"]) == 0
+    assert main(["check", "gpt2mha.learn.book:CausalAttention"]) == 0
     out = capsys.readouterr().out
     assert "num_heads=1 head_dim=24 (single head" in out and "no output projection" in out
     assert "result: MATCH" in out
@@ -289,7 +291,8 @@ def test_head_count_from_a_constructor_argument_under_an_unknown_name(tmp_path):
 def test_torch_multihead_attention_weights_are_copied_in():
     # an independent look: after the check, the module's own in_proj/out_proj hold the reference weights,
     # so running torch's MultiheadAttention on them reproduces the reference output
-    from gpt2mha.check import copy_params, load_class
+    from gpt2mha.learn.check_load import load_class
+    from gpt2mha.learn.check_reference import copy_params
     cls = load_class(f"{LEARNER}:TorchMHABatchFirst")
     m = cls(24, 4).eval()
     layout = recognise_layout(m, {})
@@ -308,7 +311,7 @@ def test_dropout_without_training_flag_is_caught_in_eval_mode(capsys):
     assert err < TOL                                          # with dropout 0 it is right
     assert "dropout: FAILED: in eval mode with dropout=0.5" in out and "training=self.training" in out
     # the correct book module passes the same test
-    r = check("gpt2mha.book:MultiHeadAttention")
+    r = check("gpt2mha.learn.book:MultiHeadAttention")
     assert r.verdict == "match" and r.dropout.startswith("tested: in eval mode with dropout=0.5")
 
 
@@ -322,7 +325,7 @@ def test_tokens_need_room_for_the_cache_only_when_the_cache_is_tested():
     assert r.verdict == "match" and r.variations[-1].label == "T=40"
     r = check(f"{GOOD}:BookMultiHeadAttention", tokens=20)           # default context grows to the tokens
     assert r.verdict == "match" and r.kwargs["context_length"] == 20
-    r = check("gpt2mha.book:MultiHeadAttention", tokens=20, past=3)
+    r = check("gpt2mha.learn.book:MultiHeadAttention", tokens=20, past=3)
     assert r.verdict == "match" and r.kwargs["context_length"] == 23 and r.cache.startswith("tested")
 
 
@@ -424,7 +427,7 @@ def test_a_cache_the_check_cannot_use_is_match_without_cache_exit_3(tmp_path, ca
     out = capsys.readouterr().out
     assert "result: MATCH WITHOUT CACHE" in out and "(exit 3)" in out
     # --past 0 leaves the cache of a module that has one uncompared: not a full match either
-    assert main(["check", "gpt2mha.book:MultiHeadAttention", "--past", "0"]) == 3
+    assert main(["check", "gpt2mha.learn.book:MultiHeadAttention", "--past", "0"]) == 3
     assert "not tested (--past 0), although forward takes past, return_present" in capsys.readouterr().out
     # a module without any cache argument still gets a plain MATCH
     assert main(["check", f"{GOOD}:BookMultiHeadAttention", "--json"]) == 0
@@ -433,7 +436,7 @@ def test_a_cache_the_check_cannot_use_is_match_without_cache_exit_3(tmp_path, ca
 
 
 def test_forward_args_classify_cache_flag_and_positions():
-    from gpt2mha.check import forward_args
+    from gpt2mha.learn.check_load import forward_args
 
     class A(torch.nn.Module):
         def forward(self, hidden_states, layer_past=None, attention_mask=None, use_cache=False, kv_seq_len=0,

@@ -341,7 +341,7 @@ def test_save_pretrained_shards_that_transformers_loads(hf_checkpoint, tmp_path,
     # everything fits in one shard: one model.safetensors, as transformers writes it
     e = str(tmp_path / "one")
     GPT2.from_pretrained(path).save_pretrained(e, max_shard_size="10MB")
-    assert sorted(os.listdir(e)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(e)) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_max_shard_size_values():
@@ -433,6 +433,102 @@ def test_sharded_checkpoint_from_the_hub_cache(hf_checkpoint, tmp_path, monkeypa
     torch.testing.assert_close(logits_of(load_pretrained("someone/sharded-gpt2"), idx), logits_of(hf, idx),
                                atol=1e-4, rtol=1e-4)
     assert asked == ["config.json", "model.safetensors", "model.safetensors.index.json"] + _shards(src)
+
+
+# ------------------------------------- transformers' pipeline and AutoTokenizer on a saved directory
+def random_bpe_model(n_vocab=50257, seed=0):
+    """A small random GPT-2 BPE model (untied head, weights large enough for clear greedy choices)."""
+    torch.manual_seed(seed)
+    model = GPT2(GPT2Config(n_vocab=n_vocab, n_ctx=64, n_embd=32, n_head=4, n_layer=2, tokenizer="gpt2",
+                            tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(std=0.3)
+            else:
+                p.normal_(mean=1.0 if ".ln" in "." + name and name.endswith("weight") else 0.0, std=0.1)
+    return model
+
+
+PROMPT = "To be, or not to be: that is the question"
+
+
+@pytest.mark.parametrize("n_vocab", [50257, 50304])
+def test_transformers_pipeline_generates_what_gpt2mha_generates(tmp_path, n_vocab, one_thread):
+    """``pipeline("text-generation", model=DIR)`` on a directory gpt2mha saved gives the greedy
+    text of ``gpt2mha generate PROMPT --temperature 0`` (the reference: gpt2mha's own CLI on the
+    same directory; transformers runs its own GPT2LMHeadModel and the written tokenizer files).
+
+    The rule for <|endoftext|>: generation_config.json names it eos_token_id (as
+    openai-community/gpt2's), so transformers stops after it, as ``gpt2mha generate
+    --stop-at-eos`` does; gpt2mha's default runs all --max-new-tokens, which the pipeline does
+    with ``eos_token_id=None``. gpt2mha prints the token's text; the pipeline drops it unless
+    ``skip_special_tokens=False``. The model is made to emit <|endoftext|> mid-way so both cases
+    are seen. With n_vocab 50304 (rows past the 50257 BPE ids), those rows are made the largest
+    logits: gpt2mha never samples them, and generation_config's suppress_tokens keeps
+    transformers from doing so.
+    """
+    from transformers import AutoTokenizer, pipeline
+
+    from conftest import cli_continuation, greedy_margin
+    from gpt2mha.io.tokenizer import get_tokenizer
+
+    tok, n = get_tokenizer("gpt2"), 12
+    model = random_bpe_model(n_vocab)
+    prompt_ids = tok.encode(PROMPT)
+    with torch.no_grad():
+        if n_vocab > 50257:                   # padding rows along ln_f's bias: the largest logits everywhere
+            model.ln_f.bias.normal_(std=1.0)
+            model.lm_head.weight[50257:] = 10 * model.ln_f.bias
+        first = model.generate(torch.tensor([prompt_ids]), n, temperature=0, vocab_size=50257)[0].tolist()
+        model.lm_head.weight[50256] = 1.2 * model.lm_head.weight[first[len(prompt_ids) + 4]]
+    ids = model.generate(torch.tensor([prompt_ids]), n, temperature=0, vocab_size=50257)[0].tolist()
+    new = ids[len(prompt_ids):]
+    assert 50256 in new[1:-1], new                               # it stops early with --stop-at-eos
+    assert greedy_margin(model, ids, len(prompt_ids), 50257) > 1e-3
+    if n_vocab > 50257:
+        with torch.no_grad():
+            assert int(model(torch.tensor([prompt_ids])).logits[0, -1].argmax()) >= 50257
+    d = str(tmp_path / "bpe")
+    model.save_pretrained(d)
+    assert AutoTokenizer.from_pretrained(d).encode(PROMPT) == prompt_ids
+    assert GPT2.from_pretrained(d).config.tokenizer == "gpt2"
+
+    full, stopped = cli_continuation(PROMPT, d, n), cli_continuation(PROMPT, d, n, "--stop-at-eos")
+    assert full == tok.decode(new) and stopped == tok.decode(new[:new.index(50256) + 1])
+    pipe = pipeline("text-generation", model=d)
+    kw = dict(do_sample=False, max_new_tokens=n, return_full_text=False)
+    assert pipe(PROMPT, eos_token_id=None, skip_special_tokens=False, **kw)[0]["generated_text"] == full
+    assert pipe(PROMPT, skip_special_tokens=False, **kw)[0]["generated_text"] == stopped
+    assert pipe(PROMPT, **kw)[0]["generated_text"] == stopped.removesuffix("<|endoftext|>")
+
+
+def test_save_pretrained_writes_the_tokenizer_of_the_model_and_removes_stale_files(tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from gpt2mha.io.checkpoints import save_pretrained
+
+    d = str(tmp_path / "m")
+    small = dict(n_ctx=32, n_embd=16, n_head=2, n_layer=1)
+    written = save_pretrained(GPT2(GPT2Config(n_vocab=50304, tokenizer="gpt2", **small)), d)
+    assert [os.path.basename(p) for p in written] == [
+        "config.json", "generation_config.json", "merges.txt", "model.safetensors", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json", "vocab.json"]
+    assert sorted(os.listdir(d)) == sorted(os.path.basename(p) for p in written)
+    gen = GenerationConfig.from_pretrained(d)
+    assert gen.eos_token_id == gen.pad_token_id == 50256 and gen.suppress_tokens == list(range(50257, 50304))
+    assert AutoTokenizer.from_pretrained(d).model_max_length == 32
+    # a byte model saved over it: the BPE-only files go, the byte tokenizer is read
+    save_pretrained(GPT2(GPT2Config.from_preset("tiny")), d)
+    assert sorted(os.listdir(d)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                     "tokenizer_config.json"]
+    assert AutoTokenizer.from_pretrained(d).encode("é") == [0xC3, 0xA9]
+    assert GenerationConfig.from_pretrained(d).eos_token_id is None
+    assert GPT2.from_pretrained(d).config.tokenizer == "bytes"
+    # a test model with fewer ids than GPT-2's BPE gets no tokenizer (it could not read its ids)
+    save_pretrained(GPT2(GPT2Config(n_vocab=300, tokenizer="gpt2", **small)), d)
+    assert sorted(os.listdir(d)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert GPT2.from_pretrained(d).config.tokenizer == "gpt2"
 
 
 # ----------------------------------------------------------- dtype names and config mismatches

@@ -325,7 +325,7 @@ def test_decoding_skips_conv1ds_without_a_weight_and_always_cleans_up():
 
 
 def test_float32_conv1d_keeps_its_layout_and_copies_can_be_declined():
-    """float32 reads GPT-2's [in, out] fastest (benchmarks/kernels.py), so its decode view takes
+    """float32 reads GPT-2's [in, out] fastest (benchmarks/weight_kernels.py), so its decode view takes
     no Conv1D copy; conv1d=False (head=False) keeps a bf16 model's Conv1Ds (head) and their memory."""
     model = small_model(seed=11)
     assert not any(isinstance(m, TransposedConv1D) for m in for_decoding(model).modules())

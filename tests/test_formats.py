@@ -353,6 +353,31 @@ def test_convert_takes_builtin_names_and_refuses_quantized_sources_for_float_for
         assert not os.path.exists(dst)
 
 
+@pytest.mark.slow
+def test_converted_builtin_byte_model_generates_in_transformers_pipeline_as_gpt2mha(tmp_path, capsys):
+    """`gpt2mha convert shakespeare-byte DIR` writes a byte tokenizer transformers loads: its ids
+    are the prompt's UTF-8 bytes (a 3-byte dash included) and ``pipeline("text-generation")``'s
+    greedy continuation is the text of ``gpt2mha generate PROMPT --temperature 0`` on DIR (the
+    byte model has no end-of-text token: both run all the new tokens)."""
+    from transformers import AutoTokenizer, pipeline
+
+    from conftest import cli_continuation, greedy_margin
+
+    d, n = str(tmp_path / "byte"), 60
+    assert main(["convert", "shakespeare-byte", d]) == 0
+    assert "tokenizer.json" in capsys.readouterr().out
+    prompt = "KING RICHARD III:\nNow is the winter of our discontent \u2014 "
+    assert AutoTokenizer.from_pretrained(d).encode(prompt) == list(prompt.encode("utf-8"))
+    model = GPT2.from_pretrained(d)
+    ids = list(prompt.encode("utf-8"))
+    out = model.generate(torch.tensor([ids]), n, temperature=0)[0].tolist()
+    assert greedy_margin(model, out, len(ids)) > 1e-3          # no near-tie that rounding could flip
+    expected = cli_continuation(prompt, d, n)
+    assert expected == bytes(out[len(ids):]).decode("utf-8", errors="replace")
+    got = pipeline("text-generation", model=d)(prompt, do_sample=False, max_new_tokens=n, return_full_text=False)
+    assert got[0]["generated_text"] == expected
+
+
 # -------------------------------------------------------------------------- check-model
 BOOK_GPT = os.path.join(os.path.dirname(__file__), "data", "book_gpt.py")
 NANO_GPT = os.path.join(os.path.dirname(__file__), "data", "nanogpt_model.py")
@@ -410,6 +435,25 @@ def test_check_model_points_at_a_wrong_attention(tmp_path, capsys, one_thread):
     report = json.loads(capsys.readouterr().out)
     assert report["first_diff"] == "block 0 attn" and report["stages"][0]["ok"]
     assert "attention differs on the same input" in report["diagnosis"] and "gpt2mha check" in report["diagnosis"]
+
+
+def test_capture_points_are_the_stages_forward_hooks_and_numpy_see(one_thread):
+    """check-model reads gpt2mha at its capture points: the same stages, in the same order, as
+    forward hooks on its modules (how a learner's model is read) and as OpenAI's formulas in
+    NumPy (gpt2mha.core.reference) on the same weights, float64."""
+    from gpt2mha import GPT2Config
+    from gpt2mha.learn.compare import capture, capture_points, reference_stages
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=64, n_ctx=16, n_embd=24, n_head=3, n_layer=2, tokenizer="bytes")).double().eval()
+    idx = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    points = capture_points(model, idx)
+    hooked, _ = capture(model, idx, 2)
+    numpy = reference_stages(model.state_dict(), 3, idx)
+    assert list(points) == list(hooked) == list(numpy) and len(points) == 1 + 3 * 2 + 2
+    for name in points:
+        torch.testing.assert_close(points[name], hooked[name], atol=1e-12, rtol=0)
+        torch.testing.assert_close(points[name], numpy[name], atol=1e-10, rtol=0)
 
 
 def test_check_model_openai_against_numpy_reference(openai_dir, capsys):

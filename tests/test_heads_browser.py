@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from gpt2mha import DEFAULT_MODEL, GPT2, GPT2Config
-from gpt2mha.checkpoints import builtin_models
+from gpt2mha.io.checkpoints import builtin_models
 from gpt2mha.cli import main
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -103,7 +103,7 @@ def test_heads_html_renders_every_head_and_selection_changes_the_view(browser, p
     # the big view shows this head's weights: the colour drawn at the strongest key of the last query
     model = GPT2.from_pretrained(DEFAULT_MODEL) if DEFAULT_MODEL in builtin_models() else None
     if model is not None:
-        from gpt2mha.inspect import analyse_heads
+        from gpt2mha.learn.heads import analyse_heads
         w = analyse_heads(model, PROMPT).weights[L - 1, 0, H - 1]              # [T, T]
         i, j = T - 1, int(w[T - 1].argmax())
         s = (640 - 80) / T
@@ -132,7 +132,8 @@ def test_heads_html_renders_every_head_and_selection_changes_the_view(browser, p
 
 def test_long_prompt_page_with_only_the_selected_layer_renders(browser, tmp_path):
     # past the size limit heads.html embeds only the selected heads' layers; the others show grey
-    from gpt2mha.inspect import analyse_heads, write_html
+    from gpt2mha.learn.heads import analyse_heads
+    from gpt2mha.learn.heads_html import write_html
     torch.manual_seed(0)
     model = GPT2(GPT2Config.from_preset("tiny")).eval()                 # 2 layers x 4 heads
     result = analyse_heads(model, "x" * 60)

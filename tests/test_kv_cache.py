@@ -97,6 +97,18 @@ def test_cache_plan_and_trim_errors_name_the_problem(model):
         KVCache(0, 1, 1, 1, 1)
 
 
+def test_past_in_grad_mode_gives_the_uncached_logits(model):
+    # a forward with past while autograd records: the cache's per-layer views take keys and values
+    # that require grad. Reference: the uncached forward over all tokens.
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        past = model(idx[:, :5]).present
+        full = model(idx).logits[:, 5:]
+    logits = model(idx[:, 5:], past=past).logits
+    assert logits.requires_grad
+    torch.testing.assert_close(logits.detach(), full, atol=1e-5, rtol=0)
+
+
 # ----------------------------------------------- checks of a cache against the model and input
 MODEL = small_model(**ROBUST)
 IDX = torch.tensor([[5, 17, 42, 8, 3]])

@@ -14,7 +14,8 @@ import torch
 from gpt2mha import GPT2, GPT2Config
 from gpt2mha.cli import main
 from gpt2mha.inference.generate import left_pad
-from gpt2mha.io.tokenizer import ByteTokenizer, GPT2Tokenizer, decode_rows
+from gpt2mha.inference.generate import decode_rows
+from gpt2mha.io.tokenizer import ByteTokenizer, GPT2Tokenizer
 
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}
 LABEL = re.compile(r"^={20} (.*) ={20}$", re.M)

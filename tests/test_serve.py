@@ -1,7 +1,7 @@
-"""The OpenAI-compatible server and its continuous-batching scheduler (issue 14).
+"""The OpenAI-compatible server, its continuous-batching scheduler and the runner under it.
 
 References: offline ``generate`` (the same model, one prompt alone) for every text; the model's
-own forward over one row for the slotted cache; Python's UTF-8 codec for streamed text; the
+own uncached forward over one row for the runner's slotted cache; Python's UTF-8 codec for streamed text; the
 official ``openai`` client for the wire format. Servers bind 127.0.0.1 on a free port and are
 started and stopped by the tests.
 """
@@ -20,15 +20,16 @@ import torch
 
 from conftest import assert_same_greedy
 from gpt2mha import GPT2, DEFAULT_MODEL, GPT2Config
-from gpt2mha.generate import row_seed
-from gpt2mha.kv_cache import KVCache, SlotCache
-from gpt2mha.scheduler import ExceedsCapacity, QueueFull, SamplingParams, Scheduler, TextStream
-from gpt2mha.tokenizer import ByteTokenizer, tokenizer_for
+from gpt2mha.inference.sampling import row_seed
+from gpt2mha.io.tokenizer import ByteTokenizer, tokenizer_for
+from gpt2mha.serving.runner import Runner
+from gpt2mha.serving.scheduler import ExceedsCapacity, QueueFull, SamplingParams, Scheduler
+from gpt2mha.serving.text_stream import LENGTH, STOP, TextStream
 
 pytest.importorskip("fastapi")                  # the 'serve' extra (the 'test' extra installs it)
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
-from gpt2mha.serve import serve_in_thread       # noqa: E402
+from gpt2mha.serving.server import serve_in_thread       # noqa: E402
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
@@ -72,31 +73,39 @@ def wait_for(pred, timeout=10.0):
 
 
 # ----------------------------------------------------------------------------- scheduler
-def test_slot_cache_rows_of_different_lengths_attend_as_alone(one_thread):
-    """A decode step over a SlotCache holding rows of lengths 5, 0 (free slot) and 11 gives each
-    row the logits of the model's own forward over that row's tokens alone (reference)."""
+def test_runner_rows_of_different_lengths_decode_in_one_step_as_alone(one_thread, monkeypatch):
+    """Runner: prompts of 5 and 11 tokens prefilled together (one left-padded batch) into slots 0
+    and 2 of a 3-slot cache, slot 1 free; then one decode step over rows 0-2. Each row's logits,
+    at the prefill and at the step, equal the model's own uncached forward over that row's tokens
+    alone (reference); the free row keeps length 0, a released row is emptied, and an occupied
+    slot cannot be opened again."""
     torch.manual_seed(0)
     model = GPT2(GPT2Config.from_preset("tiny")).eval()
-    c = model.config
-    seqs = {0: torch.randint(0, 256, (1, 6)), 2: torch.randint(0, 256, (1, 12))}
-    cache = SlotCache(c.n_layer, 3, c.n_head, c.n_ctx, c.head_dim)
-    with torch.no_grad():
-        for slot, ids in seqs.items():
-            kv = KVCache(c.n_layer, 1, c.n_head, ids.shape[1] - 1, c.head_dim)
-            model(ids[:, :-1], cache=kv)                        # prefill all but the last token
-            cache.load(slot, kv)
-        pos, mask = cache.begin(3)
-        assert pos.flatten().tolist() == [5, 0, 11] and mask.shape == (3, 1, 1, 12)
-        last = torch.tensor([[seqs[0][0, -1]], [7], [seqs[2][0, -1]]])
-        logits = model.step(last, cache, mask, pos)              # [3, 1, n_vocab]
-        for slot, ids in seqs.items():
-            ref = model(ids).logits[:, -1]
-            torch.testing.assert_close(logits[slot], ref, rtol=1e-5, atol=1e-5)
-    assert cache.lengths == [6, 0, 12]
-    cache.release(2)
-    assert cache.lengths == [6, 0, 0] and not cache.active[2]
-    with pytest.raises(ValueError, match="slot=0"):
-        cache.load(0, KVCache(c.n_layer, 1, c.n_head, 4, c.head_dim))
+    prompts = {0: torch.randint(0, 256, (5,)).tolist(), 2: torch.randint(0, 256, (11,)).tolist()}
+    script = {0: [17, 3], 2: [99, 250]}                           # the "sampled" tokens of each slot
+    seen = {0: [], 2: []}
+
+    def sample(self, slot, logits):                               # records each row's logits [1, n_vocab]
+        seen[slot].append(logits.clone())
+        return script[slot][len(seen[slot]) - 1]
+
+    monkeypatch.setattr(Runner, "sample", sample)
+    runner = Runner(model, slots=3)
+    for slot in prompts:
+        runner.open(slot, seed=slot, temperature=1.0)
+    assert runner.prefill([0, 2], [prompts[0], prompts[2]]) == [17, 99]
+    assert runner.cache.lengths == [5, 0, 11]
+    assert runner.decode([0, 2]) == [3, 250]
+    assert runner.cache.lengths == [6, 0, 12]
+    for slot, ids in prompts.items():
+        with torch.no_grad():
+            ref = model(torch.tensor([ids + script[slot][:1]])).logits[0]     # [T + 1, n_vocab], uncached
+        torch.testing.assert_close(seen[slot][0][0], ref[-2], rtol=1e-5, atol=1e-5)   # prefill
+        torch.testing.assert_close(seen[slot][1][0], ref[-1], rtol=1e-5, atol=1e-5)   # the decode step
+    runner.release(2)
+    assert runner.cache.lengths == [6, 0, 0]
+    with pytest.raises(ValueError, match="slot=0 is in use"):
+        runner.open(0, seed=1)
 
 
 def test_scheduler_sequences_joining_at_different_steps_equal_offline_generate(builtin):
@@ -113,14 +122,13 @@ def test_scheduler_sequences_joining_at_different_steps_equal_offline_generate(b
              ("KING RICHARD III:\n", SamplingParams(max_tokens=9, temperature=0))]
     texts, on_event = collect_events()
     seqs = []
-    with torch.inference_mode(), model.decoding():
-        for prompt, params in cases[:2]:                        # prefilled together (left-padded)
-            seqs += sched.submit([tok.encode(prompt)], params, on_event)
-        for prompt, params in cases[2:]:                        # then one at a time; 3 slots: some wait
+    for prompt, params in cases[:2]:                            # prefilled together (left-padded)
+        seqs += sched.submit([tok.encode(prompt)], params, on_event)
+    for prompt, params in cases[2:]:                            # then one at a time; 3 slots: some wait
+        sched.step()
+        seqs += sched.submit([tok.encode(prompt)], params, on_event)
+        for _ in range(3):
             sched.step()
-            seqs += sched.submit([tok.encode(prompt)], params, on_event)
-            for _ in range(3):
-                sched.step()
     sched.run_until_idle()
     for seq, (prompt, p) in zip(seqs, cases):
         ids, text = offline(model, tok, prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed)
@@ -130,7 +138,7 @@ def test_scheduler_sequences_joining_at_different_steps_equal_offline_generate(b
         else:
             assert seq.tokens == ids and seq.text == text
         assert "".join(texts[id(seq)]) == seq.text and seq.finish_reason == "length"
-    assert sched.slots == [None] * 3 and sched.cache.lengths == [0] * 3 and not sched.waiting
+    assert sched.slots == [None] * 3 and sched.runner.cache.lengths == [0] * 3 and not sched.waiting
     assert sched.stats()["completed"] == 5 and sched.stats()["generated_tokens"] == sum(p.max_tokens for _, p in cases)
 
 
@@ -152,6 +160,10 @@ def test_text_stream_never_splits_a_character_or_shows_part_of_a_stop_string():
     assert out == "hel" and ts.finish() == "lo" and not ts.stopped
     ts = TextStream(tok)
     assert ts.push(list("é".encode())[:1]) == "" and ts.finish() == b"\xc3".decode("utf-8", errors="replace")
+    ts = TextStream(tok, stop=("b",), max_tokens=5)               # add: one token's text and finish reason
+    assert ts.add(ord("a")) == ("a", None) and ts.add(ord("b")) == ("", STOP) and ts.text == "a"
+    ts = TextStream(tok, max_tokens=2)
+    assert ts.add(ord("a")) == ("a", None) and ts.add(ord("b")) == ("b", LENGTH)
 
 
 def test_scheduler_cancel_frees_the_slot_and_a_failing_sequence_fails_alone(builtin, monkeypatch):
@@ -161,25 +173,25 @@ def test_scheduler_cancel_frees_the_slot_and_a_failing_sequence_fails_alone(buil
     model, tok = builtin
     sched = Scheduler(model, tok, max_batch=4)
     poison, poison_at_prefill = tok.encode("BOOM"), tok.encode("BANG!")
-    real = Scheduler._sample
+    real = Runner.sample
 
-    def sample(self, seq, logits):
+    def sample(self, slot, logits):
+        seq = sched.slots[slot]
         if seq.prompt_ids == poison and len(seq.tokens) == 5 or seq.prompt_ids == poison_at_prefill:
             raise RuntimeError("injected failure")
-        return real(self, seq, logits)
+        return real(self, slot, logits)
 
-    monkeypatch.setattr(Scheduler, "_sample", sample)
+    monkeypatch.setattr(Runner, "sample", sample)
     texts, on_event = collect_events()
     good = sched.submit([tok.encode("ROMEO:")], SamplingParams(max_tokens=20, temperature=0.7, seed=1), on_event)[0]
     bad = sched.submit([poison], SamplingParams(max_tokens=20, temperature=0.7, seed=2), on_event)[0]
     early = sched.submit([poison_at_prefill], SamplingParams(max_tokens=20), on_event)[0]   # fails in the batched prefill
     gone = sched.submit([tok.encode("JULIET:")], SamplingParams(max_tokens=100, temperature=0), on_event)[0]
-    with torch.inference_mode(), model.decoding():
-        for _ in range(2):
-            sched.step()
-        assert gone.slot is not None and sched.stats()["running"] == 3
-        sched.cancel(gone)
+    for _ in range(2):
         sched.step()
+    assert gone.slot is not None and sched.stats()["running"] == 3
+    sched.cancel(gone)
+    sched.step()
     assert early.finish_reason == "error" and early.tokens == [] and early.slot is None
     assert gone.finish_reason == "cancelled" and gone.slot is None and sched.slots.count(None) == 2
     sched.run_until_idle()
@@ -194,7 +206,7 @@ def test_bpe_end_of_text_stops_with_finish_reason_stop(one_thread, monkeypatch):
     tok = tokenizer_for(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1))
     model = GPT2(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1)).eval()
     script = tok.encode(" to be or not") + [tok.eot_token] + tok.encode(" never seen")
-    monkeypatch.setattr(Scheduler, "_sample", lambda self, seq, logits: script[len(seq.tokens)])
+    monkeypatch.setattr(Runner, "sample", lambda self, slot, logits: script[len(sched.slots[slot].tokens)])
     sched = Scheduler(model, tok, max_batch=2)
     seq = sched.submit([tok.encode("Hello")], SamplingParams(max_tokens=12, temperature=1.0), lambda *a: None)[0]
     sched.run_until_idle()
@@ -219,6 +231,29 @@ def test_scheduler_refuses_work_beyond_free_slots_plus_queue(builtin):
     assert sched.stats()["completed"] == 3
     with pytest.raises(ValueError, match="max_batch"):
         Scheduler(model, tok, max_batch=0)
+
+
+@pytest.mark.parametrize("prompts,params,match", [
+    ([[65, 1.5]], SamplingParams(), r"prompts\[0\]\[1\]=1.5 is not a token id"),       # not truncated to 1
+    ([[65], []], SamplingParams(), "prompt 1 is empty"),
+    ([[65, 256]], SamplingParams(), r"outside \[0, n_vocab=256\)"),
+    ([[65] * 250], SamplingParams(max_tokens=7), "250 tokens \\+ max_tokens=7 > n_ctx=256"),
+    ([[65]], SamplingParams(max_tokens=-1), "max_tokens=-1"),
+    ([[65]], SamplingParams(temperature=-1.0), "temperature"),
+    ([[65]], SamplingParams(top_p=0.0), "top_p"),
+    ([[65]], SamplingParams(seed=2**63), "seed"),
+    ([[65]], SamplingParams(stop=("x", "")), "stop"),
+    ([[65]], SamplingParams(stop="x"), "stop"),                                        # a string, not a tuple
+], ids=["float-id", "empty", "vocab", "context", "max_tokens", "temperature", "top_p", "seed", "empty-stop",
+        "stop-str"])
+def test_submit_refuses_bad_prompts_and_params_naming_them_and_queues_nothing(builtin, prompts, params, match):
+    """The scheduler's own guard (for callers other than the HTTP app): every bad value is a
+    ValueError naming it, raised before anything is queued."""
+    model, tok = builtin
+    sched = Scheduler(model, tok, max_batch=2)
+    with pytest.raises(ValueError, match=match):
+        sched.submit(prompts, params, lambda *a: None)
+    assert sched.idle() and sched.stats()["rejected"] == 0
 
 
 # ------------------------------------------------------------------------------- server
@@ -274,7 +309,7 @@ def test_raw_sse_stream_is_utf8_safe_and_ends_with_done(builtin, monkeypatch):
     model, tok = builtin
     text = "é😀ü ok ß"
     script = list(text.encode())
-    monkeypatch.setattr(Scheduler, "_sample", lambda self, seq, logits: script[len(seq.tokens)])
+    monkeypatch.setattr(Runner, "sample", lambda self, slot, logits: script[len(sched.slots[slot].tokens)])
     sched = Scheduler(model, tok, max_batch=2)
     with serve_in_thread(sched, DEFAULT_MODEL) as url:
         body = {"prompt": "x", "max_tokens": len(script), "temperature": 0.5, "stream": True,
@@ -356,8 +391,6 @@ def test_body_size_limit_413_and_prompts_tokenized_off_the_loop_and_only_when_th
     prompt whose UTF-8 length alone exceeds n_ctx tokens (byte model: one token per byte) is
     refused without being tokenized, and tokenizing runs in a worker thread, not the event
     loop's (uvicorn's) thread."""
-    from gpt2mha.tokenizer import ByteTokenizer
-
     model, tok = builtin
     seen = []
     real = ByteTokenizer.encode
@@ -421,7 +454,7 @@ def test_shutdown_past_the_graceful_timeout_answers_503_and_ends_streams_cleanly
     (application/json), the stream an error event then `data: [DONE]`; one log line each
     (status=503) and no traceback in uvicorn's log. The same holds when the scheduler does not
     react and uvicorn itself cancels the request tasks (the last resort)."""
-    import gpt2mha.serve as S
+    import gpt2mha.serving.server as S
 
     model, tok = builtin
     real = Scheduler._decode
@@ -544,13 +577,14 @@ def test_an_exception_in_one_request_fails_only_that_request(server, builtin, mo
     client raises as APIError); a request running beside it and the next ones succeed."""
     url, sched = server
     model, tok = builtin
-    poison, real = tok.encode("BOOM"), Scheduler._sample
+    poison, real = tok.encode("BOOM"), Runner.sample
 
-    def sample(self, seq, logits):
+    def sample(self, slot, logits):
+        seq = sched.slots[slot]
         if seq.prompt_ids == poison and len(seq.tokens) >= 2:
             raise RuntimeError("injected failure")
-        return real(self, seq, logits)
-    monkeypatch.setattr(Scheduler, "_sample", sample)
+        return real(self, slot, logits)
+    monkeypatch.setattr(Runner, "sample", sample)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     results = {}
     t = threading.Thread(target=lambda: results.update(ok=client.completions.create(
@@ -587,7 +621,7 @@ def test_short_load_nothing_lost_and_slots_free(builtin):
         res = load.load_test(url, model, tok, n_requests=32, clients=8, seed=3, max_tokens=(1, 24))
     assert res["problems"] == []
     assert res["cancelled"] > 0 and res["completed"] >= 20 and res["streamed"] > 0
-    assert res["finished_sequences"] == 32 and sched.cache.lengths == [0] * 4
+    assert res["finished_sequences"] == 32 and sched.runner.cache.lengths == [0] * 4
 
 
 @pytest.mark.slow
@@ -615,7 +649,7 @@ def test_cli_serve_sigterm_finishes_in_flight_stream_and_exits_0(tmp_path):
 
 
 SLOW_SERVE = ("import sys, time\n"
-              "from gpt2mha.scheduler import Scheduler\n"
+              "from gpt2mha.serving.scheduler import Scheduler\n"
               "real = Scheduler._decode\n"
               "Scheduler._decode = lambda self: (time.sleep(0.02), real(self))[1]   # 20 ms a step\n"
               "from gpt2mha.cli import main\n"
@@ -690,7 +724,7 @@ def test_cli_serve_rejects_bad_numbers_as_usage_errors(capsys, flag, value):
 
 def test_serve_api_checks_port_and_cli_default_body_limit_matches():
     from gpt2mha import cli
-    from gpt2mha.serve import DEFAULT_MAX_BODY_BYTES, serve
+    from gpt2mha.serving.server import DEFAULT_MAX_BODY_BYTES, serve
 
     with pytest.raises(ValueError, match=r"port=99999 must be an integer in \[0, 65535\]"):
         serve(None, None, "m", port=99999)
@@ -700,7 +734,7 @@ def test_serve_api_checks_port_and_cli_default_body_limit_matches():
 def test_prefill_groups_bound_the_padding_and_keep_every_sequence():
     """length_groups: every sequence in exactly one group, shortest first, and no group padded
     to more than 1.1 times its real prompt tokens (a single long prompt is a group of its own)."""
-    from gpt2mha.scheduler import Sequence, length_groups
+    from gpt2mha.serving.scheduler import Sequence, length_groups
 
     gen = torch.Generator().manual_seed(31)
     lengths = torch.randint(1, 120, (40,), generator=gen).tolist() + [200]
@@ -721,7 +755,7 @@ def test_relay_wakes_the_loop_once_per_batch_and_delivers_in_order():
     with one wake-up (call_soon_threadsafe) for the whole batch instead of one per event."""
     import asyncio
 
-    from gpt2mha.serve import Relay
+    from gpt2mha.serving.server import Relay
 
     async def main():
         relay, loop = Relay(), asyncio.get_running_loop()

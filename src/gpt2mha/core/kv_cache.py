@@ -81,8 +81,9 @@ class KVCache:
     def _bind(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> None:
         self.k, self.v = k, v
         self._lengths = lengths                                 # shared with the views of :meth:`rows`
-        self.layers = [(k[i], v[i]) for i in range(k.shape[0])]  # per layer: views [B, h, T_max, head_dim]
-        # (one select() view each: autograd refuses in-place writes to the views unbind() returns)
+        # per layer: views [B, h, T_max, head_dim]; by indexing, not unbind(), whose views refuse
+        # in-place writes of tensors that require grad (a forward with past in grad mode)
+        self.layers = [(k[i], v[i]) for i in range(k.shape[0])]
 
     @property
     def lengths(self) -> list[int]:

@@ -29,8 +29,6 @@ from .kv_cache import CacheStep, KVCache
 TOKENIZERS = ("gpt2", "bytes")
 
 
-# that :meth:`GPT2.decoding` takes is also faster than bf16's own kernel (5.3 vs 8.5 ms for one
-# row of 50257×768: bf16 matrix-vector kernels stream at half float32's rate on this machine).
 def logits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the logits a model with parameters in ``dtype`` returns (float32 or float64).
 

@@ -1,6 +1,6 @@
 """A NumPy-only reference of OpenAI's GPT-2 formulas: the test oracle, and a page to read.
 
-Follows openai/gpt-2 ``src/model.py`` (seed 002) function by function, with NumPy in place
+Follows openai/gpt-2 ``src/model.py`` function by function, with NumPy in place
 of TensorFlow: ``gelu``, ``norm``, ``split_states``/``merge_states``, ``conv1d``,
 ``attention_mask``, ``attn`` (with ``mask_attn_weights`` and ``multihead_attn``), ``mlp``,
 ``block`` and ``model`` (here :func:`gpt2_forward`). No torch import: this module shares no

@@ -142,6 +142,24 @@ def strip_padding(out: torch.Tensor, prompts=None, *, attention_mask: torch.Tens
     return rows
 
 
+def decode_rows(tokenizer, ids, attention_mask=None, eos_token_id: int | None = None) -> list[str]:
+    """Text of each row of ``ids [B, T]`` (e.g. ``generate``'s output) without its left padding.
+
+    Args:
+        ids: ``[B, T]`` token ids.
+        attention_mask: ``[B, T_mask]`` with ``T_mask <= T``, 1 for real tokens and 0 for pads
+            over the first ``T_mask`` columns (the padded prompts, as :func:`left_pad`
+            returns it); the columns after it (generated tokens) are all real. None: no padding.
+        eos_token_id: end each row at the first generated token equal to it (kept).
+
+    Raises:
+        ValueError: ``attention_mask`` rows or columns that do not fit ``ids``
+            (:func:`strip_padding`).
+    """
+    return [tokenizer.decode(row) for row in strip_padding(ids, attention_mask=attention_mask,
+                                                           eos_token_id=eos_token_id)]
+
+
 def prompt_batch(idx, attention_mask, n_vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The prompts of :func:`generate` as one checked batch ``(idx [B, T], mask [B, T] or None)``:
     a list of prompts is left-padded (:func:`left_pad`), a tensor is checked with its mask.

@@ -17,23 +17,30 @@ file never leaves a half-loaded model.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import os
 import pickle
 import re
 import tempfile
-import warnings
 
 import torch
+import huggingface_hub
+from huggingface_hub import constants, split_torch_state_dict_into_shards
+from huggingface_hub.errors import EntryNotFoundError
+from huggingface_hub.serialization._base import parse_size_to_int
+from safetensors.torch import load_file, save_file
 
 from ..core.model import GPT2, GPT2Config
 from ..inference.quant.checkpoint import load_state, state_to_save
+from .state_dicts import CheckpointError, as_dtype, check_state_dict, load_into, normalize_keys, resolve_lm_head
+from .tokenizer import HF_TOKENIZER_FILES, hf_tokenizer_files, tokenizer_class
 
 #: Built-in models shipped inside the package (``gpt2mha/models/<name>/``).
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, CONFIG_NAME = "model.safetensors", "pytorch_model.bin", "config.json"
+#: transformers' generation defaults for the checkpoint (:func:`generation_config_to_hf`).
+GENERATION_CONFIG_NAME = "generation_config.json"
 #: The index of a sharded checkpoint (transformers' names): ``{"metadata": …, "weight_map":
 #: {tensor name: shard file name}}``, beside shards ``model-00001-of-00003.safetensors`` ….
 WEIGHTS_INDEX_NAME, LEGACY_WEIGHTS_INDEX_NAME = WEIGHTS_NAME + ".index.json", LEGACY_WEIGHTS_NAME + ".index.json"
@@ -42,11 +49,8 @@ WEIGHTS_INDEX_NAME, LEGACY_WEIGHTS_INDEX_NAME = WEIGHTS_NAME + ".index.json", LE
 WEIGHTS_FILES = (WEIGHTS_NAME, WEIGHTS_INDEX_NAME, LEGACY_WEIGHTS_NAME, LEGACY_WEIGHTS_INDEX_NAME)
 #: A shard's file name as transformers and huggingface_hub write it.
 SHARD_PATTERN = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as it is; the message names the file or tensor."""
 
 
 def builtin_models() -> list[str]:
@@ -113,6 +117,33 @@ def config_to_hf(config: GPT2Config) -> dict:
     }
 
 
+def generation_config_to_hf(config: GPT2Config) -> dict:
+    """:class:`GPT2Config` → ``generation_config.json``, the defaults transformers' ``generate``
+    and ``pipeline("text-generation")`` use with this checkpoint.
+
+    - ``eos_token_id`` / ``bos_token_id`` / ``pad_token_id``: ``<|endoftext|>`` (50256) for a
+      GPT-2 BPE model (as openai-community/gpt2's, so transformers stops there, as
+      ``gpt2mha generate --stop-at-eos`` does), none for the byte tokenizer, which has no
+      special token (transformers then always generates ``max_new_tokens``, as gpt2mha does).
+    - ``suppress_tokens``: the ids past the tokenizer's vocabulary when the model has more
+      (e.g. 50304 rows for 50257 BPE ids): gpt2mha never samples them
+      (``generate(vocab_size=…)``), so transformers must not either.
+    - greedy (``do_sample: false``) unless the caller asks for sampling.
+    """
+    tok_vocab = tokenizer_class(config.tokenizer).n_vocab
+    eot = 50256 if config.tokenizer == "gpt2" and config.n_vocab > 50256 else None
+    out = {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot, "do_sample": False}
+    if config.n_vocab > tok_vocab:
+        out["suppress_tokens"] = list(range(tok_vocab, config.n_vocab))
+    return out
+
+
+def tokenizer_fits(config: GPT2Config) -> bool:
+    """Whether the model can read every id of its tokenizer (``n_vocab`` ≥ the tokenizer's ids);
+    a smaller test model (e.g. 1000 ids with ``tokenizer="gpt2"``) gets no tokenizer files."""
+    return config.n_vocab >= tokenizer_class(config.tokenizer).n_vocab
+
+
 # ---------------------------------------------------------------------------------- weights
 def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     """Tensors of a ``.safetensors`` file, or of a ``.bin`` read with ``weights_only=True``.
@@ -121,7 +152,6 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
         CheckpointError: truncated/corrupt file, or a pickle that would run code.
     """
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
         try:
             return load_file(path)
         except Exception as e:  # safetensors raises its own SafetensorError on bad headers/lengths
@@ -234,126 +264,18 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     return read_sharded(path) if path.endswith(".index.json") else read_state_dict(path)
 
 
-def normalize_keys(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[str, torch.Tensor]:
-    """Drop the ``transformer.`` prefix and the legacy attention buffers (``lm_head.weight`` is
-    kept: :func:`resolve_lm_head` decides what it is).
-
-    Raises:
-        CheckpointError: a tensor present under both spellings.
-    """
-    out = {}
-    for key, t in sd.items():
-        short = key.removeprefix("transformer.")
-        if short.endswith(IGNORED_SUFFIXES):
-            continue
-        if short in out:
-            raise CheckpointError(f"{source}: tensor {short} appears twice (as {short} and transformer.{short}); "
-                                  f"refusing to guess which one is meant")
-        out[short] = t
-    return out
 
 
-def resolve_lm_head(sd: dict[str, torch.Tensor], config: GPT2Config,
-                    source: str = "state dict") -> tuple[dict[str, torch.Tensor], GPT2Config]:
-    """Decide what a checkpoint's ``lm_head.weight [n_vocab, n_embd]`` is, as transformers does.
-
-    - tied config, ``lm_head.weight`` only: it is the tied weight, read as ``wte.weight``
-      (``safetensors.torch.save_model`` keeps one name per shared tensor);
-    - tied config, both present and equal: the head copy is dropped;
-    - tied config, both present and different: the model is untied
-      (``tie_word_embeddings=False``, with a warning), so no tensor is ever dropped;
-    - untied config: both are kept (a missing one is reported by :func:`check_state_dict`).
-
-    Returns:
-        ``(state dict, config)``, the config untied where needed.
-    """
-    if "lm_head.weight" not in sd or not config.tie_word_embeddings:
-        return sd, config
-    sd = dict(sd)
-    head = sd.pop("lm_head.weight")
-    if "wte.weight" not in sd:
-        sd["wte.weight"] = head
-        return sd, config
-    wte = sd["wte.weight"]
-    if head.shape == wte.shape and torch.equal(head, wte):
-        return sd, config
-    diff = (head.float() - wte.float()).abs().max().item() if head.shape == wte.shape else "shapes differ"
-    warnings.warn(f"{source}: lm_head.weight differs from wte.weight (max abs difference {diff}) although the "
-                  f"config ties them; loading a separate LM head (tie_word_embeddings=False), as transformers does",
-                  stacklevel=3)
-    sd["lm_head.weight"] = head
-    return sd, dataclasses.replace(config, tie_word_embeddings=False)
 
 
-def load_into(model: GPT2, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> GPT2:
-    """Fill a model built on the meta device with ``sd`` (checked by :func:`check_state_dict`):
-    real storage on the CPU, float32 values converted to ``dtype``; eval mode."""
-    model = model.to_empty(device="cpu")
-    model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
-    return model.to(dtype).eval()
 
 
-def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> None:
-    """Compare ``sd`` with the model's parameters before copying anything.
-
-    Raises:
-        CheckpointError: listing every missing, unexpected or mis-shaped tensor (with both
-            shapes), a non-floating dtype, or a tensor holding NaN/inf (with its name).
-    """
-    expected = model.state_dict()
-    summary = config_mismatch(model.config, sd)
-    problems = [f"missing tensor {k} {list(v.shape)}" for k, v in expected.items() if k not in sd]
-    problems += [f"unexpected tensor {k} {list(v.shape)}" for k, v in sd.items() if k not in expected]
-    for k, t in sd.items():
-        if k not in expected:
-            continue
-        if t.shape != expected[k].shape:
-            problems.append(f"{k}: checkpoint shape {list(t.shape)} != model shape {list(expected[k].shape)}")
-        elif not t.is_floating_point():
-            problems.append(f"{k}: dtype {t.dtype} is not a floating-point type")
-        elif not torch.isfinite(t).all():
-            problems.append(f"{k}: contains NaN or inf values")
-    if problems:
-        head = f"{source}: cannot load" + (f": {summary}" if summary else "")
-        if len(problems) > 12:
-            problems = problems[:10] + [f"... and {len(problems) - 10} more"]
-        raise CheckpointError(head + ":\n  " + "\n  ".join(problems))
 
 
-def config_mismatch(config: GPT2Config, sd: dict[str, torch.Tensor]) -> str:
-    """One line saying which config sizes the weights contradict, e.g. ``config.json says
-    n_embd=64 but the weights have n_embd=48 (wte.weight [300, 48])``; "" when none do."""
-    said = []
-    wte, wpe = sd.get("wte.weight"), sd.get("wpe.weight")
-    if wte is not None and wte.dim() == 2:
-        for name, want, have in (("n_vocab", config.n_vocab, wte.shape[0]), ("n_embd", config.n_embd, wte.shape[1])):
-            if want != have:
-                said.append(f"{name}={want} but the weights have {name}={have} (wte.weight {list(wte.shape)})")
-    if wpe is not None and wpe.dim() == 2 and wpe.shape[0] != config.n_ctx:
-        said.append(f"n_ctx={config.n_ctx} but the weights have n_ctx={wpe.shape[0]} (wpe.weight {list(wpe.shape)})")
-    layers = {int(k.split(".")[1]) for k in sd if k.startswith("h.") and k.split(".")[1].isdigit()}
-    if layers and max(layers) + 1 != config.n_layer:
-        said.append(f"n_layer={config.n_layer} but the weights have {max(layers) + 1} blocks (h.0 … h.{max(layers)})")
-    return ("config.json says " + "; ".join(said)) if said else ""
 
 
-#: dtype names accepted wherever a dtype is given as text (API and CLI).
-DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-def as_dtype(dtype) -> torch.dtype:
-    """A floating torch dtype from a dtype or one of :data:`DTYPE_NAMES` (``"bf16"``, …).
-
-    Raises:
-        ValueError: naming the value and the accepted names.
-    """
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPE_NAMES:
-        return DTYPE_NAMES[dtype.removeprefix("torch.")]
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    raise ValueError(f"dtype={dtype!r}; expected a floating torch dtype or one of {sorted(DTYPE_NAMES)}")
 
 
 # ---------------------------------------------------------------------------------- resolve
@@ -390,8 +312,6 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     import socket
     from urllib.parse import urlparse
 
-    from huggingface_hub import constants
-
     url = urlparse(constants.ENDPOINT)
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
@@ -412,23 +332,20 @@ def download(repo_id: str) -> str:
         CheckpointError: the download fails (offline and not cached, unknown repo), with how to
             use a local copy.
     """
-    from huggingface_hub import constants, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
     offline = bool(constants.HF_HUB_OFFLINE)
     local_only = offline or not hub_reachable()
     try:
-        config_path = hf_hub_download(repo_id, CONFIG_NAME, local_files_only=local_only)
+        config_path = huggingface_hub.hf_hub_download(repo_id, CONFIG_NAME, local_files_only=local_only)
         for name in WEIGHTS_FILES:                 # offline, a file not cached is EntryNotFoundError's subclass
             try:
-                path = hf_hub_download(repo_id, name, local_files_only=local_only)
+                path = huggingface_hub.hf_hub_download(repo_id, name, local_files_only=local_only)
             except EntryNotFoundError:
                 if name == WEIGHTS_FILES[-1]:
                     raise
                 continue
             if name.endswith(".index.json"):      # then every shard it names
                 for shard in dict.fromkeys(_weight_map(path).values()):
-                    hf_hub_download(repo_id, shard, local_files_only=local_only)
+                    huggingface_hub.hf_hub_download(repo_id, shard, local_files_only=local_only)
             break
     except CheckpointError:
         raise
@@ -508,8 +425,6 @@ def shard_size_bytes(max_shard_size) -> int:
     Raises:
         ValueError: naming the value: not an int or such a string, or not positive.
     """
-    from huggingface_hub.serialization._base import parse_size_to_int
-
     if isinstance(max_shard_size, str):
         try:
             size = parse_size_to_int(max_shard_size)
@@ -525,10 +440,17 @@ def shard_size_bytes(max_shard_size) -> int:
 
 
 def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
-                    dtype: torch.dtype = torch.float32, max_shard_size: int | str | None = None) -> None:
+                    dtype: torch.dtype = torch.float32, max_shard_size: int | str | None = None) -> list[str]:
     """Write ``config.json`` and ``model.safetensors`` (``transformer.``-prefixed keys; the head
     tied, or ``lm_head.weight`` with ``tie_word_embeddings: false`` for an untied model) that
-    ``GPT2LMHeadModel.from_pretrained`` loads with the same logits.
+    ``GPT2LMHeadModel.from_pretrained`` loads with the same logits, ``generation_config.json``
+    (:func:`generation_config_to_hf`) and the tokenizer files
+    (:func:`gpt2mha.io.tokenizer.hf_tokenizer_files`: ``tokenizer.json``, ``tokenizer_config.json``,
+    and for GPT-2 BPE ``vocab.json``, ``merges.txt``, ``special_tokens_map.json``), so
+    ``transformers.pipeline("text-generation", model=directory)`` and ``AutoTokenizer`` work on
+    the directory and tokenise as gpt2mha does. The tokenizer's name stays in ``config.json``'s
+    ``gpt2mha`` section, which is what gpt2mha reads back. A model with fewer ids than its
+    tokenizer (a test model) gets no tokenizer files.
 
     ``dtype`` is the storage dtype of the weights (float32 by default; float16 halves the file,
     as for the built-in model); loading converts back to the dtype asked for.
@@ -541,7 +463,11 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
     directory (its single file, index or shards) are removed once the new ones are written.
 
     Files are written to temporaries and renamed, so an interrupted save leaves the previous
-    checkpoint intact.
+    checkpoint intact. Tokenizer files of an earlier save that this model's tokenizer does not
+    have (e.g. ``vocab.json`` when a byte model replaces a BPE one) are removed.
+
+    Returns:
+        The paths written, ``config.json`` first.
 
     Raises:
         FileExistsError: ``directory`` is non-empty and not a gpt2mha checkpoint, unless
@@ -550,8 +476,6 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
             does not fit in ``dtype`` (e.g. a value beyond float16's ±65504 would be stored as
             inf); nothing is written then.
     """
-    from safetensors.torch import save_file
-
     if os.path.isdir(directory) and os.listdir(directory) and not (overwrite or is_checkpoint_dir(directory)):
         raise FileExistsError(f"{directory} is not empty and is not a gpt2mha checkpoint; refusing to write into it "
                               f"(choose another directory or pass overwrite=True)")
@@ -559,6 +483,32 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
         raise ValueError(f"dtype={dtype} must be a floating-point torch dtype")
     shard_size = None if max_shard_size is None else shard_size_bytes(max_shard_size)
     hf_config = config_to_hf(model.config)
+    tensors = _tensors_to_save(model, dtype, hf_config)
+    os.makedirs(directory, exist_ok=True)
+    written = _write_weights(directory, tensors, shard_size)
+    extra = {GENERATION_CONFIG_NAME: json.dumps(generation_config_to_hf(model.config), indent=2) + "\n"}
+    if tokenizer_fits(model.config):
+        extra.update(hf_tokenizer_files(model.config.tokenizer, model.config.n_ctx))
+    for name, content in extra.items():
+        _atomic_write(directory, name, lambda p, content=content: _write_bytes(p, content))
+    text = json.dumps(hf_config, indent=2) + "\n"
+    _atomic_write(directory, CONFIG_NAME, lambda p: _write_text(p, text))
+    written |= {CONFIG_NAME, *extra}
+    for name in os.listdir(directory):          # an earlier save's weights: read before, or beside, the new ones
+        if name not in written and (name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) or name in HF_TOKENIZER_FILES or
+                                    (SHARD_PATTERN.fullmatch(name) and name.endswith(".safetensors"))):
+            os.remove(os.path.join(directory, name))
+    first = [CONFIG_NAME, *sorted(n for n in written if n != CONFIG_NAME)]
+    return [os.path.join(directory, n) for n in first]
+
+
+def _tensors_to_save(model: GPT2, dtype: torch.dtype, hf_config: dict) -> dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` stores, by transformers' names; a quantized model's as
+    stored for its kernels (its entry goes into ``hf_config``).
+
+    Raises:
+        ValueError: a weight that ``dtype`` cannot hold (nothing is written then).
+    """
     if getattr(model, "quantization", None):                     # int8/int4 weights stored as they are
         tensors, entry = state_to_save(model, dtype)
         tensors = {f"transformer.{k}": v for k, v in tensors.items()}
@@ -572,29 +522,26 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
     if overflow:
         raise ValueError(f"dtype={dtype} cannot hold the values of {', '.join(overflow)} (they would be stored as inf); "
                          f"save in float32 or bfloat16. Nothing was written.")
-    os.makedirs(directory, exist_ok=True)
+    return tensors
+
+
+def _write_weights(directory: str, tensors: dict[str, torch.Tensor], shard_size: int | None) -> set[str]:
+    """``model.safetensors``, or shards and their index as transformers writes them
+    (huggingface_hub's ``split_torch_state_dict_into_shards``); returns the names written."""
     split = None
     if shard_size is not None:
-        from huggingface_hub import split_torch_state_dict_into_shards
         split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
                                                    max_shard_size=shard_size)
     if split is None or not split.is_sharded:
         _atomic_write(directory, WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-        written = {WEIGHTS_NAME}
-    else:
-        for name, names in split.filename_to_tensors.items():
-            _atomic_write(directory, name, lambda p, names=names: save_file({n: tensors[n] for n in names}, p,
-                                                                            metadata={"format": "pt"}))
-        index = json.dumps({"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename},
-                           indent=2, sort_keys=True) + "\n"
-        _atomic_write(directory, WEIGHTS_INDEX_NAME, lambda p: _write_text(p, index))
-        written = {*split.filename_to_tensors, WEIGHTS_INDEX_NAME}
-    text = json.dumps(hf_config, indent=2) + "\n"
-    _atomic_write(directory, CONFIG_NAME, lambda p: _write_text(p, text))
-    for name in os.listdir(directory):          # an earlier save's weights: read before, or beside, the new ones
-        if name not in written and (name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) or
-                                    (SHARD_PATTERN.fullmatch(name) and name.endswith(".safetensors"))):
-            os.remove(os.path.join(directory, name))
+        return {WEIGHTS_NAME}
+    for name, names in split.filename_to_tensors.items():
+        _atomic_write(directory, name, lambda p, names=names: save_file({n: tensors[n] for n in names}, p,
+                                                                        metadata={"format": "pt"}))
+    index = json.dumps({"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename},
+                       indent=2, sort_keys=True) + "\n"
+    _atomic_write(directory, WEIGHTS_INDEX_NAME, lambda p: _write_text(p, index))
+    return {*split.filename_to_tensors, WEIGHTS_INDEX_NAME}
 
 
 def _atomic_write(directory: str, name: str, write) -> None:
@@ -612,3 +559,8 @@ def _atomic_write(directory: str, name: str, write) -> None:
 def _write_text(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
+
+
+def _write_bytes(path: str, content: str | bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(content.encode("utf-8") if isinstance(content, str) else content)

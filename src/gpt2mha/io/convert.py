@@ -2,15 +2,15 @@
 
 Layouts (C = n_embd = d_out, h = heads, hd = head_dim = C // h):
 
-* per-head wrapper: :class:`~gpt2mha.book.MultiHeadAttentionWrapper`, head i owns
+* per-head wrapper: :class:`~gpt2mha.learn.book.MultiHeadAttentionWrapper`, head i owns
   ``W_query/W_key/W_value.weight [hd, d_in]`` (nn.Linear ``[out, in]``), no output projection;
-* weight split: :class:`~gpt2mha.book.MultiHeadAttention`, ``W_query/W_key/W_value.weight
+* weight split: :class:`~gpt2mha.learn.book.MultiHeadAttention`, ``W_query/W_key/W_value.weight
   [C, d_in]`` whose rows ``i*hd … (i+1)*hd - 1`` are head i, ``out_proj.weight [C, C]``;
-* fused: :class:`~gpt2mha.attention.CausalSelfAttention` (GPT-2, seeds 000/002), Conv1D
+* fused: :class:`~gpt2mha.core.attention.CausalSelfAttention` (GPT-2), Conv1D
   ``[in, out]`` used as ``x @ W + b``: ``c_attn.weight [C, 3C]`` = all q | all k | all v
   (contiguous blocks, not per-head chunks), ``c_proj.weight [C, C]``;
 * per-head view of the fused layout: head h's q, k, v columns at ``h*hd``, ``C + h*hd``,
-  ``2C + h*hd`` (seed 000).
+  ``2C + h*hd``.
 
 Every function copies (never aliases) and checks every size first, raising ValueError that
 names the tensor and both shapes. The KV caches of ``MultiHeadAttention`` and
@@ -207,7 +207,7 @@ def fused_to_mha(attn: CausalSelfAttention, context_length: int, qkv_bias: bool 
 
 # ----------------------------------------------------------------- fused <-> per-head view
 def fused_to_heads(attn: CausalSelfAttention) -> list[dict[str, torch.Tensor]]:
-    """Per-head view of GPT-2's fused attention (seed 000's column offsets).
+    """Per-head view of GPT-2's fused attention (its q | k | v column offsets).
 
     For head h (hd = head_dim, C = n_embd), in Conv1D layout (``x @ W + b``):
     ``q_weight = c_attn.weight[:, h*hd : h*hd+hd]``, ``k_weight`` at ``C + h*hd``, ``v_weight``

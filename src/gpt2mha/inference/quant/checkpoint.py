@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .linear import QuantizedHead, QuantizedLinear
+from .linear import QuantizedLinear
 from .model import BLOCK_LINEARS, install, quantized_layers
 from .schemes import (HEAD_SCHEME, KERNEL_DTYPE, METHODS, QuantizationError, check_scheme, dequantize_int4,
                       unpack_int4)

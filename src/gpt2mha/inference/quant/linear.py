@@ -51,8 +51,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     ``torch._int_mm``, whose int32 sums are exact; one float32 rescale per row and per output
     channel follows. The product is about as exact as float32 activations give (relative error
     ~3e-5 on ordinary rows, against ~2e-3 for bf16 activations on ``aten._weight_int8pack_mm``,
-    whose output is also rounded to bf16), at 1.3-1.6x that kernel's time (RESULTS.md, "Second
-    pass: exact int8 products, GPTQ, int4 group 32").
+    whose output is also rounded to bf16), for somewhat more time than that kernel (RESULTS.md,
+    "Second pass: exact int8 products, GPTQ, int4 group 32").
     """
     M = x.shape[0]
     xf = x.float()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ...core.hooks import record
-from .gptq import gptq  # noqa: F401  (re-exported: the rounding GPTQ layers use)
+
 from .linear import QuantizedHead, QuantizedLinear
 from .schemes import (ABNORMAL_ERROR, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, HEAD_SCHEME, METHODS, SCHEMES,
                       check_scheme)
@@ -220,6 +220,51 @@ def _restore(model, before: dict) -> None:
     model.train(before["training"])
 
 
+def _plan(model, scheme, group_size, method, calibration):
+    """What :func:`quantize_model` needs, every argument checked before anything changes:
+    ``(group_size, calibration ids or None, the float modules by path, their weights [out, in]
+    and biases by path)``.
+
+    Raises:
+        ValueError: see :func:`quantize_model`.
+    """
+    if getattr(model, "quantization", None):
+        raise ValueError(f"this model is already quantized ({model.quantization['scheme']}); quantizing twice would "
+                         f"round the rounded weights again: quantize the float model instead")
+    defaulted = group_size is None
+    if scheme in SCHEMES and group_size is None:
+        group_size = DEFAULT_GROUP_SIZE[scheme]
+    try:
+        check_scheme(scheme, group_size, model.config.n_embd)
+    except ValueError as e:
+        if defaulted and group_size is not None:
+            raise ValueError(f"{e} (group_size was not given: {group_size} is {scheme}'s default)") from None
+        raise
+    sources = {f"h.{i}.{path}": model.get_submodule(f"h.{i}.{path}") for i in range(model.config.n_layer)
+               for path in BLOCK_LINEARS}
+    weights = {path: (m.weight.t(), m.bias) for path, m in sources.items()}      # [out, in]
+    weights["lm_head"] = (model.lm_head.weight, None)
+    bad = [path for path, (w, b) in weights.items()
+           if not torch.isfinite(w).all() or (b is not None and not torch.isfinite(b).all())]
+    if bad:
+        raise ValueError(f"cannot quantize: {', '.join(bad)} hold NaN or inf values")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is unknown; expected one of {METHODS}")
+    if method == "rtn" and calibration is not None:
+        raise ValueError("calibration: round-to-nearest (method='rtn') uses no calibration text; "
+                         "pass method='gptq' to use it")
+    ids = None
+    if method == "gptq":
+        try:
+            ids = calibration_ids(model, default_calibration() if calibration is None else calibration)
+        except ValueError as e:
+            if calibration is not None:
+                raise
+            raise ValueError(f"{e} (the packaged calibration text, encoded with this model's {model.config.tokenizer!r} "
+                             f"tokenizer); pass calibration= token ids the model takes, or method='rtn'") from None
+    return group_size, ids, sources, weights
+
+
 @torch.no_grad()
 def quantize_model(model, scheme: str, group_size: int | None = None, method: str = "gptq", calibration=None):
     """Weight-only quantize ``model`` in place: every block Conv1D (``c_attn``, ``attn.c_proj``,
@@ -257,40 +302,7 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
             allow, calibration given with ``"rtn"`` or unusable (:func:`calibration_ids`), a
             model already quantized, or weights holding NaN/inf (named).
     """
-    if getattr(model, "quantization", None):
-        raise ValueError(f"this model is already quantized ({model.quantization['scheme']}); quantizing twice would "
-                         f"round the rounded weights again: quantize the float model instead")
-    defaulted = group_size is None
-    if scheme in SCHEMES and group_size is None:
-        group_size = DEFAULT_GROUP_SIZE[scheme]
-    try:
-        check_scheme(scheme, group_size, model.config.n_embd)
-    except ValueError as e:
-        if defaulted and group_size is not None:
-            raise ValueError(f"{e} (group_size was not given: {group_size} is {scheme}'s default)") from None
-        raise
-    sources = {f"h.{i}.{path}": model.get_submodule(f"h.{i}.{path}") for i in range(model.config.n_layer)
-               for path in BLOCK_LINEARS}
-    weights = {path: (m.weight.t(), m.bias) for path, m in sources.items()}      # [out, in]
-    weights["lm_head"] = (model.lm_head.weight, None)
-    bad = [path for path, (w, b) in weights.items()
-           if not torch.isfinite(w).all() or (b is not None and not torch.isfinite(b).all())]
-    if bad:
-        raise ValueError(f"cannot quantize: {', '.join(bad)} hold NaN or inf values")
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is unknown; expected one of {METHODS}")
-    if method == "rtn" and calibration is not None:
-        raise ValueError("calibration: round-to-nearest (method='rtn') uses no calibration text; "
-                         "pass method='gptq' to use it")
-    ids = None
-    if method == "gptq":
-        try:
-            ids = calibration_ids(model, default_calibration() if calibration is None else calibration)
-        except ValueError as e:
-            if calibration is not None:
-                raise
-            raise ValueError(f"{e} (the packaged calibration text, encoded with this model's {model.config.tokenizer!r} "
-                             f"tokenizer); pass calibration= token ids the model takes, or method='rtn'") from None
+    group_size, ids, sources, weights = _plan(model, scheme, group_size, method, calibration)
     tied = model.lm_head.weight is model.wte.weight
     before = _state_before(model, sources)
     model.eval()

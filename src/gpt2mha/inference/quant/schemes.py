@@ -17,7 +17,7 @@ SCHEMES = ("int8", "int4")
 #: How the weights are rounded: "gptq" (:func:`gptq`, on calibration text) or "rtn" (to nearest).
 METHODS = ("gptq", "rtn")
 #: Group size used when none is given (int8 has one scale per output channel, no groups).
-#: int4's 32 is the size that reached issue 13's 97% top-1 agreement on the built-in model with
+#: int4's 32 is the size that reached 97% top-1 agreement with float32 on the built-in model with
 #: GPTQ (64: 96.7%), and decodes as fast as 64 on this CPU (RESULTS.md, "Quantized decode").
 DEFAULT_GROUP_SIZE = {"int8": None, "int4": 32}
 #: The calibration text GPTQ uses when none is given: the first 16 KiB of Tiny Shakespeare,
@@ -26,12 +26,11 @@ DEFAULT_CALIBRATION = "calibration.txt"
 #: Group sizes the int4 CPU kernel takes.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 #: Dtype of the stored scales, and of the activations handed to the int4 kernel, which runs
-#: 30x faster on bf16 than on float32 activations (RESULTS.md). The product is converted back
+#: much faster on bf16 than on float32 activations (RESULTS.md). The product is converted back
 #: to the model's dtype; the bias and the residual stream stay in it.
 KERNEL_DTYPE = torch.bfloat16
-#: The LM head is int8 in both schemes: on the built-in model an int4 head (group 64) lowered
-#: int4's top-1 agreement with float32 from 93.8% to 91.0% and raised its bits/byte by 0.0024,
-#: for 0.45 ms/step less on 124M (RESULTS.md). A tied embedding then carries int8's ~1% error.
+#: The LM head is int8 in both schemes: an int4 head lowers the built-in model's top-1 agreement
+#: with float32 for little speed (RESULTS.md). A tied embedding then carries int8's ~1% error.
 HEAD_SCHEME = "int8"
 #: Robust relative error (:func:`error_row`) above which a tensor is reported as abnormal. A
 #: Gaussian weight gives ~0.01 in int8 (per channel) and ~0.09 in int4 (group 64, asymmetric);

@@ -1,4 +1,4 @@
-"""How fast this machine's PyTorch kernels stream decode-sized weights: ``python benchmarks/kernels.py``.
+"""How fast this machine's PyTorch kernels stream decode-sized weights: ``python benchmarks/weight_kernels.py``.
 
 A decode step at batch 1 multiplies one row by every weight matrix once, so its speed is set
 by how many bytes of weights per second the matmul kernels read. This script times the 48
@@ -22,7 +22,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from bench import interleaved_medians     # benchmarks/bench.py, this script's directory
+from bench import interleaved_medians
 
 #: (in, out) of the four weight matrices of one GPT-2 124M block, in forward order.
 BLOCK_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))

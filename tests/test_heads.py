@@ -1,8 +1,9 @@
-"""gpt2mha.inspect: the shape trace, attention maps, head role scores, and the trace/heads commands.
+"""gpt2mha.learn.heads and heads_html: attention maps, head role scores, the grid PNG and
+heads.html, and the ``gpt2mha heads`` command.
 
-Independent references: the shapes in seed 001 (GPT-2 small, b=2, T=6), the shapes real modules
-(CausalSelfAttention, the book's classes) produce, a GPT-2 whose weights are built by hand to
-attend to the previous token, and PNG/HTML files read back from disk.
+Independent references: the attention weights computed in NumPy from OpenAI's formulas
+(gpt2mha.core.reference) on the same weights, a GPT-2 whose weights are built by hand to attend
+to the previous token, maps built by hand, and PNG/HTML files read back from disk.
 """
 
 import json
@@ -14,98 +15,15 @@ import pytest
 import torch
 from PIL import Image
 
-from gpt2mha import DEFAULT_MODEL, GPT2, CausalSelfAttention, GPT2Config
-from gpt2mha.checkpoints import builtin_models
+from gpt2mha import DEFAULT_MODEL, GPT2, GPT2Config
 from gpt2mha.cli import main
-from gpt2mha.inspect import (NO_ROLE, ROLE_THRESHOLD, analyse_heads, assign_roles, attention_maps, grid_geometry,
-                             head_geometry, induction_from_maps, ordinal, relative_scores, repeated_random_tokens, role_scores,
-                             strongest_heads, trace)
+from gpt2mha.io.checkpoints import builtin_models
+from gpt2mha.learn.heads import (NO_ROLE, ROLE_THRESHOLD, analyse_heads, assign_roles, attention_maps,
+                                 induction_from_maps, relative_scores, repeated_random_tokens, role_scores,
+                                 strongest_heads)
+from gpt2mha.learn.heads_html import grid_geometry, head_geometry, ordinal
 
-SHAPE = re.compile(r"\((\d+(?:, \d+)*)\)")
-
-
-def stage_shapes(text):
-    """Shapes of the numbered stage lines of ``gpt2mha trace`` output, in order."""
-    shapes = []
-    for line in text.splitlines():
-        if re.match(r"\s*\d+\s+\w+\s+\(", line):
-            shapes.append(tuple(int(n) for n in SHAPE.search(line).group(1).split(", ")))
-    return shapes
-
-
-def is_subsequence(wanted, seq):
-    it = iter(seq)
-    return all(any(w == s for s in it) for w in wanted)
-
-
-# ---------------------------------------------------------------------------------- trace
-SEED_001 = [(2, 6, 768), (2, 6, 12, 64), (2, 12, 6, 64), (2, 12, 6, 6), (2, 12, 6, 64), (2, 6, 768)]
-
-
-@pytest.mark.parametrize("layout", ["split", "fused"])
-def test_trace_gpt2_small_has_the_seed_shapes_in_order(layout, capsys):
-    assert main(["trace", "--layout", layout]) == 0
-    out = capsys.readouterr().out
-    shapes = stage_shapes(out)
-    assert is_subsequence(SEED_001, shapes), shapes
-    assert shapes[0] == (2, 6, 768) and shapes[-1] == (2, 6, 768)
-    # the operations between stages, head_dim and the mask are printed
-    for text in ("view(b, T, num_heads, head_dim)", "transpose(1, 2)", "contiguous().view(b, T, d_out)",
-                 "head_dim=64", "mask (6, 6)", "softmax(dim=-1)"):
-        assert text in out
-    scores = next(line for line in out.splitlines() if re.match(r"\s*\d+\s+scores\s", line))
-    assert "(2, 12, 6, 6)" in scores and "[b, h, T, S]" in scores
-
-
-def test_trace_with_past_4_has_scores_2_12_6_10(capsys):
-    assert main(["trace", "--past", "4", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    by_name = {s["name"]: s for s in data["stages"]}
-    assert by_name["scores"]["shape"] == [2, 12, 6, 10]
-    assert by_name["weights"]["shape"] == [2, 12, 6, 10]
-    assert by_name["past"]["shape"] == [2, 12, 10, 64]
-    assert data["mask_shape"] == [6, 10] and data["head_dim"] == 64
-    assert by_name["scores"]["axes"] == ["b", "h", "T", "S"] and "S" in data["axes"]
-    names = [s["name"] for s in data["stages"]]
-    assert names.index("view") < names.index("transpose") < names.index("scores") < names.index("contexts") \
-        < names.index("merged") < names.index("out_proj")
-
-
-@pytest.mark.parametrize("b,T,d,h,P", [(3, 4, 40, 5, 2), (1, 7, 24, 3, 0), (2, 1, 16, 8, 5)])
-def test_trace_fused_matches_what_causal_self_attention_computes(b, T, d, h, P):
-    tr = {s.name: s.shape for s in trace("fused", b=b, T=T, d_in=d, d_out=d, num_heads=h, context_length=64,
-                                         past=P).stages}
-    attn = CausalSelfAttention(d, h)
-    past = torch.randn(b, 2, h, P, d // h) if P else None
-    y, present, w = attn(torch.randn(b, T, d), past, need_weights=True)
-    assert tr["scores"] == tr["weights"] == tuple(w.shape) == (b, h, T, P + T)
-    assert tr["out_proj"] == tuple(y.shape)
-    assert tr["transpose"] == tuple(present[:, 0].shape) == (b, h, T, d // h)
-
-
-def test_trace_split_and_wrapper_match_the_book_classes():
-    from gpt2mha.book import MultiHeadAttention, MultiHeadAttentionWrapper
-
-    x = torch.randn(3, 5, 20)
-    tr = {s.name: s.shape for s in trace("split", b=3, T=5, d_in=20, d_out=24, num_heads=4, context_length=8).stages}
-    y, w = MultiHeadAttention(20, 24, 8, 0.0, 4)(x, need_weights=True)
-    assert tr["out_proj"] == tuple(y.shape) == (3, 5, 24) and tr["weights"] == tuple(w.shape)
-    assert tr["view"] == (3, 5, 4, 6) and tr["projections"] == (3, 5, 24)
-    tw = trace("wrapper", b=3, T=5, d_in=20, d_out=6, num_heads=4, context_length=8)
-    y = MultiHeadAttentionWrapper(20, 6, 8, 0.0, 4)(x)
-    assert tw.stages[-1].shape == tuple(y.shape) == (3, 5, 24)
-    assert {s.name: s.shape for s in tw.stages}["scores"] == (3, 5, 5) and tw.head_dim == 6
-    assert not any(s.name in ("view", "transpose", "out_proj") for s in tw.stages)
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--d-out", "100", "--num-heads", "12"], "not divisible by num_heads"),
-    (["--past", "1020"], "context_length"),
-    (["--tokens", "0"], "tokens=0"),
-])
-def test_trace_bad_configuration_exits_2(argv, message, capsys):
-    assert main(["trace", *argv]) == 2
-    assert message in capsys.readouterr().err
+DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
 # --------------------------------------------------------------------------- role scores
@@ -229,6 +147,25 @@ def test_heads_writes_grid_png_head_pngs_and_html(tiny_dir, tmp_path, capsys):
     assert "8 of 8 heads have no clear role" in text and "strongest induction heads" in text
 
 
+def reference_maps(model, idx):
+    """Every layer's attention weights ``[n_layer, B, h, T, T]`` from gpt2mha.core.reference
+    (NumPy, float64, OpenAI's ``attn`` written out) on the model's weights."""
+    from gpt2mha.core import reference as R
+
+    p = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
+    ids, n_head = idx.numpy(), model.config.n_head
+    x = p["wte.weight"][ids] + p["wpe.weight"][np.arange(ids.shape[1])]
+    maps = []
+    for layer in range(model.config.n_layer):
+        pre = f"h.{layer}."
+        qkv = R.conv1d(R.norm(x, p[pre + "ln_1.weight"], p[pre + "ln_1.bias"]), p[pre + "attn.c_attn.weight"],
+                       p[pre + "attn.c_attn.bias"])
+        q, k, _ = (R.split_heads(t, n_head) for t in np.split(qkv, 3, axis=-1))          # [B, h, T, hd]
+        maps.append(R.softmax(R.mask_attn_weights(q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1]))))
+        x, _ = R.block(x, p, pre, n_head)
+    return np.stack(maps)
+
+
 def test_heads_python_api_and_json(tiny_dir, tmp_path, capsys):
     model = GPT2.from_pretrained(tiny_dir)
     idx = torch.tensor([list(b"hello there"), list(b"general kenobi"[:11])])
@@ -240,6 +177,8 @@ def test_heads_python_api_and_json(tiny_dir, tmp_path, capsys):
     logits = model(idx).logits
     model.attn_impl = "explicit"
     assert torch.allclose(model(idx).logits, logits, atol=1e-4)
+    # and they are OpenAI's weights softmax(mask(q·kᵀ/√hd)) of every layer, computed in NumPy
+    torch.testing.assert_close(w.double(), torch.from_numpy(reference_maps(model, idx)), atol=1e-5, rtol=0)
     assert main(["heads", "abcdefgh", "--model", tiny_dir, "--layer", "0", "--head", "2", "--out",
                  str(tmp_path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -281,7 +220,7 @@ def test_heads_on_the_builtin_model(tmp_path, capsys):
         assert Image.open(p).size == head_geometry(len("ROMEO:\nBut soft, what light"))
 
 
-# ----------------------------------------------------------- roles over a baseline (issue 16)
+# ------------------------------------------------------------------ roles over a baseline
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("scale", [1.0, 30.0])
 def test_random_weights_give_no_head_a_confident_role(seed, scale):
@@ -329,7 +268,7 @@ def test_builtin_model_induction_heads_and_why_none_is_confident():
     # The built-in byte model's strongest induction scores are ~0 (README says so). Cross-check from
     # first principles: a model with induction heads predicts a repeated passage better the second
     # time; this one does not.
-    from gpt2mha.inspect import induction_scores, top_heads
+    from gpt2mha.learn.heads import induction_scores, top_heads
     model = GPT2.from_pretrained(DEFAULT_MODEL).eval()
     raw, rel = induction_scores(model)
     assert rel.shape == (6, 6) and float(rel.max()) < ROLE_THRESHOLD
@@ -347,8 +286,7 @@ def test_builtin_model_induction_heads_and_why_none_is_confident():
 @pytest.fixture(scope="module")
 def long_result():
     """The built-in model (or a random tiny-width one) on a 150-token prompt."""
-    from gpt2mha.inspect import analyse_heads
-    text = open(__file__.replace("test_inspect.py", "data/the-verdict.txt")).read()[:150]
+    text = open(os.path.join(DATA, "the-verdict.txt")).read()[:150]
     name = DEFAULT_MODEL if DEFAULT_MODEL in builtin_models() else None
     torch.manual_seed(0)
     model = GPT2.from_pretrained(name) if name else GPT2(GPT2Config(n_vocab=256, n_ctx=256, n_embd=48, n_head=6,
@@ -357,7 +295,7 @@ def long_result():
 
 
 def test_grid_png_at_150_tokens_has_a_colour_bar_and_thinned_labels(long_result, tmp_path):
-    from gpt2mha.inspect import write_grid_png
+    from gpt2mha.learn.heads_html import write_grid_png
     import matplotlib
     geo = write_grid_png(long_result.weights, long_result.labels, str(tmp_path / "g.png"))
     assert geo["label_step"] == 13 and geo["cell"] == 192               # 192 px / 16 px = 12 labels per axis
@@ -373,7 +311,7 @@ def test_grid_png_at_150_tokens_has_a_colour_bar_and_thinned_labels(long_result,
 
 
 def test_heads_html_stays_small_for_long_prompts(long_result, tmp_path):
-    from gpt2mha.inspect import write_html
+    from gpt2mha.learn.heads_html import write_html
     T = 150
     info = write_html(long_result, str(tmp_path / "h.html"))
     size = (tmp_path / "h.html").stat().st_size
@@ -397,7 +335,7 @@ def test_grid_png_labels_drawn_follow_the_stated_thinning(T, step, cell, tmp_pat
     one label per 16 pixels), then every ceil(T/8)-th with its position, and past 64 tokens
     192-pixel maps with every ceil(T/12)-th (README, 'heads'); the note names the step with its
     ordinal."""
-    from gpt2mha.inspect import write_grid_png
+    from gpt2mha.learn.heads_html import write_grid_png
 
     w = torch.softmax(torch.randn(2, 1, 4, T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -1e9), -1)
     labels = [f"t{i}" for i in range(T)]

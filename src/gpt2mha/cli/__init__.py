@@ -1,0 +1,59 @@
+"""The ``gpt2mha`` command: a thin argparse layer over the Python API.
+
+Building the parser imports nothing heavy (no torch): each command imports what it uses when it
+runs. :mod:`.common` holds what the commands share, :mod:`.generation` the commands that run the
+model, :mod:`.tools` the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import generation, tools
+from .common import DTYPES, Parser, is_rank0, read_text
+from .generation import read_prompt_file
+from .tools import BENCH_SECTIONS, add_bench_arguments
+
+__all__ = ["main", "build_parser", "read_text", "read_prompt_file", "BENCH_SECTIONS", "add_bench_arguments", "DTYPES"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = Parser(prog="gpt2mha", description="GPT-2 multi-head attention, exact and fast.")
+    parser.add_argument("--version", action="version", version=f"gpt2mha {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    generation.add_commands(sub)
+    tools.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ..train.distributed import launched
+    try:                                      # what the command line alone decides: before torchrun's
+        if getattr(args, "check", None):      # process group, and said once (by rank 0), as argparse does
+            args.check(args)
+    except ValueError as e:
+        if is_rank0():
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        with launched(args.command):          # joins torchrun's process group for generate/train/perplexity
+            return args.func(args)
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:                   # e.g. `gpt2mha generate ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""What the commands share: the parser class, number types, the model and quantization flags, reading text files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+#: ``gpt2mha serve --max-body-bytes`` default (:data:`gpt2mha.serving.server.DEFAULT_MAX_BODY_BYTES`,
+#: repeated here so the parser does not import FastAPI).
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def is_rank0() -> bool:
+    """Whether this process is rank 0 of a ``torchrun`` launch (or not launched by torchrun):
+    the one that reports errors found in the command line, which every rank finds alike."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, silent on the ranks other than 0 of a ``torchrun`` launch: every rank
+    parses the same command line, so a usage error (exit 2) or ``--help`` is printed once."""
+
+    def _print_message(self, message, file=None):
+        if is_rank0():
+            super()._print_message(message, file)
+
+
+def number(kind: type, low: float, high: float | None = None, note: str = ""):
+    """An argparse ``type`` parsing an int or a finite float in ``[low, high]``; anything else
+    is a usage error naming the flag, the value and the range (exit 2)."""
+    name = "an integer" if kind is int else "a finite number"
+    expected = f"{name} >= {low}" if high is None else f"{name} in [{low}, {high}]"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}{note}, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: …)`` after each option's help, except for defaults of None (the help
+    says what None means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="built-in model name, local checkpoint directory, or Hugging Face hub id "
+                        "(default: the built-in model, offline)")
+
+
+def load_model(name: str | None, dtype: str = "float32"):
+    """The model named on the command line (``None``: :data:`gpt2mha.DEFAULT_MODEL`)."""
+    import torch
+
+    from .. import DEFAULT_MODEL
+    from ..api import GPT2
+    from ..io.checkpoints import builtin_models
+
+    if name is None:
+        if DEFAULT_MODEL not in builtin_models():
+            raise SystemExit(f"error: the built-in model {DEFAULT_MODEL!r} is not installed in this package; "
+                             f"pass --model DIR_OR_HUB_ID")
+        name = DEFAULT_MODEL
+    return GPT2.from_pretrained(name, dtype=getattr(torch, DTYPES[dtype]))
+
+
+def quantize_args(p: argparse.ArgumentParser) -> None:
+    """``--quantize``, ``--group-size``, ``--quantize-method`` and ``--calibration``."""
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weight-only quantize the model after loading: int8 (one scale per output channel) or int4 "
+                        "(a scale and zero per group of inputs); the LM head is int8 in both. A directory saved "
+                        "quantized loads quantized without this flag")
+    p.add_argument("--group-size", type=int, default=None, help="int4's group of inputs per scale (32, 64, 128, 256; "
+                                                                "default 32)")
+    p.add_argument("--quantize-method", choices=["gptq", "rtn"], default=None,
+                   help="gptq (default): round so the layers' outputs on calibration text stay close (seconds for "
+                        "the built-in model, ~30-40 s for 124M on 2 cores); rtn: round to nearest, instant")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="UTF-8 text file GPTQ calibrates on (default: a 16 KiB Shakespeare sample in the package)")
+
+
+def check_quantize_args(args) -> None:
+    """The quantization flags must go together (raises ValueError naming them)."""
+    if args.group_size is not None and args.quantize != "int4":
+        raise ValueError(f"--group-size={args.group_size} applies only to --quantize int4")
+    if args.calibration is not None and (args.quantize is None or args.quantize_method == "rtn"):
+        raise ValueError(f"--calibration {args.calibration}: calibration text is read only by "
+                         f"--quantize int8|int4 with --quantize-method gptq")
+    if args.quantize_method is not None and args.quantize is None:
+        raise ValueError(f"--quantize-method {args.quantize_method} applies only with --quantize int8|int4")
+
+
+def quantized(model, args):
+    """``model`` quantized as ``--quantize``/``--group-size``/``--quantize-method`` ask. A model
+    loaded quantized is used as saved: each of those flags given must match what it was saved
+    with, and ``--calibration`` is refused (nothing is re-quantized); the error names both sides.
+    Abnormal tensors are reported on stderr (a QuantizationWarning)."""
+    check_quantize_args(args)
+    if args.quantize is None:
+        return model
+    if getattr(model, "quantization", None):                     # convert reads a core GPT2, without the attribute
+        q = model.quantization
+        saved = {"--quantize": q["scheme"], "--group-size": q["group_size"], "--quantize-method": q.get("method", "rtn")}
+        asked = {"--quantize": args.quantize, "--group-size": args.group_size, "--quantize-method": args.quantize_method}
+        clash = [f"{flag} {asked[flag]}" for flag in asked if asked[flag] is not None and asked[flag] != saved[flag]]
+        if args.calibration is not None:                         # nothing is re-quantized: it would be ignored
+            clash.append(f"--calibration {args.calibration}")
+        if clash:
+            raise ValueError(f"{' '.join(clash)}: this model was saved quantized as {q['scheme']} (group_size="
+                             f"{q['group_size']}, method {saved['--quantize-method']}); a model loaded quantized is "
+                             f"not quantized again: drop these flags to use it as saved, or quantize the float model "
+                             f"instead")
+        return model
+    calibration = None
+    if args.calibration is not None:
+        try:
+            calibration = read_text(args.calibration, "all")
+        except ValueError as e:
+            raise ValueError(f"--calibration: {e}") from None
+    method = args.quantize_method or "gptq"
+    if method == "gptq":
+        source = args.calibration or "the packaged calibration text"
+        print(f"quantizing to {args.quantize} with GPTQ on {source} (seconds for the built-in model, ~40 s for 124M "
+              f"on 2 cores; --quantize-method rtn is instant)", file=sys.stderr, flush=True)
+    from ..inference.quant import quantize_model
+
+    try:
+        return quantize_model(model, args.quantize, args.group_size, method, calibration)
+    except ValueError as e:                                      # name the flag the value came from
+        message = str(e)
+        if message.startswith("calibration") and args.calibration is not None:
+            message = f"--calibration {args.calibration}: {message}"
+        elif message.startswith("group_size"):
+            message = f"--group-size: {message}"
+        raise ValueError(message) from None
+
+
+def read_text(path: str, split: str = "all") -> str:
+    """A file's exact text (no newline translation), or the trainer's ``train``/``val`` part of
+    it (first 90% / last 10% of the bytes). Raises ValueError naming FILE."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"FILE={path!r}: {e.strerror}") from None
+    from ..train.train import split_bytes
+    raw = data
+    if split != "all":
+        data = split_bytes(data)[split == "val"]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        offset = e.start + (len(split_bytes(raw)[0]) if split == "val" else 0)
+        raise ValueError(f"FILE={path!r} is not UTF-8 text (byte {offset}: {data[e.start:e.start + 1]!r}); "
+                         f"re-encode it first, e.g. iconv -f latin1 -t utf-8 {path} > {path}.utf8 "
+                         f"(if it is Latin-1; `file {path}` guesses the encoding)") from None
+
+
+def json_arg(text: str | None, name: str) -> dict | None:
+    """A JSON object given inline or as a file path (``--book-config``)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(open(text).read() if os.path.isfile(text) else text)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name}={text!r} is neither a JSON object nor a readable JSON file: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={text!r}: expected a JSON object, got {type(value).__name__}")
+    return value

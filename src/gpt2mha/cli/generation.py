@@ -1,0 +1,293 @@
+"""The commands that run the model: ``generate``, ``perplexity``, ``train``."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+from .common import (DTYPES, DefaultsHelpFormatter, check_quantize_args, load_model, model_arg, quantize_args, quantized,
+                     read_text)
+
+
+def check_generate_args(args) -> None:
+    """What ``generate``'s command line alone decides (raises ValueError naming the flags); run
+    before any process group is joined, so under torchrun it is reported once, by rank 0."""
+    from ..core import checks
+
+    checks.sampling(args.temperature, args.top_k, args.top_p)
+    try:
+        checks.sampling(0.0, 0, 1.0, args.min_p)
+    except ValueError:
+        raise ValueError(f"--min-p={args.min_p} must be a number in [0, 1] (0: off)") from None
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    if args.prompt_file is not None:
+        if args.prompt:
+            raise ValueError(f"--prompt-file {args.prompt_file} is the prompt; drop the PROMPT ({args.prompt[0]!r}) "
+                             f"or the flag")
+        args.prompt = [read_prompt_file(args.prompt_file)]
+    prompts = args.prompt
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
+    if args.unconditional and prompts:
+        raise ValueError(f"--unconditional starts from <|endoftext|> alone; drop the PROMPT ({prompts[0]!r}) or "
+                         f"the flag")
+    if not args.unconditional and not prompts:
+        raise ValueError("give a PROMPT to continue (or --unconditional to sample from <|endoftext|>)")
+    if "" in prompts:
+        which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else \
+            f"--prompt-file {args.prompt_file}" if args.prompt_file is not None else "PROMPT"
+        raise ValueError(f"{which} is empty; give at least one character to continue")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed={args.seed} must be an integer in [0, 2**63)")
+    if args.tp < 1:
+        raise ValueError(f"--tp {args.tp} must be a positive integer")
+    if args.quantize and args.tp > 1:
+        raise ValueError(f"--quantize {args.quantize} with --tp {args.tp}: tensor parallelism shards float weights; "
+                         f"quantized models run in one process")
+    check_quantize_args(args)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from ..inference import parallel
+    from ..io.tokenizer import StreamDecoder, tokenizer_for
+    from ..train import distributed
+
+    prompts = args.prompt
+    di = parallel.check_world(args.tp)                # --tp N needs N ranks (torchrun)
+    model = load_model(args.model, args.dtype)
+    weights = distributed.weights_fingerprint(model) if di.world_size > 1 else None
+    model = quantized(parallel.tensor_parallel(model, args.tp), args)
+    tok = tokenizer_for(model.config)
+    if args.stop_at_eos and tok.eot_token is None:
+        raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
+    if args.unconditional and tok.eot_token is None:
+        raise ValueError(f"--unconditional starts from <|endoftext|>, which the {tok.name!r} tokenizer of this model "
+                         f"does not have; give a PROMPT instead")
+    try:
+        encoded = [[tok.eot_token]] if args.unconditional else [tok.encode(p) for p in prompts]
+    except UnicodeError:
+        raise ValueError("PROMPT is not valid UTF-8 text") from None
+    # tensor-parallel ranks must sample the same tokens from their equal logits: same inputs, one seed
+    distributed.agree({"the prompts' token ids": encoded, "the weights (checksum)": weights, "--dtype": args.dtype,
+                    **{f"--{k.replace('_', '-')}": getattr(args, k) for k in (
+                        "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "num_samples", "stop_at_eos",
+                        "sliding_window", "unconditional")}})
+    seed = distributed.shared_seed(args.seed)
+    if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
+        return _generate_samples(args, model, tok, encoded, seed)
+    args.prompt = prompts[0]
+    idx = torch.tensor(encoded, dtype=torch.long, device=model.wte.weight.device)
+    stream, out, started = StreamDecoder(tok), distributed.rank0_stdout(), []
+
+    def on_token(token):
+        if not started:                       # the prompt is echoed once the arguments have held up
+            out.write(args.prompt)
+            started.append(True)
+        out.write(stream.push(token.tolist()))
+        out.flush()
+
+    try:
+        ids = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, min_p=args.min_p, seed=seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                             sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab)
+    except BaseException:                     # (e.g. another rank died): end the streamed line first
+        if started:
+            out.write("\n")
+            out.flush()
+        raise
+    parallel.check_same_tokens(ids)
+    out.write(("" if started else args.prompt) + stream.flush() + "\n")
+    return 0
+
+
+def _generate_samples(args, model, tok, encoded: list[list[int]], seed: int | None) -> int:
+    """``--num-samples`` / several PROMPTs / ``--unconditional``: every (prompt, sample) is one
+    row of a left-padded batch (OpenAI's ``sample_sequence`` with ``batch_size``; unconditional
+    rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
+    line, its padding dropped by :func:`gpt2mha.inference.generate.decode_rows`; with ``--stop-at-eos`` a
+    row ends at its first ``<|endoftext|>``."""
+    from ..inference import parallel
+    from ..inference.generate import decode_rows, left_pad
+    from ..train import distributed
+
+    rows = [ids for ids in encoded for _ in range(args.num_samples)]
+    idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
+    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, min_p=args.min_p, seed=seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                         attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab)
+    parallel.check_same_tokens(out)
+    texts = decode_rows(tok, out.cpu(), mask.cpu(), tok.eot_token if args.stop_at_eos else None)
+    skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
+    stdout = distributed.rank0_stdout()
+    for i, text in enumerate(texts):
+        label = f"sample {i % args.num_samples + 1} of {args.num_samples}"
+        if not args.unconditional and len(args.prompt) > 1:
+            label = f"prompt {i // args.num_samples + 1} of {len(args.prompt)}, " + label
+        print(f"{'=' * 20} {label} {'=' * 20}", text[skip:], sep="\n", file=stdout)
+    return 0
+
+
+def read_prompt_file(path: str) -> str:
+    """``--prompt-file``: the file's exact text (a trailing newline included), or standard input's
+    for ``-``. Raises ValueError naming the file when it cannot be read or is not UTF-8."""
+    if path != "-":
+        try:
+            return read_text(path)
+        except ValueError as e:
+            raise ValueError(f"--prompt-file: {e}") from None
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file -: standard input is not UTF-8 text (byte {e.start})") from None
+
+
+def cmd_perplexity(args) -> int:
+    from ..train import distributed
+
+    text = read_text(args.file, args.split)
+    model = quantized(load_model(args.model, args.dtype), args).to(distributed.info().device)
+    result = distributed.perplexity(model, text, stride=args.stride)   # windows split over torchrun's ranks
+    if not distributed.info().is_main:
+        return 0
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(f"tokens           {result.tokens}\nbytes            {result.bytes}\n"
+              f"loss per token   {result.loss_per_token:.4f} nats\nperplexity       {result.perplexity:.3f}\n"
+              f"bits per byte    {result.bits_per_byte:.4f}")
+    return 0
+
+
+#: train's options that set the model (GPT2Config fields), as argparse names them
+TRAIN_MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "n_ctx": "--n-ctx",
+                     "tokenizer": "--tokenizer", "attn_pdrop": "--attn-pdrop", "resid_pdrop": "--resid-pdrop"}
+
+
+#: train's options that set the optimisation (TrainConfig fields)
+TRAIN_SETTINGS = ("iters", "batch_size", "lr", "min_lr", "warmup", "seed", "eval_interval")
+
+
+def cmd_train(args) -> int:
+    """``gpt2mha train``. Every option defaults to None, so the ones given on the command line
+    are known: a new run fills the others from the preset and :class:`~gpt2mha.train.TrainConfig`,
+    ``--resume`` from the checkpoint (the train function prints each setting given that differs
+    from it), ``--init-from`` from the model it loads."""
+    from ..train.train import train
+
+    if args.resume and args.init_from is not None:
+        raise ValueError(f"--init-from {args.init_from} starts a new run from a model's weights; --resume continues "
+                         f"the checkpoint in --out: use one of them")
+    model = {k: getattr(args, k) for k in TRAIN_MODEL_FLAGS if getattr(args, k) is not None}
+    if model.get("resid_pdrop") is not None:
+        model["embd_pdrop"] = model["resid_pdrop"]                   # --resid-pdrop covers the embeddings too
+    if args.init_from is not None and args.preset is not None:
+        raise ValueError(f"--preset {args.preset}: the model comes from --init-from {args.init_from}; drop --preset")
+    if args.init_from is not None or (args.resume and args.preset is None):
+        config = model or None                                       # checked against that model by train()
+    else:                                                            # a new run; or --resume with the same preset
+        from ..core.model import GPT2Config
+
+        preset = args.preset or "tiny"
+        if "tokenizer" not in model:
+            model["tokenizer"] = "gpt2" if preset in ("124M", "355M", "774M", "1558M") else "bytes"
+        config = GPT2Config.from_preset(preset, n_vocab=50257 if model["tokenizer"] == "gpt2" else 256, **model)
+    settings = {k: getattr(args, k) for k in TRAIN_SETTINGS if getattr(args, k) is not None}
+    try:
+        log = train(args.data, args.out, config, settings, resume=args.resume,     # DDP under torchrun
+                    init_from=args.init_from)
+    except ValueError as e:                                          # name the flags the fields came from
+
+        flags = {**TRAIN_MODEL_FLAGS, **{k: "--" + k.replace("_", "-") for k in (*TRAIN_SETTINGS, "init_from")}}
+        flags = {k: v for k, v in flags.items() if getattr(args, k) is not None}          # the ones given
+        message = re.sub(r"\b(%s)=" % "|".join(flags), lambda m: flags[m.group(1)] + "=", str(e)) if flags else str(e)
+        raise ValueError(f"--preset {args.preset}: {message}" if args.resume and args.preset else message) from None
+    from ..train.distributed import info
+    if log["evals"] and info().is_main:
+        last = log["evals"][-1]
+        print(f"done: step {last['step']}, val loss {last['val_loss']:.4f} nats/token, "
+              f"{log['seconds']:.0f} s; checkpoint in {args.out}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    """The ``generate``, ``perplexity`` and ``train`` subcommands."""
+    g = sub.add_parser("generate", help="continue a prompt (streams tokens as they are sampled)",
+                       formatter_class=DefaultsHelpFormatter)
+    g.add_argument("prompt", metavar="PROMPT", nargs="*",
+                   help="text to continue; several PROMPTs are sampled as one batch and printed as labelled samples")
+    g.add_argument("--prompt-file", "-f", default=None, metavar="FILE",
+                   help="read the prompt from FILE (its exact UTF-8 text, a final newline included), '-' for "
+                        "standard input; instead of PROMPT")
+    model_arg(g)
+    g.add_argument("--unconditional", action="store_true",
+                   help="sample from <|endoftext|> alone, as OpenAI's generate_unconditional_samples.py (BPE models)")
+    g.add_argument("--num-samples", type=int, default=1, help="samples per PROMPT, printed one after another, labelled")
+    g.add_argument("--max-new-tokens", type=int, default=100, help="number of tokens to generate (>= 0)")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep only tokens at least this fraction as likely as the most likely one, after "
+                        "--temperature (transformers' min_p); in [0, 1], 0: off")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed for reproducible sampling (default: a random one; with --tp, rank 0 draws it for all)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights' dtype; on CPU bfloat16/float16 halve the weights' memory but decode no "
+                        "faster than float32 (benchmarks/RESULTS.md); logits stay float32")
+    g.add_argument("--stop-at-eos", action="store_true", help="stop when <|endoftext|> is sampled")
+    g.add_argument("--sliding-window", action="store_true",
+                   help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: split the heads over this many processes "
+                        "(torchrun --nproc-per-node N -m gpt2mha generate ... --tp N; README 'Scaling out')")
+    quantize_args(g)
+    g.set_defaults(func=cmd_generate, check=check_generate_args)
+
+    p = sub.add_parser("perplexity", help="loss, perplexity and bits per byte of a text file",
+                       formatter_class=DefaultsHelpFormatter)
+    p.add_argument("file", metavar="FILE")
+    model_arg(p)
+    p.add_argument("--stride", type=int, default=None, help="window step in tokens (default n_ctx // 2)")
+    p.add_argument("--split", choices=["all", "train", "val"], default="all",
+                   help="score the whole file, or the trainer's split of it (train: first 90%% of the bytes, "
+                        "val: last 10%%)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights' dtype, as for generate (the logits and the loss stay float32)")
+    quantize_args(p)
+    p.set_defaults(func=cmd_perplexity, check=check_quantize_args)
+
+    t = sub.add_parser("train", help="train a GPT-2 on a text file (first 90%% train, last 10%% validation)")
+    t.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file")
+    t.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory (new, or ours with --resume)")
+    t.add_argument("--preset", default=None,
+                   help="size preset of a new run (tiny, shakespeare, 124M, ...; default tiny); the flags below "
+                        "override it")
+    for flag in ("--n-layer", "--n-head", "--n-embd", "--n-ctx"):
+        t.add_argument(flag, type=int, default=None)
+    t.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=None,
+                   help="of a new run (default: gpt2 for the GPT-2 presets, else bytes)")
+    t.add_argument("--iters", type=int, default=None, help="optimizer steps in all (default 2000)")
+    t.add_argument("--batch-size", type=int, default=None, help="windows per step, the global batch (default 32)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
+    t.add_argument("--min-lr", type=float, default=None, help="the cosine's floor (default 2e-4)")
+    t.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default 100)")
+    t.add_argument("--eval-interval", type=int, default=None,
+                   help="validate and checkpoint every this many steps (default 250)")
+    t.add_argument("--attn-pdrop", type=float, default=None, help="dropout on attention weights (default 0)")
+    t.add_argument("--resid-pdrop", type=float, default=None,
+                   help="dropout on residual branches and embeddings (default 0)")
+    t.add_argument("--seed", type=int, default=None, help="initialisation and batch sampler (default 1337)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the checkpoint in --out with its settings, optimizer and random states; the "
+                        "options above given here override its settings (one line each says so); the model's "
+                        "sizes and the seed cannot change")
+    t.add_argument("--init-from", default=None, metavar="MODEL",
+                   help="fine-tune: start a new run at step 0, with its own optimizer, from MODEL's weights (any "
+                        "--model value: built-in name, directory, hub id, nanoGPT ckpt.pt, ...); the data is read "
+                        "with MODEL's tokenizer; only dropout may differ from MODEL's config")
+    t.set_defaults(func=cmd_train)

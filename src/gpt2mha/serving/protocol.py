@@ -1,0 +1,284 @@
+"""The OpenAI completions protocol: the request schema, its parsing and checks, errors, and the
+bodies of answers (as OpenAI's API and llama.cpp's and vLLM's servers speak it).
+
+Bad requests raise :class:`APIError`, answered as OpenAI's ``{"error": {"message", "type",
+"param", "code"}}`` with an HTTP status, the message naming the field. Nothing here touches the
+network or the model: :mod:`.server` reads bodies and writes responses, :mod:`.scheduler` runs
+the sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .scheduler import ExceedsCapacity, QueueFull, SamplingParams, Sequence, ShuttingDown
+from .text_stream import CANCELLED, ERROR
+
+MAX_STOP = 4            # as OpenAI: up to 4 stop sequences
+RETRY_AFTER_S = 1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """The body of ``POST /v1/completions`` (OpenAI's fields; types checked strictly)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # accepted at their neutral values only (clients send some of them by default)
+    n: int = 1
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    user: str | None = None
+
+
+#: What each field must be, for the messages of type errors.
+EXPECTED = {
+    "model": "a string", "prompt": "a string or a list of strings", "max_tokens": "an integer",
+    "temperature": "a number", "top_p": "a number", "top_k": "an integer", "seed": "an integer",
+    "stop": "a string or a list of strings", "stream": "a boolean", "stream_options": "an object {include_usage: bool}",
+    "n": "an integer", "best_of": "an integer", "echo": "a boolean", "logprobs": "an integer",
+    "presence_penalty": "a number", "frequency_penalty": "a number", "logit_bias": "an object of numbers",
+    "suffix": "a string", "user": "a string",
+}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# ------------------------------------------------------------------------------ requests
+def parse_request(raw: bytes) -> CompletionRequest:
+    """The request body (JSON, whatever the Content-Type) as a :class:`CompletionRequest`.
+
+    Raises:
+        APIError: 400 for malformed JSON (no param) or a field of the wrong type, an unknown
+            field, a missing prompt, a string that is not Unicode text (param = that field).
+    """
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"The request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "The request body is not valid JSON: nested too deeply") from None
+    check_unicode(data)
+    try:
+        return CompletionRequest.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def check_unicode(data, where: str = "", param: str | None = None) -> None:
+    """Every string of the parsed body (values and keys, at any depth) must be Unicode text:
+    JSON's ``\\ud800``-``\\udfff`` escapes that are not a surrogate pair decode to lone
+    surrogates, which no tokenizer (nor UTF-8) can encode.
+
+    Raises:
+        APIError: 400 naming the top-level field (``param``) and the string's place in it.
+    """
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = data[e.start:e.end].encode("utf-8", "backslashreplace").decode("ascii")
+            raise APIError(400, f"Invalid '{where or 'body'}': the string has a lone UTF-16 surrogate ({bad}) at "
+                                f"character {e.start}, which is not Unicode text (a \\ud800-\\udbff escape must be "
+                                f"followed by a \\udc00-\\udfff one)", param) from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            name = f"{where}.{key}" if where else key
+            check_unicode(key, name.encode("utf-8", "backslashreplace").decode("ascii"), param or
+                          key.encode("utf-8", "backslashreplace").decode("ascii"))
+            check_unicode(value, name, param or key)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            check_unicode(value, f"{where}[{i}]", param)
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """pydantic's first error as a 400 naming the field."""
+    err = errors[0]
+    loc = [x for x in err.get("loc", ()) if x != "body"]
+    kind = err.get("type", "")
+    if not loc:
+        return APIError(400, "The request body must be a JSON object of completion parameters")
+    param = str(loc[0])
+    if kind == "extra_forbidden":
+        name = ".".join(str(x) for x in loc)
+        return APIError(400, f"Unrecognized request argument supplied: {name}", name)
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'", param)
+    got = json.dumps(err.get("input"))[:60]
+    where = param + "".join(f"[{x}]" for x in loc[1:] if isinstance(x, int))   # not pydantic's union branches
+    return APIError(400, f"Invalid type for '{where}': expected {EXPECTED.get(param, 'another type')}, got {got}", param)
+
+
+def check_request(body: CompletionRequest, model_name: str) -> None:
+    """Value checks OpenAI makes (and ours): raises :class:`APIError` 400/404 naming the field."""
+    if body.model is not None and body.model != model_name:
+        raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{model_name}'",
+                       "model", code="model_not_found")
+    if body.max_tokens < 0:
+        raise APIError(400, f"max_tokens={body.max_tokens} must be >= 0", "max_tokens")
+    if not (math.isfinite(body.temperature) and body.temperature >= 0):
+        raise APIError(400, f"temperature={body.temperature} must be a number >= 0 (0 means greedy)", "temperature")
+    if not (math.isfinite(body.top_p) and 0 < body.top_p <= 1):
+        raise APIError(400, f"top_p={body.top_p} must be in (0, 1]", "top_p")
+    if body.top_k < 0:
+        raise APIError(400, f"top_k={body.top_k} must be >= 0 (0: no top-k filtering)", "top_k")
+    if body.seed is not None and not 0 <= body.seed < 2**63:
+        raise APIError(400, f"seed={body.seed} must be in [0, 2**63)", "seed")
+    stops = stop_strings(body)
+    if len(stops) > MAX_STOP or any(s == "" for s in stops):
+        raise APIError(400, f"stop must be up to {MAX_STOP} non-empty strings, got {list(stops)!r}", "stop")
+    unsupported = dict(n=body.n != 1, best_of=body.best_of not in (None, 1), echo=body.echo,
+                       logprobs=body.logprobs is not None, presence_penalty=body.presence_penalty != 0,
+                       frequency_penalty=body.frequency_penalty != 0, logit_bias=bool(body.logit_bias),
+                       suffix=body.suffix is not None)
+    for name, bad in unsupported.items():
+        if bad:
+            raise APIError(400, f"{name}={getattr(body, name)!r} is not supported by this server "
+                                f"(only its default)", name)
+    if isinstance(body.prompt, list) and not body.prompt:
+        raise APIError(400, "prompt is an empty list; give at least one prompt", "prompt")
+
+
+def check_prompt_count(body: CompletionRequest, capacity: int, max_batch: int, max_queue: int) -> None:
+    """More prompts than the server can ever hold at once (``capacity = max_batch + max_queue``)
+    is a 400 naming ``prompt`` (``code="too_many_prompts"``): never admissible, not a 429 to retry."""
+    n = 1 if isinstance(body.prompt, str) else len(body.prompt)
+    if n > capacity:
+        raise APIError(400, f"prompt is a list of {n} prompts; this server holds at most {capacity} "
+                            f"sequences at once (--max-batch {max_batch} running + --max-queue "
+                            f"{max_queue} waiting), so it can never admit them: send at most "
+                            f"{capacity} prompts per request", "prompt", code="too_many_prompts")
+
+
+def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int) -> list[list[int]]:
+    """Token ids of each prompt; raises :class:`APIError` for an empty or too long prompt or
+    prompt + max_tokens beyond the context.
+
+    A prompt whose UTF-8 length alone proves it longer than ``n_ctx`` tokens (at least
+    ``ceil(bytes / tokenizer.max_token_bytes)`` of them) is refused without being tokenized, so
+    the work per prompt is bounded by ``n_ctx · max_token_bytes`` bytes whatever its size."""
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    longest = getattr(tokenizer, "max_token_bytes", None)
+    out = []
+    for i, text in enumerate(prompts):
+        where = "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]"
+        if text == "":
+            raise APIError(400, f"{where} is empty; give at least one character to continue", "prompt")
+        if longest:
+            n_bytes = len(text.encode("utf-8", "surrogatepass"))
+            at_least = -(-n_bytes // longest)
+            if at_least > n_ctx:
+                count = f"{at_least}" if longest == 1 else f"at least {at_least} ({n_bytes} bytes)"
+                raise APIError(400, f"{where} has {count} tokens; this model's maximum context length is "
+                                    f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
+        try:
+            ids = tokenizer.encode(text)
+        except UnicodeError:                          # parse_request refuses these first
+            raise APIError(400, f"{where} is not Unicode text", "prompt") from None
+        if len(ids) > n_ctx:
+            raise APIError(400, f"{where} has {len(ids)} tokens; this model's maximum context length is "
+                                f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
+        if len(ids) + body.max_tokens > n_ctx:
+            raise APIError(400, f"This model's maximum context length is {n_ctx} tokens, however you requested "
+                                f"{len(ids) + body.max_tokens} tokens ({len(ids)} in {where}, {body.max_tokens} for "
+                                f"the completion); lower max_tokens or shorten the prompt", "max_tokens",
+                           code="context_length_exceeded")
+        out.append(ids)
+    return out
+
+
+def stop_strings(body: CompletionRequest) -> tuple[str, ...]:
+    """The request's ``stop`` as a tuple (a single string, a list, or none)."""
+    return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+
+
+def sampling_params(body: CompletionRequest) -> SamplingParams:
+    """The scheduler's :class:`~gpt2mha.serving.scheduler.SamplingParams` of a checked request."""
+    return SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
+                          top_p=body.top_p, seed=body.seed, stop=stop_strings(body))
+
+
+def submit_error(e: Exception) -> APIError:
+    """The answer to a refused submission: :class:`~gpt2mha.serving.scheduler.ExceedsCapacity`
+    400, :class:`~gpt2mha.serving.scheduler.QueueFull` 429 and
+    :class:`~gpt2mha.serving.scheduler.ShuttingDown` 503 (both with ``Retry-After``)."""
+    if isinstance(e, ExceedsCapacity):
+        return APIError(400, str(e), "prompt", code="too_many_prompts")
+    if isinstance(e, QueueFull):
+        return APIError(429, f"The server is busy: {e}", type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, ShuttingDown):
+        return APIError(503, f"The server is shutting down: {e}", type="server_error",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    raise TypeError(f"not a refused submission: {type(e).__name__}: {e}")
+
+
+# ------------------------------------------------------------------------------- answers
+def cancelled_error() -> APIError:
+    """503 for a request cancelled because the server is shutting down."""
+    return APIError(503, "The request was cancelled: the server is shutting down", type="server_error")
+
+
+def failure(seqs: list[Sequence]) -> APIError | None:
+    """The error a request answers with when one of its sequences was cancelled (503) or failed
+    (500, naming the exception); None when all finished normally."""
+    bad = [s for s in seqs if s.finish_reason in (ERROR, CANCELLED)]
+    if not bad:
+        return None
+    s = bad[0]
+    if s.finish_reason == CANCELLED:
+        return cancelled_error()
+    return APIError(500, f"The server failed on this request: {s.error}", type="server_error")
+
+
+def usage(seqs: list[Sequence]) -> dict:
+    """OpenAI's ``usage``: prompt, completion and total tokens of a request's sequences."""
+    p, c = sum(len(s.prompt_ids) for s in seqs), sum(len(s.tokens) for s in seqs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def choice(index: int, text: str, finish_reason: str | None) -> dict:
+    """One entry of ``choices`` (a whole answer's, or a stream chunk's)."""
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event: ``data: <json>`` (or the literal ``[DONE]``) and a blank line."""
+    return "data: " + (data if isinstance(data, str) else json.dumps(data)) + "\n\n"

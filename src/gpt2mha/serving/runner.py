@@ -1,0 +1,201 @@
+"""The model side of serving: one KV cache of slots, prefill, decode steps and sampling.
+
+:class:`Runner` owns the decode view of the model (:func:`gpt2mha.inference.fast.for_decoding`,
+built once) and ONE :class:`~gpt2mha.core.kv_cache.KVCache` of ``slots`` rows: row ``s`` holds
+the sequence in slot ``s``, from cache index 0 at its own length. The scheduler
+(:mod:`.scheduler`) decides which slot each sequence takes and asks for:
+
+- :meth:`Runner.open`: the slot's sampler (``sample_next``'s arguments and its own generator);
+- :meth:`Runner.prefill`: new prompts into their slots (:func:`prefill_batch`: one left-padded
+  forward over a scratch cache, as :func:`gpt2mha.inference.generate.generate` runs a list of
+  prompts, then each row copied into its slot with its pads skipped), and each one's first token;
+- :meth:`Runner.decode`: one forward over rows ``0 … n-1`` (``n`` = highest slot asked + 1), idx
+  ``[n, 1]``, each row at its own position with a key mask of its own keys (the cache plans it),
+  and each asked slot's next token;
+- :meth:`Runner.release`: the slot's row emptied.
+
+Everything goes in and out as Python ints (slots, token ids): the scheduler never sees a
+tensor. Each row is sampled from its row of logits with its own generator
+(:func:`~gpt2mha.inference.sampling.sample_next`), so a sequence draws exactly as its prompt
+alone in ``generate`` (one draw per token, the first from the prefill); greedy rows share one
+argmax. A fault while sampling one row is returned as that row's result, not raised.
+
+Sources: continuous batching over a static cache with one indexed write per step, as in Orca
+(Yu et al., OSDI 2022), vLLM and gpt-fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core import checks
+from ..core.kv_cache import KVCache
+from ..inference.fast import for_decoding
+from ..inference.generate import left_pad
+from ..inference.sampling import MIN_TEMPERATURE, sample_next
+
+
+@dataclass
+class Sampler:
+    """How one slot draws its tokens: :func:`~gpt2mha.inference.sampling.sample_next`'s
+    arguments and the slot's own generator (seeded once, one draw per token)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this is argmax (temperature 0, or below what float32 can divide by)."""
+        return self.temperature < MIN_TEMPERATURE
+
+
+def prefill_batch(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, KVCache, list[int]]:
+    """One forward over ``prompts``, left-padded into a batch (positions follow the mask), into a
+    scratch :class:`KVCache` of their padded length.
+
+    Args:
+        model: the decode view of a GPT-2 (its inputs are not checked again).
+        prompts: B lists of token ids, each non-empty and within the vocabulary and context.
+        device: the model's device.
+
+    Returns:
+        ``(logits [B, n_vocab], cache, starts)``: each row's last-position logits (float32),
+        the cache holding every row's keys/values at indices ``0 … T-1``, and the index at
+        which row b's real tokens start (its count of pads).
+    """
+    ids, mask = left_pad(prompts)                              # [B, T] each; every row ends at T
+    B, T = ids.shape
+    c = model.config
+    cache = KVCache(c.n_layer, B, c.n_head, T, c.head_dim, dtype=model.wte.weight.dtype, device=device)
+    starts = [T - len(p) for p in prompts]
+    padded = any(starts)
+    logits = model(ids.to(device), attention_mask=mask.to(device).bool() if padded else None, cache=cache,
+                   last_only=True, validate=False).logits      # [B, 1, n_vocab]
+    return logits[:, -1], cache, starts
+
+
+class Runner:
+    """Runs the model for the serving scheduler over one slotted KV cache.
+
+    Args:
+        model: a :class:`~gpt2mha.core.model.GPT2` (float or quantized; put in eval mode and
+            used only through its decode view from then on).
+        slots: rows of the cache, i.e. sequences decoded together at most (>= 1).
+        vocab_size: sample only ids below it (the tokenizer's vocabulary; default the model's).
+
+    Attributes:
+        model: the model as given; ``decoder`` its decode view (shares every parameter).
+        cache: the :class:`KVCache` ``[n_layer, slots, n_head, n_ctx, head_dim]``, in the
+            model's dtype: ``2 · n_layer · slots · n_ctx · n_embd`` values (1.2 GB for 124M in
+            float32 with 16 slots; 38 MB for the built-in model).
+
+    Raises:
+        ValueError: slots < 1 or a vocab_size outside ``[1, n_vocab]``.
+    """
+
+    def __init__(self, model, slots: int, vocab_size: int | None = None):
+        c = model.config
+        slots = checks.as_int(slots, "slots", minimum=1)
+        vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
+        if vocab_size > c.n_vocab:
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={c.n_vocab}]")
+        self.model = model.eval()
+        self.decoder = for_decoding(self.model)
+        p = self.model.wte.weight
+        self.device = p.device
+        self.cache = KVCache(c.n_layer, slots, c.n_head, c.n_ctx, c.head_dim, dtype=p.dtype, device=p.device)
+        self.vocab_size = vocab_size
+        self.samplers: list[Sampler | None] = [None] * slots
+        self.last: list[int] = [0] * slots                     # each slot's newest token: its next input
+
+    @property
+    def slots(self) -> int:
+        """Rows of the cache (the most sequences decoded together)."""
+        return self.cache.batch_size
+
+    def open(self, slot: int, seed: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
+        """Give ``slot`` its sampler: ``sample_next``'s arguments and a generator seeded with
+        ``seed`` (in ``[0, 2**63)``) on the model's device. The row itself is filled by
+        :meth:`prefill`.
+
+        Raises:
+            ValueError: the slot is out of range or in use (not released since it was opened).
+        """
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot={slot} is out of range [0, {self.slots})")
+        if self.samplers[slot] is not None:
+            raise ValueError(f"slot={slot} is in use; release it first")
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.samplers[slot] = Sampler(temperature, top_k, top_p, generator)
+
+    def release(self, slot: int) -> None:
+        """Empty ``slot``: its row's length is 0 again and its sampler is dropped."""
+        self.cache.reset(slot)
+        self.samplers[slot] = None
+        self.last[slot] = 0
+
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> list[int | Exception]:
+        """Prefill ``prompts[i]`` into slot ``slots[i]`` (each opened first) and sample each
+        one's first token from its row of the prefill's logits.
+
+        Returns:
+            one result per slot: the token id, or the exception its sampling raised.
+
+        Raises:
+            Exception: whatever the forward raised (nothing was written to the slots then).
+        """
+        logits, scratch, starts = prefill_batch(self.decoder, prompts, self.device)
+        for i, slot in enumerate(slots):
+            self.cache.load(slot, scratch, other_row=i, start=starts[i])
+        return self._next_tokens(slots, logits, rows=range(len(slots)))
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int]) -> list[int | Exception]:
+        """One decode step for the sequences in ``slots`` (each prefilled, its last token
+        known): one forward over rows ``0 … max(slots)`` with each row's newest token, then
+        each asked slot's next token. Rows in between that were not asked (free slots: length
+        0, they read only their own key) are computed and keep their length.
+
+        Returns:
+            one result per slot: the token id, or the exception its sampling raised.
+
+        Raises:
+            Exception: whatever the forward raised (then every asked slot has failed).
+        """
+        n = max(slots) + 1
+        rows = self.cache.rows(n)
+        before = rows.lengths
+        ids = torch.tensor(self.last[:n], dtype=torch.long, device=self.device)[:, None]    # [n, 1]
+        logits = self.decoder(ids, cache=rows, last_only=True, validate=False).logits[:, -1]   # [n, n_vocab]
+        asked = set(slots)
+        rows.trim([n_ + 1 if row in asked else n_ for row, n_ in enumerate(before)])   # the others keep theirs
+        return self._next_tokens(slots, logits, rows=slots)
+
+    def _next_tokens(self, slots: list[int], logits: torch.Tensor, rows) -> list[int | Exception]:
+        """Slot ``slots[i]``'s next token from ``logits[rows[i]]`` (``logits [R, n_vocab]``)."""
+        greedy = None
+        out = []
+        for slot, row in zip(slots, rows):
+            try:
+                if self.samplers[slot].greedy:
+                    if greedy is None:                          # one argmax for every greedy row
+                        greedy = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+                    token = greedy[row]
+                else:
+                    token = self.sample(slot, logits[row:row + 1])
+                self.last[slot] = token
+                out.append(token)
+            except Exception as e:                              # this row fails; the others go on
+                out.append(e)
+        return out
+
+    def sample(self, slot: int, logits: torch.Tensor) -> int:
+        """The next token of ``slot`` from its logits ``[1, n_vocab]``: ``sample_next`` with its
+        sampler (ids below ``vocab_size`` only)."""
+        s = self.samplers[slot]
+        return int(sample_next(logits[:, :self.vocab_size], s.temperature, s.top_k, s.top_p, s.generator)[0])

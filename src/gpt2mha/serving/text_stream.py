@@ -1,0 +1,99 @@
+"""Tokens to text for a served sequence: UTF-8-safe deltas, stop strings, and why it ends.
+
+A sequence's text reaches the client piece by piece while it is generated. A byte-level model
+emits a multi-byte character over several tokens, and a stop string may arrive split across
+tokens, so a piece is sent only once it is certain: whole characters
+(:class:`~gpt2mha.io.tokenizer.StreamDecoder`), and no tail that could still grow into a stop
+string. Finish reasons are OpenAI's (``"stop"``, ``"length"``) plus the server's own
+(``"cancelled"``, ``"error"``).
+"""
+
+from __future__ import annotations
+
+from ..io.tokenizer import StreamDecoder
+
+#: The text ended at a stop string or the end-of-text token.
+STOP = "stop"
+#: ``max_tokens`` tokens were generated.
+LENGTH = "length"
+#: The client went away, or the server is shutting down.
+CANCELLED = "cancelled"
+#: An exception while running this sequence.
+ERROR = "error"
+FINISH_REASONS = (STOP, LENGTH, CANCELLED, ERROR)
+
+
+class TextStream:
+    """Token ids → text deltas that never split a UTF-8 character or show part of a stop string.
+
+    ``push(ids)`` returns the text that is now certain, holding back an incomplete multi-byte
+    character (:class:`~gpt2mha.io.tokenizer.StreamDecoder`) and any tail that could still grow
+    into a stop string; once a stop string appears, the text is cut before it and
+    :attr:`stopped` is set. ``finish()`` returns the rest (an incomplete trailing character
+    becomes U+FFFD, as ``bytes.decode(errors="replace")``). :meth:`add` is ``push`` for one
+    sampled token together with the finish reason it causes.
+
+    Args:
+        tokenizer: has ``decode_bytes(ids)``, and ``eot_token`` (an id, or None) for :meth:`add`.
+        stop: strings that end the text (cut before the first one found).
+        max_tokens: tokens after which :meth:`add` answers :data:`LENGTH` (None: no limit).
+
+    Attributes:
+        text: all text decoded so far (cut at a stop string once found).
+        stopped: whether a stop string was found.
+        n_tokens: tokens given to :meth:`add`.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), max_tokens: int | None = None):
+        self.decoder = StreamDecoder(tokenizer)
+        self.eot = getattr(tokenizer, "eot_token", None)
+        self.stop = tuple(stop)
+        self.max_tokens = max_tokens
+        self.text = ""
+        self.sent = 0           # characters of text already returned
+        self.stopped = False
+        self.n_tokens = 0
+
+    def push(self, ids) -> str:
+        """The text that token ids ``ids`` make certain (possibly empty)."""
+        if self.stopped:
+            return ""
+        self.text += self.decoder.push(ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The rest of the text, once no more tokens come."""
+        if not self.stopped:
+            self.text += self.decoder.flush()
+        return self._release(final=True)
+
+    def add(self, token: int) -> tuple[str, str | None]:
+        """One sampled token: ``(delta, reason)``, the text it makes certain and the finish reason
+        it causes (None: the sequence goes on). The end-of-text token ends it with :data:`STOP`
+        and adds no text; so does a stop string (the text is cut before it); the
+        ``max_tokens``-th token ends it with :data:`LENGTH`."""
+        self.n_tokens += 1
+        if self.eot is not None and token == self.eot:
+            return "", STOP
+        delta = self.push([token])
+        if self.stopped:
+            return delta, STOP
+        if self.max_tokens is not None and self.n_tokens >= self.max_tokens:
+            return delta, LENGTH
+        return delta, None
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        cut = min((i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+            end = cut
+        elif final:
+            end = len(self.text)
+        else:                   # hold back the longest tail that is the start of a stop string
+            hold = max((n for s in self.stop for n in range(min(len(s) - 1, len(self.text) - self.sent), 0, -1)
+                        if self.text.endswith(s[:n])), default=0)
+            end = len(self.text) - hold
+        delta, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return delta

@@ -1,0 +1,130 @@
+"""The conversion helpers of ``benchmarks/peers.py``, on which its engine figures rest.
+
+Each engine in that benchmark runs weights that one of these helpers wrote, so a wrong helper
+would give a wrong figure rather than an error. References: transformers' ``GPT2LMHeadModel``
+on the same weights (logits), its state dict (tensor values), the ``gguf`` package's own reader
+(what llama.cpp will read), transformers' tokenizer and gpt2mha's tiktoken-based tokenizer.
+The engines themselves (llama.cpp, CTranslate2, ONNX Runtime) are not needed, except the
+``gguf`` package for the GGUF test (skipped without it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+@pytest.fixture(scope="module")
+def peers():
+    spec = importlib.util.spec_from_file_location("peers_bench", os.path.join(ROOT, "benchmarks", "peers.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module                        # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=24, n_head=3, n_layer=2, bos_token_id=None,
+                                  eos_token_id=None, pad_token_id=None)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():                                      # non-zero biases and LayerNorms, so each one counts
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def test_onnx_decoder_matches_transformers_with_and_without_cache(peers, tiny_hf):
+    """OnnxGPT2 (the graph ONNX Runtime runs): a prefill of 7 tokens, then steps of 1 and 4 with
+    the cache it returned, gives transformers' logits at the kept positions, batch 2."""
+    m = peers.OnnxGPT2(tiny_hf).eval()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = tiny_hf(ids).logits                                           # [2, 12, 97]
+        past = [torch.zeros(2, 3, 0, 8)] * 4
+        out = m(ids[:, :7], torch.arange(7), *past)
+        got = [out[0]]
+        out = m(ids[:, 7:8], torch.tensor([0]), *out[1:])
+        got.append(out[0])
+        out = m(ids[:, 8:12], torch.tensor([1, 3]), *out[1:])               # only two of the four kept
+        assert out[1].shape == (2, 3, 12, 8)                                # the cache grew by every new position
+    torch.testing.assert_close(got[0], ref[:, :7], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], ref[:, 7:8], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0], ref[:, [9, 11]], atol=1e-5, rtol=1e-5)
+
+
+def test_gguf_tensors_are_the_checkpoint_in_llama_cpp_layout(peers, tiny_hf, tmp_path):
+    """write_gguf, read back with the gguf package's GGUFReader: every weight is transformers'
+    (Conv1D matrices transposed to [out, in]), no tensor missing or extra, GPT-2's sizes in the
+    metadata."""
+    gguf = pytest.importorskip("gguf")
+    path = str(tmp_path / "tiny.gguf")
+    tokens = [f"t{i}" for i in range(97)]
+    peers.write_gguf(tiny_hf, path, tokens, None)
+    reader = gguf.GGUFReader(path)
+    got = {t.name: np.array(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
+    sd = tiny_hf.state_dict()
+    expected = {"token_embd.weight": sd["transformer.wte.weight"], "position_embd.weight": sd["transformer.wpe.weight"],
+                "output_norm.weight": sd["transformer.ln_f.weight"], "output_norm.bias": sd["transformer.ln_f.bias"]}
+    for i in range(2):
+        h = f"transformer.h.{i}."
+        for ours, theirs, transpose in (("attn_norm", "ln_1", False), ("attn_qkv", "attn.c_attn", True),
+                                        ("attn_output", "attn.c_proj", True), ("ffn_norm", "ln_2", False),
+                                        ("ffn_up", "mlp.c_fc", True), ("ffn_down", "mlp.c_proj", True)):
+            w = sd[h + theirs + ".weight"]
+            expected[f"blk.{i}.{ours}.weight"] = w.T if transpose else w
+            expected[f"blk.{i}.{ours}.bias"] = sd[h + theirs + ".bias"]
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == np.float32, name
+        np.testing.assert_array_equal(got[name], value.numpy(), err_msg=name)
+    field = (lambda key: reader.fields[key].parts[reader.fields[key].data[0]])
+    assert bytes(field("general.architecture")).decode() == "gpt2"
+    assert [int(field(f"gpt2.{k}")[0]) for k in ("block_count", "context_length", "embedding_length",
+                                                  "feed_forward_length", "attention.head_count")] == [2, 32, 24, 96, 3]
+
+
+def test_tokenizer_files_give_the_ids_the_checkpoints_use(peers, tmp_path):
+    """The vocab.json/merges.txt written beside the checkpoints (CTranslate2 and llama.cpp read
+    their vocabularies from them): the byte model's tokenizer maps text to its UTF-8 bytes, and
+    the GPT-2 one to the same ids as gpt2mha's tokenizer (tiktoken on OpenAI's files)."""
+    from gpt2mha.io.tokenizer import get_tokenizer
+
+    text = "ROMEO: But soft, what light — ünïcode?\n"
+    byte_dir, bpe_dir = tmp_path / "bytes", tmp_path / "bpe"
+    byte_dir.mkdir(), bpe_dir.mkdir()
+    peers.write_tokenizer_files(str(byte_dir), peers.byte_vocab(), [])
+    tok = transformers.AutoTokenizer.from_pretrained(str(byte_dir))
+    assert len(tok.get_vocab()) == 256
+    assert tok.encode(text) == list(text.encode("utf-8"))
+    peers.write_tokenizer_files(str(bpe_dir), *peers.gpt2_vocab())
+    tok = transformers.AutoTokenizer.from_pretrained(str(bpe_dir))
+    assert len(tok.get_vocab()) == 50257
+    assert tok.encode(text) == get_tokenizer("gpt2").encode(text)
+    with open(bpe_dir / "vocab.json", encoding="utf-8") as f:
+        assert json.load(f)["<|endoftext|>"] == 50256
+
+
+def test_equal_prefix_counts_steps_where_every_row_agrees(peers):
+    a = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert peers.equal_prefix(a, a) == 4
+    b = a.copy()
+    b[1, 2] = 0                                             # row 1 differs at step 2; step 3 agrees again
+    assert peers.equal_prefix(a, b) == 2
+    b[0, 0] = 9
+    assert peers.equal_prefix(a, b) == 0
