@@ -10,14 +10,14 @@ The engines themselves (llama.cpp, CTranslate2, ONNX Runtime) are not needed, ex
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
+
+from conftest import load_benchmark
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,14 +26,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 @pytest.fixture(scope="module")
 def peers():
-    spec = importlib.util.spec_from_file_location("peers_bench", os.path.join(ROOT, "benchmarks", "peers.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module                        # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    """benchmarks/peers.py (conftest's :func:`load_benchmark`)."""
+    return load_benchmark("peers")
 
 
 @pytest.fixture(scope="module")
