@@ -83,9 +83,9 @@ class Sizes:
 FULL = Sizes()
 #: ``--quick``: every section's work bounded (tokens, batches, windows, calibration text, memory
 #: children, repeats) so the whole run takes about 2 minutes on 2 idle cores.
-QUICK = Sizes(new_tokens=24, nocache_tokens=24, positions=(64, 512), position_steps=8, prefill_tokens=256,
-              attn_batch=2, attn_tokens=256, agree_tokens=512, builtin_agree_tokens=2048, repeats=2,
-              attn_repeats=5, quant_batches=(1,), cosine_tokens=256, calibration_bytes=4096,
+QUICK = Sizes(new_tokens=16, nocache_tokens=16, positions=(64, 512), position_steps=8, prefill_tokens=256,
+              attn_batch=2, attn_tokens=256, agree_tokens=256, builtin_agree_tokens=1024, repeats=2,
+              attn_repeats=5, quant_batches=(1,), cosine_tokens=256, calibration_bytes=2048,
               memory_variants=("gpt2mha fused", "gpt2mha explicit"), bandwidth_repeats=3)
 
 
