@@ -78,6 +78,7 @@ class Sizes:
     memory_variants: tuple[str, ...] = ("gpt2mha fused", "gpt2mha explicit", "transformers sdpa",
                                         "transformers eager")      # prefill peaks measured (a child each)
     bandwidth_repeats: int = 5
+    resident_memory: bool = True          # the quant section's resident-memory children (one per model)
 
 
 FULL = Sizes()
@@ -86,7 +87,7 @@ FULL = Sizes()
 QUICK = Sizes(new_tokens=16, nocache_tokens=16, positions=(64, 512), position_steps=8, prefill_tokens=256,
               attn_batch=2, attn_tokens=256, agree_tokens=256, builtin_agree_tokens=1024, repeats=2,
               attn_repeats=5, quant_batches=(1,), cosine_tokens=256, calibration_bytes=2048,
-              memory_variants=("gpt2mha fused", "gpt2mha explicit"), bandwidth_repeats=3)
+              memory_variants=("gpt2mha fused", "gpt2mha explicit"), bandwidth_repeats=3, resident_memory=False)
 
 
 def _require_transformers():
@@ -674,6 +675,7 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
     bandwidth = memory_bandwidth(repeats=sizes.bandwidth_repeats)
     tokens = real_text_tokens(ours32.config, min(sizes.cosine_tokens, ours32.config.n_ctx), text)
     float_size = os.path.getsize(os.path.join(directory, "model.safetensors"))
+    memory = memory and sizes.resident_memory
     float_mb = resident_mb(directory) if memory else None
     for scheme in schemes:
         with warnings.catch_warnings(record=True) as caught:

@@ -708,8 +708,9 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
     ``method="gptq"`` (the default) rounds the weights by :func:`gptq`, block after block, so
     that the layers' outputs on the calibration text stay close to the float model's;
     ``"rtn"`` rounds each weight to nearest (gpt-fast's and llama.cpp's default: instant, no
-    data). GPTQ takes seconds (built-in model ~3 s, 124M ~30 s on 2 cores) and is what reaches
-    issue 13's top-1 agreement targets (README, "Quantized decode").
+    data). GPTQ takes seconds to minutes (README, "Quantized decode", for measured times and
+    their conditions; int8's calibration pass through the integer products is the longest part)
+    and is what reaches issue 13's top-1 agreement targets.
 
     Each tensor's error is measured (:func:`error_row`) into ``model.quantization_report``;
     tensors with an abnormal error (e.g. an outlier channel stretching a scale) are listed in a
