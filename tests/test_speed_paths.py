@@ -458,7 +458,7 @@ AGREEMENT = {torch.bfloat16: (0.985, 0.998), torch.float16: (0.995, 0.999)}
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_top1_agrees_with_fp32_on_real_text(confident, dtype):
-    from gpt2mha.bench import DECISIVE, top1_agreement
+    from gpt2mha.bench import top1_agreements
 
     model, tokens = confident
     low = copy.deepcopy(model).to(dtype)
@@ -466,8 +466,33 @@ def test_low_precision_top1_agrees_with_fp32_on_real_text(confident, dtype):
         logits = low(tokens[None, :model.config.n_ctx]).logits
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()   # the head runs in fp32
     overall, decisive = AGREEMENT[dtype]
-    assert top1_agreement(model, low, tokens) >= overall
-    assert top1_agreement(model, low, tokens, min_margin=DECISIVE) >= decisive
+    agree, agree_decisive = top1_agreements(model, low, tokens)            # one pass, both figures
+    assert agree >= overall and agree_decisive >= decisive
+
+
+def test_top1_agreements_count_what_the_argmaxes_say():
+    """Both figures in one pass equal the counts taken by hand from the two models' logits over
+    every window (reference: argmax and softmax top-2 margins computed here)."""
+    from gpt2mha.bench import top1_agreement, top1_agreements
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=40, n_ctx=16, n_embd=16, n_head=2, n_layer=1)).eval()
+    low = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in low.parameters():                                     # another model, partly agreeing
+            p.add_(torch.randn(p.shape) * 0.01)
+    tokens = torch.randint(0, 40, (40,))                               # windows of 16, 16 and 8
+    with torch.no_grad():
+        ref = torch.cat([model(tokens[s:s + 16][None]).logits[0] for s in (0, 16, 32)])
+        other = torch.cat([low(tokens[s:s + 16][None]).logits[0] for s in (0, 16, 32)])
+    same = ref.argmax(-1) == other.argmax(-1)
+    top2 = ref.softmax(-1).topk(2, -1).values
+    margin = (top2[:, 0] - top2[:, 1]).median().item()                 # about half the positions are decisive
+    keep = top2[:, 0] - top2[:, 1] >= margin
+    agree, decisive = top1_agreements(model, low, tokens, margin)
+    assert 0 < agree < 1                                                # both counts matter
+    assert agree == same.sum().item() / len(same) and agree == top1_agreement(model, low, tokens)
+    assert decisive == (same & keep).sum().item() / keep.sum().item() == top1_agreement(model, low, tokens, margin)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
