@@ -588,6 +588,7 @@ def test_quick_sizes_bound_every_section():
 
     full, quick = bench.FULL, bench.QUICK
     effective = {"quant_batches": lambda s: s.quant_batches or s.batches,
+                 "slow_decode_tokens": lambda s: s.slow_decode_tokens or s.new_tokens,
                  "calibration_bytes": lambda s: s.calibration_bytes or 16384}
     for f in fields(bench.Sizes):
         q, F = (effective[f.name](s) if f.name in effective else getattr(s, f.name) for s in (quick, full))
