@@ -23,7 +23,7 @@ How things are measured:
 
 transformers is a benchmark/test dependency only; it is imported inside the functions here.
 Run ``gpt2mha bench --quick`` for scaled-down sizes (:data:`QUICK`: every section's work bounded,
-about 2 minutes on 2 idle cores), ``--json`` for one JSON object.
+2–3 minutes on 2 idle cores), ``--json`` for one JSON object.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Sizes:
 
 FULL = Sizes()
 #: ``--quick``: every section's work bounded (tokens, batches, windows, calibration text, memory
-#: children, repeats) so the whole run takes about 2 minutes on 2 idle cores.
+#: children, repeats) so the whole run takes 2–3 minutes on 2 idle cores.
 QUICK = Sizes(new_tokens=16, nocache_tokens=16, positions=(64, 512), position_steps=8, prefill_tokens=256,
               attn_batch=2, attn_tokens=256, agree_tokens=32, builtin_agree_tokens=512, repeats=2,
               attn_repeats=5, quant_batches=(1,), cosine_tokens=64, calibration_bytes=2048,
