@@ -23,7 +23,7 @@ How things are measured:
 
 transformers is a benchmark/test dependency only; it is imported inside the functions here.
 Run ``gpt2mha bench --quick`` for scaled-down sizes (:data:`QUICK`: every section's work bounded,
-about 2 minutes on 2 idle cores), ``--json`` for one JSON object.
+2–3 minutes on 2 idle cores), ``--json`` for one JSON object.
 """
 
 from __future__ import annotations
@@ -86,15 +86,20 @@ class Sizes:
     memory_variants: tuple[str, ...] = ("gpt2mha fused", "gpt2mha explicit", "transformers sdpa",
                                         "transformers eager")      # prefill peaks measured (a child each)
     bandwidth_repeats: int = 5
+    resident_memory: bool = True          # the quant section's resident-memory children (one per model)
+    slow_decode_tokens: int | None = None  # new tokens of the bf16/fp16 and int8/int4 decode timings (None:
+    #                                        new_tokens); their kernels are the slow ones on CPUs without
+    #                                        AVX-512 bf16/VNNI/AMX (bf16 prefill ~100x float32's on AVX2)
 
 
 FULL = Sizes()
 #: ``--quick``: every section's work bounded (tokens, batches, windows, calibration text, memory
-#: children, repeats) so the whole run takes about 2 minutes on 2 idle cores.
-QUICK = Sizes(new_tokens=24, nocache_tokens=24, positions=(64, 512), position_steps=8, prefill_tokens=256,
-              attn_batch=2, attn_tokens=256, agree_tokens=512, builtin_agree_tokens=2048, repeats=2,
-              attn_repeats=5, quant_batches=(1,), cosine_tokens=256, calibration_bytes=4096,
-              memory_variants=("gpt2mha fused", "gpt2mha explicit"), bandwidth_repeats=3)
+#: children, repeats) so the whole run takes 2–3 minutes on 2 idle cores.
+QUICK = Sizes(new_tokens=16, nocache_tokens=16, positions=(64, 512), position_steps=8, prefill_tokens=256,
+              attn_batch=2, attn_tokens=256, agree_tokens=32, builtin_agree_tokens=512, repeats=2,
+              attn_repeats=5, quant_batches=(1,), cosine_tokens=64, calibration_bytes=2048,
+              memory_variants=("gpt2mha fused", "gpt2mha explicit"), bandwidth_repeats=3, resident_memory=False,
+              slow_decode_tokens=8)
 
 
 def _require_transformers():
@@ -546,25 +551,26 @@ def bench_low_precision(directory: str, ours32: GPT2, hf, sizes: Sizes, text: st
     Each low-precision decode is timed in turn with gpt2mha float32 and transformers float32
     (``hf``), so the three figures of a row come from the same minutes."""
     rows = []
+    n_new = sizes.slow_decode_tokens or sizes.new_tokens
     idx = _prompt(1, sizes.prompt, ours32.config.n_vocab, seed=1)
     tokens = real_text_tokens(ours32.config, sizes.agree_tokens, text)
-    greedy32 = ours_greedy(ours32, idx, sizes.new_tokens)
-    hf_greedy(hf, idx, sizes.new_tokens)                               # warm-up
+    greedy32 = ours_greedy(ours32, idx, n_new)
+    hf_greedy(hf, idx, n_new)                               # warm-up
     for dtype in (torch.bfloat16, torch.float16):
         name = str(dtype).removeprefix("torch.")
         model = load_ours(directory, dtype)
-        greedy_lp = ours_greedy(model, idx, sizes.new_tokens)           # also the warm-up
-        t = interleaved_medians({"lp": lambda: ours_greedy(model, idx, sizes.new_tokens),
-                                 "ours32": lambda: ours_greedy(ours32, idx, sizes.new_tokens),
-                                 "hf": lambda: hf_greedy(hf, idx, sizes.new_tokens)}, sizes.repeats, warmup=0)
-        tok_s, ours_fp32, hf_fp32 = (sizes.new_tokens / t[k] for k in ("lp", "ours32", "hf"))
+        greedy_lp = ours_greedy(model, idx, n_new)           # also the warm-up
+        t = interleaved_medians({"lp": lambda: ours_greedy(model, idx, n_new),
+                                 "ours32": lambda: ours_greedy(ours32, idx, n_new),
+                                 "hf": lambda: hf_greedy(hf, idx, n_new)}, sizes.repeats, warmup=0)
+        tok_s, ours_fp32, hf_fp32 = (n_new / t[k] for k in ("lp", "ours32", "hf"))
         agree, decisive = top1_agreements(ours32, model, tokens) if tokens is not None else (None, None)
         n_same = int((greedy32 == greedy_lp).all(0).long().cumprod(0).sum()) - sizes.prompt
         new = [_ratio_row(f"decode tok/s, batch 1: gpt2mha {name} / transformers float32", tok_s, hf_fp32,
                                "tok/s", target_min=2.5 if dtype == torch.bfloat16 else None,
                                note=f"gpt2mha float32 {ours_fp32:.1f} tok/s ({name} / float32 = {tok_s / ours_fp32:.2f}), "
                                     f"all three timed in turn; greedy tokens equal to float32 "
-                                    f"for the first {n_same}/{sizes.new_tokens}")]
+                                    f"for the first {n_same}/{n_new}")]
         if agree is not None:
             new.append(row(f"top-1 agreement, gpt2mha {name} with float32 (random weights, real text)", agree,
                             None, "fraction", target=">= 0.99" if dtype == torch.bfloat16 else None,
@@ -671,9 +677,11 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
 
 
     rows = []
+    n_new = sizes.slow_decode_tokens or sizes.new_tokens
     bandwidth = memory_bandwidth(repeats=sizes.bandwidth_repeats)
     tokens = real_text_tokens(ours32.config, min(sizes.cosine_tokens, ours32.config.n_ctx), text)
     float_size = os.path.getsize(os.path.join(directory, "model.safetensors"))
+    memory = memory and sizes.resident_memory
     float_mb = resident_mb(directory) if memory else None
     for scheme in schemes:
         with warnings.catch_warnings(record=True) as caught:
@@ -682,15 +690,15 @@ def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("in
         abnormal = [r["name"] for r in model.quantization_report if r["abnormal"]]
         for B in sizes.quant_batches or sizes.batches:
             idx = _prompt(B, sizes.prompt, model.config.n_vocab, seed=B)
-            greedy32, greedy_q = ours_greedy(ours32, idx, sizes.new_tokens), ours_greedy(model, idx, sizes.new_tokens)
-            hf_greedy(hf, idx, sizes.new_tokens)                                # warm-up
-            t = interleaved_medians({"q": lambda: ours_greedy(model, idx, sizes.new_tokens),
-                                     "ours32": lambda: ours_greedy(ours32, idx, sizes.new_tokens),
-                                     "hf": lambda: hf_greedy(hf, idx, sizes.new_tokens)}, sizes.repeats, warmup=0)
-            tok_s, ours_fp32, hf_fp32 = (B * sizes.new_tokens / t[k] for k in ("q", "ours32", "hf"))
+            greedy32, greedy_q = ours_greedy(ours32, idx, n_new), ours_greedy(model, idx, n_new)
+            hf_greedy(hf, idx, n_new)                                # warm-up
+            t = interleaved_medians({"q": lambda: ours_greedy(model, idx, n_new),
+                                     "ours32": lambda: ours_greedy(ours32, idx, n_new),
+                                     "hf": lambda: hf_greedy(hf, idx, n_new)}, sizes.repeats, warmup=0)
+            tok_s, ours_fp32, hf_fp32 = (B * n_new / t[k] for k in ("q", "ours32", "hf"))
             n_same = int((greedy32 == greedy_q).all(0).long().cumprod(0).sum()) - sizes.prompt
             note = (f"gpt2mha float32 {ours_fp32:.1f} tok/s ({scheme} / float32 = {tok_s / ours_fp32:.2f}), all three "
-                    f"timed in turn; greedy tokens equal to float32 for the first {n_same}/{sizes.new_tokens}")
+                    f"timed in turn; greedy tokens equal to float32 for the first {n_same}/{n_new}")
             if B == 1:
                 read = step_bytes(model) * tok_s
                 note += (f"; weights read {read / 1e9:.1f} GB/s = {read / bandwidth:.0%} of the measured memory "
@@ -787,7 +795,9 @@ def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str 
     sizes = dataclasses.replace(sizes, prefill_tokens=min(sizes.prefill_tokens, config.n_ctx),
                                 attn_tokens=min(sizes.attn_tokens, config.n_ctx),
                                 new_tokens=min(sizes.new_tokens, config.n_ctx - sizes.prompt),
-                                nocache_tokens=min(sizes.nocache_tokens, config.n_ctx - sizes.prompt))
+                                nocache_tokens=min(sizes.nocache_tokens, config.n_ctx - sizes.prompt),
+                                slow_decode_tokens=sizes.slow_decode_tokens and min(sizes.slow_decode_tokens,
+                                                                                    config.n_ctx - sizes.prompt))
     rows, seconds = [], {}
 
     def timed(name, fn, *args):

@@ -58,17 +58,47 @@ def test_quick_sizes_bound_every_section(bench):
 
     full, quick = bench.FULL, bench.QUICK
     effective = {"quant_batches": lambda s: s.quant_batches or s.batches,
+                 "slow_decode_tokens": lambda s: s.slow_decode_tokens or s.new_tokens,
                  "calibration_bytes": lambda s: s.calibration_bytes or 16384}
     for f in fields(bench.Sizes):
         q, F = (effective[f.name](s) if f.name in effective else getattr(s, f.name) for s in (quick, full))
         if f.name == "memory_variants":
             assert set(q) < set(F), f.name
+        elif isinstance(F, bool):
+            assert q <= F, f.name
         elif isinstance(F, tuple):
             assert len(q) <= len(F) and max(q) <= max(F), f.name
         else:
             assert q <= F, f.name
         if f.name not in ("prompt", "batches", "positions"):
             assert q != F, f"--quick leaves {f.name} at the full run's {F}"
+
+
+def test_top1_agreements_count_what_the_argmaxes_say(bench):
+    """Both figures in one pass equal the counts taken by hand from the two models' logits over
+    every window (reference: argmax and softmax top-2 margins computed here)."""
+    import copy
+
+    from gpt2mha import GPT2
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=40, n_ctx=16, n_embd=16, n_head=2, n_layer=1)).eval()
+    low = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in low.parameters():                                     # another model, partly agreeing
+            p.add_(torch.randn(p.shape) * 0.01)
+    tokens = torch.randint(0, 40, (40,))                               # windows of 16, 16 and 8
+    with torch.no_grad():
+        ref = torch.cat([model(tokens[s:s + 16][None]).logits[0] for s in (0, 16, 32)])
+        other = torch.cat([low(tokens[s:s + 16][None]).logits[0] for s in (0, 16, 32)])
+    same = ref.argmax(-1) == other.argmax(-1)
+    top2 = ref.softmax(-1).topk(2, -1).values
+    margin = (top2[:, 0] - top2[:, 1]).median().item()                 # about half the positions are decisive
+    keep = top2[:, 0] - top2[:, 1] >= margin
+    agree, decisive = bench.top1_agreements(model, low, tokens, margin)
+    assert 0 < agree < 1                                                # both counts matter
+    assert agree == same.sum().item() / len(same) and agree == bench.top1_agreement(model, low, tokens)
+    assert decisive == (same & keep).sum().item() / keep.sum().item() == bench.top1_agreement(model, low, tokens, margin)
 
 
 def test_cli_bench_rejects_unknown_sections(capsys):

@@ -89,8 +89,9 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=None, help="int4's group of inputs per scale (32, 64, 128, 256; "
                                                                 "default 32)")
     p.add_argument("--quantize-method", choices=["gptq", "rtn"], default=None,
-                   help="gptq (default): round so the layers' outputs on calibration text stay close (seconds for "
-                        "the built-in model, ~30-40 s for 124M on 2 cores); rtn: round to nearest, instant")
+                   help="gptq (default): round so the layers' outputs on calibration text stay close (the built-in "
+                        "model: from seconds to minutes on 2 cores, int8 longer than int4, more on a busy CPU; README "
+                        "'Quantized decode'); rtn: round to nearest, instant")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="UTF-8 text file GPTQ calibrates on (default: a 16 KiB Shakespeare sample in the package)")
 
@@ -136,8 +137,9 @@ def quantized(model, args):
     method = args.quantize_method or "gptq"
     if method == "gptq":
         source = args.calibration or "the packaged calibration text"
-        print(f"quantizing to {args.quantize} with GPTQ on {source} (seconds for the built-in model, ~40 s for 124M "
-              f"on 2 cores; --quantize-method rtn is instant)", file=sys.stderr, flush=True)
+        print(f"quantizing to {args.quantize} with GPTQ on {source} (seconds to minutes: int8 takes longer than "
+              f"int4, and a busy CPU longer still; convert --quantize saves the result, --quantize-method rtn is "
+              f"instant)", file=sys.stderr, flush=True)
     from ..inference.quant import quantize_model
 
     try:

@@ -193,7 +193,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``gpt2mha bench`` and ``python benchmarks/bench.py`` (kept here, without torch,
     so that building the command's parser imports nothing heavy)."""
     p.add_argument("--quick", action="store_true",
-                   help="scaled-down sizes, every section bounded (about 2 minutes on 2 idle cores)")
+                   help="scaled-down sizes, every section's work bounded (2-3 minutes on 2 idle cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--preset", default="124M", help="model size preset for the random weights (default 124M)")
     p.add_argument("--only", default=",".join(BENCH_SECTIONS),

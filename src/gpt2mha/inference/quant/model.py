@@ -278,8 +278,8 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
     ``method="gptq"`` (the default) rounds the weights by :func:`gptq`, block after block, so
     that the layers' outputs on the calibration text stay close to the float model's;
     ``"rtn"`` rounds each weight to nearest (gpt-fast's and llama.cpp's default: instant, no
-    data). GPTQ takes seconds to a minute (RESULTS.md gives the times measured) and is what reaches
-    the top-1 agreement with float32 that README's "Quantized decode" states.
+    data). GPTQ takes seconds to minutes (README, "Quantized decode", gives measured times and
+    their conditions) and reaches the top-1 agreement with float32 that README states there.
 
     Each tensor's error is measured (:func:`error_row`) into ``model.quantization_report``;
     tensors with an abnormal error (e.g. an outlier channel stretching a scale) are listed in a
