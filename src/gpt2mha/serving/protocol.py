@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from .scheduler import ExceedsCapacity, QueueFull, SamplingParams, Sequence, ShuttingDown
 from .text_stream import CANCELLED, ERROR
 
-MAX_STOP = 4            # as OpenAI: up to 4 stop sequences
+MAX_STOP = 4            # as OpenAI: up to 4 stop sequences (gpt2mha serve --max-stop raises it)
 RETRY_AFTER_S = 1
 
 
@@ -32,7 +32,8 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    prompt: str | list[str]
+    # text, token ids, or a batch of either (OpenAI's four forms)
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -55,7 +56,7 @@ class CompletionRequest(BaseModel):
 
 #: What each field must be, for the messages of type errors.
 EXPECTED = {
-    "model": "a string", "prompt": "a string or a list of strings", "max_tokens": "an integer",
+    "model": "a string", "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids", "max_tokens": "an integer",
     "temperature": "a number", "top_p": "a number", "top_k": "an integer", "seed": "an integer",
     "stop": "a string or a list of strings", "stream": "a boolean", "stream_options": "an object {include_usage: bool}",
     "n": "an integer", "best_of": "an integer", "echo": "a boolean", "logprobs": "an integer",
@@ -88,17 +89,39 @@ def parse_request(raw: bytes) -> CompletionRequest:
         APIError: 400 for malformed JSON (no param) or a field of the wrong type, an unknown
             field, a missing prompt, a string that is not Unicode text (param = that field).
     """
+    data = parse_json(raw)
+    check_unicode(data)
     try:
-        data = json.loads(raw)
+        return CompletionRequest.model_validate(drop_nulls(data))
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def parse_json(raw: bytes):
+    """The JSON value of a request body (whatever the Content-Type).
+
+    Raises:
+        APIError: 400 (no param) for malformed or too deeply nested JSON.
+    """
+    try:
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
     except RecursionError:
         raise APIError(400, "The request body is not valid JSON: nested too deeply") from None
-    check_unicode(data)
-    try:
-        return CompletionRequest.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e.errors()) from None
+
+
+def drop_nulls(data):
+    """The body without its ``null`` fields (top level and inside ``stream_options``): OpenAI's
+    API and vLLM read ``"max_tokens": null`` as "the default", so a missing field and a null one
+    mean the same. A null ``prompt`` thus reads as a missing one (400 naming ``prompt``).
+    Anything but a JSON object is returned as it is (the schema refuses it)."""
+    if not isinstance(data, dict):
+        return data
+    out = {k: v for k, v in data.items() if v is not None}
+    if isinstance(out.get("stream_options"), dict):
+        out["stream_options"] = {k: v for k, v in out["stream_options"].items() if v is not None}
+    return out
 
 
 def check_unicode(data, where: str = "", param: str | None = None) -> None:
@@ -128,9 +151,12 @@ def check_unicode(data, where: str = "", param: str | None = None) -> None:
             check_unicode(value, f"{where}[{i}]", param)
 
 
-def validation_error(errors: list[dict]) -> APIError:
-    """pydantic's first error as a 400 naming the field."""
-    err = errors[0]
+def validation_error(errors: list[dict], expected: dict | None = None) -> APIError:
+    """pydantic's first error as a 400 naming the field (for a union such as ``prompt``, the
+    branch error that reached deepest into the value: ``prompt[0][1]`` rather than ``prompt``);
+    ``expected`` says what each field must be (default :data:`EXPECTED`, the completions fields)."""
+    first = errors[0].get("loc", ())[:1]
+    err = max((e for e in errors if e.get("loc", ())[:1] == first), key=lambda e: len(e.get("loc", ())))
     loc = [x for x in err.get("loc", ()) if x != "body"]
     kind = err.get("type", "")
     if not loc:
@@ -143,7 +169,7 @@ def validation_error(errors: list[dict]) -> APIError:
         return APIError(400, f"Missing required parameter: '{param}'", param)
     got = json.dumps(err.get("input"))[:60]
     where = param + "".join(f"[{x}]" for x in loc[1:] if isinstance(x, int))   # not pydantic's union branches
-    return APIError(400, f"Invalid type for '{where}': expected {EXPECTED.get(param, 'another type')}, got {got}", param)
+    return APIError(400, f"Invalid type for '{where}': expected {(expected or EXPECTED).get(param, 'another type')}, got {got}", param)
 
 
 def check_request(body: CompletionRequest, model_name: str) -> None:
@@ -161,9 +187,6 @@ def check_request(body: CompletionRequest, model_name: str) -> None:
         raise APIError(400, f"top_k={body.top_k} must be >= 0 (0: no top-k filtering)", "top_k")
     if body.seed is not None and not 0 <= body.seed < 2**63:
         raise APIError(400, f"seed={body.seed} must be in [0, 2**63)", "seed")
-    stops = stop_strings(body)
-    if len(stops) > MAX_STOP or any(s == "" for s in stops):
-        raise APIError(400, f"stop must be up to {MAX_STOP} non-empty strings, got {list(stops)!r}", "stop")
     unsupported = dict(n=body.n != 1, best_of=body.best_of not in (None, 1), echo=body.echo,
                        logprobs=body.logprobs is not None, presence_penalty=body.presence_penalty != 0,
                        frequency_penalty=body.frequency_penalty != 0, logit_bias=bool(body.logit_bias),
@@ -176,10 +199,20 @@ def check_request(body: CompletionRequest, model_name: str) -> None:
         raise APIError(400, "prompt is an empty list; give at least one prompt", "prompt")
 
 
+def prompt_list(body: CompletionRequest) -> list[tuple[str, str | list[int]]]:
+    """The request's prompts, each with the name its errors give it, in OpenAI's reading of
+    ``prompt``: a string or a list of token ids is one prompt (``"prompt"``); a list of strings
+    or a list of lists of ids is a batch (``"prompt[i]"``). An empty list is an empty batch."""
+    p = body.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        return [("prompt", p)]
+    return [(f"prompt[{i}]", x) for i, x in enumerate(p)]
+
+
 def check_prompt_count(body: CompletionRequest, capacity: int, max_batch: int, max_queue: int) -> None:
     """More prompts than the server can ever hold at once (``capacity = max_batch + max_queue``)
     is a 400 naming ``prompt`` (``code="too_many_prompts"``): never admissible, not a 429 to retry."""
-    n = 1 if isinstance(body.prompt, str) else len(body.prompt)
+    n = len(prompt_list(body))
     if n > capacity:
         raise APIError(400, f"prompt is a list of {n} prompts; this server holds at most {capacity} "
                             f"sequences at once (--max-batch {max_batch} running + --max-queue "
@@ -187,31 +220,21 @@ def check_prompt_count(body: CompletionRequest, capacity: int, max_batch: int, m
                             f"{capacity} prompts per request", "prompt", code="too_many_prompts")
 
 
-def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int) -> list[list[int]]:
-    """Token ids of each prompt; raises :class:`APIError` for an empty or too long prompt or
-    prompt + max_tokens beyond the context.
+def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int | None = None) -> list[list[int]]:
+    """Token ids of each prompt (text is tokenized, token ids are checked against the
+    vocabulary); raises :class:`APIError` 400 naming ``prompt`` for an empty prompt, an id outside
+    ``[0, n_vocab)`` (default the tokenizer's), a prompt longer than ``n_ctx``, or naming
+    ``max_tokens`` for prompt + max_tokens beyond the context.
 
-    A prompt whose UTF-8 length alone proves it longer than ``n_ctx`` tokens (at least
+    A text prompt whose UTF-8 length alone proves it longer than ``n_ctx`` tokens (at least
     ``ceil(bytes / tokenizer.max_token_bytes)`` of them) is refused without being tokenized, so
     the work per prompt is bounded by ``n_ctx · max_token_bytes`` bytes whatever its size."""
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    longest = getattr(tokenizer, "max_token_bytes", None)
+    n_vocab = tokenizer.n_vocab if n_vocab is None else n_vocab
     out = []
-    for i, text in enumerate(prompts):
-        where = "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]"
-        if text == "":
-            raise APIError(400, f"{where} is empty; give at least one character to continue", "prompt")
-        if longest:
-            n_bytes = len(text.encode("utf-8", "surrogatepass"))
-            at_least = -(-n_bytes // longest)
-            if at_least > n_ctx:
-                count = f"{at_least}" if longest == 1 else f"at least {at_least} ({n_bytes} bytes)"
-                raise APIError(400, f"{where} has {count} tokens; this model's maximum context length is "
-                                    f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
-        try:
-            ids = tokenizer.encode(text)
-        except UnicodeError:                          # parse_request refuses these first
-            raise APIError(400, f"{where} is not Unicode text", "prompt") from None
+    for where, prompt in prompt_list(body):
+        ids = encode_text(prompt, where, tokenizer, n_ctx) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise APIError(400, f"{where} is an empty list of token ids; give at least one token", "prompt")
         if len(ids) > n_ctx:
             raise APIError(400, f"{where} has {len(ids)} tokens; this model's maximum context length is "
                                 f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
@@ -220,8 +243,57 @@ def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int) -> list[list[
                                 f"{len(ids) + body.max_tokens} tokens ({len(ids)} in {where}, {body.max_tokens} for "
                                 f"the completion); lower max_tokens or shorten the prompt", "max_tokens",
                            code="context_length_exceeded")
-        out.append(ids)
+        out.append(ids if isinstance(prompt, str) else check_token_ids(prompt, where, n_vocab))
     return out
+
+
+def encode_text(text: str, where: str, tokenizer, n_ctx: int, param: str = "prompt") -> list[int]:
+    """``tokenizer.encode(text)``, refusing (400 naming ``param``, the message naming ``where``)
+    an empty text, or one whose UTF-8 length alone proves it longer than ``n_ctx`` tokens, before
+    tokenizing it."""
+    if text == "":
+        raise APIError(400, f"{where} is empty; give at least one character to continue", param)
+    longest = getattr(tokenizer, "max_token_bytes", None)
+    if longest:
+        n_bytes = len(text.encode("utf-8", "surrogatepass"))
+        at_least = -(-n_bytes // longest)
+        if at_least > n_ctx:
+            count = f"{at_least}" if longest == 1 else f"at least {at_least} ({n_bytes} bytes)"
+            raise APIError(400, f"{where} has {count} tokens; this model's maximum context length is "
+                                f"{n_ctx} tokens", param, code="context_length_exceeded")
+    try:
+        return tokenizer.encode(text)
+    except UnicodeError:                          # parse_request refuses these first
+        raise APIError(400, f"{where} is not Unicode text", param) from None
+
+
+def check_token_ids(ids: list[int], where: str, n_vocab: int, param: str = "prompt") -> list[int]:
+    """``ids`` if every one is a token id in ``[0, n_vocab)``; else 400 naming ``param``, the
+    message naming the first bad id and its place (``prompt[1][3]=70000``)."""
+    for j, t in enumerate(ids):
+        if not 0 <= t < n_vocab:
+            raise APIError(400, f"{where}[{j}]={t} is not a token id of this model: ids are integers in "
+                                f"[0, {n_vocab})", param)
+    return ids
+
+
+def check_stop(body, max_stop: int = MAX_STOP) -> None:
+    """At most ``max_stop`` stop strings (OpenAI's limit is 4; ``gpt2mha serve --max-stop N``),
+    none empty; else 400 naming ``stop``, with how many were sent and the limit."""
+    stops = stop_strings(body)
+    if len(stops) > max_stop:
+        raise APIError(400, f"stop has {len(stops)} strings; this server accepts at most {max_stop} (OpenAI's limit "
+                            f"is {MAX_STOP}; start the server with --max-stop {len(stops)} or more to accept them)",
+                       "stop")
+    if any(s == "" for s in stops):
+        raise APIError(400, f"stop has an empty string ({list(stops)!r}); every stop string needs a character", "stop")
+
+
+def check_stream_options(body) -> None:
+    """``stream_options`` only with ``stream: true`` (OpenAI answers 400 naming it)."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       "stream_options")
 
 
 def stop_strings(body: CompletionRequest) -> tuple[str, ...]:
