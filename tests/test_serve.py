@@ -708,7 +708,7 @@ def test_cli_serve_sigterm_past_the_graceful_timeout_answers_503_without_traceba
 @pytest.mark.parametrize("flag,value", [("--port", "99999"), ("--port", "-1"), ("--port", "80.5"),
                                         ("--max-batch", "0"), ("--max-queue", "-1"), ("--threads", "0"),
                                         ("--graceful-timeout", "-1"), ("--graceful-timeout", "nan"),
-                                        ("--max-body-bytes", "0")])
+                                        ("--max-body-bytes", "0"), ("--max-stop", "0")])
 def test_cli_serve_rejects_bad_numbers_as_usage_errors(capsys, flag, value):
     """Out-of-range numbers are argparse usage errors (exit 2, the flag and value named, no
     traceback): a port is 0..65535 (TCP's 16 bits; 0 = any free port). (The parser alone: a
@@ -723,12 +723,12 @@ def test_cli_serve_rejects_bad_numbers_as_usage_errors(capsys, flag, value):
 
 
 def test_serve_api_checks_port_and_cli_default_body_limit_matches():
-    from gpt2mha import cli
+    from gpt2mha.cli import common
     from gpt2mha.serving.server import DEFAULT_MAX_BODY_BYTES, serve
 
     with pytest.raises(ValueError, match=r"port=99999 must be an integer in \[0, 65535\]"):
         serve(None, None, "m", port=99999)
-    assert cli.DEFAULT_MAX_BODY_BYTES == DEFAULT_MAX_BODY_BYTES
+    assert common.DEFAULT_MAX_BODY_BYTES == DEFAULT_MAX_BODY_BYTES
 
 
 def test_prefill_groups_bound_the_padding_and_keep_every_sequence():

@@ -274,7 +274,7 @@ class Completions:
         """Server-sent events: one chunk per piece of text (the chunks ready together in one
         write), an error event if a sequence failed or was cancelled, the usage chunk when asked,
         then ``data: [DONE]``."""
-        status, started = 200, set()
+        status, started, head = 200, set(), {**head, "object": self.CHUNK_OBJECT}
         try:
             done, out = 0, []
             while done < len(seqs):
@@ -287,7 +287,7 @@ class Completions:
                 done += finished
                 for c in self.chunk_choices(seq.index, text, seq.finish_reason if finished else None,
                                             seq.index not in started):
-                    out.append(sse({**head, "object": self.CHUNK_OBJECT, "choices": [c]}))
+                    out.append(sse({**head, "choices": [c]}))
                 started.add(seq.index)
                 if events.empty():                    # one write for the chunks that are ready
                     yield "".join(out)
