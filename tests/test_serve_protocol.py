@@ -388,3 +388,40 @@ def test_bpe_token_id_prompts_take_the_whole_vocabulary(bpe_app):
     assert bpe_app.post("/v1/completions", json={"prompt": [50256, 15496], "max_tokens": 1}).status_code == 200
     assert_error(bpe_app.post("/v1/completions", json={"prompt": [[15496], [50257]]}), 400, "prompt",
                  "prompt[1][0]=50257", "[0, 50257)")
+
+
+@pytest.mark.slow
+def test_cli_serve_chat_template_and_max_stop(tmp_path):
+    """`gpt2mha serve --port 0 --chat-template FILE --max-stop 9` in a subprocess: chat answers
+    with the template's prompt (its token count equals /tokenize of the messages), 9 stop
+    strings are accepted and 10 refused, /tokenizer_info carries the template; SIGTERM exits 0."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gpt2mha", "serve", "--port", "0", "--threads", "1",
+                                 "--chat-template", str(template), "--max-stop", "9"], stdout=log, stderr=log)
+    try:
+        deadline, url = time.monotonic() + 60, None
+        while url is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log_path.read_text())
+            url = found.group(1) if found else time.sleep(0.1)
+        r = client(url).chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+        assert r.usage.prompt_tokens == post(url, "/tokenize", {"messages": MESSAGES}).json()["count"]
+        assert r.usage.completion_tokens <= 4 and r.choices[0].message.role == "assistant"
+        stops = ["zq", "xj", "qz", "jx", "vv", "kk", "ww", "yy", "uu"]
+        assert post(url, "/v1/completions", {"prompt": "a", "max_tokens": 2, "stop": stops}).status_code == 200
+        assert_error(post(url, "/v1/completions", {"prompt": "a", "stop": stops + ["e"]}), 400, "stop", "at most 9")
+        assert httpx.get(url + "/tokenizer_info").json()["chat_template"] == TEMPLATE
+        proc.terminate()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
