@@ -219,7 +219,8 @@ def test_models_retrieve_and_unknown_ids_with_the_openai_client(server):
     naming the unknown id, also one with a slash (hub-style names)."""
     c = client(server)
     card = c.models.retrieve(DEFAULT_MODEL)
-    assert card.id == DEFAULT_MODEL and card.object == "model" and card.model_dump() == c.models.list().data[0].model_dump()
+    assert card.id == DEFAULT_MODEL and card.object == "model"
+    assert card.model_dump() == c.models.list().data[0].model_dump()
     for name in ("gpt-4", "openai-community/gpt2"):
         with pytest.raises(openai.NotFoundError) as e:
             c.models.retrieve(name)
@@ -302,9 +303,11 @@ def test_chat_defaults_parts_nulls_and_errors(chat_server, builtin, hf_chat_toke
             "'image_url'"),
            ({"messages": MESSAGES, "logprobs": True}, 400, "logprobs", "logprobs"),
            ({"messages": []}, 400, "messages", "empty"),
-           ({"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 3}, 400, "max_completion_tokens", "differ"),
+           ({"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 3}, 400, "max_completion_tokens",
+            "differ"),
            ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
            ({"messages": MESSAGES, "model": "gpt-4"}, 404, "model", "gpt-4"),
+           ({"messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 1}, 400, "messages", "256 tokens"),
            ({"messages": [{"role": 3, "content": "x"}]}, 400, "messages", "messages[0]")]
     for body, status, param, word in bad:
         assert_error(post(chat_server, "/v1/chat/completions", body), status, param, word)
@@ -360,7 +363,8 @@ def test_tokenizer_info_is_what_transformers_reads_from_the_saved_files(bpe_app,
         (tmp_path / name).write_bytes(data)
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     info = bpe_app.get("/tokenizer_info").json()
-    assert {k: info[k] for k in json.loads(files["tokenizer_config.json"])} == json.loads(files["tokenizer_config.json"])
+    config = json.loads(files["tokenizer_config.json"])
+    assert {k: info[k] for k in config} == config
     assert (info["eos_token"], info["bos_token"]) == (hf.eos_token, hf.bos_token) == ("<|endoftext|>",) * 2
     assert (info["eos_token_id"], info["bos_token_id"]) == (hf.eos_token_id, hf.bos_token_id) == (50256, 50256)
     assert info["max_model_len"] == 64 and info["vocab_size"] == 50257 and "chat_template" not in info
@@ -425,3 +429,37 @@ def test_cli_serve_chat_template_and_max_stop(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.slow
+def test_lm_eval_generate_until_against_the_server_with_its_remote_tokenizer(builtin, tmp_path):
+    """lm-evaluation-harness's `local-completions` model, `tokenizer_backend=remote` (it reads
+    /tokenizer_info and tokenizes through /tokenize, then sends token-id prompts with its 8
+    `until` strings plus the EOS string as `stop`), on the local generate_until task against a
+    server started with max_stop=9: exit 0, and every answer is gpt2mha's offline greedy
+    continuation cut before the first stop string (test_lm_eval_tasks.greedy_until)."""
+    import glob
+    import os
+    import subprocess
+    import sys
+
+    from test_lm_eval_tasks import REPO, TASKS, greedy_until, read_jsonl
+
+    model, tok = builtin
+    output = str(tmp_path / "out")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets"), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    with serve_in_thread(Scheduler(model, tok, max_batch=4), DEFAULT_MODEL, max_stop=9) as url:
+        args = (f"model={DEFAULT_MODEL},base_url={url}/v1/completions,tokenizer_backend=remote,max_length=256,"
+                f"max_retries=1")
+        run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
+                              "--include_path", TASKS, "--tasks", "gpt2mha_shakespeare_gen", "--output_path", output,
+                              "--log_samples"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    docs = read_jsonl(os.path.join(REPO, TASKS, "shakespeare_gen.jsonl"))
+    (path,) = glob.glob(os.path.join(output, "*", "samples_gpt2mha_shakespeare_gen_*.jsonl"))
+    samples = sorted(read_jsonl(path), key=lambda s: s["doc_id"])
+    until = [" ", "\n", ".", ",", ";", ":", "!", "?", "Ā"]          # the EOS string of /tokenizer_info
+    assert len(samples) == len(docs) == 8
+    for doc, sample in zip(docs, samples):
+        assert sample["filtered_resps"] == [greedy_until(model, doc["prompt"], 16, until)], doc

@@ -47,7 +47,8 @@ def load_chat_template(path: str) -> str:
         try:
             text = json.loads(text)["chat_template"]
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"--chat-template {path!r}: a JSON file must hold a 'chat_template' string ({e!r})") from None
+            raise ValueError(f"--chat-template {path!r}: a JSON file must hold a 'chat_template' string "
+                             f"({e!r})") from None
         if not isinstance(text, str):
             raise ValueError(f"--chat-template {path!r}: 'chat_template' must be a single template string")
     ChatTemplate(text, {}, source=os.path.basename(path))            # compiles: a syntax error fails now
@@ -235,7 +236,7 @@ def completion_request(body: ChatRequest, template: ChatTemplate, tokenizer, n_c
                             f"differ; give one of them", "max_completion_tokens")
     text = template.render(template_messages(body), body.add_generation_prompt)
     ids = encode_text(text, "the chat template's text for messages", tokenizer, n_ctx, param="messages")
-    if len(ids) >= n_ctx and limit is None:
+    if len(ids) > n_ctx or (len(ids) == n_ctx and limit is None):
         raise APIError(400, f"messages make {len(ids)} tokens with the chat template; this model's maximum context "
                             f"length is {n_ctx} tokens, which leaves no room for a reply", "messages",
                        code="context_length_exceeded")

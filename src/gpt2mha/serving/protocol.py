@@ -56,7 +56,8 @@ class CompletionRequest(BaseModel):
 
 #: What each field must be, for the messages of type errors.
 EXPECTED = {
-    "model": "a string", "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids", "max_tokens": "an integer",
+    "model": "a string", "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "max_tokens": "an integer",
     "temperature": "a number", "top_p": "a number", "top_k": "an integer", "seed": "an integer",
     "stop": "a string or a list of strings", "stream": "a boolean", "stream_options": "an object {include_usage: bool}",
     "n": "an integer", "best_of": "an integer", "echo": "a boolean", "logprobs": "an integer",
@@ -169,7 +170,8 @@ def validation_error(errors: list[dict], expected: dict | None = None) -> APIErr
         return APIError(400, f"Missing required parameter: '{param}'", param)
     got = json.dumps(err.get("input"))[:60]
     where = param + "".join(f"[{x}]" for x in loc[1:] if isinstance(x, int))   # not pydantic's union branches
-    return APIError(400, f"Invalid type for '{where}': expected {(expected or EXPECTED).get(param, 'another type')}, got {got}", param)
+    want = (expected or EXPECTED).get(param, "another type")
+    return APIError(400, f"Invalid type for '{where}': expected {want}, got {got}", param)
 
 
 def check_request(body: CompletionRequest, model_name: str) -> None:

@@ -426,7 +426,9 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
             None, tokens.tokenize, raw, tok, model_name, n_ctx, template)
 
     async def detokenize(request: Request):
-        return tokens.detokenize(await read_body(request, max_body_bytes), tok, model_name, n_vocab)
+        raw = await read_body(request, max_body_bytes)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, tokens.detokenize, raw, tok, model_name, n_vocab)
 
     async def tokenizer_info():
         return info
@@ -541,7 +543,8 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
 
     Raises:
         ValueError: a port outside [0, 65535], a negative or non-finite graceful_timeout,
-            max_body_bytes < 1, max_stop < 1, a chat template that is not valid Jinja, or bad max_batch/max_queue (:class:`~gpt2mha.serving.scheduler.Scheduler`).
+            max_body_bytes < 1, max_stop < 1, a chat template that is not valid Jinja, or bad
+            max_batch/max_queue (:class:`~gpt2mha.serving.scheduler.Scheduler`).
         RuntimeError: the server could not start (e.g. the address is in use or the host
             unknown; uvicorn logs the reason).
     """
