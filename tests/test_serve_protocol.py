@@ -387,6 +387,19 @@ def test_tokenizer_endpoints_refuse_bad_bodies_naming_the_field(bpe_app, path, b
     assert_error(r, status, param, word)
 
 
+def test_an_unexpected_exception_in_a_route_is_a_500_error_object(bpe_app, monkeypatch):
+    """A bug in a route (here /detokenize made to raise) answers OpenAI's error object with 500
+    and type server_error naming the exception, not Starlette's text/plain page."""
+    from gpt2mha.serving import tokens
+
+    def broken(*args):
+        raise RuntimeError("decoder exploded")
+    monkeypatch.setattr(tokens, "detokenize", broken)
+    r = TestClient(bpe_app.app, raise_server_exceptions=False).post("/detokenize", json={"tokens": [1]})
+    err = assert_error(r, 500, None, "RuntimeError", "decoder exploded")
+    assert err["type"] == "server_error"
+
+
 def test_bpe_token_id_prompts_take_the_whole_vocabulary(bpe_app):
     """Ids up to 50256 (<|endoftext|>) are prompts; 50257 is refused naming it."""
     assert bpe_app.post("/v1/completions", json={"prompt": [50256, 15496], "max_tokens": 1}).status_code == 200
