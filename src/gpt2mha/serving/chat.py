@@ -136,12 +136,18 @@ def no_template_error(model_name: str) -> APIError:
 
 # ------------------------------------------------------------------------------ requests
 class ContentPart(BaseModel):
+    """One part of a message's content given as a list (OpenAI's ``{"type": "text", "text": ...}``;
+    other types are refused by :func:`parse_chat_request`)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     type: str
     text: str
 
 
 class Message(BaseModel):
+    """One chat message: ``role``, ``content`` (a string, a list of text parts, or null), and any
+    other fields (``name``, ...), which the template sees as they are."""
+
     model_config = ConfigDict(extra="allow", strict=True)       # name, tool_call_id...: passed to the template
     role: str
     content: str | list[ContentPart] | None = None
