@@ -349,7 +349,22 @@ BAD_REQUESTS = [
     ({"prompt": "a", "top_k": -1}, "top_k"),
     ({"prompt": "a", "seed": -1}, "seed"),
     ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 0}, "n"),                                     # choices and logprobs: OpenAI's rules
+    ({"prompt": "a", "n": 129}, "n"),
+    ({"prompt": "a", "n": 21}, "n"),                                    # 21 sequences > max_batch + max_queue = 20
+    ({"prompt": "a", "n": 2, "best_of": 1}, "best_of"),                 # best_of >= n
+    ({"prompt": "a", "best_of": 21}, "best_of"),
+    ({"prompt": "a", "best_of": 2, "stream": True}, "best_of"),         # not with stream
+    ({"prompt": "a", "logprobs": 6}, "logprobs"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"),
+    ({"prompt": "a", "echo": 1}, "echo"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "a", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"256": 1}}, "logit_bias"),          # the byte model's ids are 0 … 255
+    ({"prompt": "a", "logit_bias": {"5": "x"}}, "logit_bias"),
     ({"prompt": "a", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
     # strings that are not Unicode text: JSON escapes of lone UTF-16 surrogates (Python's json decodes them)
     ('{"prompt": "\\ud800abc"}', "prompt"),
