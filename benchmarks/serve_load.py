@@ -392,7 +392,7 @@ class Server:
                  threads: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "gpt2mha.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "gpt2mha", "serve", "--port", str(self.port),
                "--max-batch", str(max_batch), "--max-queue", str(max_queue)] + (["--model", model] if model else []) + (
                   ["--threads", str(threads)] if threads else [])
         self.log = open(log_path or os.devnull, "w")
