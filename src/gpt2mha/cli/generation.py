@@ -82,6 +82,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from ..inference import parallel
+    from ..inference.sampling import check_logit_bias
     from ..io.tokenizer import StreamDecoder, tokenizer_for
     from ..train import distributed
 
@@ -91,6 +92,7 @@ def cmd_generate(args) -> int:
     weights = distributed.weights_fingerprint(model) if di.world_size > 1 else None
     model = quantized(parallel.tensor_parallel(model, args.tp), args)
     tok = tokenizer_for(model.config)
+    check_logit_bias(args.logit_bias, min(tok.n_vocab, model.config.n_vocab), "--logit-bias")
     if args.stop_at_eos and tok.eot_token is None:
         raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
     if args.unconditional and tok.eot_token is None:
