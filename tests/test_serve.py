@@ -262,8 +262,15 @@ def test_scheduler_refuses_work_beyond_free_slots_plus_queue(builtin):
     ([[65]], SamplingParams(seed=2**63), "seed"),
     ([[65]], SamplingParams(stop=("x", "")), "stop"),
     ([[65]], SamplingParams(stop="x"), "stop"),                                        # a string, not a tuple
+    ([[65]], SamplingParams(n=0), "n=0"),
+    ([[65]], SamplingParams(n=3, best_of=2), "best_of=2 must be >= n=3"),
+    ([[65]], SamplingParams(logprobs=6), r"logprobs=6 must be in \[0, 5\]"),
+    ([[65]], SamplingParams(presence_penalty=2.1), "presence_penalty=2.1"),
+    ([[65]], SamplingParams(frequency_penalty=float("inf")), "frequency_penalty=inf"),
+    ([[65]], SamplingParams(logit_bias=((256, 1.0),)), "logit_bias key 256"),
+    ([[65]], SamplingParams(logit_bias=((5, -101.0),)), r"logit_bias\[5\]=-101.0"),
 ], ids=["float-id", "empty", "vocab", "context", "max_tokens", "temperature", "top_p", "seed", "empty-stop",
-        "stop-str"])
+        "stop-str", "n", "best_of", "logprobs", "presence", "frequency", "bias-id", "bias-value"])
 def test_submit_refuses_bad_prompts_and_params_naming_them_and_queues_nothing(builtin, prompts, params, match):
     """The scheduler's own guard (for callers other than the HTTP app): every bad value is a
     ValueError naming it, raised before anything is queued."""

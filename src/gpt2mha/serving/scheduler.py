@@ -208,11 +208,14 @@ class Scheduler:
     # ------------------------------------------------------------------------- app side
     def submit(self, prompts: list[list[int]], params: SamplingParams,
                on_event: Callable[[Sequence, str, bool], None]) -> list[Sequence]:
-        """Queue one sequence per prompt (all or none) and return them, index = position.
+        """Queue ``params.per_prompt`` sequences per prompt (all or none) and return them in
+        order: prompt i's candidate j has ``index = i * per_prompt + j`` (its seed rule) and
+        ``prompt_index = i``.
 
         Raises:
             ValueError: an empty prompt, ids that are not integers or outside the vocabulary,
-                bad sampling values, seed or stop strings, or prompt + max_tokens longer than
+                bad sampling values, seed or stop strings, n/best_of/logprobs/penalties/logit_bias
+                outside OpenAI's rules, or prompt + max_tokens longer than
                 n_ctx (the caller checks these first for clear HTTP errors; this is the last guard).
             ExceedsCapacity: more prompts than :attr:`capacity`, i.e. never admissible.
             QueueFull: not enough free slots plus queue room for all of them now.

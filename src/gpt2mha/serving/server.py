@@ -4,10 +4,14 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
 
 - ``POST /v1/completions``: ``model``, ``prompt`` (a string or a list of strings),
   ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``
-  (server-sent events ending in ``data: [DONE]``), ``stream_options.include_usage``, and
-  ``top_k`` as an extension. With ``temperature: 0`` or a ``seed``, each choice's text equals
-  offline ``generate`` with the same arguments (``gpt2mha generate PROMPT --temperature …
-  --seed …`` for one prompt; for a list, row i of ``generate(prompts, seed=…)``).
+  (server-sent events ending in ``data: [DONE]``), ``stream_options.include_usage``,
+  ``logprobs`` and ``echo`` (:func:`~gpt2mha.serving.protocol.choice_answer`; a stream's chunks
+  carry their own tokens' logprobs, :meth:`Completions.chunk`), ``n`` and ``best_of``
+  (:func:`~gpt2mha.serving.protocol.pick_choices`), ``presence_penalty``,
+  ``frequency_penalty``, ``logit_bias``, and ``top_k`` as an extension. With ``temperature: 0``
+  or a ``seed``, each choice's text equals offline ``generate`` with the same arguments
+  (sequence ``i·m + j`` of P prompts with m = best_of or n sequences each is row ``i·m + j`` of
+  ``gpt2mha generate P1 … --num-samples m --seed …``; see :mod:`.scheduler`).
 - ``GET /v1/models``, ``GET /health`` (running/queued counts, slots, tokens/s).
 
 Bad requests get HTTP 400 with OpenAI's error object ``{"error": {"message", "type", "param",
