@@ -1,4 +1,4 @@
-"""``python -m gpt2mha.cli ...``: the same as ``python -m gpt2mha`` / ``gpt2mha``."""
+"""``python -m gpt2mha.cli``: the ``gpt2mha`` command, as ``python -m gpt2mha`` runs it."""
 
 import sys
 

@@ -6,10 +6,15 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
   a list of strings or of token-id lists), ``max_tokens`` (default 16), ``temperature``,
   ``top_p``, ``seed``, ``stop`` (up to 4 strings, as OpenAI; ``max_stop`` raises the limit),
   ``stream`` (server-sent events ending in ``data: [DONE]``), ``stream_options.include_usage``
-  (only with ``stream``), and ``top_k`` as an extension; ``null`` for any optional field means
-  its default. With ``temperature: 0`` or a ``seed``, each choice's text equals offline
-  ``generate`` with the same arguments (``gpt2mha generate PROMPT --temperature … --seed …``
-  for one prompt; for a list, row i of ``generate(prompts, seed=…)``).
+  (only with ``stream``), ``logprobs`` and ``echo``
+  (:func:`~gpt2mha.serving.protocol.choice_answer`; a stream's chunks carry their own tokens'
+  logprobs, :meth:`Completions.chunk`), ``n`` and ``best_of``
+  (:func:`~gpt2mha.serving.protocol.pick_choices`), ``presence_penalty``,
+  ``frequency_penalty``, ``logit_bias``, and ``top_k`` as an extension; ``null`` for any
+  optional field means its default. With ``temperature: 0`` or a ``seed``, each choice's text
+  equals offline ``generate`` with the same arguments (sequence ``i·m + j`` of P prompts with
+  m = best_of or n sequences each is row ``i·m + j`` of ``gpt2mha generate P1 … --num-samples
+  m --seed …``; see :mod:`.scheduler`).
 - ``POST /v1/chat/completions`` when a chat template is given (:mod:`.chat`); otherwise 400.
 - ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (running/queued counts, slots,
   tokens/s); vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
@@ -48,8 +53,9 @@ from starlette.exceptions import HTTPException
 
 from ..core import checks
 from . import chat, tokens
-from .protocol import (MAX_STOP, APIError, cancelled_error, check_prompt_count, check_request, check_stop,
-                       check_stream_options, choice, encode_prompts, failure, parse_request, sampling_params, sse,
+from .protocol import (MAX_STOP, APIError, cancelled_error, check_logit_bias_ids, check_prompt_count, check_request,
+                       check_stop, check_stream_options, choice, choice_answer, completion_logprobs, encode_prompts,
+                       failure, join_logprobs, parse_request, pick_choices, prompt_echo, sampling_params, sse,
                        submit_error, usage, validation_error)
 from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown
 from .text_stream import CANCELLED, ERROR
@@ -227,27 +233,27 @@ class Completions:
         check_request(body, self.model_name)
         check_stop(body, self.max_stop)
         check_stream_options(body)
+        check_logit_bias_ids(body, s.runner.vocab_size)
         check_prompt_count(body, s.capacity, s.max_batch, s.max_queue)
 
-    def whole_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        """One entry of a whole answer's ``choices``."""
-        return choice(index, text, finish_reason)
+    def whole_choice(self, index: int, seq: Sequence) -> dict:
+        """A finished sequence as ``choices[index]`` of a whole answer."""
+        return choice_answer(self.scheduler.tokenizer, index, seq)
 
-    def chunk_choices(self, index: int, text: str, finish_reason: str | None, first: bool) -> list[dict]:
-        """The ``choices`` entries of the stream chunk(s) carrying ``text`` (``first``: the
-        choice's first chunk), one chunk each."""
-        return [choice(index, text, finish_reason)]
+    def chunk_choices(self, seq: Sequence, text: str, finished: bool, seen: list[int]) -> list[dict]:
+        """The ``choices`` entries of the stream chunk(s) for ``seq``'s next event (``seen``:
+        events received per sequence so far), one chunk each."""
+        return [self.chunk(self.scheduler.tokenizer, seq, text, finished, seen)]
 
     async def collect(self, seqs: list[Sequence], events: asyncio.Queue, head: dict, request: Request, t0: float):
         """The whole completion as one JSON answer, once every sequence is done; 499 (and the
         sequences cancelled) if the client hangs up first."""
-        texts, status = [[] for _ in seqs], 200
+        status = 200
 
-        async def drain():
+        async def drain():                            # the sequences keep their own text
             done = 0
             while done < len(seqs):
                 seq, text, finished = await events.get()
-                texts[seq.index].append(text)
                 done += finished
 
         waiter, watcher = asyncio.ensure_future(drain()), asyncio.ensure_future(disconnected(request))
@@ -260,7 +266,7 @@ class Completions:
             if err is not None:
                 status = err.status
                 return err.response()
-            choices = [self.whole_choice(s.index, "".join(texts[s.index]), s.finish_reason) for s in seqs]
+            choices = [self.whole_choice(index, s) for index, s in pick_choices(seqs)]
             return JSONResponse({**head, "choices": choices, "usage": usage(seqs)})
         except BaseException:                         # the task cancelled: a shutdown's last resort (AnswerCancelled)
             status = 503
@@ -274,7 +280,8 @@ class Completions:
         """Server-sent events: one chunk per piece of text (the chunks ready together in one
         write), an error event if a sequence failed or was cancelled, the usage chunk when asked,
         then ``data: [DONE]``."""
-        status, started, head = 200, set(), {**head, "object": self.CHUNK_OBJECT}
+        status, head = 200, {**head, "object": self.CHUNK_OBJECT}
+        seen = [0] * len(seqs)                        # events received, per sequence
         try:
             done, out = 0, []
             while done < len(seqs):
@@ -285,10 +292,8 @@ class Completions:
                     out.append(sse(err.body()))
                     break
                 done += finished
-                for c in self.chunk_choices(seq.index, text, seq.finish_reason if finished else None,
-                                            seq.index not in started):
+                for c in self.chunk_choices(seq, text, finished, seen):
                     out.append(sse({**head, "choices": [c]}))
-                started.add(seq.index)
                 if events.empty():                    # one write for the chunks that are ready
                     yield "".join(out)
                     out = []
@@ -301,6 +306,21 @@ class Completions:
             raise
         finally:
             self.end(seqs, head["id"], t0, status)
+
+    @staticmethod
+    def chunk(tok, seq: Sequence, text: str, finished: bool, seen: list[int]) -> dict:
+        """A stream chunk's choice for ``seq``'s next event: its text (after the echoed prompt on
+        its first one) and, with ``logprobs``, those of the tokens that event covers
+        (``seq.marks``, set by the scheduler before the event)."""
+        k = seen[seq.index]
+        seen[seq.index] += 1
+        echo, prompt_lp = prompt_echo(tok, seq) if k == 0 else ("", None)
+        lp = None
+        if seq.params.logprobs is not None:
+            start = seq.marks[k - 1] if k else 0
+            shift = len(tok.decode(seq.prompt_ids)) if seq.params.echo else 0
+            lp = join_logprobs(prompt_lp, completion_logprobs(tok, seq, start, seq.marks[k], shift))
+        return choice(seq.index, echo + text, seq.finish_reason if finished else None, lp)
 
     def end(self, seqs: list[Sequence], rid: str, t0: float, status: int) -> None:
         """A request's answer has ended: cancel what is left of its sequences, log its line."""
@@ -333,12 +353,15 @@ class ChatCompletions(Completions):
         self.check(request)
         return request, encode_prompts(request, s.tokenizer, s.n_ctx)
 
-    def whole_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return chat.message_choice(index, text, finish_reason)
+    def whole_choice(self, index: int, seq: Sequence) -> dict:
+        return chat.message_choice(index, seq.text, seq.finish_reason)
 
-    def chunk_choices(self, index: int, text: str, finish_reason: str | None, first: bool) -> list[dict]:
+    def chunk_choices(self, seq: Sequence, text: str, finished: bool, seen: list[int]) -> list[dict]:
         """A choice's first chunk carries the role (``{"role": "assistant", "content": ""}``), as
         OpenAI's do; the finish reason comes with the last text, or alone with an empty delta."""
+        index, finish_reason = seq.index, seq.finish_reason if finished else None
+        first = seen[index] == 0
+        seen[index] += 1
         out = [chat.delta_choice(index, {"role": "assistant", "content": ""}, None)] if first else []
         if text or finish_reason is None:
             out.append(chat.delta_choice(index, {"content": text}, finish_reason))
