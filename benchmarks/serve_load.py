@@ -385,16 +385,16 @@ def free_port() -> int:
 
 
 class Server:
-    """``gpt2mha serve`` as a subprocess on a free port of 127.0.0.1; stopped with SIGTERM
-    (checks that it exits 0)."""
+    """``gpt2mha serve`` as a subprocess on a free port of 127.0.0.1 (``extra``: more serve
+    flags); stopped with SIGTERM (checks that it exits 0)."""
 
     def __init__(self, model: str | None, max_batch: int = 16, max_queue: int = 256, log_path: str | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "gpt2mha", "serve", "--port", str(self.port),
                "--max-batch", str(max_batch), "--max-queue", str(max_queue)] + (["--model", model] if model else []) + (
-                  ["--threads", str(threads)] if threads else [])
+                  ["--threads", str(threads)] if threads else []) + list(extra)
         self.log = open(log_path or os.devnull, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120

@@ -124,27 +124,28 @@ def test_local_tasks_run_offline_in_lm_eval_and_agree_with_gpt2mha(tmp_path):
 
 def server_lm_eval_command(base_url: str, model_dir: str, output: str) -> list[str]:
     """The command line the README's "Serving" section gives for lm_eval against ``gpt2mha serve
-    --model DIR`` (served as DIR; its tokenizer files are lm_eval's tokenizer; prompts sent as
-    text, the task with three stop strings so that lm_eval's EOS makes four)."""
+    --model DIR --max-stop 9`` (served as DIR; its tokenizer files are lm_eval's tokenizer; prompts
+    sent as token ids; the generation task's 8 stop strings plus lm_eval's EOS string)."""
     args = (f"model={model_dir},base_url={base_url}/v1/completions,tokenizer_backend=huggingface,"
-            f"tokenizer={model_dir},tokenized_requests=False,max_length=256")
+            f"tokenizer={model_dir},max_length=256")
     return [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
-            "--include_path", TASKS, "--tasks", "gpt2mha_shakespeare_mc,gpt2mha_shakespeare_gen_api",
+            "--include_path", TASKS, "--tasks", "gpt2mha_shakespeare_mc,gpt2mha_shakespeare_gen",
             "--output_path", output, "--log_samples"]
 
 
 @pytest.mark.slow
 def test_local_tasks_run_in_lm_eval_against_a_live_server_and_agree_with_gpt2mha(tmp_path):
     """lm_eval's ``local-completions`` model against ``gpt2mha serve`` (a subprocess on a free
-    port of 127.0.0.1, stopped with SIGTERM): loglikelihoods come from ``echo`` + ``logprobs``,
-    generations from greedy completions with stop strings. Exit 0, and every per-item
+    port of 127.0.0.1, ``--max-stop 9``, stopped with SIGTERM), prompts sent as token ids:
+    loglikelihoods come from ``echo`` + ``logprobs``, generations from greedy completions with
+    the task's 8 stop strings and lm_eval's EOS string. Exit 0, and every per-item
     loglikelihood equals gpt2mha's offline score (to 1e-4), every generation its greedy text."""
     from conftest import load_benchmark
 
     model_dir, output = str(tmp_path / "shakespeare-byte"), str(tmp_path / "out")
     convert("shakespeare-byte", model_dir)
     server = load_benchmark("serve_load").Server(model_dir, max_batch=4, log_path=str(tmp_path / "serve.log"),
-                                                 threads=1)
+                                                 threads=1, extra=("--max-stop", "9"))
     try:
         run = subprocess.run(server_lm_eval_command(server.url, model_dir, output), cwd=REPO,
                              env=lm_eval_env(tmp_path), capture_output=True, text=True, timeout=600)
@@ -154,4 +155,4 @@ def test_local_tasks_run_in_lm_eval_against_a_live_server_and_agree_with_gpt2mha
     assert rc == 0
     results, model = read_results(output), GPT2.from_pretrained(model_dir)
     check_mc(model, output, results, tol=1e-4)
-    check_gen(model, output, results, "gpt2mha_shakespeare_gen_api", [" ", "\n", "."])
+    check_gen(model, output, results, "gpt2mha_shakespeare_gen", [" ", "\n", ".", ",", ";", ":", "!", "?"])
