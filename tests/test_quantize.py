@@ -176,6 +176,26 @@ def test_fbgemm_packed_weight_follows_the_layer_weight(monkeypatch):
     check(layer)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", 32)])
+def test_many_rows_give_the_dequantized_product_on_every_kernel(monkeypatch, kernel, scheme, group_size):
+    """Prefill-sized inputs (DEQUANTIZE_FROM_ROWS rows and more) and decode-sized ones agree
+    with float64 x @ deq(W)ᵀ + b whichever product the CPU picks for them (the dequantized
+    float32 weight on FBGEMM CPUs, the quantized kernel elsewhere); the choice follows the kernel."""
+    from gpt2mha.inference.quant.linear import DEQUANTIZE_FROM_ROWS
+    monkeypatch.setenv("GPT2MHA_INT8_KERNEL", kernel)
+    g = torch.Generator().manual_seed(9)
+    layer = QuantizedLinear.from_float(torch.randn(48, 64, generator=g), torch.randn(48, generator=g),
+                                       scheme, group_size)
+    rows = DEQUANTIZE_FROM_ROWS[scheme]
+    assert layer.dequantize_for(rows) == (kernel == "fbgemm") and not layer.dequantize_for(rows - 1)
+    for M in (1, rows - 1, rows):
+        x = torch.randn(M, 64, generator=g)
+        ref = x.double() @ layer.dequantized().double().t() + layer.bias.double()
+        tol = 1e-5 if layer.dequantize_for(M) else (1e-3 if scheme == "int8" else 2e-2)   # int4: bf16 activations
+        torch.testing.assert_close(layer(x).double(), ref, rtol=0, atol=float(ref.abs().max()) * tol)
+
+
 # ------------------------------------------------------------------ GPTQ
 @pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", 32)])
 def test_gptq_with_uncorrelated_inputs_is_round_to_nearest(scheme, group_size):

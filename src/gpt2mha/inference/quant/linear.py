@@ -37,6 +37,11 @@ INT8_KERNEL_ENV = "GPT2MHA_INT8_KERNEL"
 #: for 7-bit activations, so its pieces stay in [-63, 63] (stored as uint8 with zero point 64).
 PIECE_LEVELS = {"int_mm": 127, "fbgemm": 63}
 _FBGEMM_ZERO = 64
+#: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized float32 weight
+#: (:meth:`QuantizedLinear.dequantize_for`): measured on an AVX2 Zen 3, two 7-bit pieces on
+#: FBGEMM equal float32 at 64 rows and fall to 0.64x at 512, the dequantized weight 0.9–0.96x;
+#: the int4 kernel 0.5x at 64 and 512 rows, the dequantized weight 0.5x at 64 and 0.78x at 512.
+DEQUANTIZE_FROM_ROWS = {"int8": 64, "int4": 256}
 
 
 def fbgemm_available() -> bool:
@@ -71,8 +76,8 @@ def int8_kernel() -> str:
     return "int_mm" if vnni or not fbgemm_available() else "fbgemm"
 
 
-def split_activations(x: torch.Tensor, pieces: int = 2, levels: int = 127,
-                      dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+def split_activations(x: torch.Tensor, pieces: int = 2, levels: int = 127, dtype: torch.dtype = torch.int8,
+                      top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Write float ``x [M, K]`` as ``a · (p₀ + p₁/(2L) + p₂/(2L)² + …)`` with ``pieces`` integer
     ``pᵢ`` in ``[-L, L]`` (``L = levels``) and one float ``a [M, 1]`` per row (``max |x| / L``),
     so that integer products see ~log₂(2L)·pieces significant bits of the row's largest value.
@@ -80,22 +85,25 @@ def split_activations(x: torch.Tensor, pieces: int = 2, levels: int = 127,
     ``p₀ = round(x / a)``, then each next piece rounds 2L × what the previous left over; the
     error is at most ``a / (2·(2L)^(pieces−1))``: for L = 127, ``max|x| / 64516`` with two pieces,
     ``max|x| / 16.4e6`` with three (float32's own precision); for L = 63 (FBGEMM's 7 bits),
-    ``max|x| / 15876`` and ``max|x| / 2.0e6``. Non-finite rows give NaN.
+    ``max|x| / 15876`` and ``max|x| / 2.0e6``. Non-finite rows give NaN. ``top [M, 1]``: each
+    row's ``max |x|`` when the caller has it already.
 
     Returns:
         ``(pieces [pieces·M, K] in dtype (int8, or float32 holding the integers): all p₀ rows,
         then all p₁ rows, …, a float32 [M, 1])``.
     """
     x = x.float()
-    a = x.abs().amax(-1, keepdim=True).clamp_(min=1e-30) / levels
+    M, K = x.shape
+    if top is None:
+        top = x.abs().amax(-1, keepdim=True)
+    a = top.clamp(min=1e-30).div_(levels)
     u = x / a
-    out = []
+    out = torch.empty(pieces * M, K, dtype=torch.float32, device=x.device)
     for i in range(pieces):
-        p = u.round()
-        out.append(p)
+        p = torch.round(u, out=out[i * M:(i + 1) * M])
         if i < pieces - 1:
-            u = (u - p).mul_(2 * levels)
-    return torch.cat(out).to(dtype), a
+            u.sub_(p).mul_(2 * levels)
+    return (out if dtype == torch.float32 else out.to(dtype)), a
 
 
 def pieces_for(ratio: float, levels: int) -> int:
@@ -123,7 +131,7 @@ def fbgemm_pack(q: torch.Tensor, scales: torch.Tensor):
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: str | None = None,
-                packed=None) -> torch.Tensor:
+                packed=None, pieces: int | None = None) -> torch.Tensor:
     """``x [M, K] @ (q · scales)ᵀ`` → float32 ``[M, N]`` for int8 ``q [N, K]``, scales ``[N]``.
 
     The activations are split into integer pieces per row (:func:`split_activations`: two, or
@@ -137,31 +145,40 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: 
     here when not given, slowly). Both are far closer to float32 than bf16 activations on
     ``aten._weight_int8pack_mm`` (~2e-3, output rounded to bf16).
 
+    ``pieces=1`` rounds each activation row to one piece instead (per-row absmax scale, 8 bits
+    on ``_int_mm``, 7 on FBGEMM: W8A8 / W8A7 as CTranslate2's int8 with per-row scales): faster
+    for many rows, not exact (relative error ~1e-2).
+
     Raises:
-        ValueError: an unknown ``kernel``.
+        ValueError: an unknown ``kernel``, or ``pieces`` not None or 1..MAX_PIECES.
     """
     kernel = kernel or int8_kernel()
     if kernel not in INT8_KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {INT8_KERNELS}")
-    M = x.shape[0]
+    M, K = x.shape
     xf = x.float()
     xa = xf.abs()
     levels = PIECE_LEVELS[kernel]
-    top = xa.amax(-1)
-    rest = (xa.sum(-1) - top) / max(x.shape[1] - 1, 1)         # mean |x| of the row's other activations
-    n = pieces_for(float((top / rest.clamp(min=1e-30)).max()) if M else 0.0, levels)
+    top = xa.amax(-1, keepdim=True)
+    if pieces is None:
+        rest = xa.sum(-1, keepdim=True).sub_(top).div_(max(K - 1, 1)).clamp_(min=1e-30)   # mean |x| of the others
+        n = pieces_for(float((top / rest).max()) if M else 0.0, levels)
+    elif isinstance(pieces, int) and 1 <= pieces <= MAX_PIECES:
+        n = pieces
+    else:
+        raise ValueError(f"pieces={pieces!r}: expected None (as many as exactness needs) or 1..{MAX_PIECES}")
     if kernel == "fbgemm":
-        pieces, a = split_activations(xf, n, levels, torch.float32)
+        p, a = split_activations(xf, n, levels, torch.float32, top)
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            pieces, 1.0, _FBGEMM_ZERO, packed if packed is not None else fbgemm_pack(q, scales))
+            p, 1.0, _FBGEMM_ZERO, packed if packed is not None else fbgemm_pack(q, scales))
         parts = y.split(M)                                      # the weight scales are already applied
         scale = a
     else:
-        pieces, a = split_activations(xf, n, levels)
+        p, a = split_activations(xf, n, levels, top=top)
         if M == 1:                                              # single rows take the GEMV path
-            parts = [torch._int_mm(pieces[i:i + 1], q.t()) for i in range(n)]
+            parts = [torch._int_mm(p[i:i + 1], q.t()) for i in range(n)]
         else:
-            parts = torch._int_mm(pieces, q.t()).split(M)
+            parts = torch._int_mm(p, q.t()).split(M)
         scale = None
     y = parts[-1].float()
     for part in reversed(parts[:-1]):                           # Horner: p₀ + (p₁ + p₂/2L)/2L
@@ -267,6 +284,8 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.n_in)                                  # [M, K]
         if x.device.type != "cpu":
             y = F.linear(x2.to(KERNEL_DTYPE), self.dequantized().to(KERNEL_DTYPE))
+        elif self.dequantize_for(x2.shape[0]):
+            y = F.linear(x2.float(), self.dequantized())
         elif self.scheme == "int8":
             kernel = int8_kernel()
             y = int8_matmul(x2, self.weight, self.scales, kernel,
@@ -285,6 +304,15 @@ class QuantizedLinear(nn.Module):
     def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the output for inputs in ``dtype``: the same."""
         return dtype
+
+    def dequantize_for(self, rows: int) -> bool:
+        """Whether a product over ``rows`` input rows runs as float32 ``F.linear`` over the
+        dequantized weight (made for the call, then freed) rather than the quantized kernel:
+        on CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from
+        :data:`DEQUANTIZE_FROM_ROWS` rows on, where the float32 GEMM outruns the integer pieces
+        (int8) and the bf16 int4 kernel (int4) in prefill (RESULTS.md, "Kernels per CPU").
+        Exact float32 products of the dequantized weight."""
+        return rows >= DEQUANTIZE_FROM_ROWS[self.scheme] and int8_kernel() == "fbgemm"
 
     def fbgemm_packed(self):
         """FBGEMM's packed copy of the int8 weight (:func:`fbgemm_pack`), made on first use and
