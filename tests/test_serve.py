@@ -723,7 +723,7 @@ def test_cli_serve_rejects_bad_numbers_as_usage_errors(capsys, flag, value):
 
 
 def test_serve_api_checks_port_and_cli_default_body_limit_matches():
-    from gpt2mha import cli
+    from gpt2mha.cli import common as cli
     from gpt2mha.serving.server import DEFAULT_MAX_BODY_BYTES, serve
 
     with pytest.raises(ValueError, match=r"port=99999 must be an integer in \[0, 65535\]"):
