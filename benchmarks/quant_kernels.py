@@ -9,6 +9,8 @@ multiple of 64, as gpt2mha pads it for the int4 kernel), for
 - float32 ``x @ W`` (GPT-2's ``[in, out]``, gpt2mha's float32 decode) and bf16 ``F.linear``;
 - ``torch.ops.aten._weight_int8pack_mm`` (int8 ``[out, in]``, one scale per output channel)
   with float32, bf16 and fp16 activations;
+- gpt2mha's exact int8 products (``int8_matmul``) on ``torch._int_mm`` and on FBGEMM, one
+  7-bit piece per row on FBGEMM (W8A7, not exact), and the dequantized weight per call;
 - ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (weights packed by
   ``_convert_weight_to_int4pack_for_cpu``, group-wise scale and zero) for groups 32/64/128;
 - torchao's ``Int8WeightOnlyConfig`` / ``Int4WeightOnlyConfig`` on ``nn.Linear`` layers, when
@@ -28,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from bench import interleaved_medians
-from gpt2mha.inference.quant.linear import int8_matmul
-from gpt2mha.inference.quant.schemes import quantize_int4, quantize_int8
+from gpt2mha.inference.quant.linear import fbgemm_available, fbgemm_pack, int8_matmul
+from gpt2mha.inference.quant.schemes import dequantize_int8, quantize_int4, quantize_int8
 
 BLOCK_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))   # (in, out), as kernels.py
 HEAD_SHAPE = (768, 50304)   # 50257 padded to a multiple of 64: the int4 kernel needs N % 16 == 0
@@ -59,9 +61,17 @@ def variants(ws: list[torch.Tensor], rows: int, torchao: bool) -> dict:
         out[f"int8pack, {name} act"] = (
             lambda qs=qs, dt=dt: [torch.ops.aten._weight_int8pack_mm(xs[dt][q.shape[1]], q, s) for q, s in qs],
             sum(q.numel() + s.numel() * s.element_size() for q, s in qs))
-    out["int8 exact: int8_matmul (2 int8 pieces, _int_mm), float32 act"] = (   # what QuantizedLinear runs
-        lambda: [int8_matmul(x32[q.shape[1]], q, s) for q, s in q8],
-        sum(q.numel() + s.numel() * s.element_size() for q, s in q8))
+    int8_bytes = sum(q.numel() + s.numel() * s.element_size() for q, s in q8)
+    out["int8 exact: int8_matmul (int8 pieces, _int_mm), float32 act"] = (   # QuantizedLinear on VNNI/AMX CPUs
+        lambda: [int8_matmul(x32[q.shape[1]], q, s, "int_mm") for q, s in q8], int8_bytes)
+    if fbgemm_available():                                                  # QuantizedLinear on other x86 CPUs
+        fb = [fbgemm_pack(q, s) for q, s in q8]
+        out["int8 exact: int8_matmul (7-bit pieces, FBGEMM), float32 act"] = (
+            lambda: [int8_matmul(x32[q.shape[1]], q, s, "fbgemm", p) for (q, s), p in zip(q8, fb)], int8_bytes)
+        out["int8 W8A7: one 7-bit piece per row (FBGEMM), float32 act"] = (
+            lambda: [int8_matmul(x32[q.shape[1]], q, s, "fbgemm", p, 1) for (q, s), p in zip(q8, fb)], int8_bytes)
+    out["int8 dequantized per call + float32 F.linear"] = (                 # QuantizedLinear's prefill there
+        lambda: [F.linear(x32[q.shape[1]], dequantize_int8(q, s)) for q, s in q8], int8_bytes)
     for g in (32, 64, 128):
         q4 = [quantize_int4(w, g) for w in ws]                              # (int32 [out, in], scale_zero)
         packed = [(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz) for q, sz in q4]

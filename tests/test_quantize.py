@@ -19,6 +19,7 @@ from gpt2mha.core.model import TiedLMHead
 from gpt2mha.inference.fast import for_decoding
 from gpt2mha.inference.quant import (QuantizationError, QuantizationWarning, QuantizedHead, QuantizedLinear,
                                      int8_matmul, split_activations)
+from gpt2mha.inference.quant.linear import fbgemm_available, int8_kernel, pieces_for
 from gpt2mha.inference.quant.gptq import gptq
 from gpt2mha.inference.quant.schemes import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
                                              quantize_int8, unpack_int4)
@@ -91,26 +92,108 @@ def test_packed_kernel_equals_dequantized_matmul(scheme, group_size, n_out, dtyp
         assert layer.scales.dtype == torch.bfloat16                # .to(dtype) leaves the scales alone
 
 
+KERNELS = ["int_mm"] + (["fbgemm"] if fbgemm_available() else [])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("M", [1, 2, 7])
-def test_int8_products_are_as_exact_as_float32_activations(M):
-    """int8_matmul against float64 x @ deq(W)ᵀ: error ~3e-5 of the output's size (two int8
-    pieces per activation row, exact int32 sums), where bf16 activations on the int8 kernel
-    give ~2e-3; an all-zero row gives exact zeros."""
+def test_int8_products_are_as_exact_as_float32_activations(M, kernel):
+    """int8_matmul against float64 x @ deq(W)ᵀ, on every int8 kernel this torch has (whatever
+    the CPU picks): error ~3e-5 of the output's size for 8-bit pieces (``_int_mm``), ~1e-4 for
+    FBGEMM's 7-bit ones (exact int32 sums), where bf16 activations on the int8 kernel give
+    ~2e-3; an all-zero row gives exact zeros."""
     g = torch.Generator().manual_seed(21)
     w = torch.randn(300, 192, generator=g)
     q, scales = quantize_int8(w)
     x = torch.randn(M, 192, generator=g) * torch.logspace(-2, 2, M)[:, None]   # rows of very different sizes
     x[0, :5] *= 30                                                  # an outlier inside a row
     ref = x.double() @ dequantize_int8(q, scales).double().t()
-    err = (int8_matmul(x, q, scales).double() - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert (err < 2e-4).all(), err
+    err = (int8_matmul(x, q, scales, kernel).double() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert (err < (2e-4 if kernel == "int_mm" else 4e-4)).all(), err
     bf16 = (torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).double() - ref).norm(dim=-1) / ref.norm(dim=-1)
     assert (err < bf16 / 10).all()                                  # the point of the split: 10x+ closer than bf16
     pieces, a = split_activations(x)
     assert pieces.dtype == torch.int8 and pieces.shape == (2 * M, 192) and a.shape == (M, 1)
     torch.testing.assert_close(a * (pieces[:M].float() + pieces[M:].float() / 254), x,
                                atol=float(x.abs().max()) / 64516 * 1.01, rtol=0)
-    assert torch.equal(int8_matmul(torch.zeros(1, 192), q, scales), torch.zeros(1, 300))
+    assert torch.equal(int8_matmul(torch.zeros(1, 192), q, scales, kernel), torch.zeros(1, 300))
+
+
+def test_pieces_for_keeps_each_row_within_its_bound():
+    """``pieces_for`` against first principles: the last piece's step ``a / (2L)^(n−1)`` with
+    ``a = max / L`` must be ≤ 2·mean/1613 (the bound two 8-bit pieces give at WIDE_ROW = 40)
+    whenever fewer than MAX_PIECES suffice; n is the smallest such."""
+    for levels in (127, 63):
+        for ratio in (1.0, 9.0, 10.0, 39.0, 41.0, 1000.0, 2000.0, 1e4, 1e5):
+            n = pieces_for(ratio, levels)
+            step = lambda k: ratio / levels / (2 * levels) ** (k - 1)            # in units of the mean
+            assert n >= 2 and (n == 4 or step(n) <= 2 / 1613 * 1.0001), (levels, ratio, n)
+            assert n == 2 or step(n - 1) > 2 / 1613, (levels, ratio, n)
+    assert pieces_for(40.0, 127) == 2 and pieces_for(41.0, 127) == 3
+
+
+def test_int8_kernel_is_chosen_per_cpu_and_can_be_forced(monkeypatch):
+    """The kernel choice: one of INT8_KERNELS; the environment variable forces it, and an
+    unknown name is refused naming the variable."""
+    monkeypatch.delenv("GPT2MHA_INT8_KERNEL", raising=False)
+    assert int8_kernel() in ("int_mm", "fbgemm")
+    monkeypatch.setenv("GPT2MHA_INT8_KERNEL", "int_mm")
+    assert int8_kernel() == "int_mm"
+    monkeypatch.setenv("GPT2MHA_INT8_KERNEL", "vnni")
+    with pytest.raises(ValueError, match="GPT2MHA_INT8_KERNEL='vnni'"):
+        int8_kernel()
+    with pytest.raises(ValueError, match="kernel='x'"):
+        int8_matmul(torch.ones(1, 4), torch.ones(3, 4, dtype=torch.int8), torch.ones(3), "x")
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no FBGEMM")
+def test_fbgemm_packed_weight_follows_the_layer_weight(monkeypatch):
+    """A QuantizedLinear on the FBGEMM kernel packs its weight once and packs again when the
+    weight is written in place or replaced; deep copies repack their own (reference: float64
+    x @ deq(W)ᵀ + b)."""
+    monkeypatch.setenv("GPT2MHA_INT8_KERNEL", "fbgemm")
+    g = torch.Generator().manual_seed(5)
+    layer = QuantizedLinear.from_float(torch.randn(40, 32, generator=g), torch.randn(40, generator=g), "int8")
+    x = torch.randn(3, 32, generator=g)
+
+    def check(m):
+        ref = x.double() @ m.dequantized().double().t() + m.bias.double()
+        torch.testing.assert_close(m(x).double(), ref, rtol=0, atol=float(ref.abs().max()) * 1e-3)
+    check(layer)
+    packed = layer.fbgemm_packed()
+    assert layer.fbgemm_packed() is packed                          # cached
+    with torch.no_grad():
+        layer.weight[:5] = -layer.weight[:5]
+    check(layer)
+    assert layer.fbgemm_packed() is not packed
+    layer.scales = layer.scales * 2
+    check(layer)
+    import copy
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.zero_()
+    check(twin)
+    check(layer)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", 32)])
+def test_many_rows_give_the_dequantized_product_on_every_kernel(monkeypatch, kernel, scheme, group_size):
+    """Prefill-sized inputs (DEQUANTIZE_FROM_ROWS rows and more) and decode-sized ones agree
+    with float64 x @ deq(W)ᵀ + b whichever product the CPU picks for them (the dequantized
+    float32 weight on FBGEMM CPUs, the quantized kernel elsewhere); the choice follows the kernel."""
+    from gpt2mha.inference.quant.linear import DEQUANTIZE_FROM_ROWS
+    monkeypatch.setenv("GPT2MHA_INT8_KERNEL", kernel)
+    g = torch.Generator().manual_seed(9)
+    layer = QuantizedLinear.from_float(torch.randn(48, 64, generator=g), torch.randn(48, generator=g),
+                                       scheme, group_size)
+    rows = DEQUANTIZE_FROM_ROWS[scheme]
+    assert layer.dequantize_for(rows) == (kernel == "fbgemm") and not layer.dequantize_for(rows - 1)
+    for M in (1, rows - 1, rows):
+        x = torch.randn(M, 64, generator=g)
+        ref = x.double() @ layer.dequantized().double().t() + layer.bias.double()
+        tol = 1e-5 if layer.dequantize_for(M) else (1e-3 if scheme == "int8" else 2e-2)   # int4: bf16 activations
+        torch.testing.assert_close(layer(x).double(), ref, rtol=0, atol=float(ref.abs().max()) * tol)
 
 
 # ------------------------------------------------------------------ GPTQ
@@ -603,10 +686,12 @@ def test_calibration_of_the_wrong_kind_is_a_named_error(tmp_path):
     assert model.quantize("int8", calibration=text.read_text()).quantization["method"] == "gptq"
 
 
-def test_int8_products_stay_exact_beside_an_outlier_feature():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int8_products_stay_exact_beside_an_outlier_feature(kernel):
     """A row with one huge feature (an 'attention sink' dimension, here 3000 against N(0, 1))
-    would set a coarse step for the rest of the row; int8_matmul then uses three pieces and
-    stays ≥ 10x closer to float64 than bf16 activations (reference: float64 matmul)."""
+    would set a coarse step for the rest of the row; int8_matmul then uses more pieces
+    (``pieces_for``: three 8-bit, four 7-bit) and stays ≥ 10x closer to float64 than bf16
+    activations (reference: float64 matmul)."""
     g = torch.Generator().manual_seed(28)
     q, scales = quantize_int8(torch.randn(300, 192, generator=g))
     q[:, 7] = 0                                                     # the outlier's weights are zero
@@ -614,7 +699,7 @@ def test_int8_products_stay_exact_beside_an_outlier_feature():
         x = torch.randn(M, 192, generator=g)
         x[:, 7] = 3000
         ref = x.double() @ dequantize_int8(q, scales).double().t()
-        err = float((int8_matmul(x, q, scales).double() - ref).norm() / ref.norm())
+        err = float((int8_matmul(x, q, scales, kernel).double() - ref).norm() / ref.norm())
         bf16 = float((torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).double() - ref).norm()
                      / ref.norm())
         assert err < 5e-4 and err < bf16 / 10, (err, bf16)

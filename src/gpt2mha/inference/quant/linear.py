@@ -1,76 +1,203 @@
-"""The quantized dense layer and its products: exact int8 products of 16-bit activations
-(``torch._int_mm``), int4 on PyTorch's CPU int4 kernel.
+"""The quantized dense layer and its products: int8 products that keep float32 activations
+exact to ~14 bits or more (integer pieces, exact int32 sums), int4 on PyTorch's CPU int4 kernel.
+
+Which integer kernel runs the int8 products depends on the CPU (:func:`int8_kernel`):
+``torch._int_mm`` where it has AVX-512 VNNI or AMX, FBGEMM's int8 GEMM (``quantized::``
+ops, the kernels of ``torch.ao`` dynamic quantization) on other x86 CPUs, where ``_int_mm``
+has no fast path: on an AVX2-only Zen 3 it ran 6–12x slower than the float32 matmul, FBGEMM
+1.2–6x faster than it (benchmarks/RESULTS.md, "Kernels per CPU").
 """
 
 from __future__ import annotations
+
+import os
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .gptq import gptq
-from .schemes import (KERNEL_DTYPE, check_scheme, dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
+from .schemes import (KERNEL_DTYPE, check_scheme, dequantize_int4, pack_int4, quantize_int4,
                       quantize_int8, unpack_int4)
 
 
-#: A row whose largest |activation| exceeds this many times its mean |activation| (an outlier
-#: feature) is split into three int8 pieces instead of two (:func:`int8_matmul`).
+#: A row whose largest |activation| exceeds this many times the mean |activation| of its other
+#: features (an outlier feature) is split into more than two 8-bit pieces (:func:`pieces_for`):
+#: two pieces keep every activation within ``mean / 1613`` of its value up to this ratio, and
+#: each row gets as many pieces as keep that bound (at most :data:`MAX_PIECES`), for 8-bit or
+#: 7-bit pieces alike.
 WIDE_ROW = 40.0
+MAX_PIECES = 4
+#: The int8 kernels :func:`int8_kernel` chooses from, and the environment variable that forces one.
+INT8_KERNELS = ("int_mm", "fbgemm")
+INT8_KERNEL_ENV = "GPT2MHA_INT8_KERNEL"
+#: Largest piece value per kernel: ``_int_mm`` takes int8 pieces in [-127, 127]; FBGEMM's AVX2
+#: kernels add pairs of uint8 × int8 products in saturating int16 (``vpmaddubsw``), exact only
+#: for 7-bit activations, so its pieces stay in [-63, 63] (stored as uint8 with zero point 64).
+PIECE_LEVELS = {"int_mm": 127, "fbgemm": 63}
+_FBGEMM_ZERO = 64
+#: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized float32 weight
+#: (:meth:`QuantizedLinear.dequantize_for`): measured on an AVX2 Zen 3 (block matrices of 124M,
+#: 1 thread, a loaded machine), two 7-bit pieces on FBGEMM 0.98x float32 at 64 rows and 0.64x
+#: at 512, the dequantized weight 0.91x and 0.88–0.96x; the int4 kernel 0.52x at 64 rows and
+#: 0.52x at 512, the dequantized weight 0.52x and 0.78x. Below 256 rows the measurements did
+#: not separate the routes; the quantized kernels keep them.
+DEQUANTIZE_FROM_ROWS = {"int8": 256, "int4": 256}
 
 
-def split_activations(x: torch.Tensor, pieces: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write float ``x [M, K]`` as ``a · (p₀ + p₁/254 + p₂/254² + …)`` with ``pieces`` int8
-    ``pᵢ`` and one float ``a [M, 1]`` per row (``max |x| / 127``), so that integer products see
-    ~8 + 8·(pieces − 1) significant bits of the row's largest value.
+def fbgemm_available() -> bool:
+    """Whether this torch build has FBGEMM's quantized linear ops (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and \
+        hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
 
-    ``p₀ = round(x / a)``, then each next piece rounds 254 × what the previous left over; the
-    error is at most ``a / (2·254^(pieces−1))``: ``max|x| / 64516`` for two pieces,
-    ``max|x| / 16.4e6`` for three (float32's own precision). Non-finite rows give NaN.
+
+def int8_kernel() -> str:
+    """The int8 product kernel for this CPU: one of :data:`INT8_KERNELS`.
+
+    ``"int_mm"`` (``torch._int_mm``, oneDNN) where the CPU has AVX-512 VNNI or AMX
+    (``torch.cpu._is_vnni_supported`` / ``_is_amx_tile_supported``) or FBGEMM is missing (ARM
+    builds); ``"fbgemm"`` on other x86 CPUs. Measured: Zen 4 with VNNI, ``_int_mm`` 3.1 ms for
+    the 48 block matrices of 124M at one row; AVX2 Zen 3, ``_int_mm`` 6–12x slower than float32,
+    FBGEMM 1.2x faster at one row and 2–6x at eight (RESULTS.md). The environment variable
+    ``GPT2MHA_INT8_KERNEL`` (``int_mm`` or ``fbgemm``) overrides the choice.
+
+    Raises:
+        ValueError: the environment variable names no kernel, or ``fbgemm`` where it is missing.
+    """
+    forced = os.environ.get(INT8_KERNEL_ENV)
+    if forced:
+        if forced not in INT8_KERNELS:
+            raise ValueError(f"{INT8_KERNEL_ENV}={forced!r}: expected one of {INT8_KERNELS}")
+        if forced == "fbgemm" and not fbgemm_available():
+            raise ValueError(f"{INT8_KERNEL_ENV}=fbgemm: this torch build has no FBGEMM (engines: "
+                             f"{torch.backends.quantized.supported_engines})")
+        return forced
+    vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)() or \
+        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return "int_mm" if vnni or not fbgemm_available() else "fbgemm"
+
+
+def split_activations(x: torch.Tensor, pieces: int = 2, levels: int = 127, dtype: torch.dtype = torch.int8,
+                      top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write float ``x [M, K]`` as ``a · (p₀ + p₁/(2L) + p₂/(2L)² + …)`` with ``pieces`` integer
+    ``pᵢ`` in ``[-L, L]`` (``L = levels``) and one float ``a [M, 1]`` per row (``max |x| / L``),
+    so that integer products see ~log₂(2L)·pieces significant bits of the row's largest value.
+
+    ``p₀ = round(x / a)``, then each next piece rounds 2L × what the previous left over; the
+    error is at most ``a / (2·(2L)^(pieces−1))``: for L = 127, ``max|x| / 64516`` with two pieces,
+    ``max|x| / 16.4e6`` with three (float32's own precision); for L = 63 (FBGEMM's 7 bits),
+    ``max|x| / 15876`` and ``max|x| / 2.0e6``. Non-finite rows give NaN. ``top [M, 1]``: each
+    row's ``max |x|`` when the caller has it already.
 
     Returns:
-        ``(pieces int8 [pieces·M, K]: all p₀ rows, then all p₁ rows, …, a float32 [M, 1])``.
+        ``(pieces [pieces·M, K] in dtype (int8, or float32 holding the integers): all p₀ rows,
+        then all p₁ rows, …, a float32 [M, 1])``.
     """
     x = x.float()
-    a = x.abs().amax(-1, keepdim=True).clamp_(min=1e-30) / 127
+    M, K = x.shape
+    if top is None:
+        top = x.abs().amax(-1, keepdim=True)
+    a = top.clamp(min=1e-30).div_(levels)
     u = x / a
-    out = []
+    out = torch.empty(pieces * M, K, dtype=torch.float32, device=x.device)
     for i in range(pieces):
-        p = u.round()
-        out.append(p)
+        p = torch.round(u, out=out[i * M:(i + 1) * M])
         if i < pieces - 1:
-            u = (u - p).mul_(254)
-    return torch.cat(out).to(torch.int8), a
+            u.sub_(p).mul_(2 * levels)
+    return (out if dtype == torch.float32 else out.to(dtype)), a
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def pieces_for(ratio: float, levels: int) -> int:
+    """How many pieces of ``levels`` (:func:`split_activations`) keep rows whose largest
+    |activation| is ``ratio`` times the mean |activation| of their other features within
+    ``mean / 1613`` of every value (the bound two 8-bit pieces give at :data:`WIDE_ROW`): the smallest ``n ≥ 2`` with
+    ``L·(2L)^(n−1) ≥ 127·254·ratio / WIDE_ROW``, at most :data:`MAX_PIECES`. For 8-bit pieces:
+    2 up to ratio 40, 3 up to 10160; for 7-bit: 2 up to 9.8, 3 up to 1240, 4 beyond."""
+    need = 127 * 254 * ratio / WIDE_ROW
+    n, span = 2, levels * 2 * levels
+    while span < need and n < MAX_PIECES:
+        n, span = n + 1, span * 2 * levels
+    return n
+
+
+def fbgemm_pack(q: torch.Tensor, scales: torch.Tensor):
+    """FBGEMM's packed form of int8 ``q [N, K]`` with per-output-channel ``scales [N]`` (the
+    same numbers: a per-channel quantized tensor made from them, zero points 0), for
+    :func:`int8_matmul`'s ``"fbgemm"`` kernel."""
+    with warnings.catch_warnings():                             # torch warns on making quantized tensors
+        warnings.simplefilter("ignore")
+        qt = torch._make_per_channel_quantized_tensor(q.contiguous(), scales.double(),
+                                                      torch.zeros(q.shape[0], dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(qt, None)
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: str | None = None,
+                packed=None, pieces: int | None = None) -> torch.Tensor:
     """``x [M, K] @ (q · scales)ᵀ`` → float32 ``[M, N]`` for int8 ``q [N, K]``, scales ``[N]``.
 
-    The activations are split into int8 pieces per row (:func:`split_activations`: two, or
-    three when a row holds an outlier beyond :data:`WIDE_ROW` times its mean magnitude, which
-    would otherwise set a coarse step for the rest of the row) and multiplied by ``q`` with
-    ``torch._int_mm``, whose int32 sums are exact; one float32 rescale per row and per output
-    channel follows. The product is about as exact as float32 activations give (relative error
-    ~3e-5 on ordinary rows, against ~2e-3 for bf16 activations on ``aten._weight_int8pack_mm``,
-    whose output is also rounded to bf16), for somewhat more time than that kernel (RESULTS.md,
-    "Second pass: exact int8 products, GPTQ, int4 group 32").
+    The activations are split into integer pieces per row (:func:`split_activations`: two, or
+    more when a row holds an outlier beyond :data:`WIDE_ROW` times its mean magnitude, which
+    would otherwise set a coarse step for the rest of the row: :func:`pieces_for`) and multiplied by ``q`` with an
+    integer kernel whose int32 sums are exact; one float32 rescale per row and per output
+    channel follows. ``kernel`` (default :func:`int8_kernel`): ``"int_mm"`` runs
+    ``torch._int_mm`` on 8-bit pieces (relative error ~3e-5 on ordinary rows); ``"fbgemm"``
+    runs ``quantized::linear_with_input_q_dq_qweight_dq_output_fp32`` on 7-bit pieces
+    (:data:`PIECE_LEVELS`; ~1e-4), over ``packed`` (:func:`fbgemm_pack` of q and scales; made
+    here when not given, slowly). Both are far closer to float32 than bf16 activations on
+    ``aten._weight_int8pack_mm`` (~2e-3, output rounded to bf16).
+
+    ``pieces=1`` rounds each activation row to one piece instead (per-row absmax scale, 8 bits
+    on ``_int_mm``, 7 on FBGEMM: W8A8 / W8A7 as CTranslate2's int8 with per-row scales): faster
+    for many rows, not exact (relative error ~1e-2).
+
+    Raises:
+        ValueError: an unknown ``kernel``, or ``pieces`` not None or 1..MAX_PIECES.
     """
-    M = x.shape[0]
+    kernel = kernel or int8_kernel()
+    if kernel not in INT8_KERNELS:
+        raise ValueError(f"kernel={kernel!r}: expected one of {INT8_KERNELS}")
+    M, K = x.shape
     xf = x.float()
     xa = xf.abs()
-    wide = bool((xa.amax(-1) > WIDE_ROW * xa.mean(-1)).any())
-    n = 3 if wide else 2
-    pieces, a = split_activations(xf, n)
-    if M == 1:                                                  # single rows take the GEMV path
-        parts = [torch._int_mm(pieces[i:i + 1], q.t()) for i in range(n)]
+    levels = PIECE_LEVELS[kernel]
+    top = xa.amax(-1, keepdim=True)
+    if pieces is None:
+        rest = xa.sum(-1, keepdim=True).sub_(top).div_(max(K - 1, 1)).clamp_(min=1e-30)   # mean |x| of the others
+        n = pieces_for(float((top / rest).max()) if M else 0.0, levels)
+    elif isinstance(pieces, int) and 1 <= pieces <= MAX_PIECES:
+        n = pieces
     else:
-        parts = torch._int_mm(pieces, q.t()).split(M)
+        raise ValueError(f"pieces={pieces!r}: expected None (as many as exactness needs) or 1..{MAX_PIECES}")
+    if kernel == "fbgemm":
+        p, a = split_activations(xf, n, levels, torch.float32, top)
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            p, 1.0, _FBGEMM_ZERO, packed if packed is not None else fbgemm_pack(q, scales))
+        parts = y.split(M)                                      # the weight scales are already applied
+        scale = a
+    else:
+        p, a = split_activations(xf, n, levels, top=top)
+        if M == 1:                                              # single rows take the GEMV path
+            parts = [torch._int_mm(p[i:i + 1], q.t()) for i in range(n)]
+        else:
+            parts = torch._int_mm(p, q.t()).split(M)
+        scale = None
     y = parts[-1].float()
-    for part in reversed(parts[:-1]):                           # Horner: p₀ + (p₁ + p₂/254)/254
-        y = y.mul_(1 / 254).add_(part)
-    return y.mul_(a).mul_(scales.float())
+    for part in reversed(parts[:-1]):                           # Horner: p₀ + (p₁ + p₂/2L)/2L
+        y = y.mul_(1 / (2 * levels)).add_(part)
+    y = y.mul_(a)
+    return y if scale is not None else y.mul_(scales.float())
 
 
 # ------------------------------------------------------------------ the quantized layer
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place write counter (-1 for inference tensors, which have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def _pad_rows(n: int, multiple: int = 16) -> int:
     return -(-n // multiple) * multiple
 
@@ -140,7 +267,7 @@ class QuantizedLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``[n_out, n_in]`` this layer multiplies by."""
         if self.scheme == "int8":
-            return dequantize_int8(self.weight, self.scales)
+            return self.weight.float().mul_(self.scales.float()[:, None])     # dequantize_int8, one allocation
         return dequantize_int4(unpack_int4(self.weight), self.scale_zero, self.group_size)
 
     def repack(self) -> None:
@@ -159,8 +286,12 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.n_in)                                  # [M, K]
         if x.device.type != "cpu":
             y = F.linear(x2.to(KERNEL_DTYPE), self.dequantized().to(KERNEL_DTYPE))
+        elif self.dequantize_for(x2.shape[0]):
+            y = F.linear(x2.float(), self.dequantized())
         elif self.scheme == "int8":
-            y = int8_matmul(x2, self.weight, self.scales)
+            kernel = int8_kernel()
+            y = int8_matmul(x2, self.weight, self.scales, kernel,
+                            self.fbgemm_packed() if kernel == "fbgemm" else None)
         else:
             x2 = x2.to(KERNEL_DTYPE).contiguous()
             pad = self.packed.shape[0] - self.n_out                    # rows padded to a multiple of 16
@@ -175,6 +306,34 @@ class QuantizedLinear(nn.Module):
     def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the output for inputs in ``dtype``: the same."""
         return dtype
+
+    def dequantize_for(self, rows: int) -> bool:
+        """Whether a product over ``rows`` input rows runs as float32 ``F.linear`` over the
+        dequantized weight (made for the call, then freed) rather than the quantized kernel:
+        on CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from
+        :data:`DEQUANTIZE_FROM_ROWS` rows on, where the float32 GEMM outruns the integer pieces
+        (int8) and the bf16 int4 kernel (int4) in prefill (RESULTS.md, "Kernels per CPU").
+        Exact float32 products of the dequantized weight."""
+        return rows >= DEQUANTIZE_FROM_ROWS[self.scheme] and int8_kernel() == "fbgemm"
+
+    def fbgemm_packed(self):
+        """FBGEMM's packed copy of the int8 weight (:func:`fbgemm_pack`), made on first use and
+        made again whenever ``weight`` or ``scales`` is another tensor or was written in place
+        (a packed copy is never stale). Not part of the state dict; copies of the layer
+        (``copy.deepcopy``, pickling) make their own."""
+        key = (self.weight, self.scales, _version(self.weight), _version(self.scales))
+        cached = self.__dict__.get("_fbgemm")
+        if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
+            with torch.inference_mode(False), torch.no_grad():
+                cached = (key, fbgemm_pack(self.weight, self.scales))
+            self.__dict__["_fbgemm"] = cached
+        return cached[1]
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state.pop("_fbgemm", None)
+        return state
 
     def _apply(self, fn, recurse=True):
         """As any module (device moves, ``.to(dtype)``), except that the scales keep
