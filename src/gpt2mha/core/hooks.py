@@ -101,10 +101,16 @@ def name_hook_points(model: nn.Module) -> dict[str, HookPoint]:
 
 
 # TransformerLens' module names → ours (the modules keep GPT-2's names, so state dicts and
-# checkpoints are GPT-2's; only the capture points answer to both spellings).
-_TL_TO_CORE = ((re.compile(r"^blocks\.(\d+)\."), r"h.\1."), (re.compile(r"\.ln1\."), ".ln_1."),
+# checkpoints are GPT-2's; only the capture points answer to both spellings). A LayerNorm's
+# output (after weight and bias) is our ``hook_normalized`` and TransformerLens 4's ``hook_out``;
+# its ``hook_normalized`` (before weight and bias) is our ``hook_standardized``.
+_TL_TO_CORE = ((re.compile(r"(^|\.)(ln1|ln2|ln_final)\.hook_normalized$"), r"\1\2.hook_standardized"),
+               (re.compile(r"(^|\.)(ln1|ln2|ln_final)\.hook_out$"), r"\1\2.hook_normalized"),
+               (re.compile(r"^blocks\.(\d+)\."), r"h.\1."), (re.compile(r"\.ln1\."), ".ln_1."),
                (re.compile(r"\.ln2\."), ".ln_2."), (re.compile(r"^ln_final\."), "ln_f."))
-_CORE_TO_TL = ((re.compile(r"^h\.(\d+)\."), r"blocks.\1."), (re.compile(r"\.ln_1\."), ".ln1."),
+_CORE_TO_TL = ((re.compile(r"(^|\.)(ln_1|ln_2|ln_f)\.hook_normalized$"), r"\1\2.hook_out"),
+               (re.compile(r"(^|\.)(ln_1|ln_2|ln_f)\.hook_standardized$"), r"\1\2.hook_normalized"),
+               (re.compile(r"^h\.(\d+)\."), r"blocks.\1."), (re.compile(r"\.ln_1\."), ".ln1."),
                (re.compile(r"\.ln_2\."), ".ln2."), (re.compile(r"^ln_f\."), "ln_final."))
 
 #: :func:`act_name`'s short names → the point's path inside a block (``None``: outside the blocks).
@@ -114,14 +120,15 @@ ACT_NAMES = {
     "mlp_out": "hook_mlp_out", "q": "attn.hook_q", "k": "attn.hook_k", "v": "attn.hook_v",
     "attn_scores": "attn.hook_attn_scores", "scores": "attn.hook_attn_scores", "pattern": "attn.hook_pattern",
     "attn": "attn.hook_pattern", "z": "attn.hook_z", "result": "attn.hook_result", "pre": "mlp.hook_pre",
-    "post": "mlp.hook_post", "normalized": None,
+    "post": "mlp.hook_post", "normalized": None, "scale": None,
 }
 
 
 def canonical_name(name: str) -> str:
     """A capture point's path in this model for a TransformerLens name (``blocks.0.attn.hook_q`` →
-    ``h.0.attn.hook_q``, ``blocks.0.ln1.hook_normalized`` → ``h.0.ln_1.hook_normalized``,
-    ``ln_final.hook_normalized`` → ``ln_f.hook_normalized``); our own paths come back unchanged."""
+    ``h.0.attn.hook_q``, ``blocks.0.ln1.hook_scale`` → ``h.0.ln_1.hook_scale``; a LayerNorm's
+    ``hook_normalized`` → ``hook_standardized`` and its ``hook_out`` → ``hook_normalized``, e.g.
+    ``ln_final.hook_out`` → ``ln_f.hook_normalized``); our own paths come back unchanged."""
     for pattern, repl in _TL_TO_CORE:
         name = pattern.sub(repl, name)
     return name
@@ -137,8 +144,9 @@ def tl_name(name: str) -> str:
 def act_name(kind: str, layer: int | None = None, sub: str | None = None) -> str:
     """The path of a point from a short name, as TransformerLens' ``utils.get_act_name``:
     ``act_name("pattern", 0)`` → ``h.0.attn.hook_pattern``, ``act_name("resid_pre", 2)`` →
-    ``h.2.hook_resid_pre``, ``act_name("normalized", 1, "ln2")`` → ``h.1.ln_2.hook_normalized``,
-    ``act_name("normalized")`` → ``ln_f.hook_normalized``, ``act_name("embed")`` → ``hook_embed``.
+    ``h.2.hook_resid_pre``, ``act_name("normalized", 1, "ln2")`` → ``h.1.ln_2.hook_standardized``
+    (TransformerLens' meaning: before the weight and bias), ``act_name("scale")`` →
+    ``ln_f.hook_scale``, ``act_name("embed")`` → ``hook_embed``.
 
     Raises:
         ValueError: an unknown short name (the message lists the known ones), or a block
@@ -149,10 +157,11 @@ def act_name(kind: str, layer: int | None = None, sub: str | None = None) -> str
                          f"hook name such as 'blocks.0.attn.hook_z'")
     if kind in ("embed", "pos_embed"):
         return ACT_NAMES[kind]
-    if kind == "normalized":
+    if kind in ("normalized", "scale"):
+        point = "hook_standardized" if kind == "normalized" else "hook_scale"
         if layer is None:
-            return "ln_f.hook_normalized"
-        return f"h.{layer}.{canonical_name('.' + (sub or 'ln1') + '.')[1:]}hook_normalized"
+            return f"ln_f.{point}"
+        return f"h.{layer}.{canonical_name('.' + (sub or 'ln1') + '.')[1:]}{point}"
     if layer is None:
         raise ValueError(f"activation {kind!r} is inside the blocks: give its layer, e.g. ({kind!r}, 0)")
     return f"h.{layer}.{ACT_NAMES[kind]}"

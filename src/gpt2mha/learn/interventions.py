@@ -146,7 +146,7 @@ def _kind(hook_name: str) -> tuple[str, list[int] | None]:
         if sub and path.startswith("h.") and path.split(".", 2)[2] == sub:
             return kind, [int(path.split(".")[1])]
     raise ValueError(f"hook_name={hook_name!r} cannot be patched; expected a short name "
-                     f"({', '.join(k for k in ACT_NAMES if k not in ('embed', 'pos_embed', 'normalized'))}) "
+                     f"({', '.join(k for k in ACT_NAMES if k not in ('embed', 'pos_embed', 'normalized', 'scale'))}) "
                      f"or a block's hook such as 'blocks.0.attn.hook_z'")
 
 
@@ -206,7 +206,7 @@ def patch(model, clean: torch.Tensor, corrupt: torch.Tensor, hook_name: str,
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
     kind, layers = _kind(hook_name)
-    if kind in ("embed", "pos_embed", "normalized"):
+    if kind in ("embed", "pos_embed", "normalized", "scale"):
         raise ValueError(f"hook_name={hook_name!r}: patch block activations (resid_pre, z, pattern, ...)")
     layers = list(range(model.config.n_layer)) if layers is None else layers
     names = [act_name(kind, l) for l in layers]
