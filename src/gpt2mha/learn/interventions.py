@@ -331,3 +331,19 @@ def direct_logit_attribution(model, cache: ActivationCache, answer, wrong=None, 
     direction = direction * model.ln_f.weight.detach().float()                     # [n_embd] or [B, n_embd]
     out = (stack.float() * direction).sum(-1)                                      # [L·h, B]
     return out.T.reshape(-1, L, H)
+
+
+def next_token_shift(before: torch.Tensor, after: torch.Tensor, top: int = 5) -> dict:
+    """How the next-token distribution moves from logits ``before [n_vocab]`` to ``after [n_vocab]``.
+
+    Returns:
+        ``{"kl": KL(before ‖ after) in nats, "max_logit_change": max |Δlogit|, "top_before",
+        "top_after": token ids, "tokens": [{"id", "before", "after"}]}`` for the union of both
+        top-``top`` lists, ordered by the probability before.
+    """
+    p, q = before.float().log_softmax(-1), after.float().log_softmax(-1)
+    ids_b, ids_a = p.topk(top).indices.tolist(), q.topk(top).indices.tolist()
+    ids = sorted(set(ids_b) | set(ids_a), key=lambda i: -float(p[i]))
+    return {"kl": float((p.exp() * (p - q)).sum()), "max_logit_change": float((after - before).abs().max()),
+            "top_before": ids_b, "top_after": ids_a,
+            "tokens": [{"id": i, "before": float(p[i].exp()), "after": float(q[i].exp())} for i in ids]}
