@@ -378,7 +378,10 @@ class GPT2(nn.Module):
         if attention_mask is not None:                          # key padding over cached + new tokens
             S = attention_mask.shape[1]
             mask = combine_masks(causal_mask(T, S, device=idx.device) if mask is None else mask, attention_mask)
-        x = self.hook_embed(self.wte(idx)) + self.hook_pos_embed(self.wpe(position_ids).expand(B, T, -1))
+        pos = self.wpe(position_ids)                            # [T, n_embd], [1, T, …] or [B, T, …]
+        if self.hook_pos_embed._forward_hooks:                  # a hook sees [B, T, n_embd], as the docs say
+            pos = self.hook_pos_embed(pos.expand(B, T, -1))
+        x = self.hook_embed(self.wte(idx)) + pos
         x = F.dropout(x, self.config.embd_pdrop, self.training)   # [B, T, n_embd]
         presents = []
         for block in self.h:
