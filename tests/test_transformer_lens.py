@@ -89,9 +89,7 @@ def test_opt_in_head_results_equal_transformer_lens(models, tokens):
     torch.testing.assert_close(z_only.stack_head_results(apply_ln=True), tl_stack, **TOL)   # computed from hook_z
     # direct logit attribution: TL's stack through the final LayerNorm's weight and the unembedding
     answer = 5
-    direction = bridge.W_U[:, answer] * bridge.ln_final.weight if hasattr(bridge.ln_final, "weight") else None
-    if direction is None:
-        direction = ours.wte.weight[answer] * ours.ln_f.weight
+    direction = bridge.W_U[:, answer] * bridge.ln_final.weight
     expected = (tl_stack[:, :, -1] * direction).sum(-1).T.reshape(2, L, H)
     torch.testing.assert_close(iv.direct_logit_attribution(ours, cache, answer), expected, **TOL)
 
@@ -115,13 +113,12 @@ def test_patching_metrics_equal_transformer_lens(models, tokens):
     from transformer_lens import patching
 
     ours, bridge = models
-    clean, corrupt = tokens[:1], tokens[1:]
+    clean, corrupt = tokens[:1, :4], tokens[1:, :4]                 # 4 tokens: TransformerLens runs one forward per patch
     metric = iv.logit_diff(3, 7)
     _, tl_clean = bridge.run_with_cache(clean)
     cases = (("z", False, patching.get_act_patch_attn_head_out_all_pos),
              ("z", True, patching.get_act_patch_attn_head_out_by_pos),
              ("resid_pre", True, patching.get_act_patch_resid_pre),
-             ("attn_out", True, patching.get_act_patch_attn_out),
              ("pattern", False, patching.get_act_patch_attn_head_pattern_all_pos),
              ("v", False, patching.get_act_patch_attn_head_v_all_pos))
     for hook, per_position, tl_fn in cases:
@@ -136,7 +133,7 @@ def test_logit_lens_equals_accumulated_resid_decoded(models, tokens):
     ours, bridge = models
     _, tl_cache = bridge.run_with_cache(tokens)
     tl_stack, tl_labels = tl_cache.accumulated_resid(apply_ln=True, return_labels=True)
-    expected = tl_stack @ bridge.W_U + (bridge.b_U if getattr(bridge, "b_U", None) is not None else 0)
+    expected = tl_stack @ bridge.W_U + bridge.b_U                   # GPT-2 has no head bias: b_U is zeros
     _, cache = ours.run_with_cache(tokens)
     stack, labels = cache.accumulated_resid(apply_ln=True, return_labels=True)
     assert labels == tl_labels
@@ -144,3 +141,20 @@ def test_logit_lens_equals_accumulated_resid_decoded(models, tokens):
     torch.testing.assert_close(iv.lens_logits(ours, cache), expected, **TOL)
     lens = iv.logit_lens(ours, tokens, top_k=3)
     torch.testing.assert_close(lens.probs, expected.softmax(-1).topk(3, dim=-1).values, **TOL)
+
+
+@torch.no_grad()
+def test_head_roles_and_induction_scores_equal_those_from_transformer_lens_patterns(models):
+    from gpt2mha.learn.heads import induction_from_maps, induction_scores, repeated_random_tokens, role_scores
+
+    ours, bridge = models
+    idx = repeated_random_tokens(ours.config, n=6, batch=2)
+    _, tl_cache = bridge.run_with_cache(idx)
+    tl_maps = torch.stack([tl_cache[f"blocks.{l}.attn.hook_pattern"] for l in range(L)])
+    raw, relative = induction_scores(ours, n=6, batch=2)
+    expected_raw, expected_relative = induction_from_maps(tl_maps)
+    torch.testing.assert_close(raw, expected_raw, **TOL)
+    torch.testing.assert_close(relative, expected_relative, **TOL)
+    from gpt2mha.learn.heads import attention_maps
+    for key, value in role_scores(attention_maps(ours, idx)).items():
+        torch.testing.assert_close(value, role_scores(tl_maps)[key], **TOL, msg=key)
