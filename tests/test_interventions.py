@@ -86,7 +86,7 @@ def test_cache_answers_to_every_spelling_and_stacks_the_residual_stream(model, i
     logits, cache = model.run_with_cache(idx)
     assert isinstance(cache, ActivationCache) and "h.0.attn.hook_result" not in cache   # opt-in
     assert cache["blocks.1.attn.hook_pattern"] is cache["pattern", 1] is cache["h.1.attn.hook_pattern"]
-    assert cache["resid_post", -1] is cache["blocks.1.hook_resid_post"]
+    assert cache["resid_post", -1] is cache["blocks.1.hook_resid_post"] and cache["embed"] is cache["hook_embed"]
     with pytest.raises(KeyError, match="not in this cache"):
         cache["blocks.0.attn.hook_result"]
     # the last layer's residual stream = embeddings + every head + attention biases + MLPs

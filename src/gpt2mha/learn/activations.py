@@ -42,7 +42,7 @@ class ActivationCache(Mapping):
 
     Keys are our paths (``h.0.attn.hook_z``, in the model's module order); lookups also take
     TransformerLens' names (``blocks.0.attn.hook_z``, ``ln_final.hook_normalized``) and its short
-    keys ``cache["pattern", 0]``, ``cache["resid_post", -1]``, ``cache["normalized", 1, "ln2"]``
+    keys ``cache["pattern", 0]``, ``cache["resid_post", -1]``, ``cache["normalized", 1, "ln2"]``, ``cache["embed"]``
     (:func:`~gpt2mha.core.hooks.act_name`; negative layers count from the end).
 
     Shapes (B batch, T new tokens, S keys = cached + new, h heads): ``hook_q/k/v/z [B, T, h,
@@ -67,6 +67,8 @@ class ActivationCache(Mapping):
             return act_name(kind, layer, *sub)
         if not isinstance(key, str):
             raise KeyError(f"cache keys are hook names or (name, layer) tuples; got {key!r}")
+        if key in ("embed", "pos_embed", "normalized", "scale"):   # short names outside the blocks
+            return act_name(key)
         return canonical_name(key)
 
     def __getitem__(self, key) -> torch.Tensor:
