@@ -1,4 +1,4 @@
-"""``python -m gpt2mha.cli``: the ``gpt2mha`` command (as ``python -m gpt2mha``)."""
+"""``python -m gpt2mha.cli``: the ``gpt2mha`` command, as ``python -m gpt2mha`` runs it."""
 
 import sys
 

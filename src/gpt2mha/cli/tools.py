@@ -505,6 +505,12 @@ def cmd_serve(args) -> int:
                          f"(from a clone of the repository: pip install -e '.[serve]')")
     from .. import DEFAULT_MODEL
     from ..io.tokenizer import tokenizer_for
+    from ..serving.chat import load_chat_template
+
+    try:                                      # before loading the model: a bad file fails at once
+        template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
     if args.threads is not None:              # (the numbers were checked by argparse, the flags by main)
         import torch
@@ -514,7 +520,8 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL
     try:
         serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
-              max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes)
+              max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
+              chat_template=template, max_stop=args.max_stop)
     except RuntimeError as e:                 # could not bind: uvicorn logged why
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -526,7 +533,9 @@ def _add_serve_command(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions) with continuous batching",
                        formatter_class=DefaultsHelpFormatter,
                        description="Serve the model over HTTP in the OpenAI completions format: POST /v1/completions "
-                                   "(streaming with server-sent events), GET /v1/models, GET /health. Requests are "
+                                   "(streaming with server-sent events), POST /v1/chat/completions (with "
+                                   "--chat-template), GET /v1/models, GET /health, POST /tokenize, POST /detokenize, "
+                                   "GET /tokenizer_info. Requests are "
                                    "batched continuously: every decode step advances all running sequences, new "
                                    "ones join at the next step. Needs the 'serve' extra: pip install -e '.[serve]'.")
     model_arg(s)
@@ -548,6 +557,13 @@ def _add_serve_command(sub) -> None:
                    help="largest request body accepted; larger ones get HTTP 413")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in /v1/models and requests' 'model' field (default: --model as given)")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="serve POST /v1/chat/completions with this Jinja chat template (transformers' "
+                        "apply_chat_template semantics: messages, add_generation_prompt, bos_token, eos_token; a "
+                        ".json file: its 'chat_template'); without it that route answers 400 (GPT-2 has no template)")
+    s.add_argument("--max-stop", type=number(int, 1), default=4, metavar="N",
+                   help="stop strings a request may send (OpenAI's limit is 4; lm-evaluation-harness sends a "
+                        "task's 'until' strings plus the EOS string: 1 + len(until))")
     quantize_args(s)
     s.set_defaults(func=cmd_serve, check=check_quantize_args)
 

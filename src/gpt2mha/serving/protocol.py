@@ -15,10 +15,11 @@ import math
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..inference.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 from .scheduler import ExceedsCapacity, QueueFull, SamplingParams, Sequence, ShuttingDown
-from .text_stream import CANCELLED, ERROR
+from .text_stream import CANCELLED, ERROR, TextStream
 
-MAX_STOP = 4            # as OpenAI: up to 4 stop sequences
+MAX_STOP = 4            # as OpenAI: up to 4 stop sequences (gpt2mha serve --max-stop raises it)
 RETRY_AFTER_S = 1
 
 
@@ -32,7 +33,8 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    prompt: str | list[str]
+    # text, token ids, or a batch of either (OpenAI's four forms)
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -41,7 +43,7 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # accepted at their neutral values only (clients send some of them by default)
+    # ---- choices, logprobs and logit adjustments (check_choices, logprobs_answer)
     n: int = 1
     best_of: int | None = None
     echo: bool = False
@@ -49,13 +51,15 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # ---- accepted at their neutral values only (clients send some of them by default)
     suffix: str | None = None
     user: str | None = None
 
 
 #: What each field must be, for the messages of type errors.
 EXPECTED = {
-    "model": "a string", "prompt": "a string or a list of strings", "max_tokens": "an integer",
+    "model": "a string", "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "max_tokens": "an integer",
     "temperature": "a number", "top_p": "a number", "top_k": "an integer", "seed": "an integer",
     "stop": "a string or a list of strings", "stream": "a boolean", "stream_options": "an object {include_usage: bool}",
     "n": "an integer", "best_of": "an integer", "echo": "a boolean", "logprobs": "an integer",
@@ -88,17 +92,39 @@ def parse_request(raw: bytes) -> CompletionRequest:
         APIError: 400 for malformed JSON (no param) or a field of the wrong type, an unknown
             field, a missing prompt, a string that is not Unicode text (param = that field).
     """
+    data = parse_json(raw)
+    check_unicode(data)
     try:
-        data = json.loads(raw)
+        return CompletionRequest.model_validate(drop_nulls(data))
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def parse_json(raw: bytes):
+    """The JSON value of a request body (whatever the Content-Type).
+
+    Raises:
+        APIError: 400 (no param) for malformed or too deeply nested JSON.
+    """
+    try:
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
     except RecursionError:
         raise APIError(400, "The request body is not valid JSON: nested too deeply") from None
-    check_unicode(data)
-    try:
-        return CompletionRequest.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e.errors()) from None
+
+
+def drop_nulls(data):
+    """The body without its ``null`` fields (top level and inside ``stream_options``): OpenAI's
+    API and vLLM read ``"max_tokens": null`` as "the default", so a missing field and a null one
+    mean the same. A null ``prompt`` thus reads as a missing one (400 naming ``prompt``).
+    Anything but a JSON object is returned as it is (the schema refuses it)."""
+    if not isinstance(data, dict):
+        return data
+    out = {k: v for k, v in data.items() if v is not None}
+    if isinstance(out.get("stream_options"), dict):
+        out["stream_options"] = {k: v for k, v in out["stream_options"].items() if v is not None}
+    return out
 
 
 def check_unicode(data, where: str = "", param: str | None = None) -> None:
@@ -128,9 +154,12 @@ def check_unicode(data, where: str = "", param: str | None = None) -> None:
             check_unicode(value, f"{where}[{i}]", param)
 
 
-def validation_error(errors: list[dict]) -> APIError:
-    """pydantic's first error as a 400 naming the field."""
-    err = errors[0]
+def validation_error(errors: list[dict], expected: dict | None = None) -> APIError:
+    """pydantic's first error as a 400 naming the field (for a union such as ``prompt``, the
+    branch error that reached deepest into the value: ``prompt[0][1]`` rather than ``prompt``);
+    ``expected`` says what each field must be (default :data:`EXPECTED`, the completions fields)."""
+    first = errors[0].get("loc", ())[:1]
+    err = max((e for e in errors if e.get("loc", ())[:1] == first), key=lambda e: len(e.get("loc", ())))
     loc = [x for x in err.get("loc", ()) if x != "body"]
     kind = err.get("type", "")
     if not loc:
@@ -143,7 +172,8 @@ def validation_error(errors: list[dict]) -> APIError:
         return APIError(400, f"Missing required parameter: '{param}'", param)
     got = json.dumps(err.get("input"))[:60]
     where = param + "".join(f"[{x}]" for x in loc[1:] if isinstance(x, int))   # not pydantic's union branches
-    return APIError(400, f"Invalid type for '{where}': expected {EXPECTED.get(param, 'another type')}, got {got}", param)
+    want = (expected or EXPECTED).get(param, "another type")
+    return APIError(400, f"Invalid type for '{where}': expected {want}, got {got}", param)
 
 
 def check_request(body: CompletionRequest, model_name: str) -> None:
@@ -161,13 +191,8 @@ def check_request(body: CompletionRequest, model_name: str) -> None:
         raise APIError(400, f"top_k={body.top_k} must be >= 0 (0: no top-k filtering)", "top_k")
     if body.seed is not None and not 0 <= body.seed < 2**63:
         raise APIError(400, f"seed={body.seed} must be in [0, 2**63)", "seed")
-    stops = stop_strings(body)
-    if len(stops) > MAX_STOP or any(s == "" for s in stops):
-        raise APIError(400, f"stop must be up to {MAX_STOP} non-empty strings, got {list(stops)!r}", "stop")
-    unsupported = dict(n=body.n != 1, best_of=body.best_of not in (None, 1), echo=body.echo,
-                       logprobs=body.logprobs is not None, presence_penalty=body.presence_penalty != 0,
-                       frequency_penalty=body.frequency_penalty != 0, logit_bias=bool(body.logit_bias),
-                       suffix=body.suffix is not None)
+    check_choices(body)
+    unsupported = dict(suffix=body.suffix is not None)
     for name, bad in unsupported.items():
         if bad:
             raise APIError(400, f"{name}={getattr(body, name)!r} is not supported by this server "
@@ -176,42 +201,47 @@ def check_request(body: CompletionRequest, model_name: str) -> None:
         raise APIError(400, "prompt is an empty list; give at least one prompt", "prompt")
 
 
+def prompt_list(body: CompletionRequest) -> list[tuple[str, str | list[int]]]:
+    """The request's prompts, each with the name its errors give it, in OpenAI's reading of
+    ``prompt``: a string or a list of token ids is one prompt (``"prompt"``); a list of strings
+    or a list of lists of ids is a batch (``"prompt[i]"``). An empty list is an empty batch."""
+    p = body.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        return [("prompt", p)]
+    return [(f"prompt[{i}]", x) for i, x in enumerate(p)]
+
+
 def check_prompt_count(body: CompletionRequest, capacity: int, max_batch: int, max_queue: int) -> None:
     """More prompts than the server can ever hold at once (``capacity = max_batch + max_queue``)
     is a 400 naming ``prompt`` (``code="too_many_prompts"``): never admissible, not a 429 to retry."""
-    n = 1 if isinstance(body.prompt, str) else len(body.prompt)
-    if n > capacity:
-        raise APIError(400, f"prompt is a list of {n} prompts; this server holds at most {capacity} "
+    batch = prompt_list(body)
+    n = len(batch)
+    each = body.best_of or body.n                       # sequences run per prompt
+    if n * each > capacity:
+        what = "the prompt" if n == 1 and batch[0][0] == "prompt" else f"prompt is a list of {n} prompts"
+        runs = f" with {each} sequences each ({'best_of' if body.best_of else 'n'}={each})" if each > 1 else ""
+        raise APIError(400, f"{what}{runs}; this server holds at most {capacity} "
                             f"sequences at once (--max-batch {max_batch} running + --max-queue "
                             f"{max_queue} waiting), so it can never admit them: send at most "
-                            f"{capacity} prompts per request", "prompt", code="too_many_prompts")
+                            f"{capacity} {'prompts' if each == 1 else 'sequences'} per request", "prompt" if each == 1 else
+                       ("best_of" if body.best_of else "n"), code="too_many_prompts")
 
 
-def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int) -> list[list[int]]:
-    """Token ids of each prompt; raises :class:`APIError` for an empty or too long prompt or
-    prompt + max_tokens beyond the context.
+def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int | None = None) -> list[list[int]]:
+    """Token ids of each prompt (text is tokenized, token ids are checked against the
+    vocabulary); raises :class:`APIError` 400 naming ``prompt`` for an empty prompt, an id outside
+    ``[0, n_vocab)`` (default the tokenizer's), a prompt longer than ``n_ctx``, or naming
+    ``max_tokens`` for prompt + max_tokens beyond the context.
 
-    A prompt whose UTF-8 length alone proves it longer than ``n_ctx`` tokens (at least
+    A text prompt whose UTF-8 length alone proves it longer than ``n_ctx`` tokens (at least
     ``ceil(bytes / tokenizer.max_token_bytes)`` of them) is refused without being tokenized, so
     the work per prompt is bounded by ``n_ctx · max_token_bytes`` bytes whatever its size."""
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    longest = getattr(tokenizer, "max_token_bytes", None)
+    n_vocab = tokenizer.n_vocab if n_vocab is None else n_vocab
     out = []
-    for i, text in enumerate(prompts):
-        where = "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]"
-        if text == "":
-            raise APIError(400, f"{where} is empty; give at least one character to continue", "prompt")
-        if longest:
-            n_bytes = len(text.encode("utf-8", "surrogatepass"))
-            at_least = -(-n_bytes // longest)
-            if at_least > n_ctx:
-                count = f"{at_least}" if longest == 1 else f"at least {at_least} ({n_bytes} bytes)"
-                raise APIError(400, f"{where} has {count} tokens; this model's maximum context length is "
-                                    f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
-        try:
-            ids = tokenizer.encode(text)
-        except UnicodeError:                          # parse_request refuses these first
-            raise APIError(400, f"{where} is not Unicode text", "prompt") from None
+    for where, prompt in prompt_list(body):
+        ids = encode_text(prompt, where, tokenizer, n_ctx) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise APIError(400, f"{where} is an empty list of token ids; give at least one token", "prompt")
         if len(ids) > n_ctx:
             raise APIError(400, f"{where} has {len(ids)} tokens; this model's maximum context length is "
                                 f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
@@ -220,8 +250,57 @@ def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int) -> list[list[
                                 f"{len(ids) + body.max_tokens} tokens ({len(ids)} in {where}, {body.max_tokens} for "
                                 f"the completion); lower max_tokens or shorten the prompt", "max_tokens",
                            code="context_length_exceeded")
-        out.append(ids)
+        out.append(ids if isinstance(prompt, str) else check_token_ids(prompt, where, n_vocab))
     return out
+
+
+def encode_text(text: str, where: str, tokenizer, n_ctx: int, param: str = "prompt") -> list[int]:
+    """``tokenizer.encode(text)``, refusing (400 naming ``param``, the message naming ``where``)
+    an empty text, or one whose UTF-8 length alone proves it longer than ``n_ctx`` tokens, before
+    tokenizing it."""
+    if text == "":
+        raise APIError(400, f"{where} is empty; give at least one character to continue", param)
+    longest = getattr(tokenizer, "max_token_bytes", None)
+    if longest:
+        n_bytes = len(text.encode("utf-8", "surrogatepass"))
+        at_least = -(-n_bytes // longest)
+        if at_least > n_ctx:
+            count = f"{at_least}" if longest == 1 else f"at least {at_least} ({n_bytes} bytes)"
+            raise APIError(400, f"{where} has {count} tokens; this model's maximum context length is "
+                                f"{n_ctx} tokens", param, code="context_length_exceeded")
+    try:
+        return tokenizer.encode(text)
+    except UnicodeError:                          # parse_request refuses these first
+        raise APIError(400, f"{where} is not Unicode text", param) from None
+
+
+def check_token_ids(ids: list[int], where: str, n_vocab: int, param: str = "prompt") -> list[int]:
+    """``ids`` if every one is a token id in ``[0, n_vocab)``; else 400 naming ``param``, the
+    message naming the first bad id and its place (``prompt[1][3]=70000``)."""
+    for j, t in enumerate(ids):
+        if not 0 <= t < n_vocab:
+            raise APIError(400, f"{where}[{j}]={t} is not a token id of this model: ids are integers in "
+                                f"[0, {n_vocab})", param)
+    return ids
+
+
+def check_stop(body, max_stop: int = MAX_STOP) -> None:
+    """At most ``max_stop`` stop strings (OpenAI's limit is 4; ``gpt2mha serve --max-stop N``),
+    none empty; else 400 naming ``stop``, with how many were sent and the limit."""
+    stops = stop_strings(body)
+    if len(stops) > max_stop:
+        raise APIError(400, f"stop has {len(stops)} strings; this server accepts at most {max_stop} (OpenAI's limit "
+                            f"is {MAX_STOP}; start the server with --max-stop {len(stops)} or more to accept them)",
+                       "stop")
+    if any(s == "" for s in stops):
+        raise APIError(400, f"stop has an empty string ({list(stops)!r}); every stop string needs a character", "stop")
+
+
+def check_stream_options(body) -> None:
+    """``stream_options`` only with ``stream: true`` (OpenAI answers 400 naming it)."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       "stream_options")
 
 
 def stop_strings(body: CompletionRequest) -> tuple[str, ...]:
@@ -232,7 +311,7 @@ def stop_strings(body: CompletionRequest) -> tuple[str, ...]:
 def sampling_params(body: CompletionRequest) -> SamplingParams:
     """The scheduler's :class:`~gpt2mha.serving.scheduler.SamplingParams` of a checked request."""
     return SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
-                          top_p=body.top_p, seed=body.seed, stop=stop_strings(body))
+                          top_p=body.top_p, seed=body.seed, stop=stop_strings(body), **choice_params(body))
 
 
 def submit_error(e: Exception) -> APIError:
@@ -269,16 +348,160 @@ def failure(seqs: list[Sequence]) -> APIError | None:
 
 
 def usage(seqs: list[Sequence]) -> dict:
-    """OpenAI's ``usage``: prompt, completion and total tokens of a request's sequences."""
-    p, c = sum(len(s.prompt_ids) for s in seqs), sum(len(s.tokens) for s in seqs)
+    """OpenAI's ``usage``: prompt tokens (each prompt once, however many choices it has),
+    completion tokens (of every sequence run, best_of's unreturned ones too) and their total."""
+    p = sum(len(s.prompt_ids) for s in {s.prompt_index: s for s in seqs}.values())
+    c = sum(len(s.tokens) for s in seqs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def choice(index: int, text: str, finish_reason: str | None) -> dict:
+def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     """One entry of ``choices`` (a whole answer's, or a stream chunk's)."""
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def sse(data: dict | str) -> str:
     """One server-sent event: ``data: <json>`` (or the literal ``[DONE]``) and a blank line."""
     return "data: " + (data if isinstance(data, str) else json.dumps(data)) + "\n\n"
+
+
+# ------------------------------------------------------ choices (n, best_of) and logprobs
+#: OpenAI's limits: ``logprobs`` up to 5, ``n`` and ``best_of`` up to 128 and 20.
+MAX_LOGPROBS, MAX_N, MAX_BEST_OF = 5, 128, 20
+
+
+def check_choices(body: CompletionRequest) -> None:
+    """OpenAI's rules for ``n``, ``best_of``, ``logprobs``, ``echo``, the penalties and
+    ``logit_bias`` (its token ids are checked against the vocabulary by
+    :func:`check_logit_bias_ids`). Raises :class:`APIError` 400 naming the field."""
+    if not 1 <= body.n <= MAX_N:
+        raise APIError(400, f"n={body.n} must be in [1, {MAX_N}]", "n")
+    if body.best_of is not None:
+        if not 1 <= body.best_of <= MAX_BEST_OF:
+            raise APIError(400, f"best_of={body.best_of} must be in [1, {MAX_BEST_OF}]", "best_of")
+        if body.best_of < body.n:
+            raise APIError(400, f"best_of={body.best_of} must be greater than or equal to n={body.n}", "best_of")
+        if body.stream and body.best_of > 1:
+            raise APIError(400, f"best_of={body.best_of} cannot be used with stream: the best of several "
+                                f"completions is known only once all are done", "best_of")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs={body.logprobs} must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+            raise APIError(400, f"{name}={value} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", name)
+    for key, value in (body.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias key {key!r} is not a token id (a string of digits, e.g. \"50256\")",
+                           "logit_bias")
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise APIError(400, f"logit_bias[{key!r}]={value} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                           "logit_bias")
+
+
+def check_logit_bias_ids(body: CompletionRequest, vocab_size: int) -> None:
+    """Every ``logit_bias`` key is a token id below ``vocab_size``: 400 naming ``logit_bias``."""
+    for key in body.logit_bias or {}:
+        if int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id of this model's tokenizer "
+                                f"(ids 0 … {vocab_size - 1})", "logit_bias")
+
+
+def choice_params(body: CompletionRequest) -> dict:
+    """:class:`~gpt2mha.serving.scheduler.SamplingParams`'s fields for choices, logprobs and logit
+    adjustments, from a checked request."""
+    return dict(n=body.n, best_of=body.best_of, echo=body.echo, logprobs=body.logprobs,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()))
+
+
+def token_text(tokenizer, token: int) -> str:
+    """A token as ``logprobs.tokens`` shows it: its text, or, when its bytes are not whole UTF-8
+    characters (part of a multi-byte character), ``"bytes:\\xe2\\x80"`` as OpenAI writes them."""
+    raw = tokenizer.decode_bytes([token])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def logprobs_answer(tokenizer, ids: list[int], entries: list, offsets: list[int]) -> dict:
+    """OpenAI's ``choices[i].logprobs`` for tokens ``ids``: ``{tokens, token_logprobs,
+    top_logprobs, text_offset}``.
+
+    Args:
+        ids: the tokens (the echoed prompt's, then the completion's).
+        entries: one :data:`~gpt2mha.serving.runner.TokenLogprob` ``(logprob, [(id, logprob)])``
+            per token, or None (the prompt's first token: no context, so ``null``).
+        offsets: each token's character offset in the choice's text.
+    """
+    tokens = [token_text(tokenizer, t) for t in ids]
+    token_logprobs = [None if e is None else e[0] for e in entries]
+    top = [None if e is None else {token_text(tokenizer, i): lp for i, lp in e[1]} for e in entries]
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": list(offsets)}
+
+
+def prompt_echo(tokenizer, seq: Sequence) -> tuple[str, dict | None]:
+    """With ``echo``: the prompt's text and (with ``logprobs``) its part of the logprobs, its
+    first token ``null``; without, ``("", None)``."""
+    if not seq.params.echo:
+        return "", None
+    text = tokenizer.decode(seq.prompt_ids)
+    if seq.params.logprobs is None:
+        return text, None
+    offsets = text_offsets(tokenizer, seq.prompt_ids)
+    return text, logprobs_answer(tokenizer, seq.prompt_ids, [None] + list(seq.prompt_logprobs or []), offsets)
+
+
+def text_offsets(tokenizer, ids: list[int]) -> list[int]:
+    """Each token's character offset in the text of ``ids`` (as :class:`TextStream` counts them)."""
+    stream = TextStream(tokenizer)
+    out = []
+    for t in ids:
+        out.append(len(stream.text))
+        stream.push([t])
+    return out
+
+
+def completion_logprobs(tokenizer, seq: Sequence, start: int, end: int, shift: int) -> dict:
+    """The logprobs of ``seq``'s generated tokens ``start … end-1``, offsets moved by ``shift``
+    characters (the echoed prompt's length)."""
+    offsets = [o + shift for o in seq.stream.offsets[start:end]]
+    return logprobs_answer(tokenizer, seq.tokens[start:end], seq.logprobs[start:end], offsets)
+
+
+def join_logprobs(*parts: dict | None) -> dict:
+    """Logprobs objects one after another as one."""
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {k: [x for p in parts if p is not None for x in p[k]] for k in keys}
+
+
+def mean_logprob(seq: Sequence) -> float:
+    """``best_of``'s ranking: the mean log-probability of the sequence's generated tokens (the
+    model's raw distribution; 0 for none)."""
+    return sum(e[0] for e in seq.logprobs) / len(seq.logprobs) if seq.logprobs else 0.0
+
+
+def pick_choices(seqs: list[Sequence]) -> list[tuple[int, Sequence]]:
+    """``(choice index, sequence)`` of a finished request: with ``best_of > n`` the n candidates
+    of each prompt with the highest :func:`mean_logprob` (ties: the earlier candidate), indexed
+    ``prompt_index · n + rank``; otherwise every sequence at its own index."""
+    params = seqs[0].params
+    if not params.ranked:
+        return [(s.index, s) for s in seqs]
+    out = []
+    for i in sorted({s.prompt_index for s in seqs}):
+        group = sorted((s for s in seqs if s.prompt_index == i), key=lambda s: (-mean_logprob(s), s.index))
+        out.extend((i * params.n + r, s) for r, s in enumerate(group[:params.n]))
+    return out
+
+
+def choice_answer(tokenizer, index: int, seq: Sequence) -> dict:
+    """A finished sequence as ``choices[index]``: the echoed prompt then its text, and the
+    logprobs of the tokens the text covers (:attr:`TextStream.released`) when asked."""
+    echo, prompt_lp = prompt_echo(tokenizer, seq)
+    lp = None
+    if seq.params.logprobs is not None:
+        tokens = completion_logprobs(tokenizer, seq, 0, seq.stream.released if seq.stream else 0, len(echo))
+        lp = join_logprobs(prompt_lp, tokens)
+    return choice(index, echo + seq.text, seq.finish_reason, lp)

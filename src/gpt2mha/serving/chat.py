@@ -1,0 +1,267 @@
+"""OpenAI's chat completions over a completions model: a Jinja chat template turns ``messages``
+into one prompt, which the server continues as ``/v1/completions`` does; the answer is shaped
+as OpenAI's ``chat.completion`` (or ``chat.completion.chunk`` events when streamed).
+
+GPT-2 has no chat template, so ``/v1/chat/completions`` is served only when one is given
+(``gpt2mha serve --chat-template FILE``, as vLLM's ``--chat-template``); otherwise it answers
+400 (:func:`no_template_error`). The template is rendered as transformers'
+``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` renders
+it (a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the
+``raise_exception`` and ``strftime_now`` functions, a ``tojson`` that keeps non-ASCII text, and
+the tokenizer's special tokens ``bos_token``/``eos_token``/``unk_token`` as variables), and the
+text is tokenized by gpt2mha's tokenizer as a completions prompt is (special-token text is
+ordinary text, as transformers does with the ``split_special_tokens`` of the files
+:func:`~gpt2mha.io.tokenizer.hf_tokenizer_files` writes).
+
+Sources: OpenAI's chat completions API reference; transformers
+``utils/chat_template_utils.py`` (``_compile_jinja_template``, ``render_jinja_template``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .protocol import (EXPECTED, APIError, CompletionRequest, StreamOptions, check_unicode, drop_nulls, encode_text,
+                       parse_json, validation_error)
+
+
+# ------------------------------------------------------------------------------ template
+def load_chat_template(path: str) -> str:
+    """The Jinja source of a chat template file: the file's text, or for a ``.json`` file (a
+    ``tokenizer_config.json``) its ``chat_template`` string.
+
+    Raises:
+        ValueError: the file is missing or unreadable, a JSON file has no string ``chat_template``,
+            or the template is not valid Jinja (the message names the file and the line).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path!r}: cannot read the file ({e})") from None
+    if path.endswith(".json"):
+        try:
+            text = json.loads(text)["chat_template"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--chat-template {path!r}: a JSON file must hold a 'chat_template' string "
+                             f"({e!r})") from None
+        if not isinstance(text, str):
+            raise ValueError(f"--chat-template {path!r}: 'chat_template' must be a single template string")
+    ChatTemplate(text, {}, source=os.path.basename(path))            # compiles: a syntax error fails now
+    return text
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it is rendered with.
+
+    Args:
+        source_text: the Jinja template.
+        special_tokens: variables such as ``{"bos_token": "<|endoftext|>", "eos_token": ...}``
+            (transformers passes its tokenizer's ``special_tokens_map``).
+        source: a name for error messages (the file's).
+
+    Raises:
+        ValueError: the template is not valid Jinja (names ``source`` and the line).
+    """
+
+    def __init__(self, source_text: str, special_tokens: dict, source: str = "chat template"):
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class Generation(Extension):
+            """transformers' ``{% generation %}`` block (it marks assistant text): rendered as is."""
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+            def _body(self, caller):
+                return caller()
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source_text)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{source}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+        self.source_text, self.special_tokens, self.errors = source_text, dict(special_tokens), jinja2.TemplateError
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of ``messages`` (each a dict with ``role`` and ``content``).
+
+        Raises:
+            APIError: 400 naming ``messages`` when the template raises (``raise_exception``, an
+                undefined variable used, a wrong type), with the template's message.
+        """
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens)
+        except (self.errors, TypeError, ValueError) as e:
+            raise APIError(400, f"The chat template could not render these messages: {e}", "messages") from None
+
+
+def special_tokens(tokenizer_name: str, n_ctx: int) -> dict:
+    """The special tokens a chat template sees for gpt2mha's tokenizer ``tokenizer_name``: those
+    of the ``tokenizer_config.json`` that :func:`~gpt2mha.io.tokenizer.hf_tokenizer_files` writes
+    (so transformers' ``apply_chat_template`` on a saved directory renders the same text)."""
+    from ..io.tokenizer import hf_tokenizer_files
+
+    config = json.loads(hf_tokenizer_files(tokenizer_name, n_ctx)["tokenizer_config.json"])
+    return {k: config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if config.get(k) is not None}
+
+
+def no_template_error(model_name: str) -> APIError:
+    """The 400 of ``/v1/chat/completions`` on a server started without a chat template."""
+    return APIError(400, f"'{model_name}' is a completions model: it has no chat template, so this server does not "
+                         f"serve /v1/chat/completions. Send the text to continue to POST /v1/completions "
+                         f"('prompt'), or start the server with --chat-template FILE (a Jinja chat template, as "
+                         f"transformers' apply_chat_template and vLLM take) to serve chat.",
+                    code="chat_template_missing")
+
+
+# ------------------------------------------------------------------------------ requests
+class ContentPart(BaseModel):
+    """One part of a message's content given as a list (OpenAI's ``{"type": "text", "text": ...}``;
+    other types are refused by :func:`parse_chat_request`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: str
+    text: str
+
+
+class Message(BaseModel):
+    """One chat message: ``role``, ``content`` (a string, a list of text parts, or null), and any
+    other fields (``name``, ...), which the template sees as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True)       # name, tool_call_id...: passed to the template
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(BaseModel):
+    """The body of ``POST /v1/chat/completions`` (OpenAI's fields; types checked strictly;
+    ``add_generation_prompt`` as vLLM's extension, default true)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    add_generation_prompt: bool = True
+    # passed on to the completion, which checks them as /v1/completions does
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # accepted at their neutral values only (chat's logprobs have their own format)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+#: What each field must be, for the messages of type errors.
+CHAT_EXPECTED = {**EXPECTED, "messages": "a list of messages {role: string, content: string or list of text parts}",
+                 "max_tokens": "an integer", "max_completion_tokens": "an integer",
+                 "add_generation_prompt": "a boolean", "logprobs": "a boolean", "top_logprobs": "an integer"}
+
+
+def parse_chat_request(raw: bytes) -> ChatRequest:
+    """The request body as a :class:`ChatRequest` (``null`` fields read as missing).
+
+    Raises:
+        APIError: 400 for malformed JSON, a field of the wrong type, an unknown field, missing
+            messages, a string that is not Unicode text, a content part that is not text, or
+            non-default ``logprobs``/``top_logprobs`` (each naming the field).
+    """
+    data = parse_json(raw)
+    check_unicode(data)
+    try:
+        body = ChatRequest.model_validate(drop_nulls(data))
+    except ValidationError as e:
+        raise validation_error(e.errors(), CHAT_EXPECTED) from None
+    if not body.messages:
+        raise APIError(400, "messages is an empty list; give at least one message", "messages")
+    for i, m in enumerate(body.messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if part.type != "text":
+                raise APIError(400, f"messages[{i}].content[{j}] has type {part.type!r}; this model reads only "
+                                    f"'text' parts", "messages")
+    for name, default in (("logprobs", False), ("top_logprobs", None)):
+        if getattr(body, name) != default:
+            raise APIError(400, f"{name}={getattr(body, name)!r} is not supported for chat by this server "
+                                f"(only its default; /v1/completions gives token logprobs)", name)
+    return body
+
+
+def template_messages(body: ChatRequest) -> list[dict]:
+    """The messages as the template sees them: plain dicts, a list of text parts joined into one
+    string with newlines (as vLLM does for templates that expect string content)."""
+    out = []
+    for m in body.messages:
+        d = m.model_dump(exclude_none=False)
+        if isinstance(m.content, list):
+            d["content"] = "\n".join(p.text for p in m.content)
+        out.append(d)
+    return out
+
+
+def completion_request(body: ChatRequest, template: ChatTemplate, tokenizer, n_ctx: int) -> CompletionRequest:
+    """The completion a chat request asks for: the template's text as token ids, and the
+    sampling fields. ``max_tokens`` (or ``max_completion_tokens``) defaults to the rest of the
+    context, as vLLM's does.
+
+    Raises:
+        APIError: 400 naming ``messages`` (the template failed, or its text is empty or longer
+            than the context) or ``max_completion_tokens`` (both max fields, different).
+    """
+    limit = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+    if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
+        raise APIError(400, f"max_tokens={body.max_tokens} and max_completion_tokens={body.max_completion_tokens} "
+                            f"differ; give one of them", "max_completion_tokens")
+    text = template.render(template_messages(body), body.add_generation_prompt)
+    ids = encode_text(text, "the chat template's text for messages", tokenizer, n_ctx, param="messages")
+    if len(ids) > n_ctx or (len(ids) == n_ctx and limit is None):
+        raise APIError(400, f"messages make {len(ids)} tokens with the chat template; this model's maximum context "
+                            f"length is {n_ctx} tokens, which leaves no room for a reply", "messages",
+                       code="context_length_exceeded")
+    fields = body.model_dump(include={"model", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                                      "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
+                                      "user"}, exclude_none=True)
+    return CompletionRequest.model_validate({**fields, "prompt": ids,
+                                             "max_tokens": n_ctx - len(ids) if limit is None else limit})
+
+
+# ------------------------------------------------------------------------------- answers
+def message_choice(index: int, text: str, finish_reason: str | None) -> dict:
+    """One entry of a ``chat.completion``'s ``choices``."""
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def delta_choice(index: int, delta: dict, finish_reason: str | None) -> dict:
+    """One entry of a ``chat.completion.chunk``'s ``choices``: ``delta`` is ``{"role":
+    "assistant", "content": ""}`` in a choice's first chunk, then ``{"content": text}``, and
+    ``{}`` in a last chunk that only carries the finish reason."""
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
