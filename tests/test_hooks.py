@@ -112,3 +112,97 @@ def test_record_can_stop_the_forward_early(model):
     finally:
         handle.remove()
     assert acts["h.0.hook_resid_pre"].shape == (1, 3, 24) and calls == []
+
+
+def test_transformer_lens_names_are_aliases_of_the_same_points():
+    from gpt2mha.core.hooks import act_name, canonical_name, tl_name
+
+    cases = {"blocks.3.attn.hook_q": "h.3.attn.hook_q", "blocks.0.hook_resid_pre": "h.0.hook_resid_pre",
+             "blocks.1.ln2.hook_scale": "h.1.ln_2.hook_scale", "ln_final.hook_out": "ln_f.hook_normalized",
+             "blocks.1.ln1.hook_normalized": "h.1.ln_1.hook_standardized", "hook_embed": "hook_embed",
+             "blocks.10.mlp.hook_post": "h.10.mlp.hook_post"}
+    for tl, ours in cases.items():
+        assert canonical_name(tl) == ours and tl_name(ours) == tl and canonical_name(ours) == ours
+    assert act_name("pattern", 0) == "h.0.attn.hook_pattern" and act_name("normalized") == "ln_f.hook_standardized"
+    with pytest.raises(ValueError, match="'patern' is unknown"):
+        act_name("patern", 0)
+    with pytest.raises(ValueError, match="give its layer"):
+        act_name("z")
+
+
+@torch.no_grad()
+def test_layernorm_scale_and_standardized_points_rebuild_the_norm(model):
+    # first principles: LayerNorm(x) = (x - mean) / sqrt(var + eps) * weight + bias
+    idx = torch.randint(0, 61, (2, 5))
+    plain = model(idx).logits
+    acts = record(model, ["blocks.0.hook_resid_pre", "blocks.0.ln1.hook_scale", "blocks.0.ln1.hook_normalized",
+                          "blocks.0.ln1.hook_out"], lambda: model(idx))
+    x = acts["blocks.0.hook_resid_pre"]
+    scale = (x.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+    torch.testing.assert_close(acts["blocks.0.ln1.hook_scale"], scale, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(acts["blocks.0.ln1.hook_normalized"], (x - x.mean(-1, keepdim=True)) / scale,
+                               atol=1e-5, rtol=1e-5)
+    ln = model.h[0].ln_1
+    torch.testing.assert_close(acts["blocks.0.ln1.hook_out"], torch.nn.functional.layer_norm(x, (24,), ln.weight, ln.bias),
+                               atol=1e-5, rtol=1e-5)
+    assert record(model, ["ln_final.hook_scale"], lambda: model(idx))["ln_final.hook_scale"].shape == (2, 5, 1)
+    parts = model.run_with_hooks(idx, fwd_hooks=[(lambda n: n.endswith("hook_scale"), lambda x, hook: None)])
+    torch.testing.assert_close(parts, plain, atol=1e-5, rtol=1e-5)           # the norm in parts: same logits
+
+
+@torch.no_grad()
+def test_run_with_hooks_and_the_hooks_context_remove_what_they_attach(model):
+    from gpt2mha.core.hooks import hook_points
+
+    idx = torch.randint(0, 61, (1, 6))
+    clean = model(idx).logits
+    zero = lambda z, hook: z * 0                                          # noqa: E731
+    ablated = model.run_with_hooks(idx, fwd_hooks=[("blocks.0.attn.hook_z", zero)])
+    with model.hooks([("h.0.attn.hook_z", zero)]):
+        again = model(idx).logits
+    torch.testing.assert_close(ablated, again)
+    assert not torch.allclose(ablated, clean)
+    assert not any(p.has_hooks() for p in hook_points(model).values())
+    assert torch.equal(model(idx).logits, clean)
+    seen = []
+    model.run_with_hooks(idx, fwd_hooks=[(lambda name: name.startswith("blocks.1.attn.hook_"),
+                                          lambda x, hook: seen.append(hook.tl_name))])
+    assert sorted(seen) == sorted(f"blocks.1.attn.hook_{n}" for n in ("q", "k", "v", "attn_scores", "pattern", "z", "result"))
+    with pytest.raises(ValueError, match="not a capture point"):
+        model.run_with_hooks(idx, fwd_hooks=[("blocks.0.attn.hook_zz", zero)])
+    with pytest.raises(ValueError, match="pairs"):
+        model.run_with_hooks(idx, fwd_hooks=[zero])
+    with pytest.raises(RuntimeError):
+        with model.hooks([("blocks.0.attn.hook_z", zero)]):
+            raise RuntimeError("user code failed")
+    assert not any(p.has_hooks() for p in hook_points(model).values())   # removed on error too
+
+
+@torch.no_grad()
+def test_run_with_cache_on_kv_cache_prefill_and_decode_steps(model):
+    # reference: the same tokens in one uncached forward (positions 0..8)
+    idx = torch.randint(0, 61, (2, 9))
+    c = model.config
+    kv = KVCache(c.n_layer, 2, c.n_head, c.n_ctx, c.head_dim)
+    _, full = model.run_with_cache(idx)
+    _, pre = model.run_with_cache(idx[:, :7], cache=kv)
+    steps = [model.run_with_cache(idx[:, t:t + 1], cache=kv)[1] for t in (7, 8)]
+    for name in ("blocks.1.attn.hook_q", "blocks.0.hook_resid_post", "blocks.1.attn.hook_z", "hook_pos_embed"):
+        torch.testing.assert_close(pre[name], full[name][:, :7], atol=1e-5, rtol=1e-5)
+        for t, step in zip((7, 8), steps):
+            torch.testing.assert_close(step[name], full[name][:, t:t + 1], atol=1e-5, rtol=1e-5)
+    assert steps[1]["pattern", 1].shape == (2, 3, 1, 9)
+    torch.testing.assert_close(steps[1]["pattern", 1][:, :, 0], full["pattern", 1][:, :, 8], atol=1e-6, rtol=1e-5)
+
+
+def test_hooks_act_in_generate_prefill_and_decode(model):
+    # reference: greedy decoding by full forwards (no KV cache) with the same head ablated
+    idx = torch.randint(0, 61, (1, 5))
+    hook = ("blocks.1.attn.hook_z", lambda z, h: torch.cat([z[:, :, :1] * 0, z[:, :, 1:]], dim=2))
+    with model.hooks([hook]):
+        out = model.generate(idx, 6, temperature=0)
+    ref = idx
+    with torch.no_grad():
+        for _ in range(6):
+            ref = torch.cat([ref, model.run_with_hooks(ref, fwd_hooks=[hook])[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, ref)

@@ -22,7 +22,7 @@ _LAZY = {
     "CausalSelfAttention": "core.attention", "Conv1D": "core.attention", "attention_mask": "core.attention",
     "split_heads": "core.attention", "merge_heads": "core.attention",
     "CausalAttention": "learn.book", "MultiHeadAttentionWrapper": "learn.book", "MultiHeadAttention": "learn.book",
-    "KVCache": "core.kv_cache", "HookPoint": "core.hooks",
+    "KVCache": "core.kv_cache", "HookPoint": "core.hooks", "ActivationCache": "learn.activations",
     "GPT2": "api", "GPT2Config": "core.model", "GPT2Output": "core.model", "PRESETS": "core.model",
 }
 

@@ -6,19 +6,24 @@ generation and quantization attached, each a short call into the module that doe
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from .core import hooks as _hooks
 from .core import model as core
 from .inference.generate import generate as _generate
 from .inference.quant import quantize_model
 from .io.checkpoints import save_pretrained
 from .io.formats import load_any
+from .learn import activations as _activations
 
 
 class GPT2(core.GPT2):
     """GPT-2 language model (see :class:`gpt2mha.core.model.GPT2` for the modules, the forward
     and the capture points), plus :meth:`from_pretrained`, :meth:`save_pretrained`,
-    :meth:`generate` and :meth:`quantize`."""
+    :meth:`generate`, :meth:`quantize` and TransformerLens' way in: :meth:`run_with_cache`,
+    :meth:`run_with_hooks`, :meth:`hooks`, :meth:`reset_hooks`."""
 
     #: ``{"scheme", "group_size", "head", "tied", "method"}`` once :meth:`quantize` ran (or a
     #: quantized checkpoint was loaded); None for a float model.
@@ -73,3 +78,35 @@ class GPT2(core.GPT2):
             raise ValueError(f"this model is quantized ({self.quantization['scheme']}): its weights are rounded integers "
                              f"and cannot be trained; train the float model, then quantize it")
         return super().train(mode)
+
+    def run_with_cache(self, idx: torch.Tensor, names_filter=None, **kwargs):
+        """``(logits, cache)``: the forward's logits and the activations at the capture points.
+
+        ``names_filter``: None (every point but the opt-in ``hook_result``), a hook name in
+        TransformerLens' spelling (``blocks.0.attn.hook_pattern``) or ours (``h.0.attn.hook_pattern``),
+        a list of them, or a predicate of the name. Other keyword arguments go to the forward
+        (``cache=`` a KVCache for a prefill or decode step, ``attention_mask``, ``stop=True`` to
+        end the forward once every selected point is reached). See
+        :func:`gpt2mha.learn.activations.run_with_cache` and
+        :class:`~gpt2mha.learn.activations.ActivationCache` (``cache["pattern", 0]``,
+        ``stack_head_results``, ``accumulated_resid``).
+        """
+        return _activations.run_with_cache(self, idx, names_filter, **kwargs)
+
+    def run_with_hooks(self, idx: torch.Tensor, fwd_hooks=(), **kwargs) -> torch.Tensor:
+        """Logits ``[B, T, n_vocab]`` of one forward with ``fwd_hooks = [(name_or_filter,
+        fn(tensor, hook) -> tensor | None)]`` attached for that call; a returned tensor replaces
+        the activation. See :func:`gpt2mha.learn.activations.run_with_hooks`."""
+        return _activations.run_with_hooks(self, idx, fwd_hooks, **kwargs)
+
+    @contextlib.contextmanager
+    def hooks(self, fwd_hooks=()):
+        """``with model.hooks([(name, fn)]):`` the hooks act on every forward in the block
+        (``generate``'s prefill and decode steps included) and are removed after it, also on
+        error. See :func:`gpt2mha.core.hooks.attached`."""
+        with _hooks.attached(self, fwd_hooks) as handles:
+            yield handles
+
+    def reset_hooks(self) -> None:
+        """Remove every hook from every capture point."""
+        _hooks.reset_hooks(self)

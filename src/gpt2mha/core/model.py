@@ -120,7 +120,13 @@ PRESETS["gpt2-large"], PRESETS["gpt2-xl"] = PRESETS["774M"], PRESETS["1558M"]
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters, ``weight``/``bias [n_embd]``) whose output passes
-    through the capture point ``hook_normalized`` ``[B, T, n_embd]``.
+    through the capture point ``hook_normalized`` ``[B, T, n_embd]`` (after the weight and bias:
+    what the next layer reads).
+
+    Two more points, computed only while a hook is attached to one of them (the norm is then
+    written out, the same numbers to float rounding): ``hook_scale [B, T, 1]``, the divisor
+    ``sqrt(var(x) + eps)``, and ``hook_standardized [B, T, n_embd]``, ``(x - mean(x)) / scale``
+    before the weight and bias (TransformerLens 4's ``hook_scale`` and ``hook_normalized``).
 
     Source: ``norm`` in openai/gpt-2 ``src/model.py`` (biased variance, epsilon 1e-5).
     """
@@ -128,8 +134,15 @@ class LayerNorm(nn.LayerNorm):
     def __init__(self, n_embd: int, eps: float = 1e-5):
         super().__init__(n_embd, eps=eps)
         self.hook_normalized = HookPoint()
+        self.hook_scale, self.hook_standardized = HookPoint(), HookPoint()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hook_scale._forward_hooks or self.hook_standardized._forward_hooks:
+            acc = torch.promote_types(x.dtype, torch.float32)
+            xc = x.to(acc) - x.to(acc).mean(dim=-1, keepdim=True)
+            scale = self.hook_scale((xc.pow(2).mean(dim=-1, keepdim=True) + self.eps).sqrt())
+            y = self.hook_standardized(xc / scale) * self.weight + self.bias
+            return self.hook_normalized(y.to(x.dtype))
         return self.hook_normalized(super().forward(x))
 
 
@@ -365,7 +378,10 @@ class GPT2(nn.Module):
         if attention_mask is not None:                          # key padding over cached + new tokens
             S = attention_mask.shape[1]
             mask = combine_masks(causal_mask(T, S, device=idx.device) if mask is None else mask, attention_mask)
-        x = self.hook_embed(self.wte(idx)) + self.hook_pos_embed(self.wpe(position_ids))
+        pos = self.wpe(position_ids)                            # [T, n_embd], [1, T, …] or [B, T, …]
+        if self.hook_pos_embed._forward_hooks:                  # a hook sees [B, T, n_embd], as the docs say
+            pos = self.hook_pos_embed(pos.expand(B, T, -1))
+        x = self.hook_embed(self.wte(idx)) + pos
         x = F.dropout(x, self.config.embd_pdrop, self.training)   # [B, T, n_embd]
         presents = []
         for block in self.h:

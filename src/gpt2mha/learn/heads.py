@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from ..core import checks
-from ..core.hooks import record
+from .activations import run_with_cache
 
 
 class HeadsResult(NamedTuple):
@@ -40,9 +40,9 @@ class HeadsResult(NamedTuple):
 
 
 def attention_maps(model, idx: torch.Tensor) -> torch.Tensor:
-    """Every head's attention weights for ``idx``, read at the capture points
-    ``h.{layer}.attn.hook_pattern`` (:func:`~gpt2mha.core.hooks.record`; a hook there makes the
-    layer run the explicit attention core, whose softmaxed pattern it sees).
+    """Every head's attention weights for ``idx``, read from the activation cache
+    (:func:`~gpt2mha.learn.activations.run_with_cache`) at ``blocks.{layer}.attn.hook_pattern``
+    (a hook there makes the layer run the explicit attention core, whose softmaxed pattern it sees).
 
     Args:
         model: a :class:`~gpt2mha.GPT2`.
@@ -62,15 +62,15 @@ def attention_maps(model, idx: torch.Tensor) -> torch.Tensor:
     if idx.shape[1] > n_ctx:
         raise ValueError(f"the prompt is {idx.shape[1]} tokens but the model's context is n_ctx={n_ctx} tokens; "
                          f"shorten it to at most {n_ctx}")
-    names = [f"h.{l}.attn.hook_pattern" for l in range(model.config.n_layer)]
+    L = model.config.n_layer
     was_training = model.training
     model.eval()                                                  # no dropout on the weights
     try:
-        with torch.no_grad():
-            seen = record(model, names, lambda: model(idx), stop=True)   # ends after the last layer's pattern
+        with torch.no_grad():                                     # stop: ends after the last layer's pattern
+            _, cache = run_with_cache(model, idx, [f"blocks.{l}.attn.hook_pattern" for l in range(L)], stop=True)
     finally:
         model.train(was_training)
-    return torch.stack([seen[n].float() for n in names])         # [n_layer, B, h, T, T]
+    return torch.stack([cache["pattern", l].float() for l in range(L)])   # [n_layer, B, h, T, T]
 
 
 def role_scores(weights: torch.Tensor) -> dict[str, torch.Tensor]:
