@@ -1,6 +1,6 @@
 """Which weight-only int8/int4 kernels decode GPT-2 fastest on this CPU: ``python benchmarks/quant_kernels.py``.
 
-Issue 13's survey, behind the choice in ``src/gpt2mha/quantize.py``. It times one decode step's
+The survey behind the kernel choice in ``src/gpt2mha/inference/quant/linear.py``. It times one decode step's
 weight matmuls of GPT-2 124M, the 48 block matrices (kernels.py's ``BLOCK_SHAPES``, 85M
 weights, distinct so nothing stays in cache) and the LM head (``[50304, 768]``: n_vocab 50257 padded to a
 multiple of 64, as gpt2mha pads it for the int4 kernel), for
