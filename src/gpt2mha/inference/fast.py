@@ -11,6 +11,13 @@ every parameter and capture point) in which:
   ``[n_out, n_in]`` copy (:class:`TransposedConv1D`): torch's reduced-precision kernels read
   that layout faster. A float32 model keeps GPT-2's ``[in, out]``, its fastest.
 
+Every product in the view gives each row the same bits whatever the other rows of the call
+(batch invariance, benchmarks/batch_invariance.py measures each kernel): MKL's float32 GEMM rounds
+a row one way in calls of 1–3 rows and another in calls of 4 or more (and with several threads
+splits a call into blocks of 4 rows plus a remainder), so every float32 product of the view
+(:class:`RowPaddedConv1D`, the head) runs on a multiple of :data:`ROW_MULTIPLE` rows, zero rows
+added. bf16/fp16 products and the quantized kernels need no padding.
+
 The copies are taken when the view is made and belong to it: ``generate`` makes one per call
 and the serving scheduler one per server, so they are never stale and the user's model is never
 changed. The same products in another layout: results agree with the model's own to float
@@ -45,6 +52,33 @@ def transposed_copy(w: torch.Tensor, dtype: torch.dtype | None = None, block: in
     return out
 
 
+#: Float32 products in a decode view run on a multiple of this many rows (see the module's docstring).
+ROW_MULTIPLE = 4
+
+
+def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
+    """``x [M, K]`` with zero rows appended up to a multiple of ``multiple`` (``x`` itself if none
+    are needed); the caller keeps the first M rows of the product."""
+    extra = -x.shape[0] % multiple
+    return torch.cat([x, x.new_zeros(extra, x.shape[1])]) if extra else x
+
+
+class RowPaddedConv1D(nn.Module):
+    """A float32 :class:`~gpt2mha.core.attention.Conv1D` (the same ``weight [n_in, n_out]`` and
+    ``bias``, shared) whose product runs on a multiple of :data:`ROW_MULTIPLE` rows, so each
+    row rounds alike in a batch of any size. ``[..., n_in]`` → ``[..., n_out]``. Inference only."""
+
+    def __init__(self, conv: Conv1D):
+        super().__init__()
+        self.n_in, self.n_out = conv.n_in, conv.n_out
+        self.weight, self.bias = conv.weight, conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.n_in)                           # [M, n_in]
+        y = torch.addmm(self.bias, pad_rows(x2), self.weight)[:x2.shape[0]]
+        return y.view(*x.shape[:-1], self.n_out)
+
+
 class TransposedConv1D(nn.Module):
     """A :class:`~gpt2mha.core.attention.Conv1D` computed as ``F.linear(x, Wᵀ, b)`` over an
     ``[n_out, n_in]`` copy of its weight (the same product in another summation order);
@@ -71,7 +105,12 @@ class TransposedHead(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.weight_t.dtype) @ self.weight_t
+        x2 = x.reshape(-1, x.shape[-1]).to(self.weight_t.dtype)   # [M, n_embd]
+        if x2.device.type == "cpu":                              # float32 GEMM: a multiple of 4 rows
+            y = (pad_rows(x2) @ self.weight_t)[:x2.shape[0]]
+        else:
+            y = x2 @ self.weight_t
+        return y.view(*x.shape[:-1], -1)
 
 
 def swap_modules(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None]) -> nn.Module:
@@ -109,7 +148,9 @@ def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn
             dtype differs from the weight's). Costs one float32 copy of the head (154 MB for
             124M) while the view lives.
         conv1d: on CPU, swap bf16/fp16 Conv1Ds for :class:`TransposedConv1D` (one more copy of
-            the block weights while the view lives).
+            the block weights while the view lives) and float32 ones for :class:`RowPaddedConv1D`
+            (no copy). False keeps the model's Conv1Ds, and float32 rows then round with the
+            batch's size.
 
     A module with forward hooks or pre-hooks of its own (:func:`hooked`; for the tied head,
     also on ``wte``) is kept as it is: a copy would skip the hooks, and a weight a pre-hook
@@ -122,9 +163,11 @@ def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn
             w = m.weight
             if w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype:
                 return TransposedHead(m)
-        if conv1d and type(m) is Conv1D and m.weight.device.type == "cpu" \
-                and m.weight.dtype in (torch.bfloat16, torch.float16):
-            return TransposedConv1D(m)
+        if conv1d and type(m) is Conv1D and m.weight.device.type == "cpu":
+            if m.weight.dtype in (torch.bfloat16, torch.float16):
+                return TransposedConv1D(m)
+            if m.weight.dtype == torch.float32:
+                return RowPaddedConv1D(m)
         return None
     with torch.no_grad():
         return swap_modules(model, replace)

@@ -282,27 +282,32 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
 
 def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_token_id, on_token,
                 vocab_size) -> torch.Tensor:
-    """The loop of :func:`generate` after its checks: one prefill over the prompt into a
-    :class:`KVCache`, then one sampled token per step fed back through the cache (the model's
-    own checks are skipped: every input here was checked once, by :func:`generate`)."""
+    """The loop of :func:`generate` after its checks (the model's own checks are skipped: every
+    input here was checked once, by :func:`generate`).
+
+    Each prompt (row ``b``'s real tokens, its padding dropped) is prefilled alone into row ``b``
+    of one :class:`KVCache`, from cache index 0 (:meth:`KVCache.row`); then every step feeds all
+    rows' newest tokens at once, each row at its own position, attending to its own keys only.
+    Nothing a row computes depends on the other rows (see :func:`generate`, batch invariance).
+    A row whose window is full (``sliding_window``) is recomputed alone over its last n_ctx tokens.
+    """
     B, T = idx.shape
     n_ctx = model.config.n_ctx
+    keep = None if attention_mask is None else attention_mask.bool()
+    prompts = [idx[b] if keep is None else idx[b][keep[b]] for b in range(B)]      # each [T_b]
     out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=idx.device)
     out[:, :T] = idx
-    mask = None
-    if attention_mask is not None:
-        mask = torch.ones(B, T + max_new_tokens, dtype=torch.bool, device=idx.device)
-        mask[:, :T] = attention_mask.bool()
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     p = model.wte.weight
-    cache = KVCache(model.config.n_layer, B, model.config.n_head, min(n_ctx, T + max_new_tokens),
+    longest = max(len(ids) for ids in prompts)
+    cache = KVCache(model.config.n_layer, B, model.config.n_head, min(n_ctx, longest + max_new_tokens),
                     model.config.head_dim, dtype=p.dtype, device=p.device)
-    start = max(0, T - n_ctx)                                  # > 0 only for a sliding window
-    logits = model(idx[:, start:], attention_mask=None if mask is None else mask[:, start:T], cache=cache,
-                   last_only=True, validate=False).logits
+    logits = torch.cat([model(ids[None, -n_ctx:], cache=cache.row(b), last_only=True, validate=False).logits[:, -1]
+                        for b, ids in enumerate(prompts)])     # [B, n_vocab]
+    sliding = set()                                            # rows recomputed over their last n_ctx tokens
     for step in range(max_new_tokens):
-        pos = T + step                                         # index of the token being chosen
-        token = sample_next(logits[:, -1, :vocab_size], **sample)
+        pos = T + step                                         # column of the token being chosen
+        token = sample_next(logits[:, :vocab_size], **sample)
         if eos_token_id is not None:
             token = torch.where(finished, eos_token_id, token)
             finished |= token == eos_token_id
@@ -314,12 +319,11 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
         if eos_token_id is not None and bool(finished.all()):
             out[:, pos + 1:] = eos_token_id
             break
-        if cache.length < cache.max_len:
-            logits = model(token[:, None], attention_mask=None if mask is None else mask[:, start:pos + 1],
-                           cache=cache, last_only=True, validate=False).logits
-        else:                                                  # sliding window: recompute the last n_ctx
-            start = pos + 1 - n_ctx
-            window_mask = None if mask is None else mask[:, start:pos + 1]
-            logits = model(out[:, start:pos + 1], attention_mask=window_mask, last_only=True,
-                           validate=False).logits
+        sliding.update(b for b, n in enumerate(cache.lengths) if n == cache.max_len)
+        for b in sliding:                                      # its row of the cache is no longer read
+            cache.reset(b)
+        logits = model(token[:, None], cache=cache, last_only=True, validate=False).logits[:, -1]
+        for b in sorted(sliding):                              # positions restart at 0 for the window
+            window = torch.cat([prompts[b], out[b, T:pos + 1]])[-n_ctx:]
+            logits[b] = model(window[None], last_only=True, validate=False).logits[0, -1]
     return out

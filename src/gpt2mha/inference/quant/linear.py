@@ -47,7 +47,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
 
     The activations are split into int8 pieces per row (:func:`split_activations`: two, or
     three when a row holds an outlier beyond :data:`WIDE_ROW` times its mean magnitude, which
-    would otherwise set a coarse step for the rest of the row) and multiplied by ``q`` with
+    would otherwise set a coarse step for the rest of the row; each row's count is its own, so
+    a row gets the same bits whatever else is in the batch) and multiplied by ``q`` with
     ``torch._int_mm``, whose int32 sums are exact; one float32 rescale per row and per output
     channel follows. The product is about as exact as float32 activations give (relative error
     ~3e-5 on ordinary rows, against ~2e-3 for bf16 activations on ``aten._weight_int8pack_mm``,
@@ -57,9 +58,11 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     M = x.shape[0]
     xf = x.float()
     xa = xf.abs()
-    wide = bool((xa.amax(-1) > WIDE_ROW * xa.mean(-1)).any())
-    n = 3 if wide else 2
+    wide = xa.amax(-1) > WIDE_ROW * xa.mean(-1)                 # [M]: decided per row, not per batch
+    n = 3 if bool(wide.any()) else 2
     pieces, a = split_activations(xf, n)
+    if n == 3 and not bool(wide.all()):                         # the others keep two pieces: a zero third
+        pieces[2 * M:].masked_fill_(~wide[:, None], 0)
     if M == 1:                                                  # single rows take the GEMV path
         parts = [torch._int_mm(pieces[i:i + 1], q.t()) for i in range(n)]
     else:
