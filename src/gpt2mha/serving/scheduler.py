@@ -3,9 +3,9 @@
 The loop (:meth:`Scheduler.step`, run by one background thread in the server):
 
 1. free the slots of cancelled sequences;
-2. admit waiting sequences into free slots: each gets a slot and a seed, then they are
-   prefilled in batches of similar prompt lengths (:func:`length_groups`) by the
-   :class:`~gpt2mha.serving.runner.Runner`, which samples each one's first token;
+2. admit waiting sequences into free slots: each gets a slot and a seed, then each is
+   prefilled alone, in its slot, by the :class:`~gpt2mha.serving.runner.Runner`, which
+   samples its first token;
 3. one decode step for every running sequence at once (:meth:`Runner.decode
    <gpt2mha.serving.runner.Runner.decode>`: each row at its own position, attending only to its
    own keys);
@@ -13,11 +13,11 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
    send it, and free the slot of every sequence that finished (length, end of text, a stop
    string) at once.
 
-A sequence's tokens are the ones ``generate`` gives for its prompt alone: each row attends to
-exactly its own keys and is sampled with a generator seeded with its seed (prompt i of a list:
-``row_seed(seed, i)``, as row i of a batch there). Batched matrix products may round
-differently from a batch of one (~1e-6 in the logits), so a near-tie between the top two
-logits could in principle break differently; the tests compare whole texts on the built-in model.
+A sequence's logits are, bit for bit, the ones ``generate`` computes for its prompt alone,
+whatever else runs beside it, in whichever slot, admitted whenever (batch invariance: the
+runner prefills it alone and computes nothing of a row from the other rows), and it is sampled
+with a generator seeded with its seed (prompt i of a list: ``row_seed(seed, i)``, as row i of a
+batch there): its greedy or seeded text is ``generate``'s.
 
 This module holds no tensor: the runner takes and returns slots and token ids.
 
@@ -109,26 +109,6 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
-
-
-#: Padding a prefill batch may add, as a fraction of its real prompt tokens (:func:`length_groups`).
-PREFILL_PAD_WASTE = 0.1
-
-
-def length_groups(seqs: list[Sequence], waste: float = PREFILL_PAD_WASTE) -> list[list[Sequence]]:
-    """``seqs`` cut into prefill batches of similar prompt lengths (shortest first), each padded
-    to at most ``(1 + waste)`` times its real tokens: the built-in model's prefill is
-    compute-bound, so a batch padded to its longest prompt wastes work (README, "Serving",
-    gives the times measured)."""
-    groups, current, total = [], [], 0
-    for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
-        n = len(seq.prompt_ids)
-        if current and (len(current) + 1) * n > (1 + waste) * (total + n):
-            groups.append(current)
-            current, total = [], 0
-        current.append(seq)
-        total += n
-    return groups + [current] if current else groups
 
 
 class Scheduler:
@@ -337,9 +317,8 @@ class Scheduler:
             self._decode()
 
     def _admit(self, seqs: list[Sequence]) -> None:
-        """Give each new sequence (already in its slot) its text stream and seed, prefill them in
-        length groups (a group whose batched forward fails is prefilled one by one, so only a
-        sequence that fails alone fails) and accept each one's first token."""
+        """Give each new sequence (already in its slot) its text stream and seed, prefill each
+        alone (one that fails fails alone) and accept its first token."""
         now = time.monotonic()
         live = []
         for seq in seqs:
@@ -355,17 +334,11 @@ class Scheduler:
                 live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
-        for group in length_groups(live):
+        for seq in live:
             try:
-                self._prefill(group)
-            except Exception:
-                for seq in group:
-                    if seq.done:
-                        continue
-                    try:
-                        self._prefill([seq])
-                    except Exception as e:           # this request fails; the others go on
-                        self._fail(seq, e)
+                self._prefill([seq])
+            except Exception as e:                   # this request fails; the others go on
+                self._fail(seq, e)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Prefill ``seqs`` into their slots (one runner call) and accept each first token."""
