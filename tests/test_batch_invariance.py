@@ -16,7 +16,7 @@ import torch
 
 import gpt2mha.inference.generate as generate_module
 from conftest import small_model
-from gpt2mha import GPT2, GPT2Config
+from gpt2mha import GPT2
 from gpt2mha.inference.generate import left_pad
 from gpt2mha.inference.sampling import row_seed
 from gpt2mha.serving.runner import Runner
@@ -62,8 +62,9 @@ def spy(monkeypatch):
 
 
 def run(model, prompts, spy, n=STEPS, **kw):
-    """``generate``'s tokens ``[B, T + n]`` and per-step logits ``[B, n, n_vocab]``."""
-    out = model.generate(prompts, n, **kw)
+    """``generate``'s tokens ``[B, T + n]`` and per-step logits ``[B, n, n_vocab]`` (batch
+    invariant also for float32 weights, where it is asked for)."""
+    out = model.generate(prompts, n, batch_invariant=True, **kw)
     return out, spy()
 
 
@@ -110,6 +111,22 @@ def test_two_threads_split_no_row_differently(spy):
             assert all(torch.equal(logits[b], alone[prompts.index(p)]) for b, p in enumerate(rows))
     finally:
         torch.set_num_threads(n)
+
+
+def test_invariance_is_the_default_except_for_float32_weights_and_the_flag_is_checked(spy):
+    """``batch_invariant=None`` pads float32 products for every model but a float32 one (where
+    it costs most at batch 1); a float32 batch without it is not held to bitwise equality, with
+    it it is; a value other than True/False/None is a named error before any work."""
+    from gpt2mha.inference.fast import RowPaddedConv1D, for_decoding, invariant_by_default
+
+    assert not invariant_by_default(matrix_model(torch.float32, "float"))
+    assert invariant_by_default(matrix_model(torch.bfloat16, "float"))
+    assert invariant_by_default(matrix_model(torch.float32, "int8"))
+    model = matrix_model(torch.float32, "float")
+    assert not any(isinstance(m, RowPaddedConv1D) for m in for_decoding(model, batch_invariant=False).modules())
+    assert isinstance(for_decoding(model).h[0].mlp.c_fc, RowPaddedConv1D)
+    with pytest.raises(ValueError, match="batch_invariant=1 must be True or False"):
+        model.generate([[1, 2]], 2, batch_invariant=1)
 
 
 def test_int8_product_of_a_row_does_not_depend_on_an_outlier_row_beside_it():
@@ -173,7 +190,7 @@ def served_logits(model, tok, plan, monkeypatch, max_batch=4):
             seen.setdefault(id(sched.slots[slot]), []).append(logits[row].clone())
         return real(self, slots, logits, rows)
     monkeypatch.setattr(Runner, "_next_tokens", next_tokens)
-    sched = Scheduler(model, tok, max_batch=max_batch, max_queue=32)
+    sched = Scheduler(model, tok, max_batch=max_batch, max_queue=32, batch_invariant=True)
     seqs = []
     for steps, ids, n in plan:
         for _ in range(steps):

@@ -97,16 +97,18 @@ class TransposedConv1D(nn.Module):
 class TransposedHead(nn.Module):
     """An :class:`~gpt2mha.core.model.LMHead` computed as ``x @ W`` over a contiguous
     ``[n_embd, n_vocab]`` copy of its weight in the logits' dtype (float32): ``[B, T, n_embd]``
-    → ``[B, T, n_vocab]`` float32 logits. Inference only."""
+    → ``[B, T, n_vocab]`` float32 logits; on CPU on a multiple of :data:`ROW_MULTIPLE` rows
+    unless ``pad`` is False. Inference only."""
 
-    def __init__(self, head: LMHead):
+    def __init__(self, head: LMHead, pad: bool = True):
         super().__init__()
+        self.pad = pad
         self.register_buffer("weight_t", transposed_copy(head.weight, logits_dtype(head.weight.dtype)),
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(self.weight_t.dtype)   # [M, n_embd]
-        if x2.device.type == "cpu":                              # float32 GEMM: a multiple of 4 rows
+        if self.pad and x2.device.type == "cpu":                 # float32 GEMM: a multiple of 4 rows
             y = (pad_rows(x2) @ self.weight_t)[:x2.shape[0]]
         else:
             y = x2 @ self.weight_t
@@ -138,7 +140,16 @@ def hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
-def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn.Module:
+def invariant_by_default(model: nn.Module) -> bool:
+    """Whether ``generate`` and the server pad float32 products (``batch_invariant=None``): for
+    every model whose block weights are not float32. A float32 model's decode step at batch 1
+    runs every product as a GEMV; padded to 4 rows MKL's GEMM takes ~3× as long on 124M
+    (benchmarks/RESULTS.md, "Batch invariance"), so float32 asks for it with ``batch_invariant=True``."""
+    w = model.h[0].attn.c_attn.weight if model.config.n_layer else None
+    return not (isinstance(w, torch.Tensor) and w.dtype == torch.float32)
+
+
+def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True, batch_invariant: bool = True) -> nn.Module:
     """``model`` with the decode-speed swaps of this module (a view: nothing of ``model`` is
     changed or copied but the swapped weights; the caller sets the mode).
 
@@ -151,6 +162,10 @@ def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn
             the block weights while the view lives) and float32 ones for :class:`RowPaddedConv1D`
             (no copy). False keeps the model's Conv1Ds, and float32 rows then round with the
             batch's size.
+        batch_invariant: run float32 products on a multiple of :data:`ROW_MULTIPLE` rows (the
+            head's always, float32 Conv1Ds' with ``conv1d``), so that each row's logits are the
+            same bits in a batch of any size. False: the batch's own row count (faster at batch
+            1–3 for float32 weights, :func:`invariant_by_default`).
 
     A module with forward hooks or pre-hooks of its own (:func:`hooked`; for the tied head,
     also on ``wte``) is kept as it is: a copy would skip the hooks, and a weight a pre-hook
@@ -162,11 +177,11 @@ def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn
         if head and type(m) in (LMHead, TiedLMHead):
             w = m.weight
             if w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype:
-                return TransposedHead(m)
+                return TransposedHead(m, pad=batch_invariant)
         if conv1d and type(m) is Conv1D and m.weight.device.type == "cpu":
             if m.weight.dtype in (torch.bfloat16, torch.float16):
                 return TransposedConv1D(m)
-            if m.weight.dtype == torch.float32:
+            if m.weight.dtype == torch.float32 and batch_invariant:
                 return RowPaddedConv1D(m)
         return None
     with torch.no_grad():

@@ -14,7 +14,7 @@ import torch
 from ..core import checks
 from ..core.kv_cache import KVCache
 from ..train.distributed import shared_seed
-from .fast import for_decoding
+from .fast import for_decoding, invariant_by_default
 from .parallel import tp_group
 from .sampling import row_generators, sample_next
 
@@ -196,7 +196,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
              top_p: float = 1.0, seed: int | None = None, eos_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, sliding_window: bool = False,
              on_token: Callable[[torch.Tensor], None] | None = None,
-             vocab_size: int | None = None, min_p: float = 0.0) -> torch.Tensor:
+             vocab_size: int | None = None, min_p: float = 0.0, batch_invariant: bool | None = None) -> torch.Tensor:
     """Sample ``max_new_tokens`` tokens after ``idx``.
 
     Args:
@@ -223,6 +223,16 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         on_token: called with each step's new ids ``[B]`` as soon as they are sampled.
         vocab_size: sample only ids below it (for embeddings padded past the tokenizer's
             vocabulary, e.g. nanoGPT's 50304 rows for GPT-2's 50257 ids).
+        batch_invariant: run the float32 matrix products on a multiple of 4 rows
+            (:func:`~gpt2mha.inference.fast.for_decoding`), so that every row's logits are
+            bitwise those of its prompt alone; None (default): for every model whose block
+            weights are not float32 (:func:`~gpt2mha.inference.fast.invariant_by_default`).
+
+    Batch invariance: each prompt is prefilled alone into its own row of the cache (no left
+    padding: its keys from cache index 0), every decode step attends each row over exactly its
+    own keys, and no product rounds a row by the batch's size; so with ``batch_invariant``
+    every row's logits at every step are bitwise those of its prompt generated alone (and its
+    greedy or seeded tokens the same), whatever the other prompts, their lengths and order.
 
     Returns:
         ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens (an
@@ -256,6 +266,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be a function called with each step's ids [B]; got {type(on_token).__name__}")
     checks.flag(sliding_window, "sliding_window")
+    batch_invariant = invariant_by_default(model) if batch_invariant is None else checks.flag(batch_invariant,
+                                                                                               "batch_invariant")
     B, T = idx.shape
     if T + max_new_tokens > c.n_ctx and not sliding_window:
         raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "
@@ -273,7 +285,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     model.eval()                                               # dropout off: a seed fixes the tokens
     try:
         with torch.inference_mode():
-            out = decode_loop(for_decoding(model), idx, max_new_tokens, attention_mask, sample,
+            out = decode_loop(for_decoding(model, batch_invariant=batch_invariant), idx, max_new_tokens, attention_mask, sample,
                               eos_token_id, on_token, vocab_size)
     finally:
         model.train(was_training)

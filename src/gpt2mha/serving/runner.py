@@ -36,7 +36,7 @@ import torch
 
 from ..core import checks
 from ..core.kv_cache import KVCache
-from ..inference.fast import for_decoding
+from ..inference.fast import for_decoding, invariant_by_default
 from ..inference.sampling import MIN_TEMPERATURE, sample_next
 
 
@@ -80,6 +80,9 @@ class Runner:
             used only through its decode view from then on).
         slots: rows of the cache, i.e. sequences decoded together at most (>= 1).
         vocab_size: sample only ids below it (the tokenizer's vocabulary; default the model's).
+        batch_invariant: float32 products on a multiple of 4 rows, so each sequence's logits are
+            bitwise ``generate``'s for its prompt alone (``generate(..., batch_invariant=)``, the
+            same value); None: :func:`~gpt2mha.inference.fast.invariant_by_default`.
 
     Attributes:
         model: the model as given; ``decoder`` its decode view (shares every parameter).
@@ -88,17 +91,20 @@ class Runner:
             float32 with 16 slots; 38 MB for the built-in model).
 
     Raises:
-        ValueError: slots < 1 or a vocab_size outside ``[1, n_vocab]``.
+        ValueError: slots < 1, a vocab_size outside ``[1, n_vocab]``, a batch_invariant that is
+            not True, False or None.
     """
 
-    def __init__(self, model, slots: int, vocab_size: int | None = None):
+    def __init__(self, model, slots: int, vocab_size: int | None = None, batch_invariant: bool | None = None):
         c = model.config
         slots = checks.as_int(slots, "slots", minimum=1)
         vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
             raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={c.n_vocab}]")
         self.model = model.eval()
-        self.decoder = for_decoding(self.model)
+        if batch_invariant is None:
+            batch_invariant = invariant_by_default(self.model)
+        self.decoder = for_decoding(self.model, batch_invariant=checks.flag(batch_invariant, "batch_invariant"))
         p = self.model.wte.weight
         self.device = p.device
         self.cache = KVCache(c.n_layer, slots, c.n_head, c.n_ctx, c.head_dim, dtype=p.dtype, device=p.device)

@@ -123,6 +123,8 @@ class Scheduler:
         max_batch: slots, i.e. sequences decoded together at most (>= 1).
         max_queue: sequences that may wait for a slot beyond the free ones (>= 0); more is
             refused with :class:`QueueFull`.
+        batch_invariant: as :class:`~gpt2mha.serving.runner.Runner` (None: on unless the block
+            weights are float32).
 
     Memory: see :class:`~gpt2mha.serving.runner.Runner` (38 MB of cache for the built-in model
     with 16 slots, 1.2 GB for 124M in float32).
@@ -131,12 +133,14 @@ class Scheduler:
         ValueError: max_batch < 1 or max_queue < 0.
     """
 
-    def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 256):
+    def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 256,
+                 batch_invariant: bool | None = None):
         self.max_batch = checks.as_int(max_batch, "max_batch", minimum=1)
         self.max_queue = checks.as_int(max_queue, "max_queue")
         self.tokenizer = tokenizer
         self.n_ctx, self.n_vocab = model.config.n_ctx, model.config.n_vocab
-        self.runner = Runner(model, self.max_batch, vocab_size=min(tokenizer.n_vocab, self.n_vocab))
+        self.runner = Runner(model, self.max_batch, vocab_size=min(tokenizer.n_vocab, self.n_vocab),
+                             batch_invariant=batch_invariant)
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
