@@ -44,25 +44,26 @@ def row_classes(fn, x: torch.Tensor, ms=MS) -> list[int]:
     return [M for M in ms if not torch.equal(fn(x[:M]), alone[:M])]
 
 
-def survey_products(K=768, N=2304) -> dict[str, list[int]]:
-    """Every product kernel the decode view uses, and the raw ones it avoids."""
+def survey_products(K=768, N=2304, ms=MS) -> dict[str, list[int]]:
+    """Every product kernel the decode view uses, and the raw ones it avoids: the row counts M
+    (of ``ms``) at which some row differs from that row alone."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(max(MS), K, generator=gen)
+    x = torch.randn(max(ms), K, generator=gen)
     W = torch.randn(K, N, generator=gen) * 0.02
     b = torch.randn(N, generator=gen)
-    out = {"float32 addmm (raw)": row_classes(lambda v: torch.addmm(b, v, W), x),
-           "float32 F.linear (raw)": row_classes(lambda v: F.linear(v, W.t().contiguous(), b), x),
+    out = {"float32 addmm (raw)": row_classes(lambda v: torch.addmm(b, v, W), x, ms),
+           "float32 F.linear (raw)": row_classes(lambda v: F.linear(v, W.t().contiguous(), b), x, ms),
            "float32 addmm, rows padded to 4 (decode view)":
-               row_classes(lambda v: torch.addmm(b, pad_rows(v), W)[:v.shape[0]], x)}
+               row_classes(lambda v: torch.addmm(b, pad_rows(v), W)[:v.shape[0]], x, ms)}
     for dt in (torch.bfloat16, torch.float16):
         Wt, bt = W.t().contiguous().to(dt), b.to(dt)
-        out[f"{dt} F.linear (decode view)"] = row_classes(lambda v: F.linear(v, Wt, bt), x.to(dt))
+        out[f"{dt} F.linear (decode view)"] = row_classes(lambda v: F.linear(v, Wt, bt), x.to(dt), ms)
     q, s = quantize_int8(W.t())
     xo = x.clone()
     xo[::7, 5] = 300.0                                          # outlier rows among ordinary ones
-    out["int8 int8_matmul, outlier rows mixed in"] = row_classes(lambda v: int8_matmul(v, q, s), xo)
+    out["int8 int8_matmul, outlier rows mixed in"] = row_classes(lambda v: int8_matmul(v, q, s), xo, ms)
     layer = QuantizedLinear.from_float(W.t(), b, "int4", 32)
-    out["int4 _weight_int4pack_mm_for_cpu"] = row_classes(layer, x.to(torch.bfloat16))
+    out["int4 _weight_int4pack_mm_for_cpu"] = row_classes(layer, x.to(torch.bfloat16), ms)
     return out
 
 
@@ -103,32 +104,34 @@ def survey(threads: list[int]) -> None:
 
 # ------------------------------------------------------------------------------- sweep
 def sweep(n_prompts: int, n_tokens: int) -> None:
-    """The built-in model, ``n_prompts`` random prompts of 1 … 200 bytes generated as one batch
-    against each alone: rows whose greedy tokens, or whose logits at some step, differ."""
+    """The built-in model, ``n_prompts`` random prompts of 1 … 150 bytes generated as one batch
+    against each alone: rows whose greedy tokens, or whose logits at some step, differ (float32
+    with and without ``batch_invariant``, the other formats by default)."""
     import gpt2mha.inference.generate as G
 
     seen, real = [], G.sample_next
     G.sample_next = lambda logits, **kw: (seen.append(logits.clone()), real(logits, **kw))[1]
     gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(1, 201, (n_prompts,), generator=gen).tolist()
+    lengths = torch.randint(1, 151, (n_prompts,), generator=gen).tolist()
     prompts = [torch.randint(32, 127, (n,), generator=gen).tolist() for n in lengths]
-    for dtype, fmt in (("float32", None), ("bfloat16", None), ("float16", None), ("float32", "int8"),
-                       ("bfloat16", "int4"), ("bfloat16", "int4-rtn")):
+    for dtype, fmt, flag in (("float32", None, False), ("float32", None, True), ("bfloat16", None, None),
+                             ("float16", None, None), ("float32", "int8", None), ("bfloat16", "int4", None),
+                             ("bfloat16", "int4-rtn", None)):
         model = GPT2.from_pretrained("shakespeare-byte", dtype=dtype)
         if fmt:
             scheme, _, method = fmt.partition("-")
             model.quantize(scheme, method=method or "gptq")
         t = time.perf_counter()
         seen.clear()
-        batch = model.generate(prompts, n_tokens, temperature=0)[:, -n_tokens:]
+        batch = model.generate(prompts, n_tokens, temperature=0, batch_invariant=flag)[:, -n_tokens:]
         logits_b = torch.stack(seen, 1)
         tokens = logits = 0
         for i, p in enumerate(prompts):
             seen.clear()
-            alone = model.generate([p], n_tokens, temperature=0)[0, -n_tokens:]
+            alone = model.generate([p], n_tokens, temperature=0, batch_invariant=flag)[0, -n_tokens:]
             tokens += not torch.equal(alone, batch[i])
             logits += not torch.equal(torch.stack(seen, 1)[0], logits_b[i])
-        print(f"{dtype:8s} {fmt or 'float':8s}: rows whose {n_tokens} greedy tokens differ {tokens}/{n_prompts}, "
+        print(f"{dtype:8s} {fmt or 'float':8s} batch_invariant={flag}: rows whose {n_tokens} greedy tokens differ {tokens}/{n_prompts}, "
               f"whose logits differ at some step {logits}/{n_prompts} ({time.perf_counter() - t:.0f} s)")
     G.sample_next = real
 
