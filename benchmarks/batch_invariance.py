@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from gpt2mha import GPT2, GPT2Config, KVCache  # noqa: E402
-from gpt2mha.inference.fast import TransposedHead, for_decoding, pad_rows  # noqa: E402
+from gpt2mha.inference.fast import for_decoding, pad_rows  # noqa: E402
 from gpt2mha.inference.generate import left_pad  # noqa: E402
 from gpt2mha.inference.quant import QuantizedLinear, int8_matmul  # noqa: E402
 from gpt2mha.inference.quant.schemes import quantize_int8  # noqa: E402
@@ -137,23 +137,9 @@ def sweep(n_prompts: int, n_tokens: int) -> None:
 
 
 # -------------------------------------------------------------------------------- cost
-class UnpaddedHead(TransposedHead):
-    """The decode view's float32 head on the batch's own row count (the previous path)."""
-
-    def forward(self, x):
-        return x.to(self.weight_t.dtype) @ self.weight_t
-
-
 def previous_view(model):
-    """The decode view before batch invariance: float32 Conv1Ds and head on the batch's rows."""
-    fp32 = model.wte.weight.dtype == torch.float32
-    view = for_decoding(model, conv1d=not fp32)
-    if isinstance(view.lm_head, TransposedHead):
-        head = UnpaddedHead.__new__(UnpaddedHead)
-        torch.nn.Module.__init__(head)
-        head.register_buffer("weight_t", view.lm_head.weight_t, persistent=False)
-        view.lm_head = head
-    return view
+    """The decode view before batch invariance: float32 products on the batch's own rows."""
+    return for_decoding(model, batch_invariant=False)
 
 
 def best_of(fn, reps: int) -> float:
@@ -170,7 +156,7 @@ def best_of(fn, reps: int) -> float:
 def decode_rate(model, B: int, invariant: bool, steps: int, reps: int) -> float:
     """Decode tokens/s of ``B`` rows holding different lengths (32, 39, 46, … tokens)."""
     c = model.config
-    view = for_decoding(model) if invariant else previous_view(model)
+    view = for_decoding(model, batch_invariant=True) if invariant else previous_view(model)
     lengths = [32 + 7 * i for i in range(B)]
     cache = KVCache(c.n_layer, B, c.n_head, c.n_ctx, c.head_dim, dtype=model.wte.weight.dtype)
     ids = torch.randint(0, c.n_vocab, (B, max(lengths)), generator=torch.Generator().manual_seed(0))
@@ -190,7 +176,7 @@ def prefill_rate(model, B: int, invariant: bool, reps: int) -> float:
     """Prefill prompt tokens/s of ``B`` prompts of 10, 17, 24, … tokens: each alone into its
     row (invariant) or one left-padded batch (previous)."""
     c = model.config
-    view = for_decoding(model) if invariant else previous_view(model)
+    view = for_decoding(model, batch_invariant=True) if invariant else previous_view(model)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, c.n_vocab, (10 + 7 * (i % 8),), generator=gen).tolist() for i in range(B)]
     cache = KVCache(c.n_layer, B, c.n_head, c.n_ctx, c.head_dim, dtype=model.wte.weight.dtype)

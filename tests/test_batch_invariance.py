@@ -124,7 +124,8 @@ def test_invariance_is_the_default_except_for_float32_weights_and_the_flag_is_ch
     assert invariant_by_default(matrix_model(torch.float32, "int8"))
     model = matrix_model(torch.float32, "float")
     assert not any(isinstance(m, RowPaddedConv1D) for m in for_decoding(model, batch_invariant=False).modules())
-    assert isinstance(for_decoding(model).h[0].mlp.c_fc, RowPaddedConv1D)
+    assert not isinstance(for_decoding(model).h[0].mlp.c_fc, RowPaddedConv1D)
+    assert isinstance(for_decoding(model, batch_invariant=True).h[0].mlp.c_fc, RowPaddedConv1D)
     with pytest.raises(ValueError, match="batch_invariant=1 must be True or False"):
         model.generate([[1, 2]], 2, batch_invariant=1)
 

@@ -145,11 +145,12 @@ def invariant_by_default(model: nn.Module) -> bool:
     every model whose block weights are not float32. A float32 model's decode step at batch 1
     runs every product as a GEMV; padded to 4 rows MKL's GEMM takes ~3× as long on 124M
     (benchmarks/RESULTS.md, "Batch invariance"), so float32 asks for it with ``batch_invariant=True``."""
-    w = model.h[0].attn.c_attn.weight if model.config.n_layer else None
+    w = getattr(model.h[0].attn.c_attn, "weight", None)
     return not (isinstance(w, torch.Tensor) and w.dtype == torch.float32)
 
 
-def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True, batch_invariant: bool = True) -> nn.Module:
+def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True,
+                 batch_invariant: bool | None = None) -> nn.Module:
     """``model`` with the decode-speed swaps of this module (a view: nothing of ``model`` is
     changed or copied but the swapped weights; the caller sets the mode).
 
@@ -165,12 +166,15 @@ def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True, batch
         batch_invariant: run float32 products on a multiple of :data:`ROW_MULTIPLE` rows (the
             head's always, float32 Conv1Ds' with ``conv1d``), so that each row's logits are the
             same bits in a batch of any size. False: the batch's own row count (faster at batch
-            1–3 for float32 weights, :func:`invariant_by_default`).
+            1–3). None: :func:`invariant_by_default` (all but float32 weights).
 
     A module with forward hooks or pre-hooks of its own (:func:`hooked`; for the tied head,
     also on ``wte``) is kept as it is: a copy would skip the hooks, and a weight a pre-hook
     recomputes (pruning) may be stale until the module runs.
     """
+    if batch_invariant is None:
+        batch_invariant = invariant_by_default(model)
+
     def replace(path: str, m: nn.Module) -> nn.Module | None:
         if hooked(m) or (type(m) is TiedLMHead and hooked(m.wte)):
             return None                                         # the user's hooks (pruning, steering) run as they are

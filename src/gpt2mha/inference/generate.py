@@ -1,7 +1,7 @@
 """The decode loop (OpenAI's ``sample_sequence`` in ``src/sample.py``).
 
-One prefill over the whole prompt fills a :class:`~gpt2mha.core.kv_cache.KVCache`; each later
-step feeds only the newest token and reads the cache. The loop runs on a decode view of the
+Each prompt is prefilled alone into its own row of a :class:`~gpt2mha.core.kv_cache.KVCache`;
+each later step feeds every row's newest token and reads the cache. The loop runs on a decode view of the
 model (:func:`gpt2mha.inference.fast.for_decoding`); sampling is :mod:`.sampling`'s.
 """
 
@@ -202,8 +202,9 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     Args:
         model: a :class:`~gpt2mha.core.model.GPT2`.
         idx: prompt ids ``[B, T]`` (int64), or a list of prompts of different lengths (token
-            lists, 1-D or ``[1, T]`` tensors, numpy arrays; :func:`as_prompts`), left-padded
-            automatically (:func:`left_pad`, pad id 0). A padded tensor needs
+            lists, 1-D or ``[1, T]`` tensors, numpy arrays; :func:`as_prompts`), laid out
+            left-padded in the result (:func:`left_pad`, pad id 0; the model never sees the
+            pads: each prompt is prefilled alone). A padded tensor needs
             ``attention_mask [B, T]`` marking real tokens 1 and pads 0 (bool or 0/1 values).
         max_new_tokens: number of tokens to add (>= 0).
         temperature, top_k, top_p, min_p: sampling (see
