@@ -11,8 +11,9 @@ every parameter and capture point) in which:
   ``[n_out, n_in]`` copy (:class:`TransposedConv1D`): torch's reduced-precision kernels read
   that layout faster. A float32 model keeps GPT-2's ``[in, out]``, its fastest.
 
-Every product in the view gives each row the same bits whatever the other rows of the call
-(batch invariance, benchmarks/batch_invariance.py measures each kernel): MKL's float32 GEMM rounds
+With ``batch_invariant`` (by default for every model but one with float32 weights,
+:func:`invariant_by_default`), every product in the view gives each row the same bits whatever
+the other rows of the call (benchmarks/batch_invariance.py measures each kernel): MKL's float32 GEMM rounds
 a row one way in calls of 1–3 rows and another in calls of 4 or more (and with several threads
 splits a call into blocks of 4 rows plus a remainder), so every float32 product of the view
 (:class:`RowPaddedConv1D`, the head) runs on a multiple of :data:`ROW_MULTIPLE` rows, zero rows

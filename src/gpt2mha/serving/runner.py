@@ -10,7 +10,7 @@ the sequence in slot ``s``, from cache index 0 at its own length. The scheduler
   written in place from index 0, as :func:`gpt2mha.inference.generate.generate` prefills each
   of a list of prompts), and each one's first token;
 - :meth:`Runner.decode`: one forward over rows ``0 … n-1`` (``n`` = highest slot asked + 1), idx
-  ``[n, 1]``, each row at its own position with a key mask of its own keys (the cache plans it),
+  ``[n, 1]``, each row at its own position over exactly its own keys (the cache plans it),
   and each asked slot's next token;
 - :meth:`Runner.release`: the slot's row emptied.
 
