@@ -273,10 +273,8 @@ class CausalSelfAttention(nn.Module):
             groups = step.groups if attn_mask is None else None
             attn_mask = step.mask if attn_mask is None else attn_mask
         hooked = bool(self.hook_attn_scores._forward_hooks or self.hook_pattern._forward_hooks)
-        if groups is not None and not hooked:                   # each row over exactly its own keys
-            a = torch.empty_like(q)
-            for rows, S in groups:
-                a[rows] = self.attend(q[rows], k[rows, :, :S], v[rows, :, :S], None, hooked)
+        if groups is not None and not hooked:                   # each run of rows over exactly its own keys
+            a = torch.cat([self.attend(q[rows], k[rows, :, :S], v[rows, :, :S], None, hooked) for rows, S in groups])
         else:
             a = self.attend(q, k, v, attn_mask, hooked)
         z = self.hook_z(a.transpose(1, 2))                      # [B, T, h, head_dim]

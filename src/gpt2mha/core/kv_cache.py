@@ -44,8 +44,9 @@ class CacheStep(NamedTuple):
         mask: None (the bottom-right causal mask), or bool ``[B, 1, T, span]``: query ``(b, t)``
             may read key ``j`` iff ``j <= pos[b, t]``.
         rows: ``[B, 1]`` row indices for the per-row write, or None with ``start``.
-        groups: when lengths differ and no fixed span was asked for: ``((rows, keys), …)``, runs
-            of adjacent rows (a ``slice``) holding one length, each to be attended over its first
+        groups: when lengths differ and no fixed span was asked for: ``((rows, keys), …)``, the
+            runs of adjacent rows (``slice``, in row order, covering every row) holding one
+            length, each to be attended over its first
             ``keys`` cache indices only, with OpenAI's bottom-right causal mask: exactly the keys
             and shapes that row would have in a batch of its own (batch invariance). None
             otherwise (one call over ``span`` keys with ``mask``).
