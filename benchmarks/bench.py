@@ -1,11 +1,11 @@
 """``gpt2mha bench``: gpt2mha against Hugging Face transformers, side by side on the same weights.
 
 One process builds a random GPT-2 (124M by default) with transformers, saves it once with
-``save_pretrained`` into a temporary directory, loads it into both libraries and measures every
-figure of issue 6: greedy decode tokens/s (batch 1 and 8, same tokens checked), cache vs no
+``save_pretrained`` into a temporary directory, loads it into both libraries and measures each
+figure: greedy decode tokens/s (batch 1 and 8, same tokens checked), cache vs no
 cache, decode step time far into the context vs early, prefill time and peak memory, the
 attention sublayer alone, and bf16/fp16 decode with their top-1 agreement with fp32 on real text;
-and issue 13's int8/int4 weight-only decode (section ``quant``) with the checkpoint size, the
+and int8/int4 weight-only decode (section ``quant``) with the checkpoint size, the
 resident memory, the fraction of the memory bandwidth a step reaches and the logits' cosine.
 
 How things are measured:
@@ -64,7 +64,7 @@ REPO_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data
 
 @dataclass
 class Sizes:
-    """What each figure runs on (the full run is issue 6's; ``QUICK`` scales it down)."""
+    """What each figure runs on (``FULL`` by default; ``QUICK`` scales it down)."""
 
     prompt: int = 4
     new_tokens: int = 200                 # decode, cache vs no cache, low precision
@@ -609,7 +609,7 @@ def builtin_agreement(text: str | None = None, log=print, n_tokens: int = FULL.b
     return rows
 
 
-# ---- quantized decode (issue 13)
+# ---- quantized decode
 #: Issue 13's targets: decode tok/s vs transformers float32 at (scheme, batch), and checkpoint size.
 QUANT_SPEED_TARGETS = {("int8", 1): 2.5, ("int4", 1): 3.5, ("int8", 8): 2.0}
 QUANT_SIZE_TARGETS = {"int8": 0.30, "int4": 0.20}
@@ -734,7 +734,7 @@ def builtin_quantized_agreement(schemes, text: str | None = None, log=print,
                                 n_tokens: int = FULL.builtin_agree_tokens,
                                 calibration_bytes: int | None = None) -> list[dict]:
     """int8/int4 top-1 agreement of the built-in (trained) model with its float32 self on the
-    last ``n_tokens`` tokens of the text (held out; issue 13's targets: 99.5% / 97%), quantized
+    last ``n_tokens`` tokens of the text (held out; the targets README states: 99.5% / 97%), quantized
     by GPTQ on the packaged calibration text, or on its first ``calibration_bytes`` bytes."""
 
     if DEFAULT_MODEL not in builtin_models():
@@ -827,7 +827,7 @@ def run(preset: str = "124M", quick: bool = False, sections=SECTIONS, text: str 
                 rows += timed("lowp", bench_low_precision, directory, ours, hf, sizes, text, log)
             del ours, hf
             gc.collect()
-        if "quant" in sections:                                  # issue 13: int8 / int4 decode
+        if "quant" in sections:                                  # int8 / int4 decode
             ours, hf = load_ours(directory), load_hf(directory)
             rows += timed("quant", bench_quantized, directory, ours, hf, sizes, schemes, text, memory, log)
             del ours, hf

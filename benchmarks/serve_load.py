@@ -4,10 +4,11 @@ Two parts, each against a real server started as a subprocess (``gpt2mha serve -
 
 1. **Load test** (built-in model): ``--clients`` concurrent clients (32) send ``--requests``
    requests (256) in all, with mixed prompt lengths and ``max_tokens``, greedy or seeded,
-   some streamed, some with stop strings, some cancelled mid-way (a stream closed after a few
-   chunks, a plain request abandoned after a few milliseconds). Every request that was not
-   cancelled must come back complete (HTTP 200, finish_reason "length" or "stop") with exactly
-   the text offline ``generate`` gives for it alone; at the end /health must show no running or
+   some streamed, some with stop strings, some asking for ``logprobs``, some cancelled mid-way
+   (a stream closed after a few chunks, a plain request abandoned after a few milliseconds).
+   Every request that was not cancelled must come back complete (HTTP 200, finish_reason
+   "length" or "stop") with exactly the text offline ``generate`` gives for it alone, and its
+   logprobs (when asked) must be the model's own (:func:`logprob_problem`); at the end /health must show no running or
    queued sequence and every slot free. Any failure exits 1.
 2. **Throughput and latency** (built-in model and random GPT-2 124M weights): the same streamed
    requests sent one at a time and by 4 and 16 concurrent clients; prints tokens/s (completion
@@ -58,6 +59,7 @@ def mixed_requests(n: int, seed: int = 0, max_tokens: tuple[int, int] = (1, 64))
     stream the number of chunks after which the client hangs up, for a plain request the
     seconds after which it gives up)."""
     rng = random.Random(seed)
+    lp_rng = random.Random(seed + 1)                  # its own stream: the other draws stay as they were
     reqs = []
     for i, prompt in enumerate(prompts_from_text(n, seed)):
         body = {"prompt": prompt, "max_tokens": rng.randint(*max_tokens), "stream": rng.random() < 0.4}
@@ -70,6 +72,8 @@ def mixed_requests(n: int, seed: int = 0, max_tokens: tuple[int, int] = (1, 64))
         cancel = None
         if rng.random() < 0.15:
             cancel = rng.randint(1, 3) if body["stream"] else rng.uniform(0.001, 0.05)
+        if lp_rng.random() < 0.3:
+            body["logprobs"] = lp_rng.choice([0, 1, 5])
         reqs.append({**body, "_cancel": cancel})
     return reqs
 
@@ -109,10 +113,12 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
         res = {"status": r.status_code, "body": r.json(), "total": time.perf_counter() - t0}
         if r.status_code == 200:
             c = r.json()["choices"][0]
-            res.update(text=c["text"], finish_reason=c["finish_reason"], usage=r.json()["usage"])
+            res.update(text=c["text"], finish_reason=c["finish_reason"], usage=r.json()["usage"],
+                       logprobs=c["logprobs"])
         return res
     payload["stream_options"] = {"include_usage": True}
     texts, finish, usage, chunks, t_first, t_last = [], None, None, 0, None, None
+    logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     async with client.stream("POST", "/v1/completions", json=payload) as r:
         if r.status_code != 200:
             return {"status": r.status_code, "body": json.loads(await r.aread())}
@@ -130,12 +136,15 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
                     t_first = t_first or t_last
                     texts.append(c["text"])
                 finish = c["finish_reason"] or finish
+                for key, values in (c.get("logprobs") or {}).items():
+                    logprobs[key] += values
             usage = event.get("usage") or usage
             chunks += 1
             if cancel is not None and chunks >= cancel and finish is None:
                 return {"cancelled": True}                  # leaving the block closes the connection
     n = usage["completion_tokens"] if usage else 0
     return {"status": 200, "text": "".join(texts), "finish_reason": finish, "usage": usage,
+            "logprobs": logprobs if "logprobs" in payload else None,
             "ttft": None if t_first is None else t_first - t0, "total": time.perf_counter() - t0,
             "per_token": (t_last - t_first) / (n - 1) if n > 1 and t_first is not None else None}
 
@@ -183,6 +192,38 @@ def near_tie(model, tokenizer, prompt: str, got: str, exp: str, tol: float = 1e-
     return max((best - logits[a[j]]).item(), (best - logits[b[j]]).item()) <= tol * max(1.0, best.abs().item())
 
 
+def logprob_problem(model, tokenizer, req: dict, res: dict, tol: float = 1e-4) -> str | None:
+    """What is wrong with a completion's ``logprobs`` (None: nothing): one entry per token of
+    its text (the tokens' texts joined are the text, the offsets where each starts),
+    ``token_logprobs`` equal (``tol``) to ``log_softmax`` of the model's own uncached forward over
+    prompt + text, and ``top_logprobs`` the ``logprobs`` largest of those (plus the token itself)."""
+    import torch
+
+    lp, text = res.get("logprobs"), res["text"]
+    if lp is None:
+        return "logprobs missing"
+    whole = not any(t.startswith("bytes:") for t in lp["tokens"])         # no part of a character
+    if whole and ("".join(lp["tokens"]) != text or lp["text_offset"] != [len("".join(lp["tokens"][:j])) for j in
+                                                                          range(len(lp["tokens"]))]):
+        return f"logprobs tokens {lp['tokens']!r} / offsets {lp['text_offset']} do not spell the text {text!r}"
+    prompt, ids = tokenizer.encode(req["prompt"]), tokenizer.encode(text)
+    if len(ids) != len(lp["token_logprobs"]):
+        return f"{len(lp['token_logprobs'])} token_logprobs for {len(ids)} tokens"
+    if not ids:
+        return None
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].double(), -1)
+    for j, (token, got, top) in enumerate(zip(ids, lp["token_logprobs"], lp["top_logprobs"])):
+        want = ref[j, :tokenizer.n_vocab].topk(req["logprobs"])
+        if abs(got - ref[j, token].item()) > tol:
+            return f"token {j}: logprob {got} != the model's {ref[j, token].item()}"
+        largest = sorted(top.values(), reverse=True)[:req["logprobs"]]
+        if len(top) > req["logprobs"] + 1 or len(largest) != req["logprobs"] or any(
+                abs(a - b) > tol for a, b in zip(largest, want.values.tolist())):
+            return f"token {j}: top_logprobs {top} are not the {req['logprobs']} largest {want.values.tolist()}"
+    return None
+
+
 def check_load(results: list[dict], expected: list[str | None], health: dict, reqs=None, model=None,
                tokenizer=None) -> list[str]:
     """Problems found (empty: nothing lost, everything correct, all slots free). With ``reqs``,
@@ -202,6 +243,10 @@ def check_load(results: list[dict], expected: list[str | None], health: dict, re
                 model is not None and reqs[i].get("temperature") == 0
                 and near_tie(model, tokenizer, reqs[i]["prompt"], res["text"], exp)):
             problems.append(f"request {i}: text {res['text']!r} != offline generate {exp!r}")
+        elif reqs is not None and model is not None and "logprobs" in reqs[i]:
+            bad = logprob_problem(model, tokenizer, reqs[i], res)
+            if bad:
+                problems.append(f"request {i}: {bad}")
     if health["running"] or health["queued"] or health["free_slots"] != health["slots"]:
         problems.append(f"not idle at the end: {health}")
     return problems
@@ -347,7 +392,7 @@ class Server:
                  threads: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "gpt2mha.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "gpt2mha", "serve", "--port", str(self.port),
                "--max-batch", str(max_batch), "--max-queue", str(max_queue)] + (["--model", model] if model else []) + (
                   ["--threads", str(threads)] if threads else [])
         self.log = open(log_path or os.devnull, "w")

@@ -324,3 +324,82 @@ def test_sampled_batch_is_reproducible_and_valid():
     a = model.generate(idx, 20, temperature=0.9, top_k=20, top_p=0.95, seed=7)
     b = model.generate(idx, 20, temperature=0.9, top_k=20, top_p=0.95, seed=7)
     assert torch.equal(a, b) and a.shape == (8, 23) and int(a.min()) >= 0 and int(a.max()) < 97
+
+
+def test_penalties_and_logit_bias_follow_openais_formula():
+    """adjust_logits is OpenAI's ``mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence``
+    plus logit_bias (reference: the formula in NumPy), and a greedy ``generate`` with them equals
+    a naive loop that applies that formula to an uncached forward of the whole text at each step
+    (counting only generated tokens, not the prompt's)."""
+    from gpt2mha.inference.sampling import adjust_logits, bias_vector
+
+    rng = np.random.default_rng(0)
+    logits, counts = rng.normal(size=(3, 50)), rng.integers(0, 3, size=(3, 50))
+    bias = {3: -100.0, 7: 2.5, 49: 0.25}
+    ref = logits - counts * 0.7 - (counts > 0) * 1.3
+    ref[:, [3, 7, 49]] += [-100.0, 2.5, 0.25]
+    got = adjust_logits(torch.tensor(logits, dtype=torch.float32), torch.tensor(counts), 1.3, 0.7,
+                        bias_vector(bias, 50, "cpu"))
+    np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=1e-5)
+
+    m, prompt = model(3), [5, 17, 42, 5]
+    kwargs = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"11": 1.5, 12: -100})
+    out = m.generate([prompt], 16, temperature=0, **kwargs)[0].tolist()
+    ids, counts = list(prompt), np.zeros(50)
+    with torch.no_grad():
+        for _ in range(16):
+            mu = m(torch.tensor([ids])).logits[0, -1].double().numpy()
+            mu = mu - counts * 0.6 - (counts > 0) * 1.2
+            mu[11] += 1.5
+            mu[12] -= 100
+            top2 = np.sort(mu)[-2:]
+            assert top2[1] - top2[0] > 1e-4                   # no near-tie that rounding could flip
+            ids.append(int(mu.argmax()))
+            counts[ids[-1]] += 1
+    assert out == ids
+    assert out[len(prompt):] != m.generate([prompt], 16, temperature=0)[0, len(prompt):].tolist()
+
+
+def test_logit_bias_bans_and_forces_tokens_and_bad_values_are_named():
+    """-100 bans a token from any sampled text, +100 makes it certain (first principles: softmax of
+    logits ~N(0,1) shifted by 100); bad penalties and bias entries raise naming the argument."""
+    m, prompt = model(4), [[5, 17, 42]] * 4
+    banned = {str(t): -100 for t in range(0, 50, 2)}               # every even id
+    out = m.generate(prompt, 20, temperature=1.5, seed=3, logit_bias=banned)[:, 3:]
+    assert (out % 2 == 1).all()
+    out = m.generate(prompt, 20, temperature=1.0, seed=3, logit_bias={"7": 100})[:, 3:]
+    assert (out == 7).all()
+    seeded = [m.generate(prompt, 12, temperature=1.0, seed=9, presence_penalty=-0.5, frequency_penalty=1.0)
+              for _ in range(2)]
+    assert torch.equal(*seeded)
+    for kwargs, match in [(dict(presence_penalty=2.5), r"presence_penalty=2.5 must be a number in \[-2, 2\]"),
+                          (dict(frequency_penalty=float("nan")), "frequency_penalty=nan"),
+                          (dict(logit_bias={"50": 1}), r"logit_bias key '50' is not a token id in \[0, 50\)"),
+                          (dict(logit_bias={"x": 1}), "logit_bias key 'x' is not a token id"),
+                          (dict(logit_bias={3: 101}), r"logit_bias\[3\]=101 must be a number in \[-100, 100\]"),
+                          (dict(logit_bias=[3]), "logit_bias must be an object")]:
+        with pytest.raises(ValueError, match=match):
+            m.generate(prompt, 2, **kwargs)
+
+
+def test_token_logprobs_are_the_models_log_softmax_with_the_chosen_token_among_the_top():
+    """Reference: log-softmax in NumPy (float64). The k largest come first, most probable first;
+    the chosen token is appended when outside them (OpenAI's "always the sampled token"); an
+    argmax token's logprob equals the top entry exactly (one tensor: lm_eval's is_greedy)."""
+    from gpt2mha.inference.sampling import token_logprobs
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0)) * 3
+    ref = logits.double().numpy()
+    ref = ref - ref.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    tokens = torch.tensor([int(logits[0].argmax()), int(logits[1].argmin()), 5])
+    chosen, top = token_logprobs(logits, tokens, 3)
+    np.testing.assert_allclose(chosen, ref[[0, 1, 2], tokens.numpy()], rtol=0, atol=1e-5)
+    for r in range(3):
+        want = np.argsort(-ref[r])[:3].tolist()
+        assert [i for i, _ in top[r][:3]] == want
+        np.testing.assert_allclose([v for _, v in top[r]][:3], ref[r, want], rtol=0, atol=1e-5)
+        assert len(top[r]) == (3 if tokens[r].item() in want else 4) and tokens[r].item() in [i for i, _ in top[r]]
+    assert chosen[0] == top[0][0][1]
+    chosen, top = token_logprobs(logits, tokens, 0)
+    assert [[i for i, _ in t] for t in top] == [[t] for t in tokens.tolist()]

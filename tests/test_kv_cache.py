@@ -109,6 +109,21 @@ def test_past_in_grad_mode_gives_the_uncached_logits(model):
     torch.testing.assert_close(logits.detach(), full, atol=1e-5, rtol=0)
 
 
+def test_backward_through_past_equals_the_uncached_gradients(model):
+    # reference: the same loss on the uncached forward over all tokens; the gradient reaches the
+    # parameters both through the new tokens and through the past (computed with grad here)
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    model.zero_grad()
+    model(idx).logits[:, 5:].square().mean().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    past = model(idx[:, :5]).present
+    model(idx[:, 5:], past=past).logits.square().mean().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=1e-6, rtol=1e-4, msg=n)
+    model.zero_grad()
+
+
 # ----------------------------------------------- checks of a cache against the model and input
 MODEL = small_model(**ROBUST)
 IDX = torch.tensor([[5, 17, 42, 8, 3]])

@@ -175,3 +175,23 @@ def test_prompt_file_and_stdin_give_the_prompt_arguments_output(byte_model, tmp_
                           (["x", "--min-p", "1.5"], "--min-p=1.5 must be a number in [0, 1]")]:
         assert main(["generate", *extra, "--model", byte_model]) == 2, extra
         assert needle in capsys.readouterr().err
+
+
+def test_penalty_and_logit_bias_flags_reach_generate_and_bad_values_are_named(byte_model, capsys, one_thread):
+    """--presence-penalty/--frequency-penalty/--logit-bias print what the API's generate gives
+    with the same arguments (reference: generate itself); bad values are errors naming the flag."""
+    flags = ["--max-new-tokens", "12", "--temperature", "0.8", "--seed", "5", "--model", byte_model]
+    adjust = ["--presence-penalty", "0.7", "--frequency-penalty", "-0.4", "--logit-bias", '{"97": 5, "98": -100}']
+    assert main(["generate", "ab", *flags, *adjust]) == 0
+    model = GPT2.from_pretrained(byte_model)
+    ids = model.generate(torch.tensor([[97, 98]]), 12, temperature=0.8, seed=5, presence_penalty=0.7,
+                         frequency_penalty=-0.4, logit_bias={"97": 5, "98": -100}, vocab_size=256)[0].tolist()
+    assert capsys.readouterr().out == bytes(ids).decode("utf-8", errors="replace") + "\n"
+    assert 98 not in ids[2:]
+    for bad, match in [(["--presence-penalty", "2.5"], r"--presence-penalty=2.5 must be a number in \[-2, 2\]"),
+                       (["--frequency-penalty", "-9"], r"--frequency-penalty=-9.0 must be"),
+                       (["--logit-bias", "{1: 2}"], "--logit-bias '{1: 2}' is not JSON"),
+                       (["--logit-bias", "[1]"], "--logit-bias '\\[1\\]' must be a JSON object"),
+                       (["--logit-bias", '{"256": 1}'], r"--logit-bias key '256' is not a token id in \[0, 256\)")]:
+        assert main(["generate", "ab", *flags, *bad]) != 0
+        assert re.search(match, capsys.readouterr().err), bad

@@ -22,6 +22,7 @@ def check_generate_args(args) -> None:
         raise ValueError(f"--min-p={args.min_p} must be a number in [0, 1] (0: off)") from None
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    check_adjust_args(args)
     if args.prompt_file is not None:
         if args.prompt:
             raise ValueError(f"--prompt-file {args.prompt_file} is the prompt; drop the PROMPT ({args.prompt[0]!r}) "
@@ -49,10 +50,39 @@ def check_generate_args(args) -> None:
     check_quantize_args(args)
 
 
+def check_adjust_args(args) -> None:
+    """``--presence-penalty``, ``--frequency-penalty`` and ``--logit-bias`` (a JSON object, as a
+    request's ``logit_bias``): parsed into ``args.logit_bias`` as a dict; raises ValueError
+    naming the flag. Token ids are checked against the vocabulary by ``generate``."""
+    from ..inference.sampling import check_penalty
+
+    for flag in ("presence_penalty", "frequency_penalty"):
+        try:
+            check_penalty(getattr(args, flag), flag)
+        except ValueError as e:
+            raise ValueError(str(e).replace(flag, "--" + flag.replace("_", "-"), 1)) from None
+    if isinstance(args.logit_bias, str):
+        try:
+            bias = json.loads(args.logit_bias)
+        except ValueError as e:
+            raise ValueError(f"--logit-bias {args.logit_bias!r} is not JSON ({e}); give an object such as "
+                             f"'{{\"50256\": -100}}'") from None
+        if not isinstance(bias, dict):
+            raise ValueError(f"--logit-bias {args.logit_bias!r} must be a JSON object of token id: bias")
+        args.logit_bias = bias
+
+
+def _adjust_kwargs(args) -> dict:
+    """generate's keyword arguments for the penalties and the bias."""
+    return dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                logit_bias=args.logit_bias)
+
+
 def cmd_generate(args) -> int:
     import torch
 
     from ..inference import parallel
+    from ..inference.sampling import check_logit_bias
     from ..io.tokenizer import StreamDecoder, tokenizer_for
     from ..train import distributed
 
@@ -62,6 +92,7 @@ def cmd_generate(args) -> int:
     weights = distributed.weights_fingerprint(model) if di.world_size > 1 else None
     model = quantized(parallel.tensor_parallel(model, args.tp), args)
     tok = tokenizer_for(model.config)
+    check_logit_bias(args.logit_bias, min(tok.n_vocab, model.config.n_vocab), "--logit-bias")
     if args.stop_at_eos and tok.eot_token is None:
         raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
     if args.unconditional and tok.eot_token is None:
@@ -75,7 +106,8 @@ def cmd_generate(args) -> int:
     distributed.agree({"the prompts' token ids": encoded, "the weights (checksum)": weights, "--dtype": args.dtype,
                     **{f"--{k.replace('_', '-')}": getattr(args, k) for k in (
                         "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "num_samples", "stop_at_eos",
-                        "sliding_window", "unconditional")}})
+                        "sliding_window", "unconditional", "presence_penalty", "frequency_penalty",
+                        "logit_bias")}})
     seed = distributed.shared_seed(args.seed)
     if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
         return _generate_samples(args, model, tok, encoded, seed)
@@ -94,7 +126,7 @@ def cmd_generate(args) -> int:
         ids = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, min_p=args.min_p, seed=seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
                              sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab,
-                             batch_invariant=args.batch_invariant)
+                             batch_invariant=args.batch_invariant, **_adjust_kwargs(args))
     except BaseException:                     # (e.g. another rank died): end the streamed line first
         if started:
             out.write("\n")
@@ -120,7 +152,7 @@ def _generate_samples(args, model, tok, encoded: list[list[int]], seed: int | No
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, min_p=args.min_p, seed=seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
                          attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab,
-                         batch_invariant=args.batch_invariant)
+                         batch_invariant=args.batch_invariant, **_adjust_kwargs(args))
     parallel.check_same_tokens(out)
     texts = decode_rows(tok, out.cpu(), mask.cpu(), tok.eot_token if args.stop_at_eos else None)
     skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
@@ -235,8 +267,19 @@ def add_commands(sub) -> None:
     g.add_argument("--min-p", type=float, default=0.0,
                    help="keep only tokens at least this fraction as likely as the most likely one, after "
                         "--temperature (transformers' min_p); in [0, 1], 0: off")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's presence_penalty in [-2, 2]: subtracted once from the logit of every token "
+                        "already generated (the prompt does not count)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's frequency_penalty in [-2, 2]: subtracted from a token's logit per time it "
+                        "was generated")
+    g.add_argument("--logit-bias", default=None, metavar="JSON",
+                   help="OpenAI's logit_bias: a JSON object of token id to a bias in [-100, 100] added to its "
+                        "logit, e.g. '{\"50256\": -100}'")
     g.add_argument("--seed", type=int, default=None,
-                   help="seed for reproducible sampling (default: a random one; with --tp, rank 0 draws it for all)")
+                   help="seed for reproducible sampling (default: a random one; with --tp, rank 0 draws it for all); "
+                        "row i of the batch (PROMPT p, sample s: i = p * --num-samples + s) uses "
+                        "row_seed(seed, i), as choice i of a served request with the same seed")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights' dtype; on CPU bfloat16/float16 halve the weights' memory but decode no "
                         "faster than float32 (benchmarks/RESULTS.md); logits stay float32")

@@ -196,7 +196,9 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new keys/values ``[B, h, T, head_dim]`` where ``step`` says; returns the
-        layer's keys and values ``[B, h, span, head_dim]`` (views, no copy)."""
+        layer's keys and values ``[B, h, span, head_dim]``: views, no copy, unless ``k`` or ``v``
+        requires grad (a forward given ``past`` in grad mode). Then they are copies, since every
+        layer writes into one storage and autograd refuses a saved tensor written since."""
         k_all, v_all = self.layers[layer]                      # [B, h, T_max, head_dim] each
         if step.start is not None:                             # one index for every row
             k_all.narrow(2, step.start, k.shape[2]).copy_(k)
@@ -204,7 +206,10 @@ class KVCache:
         else:                                                  # row b at pos[b]: index_put
             k_all[step.rows, :, step.pos] = k.transpose(1, 2)  # [B, T, h, head_dim]
             v_all[step.rows, :, step.pos] = v.transpose(1, 2)
-        return k_all[:, :, :step.span], v_all[:, :, :step.span]
+        k_all, v_all = k_all[:, :, :step.span], v_all[:, :, :step.span]
+        if k.requires_grad or v.requires_grad:                 # autograd saves what attention reads:
+            return k_all.clone(), v_all.clone()                # a copy, which later layers' writes leave alone
+        return k_all, v_all
 
     def advance(self, n: int) -> None:
         """Every row holds ``n`` more tokens (called by the model after all layers)."""

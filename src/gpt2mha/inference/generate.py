@@ -16,7 +16,7 @@ from ..core.kv_cache import KVCache
 from ..train.distributed import shared_seed
 from .fast import for_decoding, invariant_by_default
 from .parallel import tp_group
-from .sampling import row_generators, sample_next
+from .sampling import adjust_logits, bias_vector, check_logit_bias, check_penalty, row_generators, sample_next
 
 def as_prompts(idx) -> list[list[int]]:
     """Prompts given as a list of token lists, 1-D tensors, ``[1, T]`` tensors or numpy arrays →
@@ -196,7 +196,9 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
              top_p: float = 1.0, seed: int | None = None, eos_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, sliding_window: bool = False,
              on_token: Callable[[torch.Tensor], None] | None = None,
-             vocab_size: int | None = None, min_p: float = 0.0, batch_invariant: bool | None = None) -> torch.Tensor:
+             vocab_size: int | None = None, min_p: float = 0.0, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0, logit_bias: dict | None = None,
+             batch_invariant: bool | None = None) -> torch.Tensor:
     """Sample ``max_new_tokens`` tokens after ``idx``.
 
     Args:
@@ -224,6 +226,13 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         on_token: called with each step's new ids ``[B]`` as soon as they are sampled.
         vocab_size: sample only ids below it (for embeddings padded past the tokenizer's
             vocabulary, e.g. nanoGPT's 50304 rows for GPT-2's 50257 ids).
+        presence_penalty, frequency_penalty: OpenAI's penalties in [-2, 2], subtracted from the
+            raw logits of the tokens this row has generated so far (the prompt does not count):
+            ``frequency_penalty`` per occurrence, ``presence_penalty`` once
+            (:func:`~gpt2mha.inference.sampling.adjust_logits`); greedy rows take the argmax
+            of the adjusted logits.
+        logit_bias: ``{token id: bias in [-100, 100]}`` added to those logits at every step
+            (keys may be decimal strings, as in a JSON request).
         batch_invariant: run the float32 matrix products on a multiple of 4 rows
             (:func:`~gpt2mha.inference.fast.for_decoding`), so that every row's logits are
             bitwise those of its prompt alone; None (default): for every model whose block
@@ -249,9 +258,12 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             tensor on another device than the model's), an eos_token_id or vocab_size that is
             not an id / size of this model, an on_token that cannot be called, a sliding_window
             that is not a bool, or a prompt plus new tokens longer than n_ctx without
-            ``sliding_window``.
+            ``sliding_window``; a penalty outside [-2, 2] or a logit_bias entry that is not
+            ``id below the vocabulary: number in [-100, 100]``.
     """
     temperature, top_k, top_p, min_p = checks.sampling(temperature, top_k, top_p, min_p)
+    presence_penalty = check_penalty(presence_penalty, "presence_penalty")
+    frequency_penalty = check_penalty(frequency_penalty, "frequency_penalty")
     max_new_tokens = checks.as_int(max_new_tokens, "max_new_tokens")
     seed = checks.seed(seed)
     c = model.config
@@ -260,6 +272,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         vocab_size = checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
             raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={c.n_vocab}]")
+    logit_bias = check_logit_bias(logit_bias, vocab_size or c.n_vocab)
     if eos_token_id is not None:
         eos_token_id = checks.as_int(eos_token_id, "eos_token_id")
         if eos_token_id >= c.n_vocab:
@@ -282,19 +295,21 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             seed = shared_seed(None, group)
     generator = row_generators(seed, B, idx.device) if seed is not None else None
     sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator)
+    adjust = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                  bias=bias_vector(logit_bias, vocab_size or c.n_vocab, idx.device))
     was_training = model.training
     model.eval()                                               # dropout off: a seed fixes the tokens
     try:
         with torch.inference_mode():
-            out = decode_loop(for_decoding(model, batch_invariant=batch_invariant), idx, max_new_tokens, attention_mask, sample,
-                              eos_token_id, on_token, vocab_size)
+            out = decode_loop(for_decoding(model, batch_invariant=batch_invariant), idx, max_new_tokens,
+                              attention_mask, sample, eos_token_id, on_token, vocab_size, adjust)
     finally:
         model.train(was_training)
     return out.clone()                                         # outside inference mode: an ordinary tensor
 
 
 def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_token_id, on_token,
-                vocab_size) -> torch.Tensor:
+                vocab_size, adjust: dict | None = None) -> torch.Tensor:
     """The loop of :func:`generate` after its checks (the model's own checks are skipped: every
     input here was checked once, by :func:`generate`).
 
@@ -303,6 +318,8 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
     rows' newest tokens at once, each row at its own position, attending to its own keys only.
     Nothing a row computes depends on the other rows (see :func:`generate`, batch invariance).
     A row whose window is full (``sliding_window``) is recomputed alone over its last n_ctx tokens.
+    ``adjust``: :func:`~gpt2mha.inference.sampling.adjust_logits`'s penalties and bias, the
+    counts of each row's generated tokens kept here.
     """
     B, T = idx.shape
     n_ctx = model.config.n_ctx
@@ -315,15 +332,24 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
     longest = max(len(ids) for ids in prompts)
     cache = KVCache(model.config.n_layer, B, model.config.n_head, min(n_ctx, longest + max_new_tokens),
                     model.config.head_dim, dtype=p.dtype, device=p.device)
+    adjust = dict(adjust or {})
+    counts = None
+    if adjust.get("presence_penalty") or adjust.get("frequency_penalty"):
+        counts = torch.zeros(B, vocab_size or model.config.n_vocab, dtype=torch.float32, device=idx.device)
     logits = torch.cat([model(ids[None, -n_ctx:], cache=cache.row(b), last_only=True, validate=False).logits[:, -1]
                         for b, ids in enumerate(prompts)])     # [B, n_vocab]
     sliding = set()                                            # rows recomputed over their last n_ctx tokens
     for step in range(max_new_tokens):
         pos = T + step                                         # column of the token being chosen
-        token = sample_next(logits[:, :vocab_size], **sample)
+        step_logits = logits[:, :vocab_size]
+        if counts is not None or adjust.get("bias") is not None:
+            step_logits = adjust_logits(step_logits, counts, **adjust)
+        token = sample_next(step_logits, **sample)
         if eos_token_id is not None:
             token = torch.where(finished, eos_token_id, token)
             finished |= token == eos_token_id
+        if counts is not None:
+            counts[torch.arange(B, device=idx.device), token] += 1
         out[:, pos] = token
         if on_token is not None:
             on_token(token)

@@ -5,11 +5,25 @@ largest logits whose cumulative probability stays within p, at least one), optio
 (keep tokens at least ``min_p`` times as probable as the most probable one), then a draw.
 Each row of a batch may draw from its own generator, seeded by :func:`row_seed`, so a row
 samples exactly as its prompt alone.
+
+Before all of that the raw logits may be adjusted as OpenAI's API defines it
+(:func:`adjust_logits`): ``logit_bias`` added per token id, and presence/frequency penalties
+subtracted for the tokens generated so far. Log-probabilities reported to users
+(:func:`token_logprobs`) are the model's own, ``log_softmax`` of the raw logits, untouched by any
+of these.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
+
+#: OpenAI's range of ``presence_penalty`` / ``frequency_penalty``.
+MAX_PENALTY = 2.0
+#: OpenAI's range of a ``logit_bias`` value.
+MAX_LOGIT_BIAS = 100.0
 
 #: Temperatures below float32's smallest normal number sample as temperature 0 (greedy): the
 #: limit of ``softmax(logits / t)`` as t → 0 puts all the mass on the largest logit.
@@ -83,3 +97,105 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+
+
+def check_penalty(value, name: str) -> float:
+    """A presence or frequency penalty as a float in OpenAI's range ``[-2, 2]``.
+
+    Raises:
+        ValueError: naming ``name``, for a bool, a non-number, NaN/inf or a value outside the range.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+        raise ValueError(f"{name}={value!r} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+    return float(value)
+
+
+def check_logit_bias(bias, vocab_size: int, name: str = "logit_bias") -> dict[int, float]:
+    """``logit_bias`` (OpenAI's: token id → bias added to its logit) as ``{id: float}``.
+
+    Keys may be ints or strings of decimal ints (JSON object keys are strings); values numbers in
+    ``[-100, 100]`` (-100 in effect bans a token, +100 forces it). None or empty: ``{}``.
+
+    Raises:
+        ValueError: naming ``name`` and the entry: not a mapping, a key that is not a token id
+            below ``vocab_size``, or a value that is not a finite number in ``[-100, 100]``.
+    """
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError(f"{name} must be an object mapping token ids to biases; got {type(bias).__name__}")
+    out = {}
+    for key, value in bias.items():
+        token = None
+        if isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        elif isinstance(key, str) and key.strip().isdigit() and key.isascii():
+            token = int(key)
+        if token is None or not 0 <= token < vocab_size:
+            raise ValueError(f"{name} key {key!r} is not a token id in [0, {vocab_size})")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or \
+                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"{name}[{key!r}]={value!r} must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        out[token] = float(value)
+    return out
+
+
+def bias_vector(bias: dict[int, float], vocab_size: int, device) -> torch.Tensor | None:
+    """A checked ``{id: bias}`` as a dense float32 ``[vocab_size]`` tensor (None when empty)."""
+    if not bias:
+        return None
+    vec = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    vec[torch.tensor(list(bias), dtype=torch.long, device=device)] = torch.tensor(
+        list(bias.values()), dtype=torch.float32, device=device)
+    return vec
+
+
+def adjust_logits(logits: torch.Tensor, counts: torch.Tensor | None = None, presence_penalty: float = 0.0,
+                  frequency_penalty: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """OpenAI's adjustments of the raw logits before sampling (float32 ``[B, V]`` → same):
+
+    ``logits[j] - counts[j] * frequency_penalty - (counts[j] > 0) * presence_penalty + bias[j]``
+
+    where ``counts [B, V]`` is how often each token was generated so far in that row (the prompt
+    does not count) and ``bias [V]`` a dense :func:`bias_vector`. Source: OpenAI's API reference,
+    "Parameter details" of frequency and presence penalties (its ``mu[j] -> mu[j] - c[j] *
+    alpha_frequency - float(c[j] > 0) * alpha_presence``), and ``logit_bias``. Nothing given:
+    ``logits`` itself.
+    """
+    logits = logits.float()
+    if counts is not None and (presence_penalty or frequency_penalty):
+        counts = counts.to(logits.dtype)
+        logits = logits - counts * frequency_penalty - (counts > 0).to(logits.dtype) * presence_penalty
+    if bias is not None:
+        logits = logits + bias
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The model's log-probabilities of ``tokens`` and the ``k`` most probable ids, per row.
+
+    Args:
+        logits: raw logits ``[R, V]`` (any float dtype; computed in float32).
+        tokens: ``[R]`` ids, the token chosen at each row.
+        k: how many of the most probable ids to list (0 … V).
+
+    Returns:
+        ``(chosen, top)``: ``chosen[r]`` = ``log_softmax(logits[r])[tokens[r]]`` and ``top[r]``
+        the ``(id, logprob)`` pairs of the ``k`` largest, most probable first, plus the chosen
+        token when it is not among them (as OpenAI's ``logprobs``: "the API will always return
+        the logprob of the sampled token"). All values come from one float32 ``log_softmax``, so
+        a chosen token that is the argmax has a logprob exactly equal to ``top[r][0]``'s.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)                  # [R, V]
+    chosen = lp.gather(-1, tokens.view(-1, 1).to(lp.device)).squeeze(-1).tolist()
+    top = []
+    if k > 0:
+        values, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        pairs = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        pairs = [[] for _ in chosen]
+    for row, (token, logprob) in enumerate(zip(tokens.tolist(), chosen)):
+        if all(i != token for i, _ in pairs[row]):
+            pairs[row].append((token, logprob))
+        top.append(pairs[row])
+    return chosen, top

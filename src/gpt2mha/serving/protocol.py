@@ -15,8 +15,9 @@ import math
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..inference.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 from .scheduler import ExceedsCapacity, QueueFull, SamplingParams, Sequence, ShuttingDown
-from .text_stream import CANCELLED, ERROR
+from .text_stream import CANCELLED, ERROR, TextStream
 
 MAX_STOP = 4            # as OpenAI: up to 4 stop sequences
 RETRY_AFTER_S = 1
@@ -41,7 +42,7 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # accepted at their neutral values only (clients send some of them by default)
+    # ---- choices, logprobs and logit adjustments (check_choices, logprobs_answer)
     n: int = 1
     best_of: int | None = None
     echo: bool = False
@@ -49,6 +50,7 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # ---- accepted at their neutral values only (clients send some of them by default)
     suffix: str | None = None
     user: str | None = None
 
@@ -164,10 +166,8 @@ def check_request(body: CompletionRequest, model_name: str) -> None:
     stops = stop_strings(body)
     if len(stops) > MAX_STOP or any(s == "" for s in stops):
         raise APIError(400, f"stop must be up to {MAX_STOP} non-empty strings, got {list(stops)!r}", "stop")
-    unsupported = dict(n=body.n != 1, best_of=body.best_of not in (None, 1), echo=body.echo,
-                       logprobs=body.logprobs is not None, presence_penalty=body.presence_penalty != 0,
-                       frequency_penalty=body.frequency_penalty != 0, logit_bias=bool(body.logit_bias),
-                       suffix=body.suffix is not None)
+    check_choices(body)
+    unsupported = dict(suffix=body.suffix is not None)
     for name, bad in unsupported.items():
         if bad:
             raise APIError(400, f"{name}={getattr(body, name)!r} is not supported by this server "
@@ -180,11 +180,15 @@ def check_prompt_count(body: CompletionRequest, capacity: int, max_batch: int, m
     """More prompts than the server can ever hold at once (``capacity = max_batch + max_queue``)
     is a 400 naming ``prompt`` (``code="too_many_prompts"``): never admissible, not a 429 to retry."""
     n = 1 if isinstance(body.prompt, str) else len(body.prompt)
-    if n > capacity:
-        raise APIError(400, f"prompt is a list of {n} prompts; this server holds at most {capacity} "
+    each = body.best_of or body.n                       # sequences run per prompt
+    if n * each > capacity:
+        what = f"prompt is a list of {n} prompts" if n > 1 or not isinstance(body.prompt, str) else "the prompt"
+        runs = f" with {each} sequences each ({'best_of' if body.best_of else 'n'}={each})" if each > 1 else ""
+        raise APIError(400, f"{what}{runs}; this server holds at most {capacity} "
                             f"sequences at once (--max-batch {max_batch} running + --max-queue "
                             f"{max_queue} waiting), so it can never admit them: send at most "
-                            f"{capacity} prompts per request", "prompt", code="too_many_prompts")
+                            f"{capacity} {'prompts' if each == 1 else 'sequences'} per request", "prompt" if each == 1 else
+                       ("best_of" if body.best_of else "n"), code="too_many_prompts")
 
 
 def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int) -> list[list[int]]:
@@ -232,7 +236,7 @@ def stop_strings(body: CompletionRequest) -> tuple[str, ...]:
 def sampling_params(body: CompletionRequest) -> SamplingParams:
     """The scheduler's :class:`~gpt2mha.serving.scheduler.SamplingParams` of a checked request."""
     return SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
-                          top_p=body.top_p, seed=body.seed, stop=stop_strings(body))
+                          top_p=body.top_p, seed=body.seed, stop=stop_strings(body), **choice_params(body))
 
 
 def submit_error(e: Exception) -> APIError:
@@ -269,16 +273,160 @@ def failure(seqs: list[Sequence]) -> APIError | None:
 
 
 def usage(seqs: list[Sequence]) -> dict:
-    """OpenAI's ``usage``: prompt, completion and total tokens of a request's sequences."""
-    p, c = sum(len(s.prompt_ids) for s in seqs), sum(len(s.tokens) for s in seqs)
+    """OpenAI's ``usage``: prompt tokens (each prompt once, however many choices it has),
+    completion tokens (of every sequence run, best_of's unreturned ones too) and their total."""
+    p = sum(len(s.prompt_ids) for s in {s.prompt_index: s for s in seqs}.values())
+    c = sum(len(s.tokens) for s in seqs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def choice(index: int, text: str, finish_reason: str | None) -> dict:
+def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     """One entry of ``choices`` (a whole answer's, or a stream chunk's)."""
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def sse(data: dict | str) -> str:
     """One server-sent event: ``data: <json>`` (or the literal ``[DONE]``) and a blank line."""
     return "data: " + (data if isinstance(data, str) else json.dumps(data)) + "\n\n"
+
+
+# ------------------------------------------------------ choices (n, best_of) and logprobs
+#: OpenAI's limits: ``logprobs`` up to 5, ``n`` and ``best_of`` up to 128 and 20.
+MAX_LOGPROBS, MAX_N, MAX_BEST_OF = 5, 128, 20
+
+
+def check_choices(body: CompletionRequest) -> None:
+    """OpenAI's rules for ``n``, ``best_of``, ``logprobs``, ``echo``, the penalties and
+    ``logit_bias`` (its token ids are checked against the vocabulary by
+    :func:`check_logit_bias_ids`). Raises :class:`APIError` 400 naming the field."""
+    if not 1 <= body.n <= MAX_N:
+        raise APIError(400, f"n={body.n} must be in [1, {MAX_N}]", "n")
+    if body.best_of is not None:
+        if not 1 <= body.best_of <= MAX_BEST_OF:
+            raise APIError(400, f"best_of={body.best_of} must be in [1, {MAX_BEST_OF}]", "best_of")
+        if body.best_of < body.n:
+            raise APIError(400, f"best_of={body.best_of} must be greater than or equal to n={body.n}", "best_of")
+        if body.stream and body.best_of > 1:
+            raise APIError(400, f"best_of={body.best_of} cannot be used with stream: the best of several "
+                                f"completions is known only once all are done", "best_of")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs={body.logprobs} must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+            raise APIError(400, f"{name}={value} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", name)
+    for key, value in (body.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias key {key!r} is not a token id (a string of digits, e.g. \"50256\")",
+                           "logit_bias")
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise APIError(400, f"logit_bias[{key!r}]={value} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                           "logit_bias")
+
+
+def check_logit_bias_ids(body: CompletionRequest, vocab_size: int) -> None:
+    """Every ``logit_bias`` key is a token id below ``vocab_size``: 400 naming ``logit_bias``."""
+    for key in body.logit_bias or {}:
+        if int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id of this model's tokenizer "
+                                f"(ids 0 … {vocab_size - 1})", "logit_bias")
+
+
+def choice_params(body: CompletionRequest) -> dict:
+    """:class:`~gpt2mha.serving.scheduler.SamplingParams`'s fields for choices, logprobs and logit
+    adjustments, from a checked request."""
+    return dict(n=body.n, best_of=body.best_of, echo=body.echo, logprobs=body.logprobs,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()))
+
+
+def token_text(tokenizer, token: int) -> str:
+    """A token as ``logprobs.tokens`` shows it: its text, or, when its bytes are not whole UTF-8
+    characters (part of a multi-byte character), ``"bytes:\\xe2\\x80"`` as OpenAI writes them."""
+    raw = tokenizer.decode_bytes([token])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def logprobs_answer(tokenizer, ids: list[int], entries: list, offsets: list[int]) -> dict:
+    """OpenAI's ``choices[i].logprobs`` for tokens ``ids``: ``{tokens, token_logprobs,
+    top_logprobs, text_offset}``.
+
+    Args:
+        ids: the tokens (the echoed prompt's, then the completion's).
+        entries: one :data:`~gpt2mha.serving.runner.TokenLogprob` ``(logprob, [(id, logprob)])``
+            per token, or None (the prompt's first token: no context, so ``null``).
+        offsets: each token's character offset in the choice's text.
+    """
+    tokens = [token_text(tokenizer, t) for t in ids]
+    token_logprobs = [None if e is None else e[0] for e in entries]
+    top = [None if e is None else {token_text(tokenizer, i): lp for i, lp in e[1]} for e in entries]
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": list(offsets)}
+
+
+def prompt_echo(tokenizer, seq: Sequence) -> tuple[str, dict | None]:
+    """With ``echo``: the prompt's text and (with ``logprobs``) its part of the logprobs, its
+    first token ``null``; without, ``("", None)``."""
+    if not seq.params.echo:
+        return "", None
+    text = tokenizer.decode(seq.prompt_ids)
+    if seq.params.logprobs is None:
+        return text, None
+    offsets = text_offsets(tokenizer, seq.prompt_ids)
+    return text, logprobs_answer(tokenizer, seq.prompt_ids, [None] + list(seq.prompt_logprobs or []), offsets)
+
+
+def text_offsets(tokenizer, ids: list[int]) -> list[int]:
+    """Each token's character offset in the text of ``ids`` (as :class:`TextStream` counts them)."""
+    stream = TextStream(tokenizer)
+    out = []
+    for t in ids:
+        out.append(len(stream.text))
+        stream.push([t])
+    return out
+
+
+def completion_logprobs(tokenizer, seq: Sequence, start: int, end: int, shift: int) -> dict:
+    """The logprobs of ``seq``'s generated tokens ``start … end-1``, offsets moved by ``shift``
+    characters (the echoed prompt's length)."""
+    offsets = [o + shift for o in seq.stream.offsets[start:end]]
+    return logprobs_answer(tokenizer, seq.tokens[start:end], seq.logprobs[start:end], offsets)
+
+
+def join_logprobs(*parts: dict | None) -> dict:
+    """Logprobs objects one after another as one."""
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {k: [x for p in parts if p is not None for x in p[k]] for k in keys}
+
+
+def mean_logprob(seq: Sequence) -> float:
+    """``best_of``'s ranking: the mean log-probability of the sequence's generated tokens (the
+    model's raw distribution; 0 for none)."""
+    return sum(e[0] for e in seq.logprobs) / len(seq.logprobs) if seq.logprobs else 0.0
+
+
+def pick_choices(seqs: list[Sequence]) -> list[tuple[int, Sequence]]:
+    """``(choice index, sequence)`` of a finished request: with ``best_of > n`` the n candidates
+    of each prompt with the highest :func:`mean_logprob` (ties: the earlier candidate), indexed
+    ``prompt_index · n + rank``; otherwise every sequence at its own index."""
+    params = seqs[0].params
+    if not params.ranked:
+        return [(s.index, s) for s in seqs]
+    out = []
+    for i in sorted({s.prompt_index for s in seqs}):
+        group = sorted((s for s in seqs if s.prompt_index == i), key=lambda s: (-mean_logprob(s), s.index))
+        out.extend((i * params.n + r, s) for r, s in enumerate(group[:params.n]))
+    return out
+
+
+def choice_answer(tokenizer, index: int, seq: Sequence) -> dict:
+    """A finished sequence as ``choices[index]``: the echoed prompt then its text, and the
+    logprobs of the tokens the text covers (:attr:`TextStream.released`) when asked."""
+    echo, prompt_lp = prompt_echo(tokenizer, seq)
+    lp = None
+    if seq.params.logprobs is not None:
+        tokens = completion_logprobs(tokenizer, seq, 0, seq.stream.released if seq.stream else 0, len(echo))
+        lp = join_logprobs(prompt_lp, tokens)
+    return choice(index, echo + seq.text, seq.finish_reason, lp)

@@ -12,7 +12,9 @@ the sequence in slot ``s``, from cache index 0 at its own length. The scheduler
 - :meth:`Runner.decode`: one forward over rows ``0 … n-1`` (``n`` = highest slot asked + 1), idx
   ``[n, 1]``, each row at its own position over exactly its own keys (the cache plans it),
   and each asked slot's next token;
-- :meth:`Runner.release`: the slot's row emptied.
+- :meth:`Runner.release`: the slot's row emptied;
+- :meth:`Runner.score`: the model's log-probabilities of a prompt's own tokens (``echo`` with
+  ``logprobs``), one forward of that prompt alone, apart from the slots.
 
 Everything goes in and out as Python ints (slots, token ids): the scheduler never sees a
 tensor. No row's numbers depend on the others (batch invariance): a prompt is prefilled alone,
@@ -23,6 +25,13 @@ prompt alone, bit for bit. Each row is sampled from its row of logits with its o
 (:func:`~gpt2mha.inference.sampling.sample_next`), so a sequence draws exactly as its prompt
 alone in ``generate`` (one draw per token, the first from the prefill); greedy rows share one
 argmax. A fault while sampling one row is returned as that row's result, not raised.
+
+A slot opened with penalties or a logit bias samples from adjusted logits
+(:func:`~gpt2mha.inference.sampling.adjust_logits`, its generated tokens counted here), as
+``generate`` does with the same arguments. A slot opened with ``logprobs=k`` also gets each
+token's log-probability and the k most probable ids (:attr:`Runner.logprobs`), always from the
+model's raw logits (``log_softmax``, before penalties, bias, temperature and filtering: the
+model's distribution, as OpenAI reports it and as lm-evaluation-harness needs for its scores).
 
 Sources: continuous batching over a static cache with one indexed write per step, as in Orca
 (Yu et al., OSDI 2022), vLLM and gpt-fast.
@@ -37,7 +46,10 @@ import torch
 from ..core import checks
 from ..core.kv_cache import KVCache
 from ..inference.fast import for_decoding, invariant_by_default
-from ..inference.sampling import MIN_TEMPERATURE, sample_next
+from ..inference.sampling import MIN_TEMPERATURE, adjust_logits, bias_vector, sample_next, token_logprobs
+
+#: One token's log-probability and the most probable ids with theirs: ``(logprob, [(id, logprob), ...])``.
+TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -49,11 +61,21 @@ class Sampler:
     top_k: int
     top_p: float
     generator: torch.Generator
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    bias: torch.Tensor | None = None          # [vocab_size] float32, or None
+    counts: torch.Tensor | None = None        # [1, vocab_size]: generated tokens, when a penalty is set
+    logprobs: int | None = None               # report each token's logprob and this many top ids
 
     @property
     def greedy(self) -> bool:
         """Whether this is argmax (temperature 0, or below what float32 can divide by)."""
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the logits are adjusted (penalties or a bias) before sampling."""
+        return self.counts is not None or self.bias is not None
 
 
 def prefill_row(model, cache: KVCache, row: int, prompt: list[int]) -> torch.Tensor:
@@ -111,16 +133,27 @@ class Runner:
         self.vocab_size = vocab_size
         self.samplers: list[Sampler | None] = [None] * slots
         self.last: list[int] = [0] * slots                     # each slot's newest token: its next input
+        #: each slot's newest token's :data:`TokenLogprob` (None unless opened with ``logprobs``)
+        self.logprobs: list[TokenLogprob | None] = [None] * slots
 
     @property
     def slots(self) -> int:
         """Rows of the cache (the most sequences decoded together)."""
         return self.cache.batch_size
 
-    def open(self, slot: int, seed: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
+    def open(self, slot: int, seed: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, *,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+             logprobs: int | None = None) -> None:
         """Give ``slot`` its sampler: ``sample_next``'s arguments and a generator seeded with
         ``seed`` (in ``[0, 2**63)``) on the model's device. The row itself is filled by
         :meth:`prefill`.
+
+        Args:
+            presence_penalty, frequency_penalty, logit_bias: as
+                :func:`~gpt2mha.inference.generate.generate` (checked by the caller: penalties in
+                [-2, 2], bias ``{id below vocab_size: value in [-100, 100]}``).
+            logprobs: None, or k >= 0: keep each sampled token's :data:`TokenLogprob` with the
+                k most probable ids in :attr:`logprobs`.
 
         Raises:
             ValueError: the slot is out of range or in use (not released since it was opened).
@@ -130,13 +163,17 @@ class Runner:
         if self.samplers[slot] is not None:
             raise ValueError(f"slot={slot} is in use; release it first")
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.samplers[slot] = Sampler(temperature, top_k, top_p, generator)
+        counts = (torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
+                  if presence_penalty or frequency_penalty else None)
+        self.samplers[slot] = Sampler(temperature, top_k, top_p, generator, presence_penalty, frequency_penalty,
+                                      bias_vector(logit_bias or {}, self.vocab_size, self.device), counts, logprobs)
 
     def release(self, slot: int) -> None:
         """Empty ``slot``: its row's length is 0 again and its sampler is dropped."""
         self.cache.reset(slot)
         self.samplers[slot] = None
         self.last[slot] = 0
+        self.logprobs[slot] = None
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> list[int | Exception]:
@@ -182,17 +219,25 @@ class Runner:
         return self._next_tokens(slots, logits, rows=slots)
 
     def _next_tokens(self, slots: list[int], logits: torch.Tensor, rows) -> list[int | Exception]:
-        """Slot ``slots[i]``'s next token from ``logits[rows[i]]`` (``logits [R, n_vocab]``)."""
+        """Slot ``slots[i]``'s next token from ``logits[rows[i]]`` (``logits [R, n_vocab]``), and
+        its :data:`TokenLogprob` when the slot asked for them."""
         greedy = None
         out = []
         for slot, row in zip(slots, rows):
             try:
-                if self.samplers[slot].greedy:
+                s = self.samplers[slot]
+                if s.greedy and not s.adjusted:
                     if greedy is None:                          # one argmax for every greedy row
                         greedy = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
                     token = greedy[row]
                 else:
                     token = self.sample(slot, logits[row:row + 1])
+                if s.logprobs is not None:
+                    chosen, top = token_logprobs(logits[row:row + 1, :self.vocab_size],
+                                                 torch.tensor([token]), s.logprobs)
+                    self.logprobs[slot] = (chosen[0], top[0])
+                if s.counts is not None:
+                    s.counts[0, token] += 1
                 self.last[slot] = token
                 out.append(token)
             except Exception as e:                              # this row fails; the others go on
@@ -201,6 +246,26 @@ class Runner:
 
     def sample(self, slot: int, logits: torch.Tensor) -> int:
         """The next token of ``slot`` from its logits ``[1, n_vocab]``: ``sample_next`` with its
-        sampler (ids below ``vocab_size`` only)."""
+        sampler (ids below ``vocab_size`` only), after its penalties and bias."""
         s = self.samplers[slot]
-        return int(sample_next(logits[:, :self.vocab_size], s.temperature, s.top_k, s.top_p, s.generator)[0])
+        logits = logits[:, :self.vocab_size]
+        if s.adjusted:
+            logits = adjust_logits(logits, s.counts, s.presence_penalty, s.frequency_penalty, s.bias)
+        return int(sample_next(logits, s.temperature, s.top_k, s.top_p, s.generator)[0])
+
+    @torch.inference_mode()
+    def score(self, prompt: list[int], k: int) -> list[TokenLogprob]:
+        """The model's log-probability of each token of ``prompt`` after the ones before it, and
+        the ``k`` most probable ids there: ``len(prompt) - 1`` entries, for tokens 1 … T-1
+        (token 0 has no context). One forward of ``[1, T]`` through the decode view, without the
+        cache and apart from every slot, so a prompt scores the same whatever else is running.
+
+        Source: ``log_softmax`` of the logits at position t-1 read at token t, as the loss of
+        :class:`~gpt2mha.core.model.GPT2` (and lm-evaluation-harness's ``loglikelihood``).
+        """
+        if len(prompt) < 2:
+            return []
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        logits = self.decoder(ids, validate=False).logits[0, :-1, :self.vocab_size]      # [T-1, V]
+        chosen, top = token_logprobs(logits, ids[0, 1:], k)
+        return list(zip(chosen, top))

@@ -15,9 +15,13 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
 
 A sequence's logits are, bit for bit, the ones ``generate`` computes for its prompt alone,
 whatever else runs beside it, in whichever slot, admitted whenever (batch invariance: the
-runner prefills it alone and computes nothing of a row from the other rows), and it is sampled
-with a generator seeded with its seed (prompt i of a list: ``row_seed(seed, i)``, as row i of a
-batch there): its greedy or seeded text is ``generate``'s.
+runner prefills it alone and computes nothing of a row from the other rows; float32 weights
+need ``batch_invariant=True``), and it is sampled with a generator seeded with its seed: its
+greedy or seeded text is ``generate``'s. A request of P prompts with ``n`` choices each
+(``best_of`` candidates when given) is P·m sequences, m = best_of or n; sequence ``i·m + j``
+(prompt i, candidate j) is seeded ``row_seed(seed, i·m + j)``, as row ``i·m + j`` of
+``generate`` over the prompts each repeated m times (``gpt2mha generate P1 P2 …
+--num-samples m --seed S``).
 
 This module holds no tensor: the runner takes and returns slots and token ids.
 
@@ -36,12 +40,14 @@ from typing import Callable
 
 from ..core import checks
 from ..inference.generate import as_prompts
-from ..inference.sampling import row_seed
+from ..inference.sampling import check_logit_bias, check_penalty, row_seed
 from .runner import Runner
 from .text_stream import CANCELLED, ERROR, LENGTH, STOP, TextStream
 
 log = logging.getLogger("gpt2mha.serve")
 
+#: The most ``logprobs`` a request may ask for (OpenAI's limit).
+MAX_LOGPROBS = 5
 #: Seconds of recent steps that :meth:`Scheduler.stats`'s tokens per second is measured over.
 RATE_WINDOW_S = 10.0
 
@@ -71,6 +77,13 @@ class SamplingParams:
         seed: seeds the sequence's own ``torch.Generator`` (None: a random seed); prompt i of a
             request uses ``row_seed(seed, i)``, as row i of a batch in ``generate`` (prompt 0: seed).
         stop: strings that end the text (cut before the first one; finish_reason ``"stop"``).
+        presence_penalty, frequency_penalty, logit_bias: OpenAI's adjustments of the logits
+            (:func:`~gpt2mha.inference.sampling.adjust_logits`; logit_bias as ``((id, bias), ...)``).
+        logprobs: None, or k in [0, 5]: record each generated token's log-probability and the k
+            most probable ids (:attr:`Sequence.logprobs`).
+        echo: with ``logprobs``, also score the prompt's own tokens (:attr:`Sequence.prompt_logprobs`).
+        n, best_of: sequences per prompt, ``best_of or n`` of them (the caller picks n of best_of);
+            with ``best_of > n`` every token's log-probability is recorded, to rank them.
     """
 
     max_tokens: int = 16
@@ -79,6 +92,23 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    echo: bool = False
+    n: int = 1
+    best_of: int | None = None
+
+    @property
+    def per_prompt(self) -> int:
+        """Sequences run for each prompt: ``best_of`` when given, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def ranked(self) -> bool:
+        """Whether n of more candidates are picked (``best_of > n``): every token's logprob is kept."""
+        return self.per_prompt > self.n
 
 
 @dataclass(eq=False)
@@ -88,12 +118,23 @@ class Sequence:
     ``on_event(seq, text, done)`` is called from the scheduler's thread with each new piece
     of text (never empty) and once with ``done=True`` (then :attr:`finish_reason` is
     ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"``, with :attr:`error` set for the last).
+    Before each call the count of tokens whose text has been sent (:meth:`TextStream.released
+    <gpt2mha.serving.text_stream.TextStream.released>`) is appended to :attr:`marks`, so the
+    k-th event covers ``tokens[marks[k-1]:marks[k]]`` (for streamed logprobs).
+
+    ``index`` is its place among the request's sequences (``prompt_index · per_prompt + j``);
+    ``logprobs`` holds one :data:`~gpt2mha.serving.runner.TokenLogprob` per generated token when
+    asked (or ranked), ``prompt_logprobs`` one per prompt token after the first with ``echo``.
     """
 
     prompt_ids: list[int]
     params: SamplingParams
     on_event: Callable[["Sequence", str, bool], None]
     index: int = 0
+    prompt_index: int = 0
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    marks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -152,11 +193,14 @@ class Scheduler:
     # ------------------------------------------------------------------------- app side
     def submit(self, prompts: list[list[int]], params: SamplingParams,
                on_event: Callable[[Sequence, str, bool], None]) -> list[Sequence]:
-        """Queue one sequence per prompt (all or none) and return them, index = position.
+        """Queue ``params.per_prompt`` sequences per prompt (all or none) and return them in
+        order: prompt i's candidate j has ``index = i * per_prompt + j`` (its seed rule) and
+        ``prompt_index = i``.
 
         Raises:
             ValueError: an empty prompt, ids that are not integers or outside the vocabulary,
-                bad sampling values, seed or stop strings, or prompt + max_tokens longer than
+                bad sampling values, seed or stop strings, n/best_of/logprobs/penalties/logit_bias
+                outside OpenAI's rules, or prompt + max_tokens longer than
                 n_ctx (the caller checks these first for clear HTTP errors; this is the last guard).
             ExceedsCapacity: more prompts than :attr:`capacity`, i.e. never admissible.
             QueueFull: not enough free slots plus queue room for all of them now.
@@ -164,7 +208,9 @@ class Scheduler:
         """
         prompts = self._check(prompts, params)
         now = time.monotonic()
-        seqs = [Sequence(ids, params, on_event, index=i, t_submit=now) for i, ids in enumerate(prompts)]
+        m = params.per_prompt
+        seqs = [Sequence(ids, params, on_event, index=i * m + j, prompt_index=i, t_submit=now)
+                for i, ids in enumerate(prompts) for j in range(m)]
         with self._cv:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
@@ -181,10 +227,13 @@ class Scheduler:
         """:meth:`submit`'s checks; returns the prompts as lists of Python ints."""
         checks.sampling(params.temperature, params.top_k, params.top_p)
         checks.seed(params.seed)
-        if len(prompts) > self.capacity:
-            raise ExceedsCapacity(f"{len(prompts)} prompts in one request; this server holds at most {self.capacity} "
-                                  f"sequences at once (max_batch={self.max_batch} running + max_queue={self.max_queue} "
-                                  f"waiting), so it can never admit them: send at most {self.capacity} per request")
+        m = self._check_choices(params)
+        if len(prompts) * m > self.capacity:
+            each = f" x {m} sequences each (best_of/n)" if m > 1 else ""
+            raise ExceedsCapacity(f"{len(prompts)} prompts{each} in one request; this server holds at most "
+                                  f"{self.capacity} sequences at once (max_batch={self.max_batch} running + "
+                                  f"max_queue={self.max_queue} waiting), so it can never admit them: send at most "
+                                  f"{self.capacity} per request")
         max_tokens = checks.as_int(params.max_tokens, "max_tokens")
         if isinstance(params.stop, str) or any(not isinstance(s, str) or not s for s in params.stop):
             raise ValueError(f"stop={params.stop!r} must be a tuple of non-empty strings")
@@ -197,6 +246,18 @@ class Scheduler:
             if len(ids) + max_tokens > self.n_ctx:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens={max_tokens} > n_ctx={self.n_ctx}")
         return prompts
+
+    def _check_choices(self, params: SamplingParams) -> int:
+        """The checks of n, best_of, logprobs, penalties and logit_bias; returns ``per_prompt``."""
+        n = checks.as_int(params.n, "n", minimum=1)
+        if params.best_of is not None and checks.as_int(params.best_of, "best_of", minimum=1) < n:
+            raise ValueError(f"best_of={params.best_of} must be >= n={n}")
+        if params.logprobs is not None and not 0 <= checks.as_int(params.logprobs, "logprobs") <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs={params.logprobs} must be in [0, {MAX_LOGPROBS}]")
+        check_penalty(params.presence_penalty, "presence_penalty")
+        check_penalty(params.frequency_penalty, "frequency_penalty")
+        check_logit_bias(dict(params.logit_bias), self.runner.vocab_size)
+        return params.per_prompt
 
     @property
     def capacity(self) -> int:
@@ -330,11 +391,16 @@ class Scheduler:
             p = seq.params
             try:
                 seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens)
+                if p.echo and p.logprobs is not None:
+                    seq.prompt_logprobs = self.runner.score(seq.prompt_ids, p.logprobs)
                 if p.max_tokens == 0:
                     self._finish(seq, LENGTH)
                     continue
                 seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
-                self.runner.open(seq.slot, seed, p.temperature, p.top_k, p.top_p)
+                logprobs = p.logprobs if p.logprobs is not None else 0 if p.ranked else None
+                self.runner.open(seq.slot, seed, p.temperature, p.top_k, p.top_p, presence_penalty=p.presence_penalty,
+                                 frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias),
+                                 logprobs=logprobs)
                 live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
@@ -379,13 +445,15 @@ class Scheduler:
         if seq.t_first is None:
             seq.t_first = now
         seq.tokens.append(token)
+        if self.runner.samplers[seq.slot].logprobs is not None:
+            seq.logprobs.append(self.runner.logprobs[seq.slot])
         with self._cv:
             self.counts["tokens"] += 1
             self._recent.append(now)
             self._forget_old(now)
         delta, reason = seq.stream.add(token)
         if delta:
-            seq.on_event(seq, delta, False)
+            self._send(seq, delta)
         if reason is not None:
             return self._finish(seq, reason)
         return True
@@ -397,7 +465,7 @@ class Scheduler:
         if newly and reason in (STOP, LENGTH) and seq.stream is not None:
             delta = seq.stream.finish()
             if delta:
-                seq.on_event(seq, delta, False)
+                self._send(seq, delta)
             seq.text = seq.stream.text
         with self._cv:
             if seq.slot is not None:
@@ -409,10 +477,16 @@ class Scheduler:
                 self.counts[reason] += 1
         if newly:
             try:
-                seq.on_event(seq, "", True)
+                self._send(seq, "", True)
             except Exception:
                 log.exception("on_event failed")
         return False
+
+    @staticmethod
+    def _send(seq: Sequence, text: str, done: bool = False) -> None:
+        """Call ``seq.on_event`` after marking how many of its tokens the text sent so far covers."""
+        seq.marks.append(seq.stream.released if seq.stream is not None else 0)
+        seq.on_event(seq, text, done)
 
     def _fail(self, seq: Sequence, e: Exception) -> None:
         log.error("sequence failed: %s: %s", type(e).__name__, e)

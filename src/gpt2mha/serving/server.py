@@ -4,10 +4,14 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
 
 - ``POST /v1/completions``: ``model``, ``prompt`` (a string or a list of strings),
   ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``
-  (server-sent events ending in ``data: [DONE]``), ``stream_options.include_usage``, and
-  ``top_k`` as an extension. With ``temperature: 0`` or a ``seed``, each choice's text equals
-  offline ``generate`` with the same arguments (``gpt2mha generate PROMPT --temperature …
-  --seed …`` for one prompt; for a list, row i of ``generate(prompts, seed=…)``).
+  (server-sent events ending in ``data: [DONE]``), ``stream_options.include_usage``,
+  ``logprobs`` and ``echo`` (:func:`~gpt2mha.serving.protocol.choice_answer`; a stream's chunks
+  carry their own tokens' logprobs, :meth:`Completions.chunk`), ``n`` and ``best_of``
+  (:func:`~gpt2mha.serving.protocol.pick_choices`), ``presence_penalty``,
+  ``frequency_penalty``, ``logit_bias``, and ``top_k`` as an extension. With ``temperature: 0``
+  or a ``seed``, each choice's text equals offline ``generate`` with the same arguments
+  (sequence ``i·m + j`` of P prompts with m = best_of or n sequences each is row ``i·m + j`` of
+  ``gpt2mha generate P1 … --num-samples m --seed …``; see :mod:`.scheduler`).
 - ``GET /v1/models``, ``GET /health`` (running/queued counts, slots, tokens/s).
 
 Bad requests get HTTP 400 with OpenAI's error object ``{"error": {"message", "type", "param",
@@ -40,8 +44,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..core import checks
-from .protocol import (APIError, cancelled_error, check_prompt_count, check_request, choice, encode_prompts,
-                       failure, parse_request, sampling_params, sse, submit_error, usage, validation_error)
+from .protocol import (APIError, cancelled_error, check_logit_bias_ids, check_prompt_count, check_request, choice,
+                       choice_answer, completion_logprobs, encode_prompts, failure, join_logprobs, parse_request,
+                       pick_choices, prompt_echo, sampling_params, sse, submit_error, usage, validation_error)
 from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown
 from .text_stream import CANCELLED, ERROR
 
@@ -204,19 +209,19 @@ class Completions:
         s = self.scheduler
         body = parse_request(raw)
         check_request(body, self.model_name)
+        check_logit_bias_ids(body, s.runner.vocab_size)
         check_prompt_count(body, s.capacity, s.max_batch, s.max_queue)
         return body, encode_prompts(body, s.tokenizer, s.n_ctx)
 
     async def collect(self, seqs: list[Sequence], events: asyncio.Queue, head: dict, request: Request, t0: float):
         """The whole completion as one JSON answer, once every sequence is done; 499 (and the
         sequences cancelled) if the client hangs up first."""
-        texts, status = [[] for _ in seqs], 200
+        status = 200
 
-        async def drain():
+        async def drain():                            # the sequences keep their own text
             done = 0
             while done < len(seqs):
                 seq, text, finished = await events.get()
-                texts[seq.index].append(text)
                 done += finished
 
         waiter, watcher = asyncio.ensure_future(drain()), asyncio.ensure_future(disconnected(request))
@@ -229,7 +234,8 @@ class Completions:
             if err is not None:
                 status = err.status
                 return err.response()
-            choices = [choice(s.index, "".join(texts[s.index]), s.finish_reason) for s in seqs]
+            tok = self.scheduler.tokenizer
+            choices = [choice_answer(tok, index, s) for index, s in pick_choices(seqs)]
             return JSONResponse({**head, "choices": choices, "usage": usage(seqs)})
         except BaseException:                         # the task cancelled: a shutdown's last resort (AnswerCancelled)
             status = 503
@@ -244,6 +250,8 @@ class Completions:
         write), an error event if a sequence failed or was cancelled, the usage chunk when asked,
         then ``data: [DONE]``."""
         status = 200
+        tok = self.scheduler.tokenizer
+        seen = [0] * len(seqs)                        # events received, per sequence
         try:
             done, out = 0, []
             while done < len(seqs):
@@ -254,7 +262,7 @@ class Completions:
                     out.append(sse(err.body()))
                     break
                 done += finished
-                out.append(sse({**head, "choices": [choice(seq.index, text, seq.finish_reason if finished else None)]}))
+                out.append(sse({**head, "choices": [self.chunk(tok, seq, text, finished, seen)]}))
                 if events.empty():                    # one write for the chunks that are ready
                     yield "".join(out)
                     out = []
@@ -267,6 +275,21 @@ class Completions:
             raise
         finally:
             self.end(seqs, head["id"], t0, status)
+
+    @staticmethod
+    def chunk(tok, seq: Sequence, text: str, finished: bool, seen: list[int]) -> dict:
+        """A stream chunk's choice for ``seq``'s next event: its text (after the echoed prompt on
+        its first one) and, with ``logprobs``, those of the tokens that event covers
+        (``seq.marks``, set by the scheduler before the event)."""
+        k = seen[seq.index]
+        seen[seq.index] += 1
+        echo, prompt_lp = prompt_echo(tok, seq) if k == 0 else ("", None)
+        lp = None
+        if seq.params.logprobs is not None:
+            start = seq.marks[k - 1] if k else 0
+            shift = len(tok.decode(seq.prompt_ids)) if seq.params.echo else 0
+            lp = join_logprobs(prompt_lp, completion_logprobs(tok, seq, start, seq.marks[k], shift))
+        return choice(seq.index, echo + text, seq.finish_reason if finished else None, lp)
 
     def end(self, seqs: list[Sequence], rid: str, t0: float, status: int) -> None:
         """A request's answer has ended: cancel what is left of its sequences, log its line."""

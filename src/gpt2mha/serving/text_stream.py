@@ -10,6 +10,8 @@ string. Finish reasons are OpenAI's (``"stop"``, ``"length"``) plus the server's
 
 from __future__ import annotations
 
+import bisect
+
 from ..io.tokenizer import StreamDecoder
 
 #: The text ended at a stop string or the end-of-text token.
@@ -42,6 +44,9 @@ class TextStream:
         text: all text decoded so far (cut at a stop string once found).
         stopped: whether a stop string was found.
         n_tokens: tokens given to :meth:`add`.
+        offsets: for each token given to :meth:`add`, the characters of :attr:`text` before it
+            (OpenAI's ``text_offset``): a token that completes a multi-byte character started by
+            an earlier one points at that character's start too.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), max_tokens: int | None = None):
@@ -53,6 +58,7 @@ class TextStream:
         self.sent = 0           # characters of text already returned
         self.stopped = False
         self.n_tokens = 0
+        self.offsets: list[int] = []
 
     def push(self, ids) -> str:
         """The text that token ids ``ids`` make certain (possibly empty)."""
@@ -73,6 +79,7 @@ class TextStream:
         and adds no text; so does a stop string (the text is cut before it); the
         ``max_tokens``-th token ends it with :data:`LENGTH`."""
         self.n_tokens += 1
+        self.offsets.append(len(self.text))
         if self.eot is not None and token == self.eot:
             return "", STOP
         delta = self.push([token])
@@ -81,6 +88,13 @@ class TextStream:
         if self.max_tokens is not None and self.n_tokens >= self.max_tokens:
             return delta, LENGTH
         return delta, None
+
+    @property
+    def released(self) -> int:
+        """How many of the tokens given to :meth:`add` the text returned so far covers: those whose
+        text starts before its end. Once finished, the tokens of the final text: a stop string's
+        tokens that start past the cut, and the end-of-text token, are not among them."""
+        return bisect.bisect_left(self.offsets, self.sent)
 
     def _release(self, final: bool) -> str:
         if self.stopped:
