@@ -80,6 +80,14 @@ def load_model(name: str | None, dtype: str = "float32"):
     return GPT2.from_pretrained(name, dtype=getattr(torch, DTYPES[dtype]))
 
 
+def batch_invariant_arg(p: argparse.ArgumentParser) -> None:
+    """``--batch-invariant`` / ``--no-batch-invariant`` (default: on unless the weights are float32)."""
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="float32 matrix products on a multiple of 4 rows, so every sequence's logits are bitwise "
+                        "those of its prompt alone, whatever runs beside it (default: on, except for float32 "
+                        "weights, where it costs up to 3x at batch 1; README 'Batch invariance')")
+
+
 def quantize_args(p: argparse.ArgumentParser) -> None:
     """``--quantize``, ``--group-size``, ``--quantize-method`` and ``--calibration``."""
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,

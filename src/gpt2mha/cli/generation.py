@@ -6,7 +6,7 @@ import json
 import re
 import sys
 
-from .common import (DTYPES, DefaultsHelpFormatter, check_quantize_args, load_model, model_arg, quantize_args, quantized,
+from .common import (batch_invariant_arg, DTYPES, DefaultsHelpFormatter, check_quantize_args, load_model, model_arg, quantize_args, quantized,
                      read_text)
 
 
@@ -126,7 +126,7 @@ def cmd_generate(args) -> int:
         ids = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, min_p=args.min_p, seed=seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
                              sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab,
-                             **_adjust_kwargs(args))
+                             batch_invariant=args.batch_invariant, **_adjust_kwargs(args))
     except BaseException:                     # (e.g. another rank died): end the streamed line first
         if started:
             out.write("\n")
@@ -152,7 +152,7 @@ def _generate_samples(args, model, tok, encoded: list[list[int]], seed: int | No
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, min_p=args.min_p, seed=seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
                          attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab,
-                         **_adjust_kwargs(args))
+                         batch_invariant=args.batch_invariant, **_adjust_kwargs(args))
     parallel.check_same_tokens(out)
     texts = decode_rows(tok, out.cpu(), mask.cpu(), tok.eot_token if args.stop_at_eos else None)
     skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
@@ -286,6 +286,7 @@ def add_commands(sub) -> None:
     g.add_argument("--stop-at-eos", action="store_true", help="stop when <|endoftext|> is sampled")
     g.add_argument("--sliding-window", action="store_true",
                    help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
+    batch_invariant_arg(g)
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: split the heads over this many processes "
                         "(torchrun --nproc-per-node N -m gpt2mha generate ... --tp N; README 'Scaling out')")

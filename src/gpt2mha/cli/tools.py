@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from .common import (DEFAULT_MAX_BODY_BYTES, DTYPES, DefaultsHelpFormatter, check_quantize_args, json_arg, load_model,
+from .common import (batch_invariant_arg, DEFAULT_MAX_BODY_BYTES, DTYPES, DefaultsHelpFormatter, check_quantize_args, json_arg, load_model,
                      model_arg, number, quantize_args, quantized)
 
 
@@ -521,7 +521,7 @@ def cmd_serve(args) -> int:
     try:
         serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
               max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
-              chat_template=template, max_stop=args.max_stop)
+              chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant)
     except RuntimeError as e:                 # could not bind: uvicorn logged why
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -544,6 +544,7 @@ def _add_serve_command(sub) -> None:
                    help="port (0: any free port)")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype")
     s.add_argument("--max-batch", type=number(int, 1), default=16, help="sequences decoded together (cache slots)")
+    batch_invariant_arg(s)
     s.add_argument("--max-queue", type=number(int, 0), default=256,
                    help="sequences that may wait for a slot; beyond it requests get HTTP 429 (retry later). A "
                         "request with more prompts than --max-batch + --max-queue gets 400: it can never fit")

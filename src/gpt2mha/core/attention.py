@@ -267,20 +267,30 @@ class CausalSelfAttention(nn.Module):
         if past is not None:                                    # OpenAI's past: a cache for this call
             cache, layer = KVCache.from_past(past[:, None], past.shape[3] + T, dtype=k.dtype), 0
             step = cache.plan(T)
+        groups = None
         if cache is not None:
             k, v = cache.update(layer, k, v, step)              # [B, h, S, head_dim]: cached + new
+            groups = step.groups if attn_mask is None else None
             attn_mask = step.mask if attn_mask is None else attn_mask
-        if self.attn_impl == "explicit" or self.hook_attn_scores._forward_hooks or self.hook_pattern._forward_hooks:
-            a = attend_explicit(q, k, v, attn_mask, self.attn_pdrop, self.training,
-                                self.hook_attn_scores, self.hook_pattern)
+        hooked = bool(self.hook_attn_scores._forward_hooks or self.hook_pattern._forward_hooks)
+        if groups is not None and not hooked:                   # each run of rows over exactly its own keys
+            a = torch.cat([self.attend(q[rows], k[rows, :, :S], v[rows, :, :S], None, hooked) for rows, S in groups])
         else:
-            a = attend_sdpa(q, k, v, attn_mask, self.attn_pdrop, self.training)
+            a = self.attend(q, k, v, attn_mask, hooked)
         z = self.hook_z(a.transpose(1, 2))                      # [B, T, h, head_dim]
         if self.hook_result._forward_hooks:
             y = self.head_results(z).sum(dim=2) + self.c_proj.bias
         else:
             y = self.c_proj(z.reshape(B, T, h * hd))            # merge heads, project: [B, T, n_embd]
         return F.dropout(y, self.resid_pdrop, self.training), present
+
+    def attend(self, q, k, v, mask, hooked: bool) -> torch.Tensor:
+        """The attention core this sublayer uses (``attn_impl``; the explicit one while scores
+        or pattern are hooked) over ``q [B, h, T, hd]``, ``k, v [B, h, S, hd]`` and ``mask``."""
+        if self.attn_impl == "explicit" or hooked:
+            return attend_explicit(q, k, v, mask, self.attn_pdrop, self.training,
+                                   self.hook_attn_scores, self.hook_pattern)
+        return attend_sdpa(q, k, v, mask, self.attn_pdrop, self.training)
 
     def head_results(self, z: torch.Tensor) -> torch.Tensor:
         """Each head's share of c_proj's output, ``[B, T, h, n_embd]`` (summed over heads, plus

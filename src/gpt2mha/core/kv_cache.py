@@ -16,6 +16,11 @@ cache built from ``past`` for one call (:meth:`KVCache.from_past`).
 A forward over ``T`` new tokens is planned once (:meth:`KVCache.plan`, a :class:`CacheStep`:
 where each row writes, how many keys every layer reads, which of them each query may see),
 then each layer writes and reads with :meth:`KVCache.update`, then :meth:`KVCache.advance`.
+
+Rows of different lengths are attended in groups of adjacent rows of one length
+(:attr:`CacheStep.groups`), each over exactly its own keys: attention kernels sum over the keys
+they are given in an order that depends on how many there are, so a row read with masked keys
+behind its own (a longer neighbour's span) would round differently from the same row alone.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ class CacheStep(NamedTuple):
         mask: None (the bottom-right causal mask), or bool ``[B, 1, T, span]``: query ``(b, t)``
             may read key ``j`` iff ``j <= pos[b, t]``.
         rows: ``[B, 1]`` row indices for the per-row write, or None with ``start``.
+        groups: when lengths differ and no fixed span was asked for: ``((rows, keys), …)``, the
+            runs of adjacent rows (``slice``, in row order, covering every row) holding one
+            length, each to be attended over its first
+            ``keys`` cache indices only, with OpenAI's bottom-right causal mask: exactly the keys
+            and shapes that row would have in a batch of its own (batch invariance). None
+            otherwise (one call over ``span`` keys with ``mask``).
     """
 
     start: int | None
@@ -46,6 +57,7 @@ class CacheStep(NamedTuple):
     span: int
     mask: torch.Tensor | None
     rows: torch.Tensor | None = None
+    groups: tuple[tuple[slice, int], ...] | None = None
 
     def positions(self, batch: int, n_new: int, device) -> torch.Tensor:
         """Position ids ``[B, T]`` (or ``[T]`` when every row starts together) of the new tokens."""
@@ -78,9 +90,10 @@ class KVCache:
         self._bind(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                    [0] * batch_size)
 
-    def _bind(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> None:
+    def _bind(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int], offset: int = 0) -> None:
         self.k, self.v = k, v
-        self._lengths = lengths                                 # shared with the views of :meth:`rows`
+        self._lengths = lengths                                 # shared with the views of :meth:`rows`, :meth:`row`
+        self._offset = offset                                   # this view's row 0 in ``_lengths``
         # per layer: views [B, h, T_max, head_dim]; by indexing, not unbind(), whose views refuse
         # in-place writes of tensors that require grad (a forward with past in grad mode)
         self.layers = [(k[i], v[i]) for i in range(k.shape[0])]
@@ -88,7 +101,7 @@ class KVCache:
     @property
     def lengths(self) -> list[int]:
         """Tokens each row holds (its next write index), a new list of B ints."""
-        return self._lengths[:self.batch_size]
+        return self._lengths[self._offset:self._offset + self.batch_size]
 
     @property
     def batch_size(self) -> int:
@@ -110,7 +123,16 @@ class KVCache:
         if not 1 <= n <= self.batch_size:
             raise ValueError(f"rows={n} must be in [1, batch_size={self.batch_size}]")
         view = KVCache.__new__(KVCache)
-        view._bind(self.k[:, :n], self.v[:, :n], self._lengths)
+        view._bind(self.k[:, :n], self.v[:, :n], self._lengths, self._offset)
+        return view
+
+    def row(self, i: int) -> "KVCache":
+        """A one-row cache over row ``i``, sharing this one's storage and length (no copy): what
+        one sequence is prefilled into, alone, in place (a serving slot, a row of ``generate``)."""
+        if not 0 <= i < self.batch_size:
+            raise ValueError(f"row={i} is out of range [0, {self.batch_size})")
+        view = KVCache.__new__(KVCache)
+        view._bind(self.k[:, i:i + 1], self.v[:, i:i + 1], self._lengths, self._offset + i)
         return view
 
     def check(self, batch_size: int, n_new: int, n_layer: int, n_head: int, head_dim: int,
@@ -165,10 +187,12 @@ class KVCache:
         if min(lengths) == longest and span is None and not per_row:
             return CacheStep(longest, None, longest + n_new, None)
         device = self.k.device
+        groups = None if span is not None else tuple(
+            (slice(a, b), lengths[a] + n_new) for a, b in runs(lengths))
         span = longest + n_new if span is None else span
         pos = torch.tensor(lengths, device=device)[:, None] + torch.arange(n_new, device=device)   # [B, T]
         mask = torch.arange(span, device=device) <= pos[:, :, None]                       # [B, T, span]
-        return CacheStep(None, pos, span, mask[:, None], torch.arange(len(lengths), device=device)[:, None])
+        return CacheStep(None, pos, span, mask[:, None], torch.arange(len(lengths), device=device)[:, None], groups)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new keys/values ``[B, h, T, head_dim]`` where ``step`` says; returns the
@@ -189,7 +213,7 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         """Every row holds ``n`` more tokens (called by the model after all layers)."""
-        for b in range(self.batch_size):
+        for b in range(self._offset, self._offset + self.batch_size):
             self._lengths[b] += n
 
     def trim(self, lengths) -> None:
@@ -204,11 +228,17 @@ class KVCache:
         if len(new) != self.batch_size or any(not 0 <= n <= have for n, have in zip(new, self.lengths)):
             raise ValueError(f"lengths={new} must give each of the {self.batch_size} rows a length in "
                              f"[0, its current {self.lengths}]")
-        self._lengths[:self.batch_size] = new
+        self._lengths[self._offset:self._offset + self.batch_size] = new
 
     def reset(self, row: int) -> None:
-        """Empty row ``row`` (its storage is overwritten by the next tokens written there)."""
-        self._lengths[row] = 0
+        """Empty row ``row`` (its storage is overwritten by the next tokens written there).
+
+        Raises:
+            ValueError: a row out of range.
+        """
+        if not 0 <= row < self.batch_size:
+            raise ValueError(f"row={row} is out of range [0, {self.batch_size})")
+        self._lengths[self._offset + row] = 0
 
     def load(self, row: int, other: "KVCache", other_row: int = 0, start: int = 0) -> None:
         """Copy ``other``'s row ``other_row``, indices ``start … other.lengths[other_row]-1``, into
@@ -227,7 +257,7 @@ class KVCache:
                              f"T_max={self.max_len}, head_dim={self.k.shape[4]}]")
         self.k[:, row, :, :n] = other.k[:, other_row, :, start:start + n]
         self.v[:, row, :, :n] = other.v[:, other_row, :, start:start + n]
-        self._lengths[row] = n
+        self._lengths[self._offset + row] = n
 
     def to_past(self) -> torch.Tensor:
         """The filled part in OpenAI's layout ``[B, n_layer, 2, h, P, head_dim]`` (a copy).
@@ -263,3 +293,13 @@ class KVCache:
         cache.v[:, :, :, :P] = past[:, :, 1].transpose(0, 1)
         cache._lengths[:] = [P] * B
         return cache
+
+
+def runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each maximal run of adjacent equal values in ``lengths``."""
+    out, a = [], 0
+    for b in range(1, len(lengths) + 1):
+        if b == len(lengths) or lengths[b] != lengths[a]:
+            out.append((a, b))
+            a = b
+    return out

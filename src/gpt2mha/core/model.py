@@ -374,9 +374,10 @@ class GPT2(nn.Module):
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
         elif position_ids is None:
             position_ids = step.positions(B, T, idx.device) if step else torch.arange(T, device=idx.device)
-        mask = step.mask if step else None
+        mask = None                                             # the cache's own plan (step), or causal
         if attention_mask is not None:                          # key padding over cached + new tokens
             S = attention_mask.shape[1]
+            mask = step.mask if step else None
             mask = combine_masks(causal_mask(T, S, device=idx.device) if mask is None else mask, attention_mask)
         pos = self.wpe(position_ids)                            # [T, n_embd], [1, T, …] or [B, T, …]
         if self.hook_pos_embed._forward_hooks:                  # a hook sees [B, T, n_embd], as the docs say

@@ -11,6 +11,14 @@ every parameter and capture point) in which:
   ``[n_out, n_in]`` copy (:class:`TransposedConv1D`): torch's reduced-precision kernels read
   that layout faster. A float32 model keeps GPT-2's ``[in, out]``, its fastest.
 
+With ``batch_invariant`` (by default for every model but one with float32 weights,
+:func:`invariant_by_default`), every product in the view gives each row the same bits whatever
+the other rows of the call (benchmarks/batch_invariance.py measures each kernel): MKL's float32 GEMM rounds
+a row one way in calls of 1–3 rows and another in calls of 4 or more (and with several threads
+splits a call into blocks of 4 rows plus a remainder), so every float32 product of the view
+(:class:`RowPaddedConv1D`, the head) runs on a multiple of :data:`ROW_MULTIPLE` rows, zero rows
+added. bf16/fp16 products and the quantized kernels need no padding.
+
 The copies are taken when the view is made and belong to it: ``generate`` makes one per call
 and the serving scheduler one per server, so they are never stale and the user's model is never
 changed. The same products in another layout: results agree with the model's own to float
@@ -45,6 +53,33 @@ def transposed_copy(w: torch.Tensor, dtype: torch.dtype | None = None, block: in
     return out
 
 
+#: Float32 products in a decode view run on a multiple of this many rows (see the module's docstring).
+ROW_MULTIPLE = 4
+
+
+def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
+    """``x [M, K]`` with zero rows appended up to a multiple of ``multiple`` (``x`` itself if none
+    are needed); the caller keeps the first M rows of the product."""
+    extra = -x.shape[0] % multiple
+    return torch.cat([x, x.new_zeros(extra, x.shape[1])]) if extra else x
+
+
+class RowPaddedConv1D(nn.Module):
+    """A float32 :class:`~gpt2mha.core.attention.Conv1D` (the same ``weight [n_in, n_out]`` and
+    ``bias``, shared) whose product runs on a multiple of :data:`ROW_MULTIPLE` rows, so each
+    row rounds alike in a batch of any size. ``[..., n_in]`` → ``[..., n_out]``. Inference only."""
+
+    def __init__(self, conv: Conv1D):
+        super().__init__()
+        self.n_in, self.n_out = conv.n_in, conv.n_out
+        self.weight, self.bias = conv.weight, conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.n_in)                           # [M, n_in]
+        y = torch.addmm(self.bias, pad_rows(x2), self.weight)[:x2.shape[0]]
+        return y.view(*x.shape[:-1], self.n_out)
+
+
 class TransposedConv1D(nn.Module):
     """A :class:`~gpt2mha.core.attention.Conv1D` computed as ``F.linear(x, Wᵀ, b)`` over an
     ``[n_out, n_in]`` copy of its weight (the same product in another summation order);
@@ -63,15 +98,22 @@ class TransposedConv1D(nn.Module):
 class TransposedHead(nn.Module):
     """An :class:`~gpt2mha.core.model.LMHead` computed as ``x @ W`` over a contiguous
     ``[n_embd, n_vocab]`` copy of its weight in the logits' dtype (float32): ``[B, T, n_embd]``
-    → ``[B, T, n_vocab]`` float32 logits. Inference only."""
+    → ``[B, T, n_vocab]`` float32 logits; on CPU on a multiple of :data:`ROW_MULTIPLE` rows
+    unless ``pad`` is False. Inference only."""
 
-    def __init__(self, head: LMHead):
+    def __init__(self, head: LMHead, pad: bool = True):
         super().__init__()
+        self.pad = pad
         self.register_buffer("weight_t", transposed_copy(head.weight, logits_dtype(head.weight.dtype)),
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.weight_t.dtype) @ self.weight_t
+        x2 = x.reshape(-1, x.shape[-1]).to(self.weight_t.dtype)   # [M, n_embd]
+        if self.pad and x2.device.type == "cpu":                 # float32 GEMM: a multiple of 4 rows
+            y = (pad_rows(x2) @ self.weight_t)[:x2.shape[0]]
+        else:
+            y = x2 @ self.weight_t
+        return y.view(*x.shape[:-1], -1)
 
 
 def swap_modules(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None]) -> nn.Module:
@@ -99,7 +141,17 @@ def hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
-def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn.Module:
+def invariant_by_default(model: nn.Module) -> bool:
+    """Whether ``generate`` and the server pad float32 products (``batch_invariant=None``): for
+    every model whose block weights are not float32. A float32 model's decode step at batch 1
+    runs every product as a GEMV; padded to 4 rows MKL's GEMM takes ~3× as long on 124M
+    (benchmarks/RESULTS.md, "Batch invariance"), so float32 asks for it with ``batch_invariant=True``."""
+    w = getattr(model.h[0].attn.c_attn, "weight", None)
+    return not (isinstance(w, torch.Tensor) and w.dtype == torch.float32)
+
+
+def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True,
+                 batch_invariant: bool | None = None) -> nn.Module:
     """``model`` with the decode-speed swaps of this module (a view: nothing of ``model`` is
     changed or copied but the swapped weights; the caller sets the mode).
 
@@ -109,22 +161,33 @@ def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True) -> nn
             dtype differs from the weight's). Costs one float32 copy of the head (154 MB for
             124M) while the view lives.
         conv1d: on CPU, swap bf16/fp16 Conv1Ds for :class:`TransposedConv1D` (one more copy of
-            the block weights while the view lives).
+            the block weights while the view lives) and float32 ones for :class:`RowPaddedConv1D`
+            (no copy). False keeps the model's Conv1Ds, and float32 rows then round with the
+            batch's size.
+        batch_invariant: run float32 products on a multiple of :data:`ROW_MULTIPLE` rows (the
+            head's always, float32 Conv1Ds' with ``conv1d``), so that each row's logits are the
+            same bits in a batch of any size. False: the batch's own row count (faster at batch
+            1–3). None: :func:`invariant_by_default` (all but float32 weights).
 
     A module with forward hooks or pre-hooks of its own (:func:`hooked`; for the tied head,
     also on ``wte``) is kept as it is: a copy would skip the hooks, and a weight a pre-hook
     recomputes (pruning) may be stale until the module runs.
     """
+    if batch_invariant is None:
+        batch_invariant = invariant_by_default(model)
+
     def replace(path: str, m: nn.Module) -> nn.Module | None:
         if hooked(m) or (type(m) is TiedLMHead and hooked(m.wte)):
             return None                                         # the user's hooks (pruning, steering) run as they are
         if head and type(m) in (LMHead, TiedLMHead):
             w = m.weight
             if w.device.type == "cpu" or logits_dtype(w.dtype) != w.dtype:
-                return TransposedHead(m)
-        if conv1d and type(m) is Conv1D and m.weight.device.type == "cpu" \
-                and m.weight.dtype in (torch.bfloat16, torch.float16):
-            return TransposedConv1D(m)
+                return TransposedHead(m, pad=batch_invariant)
+        if conv1d and type(m) is Conv1D and m.weight.device.type == "cpu":
+            if m.weight.dtype in (torch.bfloat16, torch.float16):
+                return TransposedConv1D(m)
+            if m.weight.dtype == torch.float32 and batch_invariant:
+                return RowPaddedConv1D(m)
         return None
     with torch.no_grad():
         return swap_modules(model, replace)

@@ -1,7 +1,7 @@
 """The decode loop (OpenAI's ``sample_sequence`` in ``src/sample.py``).
 
-One prefill over the whole prompt fills a :class:`~gpt2mha.core.kv_cache.KVCache`; each later
-step feeds only the newest token and reads the cache. The loop runs on a decode view of the
+Each prompt is prefilled alone into its own row of a :class:`~gpt2mha.core.kv_cache.KVCache`;
+each later step feeds every row's newest token and reads the cache. The loop runs on a decode view of the
 model (:func:`gpt2mha.inference.fast.for_decoding`); sampling is :mod:`.sampling`'s.
 """
 
@@ -14,7 +14,7 @@ import torch
 from ..core import checks
 from ..core.kv_cache import KVCache
 from ..train.distributed import shared_seed
-from .fast import for_decoding
+from .fast import for_decoding, invariant_by_default
 from .parallel import tp_group
 from .sampling import adjust_logits, bias_vector, check_logit_bias, check_penalty, row_generators, sample_next
 
@@ -197,14 +197,16 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
              attention_mask: torch.Tensor | None = None, sliding_window: bool = False,
              on_token: Callable[[torch.Tensor], None] | None = None,
              vocab_size: int | None = None, min_p: float = 0.0, presence_penalty: float = 0.0,
-             frequency_penalty: float = 0.0, logit_bias: dict | None = None) -> torch.Tensor:
+             frequency_penalty: float = 0.0, logit_bias: dict | None = None,
+             batch_invariant: bool | None = None) -> torch.Tensor:
     """Sample ``max_new_tokens`` tokens after ``idx``.
 
     Args:
         model: a :class:`~gpt2mha.core.model.GPT2`.
         idx: prompt ids ``[B, T]`` (int64), or a list of prompts of different lengths (token
-            lists, 1-D or ``[1, T]`` tensors, numpy arrays; :func:`as_prompts`), left-padded
-            automatically (:func:`left_pad`, pad id 0). A padded tensor needs
+            lists, 1-D or ``[1, T]`` tensors, numpy arrays; :func:`as_prompts`), laid out
+            left-padded in the result (:func:`left_pad`, pad id 0; the model never sees the
+            pads: each prompt is prefilled alone). A padded tensor needs
             ``attention_mask [B, T]`` marking real tokens 1 and pads 0 (bool or 0/1 values).
         max_new_tokens: number of tokens to add (>= 0).
         temperature, top_k, top_p, min_p: sampling (see
@@ -231,6 +233,16 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             of the adjusted logits.
         logit_bias: ``{token id: bias in [-100, 100]}`` added to those logits at every step
             (keys may be decimal strings, as in a JSON request).
+        batch_invariant: run the float32 matrix products on a multiple of 4 rows
+            (:func:`~gpt2mha.inference.fast.for_decoding`), so that every row's logits are
+            bitwise those of its prompt alone; None (default): for every model whose block
+            weights are not float32 (:func:`~gpt2mha.inference.fast.invariant_by_default`).
+
+    Batch invariance: each prompt is prefilled alone into its own row of the cache (no left
+    padding: its keys from cache index 0), every decode step attends each row over exactly its
+    own keys, and no product rounds a row by the batch's size; so with ``batch_invariant``
+    every row's logits at every step are bitwise those of its prompt generated alone (and its
+    greedy or seeded tokens the same), whatever the other prompts, their lengths and order.
 
     Returns:
         ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens (an
@@ -268,6 +280,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be a function called with each step's ids [B]; got {type(on_token).__name__}")
     checks.flag(sliding_window, "sliding_window")
+    batch_invariant = invariant_by_default(model) if batch_invariant is None else checks.flag(batch_invariant,
+                                                                                               "batch_invariant")
     B, T = idx.shape
     if T + max_new_tokens > c.n_ctx and not sliding_window:
         raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "
@@ -287,8 +301,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     model.eval()                                               # dropout off: a seed fixes the tokens
     try:
         with torch.inference_mode():
-            out = decode_loop(for_decoding(model), idx, max_new_tokens, attention_mask, sample,
-                              eos_token_id, on_token, vocab_size, adjust)
+            out = decode_loop(for_decoding(model, batch_invariant=batch_invariant), idx, max_new_tokens,
+                              attention_mask, sample, eos_token_id, on_token, vocab_size, adjust)
     finally:
         model.train(was_training)
     return out.clone()                                         # outside inference mode: an ordinary tensor
@@ -296,33 +310,38 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
 
 def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_token_id, on_token,
                 vocab_size, adjust: dict | None = None) -> torch.Tensor:
-    """The loop of :func:`generate` after its checks: one prefill over the prompt into a
-    :class:`KVCache`, then one sampled token per step fed back through the cache (the model's
-    own checks are skipped: every input here was checked once, by :func:`generate`).
+    """The loop of :func:`generate` after its checks (the model's own checks are skipped: every
+    input here was checked once, by :func:`generate`).
+
+    Each prompt (row ``b``'s real tokens, its padding dropped) is prefilled alone into row ``b``
+    of one :class:`KVCache`, from cache index 0 (:meth:`KVCache.row`); then every step feeds all
+    rows' newest tokens at once, each row at its own position, attending to its own keys only.
+    Nothing a row computes depends on the other rows (see :func:`generate`, batch invariance).
+    A row whose window is full (``sliding_window``) is recomputed alone over its last n_ctx tokens.
     ``adjust``: :func:`~gpt2mha.inference.sampling.adjust_logits`'s penalties and bias, the
-    counts of each row's generated tokens kept here."""
+    counts of each row's generated tokens kept here.
+    """
     B, T = idx.shape
     n_ctx = model.config.n_ctx
+    keep = None if attention_mask is None else attention_mask.bool()
+    prompts = [idx[b] if keep is None else idx[b][keep[b]] for b in range(B)]      # each [T_b]
     out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=idx.device)
     out[:, :T] = idx
-    mask = None
-    if attention_mask is not None:
-        mask = torch.ones(B, T + max_new_tokens, dtype=torch.bool, device=idx.device)
-        mask[:, :T] = attention_mask.bool()
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     p = model.wte.weight
-    cache = KVCache(model.config.n_layer, B, model.config.n_head, min(n_ctx, T + max_new_tokens),
+    longest = max(len(ids) for ids in prompts)
+    cache = KVCache(model.config.n_layer, B, model.config.n_head, min(n_ctx, longest + max_new_tokens),
                     model.config.head_dim, dtype=p.dtype, device=p.device)
-    start = max(0, T - n_ctx)                                  # > 0 only for a sliding window
     adjust = dict(adjust or {})
     counts = None
     if adjust.get("presence_penalty") or adjust.get("frequency_penalty"):
         counts = torch.zeros(B, vocab_size or model.config.n_vocab, dtype=torch.float32, device=idx.device)
-    logits = model(idx[:, start:], attention_mask=None if mask is None else mask[:, start:T], cache=cache,
-                   last_only=True, validate=False).logits
+    logits = torch.cat([model(ids[None, -n_ctx:], cache=cache.row(b), last_only=True, validate=False).logits[:, -1]
+                        for b, ids in enumerate(prompts)])     # [B, n_vocab]
+    sliding = set()                                            # rows recomputed over their last n_ctx tokens
     for step in range(max_new_tokens):
-        pos = T + step                                         # index of the token being chosen
-        step_logits = logits[:, -1, :vocab_size]
+        pos = T + step                                         # column of the token being chosen
+        step_logits = logits[:, :vocab_size]
         if counts is not None or adjust.get("bias") is not None:
             step_logits = adjust_logits(step_logits, counts, **adjust)
         token = sample_next(step_logits, **sample)
@@ -339,12 +358,11 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
         if eos_token_id is not None and bool(finished.all()):
             out[:, pos + 1:] = eos_token_id
             break
-        if cache.length < cache.max_len:
-            logits = model(token[:, None], attention_mask=None if mask is None else mask[:, start:pos + 1],
-                           cache=cache, last_only=True, validate=False).logits
-        else:                                                  # sliding window: recompute the last n_ctx
-            start = pos + 1 - n_ctx
-            window_mask = None if mask is None else mask[:, start:pos + 1]
-            logits = model(out[:, start:pos + 1], attention_mask=window_mask, last_only=True,
-                           validate=False).logits
+        sliding.update(b for b, n in enumerate(cache.lengths) if n == cache.max_len)
+        for b in sliding:                                      # its row of the cache is no longer read
+            cache.reset(b)
+        logits = model(token[:, None], cache=cache, last_only=True, validate=False).logits[:, -1]
+        for b in sorted(sliding):                              # positions restart at 0 for the window
+            window = torch.cat([prompts[b], out[b, T:pos + 1]])[-n_ctx:]
+            logits[b] = model(window[None], last_only=True, validate=False).logits[0, -1]
     return out

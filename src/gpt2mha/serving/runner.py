@@ -6,18 +6,22 @@ the sequence in slot ``s``, from cache index 0 at its own length. The scheduler
 (:mod:`.scheduler`) decides which slot each sequence takes and asks for:
 
 - :meth:`Runner.open`: the slot's sampler (``sample_next``'s arguments and its own generator);
-- :meth:`Runner.prefill`: new prompts into their slots (:func:`prefill_batch`: one left-padded
-  forward over a scratch cache, as :func:`gpt2mha.inference.generate.generate` runs a list of
-  prompts, then each row copied into its slot with its pads skipped), and each one's first token;
+- :meth:`Runner.prefill`: new prompts into their slots (:func:`prefill_row`: each prompt alone,
+  written in place from index 0, as :func:`gpt2mha.inference.generate.generate` prefills each
+  of a list of prompts), and each one's first token;
 - :meth:`Runner.decode`: one forward over rows ``0 … n-1`` (``n`` = highest slot asked + 1), idx
-  ``[n, 1]``, each row at its own position with a key mask of its own keys (the cache plans it),
+  ``[n, 1]``, each row at its own position over exactly its own keys (the cache plans it),
   and each asked slot's next token;
 - :meth:`Runner.release`: the slot's row emptied;
 - :meth:`Runner.score`: the model's log-probabilities of a prompt's own tokens (``echo`` with
   ``logprobs``), one forward of that prompt alone, apart from the slots.
 
 Everything goes in and out as Python ints (slots, token ids): the scheduler never sees a
-tensor. Each row is sampled from its row of logits with its own generator
+tensor. No row's numbers depend on the others (batch invariance): a prompt is prefilled alone,
+a decode step attends each row over exactly its own keys (:attr:`CacheStep.groups
+<gpt2mha.core.kv_cache.CacheStep.groups>`), and the decode view's products give a row the
+same bits in a batch of any size, so a sequence's logits are those of ``generate`` for its
+prompt alone, bit for bit. Each row is sampled from its row of logits with its own generator
 (:func:`~gpt2mha.inference.sampling.sample_next`), so a sequence draws exactly as its prompt
 alone in ``generate`` (one draw per token, the first from the prefill); greedy rows share one
 argmax. A fault while sampling one row is returned as that row's result, not raised.
@@ -41,8 +45,7 @@ import torch
 
 from ..core import checks
 from ..core.kv_cache import KVCache
-from ..inference.fast import for_decoding
-from ..inference.generate import left_pad
+from ..inference.fast import for_decoding, invariant_by_default
 from ..inference.sampling import MIN_TEMPERATURE, adjust_logits, bias_vector, sample_next, token_logprobs
 
 #: One token's log-probability and the most probable ids with theirs: ``(logprob, [(id, logprob), ...])``.
@@ -75,29 +78,20 @@ class Sampler:
         return self.counts is not None or self.bias is not None
 
 
-def prefill_batch(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, KVCache, list[int]]:
-    """One forward over ``prompts``, left-padded into a batch (positions follow the mask), into a
-    scratch :class:`KVCache` of their padded length.
+def prefill_row(model, cache: KVCache, row: int, prompt: list[int]) -> torch.Tensor:
+    """One forward over ``prompt`` alone, written into row ``row`` of ``cache`` from index 0
+    (:meth:`KVCache.row`): the same call, shapes and numbers as ``generate`` prefills that prompt with.
 
     Args:
         model: the decode view of a GPT-2 (its inputs are not checked again).
-        prompts: B lists of token ids, each non-empty and within the vocabulary and context.
-        device: the model's device.
+        cache: the slots' cache; ``row`` must be empty (length 0).
+        prompt: token ids, non-empty, within the vocabulary and context.
 
     Returns:
-        ``(logits [B, n_vocab], cache, starts)``: each row's last-position logits (float32),
-        the cache holding every row's keys/values at indices ``0 … T-1``, and the index at
-        which row b's real tokens start (its count of pads).
+        The last position's logits ``[1, n_vocab]`` (float32).
     """
-    ids, mask = left_pad(prompts)                              # [B, T] each; every row ends at T
-    B, T = ids.shape
-    c = model.config
-    cache = KVCache(c.n_layer, B, c.n_head, T, c.head_dim, dtype=model.wte.weight.dtype, device=device)
-    starts = [T - len(p) for p in prompts]
-    padded = any(starts)
-    logits = model(ids.to(device), attention_mask=mask.to(device).bool() if padded else None, cache=cache,
-                   last_only=True, validate=False).logits      # [B, 1, n_vocab]
-    return logits[:, -1], cache, starts
+    ids = torch.tensor([prompt], dtype=torch.long, device=cache.k.device)             # [1, T]
+    return model(ids, cache=cache.row(row), last_only=True, validate=False).logits[:, -1]
 
 
 class Runner:
@@ -108,6 +102,9 @@ class Runner:
             used only through its decode view from then on).
         slots: rows of the cache, i.e. sequences decoded together at most (>= 1).
         vocab_size: sample only ids below it (the tokenizer's vocabulary; default the model's).
+        batch_invariant: float32 products on a multiple of 4 rows, so each sequence's logits are
+            bitwise ``generate``'s for its prompt alone (``generate(..., batch_invariant=)``, the
+            same value); None: :func:`~gpt2mha.inference.fast.invariant_by_default`.
 
     Attributes:
         model: the model as given; ``decoder`` its decode view (shares every parameter).
@@ -116,17 +113,20 @@ class Runner:
             float32 with 16 slots; 38 MB for the built-in model).
 
     Raises:
-        ValueError: slots < 1 or a vocab_size outside ``[1, n_vocab]``.
+        ValueError: slots < 1, a vocab_size outside ``[1, n_vocab]``, a batch_invariant that is
+            not True, False or None.
     """
 
-    def __init__(self, model, slots: int, vocab_size: int | None = None):
+    def __init__(self, model, slots: int, vocab_size: int | None = None, batch_invariant: bool | None = None):
         c = model.config
         slots = checks.as_int(slots, "slots", minimum=1)
         vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
             raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={c.n_vocab}]")
         self.model = model.eval()
-        self.decoder = for_decoding(self.model)
+        if batch_invariant is None:
+            batch_invariant = invariant_by_default(self.model)
+        self.decoder = for_decoding(self.model, batch_invariant=checks.flag(batch_invariant, "batch_invariant"))
         p = self.model.wte.weight
         self.device = p.device
         self.cache = KVCache(c.n_layer, slots, c.n_head, c.n_ctx, c.head_dim, dtype=p.dtype, device=p.device)
@@ -186,10 +186,15 @@ class Runner:
         Raises:
             Exception: whatever the forward raised (nothing was written to the slots then).
         """
-        logits, scratch, starts = prefill_batch(self.decoder, prompts, self.device)
-        for i, slot in enumerate(slots):
-            self.cache.load(slot, scratch, other_row=i, start=starts[i])
-        return self._next_tokens(slots, logits, rows=range(len(slots)))
+        logits = []
+        try:
+            for slot, prompt in zip(slots, prompts):
+                logits.append(prefill_row(self.decoder, self.cache, slot, prompt))
+        except Exception:
+            for slot in slots:                                  # nothing half-written stays in a slot
+                self.cache.reset(slot)
+            raise
+        return self._next_tokens(slots, torch.cat(logits), rows=range(len(slots)))
 
     @torch.inference_mode()
     def decode(self, slots: list[int]) -> list[int | Exception]:

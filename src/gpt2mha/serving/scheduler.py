@@ -3,9 +3,9 @@
 The loop (:meth:`Scheduler.step`, run by one background thread in the server):
 
 1. free the slots of cancelled sequences;
-2. admit waiting sequences into free slots: each gets a slot and a seed, then they are
-   prefilled in batches of similar prompt lengths (:func:`length_groups`) by the
-   :class:`~gpt2mha.serving.runner.Runner`, which samples each one's first token;
+2. admit waiting sequences into free slots: each gets a slot and a seed, then each is
+   prefilled alone, in its slot, by the :class:`~gpt2mha.serving.runner.Runner`, which
+   samples its first token;
 3. one decode step for every running sequence at once (:meth:`Runner.decode
    <gpt2mha.serving.runner.Runner.decode>`: each row at its own position, attending only to its
    own keys);
@@ -13,14 +13,15 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
    send it, and free the slot of every sequence that finished (length, end of text, a stop
    string) at once.
 
-A sequence's tokens are the ones ``generate`` gives for its prompt alone: each row attends to
-exactly its own keys and is sampled with a generator seeded with its seed. A request of P
-prompts with ``n`` choices each (``best_of`` candidates when given) is P·m sequences, m = best_of
-or n; sequence ``i·m + j`` (prompt i, candidate j) is seeded ``row_seed(seed, i·m + j)``, as row
-``i·m + j`` of ``generate`` over the prompts each repeated m times (``gpt2mha generate P1 P2 …
---num-samples m --seed S``). Batched matrix products may round
-differently from a batch of one (~1e-6 in the logits), so a near-tie between the top two
-logits could in principle break differently; the tests compare whole texts on the built-in model.
+A sequence's logits are, bit for bit, the ones ``generate`` computes for its prompt alone,
+whatever else runs beside it, in whichever slot, admitted whenever (batch invariance: the
+runner prefills it alone and computes nothing of a row from the other rows; float32 weights
+need ``batch_invariant=True``), and it is sampled with a generator seeded with its seed: its
+greedy or seeded text is ``generate``'s. A request of P prompts with ``n`` choices each
+(``best_of`` candidates when given) is P·m sequences, m = best_of or n; sequence ``i·m + j``
+(prompt i, candidate j) is seeded ``row_seed(seed, i·m + j)``, as row ``i·m + j`` of
+``generate`` over the prompts each repeated m times (``gpt2mha generate P1 P2 …
+--num-samples m --seed S``).
 
 This module holds no tensor: the runner takes and returns slots and token ids.
 
@@ -151,26 +152,6 @@ class Sequence:
         return self.finish_reason is not None
 
 
-#: Padding a prefill batch may add, as a fraction of its real prompt tokens (:func:`length_groups`).
-PREFILL_PAD_WASTE = 0.1
-
-
-def length_groups(seqs: list[Sequence], waste: float = PREFILL_PAD_WASTE) -> list[list[Sequence]]:
-    """``seqs`` cut into prefill batches of similar prompt lengths (shortest first), each padded
-    to at most ``(1 + waste)`` times its real tokens: the built-in model's prefill is
-    compute-bound, so a batch padded to its longest prompt wastes work (README, "Serving",
-    gives the times measured)."""
-    groups, current, total = [], [], 0
-    for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
-        n = len(seq.prompt_ids)
-        if current and (len(current) + 1) * n > (1 + waste) * (total + n):
-            groups.append(current)
-            current, total = [], 0
-        current.append(seq)
-        total += n
-    return groups + [current] if current else groups
-
-
 class Scheduler:
     """Owns the queue of waiting sequences and the slots of running ones, and a
     :class:`~gpt2mha.serving.runner.Runner` (the model and its cache, one row per slot); one
@@ -183,6 +164,8 @@ class Scheduler:
         max_batch: slots, i.e. sequences decoded together at most (>= 1).
         max_queue: sequences that may wait for a slot beyond the free ones (>= 0); more is
             refused with :class:`QueueFull`.
+        batch_invariant: as :class:`~gpt2mha.serving.runner.Runner` (None: on unless the block
+            weights are float32).
 
     Memory: see :class:`~gpt2mha.serving.runner.Runner` (38 MB of cache for the built-in model
     with 16 slots, 1.2 GB for 124M in float32).
@@ -191,12 +174,14 @@ class Scheduler:
         ValueError: max_batch < 1 or max_queue < 0.
     """
 
-    def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 256):
+    def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 256,
+                 batch_invariant: bool | None = None):
         self.max_batch = checks.as_int(max_batch, "max_batch", minimum=1)
         self.max_queue = checks.as_int(max_queue, "max_queue")
         self.tokenizer = tokenizer
         self.n_ctx, self.n_vocab = model.config.n_ctx, model.config.n_vocab
-        self.runner = Runner(model, self.max_batch, vocab_size=min(tokenizer.n_vocab, self.n_vocab))
+        self.runner = Runner(model, self.max_batch, vocab_size=min(tokenizer.n_vocab, self.n_vocab),
+                             batch_invariant=batch_invariant)
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
@@ -397,9 +382,8 @@ class Scheduler:
             self._decode()
 
     def _admit(self, seqs: list[Sequence]) -> None:
-        """Give each new sequence (already in its slot) its text stream and seed, prefill them in
-        length groups (a group whose batched forward fails is prefilled one by one, so only a
-        sequence that fails alone fails) and accept each one's first token."""
+        """Give each new sequence (already in its slot) its text stream and seed, prefill each
+        alone (one that fails fails alone) and accept its first token."""
         now = time.monotonic()
         live = []
         for seq in seqs:
@@ -420,17 +404,11 @@ class Scheduler:
                 live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
-        for group in length_groups(live):
+        for seq in live:
             try:
-                self._prefill(group)
-            except Exception:
-                for seq in group:
-                    if seq.done:
-                        continue
-                    try:
-                        self._prefill([seq])
-                    except Exception as e:           # this request fails; the others go on
-                        self._fail(seq, e)
+                self._prefill([seq])
+            except Exception as e:                   # this request fails; the others go on
+                self._fail(seq, e)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Prefill ``seqs`` into their slots (one runner call) and accept each first token."""

@@ -557,12 +557,12 @@ def check_port(port: int) -> None:
 
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16,
           max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          chat_template: str | None = None, max_stop: int = MAX_STOP) -> None:
+          chat_template: str | None = None, max_stop: int = MAX_STOP, batch_invariant: bool | None = None) -> None:
     """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``). On SIGTERM uvicorn stops
     accepting connections and lets in-flight responses finish; past ``graceful_timeout``
     seconds what is left is cancelled (503 / a stream's error event, :class:`GracefulServer`);
     the scheduler is stopped and this returns normally. ``chat_template`` and ``max_stop``: as
-    :func:`create_app`.
+    :func:`create_app`; ``batch_invariant``: as :class:`~gpt2mha.serving.scheduler.Scheduler`.
 
     Raises:
         ValueError: a port outside [0, 65535], a negative or non-finite graceful_timeout,
@@ -575,7 +575,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
 
     check_port(port)
     check_graceful_timeout(graceful_timeout)
-    scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue)
+    scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant)
     app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
                      max_stop=max_stop)
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info")

@@ -138,7 +138,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: 
 
     The activations are split into integer pieces per row (:func:`split_activations`: two, or
     more when a row holds an outlier beyond :data:`WIDE_ROW` times its mean magnitude, which
-    would otherwise set a coarse step for the rest of the row: :func:`pieces_for`) and multiplied by ``q`` with an
+    would otherwise set a coarse step for the rest of the row: :func:`pieces_for`; each row's count
+    is its own, so a row gets the same bits whatever else is in the batch) and multiplied by ``q`` with an
     integer kernel whose int32 sums are exact; one float32 rescale per row and per output
     channel follows. ``kernel`` (default :func:`int8_kernel`): ``"int_mm"`` runs
     ``torch._int_mm`` on 8-bit pieces (relative error ~3e-5 on ordinary rows); ``"fbgemm"``
@@ -162,21 +163,26 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: 
     xa = xf.abs()
     levels = PIECE_LEVELS[kernel]
     top = xa.amax(-1, keepdim=True)
+    row_pieces = None
     if pieces is None:
         rest = xa.sum(-1, keepdim=True).sub_(top).div_(max(K - 1, 1)).clamp_(min=1e-30)   # mean |x| of the others
-        n = pieces_for(float((top / rest).max()) if M else 0.0, levels)
+        row_pieces = [pieces_for(r, levels) for r in (top / rest).flatten().tolist()]   # decided per row
+        n = max(row_pieces, default=2)
     elif isinstance(pieces, int) and 1 <= pieces <= MAX_PIECES:
         n = pieces
     else:
         raise ValueError(f"pieces={pieces!r}: expected None (as many as exactness needs) or 1..{MAX_PIECES}")
+    p, a = split_activations(xf, n, levels, torch.float32 if kernel == "fbgemm" else torch.int8, top)
+    if row_pieces is not None and min(row_pieces, default=n) < n:   # rows needing fewer: zero pieces past
+        need = torch.tensor(row_pieces, device=x.device)            # theirs, which adds exactly nothing
+        for i in range(2, n):
+            p[i * M:(i + 1) * M].masked_fill_((need <= i)[:, None], 0)
     if kernel == "fbgemm":
-        p, a = split_activations(xf, n, levels, torch.float32, top)
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
             p, 1.0, _FBGEMM_ZERO, packed if packed is not None else fbgemm_pack(q, scales))
         parts = y.split(M)                                      # the weight scales are already applied
         scale = a
     else:
-        p, a = split_activations(xf, n, levels, top=top)
         if M == 1:                                              # single rows take the GEMV path
             parts = [torch._int_mm(p[i:i + 1], q.t()) for i in range(n)]
         else:
