@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from ..core.hooks import ACT_NAMES, act_name, attached, canonical_name, hook_points
+from ..core.hooks import ACT_NAMES, act_name, attached, canonical_name
 from .activations import ActivationCache, run_with_cache
 
 #: Activations with a head axis: ``[B, T, h, d]`` (q, k, v, z, result) and ``[B, h, T, S]`` (patterns).
