@@ -249,10 +249,7 @@ def _add_intervene_commands(sub) -> None:
     ab.add_argument("--heads", required=True, metavar="L.H,...", help="heads to ablate, e.g. 0.3,1.5 (layer.head)")
     ab.add_argument("--mean", action="store_true", help="mean ablation instead of zero ablation")
     ab.add_argument("--top", type=int, default=5, help="top tokens listed before and after (default 5)")
-    for p in (ab,):
-        model_arg(p)
-        p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default float32)")
-        p.add_argument("--json", action="store_true", help="print one JSON object")
+    _model_dtype_json(ab)
     ab.set_defaults(func=cmd_ablate)
 
     pa = sub.add_parser("patch", help="activation patching: which layers/heads carry the clean answer",
@@ -279,12 +276,17 @@ def _add_intervene_commands(sub) -> None:
     ln.add_argument("--top", type=int, default=3, help="top tokens kept per cell in the JSON (default 3)")
     ln.add_argument("--columns", type=int, default=8, help="positions shown in the printed table (default 8)")
     ln.add_argument("--out", default="lens", metavar="DIR", help="output directory (default ./lens)")
-    for p in (pa, ln):
-        model_arg(p)
-        p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default float32)")
-        p.add_argument("--json", action="store_true", help="print one JSON object")
+    _model_dtype_json(pa)
+    _model_dtype_json(ln)
     pa.set_defaults(func=cmd_patch)
     ln.set_defaults(func=cmd_lens)
+
+
+def _model_dtype_json(p) -> None:
+    """--model, --dtype and --json, as ablate, patch and lens take them."""
+    model_arg(p)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default float32)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def cmd_check(args) -> int:

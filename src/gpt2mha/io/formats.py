@@ -7,16 +7,9 @@
   ``model/wte [n_vocab, n_embd]``, ``model/wpe [n_ctx, n_embd]``, ``model/h{i}/ln_1/g|b``,
   ``model/h{i}/attn/c_attn/w [1, n_embd, 3·n_embd]`` (conv1d's ``[1, nx, nf]``), ``…/b``,
   ``attn/c_proj``, ``ln_2``, ``mlp/c_fc``, ``mlp/c_proj``, ``model/ln_f/g|b``. Read only.
-* ``book``: the state dict of ``GPTModel`` from "Build a Large Language Model (From Scratch)",
-  ch. 4/5 (``tok_emb``, ``pos_emb``, ``trf_blocks.{i}.att.W_query|W_key|W_value|out_proj``,
-  ``norm1|norm2.scale|shift``, ``ff.layers.0|2``, ``final_norm``, ``out_head``; nn.Linear
-  ``[out, in]``), a plain ``.pth`` or ch. 5's ``{"model_state_dict": …}``, with the book's
-  config dict (``vocab_size, context_length, emb_dim, n_heads, n_layers, drop_rate, qkv_bias``)
-  given, stored in the file, or in ``<name>.json`` beside it.
-* ``nanogpt``: nanoGPT's ``ckpt.pt`` (``model_args`` + ``model``: ``transformer.…`` keys in
-  nn.Linear layout, ``_orig_mod.`` prefixes from ``torch.compile``, biases absent with
-  ``bias=False``, ``lm_head`` tied to ``wte``). nanoGPT's MLP uses the exact (erf) GELU where
-  GPT-2 uses the tanh approximation; the weights are the same, the activations differ a little at
+* ``book`` (the book's ``GPTModel`` state dict) and ``nanogpt`` (nanoGPT's ``ckpt.pt``): their
+  layouts are described in :mod:`gpt2mha.io.learner_formats`, which reads and writes them.
+  nanoGPT's MLP uses the exact (erf) GELU where GPT-2 uses the tanh approximation; the weights are the same, the activations differ a little at
   every MLP (``gpt2mha check-model`` shows where).
 
 Every ``.pt``/``.pth`` is read with ``torch.load(weights_only=True)``. Each reader checks every
