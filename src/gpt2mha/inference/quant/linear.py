@@ -11,6 +11,7 @@ has no fast path: on an AVX2-only Zen 3 it ran 6–12x slower than the float32 m
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import torch
@@ -37,13 +38,20 @@ INT8_KERNEL_ENV = "GPT2MHA_INT8_KERNEL"
 #: for 7-bit activations, so its pieces stay in [-63, 63] (stored as uint8 with zero point 64).
 PIECE_LEVELS = {"int_mm": 127, "fbgemm": 63}
 _FBGEMM_ZERO = 64
-#: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized float32 weight
-#: (:meth:`QuantizedLinear.dequantize_for`): measured on an AVX2 Zen 3 (block matrices of 124M,
-#: 1 thread, a loaded machine), two 7-bit pieces on FBGEMM 0.98x float32 at 64 rows and 0.64x
-#: at 512, the dequantized weight 0.91x and 0.88–0.96x; the int4 kernel 0.52x at 64 rows and
-#: 0.52x at 512, the dequantized weight 0.52x and 0.78x. Below 256 rows the measurements did
-#: not separate the routes; the quantized kernels keep them.
-DEQUANTIZE_FROM_ROWS = {"int8": 256, "int4": 256}
+#: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized weight
+#: (:meth:`QuantizedLinear.dequantize_for`) instead of the quantized kernel. Measured on an
+#: idle AVX2 Zen 3 (``python benchmarks/quant_prefill.py kernels``, the 48 block matrices of
+#: 124M, 1 thread; RESULTS.md, "Prefill on an AVX2-only host"): int8's two 7-bit pieces on
+#: FBGEMM and the dequantized weight cross between 64 and 256 rows, int4's bf16 kernel and its
+#: dequantized weight between 8 and 64.
+DEQUANTIZE_FROM_ROWS = {"int8": 128, "int4": 32}
+#: Largest number of float32 weights dequantized at once (64 MiB): a larger weight (the LM head)
+#: is dequantized and multiplied in slices of output channels, so the scratch stays small.
+DEQUANTIZE_CHUNK = 1 << 24
+#: How int8 products treat the activations (:attr:`QuantizedLinear.activations`): ``"exact"``
+#: splits them into integer pieces (:func:`int8_matmul`); ``"per_row"`` rounds each row to 7
+#: bits with its own scale and zero point (:func:`int8_matmul_per_row`, W8A7): faster, not exact.
+ACTIVATIONS = ("exact", "per_row")
 
 
 def fbgemm_available() -> bool:
@@ -195,6 +203,69 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: 
     return y if scale is not None else y.mul_(scales.float())
 
 
+def int8_matmul_per_row(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: str | None = None,
+                        packed=None, wsum: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ (q · scales)ᵀ`` → float32 ``[M, N]`` with each activation row rounded to
+    7 bits with its own scale and zero point (W8A7, asymmetric per row): one integer product
+    instead of :func:`int8_matmul`'s two or more, so faster for many rows, and not exact.
+
+    Each row is written ``x ≈ a·u + lo`` with ``lo = min x``, ``a = (max x − min x) / 127`` and
+    integers ``u = round((x − lo) / a)`` in ``[0, 127]`` (error ≤ a/2 per value: half a step of
+    the row's *range*, where a symmetric 7-bit scale would give half of ``2·max|x| / 126``, up to
+    twice as coarse for one-sided rows such as GELU outputs). The product is
+    ``a·(u·Wᵀ) + lo·Σₖ W[n, k]``: ``u − 64`` (7-bit, exact int32 sums on FBGEMM's ``vpmaddubsw``
+    kernels and on ``_int_mm`` alike, so both kernels give the same sums) times the int8 weight,
+    and the weight's row sums ``wsum [N]`` (``(q · scales).sum(1)``, computed here when not
+    given) for the offsets. The per-row integer products make a row's result independent of the
+    other rows in the batch. Measured on the built-in model (RESULTS.md, "Prefill on an
+    AVX2-only host"): top-1 agreement with float32 96.45% against the exact pieces' 99.37%
+    (symmetric 7-bit per row: 94.93%); llama.cpp q8_0 98.30%, ONNX Runtime int8 96.25%,
+    CTranslate2 int8 95.84% on the same bytes. Rows holding NaN or ±inf give NaN rows.
+
+    The same per-row rounding as CTranslate2's int8 (which uses symmetric 8-bit scales) and
+    ``torch.ao`` dynamic quantization (asymmetric, but one scale per tensor).
+
+    Raises:
+        ValueError: an unknown ``kernel``.
+    """
+    kernel = kernel or int8_kernel()
+    if kernel not in INT8_KERNELS:
+        raise ValueError(f"kernel={kernel!r}: expected one of {INT8_KERNELS}")
+    xf = x.float()
+    lo = xf.amin(-1, keepdim=True)
+    a = xf.amax(-1, keepdim=True).sub_(lo).div_(127)
+    bad = ~torch.isfinite(a)
+    a.clamp_(min=1e-30).masked_fill_(bad, 1.0)
+    lo = lo.masked_fill(bad, 0.0)
+    u = (xf - lo).div_(a).round_().clamp_(0, 127).sub_(64)               # integers in [-64, 63]
+    if wsum is None:
+        wsum = q.float().mul_(scales.float()[:, None]).sum(1)
+    if kernel == "fbgemm":
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            u, 1.0, _FBGEMM_ZERO, packed if packed is not None else fbgemm_pack(q, scales))
+    else:
+        y = torch._int_mm(u.to(torch.int8), q.t()).float().mul_(scales.float())
+    y = y.mul_(a).addr_(a.mul(64).add_(lo).flatten(), wsum)           # x = a·(u + 64) + lo
+    return y.masked_fill_(bad, float("nan")) if bool(bad.any()) else y
+
+
+def _scratch(numel: int, device: torch.device) -> torch.Tensor:
+    """A float32 buffer of at least ``numel`` elements on ``device``, kept per thread and
+    reused by every layer (the dequantized weights of :meth:`QuantizedLinear.dequantize_for`
+    products): no fresh allocation, and so no page faults, per product. Made outside
+    inference mode so that it can be written in place in and out of it."""
+    store = _SCRATCH.__dict__
+    buf = store.get(device)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+        store[device] = buf
+    return buf[:numel]
+
+
+_SCRATCH = threading.local()
+
+
 # ------------------------------------------------------------------ the quantized layer
 def _version(t: torch.Tensor) -> int:
     """``t``'s in-place write counter (-1 for inference tensors, which have none)."""
@@ -247,6 +318,28 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scale_zero", torch.ones(n_in // group_size, n_out, 2, dtype=KERNEL_DTYPE))
             self.register_buffer("packed", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(n_out), requires_grad=False) if bias else None
+        self._activations = "exact"
+
+    @property
+    def activations(self) -> str:
+        """How this layer's int8 products treat the activations, one of :data:`ACTIVATIONS`:
+        ``"exact"`` (default; integer pieces, :func:`int8_matmul`, or the dequantized weight for
+        many rows, :meth:`dequantize_for`) or ``"per_row"`` (7 bits per row with a zero point,
+        :func:`int8_matmul_per_row`, at every size). int4 layers are always ``"exact"``.
+
+        Raises:
+            ValueError: (on setting) a value not in :data:`ACTIVATIONS`, or ``"per_row"`` on an int4 layer.
+        """
+        return self._activations
+
+    @activations.setter
+    def activations(self, value: str) -> None:
+        if value not in ACTIVATIONS:
+            raise ValueError(f"activations={value!r}: expected one of {ACTIVATIONS}")
+        if value != "exact" and self.scheme != "int8":
+            raise ValueError(f"activations={value!r} applies to int8 products; this layer is {self.scheme} "
+                             f"(its kernel takes bf16 activations)")
+        self._activations = value
 
     @classmethod
     def from_float(cls, w: torch.Tensor, b: torch.Tensor | None, scheme: str,
@@ -292,8 +385,12 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.n_in)                                  # [M, K]
         if x.device.type != "cpu":
             y = F.linear(x2.to(KERNEL_DTYPE), self.dequantized().to(KERNEL_DTYPE))
+        elif self.scheme == "int8" and self.activations == "per_row":
+            kernel = int8_kernel()
+            y = int8_matmul_per_row(x2, self.weight, self.scales, kernel,
+                                    self.fbgemm_packed() if kernel == "fbgemm" else None, self.weight_sums())
         elif self.dequantize_for(x2.shape[0]):
-            y = F.linear(x2.float(), self.dequantized())
+            y = self.dequantized_product(x2.float())
         elif self.scheme == "int8":
             kernel = int8_kernel()
             y = int8_matmul(x2, self.weight, self.scales, kernel,
@@ -314,13 +411,59 @@ class QuantizedLinear(nn.Module):
         return dtype
 
     def dequantize_for(self, rows: int) -> bool:
-        """Whether a product over ``rows`` input rows runs as float32 ``F.linear`` over the
-        dequantized weight (made for the call, then freed) rather than the quantized kernel:
-        on CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from
-        :data:`DEQUANTIZE_FROM_ROWS` rows on, where the float32 GEMM outruns the integer pieces
-        (int8) and the bf16 int4 kernel (int4) in prefill (RESULTS.md, "Kernels per CPU").
-        Exact float32 products of the dequantized weight."""
+        """Whether a product over ``rows`` input rows runs as a float32 GEMM over the
+        dequantized weight (:meth:`dequantized_product`) rather than the quantized kernel: on
+        CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from
+        :data:`DEQUANTIZE_FROM_ROWS` rows on, where the float32 GEMM outruns the two integer
+        pieces (int8) and the bf16 int4 kernel (int4) in prefill (RESULTS.md, "Prefill on an
+        AVX2-only host"). Products with ``activations="per_row"`` never do (faster still)."""
         return rows >= DEQUANTIZE_FROM_ROWS[self.scheme] and int8_kernel() == "fbgemm"
+
+    def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, n_in] @ deq(W)ᵀ`` → float32 ``[M, n_out]`` (no bias) by float32 GEMMs over
+        the weight dequantized into a reused per-thread scratch (:func:`_scratch`), at most
+        :data:`DEQUANTIZE_CHUNK` weights at a time (slices of output channels).
+
+        int8: the integer weight is converted to float32 and the per-channel scales multiply
+        the outputs (the same product as ``x @ dequantized()ᵀ`` up to float32 rounding, ~1e-7
+        relative); the conversion is a plain int8 → float32 copy. int4: each packed byte's two
+        inputs are written as two contiguous halves (low nibbles = even inputs, then high
+        nibbles = odd inputs), the group scale and zero applied in place, and the inputs of
+        ``x`` put in the same order, so no strided (slow) writes are needed.
+        """
+        N, K = self.n_out, self.n_in
+        step = max(1, min(N, DEQUANTIZE_CHUNK // K))
+        if self.scheme == "int4":
+            x = x.view(x.shape[0], K // 2, 2).transpose(1, 2).reshape(x.shape[0], K)   # even inputs, odd inputs
+            sz = self.scale_zero.float()                                               # [K/g, N, 2]
+            scale = sz[..., 0].t()                                                     # [N, K/g]
+            offset = sz[..., 1].t() - 8 * scale                                        # (q − 8)·s + z = q·s + offset
+        outs = []
+        for n0 in range(0, N, step):
+            n1 = min(N, n0 + step)
+            w = _scratch((n1 - n0) * K, x.device).view(n1 - n0, K)
+            if self.scheme == "int8":
+                outs.append(F.linear(x, w.copy_(self.weight[n0:n1])).mul_(self.scales[n0:n1].float()))
+                continue
+            packed, halves = self.weight[n0:n1], w.view(n1 - n0, 2, K // 2)
+            halves[:, 0].copy_(packed & 15)
+            halves[:, 1].copy_(packed >> 4)
+            groups = w.view(n1 - n0, 2, K // self.group_size, self.group_size // 2)
+            groups.mul_(scale[n0:n1, None, :, None]).add_(offset[n0:n1, None, :, None])
+            outs.append(F.linear(x, w))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def weight_sums(self) -> torch.Tensor:
+        """float32 ``[n_out]``: each output channel's sum of its dequantized int8 weights, the
+        offsets of :func:`int8_matmul_per_row`; made on first use and again whenever the weight
+        or scales change (as :meth:`fbgemm_packed`)."""
+        key = (self.weight, self.scales, _version(self.weight), _version(self.scales))
+        cached = self.__dict__.get("_wsum")
+        if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
+            with torch.inference_mode(False), torch.no_grad():
+                cached = (key, self.weight.float().mul_(self.scales.float()[:, None]).sum(1))
+            self.__dict__["_wsum"] = cached
+        return cached[1]
 
     def fbgemm_packed(self):
         """FBGEMM's packed copy of the int8 weight (:func:`fbgemm_pack`), made on first use and
@@ -339,6 +482,7 @@ class QuantizedLinear(nn.Module):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
         state.pop("_fbgemm", None)
+        state.pop("_wsum", None)
         return state
 
     def _apply(self, fn, recurse=True):
@@ -358,7 +502,8 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
-        return f"n_in={self.n_in}, n_out={self.n_out}, scheme={self.scheme}{g}, bias={self.bias is not None}"
+        a = f", activations={self.activations}" if self.activations != "exact" else ""
+        return f"n_in={self.n_in}, n_out={self.n_out}, scheme={self.scheme}{g}, bias={self.bias is not None}{a}"
 
 
 
