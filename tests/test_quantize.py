@@ -600,7 +600,8 @@ def test_cli_calibration_and_convert_quantize(tmp_path, capsys):
     loaded = GPT2.from_pretrained(str(out))
     expected = GPT2.from_pretrained(str(src)).quantize("int4", 64, calibration=text.read_text())
     assert loaded.quantization == expected.quantization == {"scheme": "int4", "group_size": 64, "head": "int8",
-                                                            "tied": True, "method": "gptq"}
+                                                            "tied": True, "method": "gptq",
+                                                            "activations": "exact"}
     idx = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(25))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx).logits, expected(idx).logits, atol=1e-5, rtol=0)

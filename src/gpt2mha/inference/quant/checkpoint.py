@@ -12,7 +12,7 @@ import math
 import torch
 
 from .linear import QuantizedLinear
-from .model import BLOCK_LINEARS, install, quantized_layers
+from .model import BLOCK_LINEARS, _check_activations, install, quantized_layers, set_activations
 from .schemes import (HEAD_SCHEME, KERNEL_DTYPE, METHODS, QuantizationError, check_scheme, dequantize_int4,
                       unpack_int4)
 
@@ -40,13 +40,16 @@ def state_to_save(model, dtype: torch.dtype = torch.float32) -> tuple[dict[str, 
         if k == "wte.weight" and q["tied"]:
             continue
         tensors[k] = v.detach().contiguous() if k in quantized else v.detach().to(dtype).contiguous()
-    return tensors, {**q, "format": FORMAT_VERSION}
+    entry = {k: v for k, v in q.items() if k != "activations" or v != "exact"}   # readable by older versions
+    return tensors, {**entry, "format": FORMAT_VERSION}
 
 
 #: The fields of config.json's quantization entry and their JSON types ("method" may be absent:
-#: checkpoints saved before GPTQ existed were rounded to nearest).
+#: checkpoints saved before GPTQ existed were rounded to nearest; "activations" is absent for
+#: the default "exact").
 ENTRY_FIELDS = {"scheme": "string", "group_size": "integer or null", "head": "string", "tied": "boolean",
-                "format": "integer", "method": "string"}
+                "format": "integer", "method": "string", "activations": "string"}
+OPTIONAL_FIELDS = ("method", "activations")
 
 
 def _json_type_ok(value, kind: str) -> bool:
@@ -72,7 +75,7 @@ def read_scheme(entry, source: str) -> tuple[str, int | None, bool]:
         raise QuantizationError(f"{source}: gpt2mha.quantization must be an object, got {entry!r}")
     problems = [f"{k}={entry[k]!r} must be a JSON {kind}" for k, kind in ENTRY_FIELDS.items()
                 if k in entry and not _json_type_ok(entry[k], kind)]
-    problems += [f"missing field {k!r} ({kind})" for k, kind in ENTRY_FIELDS.items() if k not in entry and k != "method"]
+    problems += [f"missing field {k!r} ({kind})" for k, kind in ENTRY_FIELDS.items() if k not in entry and k not in OPTIONAL_FIELDS]
     problems += [f"unknown field {k!r}" for k in entry if k not in ENTRY_FIELDS]
     if problems:
         raise QuantizationError(f"{source}: gpt2mha.quantization: " + "; ".join(problems)
@@ -87,6 +90,10 @@ def read_scheme(entry, source: str) -> tuple[str, int | None, bool]:
     if entry.get("method", "rtn") not in METHODS:
         raise QuantizationError(f"{source}: quantization method {entry.get('method')!r} is unknown; expected one of "
                                 f"{METHODS}")
+    try:
+        _check_activations(entry.get("activations", "exact"), entry["scheme"])
+    except ValueError as e:
+        raise QuantizationError(f"{source}: {e}") from None
     return entry["scheme"], entry["group_size"], entry["tied"]
 
 
@@ -267,4 +274,5 @@ def load_state(model, entry, sd: dict[str, torch.Tensor], source: str, dtype: to
         if overflow:
             raise QuantizationError(f"{source}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
     model.quantization["method"] = entry.get("method", "rtn")
+    set_activations(model, entry.get("activations", "exact"))
     return model.to(dtype).eval()

@@ -49,8 +49,9 @@ DEQUANTIZE_FROM_ROWS = {"int8": 128, "int4": 32}
 #: is dequantized and multiplied in slices of output channels, so the scratch stays small.
 DEQUANTIZE_CHUNK = 1 << 24
 #: How int8 products treat the activations (:attr:`QuantizedLinear.activations`): ``"exact"``
-#: splits them into integer pieces (:func:`int8_matmul`); ``"per_row"`` rounds each row to 7
-#: bits with its own scale and zero point (:func:`int8_matmul_per_row`, W8A7): faster, not exact.
+#: splits them into integer pieces (:func:`int8_matmul`); ``"per_row"`` rounds each row to 8
+#: bits with its own scale and zero point, over the weights re-rounded to 7 bits
+#: (:func:`int8_matmul_per_row`, W7A8): faster, not exact.
 ACTIVATIONS = ("exact", "per_row")
 
 
@@ -203,49 +204,65 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: 
     return y if scale is not None else y.mul_(scales.float())
 
 
-def int8_matmul_per_row(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: str | None = None,
+def weight_7bit(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weights ``q [N, K]`` with ``scales [N]`` re-rounded to 7 bits per output channel:
+    ``(q7 int8 [N, K] in [-63, 63], scales7 float32 [N])`` with ``q7 = round(q · 63 / max|q|)``
+    and ``scales7 = scales · max|q| / 63`` (an all-zero row keeps its scale), so that
+    ``q7 · scales7 ≈ q · scales`` within half a 7-bit step. The weights of
+    :func:`int8_matmul_per_row`."""
+    top = q.abs().amax(1).float().clamp(min=1)                                # [N]
+    q7 = torch.round(q.float() * (63 / top)[:, None]).to(torch.int8)
+    return q7, scales.float() * top / 63
+
+
+def int8_matmul_per_row(x: torch.Tensor, q7: torch.Tensor, scales7: torch.Tensor, kernel: str | None = None,
                         packed=None, wsum: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ (q · scales)ᵀ`` → float32 ``[M, N]`` with each activation row rounded to
-    7 bits with its own scale and zero point (W8A7, asymmetric per row): one integer product
-    instead of :func:`int8_matmul`'s two or more, so faster for many rows, and not exact.
+    """``x [M, K] @ (q7 · scales7)ᵀ`` → float32 ``[M, N]`` with each activation row rounded to
+    8 bits with its own scale and zero point, over 7-bit weights ``q7 [N, K]`` in ``[-63, 63]``
+    (:func:`weight_7bit`) with ``scales7 [N]``: one integer product instead of
+    :func:`int8_matmul`'s two or more, so faster for many rows; not exact (W7A8).
 
-    Each row is written ``x ≈ a·u + lo`` with ``lo = min x``, ``a = (max x − min x) / 127`` and
-    integers ``u = round((x − lo) / a)`` in ``[0, 127]`` (error ≤ a/2 per value: half a step of
-    the row's *range*, where a symmetric 7-bit scale would give half of ``2·max|x| / 126``, up to
-    twice as coarse for one-sided rows such as GELU outputs). The product is
-    ``a·(u·Wᵀ) + lo·Σₖ W[n, k]``: ``u − 64`` (7-bit, exact int32 sums on FBGEMM's ``vpmaddubsw``
-    kernels and on ``_int_mm`` alike, so both kernels give the same sums) times the int8 weight,
-    and the weight's row sums ``wsum [N]`` (``(q · scales).sum(1)``, computed here when not
-    given) for the offsets. The per-row integer products make a row's result independent of the
-    other rows in the batch. Measured on the built-in model (RESULTS.md, "Prefill on an
-    AVX2-only host"): top-1 agreement with float32 96.45% against the exact pieces' 99.37%
-    (symmetric 7-bit per row: 94.93%); llama.cpp q8_0 98.30%, ONNX Runtime int8 96.25%,
-    CTranslate2 int8 95.84% on the same bytes. Rows holding NaN or ±inf give NaN rows.
+    Each row is written ``x ≈ a·u + lo`` with ``lo = min x``, ``a = (max x − min x) / 255`` and
+    integers ``u = round((x − lo) / a)`` in ``[0, 255]`` (error ≤ a/2 per value: half a step of
+    the row's *range*, up to twice finer than a symmetric 8-bit scale for one-sided rows such as
+    GELU outputs). The product is ``a·(u·q7ᵀ)·scales7 + lo·wsum`` with the weights' row sums
+    ``wsum [N]`` (``(q7 · scales7).sum(1)``, computed here when not given). The integer sums
+    are exact on both kernels: ``_int_mm`` takes ``u − 128`` as int8; FBGEMM's AVX2 kernels add
+    pairs of uint8 × int8 products in saturating int16, and ``2 · 255 · 63 < 2¹⁵`` (8-bit
+    weights with 8-bit activations could saturate, hence the 7-bit weights; ``torch.ao``'s x86
+    dynamic quantization makes the other trade, 7-bit activations). A row's result does not
+    depend on the other rows. Rows holding NaN or ±inf give NaN rows.
 
-    The same per-row rounding as CTranslate2's int8 (which uses symmetric 8-bit scales) and
-    ``torch.ao`` dynamic quantization (asymmetric, but one scale per tensor).
+    Measured on the built-in model (RESULTS.md, "Prefill on an AVX2-only host"): top-1
+    agreement with float32 ~97.3% against the exact pieces' 99.37% (8-bit weights with
+    asymmetric 7-bit rows: 96.3%; symmetric 7-bit rows: 94.9%); llama.cpp q8_0 (8 bits per block
+    of 32) 98.30%, ONNX Runtime int8 96.25%, CTranslate2 int8 (symmetric 8 bits per row) 95.84%
+    on the same bytes.
 
     Raises:
-        ValueError: an unknown ``kernel``.
+        ValueError: an unknown ``kernel``, or (when ``packed`` is not given) ``q7`` outside [-63, 63].
     """
     kernel = kernel or int8_kernel()
     if kernel not in INT8_KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {INT8_KERNELS}")
+    if packed is None and int(q7.abs().max()) > 63:
+        raise ValueError(f"q7: weights up to {int(q7.abs().max())} in magnitude; expected 7-bit weights in "
+                         f"[-63, 63] (weight_7bit)")
     xf = x.float()
     lo = xf.amin(-1, keepdim=True)
-    a = xf.amax(-1, keepdim=True).sub_(lo).div_(127)
+    a = xf.amax(-1, keepdim=True).sub_(lo).div_(255)
     bad = ~torch.isfinite(a)
     a.clamp_(min=1e-30).masked_fill_(bad, 1.0)
     lo = lo.masked_fill(bad, 0.0)
-    u = (xf - lo).div_(a).round_().clamp_(0, 127).sub_(64)               # integers in [-64, 63]
+    u = (xf - lo).div_(a).round_().clamp_(0, 255).sub_(128)             # integers in [-128, 127]
     if wsum is None:
-        wsum = q.float().mul_(scales.float()[:, None]).sum(1)
+        wsum = q7.float().mul_(scales7.float()[:, None]).sum(1)
     if kernel == "fbgemm":
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            u, 1.0, _FBGEMM_ZERO, packed if packed is not None else fbgemm_pack(q, scales))
+            u, 1.0, 128, packed if packed is not None else fbgemm_pack(q7, scales7))
     else:
-        y = torch._int_mm(u.to(torch.int8), q.t()).float().mul_(scales.float())
-    y = y.mul_(a).addr_(a.mul(64).add_(lo).flatten(), wsum)           # x = a·(u + 64) + lo
+        y = torch._int_mm(u.to(torch.int8), q7.t()).float().mul_(scales7.float())
+    y = y.mul_(a).addr_(a.mul(128).add_(lo).flatten(), wsum)          # x = a·(u + 128) + lo
     return y.masked_fill_(bad, float("nan")) if bool(bad.any()) else y
 
 
@@ -324,8 +341,8 @@ class QuantizedLinear(nn.Module):
     def activations(self) -> str:
         """How this layer's int8 products treat the activations, one of :data:`ACTIVATIONS`:
         ``"exact"`` (default; integer pieces, :func:`int8_matmul`, or the dequantized weight for
-        many rows, :meth:`dequantize_for`) or ``"per_row"`` (7 bits per row with a zero point,
-        :func:`int8_matmul_per_row`, at every size). int4 layers are always ``"exact"``.
+        many rows, :meth:`dequantize_for`) or ``"per_row"`` (8 bits per row with a zero point over
+        7-bit weights, :func:`int8_matmul_per_row`, at every size). int4 layers are always ``"exact"``.
 
         Raises:
             ValueError: (on setting) a value not in :data:`ACTIVATIONS`, or ``"per_row"`` on an int4 layer.
@@ -386,9 +403,8 @@ class QuantizedLinear(nn.Module):
         if x.device.type != "cpu":
             y = F.linear(x2.to(KERNEL_DTYPE), self.dequantized().to(KERNEL_DTYPE))
         elif self.scheme == "int8" and self.activations == "per_row":
-            kernel = int8_kernel()
-            y = int8_matmul_per_row(x2, self.weight, self.scales, kernel,
-                                    self.fbgemm_packed() if kernel == "fbgemm" else None, self.weight_sums())
+            q7, scales7, packed, wsum = self.per_row_weights()
+            y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
         elif self.dequantize_for(x2.shape[0]):
             y = self.dequantized_product(x2.float())
         elif self.scheme == "int8":
@@ -426,18 +442,22 @@ class QuantizedLinear(nn.Module):
 
         int8: the integer weight is converted to float32 and the per-channel scales multiply
         the outputs (the same product as ``x @ dequantized()ᵀ`` up to float32 rounding, ~1e-7
-        relative); the conversion is a plain int8 → float32 copy. int4: each packed byte's two
-        inputs are written as two contiguous halves (low nibbles = even inputs, then high
-        nibbles = odd inputs), the group scale and zero applied in place, and the inputs of
-        ``x`` put in the same order, so no strided (slow) writes are needed.
+        relative); the conversion is a plain int8 → float32 copy. int4: the low nibbles (even
+        inputs) and the high nibbles (odd inputs) are converted into two contiguous ``[N, K/2]``
+        halves (no strided writes), scaled per group in place and multiplied by the even and
+        odd inputs; the zeros enter as ``Σ_group x · offset`` (``offset = z − 8·s``), one small
+        ``[M, K/g] @ [K/g, N]`` product instead of a pass over the weight.
         """
         N, K = self.n_out, self.n_in
         step = max(1, min(N, DEQUANTIZE_CHUNK // K))
         if self.scheme == "int4":
-            x = x.view(x.shape[0], K // 2, 2).transpose(1, 2).reshape(x.shape[0], K)   # even inputs, odd inputs
-            sz = self.scale_zero.float()                                               # [K/g, N, 2]
-            scale = sz[..., 0].t()                                                     # [N, K/g]
-            offset = sz[..., 1].t() - 8 * scale                                        # (q − 8)·s + z = q·s + offset
+            g = self.group_size
+            even, odd = x[:, 0::2], x[:, 1::2]                                   # the low and the high nibbles' inputs
+            sz = self.scale_zero.float()                                          # [K/g, N, 2]
+            scale = sz[..., 0].t().contiguous()                                   # [N, K/g]
+            offset = (sz[..., 1] - 8 * sz[..., 0]).t()                            # (q − 8)·s + z = q·s + offset
+            group_sums = x.view(x.shape[0], K // g, g).sum(-1)                    # Σ x over each group [M, K/g]
+            nibbles = torch.empty(min(N, step), K // 2, dtype=torch.uint8, device=x.device)
         outs = []
         for n0 in range(0, N, step):
             n1 = min(N, n0 + step)
@@ -445,24 +465,28 @@ class QuantizedLinear(nn.Module):
             if self.scheme == "int8":
                 outs.append(F.linear(x, w.copy_(self.weight[n0:n1])).mul_(self.scales[n0:n1].float()))
                 continue
-            packed, halves = self.weight[n0:n1], w.view(n1 - n0, 2, K // 2)
-            halves[:, 0].copy_(packed & 15)
-            halves[:, 1].copy_(packed >> 4)
-            groups = w.view(n1 - n0, 2, K // self.group_size, self.group_size // 2)
-            groups.mul_(scale[n0:n1, None, :, None]).add_(offset[n0:n1, None, :, None])
-            outs.append(F.linear(x, w))
+            packed, bits = self.weight[n0:n1], nibbles[:n1 - n0]
+            lo, hi = w.view(2, n1 - n0, K // 2)                                   # contiguous halves
+            lo.copy_(torch.bitwise_and(packed, 15, out=bits))
+            hi.copy_(torch.bitwise_right_shift(packed, 4, out=bits))
+            w.view(2, n1 - n0, K // g, g // 2).mul_(scale[n0:n1, :, None])
+            y = group_sums @ offset[n0:n1].t()
+            outs.append(y.addmm_(even, lo.t()).addmm_(odd, hi.t()))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def weight_sums(self) -> torch.Tensor:
-        """float32 ``[n_out]``: each output channel's sum of its dequantized int8 weights, the
-        offsets of :func:`int8_matmul_per_row`; made on first use and again whenever the weight
-        or scales change (as :meth:`fbgemm_packed`)."""
-        key = (self.weight, self.scales, _version(self.weight), _version(self.scales))
-        cached = self.__dict__.get("_wsum")
+    def per_row_weights(self):
+        """``(q7, scales7, packed, wsum)`` for :func:`int8_matmul_per_row`: the weight re-rounded
+        to 7 bits (:func:`weight_7bit`), FBGEMM's packed copy of it (None where the kernel is
+        ``_int_mm``) and its row sums; made on first use and again whenever ``weight`` or
+        ``scales`` change (as :meth:`fbgemm_packed`). Not part of the state dict."""
+        key = (self.weight, self.scales, _version(self.weight), _version(self.scales), int8_kernel())
+        cached = self.__dict__.get("_per_row")
         if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
             with torch.inference_mode(False), torch.no_grad():
-                cached = (key, self.weight.float().mul_(self.scales.float()[:, None]).sum(1))
-            self.__dict__["_wsum"] = cached
+                q7, scales7 = weight_7bit(self.weight, self.scales)
+                packed = fbgemm_pack(q7, scales7) if key[-1] == "fbgemm" else None
+                cached = (key, (q7, scales7, packed, q7.float().mul_(scales7[:, None]).sum(1)))
+            self.__dict__["_per_row"] = cached
         return cached[1]
 
     def fbgemm_packed(self):
@@ -482,7 +506,7 @@ class QuantizedLinear(nn.Module):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
         state.pop("_fbgemm", None)
-        state.pop("_wsum", None)
+        state.pop("_per_row", None)
         return state
 
     def _apply(self, fn, recurse=True):
