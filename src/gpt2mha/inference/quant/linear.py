@@ -40,11 +40,13 @@ PIECE_LEVELS = {"int_mm": 127, "fbgemm": 63}
 _FBGEMM_ZERO = 64
 #: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized weight
 #: (:meth:`QuantizedLinear.dequantize_for`) instead of the quantized kernel. Measured on an
-#: idle AVX2 Zen 3 (``python benchmarks/quant_prefill.py kernels``, the 48 block matrices of
-#: 124M, 1 thread; RESULTS.md, "Prefill on an AVX2-only host"): int8's two 7-bit pieces on
-#: FBGEMM and the dequantized weight cross between 64 and 256 rows, int4's bf16 kernel and its
-#: dequantized weight between 8 and 64.
-DEQUANTIZE_FROM_ROWS = {"int8": 128, "int4": 32}
+#: AVX2 Zen 3 (``python benchmarks/quant_prefill.py kernels``: the 48 block matrices of 124M,
+#: 1 thread; RESULTS.md, "Prefill on an AVX2-only host"): int8's two 7-bit pieces on FBGEMM
+#: 1.24x float32 at 16 rows, 0.91x at 32, 0.86x at 64, 0.75x at 512; the dequantized weight
+#: 0.85x, 0.70x, 0.93x, 0.89x (three runs put the crossing at 64 rows, two of them for the
+#: dequantized weight there); int4's bf16 kernel 0.79x / 0.58x / 0.55x / 0.39x, its dequantized
+#: weight 0.43x / 0.51x / 0.68x / 0.78x (a tie at 32 in another run).
+DEQUANTIZE_FROM_ROWS = {"int8": 64, "int4": 32}
 #: Largest number of float32 weights dequantized at once (64 MiB): a larger weight (the LM head)
 #: is dequantized and multiplied in slices of output channels, so the scratch stays small.
 DEQUANTIZE_CHUNK = 1 << 24
@@ -251,10 +253,11 @@ def int8_matmul_per_row(x: torch.Tensor, q7: torch.Tensor, scales7: torch.Tensor
     xf = x.float()
     lo = xf.amin(-1, keepdim=True)
     a = xf.amax(-1, keepdim=True).sub_(lo).div_(255)
-    bad = ~torch.isfinite(a)
-    a.clamp_(min=1e-30).masked_fill_(bad, 1.0)
-    lo = lo.masked_fill(bad, 0.0)
-    u = (xf - lo).div_(a).round_().clamp_(0, 255).sub_(128)             # integers in [-128, 127]
+    bad = None if bool(torch.isfinite(a).all()) else ~torch.isfinite(a)
+    if bad is not None:                                                  # such rows become NaN below
+        a.masked_fill_(bad, 1.0)
+        lo = lo.masked_fill(bad, 0.0)
+    u = (xf - lo).div_(a.clamp_(min=1e-30)).round_().sub_(128)          # integers in [-128, 127]
     if wsum is None:
         wsum = q7.float().mul_(scales7.float()[:, None]).sum(1)
     if kernel == "fbgemm":
@@ -263,7 +266,7 @@ def int8_matmul_per_row(x: torch.Tensor, q7: torch.Tensor, scales7: torch.Tensor
     else:
         y = torch._int_mm(u.to(torch.int8), q7.t()).float().mul_(scales7.float())
     y = y.mul_(a).addr_(a.mul(128).add_(lo).flatten(), wsum)          # x = a·(u + 128) + lo
-    return y.masked_fill_(bad, float("nan")) if bool(bad.any()) else y
+    return y if bad is None else y.masked_fill_(bad, float("nan"))
 
 
 def _scratch(numel: int, device: torch.device) -> torch.Tensor:
