@@ -316,10 +316,12 @@ class QuantizedLinear(nn.Module):
     of 16), rebuilt whenever the buffers are loaded.
 
     Forward: ``[..., n_in]`` → ``[..., n_out]`` in x's dtype. On CPU int8 runs
-    :func:`int8_matmul` (float32 result), int4 hands the kernel :data:`KERNEL_DTYPE`
-    activations; the product comes back to x's dtype before the bias is added (float32 bias
-    and residual stream for a float32 model). Elsewhere the weight is dequantized for each call
-    (correct, not fast).
+    :func:`int8_matmul` (float32 result; :func:`int8_matmul_per_row` with
+    ``activations="per_row"``), int4 hands the kernel :data:`KERNEL_DTYPE` activations; on CPUs
+    without VNNI/AMX, inputs of :data:`DEQUANTIZE_FROM_ROWS` rows or more run
+    :meth:`dequantized_product` instead. The product comes back to x's dtype before the bias is
+    added (float32 bias and residual stream for a float32 model). Elsewhere the weight is
+    dequantized for each call (correct, not fast).
 
     Raises:
         RuntimeError: in forward, if autograd would need a gradient through the layer
