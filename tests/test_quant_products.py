@@ -53,6 +53,29 @@ def test_dequantized_product_in_chunks_equals_the_float64_product(monkeypatch, s
                 assert (rel_err(y, ref) < 1e-6).all(), (chunk, layer.n_out, M)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", 32)])
+def test_route_follows_tokens_per_sequence_not_the_batch(monkeypatch, kernel, scheme, group_size):
+    """A decode step over many sequences (``[B, 1, K]``, B past DEQUANTIZE_FROM_ROWS) gives each
+    row the bits of that row alone (the quantized kernel for both); one sequence of that many
+    tokens (``[1, T, K]``) takes the dequantized product on FBGEMM CPUs, equal to float64
+    ``x @ deq(W)ᵀ + b`` to float32 rounding."""
+    monkeypatch.setenv("GPT2MHA_INT8_KERNEL", kernel)
+    g = torch.Generator().manual_seed(8)
+    layer = QuantizedLinear.from_float(torch.randn(48, 64, generator=g), torch.randn(48, generator=g),
+                                       scheme, group_size)
+    n = qlinear.DEQUANTIZE_FROM_ROWS[scheme] + 3
+    x = torch.randn(n, 1, 64, generator=g)
+    batch = layer(x)
+    for i in range(n):
+        assert torch.equal(batch[i], layer(x[i:i + 1])[0]), i
+    seq = x.view(1, n, 64)
+    ref = seq.double() @ layer.dequantized().double().t() + layer.bias.double()
+    tol = 1e-6 if kernel == "fbgemm" else (1e-3 if scheme == "int8" else 2e-2)    # int4 kernel: bf16 activations
+    assert layer.dequantize_for(n) == (kernel == "fbgemm")
+    torch.testing.assert_close(layer(seq).double(), ref, rtol=0, atol=float(ref.abs().max()) * tol)
+
+
 # ------------------------------------------------------------------ per-row activations
 def test_weight_7bit_is_within_half_a_7bit_step():
     """weight_7bit against first principles: integers in [-63, 63], each channel's largest

@@ -410,7 +410,7 @@ class QuantizedLinear(nn.Module):
         elif self.scheme == "int8" and self.activations == "per_row":
             q7, scales7, packed, wsum = self.per_row_weights()
             y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
-        elif self.dequantize_for(x2.shape[0]):
+        elif self.dequantize_for(x.shape[-2] if x.dim() > 2 else x2.shape[0]):      # tokens per sequence
             y = self.dequantized_product(x2.float())
         elif self.scheme == "int8":
             kernel = int8_kernel()
@@ -437,7 +437,12 @@ class QuantizedLinear(nn.Module):
         CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from
         :data:`DEQUANTIZE_FROM_ROWS` rows on, where the float32 GEMM outruns the two integer
         pieces (int8) and the bf16 int4 kernel (int4) in prefill (RESULTS.md, "Prefill on an
-        AVX2-only host"). Products with ``activations="per_row"`` never do (faster still)."""
+        AVX2-only host"). Products with ``activations="per_row"`` never do (faster still).
+
+        The forward counts the tokens of one sequence (``x.shape[-2]`` of ``[B, T, n_in]``;
+        all rows of a 2-D input), never the batch: a decode step over 100 sequences
+        (``[100, 1, n_in]``) takes the quantized kernel as each sequence alone does, so a row's
+        result does not depend on how many rows share the call (batch invariance)."""
         return rows >= DEQUANTIZE_FROM_ROWS[self.scheme] and int8_kernel() == "fbgemm"
 
     def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
