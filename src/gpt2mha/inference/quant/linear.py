@@ -47,9 +47,11 @@ _FBGEMM_ZERO = 64
 #: dequantized weight there); int4's bf16 kernel 0.79x / 0.58x / 0.55x / 0.39x, its dequantized
 #: weight 0.43x / 0.51x / 0.68x / 0.78x (a tie at 32 in another run).
 DEQUANTIZE_FROM_ROWS = {"int8": 64, "int4": 32}
-#: Largest number of float32 weights dequantized at once (64 MiB): a larger weight (the LM head)
-#: is dequantized and multiplied in slices of output channels, so the scratch stays small.
-DEQUANTIZE_CHUNK = 1 << 24
+#: Largest number of float32 weights dequantized at once (16 MiB: a whole block matrix of GPT-2
+#: 124M or medium): a larger weight (the LM head, the MLP of GPT-2 large and XL) is dequantized
+#: and multiplied in slices of output channels, so each thread's scratch (:func:`_scratch`)
+#: stays this small.
+DEQUANTIZE_CHUNK = 1 << 22
 #: How int8 products treat the activations (:attr:`QuantizedLinear.activations`): ``"exact"``
 #: splits them into integer pieces (:func:`int8_matmul`); ``"per_row"`` rounds each row to 8
 #: bits with its own scale and zero point, over the weights re-rounded to 7 bits
