@@ -84,8 +84,8 @@ ENGINES = ("gpt2mha", "llama.cpp", "ctranslate2", "onnxruntime")
 REFERENCE = "transformers float32"
 #: Every contender besides the reference and gpt2mha float32 (``--skip`` takes these names; the
 #: reference always runs, gpt2mha float32 whenever the gpt2mha engine does).
-VARIANTS = ("gpt2mha int8", "gpt2mha int4", "llama.cpp f32", "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 float32",
-            "ctranslate2 int8", "onnxruntime float32", "onnxruntime int8")
+VARIANTS = ("gpt2mha int8", "gpt2mha int8 per_row", "gpt2mha int4", "llama.cpp f32", "llama.cpp q8_0", "llama.cpp q4_0",
+            "ctranslate2 float32", "ctranslate2 int8", "onnxruntime float32", "onnxruntime int8")
 
 
 @dataclass
@@ -640,16 +640,17 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
 
     if "gpt2mha" in engines:
         out.append(Torch("gpt2mha float32", GPT2.from_pretrained(hf_dir), float_bytes, float_read_bytes(cfg), hf=False))
-        for scheme in ("int8", "int4"):
-            if not want(f"gpt2mha {scheme}"):
+        for scheme, activations in (("int8", "exact"), ("int8", "per_row"), ("int4", "exact")):
+            name = f"gpt2mha {scheme}" + (f" {activations}" if activations != "exact" else "")
+            if not want(name):
                 continue
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")                             # random weights: outlier warnings
-                model = GPT2.from_pretrained(hf_dir).quantize(scheme, method="rtn")
-            qdir = os.path.join(work, f"gpt2mha-{scheme}")
+                model = GPT2.from_pretrained(hf_dir).quantize(scheme, method="rtn", activations=activations)
+            qdir = os.path.join(work, name.replace(" ", "-"))
             if not os.path.isdir(qdir):
                 model.save_pretrained(qdir)
-            out.append(Torch(f"gpt2mha {scheme}", model, dir_bytes(qdir), step_bytes(model), hf=False))
+            out.append(Torch(name, model, dir_bytes(qdir), step_bytes(model), hf=False))
 
     if "llama.cpp" in engines:
         f32 = os.path.join(work, "model-f32.gguf")

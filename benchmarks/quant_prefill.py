@@ -17,6 +17,8 @@ its ``activations="per_row"`` option, on CPUs whose int8 kernel is FBGEMM (no VN
   table: windows of n_ctx, a window's first byte unscored), for ``activations="exact"`` and
   ``"per_row"``, and for other activation roundings (over the 8-bit weights) simulated in float (``x`` rounded and
   dequantized, then ``x̂ @ deq(W)ᵀ``: the integer products' result up to float32 rounding).
+  Every product runs on the quantized kernels here (the dequantized route is forbidden), so
+  "exact" means the integer pieces.
 
 Timing: one thread (``--threads``), CPU time (``time.process_time``, so time other processes
 take from the core is not counted), contenders round-robin in one process, median of
@@ -63,7 +65,8 @@ def process_medians(fns: dict, repeats: int) -> dict:
 
 
 def forced(fn, int8=None, int4=None):
-    """``fn`` run with ``DEQUANTIZE_FROM_ROWS`` set to force (``ALWAYS``) or forbid (``NEVER``) the dequantized route."""
+    """``fn`` run with ``DEQUANTIZE_FROM_ROWS`` set to force (``ALWAYS``) or forbid (``NEVER``)
+    the dequantized route."""
     def run():
         saved = dict(qlinear.DEQUANTIZE_FROM_ROWS)
         qlinear.DEQUANTIZE_FROM_ROWS.update({k: v for k, v in (("int8", int8), ("int4", int4)) if v is not None})
@@ -205,10 +208,12 @@ def quality(args) -> None:
     print(f"shakespeare-byte, int8 {args.method}, {len(text)} held-out bytes, int8 kernel {int8_kernel()}; "
           f"float32 bits/byte {bits_per_byte(ref, text, n):.4f}")
     original = qlinear.int8_matmul
-    for name, model, rounding in ([("exact (default)", exact, None), ("per_row: asymmetric 8-bit per row, 7-bit weights", per_row, None)]
-                                  + [(f"{k} [simulated]", exact, f) for k, f in SIMULATED.items()]):
-        if rounding is not None:
-            qlinear.int8_matmul = lambda x, q, s, *a, f=rounding, **k: f(x.float()) @ (q.float() * s.float()[:, None]).t()
+    runs = [("exact (default)", exact, None), ("per_row: asymmetric 8-bit per row, 7-bit weights", per_row, None)]
+    runs += [(f"{k} [simulated]", exact, f) for k, f in SIMULATED.items()]
+    for name, model, rounding in runs:
+        if rounding is not None:                                         # x̂ @ deq(W)ᵀ in float32
+            qlinear.int8_matmul = (lambda x, q, s, *a, f=rounding, **k:
+                                   f(x.float()) @ (q.float() * s.float()[:, None]).t())
         try:
             run = forced(lambda: (top1_agreements(ref, model, text), bits_per_byte(model, text, n)), int8=NEVER)
             (top1, decisive), bpb = run()

@@ -14,5 +14,6 @@ from .schemes import (DEFAULT_GROUP_SIZE, HEAD_SCHEME, INT4_GROUP_SIZES, KERNEL_
                       QuantizationError, check_scheme)
 
 __all__ = ["ACTIVATIONS", "QuantizedHead", "QuantizedLinear", "int8_matmul", "int8_matmul_per_row", "split_activations",
-           "QuantizationWarning", "calibration_ids", "default_calibration", "quantize_model", "set_activations", "DEFAULT_GROUP_SIZE", "HEAD_SCHEME",
+           "QuantizationWarning", "calibration_ids", "default_calibration", "quantize_model", "set_activations",
+           "DEFAULT_GROUP_SIZE", "HEAD_SCHEME",
            "INT4_GROUP_SIZES", "KERNEL_DTYPE", "METHODS", "SCHEMES", "QuantizationError", "check_scheme"]

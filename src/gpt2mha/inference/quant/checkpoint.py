@@ -75,7 +75,8 @@ def read_scheme(entry, source: str) -> tuple[str, int | None, bool]:
         raise QuantizationError(f"{source}: gpt2mha.quantization must be an object, got {entry!r}")
     problems = [f"{k}={entry[k]!r} must be a JSON {kind}" for k, kind in ENTRY_FIELDS.items()
                 if k in entry and not _json_type_ok(entry[k], kind)]
-    problems += [f"missing field {k!r} ({kind})" for k, kind in ENTRY_FIELDS.items() if k not in entry and k not in OPTIONAL_FIELDS]
+    problems += [f"missing field {k!r} ({kind})" for k, kind in ENTRY_FIELDS.items()
+                 if k not in entry and k not in OPTIONAL_FIELDS]
     problems += [f"unknown field {k!r}" for k in entry if k not in ENTRY_FIELDS]
     if problems:
         raise QuantizationError(f"{source}: gpt2mha.quantization: " + "; ".join(problems)
