@@ -114,6 +114,8 @@ def test_per_row_product_equals_first_principles_and_each_row_alone(kernel):
     bad[0, 5], bad[3, 7] = float("inf"), float("nan")
     yb = int8_matmul_per_row(bad, q7, s7, kernel)
     assert yb[[0, 3]].isnan().all() and torch.equal(yb[[1, 2, 4, 5]], y[[1, 2, 4, 5]])
+    with pytest.raises(ValueError, match="q7=None: the 7-bit weights are needed"):
+        int8_matmul_per_row(x, None, s7, kernel)
     with pytest.raises(ValueError, match=r"q7: weights up to 127 .* \[-63, 63\]"):
         int8_matmul_per_row(x, quantize_int8(torch.randn(4, 192, generator=g))[0], torch.ones(4), kernel)
 

@@ -219,12 +219,14 @@ def weight_7bit(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     return q7, scales.float() * top / 63
 
 
-def int8_matmul_per_row(x: torch.Tensor, q7: torch.Tensor, scales7: torch.Tensor, kernel: str | None = None,
+def int8_matmul_per_row(x: torch.Tensor, q7: torch.Tensor | None, scales7: torch.Tensor, kernel: str | None = None,
                         packed=None, wsum: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ (q7 · scales7)ᵀ`` → float32 ``[M, N]`` with each activation row rounded to
     8 bits with its own scale and zero point, over 7-bit weights ``q7 [N, K]`` in ``[-63, 63]``
     (:func:`weight_7bit`) with ``scales7 [N]``: one integer product instead of
-    :func:`int8_matmul`'s two or more, so faster for many rows; not exact (W7A8).
+    :func:`int8_matmul`'s two or more, so faster for many rows; not exact (W7A8). On FBGEMM
+    with ``packed`` (:func:`fbgemm_pack` of q7 and scales7) and ``wsum`` given, ``q7`` may be
+    None (the layer keeps only the packed copy).
 
     Each row is written ``x ≈ a·u + lo`` with ``lo = min x``, ``a = (max x − min x) / 255`` and
     integers ``u = round((x − lo) / a)`` in ``[0, 255]`` (error ≤ a/2 per value: half a step of
@@ -238,17 +240,21 @@ def int8_matmul_per_row(x: torch.Tensor, q7: torch.Tensor, scales7: torch.Tensor
     depend on the other rows. Rows holding NaN or ±inf give NaN rows.
 
     Measured on the built-in model (RESULTS.md, "Prefill on an AVX2-only host"): top-1
-    agreement with float32 ~97.3% against the exact pieces' 99.37% (8-bit weights with
+    agreement with float32 97.4% against the exact pieces' 99.4% (8-bit weights with
     asymmetric 7-bit rows: 96.3%; symmetric 7-bit rows: 94.9%); llama.cpp q8_0 (8 bits per block
     of 32) 98.30%, ONNX Runtime int8 96.25%, CTranslate2 int8 (symmetric 8 bits per row) 95.84%
     on the same bytes.
 
     Raises:
-        ValueError: an unknown ``kernel``, or (when ``packed`` is not given) ``q7`` outside [-63, 63].
+        ValueError: an unknown ``kernel``; ``q7`` outside [-63, 63] (checked when ``packed`` is
+            not given), or None where it is needed.
     """
     kernel = kernel or int8_kernel()
     if kernel not in INT8_KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {INT8_KERNELS}")
+    if q7 is None and (kernel != "fbgemm" or packed is None or wsum is None):
+        raise ValueError(f"q7=None: the 7-bit weights are needed on kernel={kernel!r} unless FBGEMM's packed copy "
+                         f"and wsum are given")
     if packed is None and int(q7.abs().max()) > 63:
         raise ValueError(f"q7: weights up to {int(q7.abs().max())} in magnitude; expected 7-bit weights in "
                          f"[-63, 63] (weight_7bit)")
@@ -488,16 +494,18 @@ class QuantizedLinear(nn.Module):
 
     def per_row_weights(self):
         """``(q7, scales7, packed, wsum)`` for :func:`int8_matmul_per_row`: the weight re-rounded
-        to 7 bits (:func:`weight_7bit`), FBGEMM's packed copy of it (None where the kernel is
-        ``_int_mm``) and its row sums; made on first use and again whenever ``weight`` or
-        ``scales`` change (as :meth:`fbgemm_packed`). Not part of the state dict."""
+        to 7 bits (:func:`weight_7bit`; None on FBGEMM, which reads only its packed copy),
+        FBGEMM's packed copy (None where the kernel is ``_int_mm``) and the row sums; made on
+        first use and again whenever ``weight`` or ``scales`` change (as :meth:`fbgemm_packed`).
+        Not part of the state dict."""
         key = (self.weight, self.scales, _version(self.weight), _version(self.scales), int8_kernel())
         cached = self.__dict__.get("_per_row")
         if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
             with torch.inference_mode(False), torch.no_grad():
                 q7, scales7 = weight_7bit(self.weight, self.scales)
                 packed = fbgemm_pack(q7, scales7) if key[-1] == "fbgemm" else None
-                cached = (key, (q7, scales7, packed, q7.float().mul_(scales7[:, None]).sum(1)))
+                wsum = q7.float().mul_(scales7[:, None]).sum(1)
+                cached = (key, (None if packed is not None else q7, scales7, packed, wsum))
             self.__dict__["_per_row"] = cached
         return cached[1]
 
