@@ -111,3 +111,13 @@ def test_cache_lengths_round_up_to_shared_shapes():
     assert cache_len(1, 1024) == SPAN_MULTIPLE
     assert cache_len(SPAN_MULTIPLE + 1, 1024) == 2 * SPAN_MULTIPLE
     assert cache_len(1000, 1024) == 1024 and cache_len(100, 80) == 80
+
+
+def test_cli_compile_prints_the_eager_greedy_text_on_the_built_in_int8_model(capsys):
+    from gpt2mha.cli import main
+    args = ["generate", "ROMEO:", "--max-new-tokens", "24", "--temperature", "0", "--quantize", "int8",
+            "--quantize-method", "rtn"]
+    assert main(args) == 0
+    eager = capsys.readouterr().out
+    assert main([*args, "--compile"]) == 0
+    assert capsys.readouterr().out == eager        # bf16 activations: no near-tie on these 24 bytes (99% top-1)
