@@ -10,7 +10,10 @@ compiles llama.cpp from source: about 15 minutes on 2 cores).
 The contenders:
 
 * gpt2mha float32, int8 and int4 (``GPT2.quantize(scheme, method="rtn")``: round to nearest, as
-  every engine below rounds; no calibration text);
+  every engine below rounds; no calibration text), and int8 with ``generate(compile=True)``
+  ("int8 compiled": the decode step compiled by inductor, its products on bf16 activations;
+  compiled before the timed rounds, on the shapes they use; its prefill is int8's, and its
+  quality columns score the same bf16-activation products eagerly, ``compiled.decode_view``);
 * transformers float32 (``GPT2LMHeadModel``, sdpa): the reference every ratio divides by;
 * llama.cpp (through llama-cpp-python): GGUF f32 written with the ``gguf`` package (llama.cpp's
   own Python library: its ``GGUFWriter`` and its GPT-2 tensor-name map, the steps of its
@@ -84,8 +87,9 @@ ENGINES = ("gpt2mha", "llama.cpp", "ctranslate2", "onnxruntime")
 REFERENCE = "transformers float32"
 #: Every contender besides the reference and gpt2mha float32 (``--skip`` takes these names; the
 #: reference always runs, gpt2mha float32 whenever the gpt2mha engine does).
-VARIANTS = ("gpt2mha int8", "gpt2mha int8 per_row", "gpt2mha int4", "llama.cpp f32", "llama.cpp q8_0", "llama.cpp q4_0",
-            "ctranslate2 float32", "ctranslate2 int8", "onnxruntime float32", "onnxruntime int8")
+VARIANTS = ("gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int8 per_row", "gpt2mha int4", "llama.cpp f32",
+            "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 float32", "ctranslate2 int8", "onnxruntime float32",
+            "onnxruntime int8")
 
 
 @dataclass
@@ -340,20 +344,25 @@ def float_read_bytes(config: GPT2Config, itemsize: int = 4) -> int:
 class Torch(Contender):
     """transformers float32 or gpt2mha (float32, int8, int4) in this process."""
 
-    def __init__(self, name, model, checkpoint_bytes, read_bytes, hf: bool):
+    def __init__(self, name, model, checkpoint_bytes, read_bytes, hf: bool, compiled: bool = False):
         super().__init__(name, checkpoint_bytes, read_bytes)
-        self.model, self.hf = model, hf
+        self.model, self.hf, self.compiled = model, hf, compiled
         self.engine = "transformers" if hf else "gpt2mha"
 
     @torch.inference_mode()
     def greedy(self, prompt, new):
         idx = torch.from_numpy(prompt)
-        out = hf_greedy(self.model, idx, new) if self.hf else self.model.generate(idx, new, temperature=0)
+        out = hf_greedy(self.model, idx, new) if self.hf else self.model.generate(idx, new, temperature=0,
+                                                                                compile=self.compiled)
         return out[:, idx.shape[1]:].numpy()
 
     @torch.inference_mode()
     def logits(self, tokens):
-        return self.model(torch.from_numpy(tokens)[None]).logits[0].float().numpy()
+        model = self.model
+        if self.compiled:                               # the products the compiled step runs, eagerly
+            from gpt2mha.inference.compiled import decode_view
+            model = decode_view(model)
+        return model(torch.from_numpy(tokens)[None]).logits[0].float().numpy()
 
 
 class LlamaCpp(Contender):
@@ -651,6 +660,9 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
             if not os.path.isdir(qdir):
                 model.save_pretrained(qdir)
             out.append(Torch(name, model, dir_bytes(qdir), step_bytes(model), hf=False))
+            if name == "gpt2mha int8" and want("gpt2mha int8 compiled"):
+                out.append(Torch("gpt2mha int8 compiled", model, dir_bytes(qdir), step_bytes(model), hf=False,
+                                 compiled=True))
 
     if "llama.cpp" in engines:
         f32 = os.path.join(work, "model-f32.gguf")
@@ -799,8 +811,11 @@ def measure_speed(contenders, cfg: GPT2Config, sizes: Sizes, settle: float, log)
         return out
 
     for c in contenders:                      # first-call work (lazy copies, packing, allocations) out of the way
-        for B in sizes.batches:
-            c.greedy(np.zeros((B, sizes.prompt), dtype=np.int64), 2)
+        for B in sizes.batches:               # (a compiled step: compiled for the very shapes timed)
+            t0 = time.perf_counter()
+            c.greedy(np.zeros((B, sizes.prompt), dtype=np.int64), sizes.new_tokens if getattr(c, "compiled", False) else 2)
+            if getattr(c, "compiled", False):
+                log(f"{c.name}: compiled for batch {B} in {time.perf_counter() - t0:.1f} s")
         c.first_token(np.zeros((1, 16), dtype=np.int64))
     for B in sizes.batches:
         prompt = torch.randint(0, cfg.n_vocab, (B, sizes.prompt), generator=torch.Generator().manual_seed(B)).numpy()

@@ -1,11 +1,13 @@
 """One decode step of GPT-2 124M (random weights) in float32, int8 and int4, timed in turn:
-``python benchmarks/quant_steps.py [--threads N] [--batch B]``.
+``python benchmarks/quant_steps.py [--threads N] [--batch B] [--compile]``.
 
 A cheaper stand-in for ``gpt2mha bench --only quant`` when the machine is too busy for whole
 ``generate`` runs: each model decodes ``--steps`` single-token steps over a 4-token prompt in a
 static KV cache on the decode view (as ``generate``), the three taking turns step by step (round-robin), and
 the median and minimum step times are printed. One thread avoids OpenMP's two-thread barriers,
-which stall whenever another process holds one of the cores.
+which stall whenever another process holds one of the cores. ``--compile`` adds int8 through
+``generate(compile=True)``'s compiled step (:mod:`gpt2mha.inference.compiled`; compiled before
+the timed steps, on their shapes).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--compile", action="store_true", help="also time int8's compiled decode step")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -37,22 +40,33 @@ def main(argv: list[str] | None = None) -> int:
         models = {"float32": base, "int8": copy.deepcopy(base).quantize("int8", method="rtn"),
                   "int4": copy.deepcopy(base).quantize("int4", method="rtn")}
     idx = torch.randint(0, 50257, (args.batch, 4 + args.steps), generator=torch.Generator().manual_seed(0))
-    times = {k: [] for k in models}
     caches, views = {}, {name: for_decoding(m) for name, m in models.items()}      # as generate decodes
+    steps = {name: (lambda tok, cache, m=m: m(tok, cache=cache, last_only=True, validate=False)) for name, m in views.items()}
+    if args.compile:
+        from gpt2mha.inference.compiled import cache_len, compiled_decoder
+        steps["int8 compiled"] = compiled_decoder(models["int8"])
+        views["int8 compiled"] = views["int8"]
+    times = {k: [] for k in steps}
+    max_len = cache_len(4 + args.steps, 1024)
     with torch.inference_mode():
         for name, m in views.items():
-            caches[name] = KVCache(12, args.batch, 12, 4 + args.steps, 64)
+            caches[name] = KVCache(12, args.batch, 12, max_len, 64)
             m(idx[:, :4], cache=caches[name], last_only=True, validate=False)  # prefill
+        if args.compile:                                                       # compiled on the timed shapes
+            t0 = time.perf_counter()
+            steps["int8 compiled"](idx[:, 4:5], caches["int8 compiled"])
+            caches["int8 compiled"].trim([4] * args.batch)
+            print(f"int8 compiled: compiled in {time.perf_counter() - t0:.1f} s")
         for s in range(4, 4 + args.steps):
-            for name, m in views.items():
+            for name, step in steps.items():
                 t0 = time.perf_counter()
-                m(idx[:, s:s + 1], cache=caches[name], last_only=True, validate=False)
+                step(idx[:, s:s + 1], caches[name])
                 times[name].append(time.perf_counter() - t0)
     ref = statistics.median(times["float32"][2:])
     print(f"batch {args.batch}, {args.threads} thread(s), {args.steps} steps each, in turn")
     for name, t in times.items():
         med = statistics.median(t[2:])
-        print(f"  {name:8} median {med * 1e3:6.1f} ms  min {min(t) * 1e3:6.1f} ms  float32 / {name} = {ref / med:.2f}")
+        print(f"  {name:13} median {med * 1e3:6.1f} ms  min {min(t) * 1e3:6.1f} ms  float32 / {name} = {ref / med:.2f}")
     return 0
 
 

@@ -198,7 +198,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
              on_token: Callable[[torch.Tensor], None] | None = None,
              vocab_size: int | None = None, min_p: float = 0.0, presence_penalty: float = 0.0,
              frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-             batch_invariant: bool | None = None) -> torch.Tensor:
+             batch_invariant: bool | None = None, compile: bool = False) -> torch.Tensor:
     """Sample ``max_new_tokens`` tokens after ``idx``.
 
     Args:
@@ -237,6 +237,11 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             (:func:`~gpt2mha.inference.fast.for_decoding`), so that every row's logits are
             bitwise those of its prompt alone; None (default): for every model whose block
             weights are not float32 (:func:`~gpt2mha.inference.fast.invariant_by_default`).
+        compile: run the decode steps as one compiled step
+            (:func:`~gpt2mha.inference.compiled.compiled_decoder`, CPU only): the first call
+            compiles for 10–60 s, later steps run 2–3x faster for int8 models (whose products
+            then take bf16 activations) and give up the batch-invariance guarantee for rows
+            of different lengths. Prefill stays eager.
 
     Batch invariance: each prompt is prefilled alone into its own row of the cache (no left
     padding: its keys from cache index 0), every decode step attends each row over exactly its
@@ -259,7 +264,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             not an id / size of this model, an on_token that cannot be called, a sliding_window
             that is not a bool, or a prompt plus new tokens longer than n_ctx without
             ``sliding_window``; a penalty outside [-2, 2] or a logit_bias entry that is not
-            ``id below the vocabulary: number in [-100, 100]``.
+            ``id below the vocabulary: number in [-100, 100]``; ``compile`` for a model with
+            forward hooks or not on the CPU.
     """
     temperature, top_k, top_p, min_p = checks.sampling(temperature, top_k, top_p, min_p)
     presence_penalty = check_penalty(presence_penalty, "presence_penalty")
@@ -280,6 +286,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be a function called with each step's ids [B]; got {type(on_token).__name__}")
     checks.flag(sliding_window, "sliding_window")
+    checks.flag(compile, "compile")
     batch_invariant = invariant_by_default(model) if batch_invariant is None else checks.flag(batch_invariant,
                                                                                                "batch_invariant")
     B, T = idx.shape
@@ -300,16 +307,20 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     was_training = model.training
     model.eval()                                               # dropout off: a seed fixes the tokens
     try:
+        step = None
+        if compile:
+            from .compiled import compiled_decoder
+            step = compiled_decoder(model, batch_invariant)
         with torch.inference_mode():
             out = decode_loop(for_decoding(model, batch_invariant=batch_invariant), idx, max_new_tokens,
-                              attention_mask, sample, eos_token_id, on_token, vocab_size, adjust)
+                              attention_mask, sample, eos_token_id, on_token, vocab_size, adjust, step)
     finally:
         model.train(was_training)
     return out.clone()                                         # outside inference mode: an ordinary tensor
 
 
 def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_token_id, on_token,
-                vocab_size, adjust: dict | None = None) -> torch.Tensor:
+                vocab_size, adjust: dict | None = None, step_fn=None) -> torch.Tensor:
     """The loop of :func:`generate` after its checks (the model's own checks are skipped: every
     input here was checked once, by :func:`generate`).
 
@@ -319,7 +330,8 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
     Nothing a row computes depends on the other rows (see :func:`generate`, batch invariance).
     A row whose window is full (``sliding_window``) is recomputed alone over its last n_ctx tokens.
     ``adjust``: :func:`~gpt2mha.inference.sampling.adjust_logits`'s penalties and bias, the
-    counts of each row's generated tokens kept here.
+    counts of each row's generated tokens kept here. ``step_fn(token [B, 1], cache)`` → logits
+    ``[B, n_vocab]``: the decode step to use instead of the model's (a compiled one).
     """
     B, T = idx.shape
     n_ctx = model.config.n_ctx
@@ -330,7 +342,11 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     p = model.wte.weight
     longest = max(len(ids) for ids in prompts)
-    cache = KVCache(model.config.n_layer, B, model.config.n_head, min(n_ctx, longest + max_new_tokens),
+    max_len = min(n_ctx, longest + max_new_tokens)
+    if step_fn is not None:                                    # compiled: one shape for similar lengths
+        from .compiled import cache_len
+        max_len = cache_len(max_len, n_ctx)
+    cache = KVCache(model.config.n_layer, B, model.config.n_head, max_len,
                     model.config.head_dim, dtype=p.dtype, device=p.device)
     adjust = dict(adjust or {})
     counts = None
@@ -361,7 +377,10 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
         sliding.update(b for b, n in enumerate(cache.lengths) if n == cache.max_len)
         for b in sliding:                                      # its row of the cache is no longer read
             cache.reset(b)
-        logits = model(token[:, None], cache=cache, last_only=True, validate=False).logits[:, -1]
+        if step_fn is not None:
+            logits = step_fn(token[:, None], cache)
+        else:
+            logits = model(token[:, None], cache=cache, last_only=True, validate=False).logits[:, -1]
         for b in sorted(sliding):                              # positions restart at 0 for the window
             window = torch.cat([prompts[b], out[b, T:pos + 1]])[-n_ctx:]
             logits[b] = model(window[None], last_only=True, validate=False).logits[0, -1]

@@ -1,0 +1,225 @@
+"""A compiled decode step: one ``torch.compile`` of the whole single-token forward, as in
+gpt-fast's ``decode_one_token``.
+
+Inductor (torch's compiler) turns the step into generated C++ for this CPU: the per-layer small
+ops (LayerNorm, GELU, residual adds, the cache write) fuse into a few loops, and with int8
+weights every product becomes inductor's C++ GEMM template for weight-only int8
+(``aten._weight_int8pack_mm``, lowered under ``freezing`` and ``max_autotune``): it reads the
+int8 weight once, converts it to float in registers and accumulates in float32, where the eager
+int8 path spends most of a batch-1 step outside its products. On an AVX2-only Zen 3 (2 cores)
+a 124M int8 step took 9.1 ms compiled against 28.5 ms eager and 31.5 ms float32
+(benchmarks/RESULTS.md, "Compiled decode").
+
+What each model gets (:func:`decode_view`):
+
+* int8 (``quantize("int8")``, and the int8 LM head of int4 models): :class:`WoqInt8Linear`, the
+  same int8 weights and scales multiplied with **bf16 activations** (``_weight_int8pack_mm``'s
+  contract), float32 accumulation, the product rounded to bf16 and the bias and residual
+  stream kept in float32. Not the eager path's exact integer pieces (~1e-4): ~2e-3 relative per
+  product, as a bf16 model's; its top-1 agreement with float32 is in RESULTS.md.
+* float32 / bf16 / fp16 / int4 blocks: the eager decode view (:func:`~.fast.for_decoding`),
+  compiled as it is (ATen's products, fused small ops).
+
+The step has one shape for the whole loop: the cache is read over all its ``max_len``
+positions with a per-row mask (:meth:`~gpt2mha.core.kv_cache.KVCache.plan` with a fixed
+``span``), so rows of different lengths share one attention call (no batch-invariance
+guarantee: masked keys change the rounding) and nothing recompiles between steps. Each batch
+size and cache length compiles once (static shapes, which the C++ GEMM templates are made
+for); ``generate`` rounds its cache up to a multiple of :data:`SPAN_MULTIPLE` positions
+(:func:`cache_len`) so that calls of similar lengths share one. Compiling takes 10–60 s
+(inductor keeps its kernels in an on-disk cache, so another process compiles faster).
+
+Freezing makes the weights constants of the compiled code (the int8 template keeps its own
+blocked copy), so a compiled step is only used while every parameter and buffer of the model
+is the very tensor, unwritten, that it was compiled from (:func:`compiled_decoder` checks and
+compiles again otherwise). Forward hooks are not run inside it: a model with hooks attached
+decodes eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+import weakref
+
+import torch
+from torch import nn
+
+from ..core.attention import CausalSelfAttention
+from ..core.kv_cache import KVCache
+from .fast import for_decoding, hooked, invariant_by_default, swap_modules
+from .quant.linear import QuantizedLinear
+
+
+#: Cache lengths of a compiled decode are multiples of this (:func:`cache_len`).
+SPAN_MULTIPLE = 64
+
+
+def cache_len(needed: int, n_ctx: int) -> int:
+    """The KV cache length a compiled decode of ``needed`` positions uses: ``needed`` rounded up
+    to a multiple of :data:`SPAN_MULTIPLE`, at most ``n_ctx``."""
+    return min(n_ctx, -(-needed // SPAN_MULTIPLE) * SPAN_MULTIPLE)
+
+
+class WoqInt8Linear(nn.Module):
+    """An int8 :class:`~gpt2mha.inference.quant.linear.QuantizedLinear` for the compiled step:
+    ``y = bf16(x) @ (q · s)ᵀ + b`` through ``aten._weight_int8pack_mm`` (int8 ``q [N, K]``,
+    bf16 ``s [N]``, float32 accumulation, a bf16 product), which inductor lowers to its C++
+    weight-only-int8 GEMM template.
+
+    Shares the layer's int8 weight (no copy); the scales are already bf16
+    (:data:`~gpt2mha.inference.quant.schemes.KERNEL_DTYPE`). Forward ``[..., K]`` →
+    ``[..., N]`` in the dtype the layer itself returns (float32 logits for the head).
+    """
+
+    def __init__(self, layer: QuantizedLinear):
+        super().__init__()
+        if layer.scheme != "int8":
+            raise ValueError(f"WoqInt8Linear takes an int8 layer; got scheme={layer.scheme!r}")
+        self.n_in, self.n_out, self.out_dtype = layer.n_in, layer.n_out, layer.out_dtype
+        self.weight = nn.Parameter(layer.weight, requires_grad=False)            # the same storage
+        self.scales = nn.Parameter(layer.scales.to(torch.bfloat16), requires_grad=False)
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.n_in).to(torch.bfloat16)
+        y = torch._weight_int8pack_mm(x2, self.weight, self.scales).to(self.out_dtype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.n_out)
+
+
+def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Module:
+    """``model``'s decode view (:func:`~.fast.for_decoding`) as the compiled step runs it (a
+    view: ``model`` is not changed): every int8 quantized layer swapped for a
+    :class:`WoqInt8Linear`, and attention on the explicit core (``attn_impl="explicit"``,
+    OpenAI's formula), which inductor fuses into the step, where the fused SDPA kernel is an
+    opaque call costing ~0.15 ms per layer at one token (profiled on 124M)."""
+    def replace(path: str, m: nn.Module) -> nn.Module | None:
+        if hooked(m):
+            return None
+        if isinstance(m, QuantizedLinear) and m.scheme == "int8" and m.weight.device.type == "cpu":
+            return WoqInt8Linear(m)
+        if isinstance(m, CausalSelfAttention):
+            new = copy.copy(m)                                  # shallow: parameters shared
+            new._modules = {name: replace(f"{path}.{name}", child) or child for name, child in m._modules.items()}
+            new.attn_impl = "explicit"
+            return new
+        return None
+    with torch.no_grad():
+        return for_decoding(swap_modules(model, replace), batch_invariant=batch_invariant)
+
+
+def has_hooks(model: nn.Module) -> bool:
+    """Whether any module of ``model`` has forward hooks or pre-hooks (capture points included)."""
+    return any(hooked(m) for m in model.modules())
+
+
+class _Step(nn.Module):
+    """One decode step of ``view`` as a module (what is compiled): logits ``[B, 1, n_vocab]``."""
+
+    def __init__(self, view: nn.Module):
+        super().__init__()
+        self.view = view
+
+    def forward(self, token: torch.Tensor, cache: KVCache, step) -> torch.Tensor:
+        return self.view(token, cache=cache, step=step, last_only=True, validate=False).logits
+
+
+class _Unadvanced(KVCache):
+    """A cache over another's storage and lengths whose :meth:`advance` does nothing: the step
+    is compiled without reading the lengths (which change every step and would recompile it);
+    :meth:`CompiledDecoder.__call__` advances the real cache after the step."""
+
+    @classmethod
+    def over(cls, cache: KVCache) -> "_Unadvanced":
+        view = cls.__new__(cls)
+        view._bind(cache.k, cache.v, cache._lengths, cache._offset)
+        return view
+
+    def advance(self, n: int) -> None:
+        pass
+
+
+def _signature(model: nn.Module) -> tuple:
+    return tuple((id(t), t._version if not t.is_inference() else -1)
+                 for t in [*model.parameters(), *model.buffers()])
+
+
+def options(model: nn.Module) -> dict:
+    """Inductor options for ``model``'s step: freezing (weights as constants), and for an int8
+    model max-autotune over inductor's C++ GEMM templates only (max-autotune times its
+    candidates on weights hot in cache, where ATen's eager kernel looks faster than it is when
+    the weights stream from memory: measured, RESULTS.md)."""
+    opts = {"freezing": True}
+    if (getattr(model, "quantization", None) or {}).get("scheme") == "int8":
+        opts.update(max_autotune=True, max_autotune_gemm_backends="CPP")
+    return opts
+
+
+class CompiledDecoder:
+    """A compiled decode step for ``model`` (see the module's docstring).
+
+    Call with ``token [B, 1]`` (int64) and a :class:`KVCache` of ``B`` rows: writes the token's
+    keys/values, advances the cache, returns float32 logits ``[B, n_vocab]``. Run under
+    ``torch.inference_mode()`` or ``no_grad`` (freezing needs gradients off).
+
+    Raises:
+        RuntimeError: when called with gradients enabled.
+    """
+
+    def __init__(self, model: nn.Module, batch_invariant: bool | None = None):
+        self.batch_invariant = batch_invariant
+        self.signature = _signature(model)
+        self.options = options(model)
+        self.step = _Step(decode_view(model, batch_invariant)).eval()
+        # dynamo keeps compiled code per code object and, with the module guards dropped below,
+        # would hand one decoder's code (its frozen weights) to another: each decoder traces its
+        # own copy of forward's code, whose compiled entries live and die with it
+        forward = _Step.forward
+        self.step.forward = types.MethodType(
+            types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__), self.step)
+        # no guards on the modules: the view is private to this decoder, and compiled_decoder
+        # checks the model's tensors itself (guards on every module cost ~0.7 ms a step on 124M)
+        self.compiled = torch.compile(self.step, fullgraph=True, dynamic=False,
+                                      options={**self.options,
+                                               "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+    def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise RuntimeError("a compiled decode step runs without gradients: call it under torch.inference_mode()")
+        plan = cache.plan(1, span=cache.max_len, per_row=True)
+        with torch._inductor.config.patch(freezing=self.options["freezing"]):   # read while dynamo traces
+            logits = self.compiled(token, _Unadvanced.over(cache), plan)
+        cache.advance(1)
+        return logits[:, -1]
+
+
+_decoders: "weakref.WeakKeyDictionary[nn.Module, CompiledDecoder]" = weakref.WeakKeyDictionary()
+
+
+def compiled_decoder(model: nn.Module, batch_invariant: bool | None = None) -> CompiledDecoder:
+    """The :class:`CompiledDecoder` of ``model``, made on first use and kept while the model
+    lives; made again when any parameter or buffer was replaced or written in place since, or
+    for another ``batch_invariant`` (:func:`~.fast.for_decoding`'s; None: its default).
+
+    Raises:
+        ValueError: the model has forward hooks (they would not run inside compiled code), is
+            not on the CPU, or is sharded over processes (tensor parallel).
+    """
+    from .parallel import tp_group
+    if tp_group(model)[0]:
+        raise ValueError("compile=True does not take a tensor-parallel model (its products are collectives); "
+                         "decode it without compile")
+    if has_hooks(model):
+        raise ValueError("compile=True: the model has forward hooks attached, which a compiled step would skip; "
+                         "remove them (model.reset_hooks()) or decode without compile")
+    device = model.wte.weight.device
+    if device.type != "cpu":
+        raise ValueError(f"compile=True is for CPU models (inductor's C++ backend); the model is on {device}")
+    if batch_invariant is None:
+        batch_invariant = invariant_by_default(model)
+    dec = _decoders.get(model)
+    if dec is None or dec.signature != _signature(model) or dec.batch_invariant != batch_invariant:
+        dec = _decoders[model] = CompiledDecoder(model, batch_invariant)
+    return dec

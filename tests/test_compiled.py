@@ -1,0 +1,123 @@
+"""generate(compile=True): the decode step compiled whole by inductor (inference/compiled.py).
+
+References: the eager int8 model (exact integer products, which equal float32 products of the
+dequantized weights to ~1e-4: tests/test_quant*.py) and the same bf16-activation products run
+eagerly (decode_view); the float model for greedy tokens.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from gpt2mha import GPT2, GPT2Config, KVCache
+from gpt2mha.inference.compiled import (SPAN_MULTIPLE, WoqInt8Linear, cache_len, compiled_decoder, decode_view,
+                                        options)
+
+pytestmark = pytest.mark.slow                   # each test compiles (inductor's C++): seconds to a minute
+
+
+@pytest.fixture(scope="module")
+def int8_model():
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_vocab=96, n_ctx=128, n_embd=64, n_head=4, n_layer=2, tokenizer="bytes")
+    model = GPT2(cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.quantize("int8", method="rtn")
+
+
+def test_the_view_multiplies_int8_weights_with_bf16_activations(int8_model):
+    view = decode_view(int8_model)
+    layers = [m for m in view.modules() if isinstance(m, WoqInt8Linear)]
+    assert len(layers) == 4 * int8_model.config.n_layer + 1                        # every block product and the head
+    assert layers[0].weight.data_ptr() == int8_model.h[0].attn.c_attn.weight.data_ptr()   # shared, not copied
+    x = torch.randn(3, 64)
+    ref = x.double() @ int8_model.h[0].attn.c_attn.dequantized().double().t() + int8_model.h[0].attn.c_attn.bias.double()
+    y = layers[0](x)
+    assert y.dtype == torch.float32
+    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert 1e-6 < err < 2e-2                  # bf16 activations and product: not exact, within bf16's rounding
+    assert options(int8_model)["max_autotune_gemm_backends"] == "CPP"
+
+
+def test_compiled_steps_give_the_int8_models_logits_and_advance_the_cache(int8_model):
+    B, T, steps = 2, 5, 6
+    torch.manual_seed(1)
+    idx = torch.randint(0, 96, (B, T + steps))
+    dec = compiled_decoder(int8_model)
+    with torch.inference_mode():
+        eager_view = decode_view(int8_model)
+        caches = [KVCache(2, B, 4, cache_len(T + steps, 128), 16) for _ in range(2)]
+        for c in caches:
+            int8_model(idx[:, :T], cache=c)
+        got, same_math, exact = [], [], []
+        for s in range(T, T + steps):
+            got.append(dec(idx[:, s:s + 1], caches[0]))
+            plan = caches[1].plan(1, span=caches[1].max_len, per_row=True)
+            same_math.append(eager_view(idx[:, s:s + 1], cache=caches[1], step=plan, last_only=True).logits[:, -1])
+            exact.append(int8_model(idx[:, :s + 1]).logits[:, -1])
+    assert caches[0].lengths == [T + steps] * B == caches[1].lengths
+    got, same_math, exact = torch.stack(got), torch.stack(same_math), torch.stack(exact)
+    scale = exact.abs().max().item()
+    assert (got - same_math).abs().max().item() < 1e-2 * scale           # same products, other summation order
+    assert (got - exact).abs().max().item() < 3e-2 * scale               # bf16 activations vs exact pieces
+    assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+def test_the_compiled_step_is_reused_and_rebuilt_when_a_weight_changes():
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=64, n_ctx=64, n_embd=32, n_head=2, n_layer=1, tokenizer="bytes")).eval()
+    idx = torch.randint(0, 64, (1, 4))
+    first = compiled_decoder(model)
+    a = model.generate(idx, 6, temperature=0, compile=True)
+    assert compiled_decoder(model) is first
+    assert torch.equal(a, model.generate(idx, 6, temperature=0))                 # float32: the eager tokens
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)                                            # the tied head, written in place
+    assert compiled_decoder(model) is not first                                 # frozen constants would be stale
+    assert torch.equal(model.generate(idx, 6, temperature=0, compile=True), model.generate(idx, 6, temperature=0))
+
+
+def test_two_models_of_one_shape_keep_their_own_compiled_steps():
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_vocab=64, n_ctx=64, n_embd=32, n_head=2, n_layer=1, tokenizer="bytes")
+    models = [GPT2(cfg).eval() for _ in range(2)]
+    with torch.no_grad():
+        models[1].ln_f.weight.mul_(-1)                                  # the argmin: other tokens
+    idx = torch.randint(0, 64, (1, 4))
+    eager = [m.generate(idx, 8, temperature=0) for m in models]
+    assert not torch.equal(eager[0], eager[1])
+    for m, want in [*zip(models, eager), *zip(models, eager)]:          # alternately, twice
+        assert torch.equal(m.generate(idx, 8, temperature=0, compile=True), want)
+
+
+def test_compile_refuses_what_it_cannot_run():
+    model = GPT2(GPT2Config(n_vocab=64, n_ctx=64, n_embd=32, n_head=2, n_layer=1, tokenizer="bytes")).eval()
+    idx = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="compile"):
+        model.generate(idx, 2, compile="yes")
+    handle = model.h[0].mlp.register_forward_hook(lambda m, i, o: o)
+    with pytest.raises(ValueError, match="forward hooks"):
+        model.generate(idx, 2, compile=True)
+    handle.remove()
+    dec = compiled_decoder(model)
+    with pytest.raises(RuntimeError, match="without gradients"):
+        dec(idx[:, :1], KVCache(1, 1, 2, 64, 16))
+
+
+def test_cache_lengths_round_up_to_shared_shapes():
+    assert cache_len(1, 1024) == SPAN_MULTIPLE
+    assert cache_len(SPAN_MULTIPLE + 1, 1024) == 2 * SPAN_MULTIPLE
+    assert cache_len(1000, 1024) == 1024 and cache_len(100, 80) == 80
+
+
+def test_cli_compile_prints_the_eager_greedy_text_on_the_built_in_int8_model(capsys):
+    from gpt2mha.cli import main
+    args = ["generate", "ROMEO:", "--max-new-tokens", "24", "--temperature", "0", "--quantize", "int8",
+            "--quantize-method", "rtn"]
+    assert main(args) == 0
+    eager = capsys.readouterr().out
+    assert main([*args, "--compile"]) == 0
+    assert capsys.readouterr().out == eager        # bf16 activations: no near-tie on these 24 bytes (99% top-1)
