@@ -93,6 +93,26 @@ def test_two_models_of_one_shape_keep_their_own_compiled_steps():
         assert torch.equal(m.generate(idx, 8, temperature=0, compile=True), want)
 
 
+def test_models_of_one_shape_never_share_frozen_weights_through_inductors_caches():
+    # inductor's on-disk graph cache once served a compiled 124M step holding another model's
+    # frozen weights (same shapes): every product wrong. Matrices of 64k+ weights, as there.
+    cfg = GPT2Config(n_vocab=512, n_ctx=64, n_embd=128, n_head=2, n_layer=1, tokenizer="bytes")
+    idx = torch.randint(0, 512, (1, 4), generator=torch.Generator().manual_seed(0))
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = GPT2(cfg).eval().quantize("int8", method="rtn")
+        with torch.inference_mode():
+            cache = [KVCache(1, 1, 2, 64, 64) for _ in range(2)]
+            for c in cache:
+                model(idx, cache=c)
+            tok = torch.tensor([[7]])
+            got = compiled_decoder(model)(tok, cache[0])
+            want = model(tok, cache=cache[1]).logits[:, -1]
+        assert (got - want).abs().max() < 3e-2 * want.abs().max(), f"model {seed}"
+
+
 def test_compile_refuses_what_it_cannot_run():
     model = GPT2(GPT2Config(n_vocab=64, n_ctx=64, n_embd=32, n_head=2, n_layer=1, tokenizer="bytes")).eval()
     idx = torch.zeros(1, 3, dtype=torch.long)

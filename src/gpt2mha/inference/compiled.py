@@ -26,8 +26,8 @@ positions with a per-row mask (:meth:`~gpt2mha.core.kv_cache.KVCache.plan` with 
 guarantee: masked keys change the rounding) and nothing recompiles between steps. Each batch
 size and cache length compiles once (static shapes, which the C++ GEMM templates are made
 for); ``generate`` rounds its cache up to a multiple of :data:`SPAN_MULTIPLE` positions
-(:func:`cache_len`) so that calls of similar lengths share one. Compiling takes 10–60 s
-(inductor keeps its kernels in an on-disk cache, so another process compiles faster).
+(:func:`cache_len`) so that calls of similar lengths share one. Compiling takes 10–60 s each
+time: inductor's on-disk graph cache is turned off for these steps (:func:`options`).
 
 Freezing makes the weights constants of the compiled code (the int8 template keeps its own
 blocked copy), so a compiled step is only used while every parameter and buffer of the model
@@ -43,6 +43,8 @@ import types
 import weakref
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 from torch import nn
 
 from ..core.attention import CausalSelfAttention
@@ -147,11 +149,13 @@ def _signature(model: nn.Module) -> tuple:
 
 
 def options(model: nn.Module) -> dict:
-    """Inductor options for ``model``'s step: freezing (weights as constants), and for an int8
+    """Inductor options for ``model``'s step: freezing (weights as constants), inductor's on-disk
+    graph cache off (it handed a compiled step holding one 124M model's frozen weights to
+    another model of the same shapes: measured, tests/test_compiled.py), and for an int8
     model max-autotune over inductor's C++ GEMM templates only (max-autotune times its
     candidates on weights hot in cache, where ATen's eager kernel looks faster than it is when
     the weights stream from memory: measured, RESULTS.md)."""
-    opts = {"freezing": True}
+    opts = {"freezing": True, "fx_graph_cache": False}
     if (getattr(model, "quantization", None) or {}).get("scheme") == "int8":
         opts.update(max_autotune=True, max_autotune_gemm_backends="CPP")
     return opts
@@ -189,7 +193,8 @@ class CompiledDecoder:
         if torch.is_grad_enabled():
             raise RuntimeError("a compiled decode step runs without gradients: call it under torch.inference_mode()")
         plan = cache.plan(1, span=cache.max_len, per_row=True)
-        with torch._inductor.config.patch(freezing=self.options["freezing"]):   # read while dynamo traces
+        with torch._inductor.config.patch(freezing=True, fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):    # read while dynamo traces
             logits = self.compiled(token, _Unadvanced.over(cache), plan)
         cache.advance(1)
         return logits[:, -1]
