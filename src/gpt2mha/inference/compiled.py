@@ -6,8 +6,8 @@ ops (LayerNorm, GELU, residual adds, the cache write) fuse into a few loops, and
 weights every product becomes inductor's C++ GEMM template for weight-only int8
 (``aten._weight_int8pack_mm``, lowered under ``freezing`` and ``max_autotune``): it reads the
 int8 weight once, converts it to float in registers and accumulates in float32, where the eager
-int8 path spends most of a batch-1 step outside its products. On an AVX2-only Zen 3 (2 cores)
-a 124M int8 step took 9.1 ms compiled against 28.5 ms eager and 31.5 ms float32
+int8 path spends most of a batch-1 step outside its products. On an AVX2-only Zen 3 (2 cores,
+2 threads) a 124M int8 step took 9.1 ms compiled against 28.5 ms eager and 31.5 ms float32
 (benchmarks/RESULTS.md, "Compiled decode").
 
 What each model gets (:func:`decode_view`):
@@ -32,8 +32,8 @@ time: inductor's on-disk graph cache is turned off for these steps (:func:`optio
 Freezing makes the weights constants of the compiled code (the int8 template keeps its own
 blocked copy), so a compiled step is only used while every parameter and buffer of the model
 is the very tensor, unwritten, that it was compiled from (:func:`compiled_decoder` checks and
-compiles again otherwise). Forward hooks are not run inside it: a model with hooks attached
-decodes eagerly.
+compiles again otherwise). Forward hooks would not run inside it: a model with hooks attached
+is refused (:func:`compiled_decoder`).
 """
 
 from __future__ import annotations
