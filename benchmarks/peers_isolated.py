@@ -1,0 +1,112 @@
+"""Decode speed of each engine alone in its own process:
+``python benchmarks/peers_isolated.py --workdir DIR [--engines NAMES] [--threads 2] [--new 96]``.
+
+``benchmarks/peers.py`` times every contender in one process, in turns. There the engines'
+thread pools (torch's OpenMP, CTranslate2's, ONNX Runtime's spinning workers, llama.cpp's)
+compete with each other: on the 2-core AVX2 host transformers float32 decoded 16.0 tok/s in
+that process and 21.4 alone, gpt2mha int8 compiled 55.4 and 95.7 (benchmarks/RESULTS.md,
+"Peers, third run"). This script runs each engine in a fresh process of its own, one after
+the other, on the files ``peers.py --workdir DIR`` converted (run that first), and prints
+decode tokens/s at batch 1 and 8 (a 4-token random prompt, ``--new`` greedy tokens, a warm-up
+call on the timed shapes, best of ``--repeats``) and each as a ratio to transformers float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int4",
+           "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 int8", "onnxruntime int8")
+
+
+def one(name: str, workdir: str, threads: int, new: int, repeats: int) -> dict:
+    """Decode tok/s of engine ``name`` in this process: ``{"b1": ..., "b8": ...}``."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    import peers
+    from gpt2mha import GPT2
+
+    torch.set_num_threads(threads)
+    hf_dir = os.path.join(workdir, "random-124M")
+    eng = os.path.join(workdir, "random-124M-engines")
+    cfg = GPT2.from_pretrained(hf_dir).config
+    if name == "transformers float32":
+        import transformers
+        c = peers.Torch(name, transformers.GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="sdpa").eval(),
+                        0, 0, hf=True)
+    elif name == "gpt2mha float32":
+        c = peers.Torch(name, GPT2.from_pretrained(hf_dir), 0, 0, hf=False)
+    elif name.startswith("gpt2mha"):
+        scheme = name.split()[1]
+        c = peers.Torch(name, GPT2.from_pretrained(os.path.join(eng, f"gpt2mha-{scheme}")), 0, 0, hf=False,
+                        compiled=name.endswith("compiled"))
+    elif name.startswith("llama.cpp"):
+        c = peers.LlamaCpp(name, os.path.join(eng, f"model-{name.split()[1]}.gguf"), cfg.n_ctx, threads, 0)
+    elif name == "ctranslate2 int8":
+        c = peers.CT2(name, os.path.join(eng, "ct2-int8"), "int8", threads, 0)
+    elif name == "onnxruntime int8":
+        c = peers.ORT(name, os.path.join(eng, "model-int8.onnx"), cfg, threads, 0)
+    else:
+        raise ValueError(f"unknown engine {name!r}; expected one of {ENGINES}")
+    out = {}
+    for B in (1, 8):
+        prompt = torch.randint(0, cfg.n_vocab, (B, 4), generator=torch.Generator().manual_seed(B)).numpy()
+        c.greedy(prompt, new)                                  # warm-up (and a compiled step's compile)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            c.greedy(prompt, new)
+            times.append(time.perf_counter() - t0)
+        out[f"b{B}"] = B * new / min(times)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", required=True, metavar="DIR", help="what `peers.py --workdir DIR` converted")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, from: " + ", ".join(ENGINES))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new", type=int, default=96, help="greedy tokens per decode")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)      # the child: one engine, JSON on stdout
+    args = p.parse_args(argv)
+    if args.one:
+        print(json.dumps(one(args.one, args.workdir, args.threads, args.new, args.repeats)))
+        return 0
+    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    if "transformers float32" not in names:
+        names.insert(0, "transformers float32")                # the reference of every ratio
+    print(f"load average at start: {os.getloadavg()}")
+    res = {}
+    for name in names:
+        done = subprocess.run([sys.executable, __file__, "--workdir", args.workdir, "--threads", str(args.threads),
+                               "--new", str(args.new), "--repeats", str(args.repeats), "--one", name],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            res[name] = None
+            print(f"{name}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+            continue
+        res[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{name}: {res[name]['b1']:.1f} / {res[name]['b8']:.1f} tok/s", flush=True)
+    print(f"load average at end: {os.getloadavg()}")
+    ref = res.get("transformers float32")
+    print(f"\n| engine (alone in its process, {args.threads} threads, {args.new} new tokens) | batch 1 tok/s | batch 8 tok/s |")
+    print("|---|---|---|")
+    for name, r in res.items():
+        if r is None:
+            print(f"| {name} | failed | failed |")
+            continue
+        ratio = (lambda k: f" ({r[k] / ref[k]:.2f}x)" if ref else "")
+        print(f"| {name} | {r['b1']:.1f}{ratio('b1')} | {r['b8']:.1f}{ratio('b8')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
