@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gpt2mha import GPT2, GPT2Config, KVCache
-from gpt2mha.inference.compiled import (SPAN_MULTIPLE, WoqInt8Linear, cache_len, compiled_decoder, decode_view,
-                                        options)
+from gpt2mha.inference.compiled import (SPAN_MULTIPLE, PerRowInt8Linear, WoqInt8Linear, cache_len, compiled_decoder,
+                                        decode_view, options)
 
 pytestmark = pytest.mark.slow                   # each test compiles (inductor's C++): seconds to a minute
 
@@ -64,6 +64,55 @@ def test_compiled_steps_give_the_int8_models_logits_and_advance_the_cache(int8_m
     assert (got - same_math).abs().max().item() < 1e-2 * scale           # same products, other summation order
     assert (got - exact).abs().max().item() < 3e-2 * scale               # bf16 activations vs exact pieces
     assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.fixture(scope="module")
+def per_row_model(int8_model):
+    from gpt2mha.inference.quant import set_activations
+    model = copy.deepcopy(int8_model)
+    set_activations(model, "per_row")
+    return model
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "int_mm"])
+def test_per_row_layers_give_the_eager_per_row_product_compiled(per_row_model, kernel, monkeypatch):
+    # reference: the eager layer's int8_matmul_per_row (quant/linear.py), which the quant tests check
+    # against float64 products of the dequantized weights
+    from gpt2mha.inference.quant.linear import fbgemm_available
+    if kernel == "fbgemm" and not fbgemm_available():
+        pytest.skip("this torch build has no FBGEMM")
+    monkeypatch.setenv("GPT2MHA_INT8_KERNEL", kernel)
+    view = decode_view(per_row_model)
+    layers = [m for m in view.modules() if isinstance(m, PerRowInt8Linear)]
+    assert len(layers) == 4 * per_row_model.config.n_layer + 1 and {m.kernel for m in layers} == {kernel}
+    assert not any(isinstance(m, WoqInt8Linear) for m in view.modules())
+    eager_layer = per_row_model.h[0].mlp.c_fc
+    x = torch.randn(2, 3, 64) * 3
+    x[1, 2] = 0                                                                   # a constant row: zero range
+    with torch.inference_mode():
+        want = eager_layer(x)
+        for got in (layers[2](x), torch.compile(layers[2], fullgraph=True, dynamic=False)(x)):
+            assert got.shape == want.shape == (2, 3, 256) and got.dtype == torch.float32
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_compiled_per_row_steps_follow_the_eager_per_row_model(per_row_model):
+    B, T, steps = 2, 5, 6
+    idx = torch.randint(0, 96, (B, T + steps), generator=torch.Generator().manual_seed(2))
+    dec = compiled_decoder(per_row_model)
+    assert "max_autotune" not in dec.options                    # no GEMM template to pick: FBGEMM is an opaque call
+    with torch.inference_mode():
+        caches = [KVCache(2, B, 4, cache_len(T + steps, 128), 16) for _ in range(2)]
+        for c in caches:
+            per_row_model(idx[:, :T], cache=c)
+        got, want = [], []
+        for s in range(T, T + steps):
+            got.append(dec(idx[:, s:s + 1], caches[0]))
+            want.append(per_row_model(idx[:, s:s + 1], cache=caches[1]).logits[:, -1])
+    got, want = torch.stack(got), torch.stack(want)
+    assert caches[0].lengths == [T + steps] * B
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()   # same products; a rounding tie may flip one level
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_the_compiled_step_is_reused_and_rebuilt_when_a_weight_changes():

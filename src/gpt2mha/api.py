@@ -68,8 +68,9 @@ class GPT2(core.GPT2):
         nearest. See :func:`gpt2mha.inference.quant.quantize_model` for the details, the error
         report (``model.quantization_report``) and the errors it raises. A quantized model is
         for inference: ``.train()`` raises; ``save_pretrained``/``from_pretrained`` store and
-        restore it. ``activations="per_row"`` (int8 only) rounds each activation row to 7 bits
-        for faster, less exact products (:func:`gpt2mha.inference.quant.set_activations`).
+        restore it. ``activations="per_row"`` (int8 only) rounds each activation row to 8 bits
+        with its own scale and zero point, over weights re-rounded to 7 bits (W7A8), for faster,
+        less exact products (:func:`gpt2mha.inference.quant.set_activations`).
         """
         return quantize_model(self, scheme, group_size, method, calibration, activations)
 

@@ -39,6 +39,7 @@ is refused (:func:`compiled_decoder`).
 from __future__ import annotations
 
 import copy
+import itertools
 import types
 import weakref
 
@@ -50,7 +51,7 @@ from torch import nn
 from ..core.attention import CausalSelfAttention
 from ..core.kv_cache import KVCache
 from .fast import for_decoding, hooked, invariant_by_default, swap_modules
-from .quant.linear import QuantizedLinear
+from .quant.linear import QuantizedLinear, int8_kernel
 
 
 #: Cache lengths of a compiled decode are multiples of this (:func:`cache_len`).
@@ -91,6 +92,73 @@ class WoqInt8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.n_out)
 
 
+#: FBGEMM's packed 7-bit weights of the live :class:`PerRowInt8Linear` layers, by key (the custom
+#: op below takes the key: a packed weight is a TorchScript object, which dynamo does not trace).
+_FBGEMM_PACKED: dict[int, object] = {}
+_keys = itertools.count()
+
+
+@torch.library.custom_op("gpt2mha::fbgemm_rows", mutates_args=())
+def fbgemm_rows(u: torch.Tensor, key: int, n_out: int) -> torch.Tensor:
+    """``(u + 128) @ q7ᵀ · scales7`` → float32 ``[M, n_out]`` for float32 ``u [M, K]`` holding
+    integers in ``[-128, 127]``, by FBGEMM's uint8 × int8 GEMM over the packed weight
+    ``_FBGEMM_PACKED[key]`` (exact int32 sums: :func:`~.quant.linear.int8_matmul_per_row`). An
+    opaque call inside the compiled step; the row rounding before it and the rescale after it are
+    ordinary ops that inductor fuses with their neighbours."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 128, _FBGEMM_PACKED[key])
+
+
+@fbgemm_rows.register_fake
+def _(u: torch.Tensor, key: int, n_out: int) -> torch.Tensor:
+    return u.new_empty(u.shape[0], n_out)
+
+
+class PerRowInt8Linear(nn.Module):
+    """An int8 :class:`~gpt2mha.inference.quant.linear.QuantizedLinear` with
+    ``activations="per_row"`` for the compiled step: the same W7A8 product as the eager layer
+    (:func:`~gpt2mha.inference.quant.linear.int8_matmul_per_row`: each activation row rounded to
+    8 bits with its own scale and zero point, 7-bit weights), written as ops inductor fuses
+    (the row's min/max, the rounding, the rescale and the bias) around one integer GEMM:
+    FBGEMM's (:func:`fbgemm_rows`, CPUs without VNNI/AMX) or ``torch._int_mm``, which inductor
+    lowers itself. A row's result does not depend on the other rows.
+
+    Forward ``[..., K]`` → ``[..., N]`` in the dtype the layer itself returns. Rows holding NaN
+    or ±inf give non-finite rows (the eager layer gives NaN rows).
+    """
+
+    def __init__(self, layer: QuantizedLinear):
+        super().__init__()
+        if layer.scheme != "int8" or layer.activations != "per_row":
+            raise ValueError(f"PerRowInt8Linear takes an int8 layer with activations='per_row'; got "
+                             f"scheme={layer.scheme!r}, activations={layer.activations!r}")
+        self.n_in, self.n_out, self.out_dtype = layer.n_in, layer.n_out, layer.out_dtype
+        self.kernel = int8_kernel()
+        q7, scales7, packed, wsum = layer.per_row_weights()
+        self.wsum = nn.Parameter(wsum, requires_grad=False)
+        self.bias = layer.bias
+        if self.kernel == "fbgemm":
+            self.key = next(_keys)
+            _FBGEMM_PACKED[self.key] = packed
+            weakref.finalize(self, _FBGEMM_PACKED.pop, self.key, None)
+        else:
+            self.q7t = nn.Parameter(q7.t(), requires_grad=False)                 # [K, N] int8
+            self.scales7 = nn.Parameter(scales7, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.n_in).float()
+        lo = x2.amin(-1, keepdim=True)
+        a = (x2.amax(-1, keepdim=True) - lo) / 255
+        u = ((x2 - lo) / a.clamp(min=1e-30)).round() - 128                       # integers in [-128, 127]
+        if self.kernel == "fbgemm":
+            y = fbgemm_rows(u, self.key, self.n_out)
+        else:
+            y = torch._int_mm(u.to(torch.int8), self.q7t).float() * self.scales7
+        y = (y * a + (a * 128 + lo) * self.wsum).to(self.out_dtype(x.dtype))     # x = a·(u + 128) + lo
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.n_out)
+
+
 def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Module:
     """``model``'s decode view (:func:`~.fast.for_decoding`) as the compiled step runs it (a
     view: ``model`` is not changed): every int8 quantized layer swapped for a
@@ -101,7 +169,7 @@ def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Mod
         if hooked(m):
             return None
         if isinstance(m, QuantizedLinear) and m.scheme == "int8" and m.weight.device.type == "cpu":
-            return WoqInt8Linear(m)
+            return PerRowInt8Linear(m) if m.activations == "per_row" else WoqInt8Linear(m)
         if isinstance(m, CausalSelfAttention):
             new = copy.copy(m)                                  # shallow: parameters shared
             new._modules = {name: replace(f"{path}.{name}", child) or child for name, child in m._modules.items()}
@@ -156,7 +224,8 @@ def options(model: nn.Module) -> dict:
     candidates on weights hot in cache, where ATen's eager kernel looks faster than it is when
     the weights stream from memory: measured, RESULTS.md)."""
     opts = {"freezing": True, "fx_graph_cache": False}
-    if (getattr(model, "quantization", None) or {}).get("scheme") == "int8":
+    quantization = getattr(model, "quantization", None) or {}
+    if quantization.get("scheme") == "int8" and quantization.get("activations", "exact") == "exact":
         opts.update(max_autotune=True, max_autotune_gemm_backends="CPP")
     return opts
 
