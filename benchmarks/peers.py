@@ -14,6 +14,9 @@ The contenders:
   ("int8 compiled": the decode step compiled by inductor, its products on bf16 activations;
   compiled before the timed rounds, on the shapes they use; its prefill is int8's, and its
   quality columns score the same bf16-activation products eagerly, ``compiled.decode_view``);
+  int8 with ``activations="per_row"`` (W7A8: each activation row rounded to 8 bits with its
+  own scale and zero point over 7-bit weights), eager and compiled ("int8 per_row compiled":
+  the same W7A8 products inside the compiled step);
 * transformers float32 (``GPT2LMHeadModel``, sdpa): the reference every ratio divides by;
 * llama.cpp (through llama-cpp-python): GGUF f32 written with the ``gguf`` package (llama.cpp's
   own Python library: its ``GGUFWriter`` and its GPT-2 tensor-name map, the steps of its
@@ -87,7 +90,7 @@ ENGINES = ("gpt2mha", "llama.cpp", "ctranslate2", "onnxruntime")
 REFERENCE = "transformers float32"
 #: Every contender besides the reference and gpt2mha float32 (``--skip`` takes these names; the
 #: reference always runs, gpt2mha float32 whenever the gpt2mha engine does).
-VARIANTS = ("gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int8 per_row", "gpt2mha int4", "llama.cpp f32",
+VARIANTS = ("gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int8 per_row", "gpt2mha int8 per_row compiled", "gpt2mha int4", "llama.cpp f32",
             "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 float32", "ctranslate2 int8", "onnxruntime float32",
             "onnxruntime int8")
 
@@ -660,8 +663,8 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
             if not os.path.isdir(qdir):
                 model.save_pretrained(qdir)
             out.append(Torch(name, model, dir_bytes(qdir), step_bytes(model), hf=False))
-            if name == "gpt2mha int8" and want("gpt2mha int8 compiled"):
-                out.append(Torch("gpt2mha int8 compiled", model, dir_bytes(qdir), step_bytes(model), hf=False,
+            if want(name + " compiled") and scheme == "int8":
+                out.append(Torch(name + " compiled", model, dir_bytes(qdir), step_bytes(model), hf=False,
                                  compiled=True))
 
     if "llama.cpp" in engines:

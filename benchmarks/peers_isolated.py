@@ -21,7 +21,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int4",
+ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int8 per_row",
+           "gpt2mha int8 per_row compiled", "gpt2mha int4",
            "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 int8", "onnxruntime int8")
 
 
@@ -44,8 +45,8 @@ def one(name: str, workdir: str, threads: int, new: int, repeats: int) -> dict:
     elif name == "gpt2mha float32":
         c = peers.Torch(name, GPT2.from_pretrained(hf_dir), 0, 0, hf=False)
     elif name.startswith("gpt2mha"):
-        scheme = name.split()[1]
-        c = peers.Torch(name, GPT2.from_pretrained(os.path.join(eng, f"gpt2mha-{scheme}")), 0, 0, hf=False,
+        variant = "-".join(w for w in name.split() if w != "compiled")          # as peers.py saves it
+        c = peers.Torch(name, GPT2.from_pretrained(os.path.join(eng, variant)), 0, 0, hf=False,
                         compiled=name.endswith("compiled"))
     elif name.startswith("llama.cpp"):
         c = peers.LlamaCpp(name, os.path.join(eng, f"model-{name.split()[1]}.gguf"), cfg.n_ctx, threads, 0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpt2mha import GPT2, GPT2Config, KVCache
-from gpt2mha.inference.compiled import (SPAN_MULTIPLE, PerRowInt8Linear, WoqInt8Linear, cache_len, compiled_decoder,
+from gpt2mha.inference.compiled import (SPAN_MULTIPLE, SPAN_STEP, PerRowInt8Linear, WoqInt8Linear, cache_len, compiled_decoder,
                                         decode_view, options)
 
 pytestmark = pytest.mark.slow                   # each test compiles (inductor's C++): seconds to a minute
@@ -113,6 +113,20 @@ def test_compiled_per_row_steps_follow_the_eager_per_row_model(per_row_model):
     assert caches[0].lengths == [T + steps] * B
     assert (got - want).abs().max() < 1e-3 * want.abs().max()   # same products; a rounding tie may flip one level
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_one_compiled_step_reads_every_span_and_a_batch_prefills_together(per_row_model):
+    # the step reads the cache up to the longest row (rounded to SPAN_STEP), a dynamic size: one
+    # trace serves spans 16, 32, 48 and 64 here; reference: the eager per_row model's greedy tokens
+    from torch._dynamo.utils import counters
+    idx = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(3))
+    want = per_row_model.generate(idx, 50, temperature=0)
+    with torch.inference_mode():
+        compiled_decoder(per_row_model)(idx[:, :1], KVCache(2, 3, 4, 64, 16))    # compiled at span 16
+    frames = counters["frames"]["ok"]
+    got = per_row_model.generate(idx, 50, temperature=0, compile=True)
+    assert counters["frames"]["ok"] == frames                                      # no second trace
+    assert (got == want).float().mean() >= 0.95                                   # a rare rounding tie may differ
 
 
 def test_the_compiled_step_is_reused_and_rebuilt_when_a_weight_changes():

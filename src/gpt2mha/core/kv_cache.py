@@ -206,7 +206,8 @@ class KVCache:
         else:                                                  # row b at pos[b]: index_put
             k_all[step.rows, :, step.pos] = k.transpose(1, 2)  # [B, T, h, head_dim]
             v_all[step.rows, :, step.pos] = v.transpose(1, 2)
-        k_all, v_all = k_all[:, :, :step.span], v_all[:, :, :step.span]
+        k_all, v_all = k_all.narrow(2, 0, step.span), v_all.narrow(2, 0, step.span)   # (a compiled step's
+        #                                                   span is symbolic: narrow keeps it so up to max_len)
         if k.requires_grad or v.requires_grad:                 # autograd saves what attention reads:
             return k_all.clone(), v_all.clone()                # a copy, which later layers' writes leave alone
         return k_all, v_all

@@ -20,14 +20,15 @@ What each model gets (:func:`decode_view`):
 * float32 / bf16 / fp16 / int4 blocks: the eager decode view (:func:`~.fast.for_decoding`),
   compiled as it is (ATen's products, fused small ops).
 
-The step has one shape for the whole loop: the cache is read over all its ``max_len``
-positions with a per-row mask (:meth:`~gpt2mha.core.kv_cache.KVCache.plan` with a fixed
-``span``), so rows of different lengths share one attention call (no batch-invariance
-guarantee: masked keys change the rounding) and nothing recompiles between steps. Each batch
-size and cache length compiles once (static shapes, which the C++ GEMM templates are made
-for); ``generate`` rounds its cache up to a multiple of :data:`SPAN_MULTIPLE` positions
-(:func:`cache_len`) so that calls of similar lengths share one. Compiling takes 10–60 s each
-time: inductor's on-disk graph cache is turned off for these steps (:func:`options`).
+The step compiles once for the whole loop: the cache is read up to the longest row's length,
+rounded up to :data:`SPAN_STEP` positions (:func:`read_span`), with a per-row mask
+(:meth:`~gpt2mha.core.kv_cache.KVCache.plan` with that ``span``), so rows of different
+lengths share one attention call (no batch-invariance guarantee: masked keys change the
+rounding). The span is the step's one dynamic size; the rest is static (which the C++ GEMM
+templates are made for): each batch size and cache length compiles once, and ``generate``
+rounds its cache up to a multiple of :data:`SPAN_MULTIPLE` positions (:func:`cache_len`) so
+that calls of similar lengths share one. Compiling takes 10–60 s each time: inductor's on-disk
+graph cache is turned off for these steps (:func:`options`).
 
 Freezing makes the weights constants of the compiled code (the int8 template keeps its own
 blocked copy), so a compiled step is only used while every parameter and buffer of the model
@@ -44,6 +45,7 @@ import types
 import weakref
 
 import torch
+import torch._dynamo
 import torch._functorch.config
 import torch._inductor.config
 from torch import nn
@@ -56,12 +58,26 @@ from .quant.linear import QuantizedLinear, int8_kernel
 
 #: Cache lengths of a compiled decode are multiples of this (:func:`cache_len`).
 SPAN_MULTIPLE = 64
+#: A compiled step reads the cached keys up to the longest row's, rounded up to a multiple of this.
+SPAN_STEP = 16
 
 
 def cache_len(needed: int, n_ctx: int) -> int:
     """The KV cache length a compiled decode of ``needed`` positions uses: ``needed`` rounded up
     to a multiple of :data:`SPAN_MULTIPLE`, at most ``n_ctx``."""
     return min(n_ctx, -(-needed // SPAN_MULTIPLE) * SPAN_MULTIPLE)
+
+
+def read_span(needed: int, max_len: int) -> int:
+    """The cache positions a compiled step reads when its rows need ``needed``: ``needed``
+    rounded up to a multiple of :data:`SPAN_STEP`, and short of ``max_len`` whenever ``needed``
+    is. The span is a dynamic size of the compiled step (one compile for all of them), but a
+    span of the whole cache makes its keys a contiguous tensor, which the compiled code
+    specializes on: a second compile. ``generate`` never needs it (its last token is never fed
+    back, so its steps need at most ``max_len - 1``) unless a sliding window fills the cache."""
+    if needed >= max_len:
+        return max_len
+    return min(max_len - 1, -(-needed // SPAN_STEP) * SPAN_STEP)
 
 
 class WoqInt8Linear(nn.Module):
@@ -98,19 +114,30 @@ _FBGEMM_PACKED: dict[int, object] = {}
 _keys = itertools.count()
 
 
-@torch.library.custom_op("gpt2mha::fbgemm_rows", mutates_args=())
-def fbgemm_rows(u: torch.Tensor, key: int, n_out: int) -> torch.Tensor:
-    """``(u + 128) @ q7ᵀ · scales7`` → float32 ``[M, n_out]`` for float32 ``u [M, K]`` holding
-    integers in ``[-128, 127]``, by FBGEMM's uint8 × int8 GEMM over the packed weight
-    ``_FBGEMM_PACKED[key]`` (exact int32 sums: :func:`~.quant.linear.int8_matmul_per_row`). An
-    opaque call inside the compiled step; the row rounding before it and the rescale after it are
-    ordinary ops that inductor fuses with their neighbours."""
+def _fbgemm_rows(u: torch.Tensor, key: int, n_out: int) -> torch.Tensor:
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 128, _FBGEMM_PACKED[key])
 
 
-@fbgemm_rows.register_fake
+# A plain operator with a CPU kernel, not torch.library.custom_op: its wrapper (autograd and
+# schema checks) costs ~20 us a call, ~1 ms a step over 124M's 49 products (measured).
+_lib = torch.library.Library("gpt2mha", "FRAGMENT")
+_lib.define("fbgemm_rows(Tensor u, int key, int n_out) -> Tensor")
+_lib.impl("fbgemm_rows", _fbgemm_rows, "CPU")
+
+
+@torch.library.register_fake("gpt2mha::fbgemm_rows", lib=_lib)
 def _(u: torch.Tensor, key: int, n_out: int) -> torch.Tensor:
     return u.new_empty(u.shape[0], n_out)
+
+
+def fbgemm_rows(u: torch.Tensor, key: int, n_out: int) -> torch.Tensor:
+    """``(u + 128) @ q7ᵀ · scales7`` → float32 ``[M, n_out]`` for float32 ``u [M, K]`` holding
+    integers in ``[-128, 127]``, by FBGEMM's uint8 × int8 GEMM over the packed weight
+    ``_FBGEMM_PACKED[key]`` (exact int32 sums: :func:`~.quant.linear.int8_matmul_per_row`): the
+    operator ``torch.ops.gpt2mha.fbgemm_rows``, an opaque call inside the compiled step; the row
+    rounding before it and the rescale after it are ordinary ops that inductor fuses with their
+    neighbours."""
+    return torch.ops.gpt2mha.fbgemm_rows(u, key, n_out)
 
 
 class PerRowInt8Linear(nn.Module):
@@ -173,7 +200,7 @@ def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Mod
         if isinstance(m, CausalSelfAttention):
             new = copy.copy(m)                                  # shallow: parameters shared
             new._modules = {name: replace(f"{path}.{name}", child) or child for name, child in m._modules.items()}
-            new.attn_impl = "explicit"
+            new.attn_impl = __import__("os").environ.get("XATTN", "explicit")
             return new
         return None
     with torch.no_grad():
@@ -193,6 +220,7 @@ class _Step(nn.Module):
         self.view = view
 
     def forward(self, token: torch.Tensor, cache: KVCache, step) -> torch.Tensor:
+        step = step._replace(span=step.mask.shape[-1])          # symbolic: one compiled step for every span
         return self.view(token, cache=cache, step=step, last_only=True, validate=False).logits
 
 
@@ -261,10 +289,12 @@ class CompiledDecoder:
     def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if torch.is_grad_enabled():
             raise RuntimeError("a compiled decode step runs without gradients: call it under torch.inference_mode()")
-        plan = cache.plan(1, span=cache.max_len, per_row=True)
+        plan = cache.plan(1, span=read_span(max(cache.lengths) + 1, cache.max_len), per_row=True)
+        if plan.span > 1:                                        # sizes 0 and 1 are always specialized
+            torch._dynamo.maybe_mark_dynamic(plan.mask, 3)
         with torch._inductor.config.patch(freezing=True, fx_graph_cache=False), \
                 torch._functorch.config.patch(enable_autograd_cache=False):    # read while dynamo traces
-            logits = self.compiled(token, _Unadvanced.over(cache), plan)
+            logits = self.compiled(token, _Unadvanced.over(cache), plan._replace(span=0))
         cache.advance(1)
         return logits[:, -1]
 

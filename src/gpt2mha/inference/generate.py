@@ -240,8 +240,9 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         compile: run the decode steps as one compiled step
             (:func:`~gpt2mha.inference.compiled.compiled_decoder`, CPU only): the first call
             compiles for 10–60 s, later steps run 2–3x faster for int8 models (whose products
-            then take bf16 activations) and give up the batch-invariance guarantee for rows
-            of different lengths. Prefill stays eager.
+            then take bf16 activations, or keep their W7A8 ones with ``activations="per_row"``)
+            and give up the batch-invariance guarantee. Prefill stays eager; prompts of one
+            length (no ``attention_mask``) are prefilled together in one forward.
 
     Batch invariance: each prompt is prefilled alone into its own row of the cache (no left
     padding: its keys from cache index 0), every decode step attends each row over exactly its
@@ -352,8 +353,11 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
     counts = None
     if adjust.get("presence_penalty") or adjust.get("frequency_penalty"):
         counts = torch.zeros(B, vocab_size or model.config.n_vocab, dtype=torch.float32, device=idx.device)
-    logits = torch.cat([model(ids[None, -n_ctx:], cache=cache.row(b), last_only=True, validate=False).logits[:, -1]
-                        for b, ids in enumerate(prompts)])     # [B, n_vocab]
+    if step_fn is not None and keep is None and B > 1:         # compiled, prompts of one length: one prefill
+        logits = model(idx[:, -n_ctx:], cache=cache, last_only=True, validate=False).logits[:, -1]
+    else:
+        logits = torch.cat([model(ids[None, -n_ctx:], cache=cache.row(b), last_only=True, validate=False).logits[:, -1]
+                            for b, ids in enumerate(prompts)])     # [B, n_vocab]
     sliding = set()                                            # rows recomputed over their last n_ctx tokens
     for step in range(max_new_tokens):
         pos = T + step                                         # column of the token being chosen
