@@ -8,7 +8,8 @@ that process and 21.4 alone, gpt2mha int8 compiled 55.4 and 95.7 (benchmarks/RES
 "Peers, third run"). This script runs each engine in a fresh process of its own, one after
 the other, on the files ``peers.py --workdir DIR`` converted (run that first), and prints
 decode tokens/s at batch 1 and 8 (a 4-token random prompt, ``--new`` greedy tokens, a warm-up
-call on the timed shapes, best of ``--repeats``) and each as a ratio to transformers float32.
+call on the timed shapes, best of ``--repeats``; with ``--rounds N`` the whole list runs N times in
+turn and each engine keeps its best) and each as a ratio to transformers float32.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new", type=int, default=96, help="greedy tokens per decode")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the list of engines this many times in turn, keeping each one's best (host drift "
+                        "then falls on every engine alike)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)      # the child: one engine, JSON on stdout
     args = p.parse_args(argv)
     if args.one:
@@ -85,17 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     if "transformers float32" not in names:
         names.insert(0, "transformers float32")                # the reference of every ratio
     print(f"load average at start: {os.getloadavg()}")
-    res = {}
-    for name in names:
-        done = subprocess.run([sys.executable, __file__, "--workdir", args.workdir, "--threads", str(args.threads),
-                               "--new", str(args.new), "--repeats", str(args.repeats), "--one", name],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            res[name] = None
-            print(f"{name}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-            continue
-        res[name] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{name}: {res[name]['b1']:.1f} / {res[name]['b8']:.1f} tok/s", flush=True)
+    res = {name: None for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            done = subprocess.run([sys.executable, __file__, "--workdir", args.workdir, "--threads", str(args.threads),
+                                   "--new", str(args.new), "--repeats", str(args.repeats), "--one", name],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"{name}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+                continue
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"{name}: {got['b1']:.1f} / {got['b8']:.1f} tok/s", flush=True)
+            res[name] = got if res[name] is None else {k: max(v, got[k]) for k, v in res[name].items()}
     print(f"load average at end: {os.getloadavg()}")
     ref = res.get("transformers float32")
     print(f"\n| engine (alone in its process, {args.threads} threads, {args.new} new tokens) | batch 1 tok/s | batch 8 tok/s |")

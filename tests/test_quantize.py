@@ -615,6 +615,38 @@ def test_cli_calibration_and_convert_quantize(tmp_path, capsys):
     assert "only the hf format holds quantized weights" in capsys.readouterr().err
 
 
+def test_cli_activations_per_row_quantizes_converts_and_sets_a_saved_int8_model(tmp_path, capsys):
+    """--activations per_row gives the API's per_row model (same text), is saved by convert, is
+    set on a model saved int8, and is refused without an int8 model, with the flag named."""
+    from gpt2mha.cli import main
+
+    src = tmp_path / "float"
+    float_model(seed=27, n_vocab=256, tokenizer="bytes").save_pretrained(str(src))
+    gen = ["generate", "ab", "--max-new-tokens", "8", "--temperature", "0"]
+    capsys.readouterr()
+    assert main([*gen, "--model", str(src), "--quantize", "int8", "--quantize-method", "rtn",
+                 "--activations", "per_row"]) == 0
+    text = capsys.readouterr().out
+    want = GPT2.from_pretrained(str(src)).quantize("int8", method="rtn", activations="per_row")
+    ids = want.generate(torch.tensor([[97, 98]]), 8, temperature=0)[0].tolist()
+    assert text.strip().endswith(bytes(ids).decode("utf-8", "replace").strip())
+    out = tmp_path / "q8"
+    assert main(["convert", str(src), str(out), "--quantize", "int8", "--quantize-method", "rtn",
+                 "--activations", "per_row"]) == 0
+    assert GPT2.from_pretrained(str(out)).quantization["activations"] == "per_row"
+    exact = tmp_path / "q8exact"
+    assert main(["convert", str(src), str(exact), "--quantize", "int8", "--quantize-method", "rtn"]) == 0
+    capsys.readouterr()
+    assert main([*gen, "--model", str(exact), "--activations", "per_row"]) == 0            # a saved int8 model
+    assert capsys.readouterr().out == text
+    for bad, says in ((["--model", str(src), "--activations", "per_row"], "add --quantize int8"),
+                      (["--model", str(src), "--quantize", "int4", "--activations", "per_row"], "--quantize int4")):
+        assert main([*gen, *bad]) == 2
+        assert says in capsys.readouterr().err
+    assert main(["convert", str(src), str(tmp_path / "x"), "--activations", "per_row"]) == 2
+    assert "--activations per_row applies to int8 models" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("method", ["gptq", "rtn"])
 def test_a_quantize_that_stops_half_way_leaves_the_float_model_as_it_was(method, monkeypatch, tmp_path):
     """An error (or Ctrl-C) in the middle of quantize() puts back every original module and the

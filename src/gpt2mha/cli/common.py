@@ -102,6 +102,10 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                         "'Quantized decode'); rtn: round to nearest, instant")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="UTF-8 text file GPTQ calibrates on (default: a 16 KiB Shakespeare sample in the package)")
+    p.add_argument("--activations", choices=["exact", "per_row"], default=None,
+                   help="how an int8 model's products treat the activations: exact (default; integer pieces) or "
+                        "per_row (each row rounded to 8 bits over 7-bit weights, W7A8: faster prefill and batched "
+                        "decode, less exact; README 'Quantized decode'); also sets it on a model saved int8")
 
 
 def check_quantize_args(args) -> None:
@@ -113,6 +117,9 @@ def check_quantize_args(args) -> None:
                          f"--quantize int8|int4 with --quantize-method gptq")
     if args.quantize_method is not None and args.quantize is None:
         raise ValueError(f"--quantize-method {args.quantize_method} applies only with --quantize int8|int4")
+    if getattr(args, "activations", None) not in (None, "exact") and args.quantize == "int4":
+        raise ValueError(f"--activations {args.activations} applies to int8 products; --quantize int4 multiplies "
+                         f"bf16 activations by int4 weights (use --quantize int8)")
 
 
 def quantized(model, args):
@@ -121,8 +128,14 @@ def quantized(model, args):
     with, and ``--calibration`` is refused (nothing is re-quantized); the error names both sides.
     Abnormal tensors are reported on stderr (a QuantizationWarning)."""
     check_quantize_args(args)
+    activations = getattr(args, "activations", None)
     if args.quantize is None:
-        return model
+        if activations is None:
+            return model
+        if not getattr(model, "quantization", None):
+            raise ValueError(f"--activations {activations} applies to int8 models: add --quantize int8, or load a "
+                             f"model saved int8")
+        return _set_activations(model, activations)
     if getattr(model, "quantization", None):                     # convert reads a core GPT2, without the attribute
         q = model.quantization
         saved = {"--quantize": q["scheme"], "--group-size": q["group_size"], "--quantize-method": q.get("method", "rtn")}
@@ -135,7 +148,7 @@ def quantized(model, args):
                              f"{q['group_size']}, method {saved['--quantize-method']}); a model loaded quantized is "
                              f"not quantized again: drop these flags to use it as saved, or quantize the float model "
                              f"instead")
-        return model
+        return _set_activations(model, activations) if activations is not None else model
     calibration = None
     if args.calibration is not None:
         try:
@@ -151,7 +164,7 @@ def quantized(model, args):
     from ..inference.quant import quantize_model
 
     try:
-        return quantize_model(model, args.quantize, args.group_size, method, calibration)
+        return quantize_model(model, args.quantize, args.group_size, method, calibration, activations or "exact")
     except ValueError as e:                                      # name the flag the value came from
         message = str(e)
         if message.startswith("calibration") and args.calibration is not None:
@@ -159,6 +172,17 @@ def quantized(model, args):
         elif message.startswith("group_size"):
             message = f"--group-size: {message}"
         raise ValueError(message) from None
+
+
+def _set_activations(model, activations: str):
+    """``model`` (quantized) with ``--activations`` set on every int8 product; the error names the flag."""
+    from ..inference.quant import set_activations
+
+    try:
+        set_activations(model, activations)
+    except ValueError as e:
+        raise ValueError(f"--activations {activations}: {e}") from None
+    return model
 
 
 def read_text(path: str, split: str = "all") -> str:
