@@ -1,5 +1,5 @@
-"""Decode speed of each engine alone in its own process:
-``python benchmarks/peers_isolated.py --workdir DIR [--engines NAMES] [--threads 2] [--new 96]``.
+"""Decode and prefill speed of each engine alone in its own process:
+``python benchmarks/peers_isolated.py --workdir DIR [--engines NAMES] [--threads 2] [--new 96] [--rounds N]``.
 
 ``benchmarks/peers.py`` times every contender in one process, in turns. There the engines'
 thread pools (torch's OpenMP, CTranslate2's, ONNX Runtime's spinning workers, llama.cpp's)
@@ -9,7 +9,9 @@ that process and 21.4 alone, gpt2mha int8 compiled 55.4 and 95.7 (benchmarks/RES
 the other, on the files ``peers.py --workdir DIR`` converted (run that first), and prints
 decode tokens/s at batch 1 and 8 (a 4-token random prompt, ``--new`` greedy tokens, a warm-up
 call on the timed shapes, best of ``--repeats``; with ``--rounds N`` the whole list runs N times in
-turn and each engine keeps its best) and each as a ratio to transformers float32.
+turn and each engine keeps its best), the time to the first token after a random prompt of
+each ``--prefill`` length at batch 1 (ms, best of ``--repeats`` after a warm-up), and each as a
+ratio to transformers float32 (higher is faster).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha i
            "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 int8", "onnxruntime int8")
 
 
-def one(name: str, workdir: str, threads: int, new: int, repeats: int) -> dict:
-    """Decode tok/s of engine ``name`` in this process: ``{"b1": ..., "b8": ...}``."""
+def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: tuple[int, ...] = ()) -> dict:
+    """Decode tok/s of engine ``name`` in this process, and its time to the first token after
+    a prompt of each ``prefill`` length (batch 1), in ms: ``{"b1": ..., "b8": ..., "p128": ...}``."""
     import torch
 
     sys.path.insert(0, HERE)
@@ -67,6 +70,15 @@ def one(name: str, workdir: str, threads: int, new: int, repeats: int) -> dict:
             c.greedy(prompt, new)
             times.append(time.perf_counter() - t0)
         out[f"b{B}"] = B * new / min(times)
+    for T in prefill:
+        prompt = torch.randint(0, cfg.n_vocab, (1, T), generator=torch.Generator().manual_seed(T)).numpy()
+        c.first_token(prompt)                                  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            c.first_token(prompt)
+            times.append(time.perf_counter() - t0)
+        out[f"p{T}"] = min(times) * 1e3
     return out
 
 
@@ -80,10 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the list of engines this many times in turn, keeping each one's best (host drift "
                         "then falls on every engine alike)")
+    p.add_argument("--prefill", default="128,512", metavar="T,T",
+                   help="prompt lengths whose time to the first token is measured (batch 1; '' for none)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)      # the child: one engine, JSON on stdout
     args = p.parse_args(argv)
+    prefill = tuple(int(t) for t in args.prefill.split(",") if t.strip())
     if args.one:
-        print(json.dumps(one(args.one, args.workdir, args.threads, args.new, args.repeats)))
+        print(json.dumps(one(args.one, args.workdir, args.threads, args.new, args.repeats, prefill)))
         return 0
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
     if "transformers float32" not in names:
@@ -93,24 +108,28 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for name in names:
             done = subprocess.run([sys.executable, __file__, "--workdir", args.workdir, "--threads", str(args.threads),
-                                   "--new", str(args.new), "--repeats", str(args.repeats), "--one", name],
+                                   "--new", str(args.new), "--repeats", str(args.repeats), "--prefill", args.prefill,
+                                   "--one", name],
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 print(f"{name}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
                 continue
             got = json.loads(done.stdout.strip().splitlines()[-1])
             print(f"{name}: {got['b1']:.1f} / {got['b8']:.1f} tok/s", flush=True)
-            res[name] = got if res[name] is None else {k: max(v, got[k]) for k, v in res[name].items()}
+            best = (lambda k, a, b: min(a, b) if k.startswith("p") else max(a, b))     # ms down, tok/s up
+            res[name] = got if res[name] is None else {k: best(k, v, got[k]) for k, v in res[name].items()}
     print(f"load average at end: {os.getloadavg()}")
     ref = res.get("transformers float32")
-    print(f"\n| engine (alone in its process, {args.threads} threads, {args.new} new tokens) | batch 1 tok/s | batch 8 tok/s |")
-    print("|---|---|---|")
+    cols = ["b1", "b8", *(f"p{T}" for T in prefill)]
+    heads = ["batch 1 tok/s", "batch 8 tok/s", *(f"prefill {T} ms" for T in prefill)]
+    print(f"\n| engine (alone in its process, {args.threads} threads, {args.new} new tokens) | " + " | ".join(heads) + " |")
+    print("|---" * (len(cols) + 1) + "|")
     for name, r in res.items():
         if r is None:
-            print(f"| {name} | failed | failed |")
+            print(f"| {name} |" + " failed |" * len(cols))
             continue
-        ratio = (lambda k: f" ({r[k] / ref[k]:.2f}x)" if ref else "")
-        print(f"| {name} | {r['b1']:.1f}{ratio('b1')} | {r['b8']:.1f}{ratio('b8')} |")
+        ratio = (lambda k: "" if not ref else f" ({(ref[k] / r[k] if k.startswith('p') else r[k] / ref[k]):.2f}x)")
+        print(f"| {name} | " + " | ".join(f"{r[k]:.1f}{ratio(k)}" for k in cols) + " |")
     return 0
 
 
