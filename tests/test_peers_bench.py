@@ -122,3 +122,40 @@ def test_equal_prefix_counts_steps_where_every_row_agrees(peers):
     assert peers.equal_prefix(a, b) == 2
     b[0, 0] = 9
     assert peers.equal_prefix(a, b) == 0
+
+
+@pytest.mark.slow
+def test_isolated_runs_each_engine_in_its_own_process_and_names_the_failures(tmp_path, capsys):
+    """benchmarks/peers_isolated.py on a tiny workdir laid out as peers.py writes it: transformers
+    (the reference) and gpt2mha int8 per_row each report decode tok/s and prefill ms from a child
+    process of their own, keeping the best of two rounds; an engine whose files are missing is a
+    'failed' row, not an error of the whole run."""
+    from gpt2mha import GPT2
+
+    iso = load_benchmark("peers_isolated")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=24, n_head=3, n_layer=2, bos_token_id=None,
+                                  eos_token_id=None, pad_token_id=None)
+    hf_dir = tmp_path / "random-124M"
+    transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(str(hf_dir))
+    with open(hf_dir / "config.json") as f:
+        config = json.load(f)
+    config["gpt2mha"] = {"tokenizer": "bytes"}
+    with open(hf_dir / "config.json", "w") as f:
+        json.dump(config, f)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPT2.from_pretrained(str(hf_dir)).quantize("int8", method="rtn", activations="per_row")
+    model.save_pretrained(str(tmp_path / "random-124M-engines" / "gpt2mha-int8-per_row"))
+    assert iso.main(["--workdir", str(tmp_path), "--engines", "gpt2mha int8 per_row,gpt2mha int4", "--new", "3",
+                     "--repeats", "1", "--prefill", "5,9", "--threads", "1", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("gpt2mha int8 per_row: ") == 2                       # two rounds
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "engine" not in line}
+    assert rows["gpt2mha int4"] == ["failed"] * 4
+    for name in ("transformers float32", "gpt2mha int8 per_row"):
+        values = [float(c.split()[0]) for c in rows[name]]
+        assert len(values) == 4 and all(v > 0 for v in values)           # b1, b8 tok/s; prefill 5, 9 ms
+    assert all(c.endswith("(1.00x)") for c in rows["transformers float32"])
