@@ -108,8 +108,8 @@ class WoqInt8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.n_out)
 
 
-#: FBGEMM's packed 7-bit weights of the live :class:`PerRowInt8Linear` layers, by key (the custom
-#: op below takes the key: a packed weight is a TorchScript object, which dynamo does not trace).
+#: FBGEMM's packed 7-bit weights of the live :class:`PerRowInt8Linear` layers, by key (the
+#: operator below takes the key: a packed weight is a TorchScript object, which dynamo does not trace).
 _FBGEMM_PACKED: dict[int, object] = {}
 _keys = itertools.count()
 
@@ -200,7 +200,7 @@ def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Mod
         if isinstance(m, CausalSelfAttention):
             new = copy.copy(m)                                  # shallow: parameters shared
             new._modules = {name: replace(f"{path}.{name}", child) or child for name, child in m._modules.items()}
-            new.attn_impl = __import__("os").environ.get("XATTN", "explicit")
+            new.attn_impl = "explicit"
             return new
         return None
     with torch.no_grad():
