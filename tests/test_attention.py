@@ -227,3 +227,18 @@ def test_low_precision_attention_scores_stay_finite(dtype, T, S):
     ref_rounded = F.scaled_dot_product_attention(ql.double(), kl.double(), vl.double(), attn_mask=m).float()
     torch.testing.assert_close(fused.float(), ref_rounded, atol=2e-2, rtol=0)
     assert ref.shape == fused.shape
+
+
+def test_sdpa_core_compiles_once_over_dynamic_lengths():
+    # is_causal must be a plain bool when T == S are symbolic sizes (torch.compile, dynamic=True);
+    # reference: the explicit core (OpenAI's formula) run eagerly
+    graphs = []
+
+    def backend(gm, example_inputs):                                       # counts the traces
+        graphs.append(gm)
+        return gm.forward
+    compiled = torch.compile(attend_sdpa, fullgraph=True, dynamic=True, backend=backend)
+    for T in (3, 7, 12):
+        q, k, v = (torch.randn(1, 2, T, 8, generator=torch.Generator().manual_seed(T + i)) for i in range(3))
+        torch.testing.assert_close(compiled(q, k, v, None), attend_explicit(q, k, v, None), atol=1e-5, rtol=1e-5)
+    assert len(graphs) == 1                                                # one trace for every length

@@ -129,58 +129,6 @@ def test_one_compiled_step_reads_every_span_and_a_batch_prefills_together(per_ro
     assert (got == want).float().mean() >= 0.95                                   # a rare rounding tie may differ
 
 
-def test_one_compiled_prefill_serves_every_prompt_length_and_fills_the_cache(per_row_model):
-    # reference: the eager per_row model's own prefill (same W7A8 products; a rounding tie may
-    # flip one level, hence the tolerance), keys and values included
-    from torch._dynamo.utils import counters
-    dec = compiled_decoder(per_row_model)
-    assert dec.prefills
-    frames = None
-    with torch.inference_mode():
-        for T in (5, 2, 17, 128):
-            idx = torch.randint(0, 96, (1, T), generator=torch.Generator().manual_seed(T))
-            got_cache, want_cache = KVCache(2, 1, 4, 128, 16), KVCache(2, 1, 4, 128, 16)
-            got = dec.prefill(idx, got_cache)
-            want = per_row_model(idx, cache=want_cache).logits[:, -1]
-            if frames is None:
-                frames = counters["frames"]["ok"]
-            assert got.shape == (1, 96) and got_cache.lengths == [T] == want_cache.lengths
-            assert (got - want).abs().max() < 1e-3 * want.abs().max()
-            assert (got_cache.k - want_cache.k).abs().max() < 1e-3 * want_cache.k.abs().max()
-            assert (got_cache.v - want_cache.v).abs().max() < 1e-3 * want_cache.v.abs().max()
-    assert counters["frames"]["ok"] == frames                    # one trace: the length is dynamic
-
-
-def test_generate_prefills_each_prompt_through_the_compiled_prefill(per_row_model, monkeypatch):
-    # prompts of different lengths are prefilled one row at a time: each through the compiled
-    # prefill (one token: the eager model); reference: the eager per_row model's greedy tokens
-    from gpt2mha.inference.compiled import CompiledDecoder
-    prompts = [[5, 9, 2, 7, 1, 3], [4], [8, 8, 1]]
-    want = per_row_model.generate(prompts, 12, temperature=0)
-    lengths = []
-    real = CompiledDecoder.prefill
-    monkeypatch.setattr(CompiledDecoder, "prefill", lambda self, idx, cache: (lengths.append(idx.shape[1]),
-                                                                                real(self, idx, cache))[1])
-    got = per_row_model.generate(prompts, 12, temperature=0, compile=True)
-    assert lengths == [6, 3]
-    assert (got == want).float().mean() >= 0.95                                  # a rare rounding tie may differ
-
-
-def test_the_compiled_prefill_refuses_what_it_cannot_fill(per_row_model, int8_model):
-    dec = compiled_decoder(per_row_model)
-    idx = torch.zeros(1, 4, dtype=torch.long)
-    with torch.inference_mode():
-        full = KVCache(2, 1, 4, 128, 16)
-        per_row_model(idx, cache=full)
-        with pytest.raises(ValueError, match="one empty cache row; got lengths \\[4\\]"):
-            dec.prefill(idx, full)
-        with pytest.raises(ValueError, match="expected \\[1, T\\] with 2 <= T <= 128"):
-            dec.prefill(torch.zeros(2, 4, dtype=torch.long), KVCache(2, 2, 4, 128, 16))
-        with pytest.raises(ValueError, match="prefill is not compiled"):
-            compiled_decoder(int8_model).prefill(idx, KVCache(2, 1, 4, 128, 16))
-    assert not compiled_decoder(int8_model).prefills               # exact int8: eager prefill
-
-
 def test_the_compiled_step_is_reused_and_rebuilt_when_a_weight_changes():
     torch.manual_seed(0)
     model = GPT2(GPT2Config(n_vocab=64, n_ctx=64, n_embd=32, n_head=2, n_layer=1, tokenizer="bytes")).eval()

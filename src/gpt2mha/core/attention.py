@@ -144,7 +144,7 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     if mask is None and 1 < T < S:
         mask = attention_mask(T, S, device=q.device)
     if mask is None:
-        causal = True if T == S and T > 1 else False            # a plain bool when T and S are symbolic (compiled prefill)
+        causal = True if T == S and T > 1 else False            # a bool also for symbolic T, S (dynamic compile)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 

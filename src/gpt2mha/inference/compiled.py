@@ -39,7 +39,6 @@ is refused (:func:`compiled_decoder`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import types
@@ -190,10 +189,9 @@ class PerRowInt8Linear(nn.Module):
 def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Module:
     """``model``'s decode view (:func:`~.fast.for_decoding`) as the compiled step runs it (a
     view: ``model`` is not changed): every int8 quantized layer swapped for a
-    :class:`WoqInt8Linear` (a :class:`PerRowInt8Linear` with ``activations="per_row"``), and
-    attention on the explicit core (``attn_impl="explicit"``, OpenAI's formula), which inductor
-    fuses into the step, where the fused SDPA kernel is an opaque call costing ~0.15 ms per
-    layer at one token (profiled on 124M)."""
+    :class:`WoqInt8Linear`, and attention on the explicit core (``attn_impl="explicit"``,
+    OpenAI's formula), which inductor fuses into the step, where the fused SDPA kernel is an
+    opaque call costing ~0.15 ms per layer at one token (profiled on 124M)."""
     def replace(path: str, m: nn.Module) -> nn.Module | None:
         if hooked(m):
             return None
@@ -207,29 +205,6 @@ def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Mod
         return None
     with torch.no_grad():
         return for_decoding(swap_modules(model, replace), batch_invariant=batch_invariant)
-
-
-def with_sdpa(view: nn.Module) -> nn.Module:
-    """``view`` (a :func:`decode_view`) with attention on SDPA again, every other module shared:
-    what the compiled prefill runs, since over hundreds of queries the fused SDPA kernel is ~4x
-    the explicit core's speed (8.3 against 36 ms a layer at 512 tokens, 2 threads, measured)."""
-    def replace(path: str, m: nn.Module) -> nn.Module | None:
-        if isinstance(m, CausalSelfAttention) and m.attn_impl != "sdpa" and not hooked(m):
-            new = copy.copy(m)                                  # shallow: its products shared
-            new.attn_impl = "sdpa"
-            return new
-        return None
-    return swap_modules(view, replace)
-
-
-def compiles_prefill(model: nn.Module) -> bool:
-    """Whether a :class:`CompiledDecoder` of ``model`` compiles its prefill too: for int8 models
-    with ``activations="per_row"``, whose W7A8 products at many rows run on FBGEMM at integer
-    speed; inductor then fuses each product's row rounding and rescale with the LayerNorm, GELU
-    and residual around it. (The exact int8 pieces are not traceable, and inductor's weight-only
-    int8 template is slower than float32 at 64 rows and more: RESULTS.md, "Compiled decode".)"""
-    quantization = getattr(model, "quantization", None) or {}
-    return quantization.get("scheme") == "int8" and quantization.get("activations") == "per_row"
 
 
 def has_hooks(model: nn.Module) -> bool:
@@ -247,42 +222,6 @@ class _Step(nn.Module):
     def forward(self, token: torch.Tensor, cache: KVCache, step) -> torch.Tensor:
         step = step._replace(span=step.mask.shape[-1])          # symbolic: one compiled step for every span
         return self.view(token, cache=cache, step=step, last_only=True, validate=False).logits
-
-
-class _Prefill(nn.Module):
-    """A prompt's forward through ``view`` as a module (what is compiled, with a dynamic length):
-    ``idx [B, T]`` → ``(logits [B, 1, n_vocab], present [B, n_layer, 2, h, T, head_dim])``, no
-    cache (the keys and values come back; :meth:`CompiledDecoder.prefill` writes them)."""
-
-    def __init__(self, view: nn.Module):
-        super().__init__()
-        self.view = view
-
-    def forward(self, idx: torch.Tensor):
-        out = self.view(idx, last_only=True, validate=False)
-        return out.logits, out.present
-
-
-def _own_compile(module: nn.Module, opts: dict):
-    """``torch.compile`` of ``module`` over a private copy of its forward's code, checking no
-    module guards. dynamo keeps compiled code per code object and, with the module guards
-    dropped, would hand one decoder's code (its frozen weights) to another: each decoder traces
-    its own copy, whose compiled entries live and die with it. The view is private to its
-    decoder and :func:`compiled_decoder` checks the model's tensors itself (guards on every
-    module cost ~0.7 ms a step on 124M)."""
-    forward = type(module).forward
-    module.forward = types.MethodType(
-        types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__), module)
-    return torch.compile(module, fullgraph=True, dynamic=False,
-                         options={**opts, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-
-
-@contextlib.contextmanager
-def _compile_config():
-    """The settings dynamo and inductor read while they trace a compiled step (set per call)."""
-    with torch._inductor.config.patch(freezing=True, fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
 
 
 class _Unadvanced(KVCache):
@@ -335,40 +274,17 @@ class CompiledDecoder:
         self.signature = _signature(model)
         self.options = options(model)
         self.step = _Step(decode_view(model, batch_invariant)).eval()
-        self.compiled = _own_compile(self.step, self.options)
-        self.prefills = compiles_prefill(model)
-        self.n_ctx = model.config.n_ctx
-        if self.prefills:
-            self.prefill_step = _Prefill(with_sdpa(self.step.view)).eval()
-            self.compiled_prefill = _own_compile(self.prefill_step, self.options)
-
-    def prefill(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Prefill one prompt ``idx [1, T]`` (int64, ``2 <= T <= n_ctx``) into the empty
-        one-row ``cache`` through the compiled prefill (:func:`compiles_prefill`: its length is
-        the one dynamic size, so every prompt length shares one compile); advances the cache
-        and returns the last position's float32 logits ``[1, n_vocab]``.
-
-        Raises:
-            ValueError: this decoder has no compiled prefill, the cache is not one empty row,
-                or T is out of range.
-        """
-        if not self.prefills:
-            raise ValueError("this model's prefill is not compiled (compiles_prefill: int8 with activations='per_row')")
-        T = idx.shape[-1]
-        if idx.dim() != 2 or idx.shape[0] != 1 or not 2 <= T <= min(self.n_ctx, cache.max_len):
-            raise ValueError(f"idx has shape {tuple(idx.shape)}; expected [1, T] with 2 <= T <= "
-                             f"{min(self.n_ctx, cache.max_len)}")
-        if cache.batch_size != 1 or cache.lengths != [0]:
-            raise ValueError(f"the compiled prefill writes one empty cache row; got lengths {cache.lengths}")
-        if torch.is_grad_enabled():
-            raise RuntimeError("a compiled prefill runs without gradients: call it under torch.inference_mode()")
-        torch._dynamo.mark_dynamic(idx, 1, min=2, max=self.n_ctx)
-        with _compile_config():
-            logits, present = self.compiled_prefill(idx)
-        cache.k[:, 0, :, :T] = present[0, :, 0]                 # [n_layer, h, T, head_dim]
-        cache.v[:, 0, :, :T] = present[0, :, 1]
-        cache.advance(T)
-        return logits[:, -1]
+        # dynamo keeps compiled code per code object and, with the module guards dropped below,
+        # would hand one decoder's code (its frozen weights) to another: each decoder traces its
+        # own copy of forward's code, whose compiled entries live and die with it
+        forward = _Step.forward
+        self.step.forward = types.MethodType(
+            types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__), self.step)
+        # no guards on the modules: the view is private to this decoder, and compiled_decoder
+        # checks the model's tensors itself (guards on every module cost ~0.7 ms a step on 124M)
+        self.compiled = torch.compile(self.step, fullgraph=True, dynamic=False,
+                                      options={**self.options,
+                                               "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if torch.is_grad_enabled():
@@ -376,7 +292,8 @@ class CompiledDecoder:
         plan = cache.plan(1, span=read_span(max(cache.lengths) + 1, cache.max_len), per_row=True)
         if plan.span > 1:                                        # sizes 0 and 1 are always specialized
             torch._dynamo.maybe_mark_dynamic(plan.mask, 3)
-        with _compile_config():
+        with torch._inductor.config.patch(freezing=True, fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):    # read while dynamo traces
             logits = self.compiled(token, _Unadvanced.over(cache), plan._replace(span=0))
         cache.advance(1)
         return logits[:, -1]

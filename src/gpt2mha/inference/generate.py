@@ -241,11 +241,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             (:func:`~gpt2mha.inference.compiled.compiled_decoder`, CPU only): the first call
             compiles for 10–60 s, later steps run 2–3x faster for int8 models (whose products
             then take bf16 activations, or keep their W7A8 ones with ``activations="per_row"``)
-            and give up the batch-invariance guarantee. Prompts of one length (no
-            ``attention_mask``) are prefilled together in one eager forward; other prompts one
-            at a time, eagerly, or for ``activations="per_row"`` int8 models through a
-            compiled prefill (one more compile, 40–100 s, for every prompt length: 15–45%
-            faster than eager, RESULTS.md).
+            and give up the batch-invariance guarantee. Prefill stays eager; prompts of one
+            length (no ``attention_mask``) are prefilled together in one forward.
 
     Batch invariance: each prompt is prefilled alone into its own row of the cache (no left
     padding: its keys from cache index 0), every decode step attends each row over exactly its
@@ -335,9 +332,7 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
     A row whose window is full (``sliding_window``) is recomputed alone over its last n_ctx tokens.
     ``adjust``: :func:`~gpt2mha.inference.sampling.adjust_logits`'s penalties and bias, the
     counts of each row's generated tokens kept here. ``step_fn(token [B, 1], cache)`` → logits
-    ``[B, n_vocab]``: the decode step to use instead of the model's (a compiled one); one that
-    ``prefills`` (:meth:`~gpt2mha.inference.compiled.CompiledDecoder.prefill`) also prefills
-    each prompt of two tokens or more.
+    ``[B, n_vocab]``: the decode step to use instead of the model's (a compiled one).
     """
     B, T = idx.shape
     n_ctx = model.config.n_ctx
@@ -361,11 +356,8 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
     if step_fn is not None and keep is None and B > 1:         # compiled, prompts of one length: one prefill
         logits = model(idx[:, -n_ctx:], cache=cache, last_only=True, validate=False).logits[:, -1]
     else:
-        def prefill(ids: torch.Tensor, row: KVCache) -> torch.Tensor:   # [1, n_vocab]
-            if getattr(step_fn, "prefills", False) and len(ids) > 1:    # a compiled prefill
-                return step_fn.prefill(ids[None], row)
-            return model(ids[None], cache=row, last_only=True, validate=False).logits[:, -1]
-        logits = torch.cat([prefill(ids[-n_ctx:], cache.row(b)) for b, ids in enumerate(prompts)])   # [B, n_vocab]
+        logits = torch.cat([model(ids[None, -n_ctx:], cache=cache.row(b), last_only=True, validate=False).logits[:, -1]
+                            for b, ids in enumerate(prompts)])     # [B, n_vocab]
     sliding = set()                                            # rows recomputed over their last n_ctx tokens
     for step in range(max_new_tokens):
         pos = T + step                                         # column of the token being chosen
