@@ -435,10 +435,12 @@ def confident():
     return model, tokens
 
 
-# overall top-1 agreement, and at positions where fp32's top-2 probabilities differ by >= 0.05.
-# Measured on the built-in model (float32 logits from the low-precision body): bf16 99.08% /
-# 99.99%, fp16 99.88% / 100%. The bounds leave room for other CPUs' kernels rounding
-# differently; `gpt2mha bench` reports the figure against its 99% target.
+# overall top-1 agreement, and at positions where fp32's top-2 probabilities differ by >= 0.05,
+# over the last 4096 held-out bytes (a bf16/fp16 forward on a CPU without native bf16 takes
+# ~0.4 s per 256-byte window). Measured on the built-in model (float32 logits from the
+# low-precision body): bf16 99.37% / 99.97%, fp16 99.98% / 100% (over all 8192 bytes: bf16
+# 99.18% / 99.99%, fp16 99.90% / 100%). The bounds leave room for other CPUs' kernels
+# rounding differently; `gpt2mha bench` reports the figure against its 99% target.
 AGREEMENT = {torch.bfloat16: (0.985, 0.998), torch.float16: (0.995, 0.999)}
 
 
@@ -450,7 +452,7 @@ def test_low_precision_top1_agrees_with_fp32_on_real_text(confident, dtype, benc
         logits = low(tokens[None, :model.config.n_ctx]).logits
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()   # the head runs in fp32
     overall, decisive = AGREEMENT[dtype]
-    agree, agree_decisive = bench.top1_agreements(model, low, tokens)            # one pass, both figures
+    agree, agree_decisive = bench.top1_agreements(model, low, tokens[-4096:])    # one pass, both figures
     assert agree >= overall and agree_decisive >= decisive
 
 
