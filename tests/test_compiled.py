@@ -96,6 +96,18 @@ def test_per_row_layers_give_the_eager_per_row_product_compiled(per_row_model, k
             assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_auto_activations_decode_compiled_as_exact_int8(int8_model):
+    # activations="auto" keeps the exact route for one-token steps: its compiled step is the
+    # exact int8 model's (bf16-activation WoQ products, max-autotune over the C++ template)
+    from gpt2mha.inference.quant import set_activations
+    model = copy.deepcopy(int8_model)
+    set_activations(model, "auto")
+    assert options(model) == options(int8_model) and options(model)["max_autotune"]
+    view = decode_view(model)
+    assert any(isinstance(m, WoqInt8Linear) for m in view.modules())
+    assert not any(isinstance(m, PerRowInt8Linear) for m in view.modules())
+
+
 def test_compiled_per_row_steps_follow_the_eager_per_row_model(per_row_model):
     B, T, steps = 2, 5, 6
     idx = torch.randint(0, 96, (B, T + steps), generator=torch.Generator().manual_seed(2))

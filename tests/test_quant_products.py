@@ -153,11 +153,36 @@ def test_per_row_layer_follows_its_weight_and_validates(monkeypatch, kernel):
     check()
     assert layer.per_row_weights() is not cached
     assert "activations=per_row" in repr(layer) and copy.deepcopy(layer).activations == "per_row"
-    with pytest.raises(ValueError, match=r"activations='rows': expected one of \('exact', 'per_row'\)"):
+    with pytest.raises(ValueError, match=r"activations='rows': expected one of \('exact', 'per_row', 'auto'\)"):
         layer.activations = "rows"
     int4 = QuantizedLinear.from_float(torch.randn(8, 32, generator=g), None, "int4", 32)
     with pytest.raises(ValueError, match="applies to int8 products; this layer is int4"):
         int4.activations = "per_row"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_auto_activations_pick_per_row_where_exact_would_dequantize(monkeypatch, kernel):
+    """activations="auto" gives, bit for bit, the exact layer's product where the exact route runs
+    its integer pieces (decode steps, short prompts, a batch of single tokens: the count is the
+    tokens per sequence, never the batch) and the per_row layer's where it would multiply by the
+    dequantized weight (dequantize_for: 64+ tokens on FBGEMM CPUs)."""
+    monkeypatch.setenv("GPT2MHA_INT8_KERNEL", kernel)
+    g = torch.Generator().manual_seed(6)
+    layers = {a: QuantizedLinear.from_float(torch.randn(40, 32, generator=torch.Generator().manual_seed(7)),
+                                            torch.randn(40, generator=torch.Generator().manual_seed(8)), "int8")
+              for a in ("exact", "per_row", "auto")}
+    for a, layer in layers.items():
+        layer.activations = a
+    T = qlinear.DEQUANTIZE_FROM_ROWS["int8"]
+    with torch.inference_mode():
+        for shape in [(1, 1, 32), (100, 1, 32), (2, T - 1, 32), (1, T, 32), (3, 2 * T, 32), (T, 32)]:
+            x = torch.randn(*shape, generator=g)
+            many = layers["exact"].dequantize_for(shape[-2])
+            assert many == (kernel == "fbgemm" and shape[-2] >= T)
+            got, want = layers["auto"](x), layers["per_row" if many else "exact"](x)
+            assert torch.equal(got, want), shape
+            if many:                                            # per_row differs from exact's dequantized product
+                assert not torch.equal(got, layers["exact"](x))
 
 
 def _model():

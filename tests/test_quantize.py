@@ -645,6 +645,13 @@ def test_cli_activations_per_row_quantizes_converts_and_sets_a_saved_int8_model(
         assert says in capsys.readouterr().err
     assert main(["convert", str(src), str(tmp_path / "x"), "--activations", "per_row"]) == 2
     assert "--activations per_row applies to int8 models" in capsys.readouterr().err
+    # auto: saved with the checkpoint, read back onto every int8 layer
+    auto = tmp_path / "q8auto"
+    assert main(["convert", str(src), str(auto), "--quantize", "int8", "--quantize-method", "rtn",
+                 "--activations", "auto"]) == 0
+    loaded = GPT2.from_pretrained(str(auto))
+    assert loaded.quantization["activations"] == "auto"
+    assert {m.activations for m in loaded.modules() if isinstance(m, QuantizedLinear)} == {"auto"}
 
 
 @pytest.mark.parametrize("method", ["gptq", "rtn"])

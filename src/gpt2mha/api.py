@@ -70,7 +70,8 @@ class GPT2(core.GPT2):
         for inference: ``.train()`` raises; ``save_pretrained``/``from_pretrained`` store and
         restore it. ``activations="per_row"`` (int8 only) rounds each activation row to 8 bits
         with its own scale and zero point, over weights re-rounded to 7 bits (W7A8), for faster,
-        less exact products (:func:`gpt2mha.inference.quant.set_activations`).
+        less exact products; ``"auto"`` keeps the exact products for decode and takes W7A8 for
+        long prompts (:func:`gpt2mha.inference.quant.set_activations`).
         """
         return quantize_model(self, scheme, group_size, method, calibration, activations)
 

@@ -102,10 +102,11 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                         "'Quantized decode'); rtn: round to nearest, instant")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="UTF-8 text file GPTQ calibrates on (default: a 16 KiB Shakespeare sample in the package)")
-    p.add_argument("--activations", choices=["exact", "per_row"], default=None,
-                   help="how an int8 model's products treat the activations: exact (default; integer pieces) or "
+    p.add_argument("--activations", choices=["exact", "per_row", "auto"], default=None,
+                   help="how an int8 model's products treat the activations: exact (default; integer pieces), "
                         "per_row (each row rounded to 8 bits over 7-bit weights, W7A8: faster prefill and batched "
-                        "decode, less exact; README 'Quantized decode'); also sets it on a model saved int8")
+                        "decode, less exact) or auto (exact for decode, per_row for prompts of 64+ tokens on CPUs "
+                        "without VNNI; README 'Quantized decode'); also sets it on a model saved int8")
 
 
 def check_quantize_args(args) -> None:

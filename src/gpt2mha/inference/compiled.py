@@ -253,7 +253,7 @@ def options(model: nn.Module) -> dict:
     the weights stream from memory: measured, RESULTS.md)."""
     opts = {"freezing": True, "fx_graph_cache": False}
     quantization = getattr(model, "quantization", None) or {}
-    if quantization.get("scheme") == "int8" and quantization.get("activations", "exact") == "exact":
+    if quantization.get("scheme") == "int8" and quantization.get("activations", "exact") != "per_row":
         opts.update(max_autotune=True, max_autotune_gemm_backends="CPP")
     return opts
 

@@ -55,8 +55,11 @@ DEQUANTIZE_CHUNK = 1 << 22
 #: How int8 products treat the activations (:attr:`QuantizedLinear.activations`): ``"exact"``
 #: splits them into integer pieces (:func:`int8_matmul`); ``"per_row"`` rounds each row to 8
 #: bits with its own scale and zero point, over the weights re-rounded to 7 bits
-#: (:func:`int8_matmul_per_row`, W7A8): faster, not exact.
-ACTIVATIONS = ("exact", "per_row")
+#: (:func:`int8_matmul_per_row`, W7A8): faster, not exact; ``"auto"`` picks per shape: the exact
+#: pieces where ``"exact"`` runs them (decode), W7A8 where ``"exact"`` would fall back to the
+#: dequantized float32 GEMM (:meth:`QuantizedLinear.dequantize_for`: prefill of many tokens on
+#: CPUs without VNNI).
+ACTIVATIONS = ("exact", "per_row", "auto")
 
 
 def fbgemm_available() -> bool:
@@ -325,7 +328,8 @@ class QuantizedLinear(nn.Module):
 
     Forward: ``[..., n_in]`` → ``[..., n_out]`` in x's dtype. On CPU int8 runs
     :func:`int8_matmul` (float32 result; :func:`int8_matmul_per_row` with
-    ``activations="per_row"``), int4 hands the kernel :data:`KERNEL_DTYPE` activations; on CPUs
+    ``activations="per_row"``, and with ``"auto"`` where the dequantized product would run),
+    int4 hands the kernel :data:`KERNEL_DTYPE` activations; on CPUs
     without VNNI/AMX, inputs of :data:`DEQUANTIZE_FROM_ROWS` rows or more run
     :meth:`dequantized_product` instead. The product comes back to x's dtype before the bias is
     added (float32 bias and residual stream for a float32 model). Elsewhere the weight is
@@ -355,7 +359,9 @@ class QuantizedLinear(nn.Module):
         """How this layer's int8 products treat the activations, one of :data:`ACTIVATIONS`:
         ``"exact"`` (default; integer pieces, :func:`int8_matmul`, or the dequantized weight for
         many rows, :meth:`dequantize_for`) or ``"per_row"`` (8 bits per row with a zero point over
-        7-bit weights, :func:`int8_matmul_per_row`, at every size). int4 layers are always ``"exact"``.
+        7-bit weights, :func:`int8_matmul_per_row`, at every size) or ``"auto"`` (per shape:
+        ``"exact"``'s integer pieces where it runs them, ``"per_row"`` where it would run the
+        dequantized weight). int4 layers are always ``"exact"``.
 
         Raises:
             ValueError: (on setting) a value not in :data:`ACTIVATIONS`, or ``"per_row"`` on an int4 layer.
@@ -413,12 +419,14 @@ class QuantizedLinear(nn.Module):
             raise RuntimeError(f"this layer's weight is quantized ({self.scheme}): autograd cannot flow through "
                                f"it; quantized models are for inference (train the float model, then quantize)")
         x2 = x.reshape(-1, self.n_in)                                  # [M, K]
+        many = x.device.type == "cpu" and self.dequantize_for(x.shape[-2] if x.dim() > 2 else x2.shape[0])
+        #                                                                (tokens per sequence, not the batch)
         if x.device.type != "cpu":
             y = F.linear(x2.to(KERNEL_DTYPE), self.dequantized().to(KERNEL_DTYPE))
-        elif self.scheme == "int8" and self.activations == "per_row":
+        elif self.scheme == "int8" and (self.activations == "per_row" or self.activations == "auto" and many):
             q7, scales7, packed, wsum = self.per_row_weights()
             y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
-        elif self.dequantize_for(x.shape[-2] if x.dim() > 2 else x2.shape[0]):      # tokens per sequence
+        elif many:
             y = self.dequantized_product(x2.float())
         elif self.scheme == "int8":
             kernel = int8_kernel()
@@ -445,7 +453,8 @@ class QuantizedLinear(nn.Module):
         CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from
         :data:`DEQUANTIZE_FROM_ROWS` rows on, where the float32 GEMM outruns the two integer
         pieces (int8) and the bf16 int4 kernel (int4) in prefill (RESULTS.md, "Prefill on an
-        AVX2-only host"). Products with ``activations="per_row"`` never do (faster still).
+        AVX2-only host"). Products with ``activations="per_row"`` never do (faster still), and
+        with ``"auto"`` run W7A8 there instead.
 
         The forward counts the tokens of one sequence (``x.shape[-2]`` of ``[B, T, n_in]``;
         all rows of a 2-D input), never the batch: a decode step over 100 sequences

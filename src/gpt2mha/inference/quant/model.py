@@ -295,7 +295,7 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
         calibration: GPTQ's text, or token ids ``[N]`` / ``[B, T]`` (:func:`calibration_ids`);
             None: the packaged :func:`default_calibration` text. Only with ``"gptq"``.
         activations: how int8 products treat the activations (:func:`set_activations`):
-            ``"exact"`` (default) or ``"per_row"`` (int8 only).
+            ``"exact"`` (default), ``"per_row"`` or ``"auto"`` (int8 only).
 
     Returns:
         ``model``.
@@ -361,10 +361,16 @@ def set_activations(model, activations: str) -> None:
       in prefill of 64–512 tokens, where the exact route is ~0.9x; less close to float32:
       97.4% top-1 agreement on the built-in model against 99.4% (llama.cpp q8_0 98.3%, ONNX
       Runtime int8 96.3%, CTranslate2 int8 95.8%; RESULTS.md, "Prefill on an AVX2-only host").
+    - ``"auto"``: per shape, as issue 22 asks ("the exact path for decode, the fast one for
+      prefill"): ``"exact"``'s integer pieces wherever ``"exact"`` runs them (decode steps,
+      short prompts), ``"per_row"``'s W7A8 where ``"exact"`` would multiply by the dequantized
+      float32 weight (:meth:`~.linear.QuantizedLinear.dequantize_for`: 64 tokens or more per
+      sequence on CPUs without VNNI, where that GEMM is no faster than float32). Decode keeps
+      the exact route's agreement; a prompt's forward (and a scored window) gets per_row's.
 
     Raises:
         ValueError: ``model`` is not quantized, ``activations`` is not one of
-            :data:`~.linear.ACTIVATIONS`, or ``"per_row"`` for an int4 model.
+            :data:`~.linear.ACTIVATIONS`, or not ``"exact"`` for an int4 model.
     """
     if not getattr(model, "quantization", None):
         raise ValueError("set_activations: the model is not quantized (call model.quantize('int8', ...) first)")
