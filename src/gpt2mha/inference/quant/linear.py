@@ -358,13 +358,13 @@ class QuantizedLinear(nn.Module):
     def activations(self) -> str:
         """How this layer's int8 products treat the activations, one of :data:`ACTIVATIONS`:
         ``"exact"`` (default; integer pieces, :func:`int8_matmul`, or the dequantized weight for
-        many rows, :meth:`dequantize_for`) or ``"per_row"`` (8 bits per row with a zero point over
+        many rows, :meth:`dequantize_for`), ``"per_row"`` (8 bits per row with a zero point over
         7-bit weights, :func:`int8_matmul_per_row`, at every size) or ``"auto"`` (per shape:
         ``"exact"``'s integer pieces where it runs them, ``"per_row"`` where it would run the
         dequantized weight). int4 layers are always ``"exact"``.
 
         Raises:
-            ValueError: (on setting) a value not in :data:`ACTIVATIONS`, or ``"per_row"`` on an int4 layer.
+            ValueError: (on setting) a value not in :data:`ACTIVATIONS`, or other than ``"exact"`` on an int4 layer.
         """
         return self._activations
 

@@ -361,8 +361,8 @@ def set_activations(model, activations: str) -> None:
       in prefill of 64–512 tokens, where the exact route is ~0.9x; less close to float32:
       97.4% top-1 agreement on the built-in model against 99.4% (llama.cpp q8_0 98.3%, ONNX
       Runtime int8 96.3%, CTranslate2 int8 95.8%; RESULTS.md, "Prefill on an AVX2-only host").
-    - ``"auto"``: per shape, as issue 22 asks ("the exact path for decode, the fast one for
-      prefill"): ``"exact"``'s integer pieces wherever ``"exact"`` runs them (decode steps,
+    - ``"auto"``: per shape, the exact path for decode and the fast one for prefill:
+      ``"exact"``'s integer pieces wherever ``"exact"`` runs them (decode steps,
       short prompts), ``"per_row"``'s W7A8 where ``"exact"`` would multiply by the dequantized
       float32 weight (:meth:`~.linear.QuantizedLinear.dequantize_for`: 64 tokens or more per
       sequence on CPUs without VNNI, where that GEMM is no faster than float32). Decode keeps
