@@ -652,6 +652,12 @@ def test_cli_activations_per_row_quantizes_converts_and_sets_a_saved_int8_model(
     loaded = GPT2.from_pretrained(str(auto))
     assert loaded.quantization["activations"] == "auto"
     assert {m.activations for m in loaded.modules() if isinstance(m, QuantizedLinear)} == {"auto"}
+    # --activations alone on a model saved int8: the same weights, saved with the new mode
+    again = tmp_path / "q8again"
+    assert main(["convert", str(auto), str(again), "--activations", "per_row"]) == 0
+    reloaded = GPT2.from_pretrained(str(again))
+    assert reloaded.quantization["activations"] == "per_row"
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), loaded.state_dict().values()))
 
 
 @pytest.mark.parametrize("method", ["gptq", "rtn"])
