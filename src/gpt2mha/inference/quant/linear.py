@@ -419,8 +419,8 @@ class QuantizedLinear(nn.Module):
             raise RuntimeError(f"this layer's weight is quantized ({self.scheme}): autograd cannot flow through "
                                f"it; quantized models are for inference (train the float model, then quantize)")
         x2 = x.reshape(-1, self.n_in)                                  # [M, K]
-        many = x.device.type == "cpu" and self.dequantize_for(x.shape[-2] if x.dim() > 2 else x2.shape[0])
-        #                                                                (tokens per sequence, not the batch)
+        many = (x.device.type == "cpu" and self.activations != "per_row"      # (per_row never asks)
+                and self.dequantize_for(x.shape[-2] if x.dim() > 2 else x2.shape[0]))   # tokens per sequence
         if x.device.type != "cpu":
             y = F.linear(x2.to(KERNEL_DTYPE), self.dequantized().to(KERNEL_DTYPE))
         elif self.scheme == "int8" and (self.activations == "per_row" or self.activations == "auto" and many):
