@@ -7,7 +7,9 @@ static KV cache on the decode view (as ``generate``), the three taking turns ste
 the median and minimum step times are printed. One thread avoids OpenMP's two-thread barriers,
 which stall whenever another process holds one of the cores. ``--compile`` adds int8 through
 ``generate(compile=True)``'s compiled step (:mod:`gpt2mha.inference.compiled`; compiled before
-the timed steps, on their shapes).
+the timed steps, on their shapes): on our own kernel (``int8 compiled``,
+:mod:`gpt2mha.inference.quant.gemv`) where it builds, and on inductor's weight-only int8
+template with bf16 activations (``int8 compiled, template``), what the step runs without it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import copy
 import statistics
 import time
 import warnings
+from unittest import mock
 
 import torch
 
@@ -43,20 +46,28 @@ def main(argv: list[str] | None = None) -> int:
     caches, views = {}, {name: for_decoding(m) for name, m in models.items()}      # as generate decodes
     steps = {name: (lambda tok, cache, m=m: m(tok, cache=cache, last_only=True, validate=False)) for name, m in views.items()}
     if args.compile:
-        from gpt2mha.inference.compiled import cache_len, compiled_decoder
-        steps["int8 compiled"] = compiled_decoder(models["int8"])
-        views["int8 compiled"] = views["int8"]
+        from gpt2mha.inference.compiled import CompiledDecoder, cache_len
+        from gpt2mha.inference.quant import gemv
+        compiled = {}
+        if gemv.available():
+            compiled["int8 compiled"] = CompiledDecoder(models["int8"])
+        template = copy.deepcopy(models["int8"])
+        with mock.patch.object(gemv, "available", lambda: False):      # the step as it is without our kernel
+            compiled["int8 compiled, template"] = CompiledDecoder(template)
+        for name, dec in compiled.items():
+            steps[name] = dec
+            views[name] = for_decoding(template if "template" in name else models["int8"])   # its prefill
     times = {k: [] for k in steps}
     max_len = cache_len(4 + args.steps, 1024)
     with torch.inference_mode():
         for name, m in views.items():
             caches[name] = KVCache(12, args.batch, 12, max_len, 64)
             m(idx[:, :4], cache=caches[name], last_only=True, validate=False)  # prefill
-        if args.compile:                                                       # compiled on the timed shapes
+        for name in compiled if args.compile else ():                         # compiled on the timed shapes
             t0 = time.perf_counter()
-            steps["int8 compiled"](idx[:, 4:5], caches["int8 compiled"])
-            caches["int8 compiled"].trim([4] * args.batch)
-            print(f"int8 compiled: compiled in {time.perf_counter() - t0:.1f} s")
+            steps[name](idx[:, 4:5], caches[name])
+            caches[name].trim([4] * args.batch)
+            print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s")
         for s in range(4, 4 + args.steps):
             for name, step in steps.items():
                 t0 = time.perf_counter()

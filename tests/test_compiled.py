@@ -1,8 +1,8 @@
 """generate(compile=True): the decode step compiled whole by inductor (inference/compiled.py).
 
 References: the eager int8 model (exact integer products, which equal float32 products of the
-dequantized weights to ~1e-4: tests/test_quant*.py) and the same bf16-activation products run
-eagerly (decode_view); the float model for greedy tokens.
+dequantized weights to ~1e-4: tests/test_quant*.py), float64 products of the dequantized
+weights, and the same products run eagerly (decode_view); the float model for greedy tokens.
 """
 
 import copy
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from gpt2mha import GPT2, GPT2Config, KVCache
-from gpt2mha.inference.compiled import (SPAN_MULTIPLE, SPAN_STEP, PerRowInt8Linear, WoqInt8Linear, cache_len, compiled_decoder,
-                                        decode_view, options)
+from gpt2mha.inference.compiled import (SPAN_MULTIPLE, SPAN_STEP, GemvInt8Linear, PerRowInt8Linear, WoqInt8Linear, cache_len,
+                                        compiled_decoder, decode_view, options)
+from gpt2mha.inference.quant import gemv
 
 pytestmark = pytest.mark.slow                   # each test compiles (inductor's C++): seconds to a minute
 
@@ -28,9 +29,18 @@ def int8_model():
         return model.quantize("int8", method="rtn")
 
 
-def test_the_view_multiplies_int8_weights_with_bf16_activations(int8_model):
+INT8_LAYER = GemvInt8Linear if gemv.available() else WoqInt8Linear     # the view's int8 layers on this machine
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "template"])
+def test_the_view_multiplies_int8_weights_on_our_kernel_or_inductors_template(int8_model, kernel, monkeypatch):
+    if kernel == "gemv" and not gemv.available():
+        pytest.skip(f"the int8 GEMV kernel does not build here: {gemv.unavailable_reason()}")
+    if kernel == "template":
+        monkeypatch.setattr(gemv, "available", lambda: False)
     view = decode_view(int8_model)
-    layers = [m for m in view.modules() if isinstance(m, WoqInt8Linear)]
+    cls = GemvInt8Linear if kernel == "gemv" else WoqInt8Linear
+    layers = [m for m in view.modules() if isinstance(m, cls)]
     assert len(layers) == 4 * int8_model.config.n_layer + 1                        # every block product and the head
     assert layers[0].weight.data_ptr() == int8_model.h[0].attn.c_attn.weight.data_ptr()   # shared, not copied
     x = torch.randn(3, 64)
@@ -38,8 +48,12 @@ def test_the_view_multiplies_int8_weights_with_bf16_activations(int8_model):
     y = layers[0](x)
     assert y.dtype == torch.float32
     err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-    assert 1e-6 < err < 2e-2                  # bf16 activations and product: not exact, within bf16's rounding
-    assert options(int8_model)["max_autotune_gemm_backends"] == "CPP"
+    if kernel == "gemv":
+        assert err < 1e-6                     # float32 activations: the float32 product of the dequantized weight
+        assert "max_autotune" not in options(int8_model)
+    else:
+        assert 1e-6 < err < 2e-2              # bf16 activations and product: not exact, within bf16's rounding
+        assert options(int8_model)["max_autotune_gemm_backends"] == "CPP"
 
 
 def test_compiled_steps_give_the_int8_models_logits_and_advance_the_cache(int8_model):
@@ -61,8 +75,12 @@ def test_compiled_steps_give_the_int8_models_logits_and_advance_the_cache(int8_m
     assert caches[0].lengths == [T + steps] * B == caches[1].lengths
     got, same_math, exact = torch.stack(got), torch.stack(same_math), torch.stack(exact)
     scale = exact.abs().max().item()
-    assert (got - same_math).abs().max().item() < 1e-2 * scale           # same products, other summation order
-    assert (got - exact).abs().max().item() < 3e-2 * scale               # bf16 activations vs exact pieces
+    if INT8_LAYER is GemvInt8Linear:                                    # float32 products of the dequantized weights
+        assert (got - same_math).abs().max().item() < 1e-5 * scale
+        assert (got - exact).abs().max().item() < 1e-3 * scale           # exact pieces: ~1e-4 per product
+    else:
+        assert (got - same_math).abs().max().item() < 1e-2 * scale       # same products, other summation order
+        assert (got - exact).abs().max().item() < 3e-2 * scale           # bf16 activations vs exact pieces
     assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
 
 
@@ -85,7 +103,7 @@ def test_per_row_layers_give_the_eager_per_row_product_compiled(per_row_model, k
     view = decode_view(per_row_model)
     layers = [m for m in view.modules() if isinstance(m, PerRowInt8Linear)]
     assert len(layers) == 4 * per_row_model.config.n_layer + 1 and {m.kernel for m in layers} == {kernel}
-    assert not any(isinstance(m, WoqInt8Linear) for m in view.modules())
+    assert not any(isinstance(m, (WoqInt8Linear, GemvInt8Linear)) for m in view.modules())
     eager_layer = per_row_model.h[0].mlp.c_fc
     x = torch.randn(2, 3, 64) * 3
     x[1, 2] = 0                                                                   # a constant row: zero range
@@ -98,13 +116,13 @@ def test_per_row_layers_give_the_eager_per_row_product_compiled(per_row_model, k
 
 def test_auto_activations_decode_compiled_as_exact_int8(int8_model):
     # activations="auto" keeps the exact route for one-token steps: its compiled step is the
-    # exact int8 model's (bf16-activation WoQ products, max-autotune over the C++ template)
+    # exact int8 model's (our GEMV kernel, or inductor's bf16-activation template without it)
     from gpt2mha.inference.quant import set_activations
     model = copy.deepcopy(int8_model)
     set_activations(model, "auto")
-    assert options(model) == options(int8_model) and options(model)["max_autotune"]
+    assert options(model) == options(int8_model)
     view = decode_view(model)
-    assert any(isinstance(m, WoqInt8Linear) for m in view.modules())
+    assert any(isinstance(m, INT8_LAYER) for m in view.modules())
     assert not any(isinstance(m, PerRowInt8Linear) for m in view.modules())
 
 

@@ -53,6 +53,7 @@ from torch import nn
 from ..core.attention import CausalSelfAttention
 from ..core.kv_cache import KVCache
 from .fast import for_decoding, hooked, invariant_by_default, swap_modules
+from .quant import gemv
 from .quant.linear import QuantizedLinear, int8_kernel
 
 
@@ -104,6 +105,39 @@ class WoqInt8Linear(nn.Module):
         x2 = x.reshape(-1, self.n_in).to(torch.bfloat16)
         y = torch._weight_int8pack_mm(x2, self.weight, self.scales).to(self.out_dtype(x.dtype))
         if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.n_out)
+
+
+class GemvInt8Linear(nn.Module):
+    """An int8 :class:`~gpt2mha.inference.quant.linear.QuantizedLinear` for the compiled step on
+    our own kernel (:mod:`~gpt2mha.inference.quant.gemv`, where it builds): ``y = x @ (q · s)ᵀ + b``
+    with **float32 activations**, each int8 weight converted to float32 in registers, float32
+    accumulation: the float32 product with the dequantized weight (~1e-6 relative, summation
+    order), not :class:`WoqInt8Linear`'s bf16 activations (~2e-3). An opaque C++ operator inside
+    the step (``torch.ops.gpt2mha.int8_gemv``); a row's result does not depend on the other rows.
+
+    Shares the layer's int8 weight (no copy); keeps float32 copies of the scales (and of the
+    bias, for a model whose dtype is not float32). Forward ``[..., K]`` → ``[..., N]`` in the
+    dtype the layer itself returns; the bias is added in float32 inside the kernel for float32
+    outputs, after the product is rounded to the model's dtype otherwise (as the eager layer).
+    """
+
+    def __init__(self, layer: QuantizedLinear):
+        super().__init__()
+        if layer.scheme != "int8":
+            raise ValueError(f"GemvInt8Linear takes an int8 layer; got scheme={layer.scheme!r}")
+        self.n_in, self.n_out, self.out_dtype = layer.n_in, layer.n_out, layer.out_dtype
+        self.weight = nn.Parameter(layer.weight.contiguous(), requires_grad=False)   # the same storage
+        self.scales = nn.Parameter(layer.scales.float(), requires_grad=False)
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.n_in).float()
+        out = self.out_dtype(x.dtype)
+        fused = self.bias is not None and out == torch.float32 and self.bias.dtype == torch.float32
+        y = torch.ops.gpt2mha.int8_gemv(x2, self.weight, self.scales, self.bias if fused else None).to(out)
+        if self.bias is not None and not fused:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.n_out)
 
@@ -196,7 +230,9 @@ def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Mod
         if hooked(m):
             return None
         if isinstance(m, QuantizedLinear) and m.scheme == "int8" and m.weight.device.type == "cpu":
-            return PerRowInt8Linear(m) if m.activations == "per_row" else WoqInt8Linear(m)
+            if m.activations == "per_row":
+                return PerRowInt8Linear(m)
+            return GemvInt8Linear(m) if gemv.available() else WoqInt8Linear(m)
         if isinstance(m, CausalSelfAttention):
             new = copy.copy(m)                                  # shallow: parameters shared
             new._modules = {name: replace(f"{path}.{name}", child) or child for name, child in m._modules.items()}
@@ -253,7 +289,8 @@ def options(model: nn.Module) -> dict:
     the weights stream from memory: measured, RESULTS.md)."""
     opts = {"freezing": True, "fx_graph_cache": False}
     quantization = getattr(model, "quantization", None) or {}
-    if quantization.get("scheme") == "int8" and quantization.get("activations", "exact") != "per_row":
+    if quantization.get("scheme") == "int8" and quantization.get("activations", "exact") != "per_row" \
+            and not gemv.available():
         opts.update(max_autotune=True, max_autotune_gemm_backends="CPP")
     return opts
 

@@ -1,0 +1,142 @@
+/* gpt2mha's int8 weight-only product for decode-sized inputs on AVX2 CPUs: the operator
+ * torch.ops.gpt2mha.int8_gemv (optional; built and loaded by gemv.py with the system C++ compiler).
+ *
+ *   y[m, n] = (sum_k x[m, k] * w[n, k]) * scales[n] + bias[n]
+ *
+ * x float32 [M, K], w int8 [N, K] (one row per output channel, as QuantizedLinear stores it),
+ * scales float32 [N], bias float32 [N] or NULL, y float32 [M, N]. The activations stay float32:
+ * this is the float32 product with the dequantized weight, each int8 weight converted to float
+ * in registers (no rounding of x, unlike the bf16 activations of inductor's template).
+ *
+ * Why it exists (benchmarks/RESULTS.md, "A kernel of our own"): at one to eight rows the product
+ * is a read of the weights, and on an AVX2-only CPU no kernel torch ships streams them near the
+ * memory's speed. Reading each weight row start to end, one row after the next, keeps the reads
+ * one sequential stream the hardware prefetcher follows; the same loop over four interleaved rows
+ * ran at half the speed.
+ *
+ * Every row of x is summed in the same order whatever M is (four 8-lane accumulators over
+ * k mod 32, then a fixed reduction), so a row's result does not depend on the other rows
+ * (batch invariance); threads split the output channels, which changes no sum. Compiled with
+ * -ffp-contract=off so the compiler fuses nothing this file does not say.
+ */
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+static inline __m256 w8(const int8_t *p) {          /* 8 int8 weights -> 8 float32 */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float reduce(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 f = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* sum_k x[k] * w[k] for one row of x */
+static float dot1(const float *x, const int8_t *w, int64_t K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(w8(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(w8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(w8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(w8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    float s = reduce(a0, a1, a2, a3);
+    for (; k < K; k++) s = std::fmaf(x[k], (float)w[k], s);
+    return s;
+}
+
+/* the same for two rows of x over one weight row: each weight converted once, the same
+ * arithmetic per row as dot1 */
+static void dot2(const float *x0, const float *x1, const int8_t *w, int64_t K, float *s0, float *s1) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m256 v0 = w8(w + k), v1 = w8(w + k + 8), v2 = w8(w + k + 16), v3 = w8(w + k + 24);
+        a0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(x0 + k), a0);
+        b0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(x1 + k), b0);
+        a1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(x0 + k + 8), a1);
+        b1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(x1 + k + 8), b1);
+        a2 = _mm256_fmadd_ps(v2, _mm256_loadu_ps(x0 + k + 16), a2);
+        b2 = _mm256_fmadd_ps(v2, _mm256_loadu_ps(x1 + k + 16), b2);
+        a3 = _mm256_fmadd_ps(v3, _mm256_loadu_ps(x0 + k + 24), a3);
+        b3 = _mm256_fmadd_ps(v3, _mm256_loadu_ps(x1 + k + 24), b3);
+    }
+    float s = reduce(a0, a1, a2, a3), t = reduce(b0, b1, b2, b3);
+    for (; k < K; k++) {
+        s = std::fmaf(x0[k], (float)w[k], s);
+        t = std::fmaf(x1[k], (float)w[k], t);
+    }
+    *s0 = s;
+    *s1 = t;
+}
+
+static void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N,
+                 const float *scales, const float *bias, float *y) {
+    #pragma omp parallel
+    {
+        int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+        for (int64_t n = n0; n < n1; n++) {
+            const int8_t *wn = w + n * K;
+            float b = bias ? bias[n] : 0.0f, s0, s1;
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2) {
+                dot2(x + m * K, x + (m + 1) * K, wn, K, &s0, &s1);
+                y[m * N + n] = std::fmaf(s0, scales[n], b);
+                y[(m + 1) * N + n] = std::fmaf(s1, scales[n], b);
+            }
+            if (m < M)
+                y[m * N + n] = std::fmaf(dot1(x + m * K, wn, K), scales[n], b);
+        }
+    }
+}
+
+/* The operator: checks its arguments (a clear message, never a read out of bounds), then runs
+ * gemv. Without autograd: the weights are quantized, for inference. */
+static at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scales,
+                            const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "int8_gemv: x must be a float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
+    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.size(1) == K &&
+                weight.is_contiguous() && weight.device().is_cpu(),
+                "int8_gemv: weight must be a contiguous int8 CPU tensor [N, K=", K, "]; got ",
+                weight.scalar_type(), " ", weight.sizes());
+    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kFloat &&
+                scales.is_contiguous() && scales.device().is_cpu(),
+                "int8_gemv: scales must be a contiguous float32 CPU tensor [N=", N, "]; got ",
+                scales.scalar_type(), " ", scales.sizes());
+    const float *b = nullptr;
+    if (bias.has_value()) {
+        const at::Tensor &t = *bias;
+        TORCH_CHECK(t.dim() == 1 && t.size(0) == N && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.device().is_cpu(),
+                    "int8_gemv: bias must be a contiguous float32 CPU tensor [N=", N, "] or None; got ",
+                    t.scalar_type(), " ", t.sizes());
+        b = t.data_ptr<float>();
+    }
+    at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty({M, N}, x.options());
+    gemv(xc.data_ptr<float>(), M, K, weight.data_ptr<int8_t>(), N, scales.data_ptr<float>(), b, y.data_ptr<float>());
+    return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
+    m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
+    m.impl("int8_gemv", &int8_gemv);
+}

@@ -1,0 +1,145 @@
+"""An optional C++ kernel for int8 weight-only products at decode sizes: ``gemv.cpp``, the operator
+``torch.ops.gpt2mha.int8_gemv``, built on first use with the system C++ compiler against torch's
+headers (~10 s, once) and loaded with ``torch.ops.load_library``.
+
+At one to eight input rows a product is a read of the int8 weights. On an AVX2-only CPU none of
+the kernels torch ships streams them near the memory's speed (inductor's weight-only int8
+template ~13–15 GB/s, FBGEMM and oneDNN less); ``gemv.cpp`` reads each weight row start to end
+and converts it to float32 in registers (17–18 GB/s on the same host, with float32 activations
+where the template rounds them to bf16: benchmarks/RESULTS.md, "A kernel of our own"). Issue 22
+allows hand-written SIMD only as a small, tested, optional extension where nothing else gets
+there; this is it. Where it cannot be built (no C++ compiler, no AVX2/FMA, not Linux on x86-64,
+or ``GPT2MHA_GEMV=0``) :func:`available` is False and callers keep torch's kernels.
+
+A C++ operator, not a Python one: inside a compiled step each call costs ~5 us through torch's
+dispatcher, against ~35 us for a ``torch.library`` operator implemented in Python (measured:
+~1.5 ms a step over 124M's 49 products).
+
+The built library lives in ``$GPT2MHA_CACHE`` (default ``$XDG_CACHE_HOME/gpt2mha`` or
+``~/.cache/gpt2mha``) under a name that hashes the source, the compiler, its flags and torch's
+version. It is linked against ``libgomp.so.1``, which torch has already loaded: the kernel's
+OpenMP threads are torch's (``torch.set_num_threads`` sets their number).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("gemv.cpp")
+#: Set to ``0`` to turn the kernel off (callers then use torch's kernels).
+ENV = "GPT2MHA_GEMV"
+FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-w")
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$GPT2MHA_CACHE``, else ``$XDG_CACHE_HOME/gpt2mha``, else
+    ``~/.cache/gpt2mha``."""
+    if os.environ.get("GPT2MHA_CACHE"):
+        return Path(os.environ["GPT2MHA_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt2mha"
+
+
+def _command(cxx: str, out: str) -> list[str]:
+    from torch.utils import cpp_extension
+    lib = cpp_extension.library_paths()[0]
+    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE),
+            f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-o", out]
+
+
+def _build() -> str:
+    """Builds and loads the operator; returns "" or why it is not available."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"turned off ({ENV}=0)"
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"built for Linux on x86-64 only (this is {sys.platform}, {platform.machine()})"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if cxx is None:
+        return "no C++ compiler found (set CXX, or install g++)"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_command(cxx, "")).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    out = cache_dir() / f"gemv-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run(_command(cxx, tmp), capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                return f"{cxx} failed: {done.stderr.strip()[-500:]}"
+            os.replace(tmp, out)                            # atomic: concurrent builds are safe
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    torch.ops.load_library(str(out))
+    torch.library.register_fake("gpt2mha::int8_gemv")(_fake)
+    return ""
+
+
+def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@functools.cache
+def _library() -> str:
+    try:
+        return _build()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"could not build or load the kernel: {e}"
+
+
+def available() -> bool:
+    """Whether the operator is built and loaded (builds it on the first call: ~10 s, then cached)."""
+    return _library() == ""
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is False ("" when it is True)."""
+    return _library()
+
+
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (weight · scales)ᵀ + bias`` in float32 by ``gemv.cpp``: the float32 product with the
+    dequantized weight (float32 accumulation; the activations are not rounded).
+
+    Args:
+        x: float32 ``[M, K]`` (any M; made for 1–8).
+        weight: int8 ``[N, K]``, contiguous (a :class:`~.linear.QuantizedLinear`'s ``weight``).
+        scales: float32 ``[N]``, one per output channel.
+        bias: float32 ``[N]`` or None.
+
+    Returns:
+        float32 ``[M, N]``. Each row's result is the same whatever the other rows are.
+
+    Raises:
+        RuntimeError: the kernel is not available (:func:`unavailable_reason` says why).
+        ValueError: a tensor of the wrong dtype, shape or device, or a weight that is not contiguous.
+    """
+    if not available():
+        raise RuntimeError(f"the int8 GEMV kernel is not available: {unavailable_reason()}")
+    # the operator checks too (TORCH_CHECK, a RuntimeError); here the same checks raise ValueError
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor [M, K]; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if weight.dtype != torch.int8 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous() \
+            or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a contiguous int8 CPU tensor [N, K={x.shape[1]}]; got {weight.dtype} "
+                         f"{tuple(weight.shape)} (contiguous={weight.is_contiguous()}) on {weight.device}")
+    for name, t in (("scales", scales), ("bias", bias)):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (weight.shape[0],)
+                              or not t.is_contiguous() or t.device.type != "cpu"):
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor [N={weight.shape[0]}]; "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    return torch.ops.gpt2mha.int8_gemv(x, weight, scales, bias)
