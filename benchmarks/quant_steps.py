@@ -24,6 +24,7 @@ from unittest import mock
 import torch
 
 from gpt2mha import GPT2, GPT2Config, KVCache
+from gpt2mha.inference.compiled import CompiledDecoder, cache_len
 from gpt2mha.inference.fast import for_decoding
 
 
@@ -46,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     caches, views = {}, {name: for_decoding(m) for name, m in models.items()}      # as generate decodes
     steps = {name: (lambda tok, cache, m=m: m(tok, cache=cache, last_only=True, validate=False)) for name, m in views.items()}
     if args.compile:
-        from gpt2mha.inference.compiled import CompiledDecoder, cache_len
         from gpt2mha.inference.quant import gemv
         compiled = {}
         if gemv.available():

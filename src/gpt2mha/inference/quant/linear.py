@@ -5,7 +5,10 @@ Which integer kernel runs the int8 products depends on the CPU (:func:`int8_kern
 ``torch._int_mm`` where it has AVX-512 VNNI or AMX, FBGEMM's int8 GEMM (``quantized::``
 ops, the kernels of ``torch.ao`` dynamic quantization) on other x86 CPUs, where ``_int_mm``
 has no fast path: on an AVX2-only Zen 3 it ran 6–12x slower than the float32 matmul, FBGEMM
-1.2–6x faster than it (benchmarks/RESULTS.md, "Kernels per CPU").
+1.2–6x faster than it (benchmarks/RESULTS.md, "Kernels per CPU"). One-token steps (decode) of
+int8 layers run gpt2mha's own GEMV kernel where it builds (:mod:`.gemv`: float32 activations
+times the dequantized weight, no rounding of the activations at all; 2.9x faster than the pieces
+at batch 1 on the AVX2 Zen 3, RESULTS.md, "A kernel of our own").
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import gemv
 from .gptq import gptq
 from .schemes import (KERNEL_DTYPE, check_scheme, dequantize_int4, pack_int4, quantize_int4,
                       quantize_int8, unpack_int4)
@@ -53,7 +57,8 @@ DEQUANTIZE_FROM_ROWS = {"int8": 64, "int4": 32}
 #: stays this small.
 DEQUANTIZE_CHUNK = 1 << 22
 #: How int8 products treat the activations (:attr:`QuantizedLinear.activations`): ``"exact"``
-#: splits them into integer pieces (:func:`int8_matmul`); ``"per_row"`` rounds each row to 8
+#: never rounds them (decode steps: float32 times the dequantized weight on the GEMV kernel,
+#: :mod:`.gemv`; else integer pieces, :func:`int8_matmul`); ``"per_row"`` rounds each row to 8
 #: bits with its own scale and zero point, over the weights re-rounded to 7 bits
 #: (:func:`int8_matmul_per_row`, W7A8): faster, not exact; ``"auto"`` picks per shape: the exact
 #: pieces where ``"exact"`` runs them (decode), W7A8 where ``"exact"`` would fall back to the
@@ -328,7 +333,11 @@ class QuantizedLinear(nn.Module):
 
     Forward: ``[..., n_in]`` → ``[..., n_out]`` in x's dtype. On CPU int8 runs
     :func:`int8_matmul` (float32 result; :func:`int8_matmul_per_row` with
-    ``activations="per_row"``, and with ``"auto"`` where the dequantized product would run),
+    ``activations="per_row"``, and with ``"auto"`` where the dequantized product would run);
+    one token per sequence (a decode step: ``[B, 1, n_in]``, or a 2-D input of one row) with
+    ``"exact"`` or ``"auto"`` runs the GEMV kernel instead where it builds
+    (:func:`~.gemv.int8_gemv`: the float32 product of the dequantized weight, closer to float32
+    than the pieces; decided per sequence, never by the batch size, so batch invariance holds),
     int4 hands the kernel :data:`KERNEL_DTYPE` activations; on CPUs
     without VNNI/AMX, inputs of :data:`DEQUANTIZE_FROM_ROWS` rows or more run
     :meth:`dequantized_product` instead. The product comes back to x's dtype before the bias is
@@ -357,7 +366,8 @@ class QuantizedLinear(nn.Module):
     @property
     def activations(self) -> str:
         """How this layer's int8 products treat the activations, one of :data:`ACTIVATIONS`:
-        ``"exact"`` (default; integer pieces, :func:`int8_matmul`, or the dequantized weight for
+        ``"exact"`` (default; the GEMV kernel for one token per sequence where it builds,
+        :mod:`.gemv`, else integer pieces, :func:`int8_matmul`, or the dequantized weight for
         many rows, :meth:`dequantize_for`), ``"per_row"`` (8 bits per row with a zero point over
         7-bit weights, :func:`int8_matmul_per_row`, at every size) or ``"auto"`` (per shape:
         ``"exact"``'s integer pieces where it runs them, ``"per_row"`` where it would run the
@@ -419,8 +429,9 @@ class QuantizedLinear(nn.Module):
             raise RuntimeError(f"this layer's weight is quantized ({self.scheme}): autograd cannot flow through "
                                f"it; quantized models are for inference (train the float model, then quantize)")
         x2 = x.reshape(-1, self.n_in)                                  # [M, K]
+        tokens = x.shape[-2] if x.dim() > 2 else x2.shape[0]            # tokens per sequence
         many = (x.device.type == "cpu" and self.activations != "per_row"      # (per_row never asks)
-                and self.dequantize_for(x.shape[-2] if x.dim() > 2 else x2.shape[0]))   # tokens per sequence
+                and self.dequantize_for(tokens))
         if x.device.type != "cpu":
             y = F.linear(x2.to(KERNEL_DTYPE), self.dequantized().to(KERNEL_DTYPE))
         elif self.scheme == "int8" and (self.activations == "per_row" or self.activations == "auto" and many):
@@ -428,6 +439,8 @@ class QuantizedLinear(nn.Module):
             y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
         elif many:
             y = self.dequantized_product(x2.float())
+        elif self.scheme == "int8" and tokens == 1 and gemv.available():  # decode: float32 x @ deq(W)ᵀ
+            y = torch.ops.gpt2mha.int8_gemv(x2.float(), self.weight, self.gemv_scales(), None)
         elif self.scheme == "int8":
             kernel = int8_kernel()
             y = int8_matmul(x2, self.weight, self.scales, kernel,
@@ -531,11 +544,22 @@ class QuantizedLinear(nn.Module):
             self.__dict__["_fbgemm"] = cached
         return cached[1]
 
+    def gemv_scales(self) -> torch.Tensor:
+        """The int8 scales in float32 ``[n_out]``, for the GEMV kernel (:mod:`.gemv`), made on
+        first use and again whenever ``scales`` is another tensor or was written in place."""
+        key = (self.scales, _version(self.scales))
+        cached = self.__dict__.get("_gemv")
+        if cached is None or cached[0][0] is not key[0] or cached[0][1] != key[1]:
+            cached = (key, self.scales.float().contiguous())
+            self.__dict__["_gemv"] = cached
+        return cached[1]
+
     def __getstate__(self):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
         state.pop("_fbgemm", None)
         state.pop("_per_row", None)
+        state.pop("_gemv", None)
         return state
 
     def _apply(self, fn, recurse=True):
