@@ -112,6 +112,12 @@ def test_per_row_layers_give_the_eager_per_row_product_compiled(per_row_model, k
         for got in (layers[2](x), torch.compile(layers[2], fullgraph=True, dynamic=False)(x)):
             assert got.shape == want.shape == (2, 3, 256) and got.dtype == torch.float32
             assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        # on FBGEMM CPUs decode sizes run gpt2mha's kernel: the same exact integer sums as FBGEMM's
+        assert layers[2].gemv == (kernel == "fbgemm" and gemv.available())
+        if layers[2].gemv:
+            on_gemv = layers[2](x)
+            layers[2].gemv = False
+            assert torch.equal(layers[2](x), on_gemv)
 
 
 def test_auto_activations_decode_compiled_as_exact_int8(int8_model):

@@ -112,3 +112,30 @@ def test_built_kernels_live_in_the_cache_directory_the_environment_names(monkeyp
     monkeypatch.delenv("GPT2MHA_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert gemv.cache_dir() == tmp_path / "x" / "gpt2mha"
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N", [(1, 768, 300), (5, 3072, 64), (8, 100, 37), (3, 31, 9)])
+def test_the_per_row_operator_sums_exactly_as_integers(M, K, N):
+    # reference: the same sums in int64 (exact), scaled once in float32, as FBGEMM's W7A8 product
+    g = torch.Generator().manual_seed(M + K)
+    u = torch.randint(-128, 128, (M, K), generator=g).float()
+    q = torch.randint(-63, 64, (N, K), dtype=torch.int8, generator=g)
+    s = torch.rand(N, generator=g) * 0.01
+    y = torch.ops.gpt2mha.int8_gemv_rows(u, q, q.sum(1, dtype=torch.int32), s)
+    assert torch.equal(y, (u.long() @ q.long().t()).float() * s)
+    assert torch.equal(torch.ops.gpt2mha.int8_gemv_rows(u[-1:], q, q.sum(1, dtype=torch.int32), s)[0], y[-1])
+
+
+@needs_kernel
+def test_the_per_row_operator_refuses_values_that_are_not_8_bit_integers():
+    u = torch.zeros(2, 32)
+    q = torch.ones(4, 32, dtype=torch.int8)
+    qsum, s = q.sum(1, dtype=torch.int32), torch.ones(4)
+    u[1, 3] = float("nan")                    # a non-finite row: its scale makes the layer's row NaN anyway
+    assert torch.equal(torch.ops.gpt2mha.int8_gemv_rows(u, q, qsum, s), torch.zeros(2, 4))
+    u[1, 3] = 128.0
+    with pytest.raises(RuntimeError, match=r"integers in \[-128, 127\]"):
+        torch.ops.gpt2mha.int8_gemv_rows(u, q, qsum, s)
+    with pytest.raises(RuntimeError, match="qsum must be a contiguous int32"):
+        torch.ops.gpt2mha.int8_gemv_rows(u * 0, q, qsum.long(), s)

@@ -289,8 +289,9 @@ def add_commands(sub) -> None:
     batch_invariant_arg(g)
     g.add_argument("--compile", action="store_true",
                    help="compile the decode step (torch.compile; CPU): 10-60 s to compile, then int8 models decode "
-                        "2-3x faster (their products take bf16 activations); no batch-invariance guarantee for "
-                        "prompts of different lengths (README 'Compiled decode')")
+                        "faster still (small ops fused around the same float32-activation products; bf16 "
+                        "activations where gpt2mha's GEMV kernel does not build); no batch-invariance guarantee "
+                        "for prompts of different lengths (README 'Compiled decode')")
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: split the heads over this many processes "
                         "(torchrun --nproc-per-node N -m gpt2mha generate ... --tp N; README 'Scaling out')")

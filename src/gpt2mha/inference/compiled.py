@@ -2,21 +2,22 @@
 gpt-fast's ``decode_one_token``.
 
 Inductor (torch's compiler) turns the step into generated C++ for this CPU: the per-layer small
-ops (LayerNorm, GELU, residual adds, the cache write) fuse into a few loops, and with int8
-weights every product becomes inductor's C++ GEMM template for weight-only int8
-(``aten._weight_int8pack_mm``, lowered under ``freezing`` and ``max_autotune``): it reads the
-int8 weight once, converts it to float in registers and accumulates in float32, where the eager
-int8 path spends most of a batch-1 step outside its products. On an AVX2-only Zen 3 (2 cores,
-2 threads) a 124M int8 step took 9.1 ms compiled against 28.5 ms eager and 31.5 ms float32
-(benchmarks/RESULTS.md, "Compiled decode").
+ops (LayerNorm, GELU, residual adds, the cache write) fuse into a few loops, where the eager
+path spends much of a batch-1 step outside its products. On an AVX2-only Zen 3 (2 cores,
+2 threads) a 124M int8 step took 8–10 ms compiled against 13 ms eager (benchmarks/RESULTS.md,
+"Compiled decode" and "A kernel of our own").
 
 What each model gets (:func:`decode_view`):
 
-* int8 (``quantize("int8")``, and the int8 LM head of int4 models): :class:`WoqInt8Linear`, the
-  same int8 weights and scales multiplied with **bf16 activations** (``_weight_int8pack_mm``'s
-  contract), float32 accumulation, the product rounded to bf16 and the bias and residual
-  stream kept in float32. Not the eager path's exact integer pieces (~1e-4): ~2e-3 relative per
-  product, as a bf16 model's; its top-1 agreement with float32 is in RESULTS.md.
+* int8 (``quantize("int8")``, and the int8 LM head of int4 models): :class:`GemvInt8Linear`,
+  gpt2mha's own int8 GEMV kernel (:mod:`.quant.gemv`, an opaque C++ operator in the step):
+  float32 activations times the dequantized weight, converted in registers as the weight
+  streams. Where that kernel cannot be built, :class:`WoqInt8Linear`: inductor's C++ GEMM
+  template for weight-only int8 (``aten._weight_int8pack_mm``, lowered under ``freezing`` and
+  ``max_autotune``) with **bf16 activations** (its contract), float32 accumulation, the
+  product rounded to bf16 and the bias and residual stream kept in float32 (~2e-3 relative
+  per product; top-1 agreement with float32 in RESULTS.md).
+* int8 with ``activations="per_row"``: :class:`PerRowInt8Linear` (W7A8, FBGEMM's integer GEMM).
 * float32 / bf16 / fp16 / int4 blocks: the eager decode view (:func:`~.fast.for_decoding`),
   compiled as it is (ATen's products, fused small ops).
 
@@ -54,11 +55,14 @@ from ..core.attention import CausalSelfAttention
 from ..core.kv_cache import KVCache
 from .fast import for_decoding, hooked, invariant_by_default, swap_modules
 from .quant import gemv
-from .quant.linear import QuantizedLinear, int8_kernel
+from .quant.linear import QuantizedLinear, int8_kernel, weight_7bit
 
 
 #: Cache lengths of a compiled decode are multiples of this (:func:`cache_len`).
 SPAN_MULTIPLE = 64
+#: Largest batch whose W7A8 products a compiled step runs on gpt2mha's kernel
+#: (``torch.ops.gpt2mha.int8_gemv_rows``) rather than FBGEMM's GEMM (the same exact integer sums).
+GEMV_ROWS = 16
 #: A compiled step reads the cached keys up to the longest row's, rounded up to a multiple of this.
 SPAN_STEP = 16
 
@@ -197,6 +201,12 @@ class PerRowInt8Linear(nn.Module):
         q7, scales7, packed, wsum = layer.per_row_weights()
         self.wsum = nn.Parameter(wsum, requires_grad=False)
         self.bias = layer.bias
+        self.gemv = self.kernel == "fbgemm" and gemv.available()
+        if self.gemv:                    # decode sizes on gpt2mha's kernel (maddubs, as FBGEMM's), else FBGEMM
+            q7, scales7 = weight_7bit(layer.weight, layer.scales)       # (per_row_weights keeps only FBGEMM's copy)
+            self.q7 = nn.Parameter(q7.contiguous(), requires_grad=False)
+            self.qsum = nn.Parameter(q7.sum(1, dtype=torch.int32), requires_grad=False)
+            self.scales7 = nn.Parameter(scales7.float().contiguous(), requires_grad=False)
         if self.kernel == "fbgemm":
             self.key = next(_keys)
             _FBGEMM_PACKED[self.key] = packed
@@ -210,7 +220,9 @@ class PerRowInt8Linear(nn.Module):
         lo = x2.amin(-1, keepdim=True)
         a = (x2.amax(-1, keepdim=True) - lo) / 255
         u = ((x2 - lo) / a.clamp(min=1e-30)).round() - 128                       # integers in [-128, 127]
-        if self.kernel == "fbgemm":
+        if self.gemv and x2.shape[0] <= GEMV_ROWS:
+            y = torch.ops.gpt2mha.int8_gemv_rows(u, self.q7, self.qsum, self.scales7)
+        elif self.kernel == "fbgemm":
             y = fbgemm_rows(u, self.key, self.n_out)
         else:
             y = torch._int_mm(u.to(torch.int8), self.q7t).float() * self.scales7

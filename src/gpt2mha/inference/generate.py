@@ -239,9 +239,10 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             weights are not float32 (:func:`~gpt2mha.inference.fast.invariant_by_default`).
         compile: run the decode steps as one compiled step
             (:func:`~gpt2mha.inference.compiled.compiled_decoder`, CPU only): the first call
-            compiles for 10–60 s, later steps run 2–3x faster for int8 models (whose products
-            then take bf16 activations, or keep their W7A8 ones with ``activations="per_row"``)
-            and give up the batch-invariance guarantee. Prefill stays eager; prompts of one
+            compiles for 10–60 s, later steps of int8 models run faster (the small ops fused
+            around the same GEMV products, :mod:`~gpt2mha.inference.quant.gemv`; where that
+            kernel does not build, inductor's template with bf16 activations; W7A8 with
+            ``activations="per_row"``) and give up the batch-invariance guarantee. Prefill stays eager; prompts of one
             length (no ``attention_mask``) are prefilled together in one forward.
 
     Batch invariance: each prompt is prefilled alone into its own row of the cache (no left

@@ -103,6 +103,52 @@ static void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
     }
 }
 
+/* The per_row (W7A8) product for decode sizes: y[m, n] = (sum_k u[m, k] * q[n, k]) * scales[n]
+ * for u float32 [M, K] holding integers in [-128, 127] (each activation row rounded to 8 bits:
+ * compiled.py's PerRowInt8Linear) and 7-bit weights q int8 [N, K] in [-63, 63], with qsum[n] =
+ * sum_k q[n, k]. As FBGEMM does: u + 128 as uint8 times q with vpmaddubsw (pairs of products
+ * never saturate int16: 2 * 255 * 63 < 2^15), int32 sums, exact; minus 128 * qsum[n]; one float
+ * rounding when scaled. Exact integer sums make the result independent of the order, hence of
+ * the other rows and the threads. */
+static inline __m256i dot_u8(__m256i acc, __m256i u, const int8_t *w, __m256i ones) {
+    __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+}
+
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+static void gemv_rows(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, int64_t N,
+                      const int32_t *qsum, const float *scales, float *y) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t K32 = K / 32 * 32;
+    #pragma omp parallel
+    {
+        int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+        for (int64_t n = n0; n < n1; n++) {
+            const int8_t *wn = w + n * K;
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {              /* four rows of u per pass over wn */
+                const int64_t mt = M - m0 < 4 ? M - m0 : 4;
+                __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                  _mm256_setzero_si256()};
+                for (int64_t k = 0; k < K32; k += 32)
+                    for (int64_t i = 0; i < mt; i++)
+                        acc[i] = dot_u8(acc[i], _mm256_loadu_si256((const __m256i *)(u8 + (m0 + i) * K + k)), wn + k, ones);
+                for (int64_t i = 0; i < mt; i++) {
+                    int32_t s = hsum_i32(acc[i]);
+                    for (int64_t k = K32; k < K; k++) s += (int32_t)u8[(m0 + i) * K + k] * wn[k];
+                    y[(m0 + i) * N + n] = (float)(s - 128 * qsum[n]) * scales[n];
+                }
+            }
+        }
+    }
+}
+
 /* The operator: checks its arguments (a clear message, never a read out of bounds), then runs
  * gemv. Without autograd: the weights are quantized, for inference. */
 static at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scales,
@@ -133,10 +179,48 @@ static at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const
     return y;
 }
 
+/* The per_row operator (gemv_rows); u's integers are checked as they are converted. */
+static at::Tensor int8_gemv_rows(const at::Tensor &u, const at::Tensor &weight, const at::Tensor &qsum,
+                                 const at::Tensor &scales) {
+    TORCH_CHECK(u.dim() == 2 && u.scalar_type() == at::kFloat && u.device().is_cpu(),
+                "int8_gemv_rows: u must be a float32 CPU tensor [M, K]; got ", u.scalar_type(), " ", u.sizes());
+    const int64_t M = u.size(0), K = u.size(1), N = weight.size(0);
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.size(1) == K &&
+                weight.is_contiguous() && weight.device().is_cpu(),
+                "int8_gemv_rows: weight must be a contiguous int8 CPU tensor [N, K=", K, "]; got ",
+                weight.scalar_type(), " ", weight.sizes());
+    TORCH_CHECK(qsum.dim() == 1 && qsum.size(0) == N && qsum.scalar_type() == at::kInt && qsum.is_contiguous(),
+                "int8_gemv_rows: qsum must be a contiguous int32 tensor [N=", N, "]; got ", qsum.scalar_type(),
+                " ", qsum.sizes());
+    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kFloat &&
+                scales.is_contiguous(),
+                "int8_gemv_rows: scales must be a contiguous float32 tensor [N=", N, "]; got ",
+                scales.scalar_type(), " ", scales.sizes());
+    at::Tensor uc = u.contiguous();
+    at::Tensor u8 = at::empty({M, K}, u.options().dtype(at::kByte));
+    const float *src = uc.data_ptr<float>();
+    uint8_t *dst = u8.data_ptr<uint8_t>();
+    bool ok = true;
+    for (int64_t i = 0; i < M * K; i++) {
+        /* NaN comes from a row with a non-finite activation, whose scale is non-finite too: the
+         * layer's rescale makes that row non-finite whatever is summed here, so it counts as 0 */
+        const float v = std::isnan(src[i]) ? 128.0f : src[i] + 128.0f;
+        ok &= v >= 0.0f && v <= 255.0f;
+        dst[i] = ok ? (uint8_t)v : 0;
+    }
+    TORCH_CHECK(ok, "int8_gemv_rows: u must hold integers in [-128, 127] (or NaN)");
+    at::Tensor y = at::empty({M, N}, u.options());
+    gemv_rows(dst, M, K, weight.data_ptr<int8_t>(), N, qsum.data_ptr<int32_t>(), scales.data_ptr<float>(),
+              y.data_ptr<float>());
+    return y;
+}
+
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+    m.def("int8_gemv_rows(Tensor u, Tensor weight, Tensor qsum, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
     m.impl("int8_gemv", &int8_gemv);
+    m.impl("int8_gemv_rows", &int8_gemv_rows);
 }
