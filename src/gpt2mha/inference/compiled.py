@@ -61,8 +61,10 @@ from .quant.linear import QuantizedLinear, int8_kernel, weight_7bit
 #: Cache lengths of a compiled decode are multiples of this (:func:`cache_len`).
 SPAN_MULTIPLE = 64
 #: Largest batch whose W7A8 products a compiled step runs on gpt2mha's kernel
-#: (``torch.ops.gpt2mha.int8_gemv_rows``) rather than FBGEMM's GEMM (the same exact integer sums).
-GEMV_ROWS = 16
+#: (``torch.ops.gpt2mha.int8_gemv_rows``) rather than FBGEMM's GEMM (the same exact integer sums,
+#: bitwise equal). The 49 products of 124M on the AVX2 Zen 3, 2 threads: 6.2 / 9.1 / 10.2 / 13.3 ms
+#: at 1 / 2 / 4 / 8 rows against FBGEMM's 8.2 / 10.8 / 11.1 / 11.8 (RESULTS.md, "A kernel of our own").
+GEMV_ROWS = 4
 #: A compiled step reads the cached keys up to the longest row's, rounded up to a multiple of this.
 SPAN_STEP = 16
 
@@ -184,8 +186,10 @@ class PerRowInt8Linear(nn.Module):
     (:func:`~gpt2mha.inference.quant.linear.int8_matmul_per_row`: each activation row rounded to
     8 bits with its own scale and zero point, 7-bit weights), written as ops inductor fuses
     (the row's min/max, the rounding, the rescale and the bias) around one integer GEMM:
-    FBGEMM's (:func:`fbgemm_rows`, CPUs without VNNI/AMX) or ``torch._int_mm``, which inductor
-    lowers itself. A row's result does not depend on the other rows.
+    FBGEMM's (:func:`fbgemm_rows`, CPUs without VNNI/AMX; up to :data:`GEMV_ROWS` rows, where it
+    builds, gpt2mha's ``torch.ops.gpt2mha.int8_gemv_rows`` instead, :mod:`.quant.gemv`: the same
+    exact integer sums) or ``torch._int_mm``, which inductor lowers itself. A row's result does
+    not depend on the other rows.
 
     Forward ``[..., K]`` → ``[..., N]`` in the dtype the layer itself returns. Rows holding NaN
     or ±inf give non-finite rows (the eager layer gives NaN rows).

@@ -110,11 +110,6 @@ static void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
  * never saturate int16: 2 * 255 * 63 < 2^15), int32 sums, exact; minus 128 * qsum[n]; one float
  * rounding when scaled. Exact integer sums make the result independent of the order, hence of
  * the other rows and the threads. */
-static inline __m256i dot_u8(__m256i acc, __m256i u, const int8_t *w, __m256i ones) {
-    __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)w));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
-}
-
 static inline int32_t hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -122,28 +117,47 @@ static inline int32_t hsum_i32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
+/* MT rows of u (a compile-time count, so the accumulators stay in registers) over one weight row */
+template <int MT>
+static inline void rows_tile(const uint8_t *u8, int64_t K, const int8_t *wn, int32_t *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(wn + k));
+        for (int i = 0; i < MT; i++) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(u8 + i * K + k));
+            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, w), ones));
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        int32_t s = hsum_i32(acc[i]);
+        for (int64_t j = k; j < K; j++) s += (int32_t)u8[i * K + j] * wn[j];
+        out[i] = s;
+    }
+}
+
 static void gemv_rows(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, int64_t N,
                       const int32_t *qsum, const float *scales, float *y) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int64_t K32 = K / 32 * 32;
     #pragma omp parallel
     {
         int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+        int32_t s[4];
         for (int64_t n = n0; n < n1; n++) {
             const int8_t *wn = w + n * K;
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {              /* four rows of u per pass over wn */
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {              /* up to four rows of u per pass over wn */
                 const int64_t mt = M - m0 < 4 ? M - m0 : 4;
-                __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                                  _mm256_setzero_si256()};
-                for (int64_t k = 0; k < K32; k += 32)
-                    for (int64_t i = 0; i < mt; i++)
-                        acc[i] = dot_u8(acc[i], _mm256_loadu_si256((const __m256i *)(u8 + (m0 + i) * K + k)), wn + k, ones);
-                for (int64_t i = 0; i < mt; i++) {
-                    int32_t s = hsum_i32(acc[i]);
-                    for (int64_t k = K32; k < K; k++) s += (int32_t)u8[(m0 + i) * K + k] * wn[k];
-                    y[(m0 + i) * N + n] = (float)(s - 128 * qsum[n]) * scales[n];
+                const uint8_t *um = u8 + m0 * K;
+                switch (mt) {
+                    case 4: rows_tile<4>(um, K, wn, s); break;
+                    case 3: rows_tile<3>(um, K, wn, s); break;
+                    case 2: rows_tile<2>(um, K, wn, s); break;
+                    default: rows_tile<1>(um, K, wn, s); break;
                 }
+                for (int64_t i = 0; i < mt; i++)
+                    y[(m0 + i) * N + n] = (float)(s[i] - 128 * qsum[n]) * scales[n];
             }
         }
     }

@@ -85,11 +85,16 @@ def _build() -> str:
                 os.unlink(tmp)
     torch.ops.load_library(str(out))
     torch.library.register_fake("gpt2mha::int8_gemv")(_fake)
+    torch.library.register_fake("gpt2mha::int8_gemv_rows")(_fake_rows)
     return ""
 
 
 def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _fake_rows(u: torch.Tensor, weight: torch.Tensor, qsum: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return u.new_empty(u.shape[0], weight.shape[0])
 
 
 @functools.cache
