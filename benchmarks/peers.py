@@ -11,9 +11,10 @@ The contenders:
 
 * gpt2mha float32, int8 and int4 (``GPT2.quantize(scheme, method="rtn")``: round to nearest, as
   every engine below rounds; no calibration text), and int8 with ``generate(compile=True)``
-  ("int8 compiled": the decode step compiled by inductor, its products on bf16 activations;
-  compiled before the timed rounds, on the shapes they use; its prefill is int8's, and its
-  quality columns score the same bf16-activation products eagerly, ``compiled.decode_view``);
+  ("int8 compiled": the decode step compiled by inductor, its products on gpt2mha's int8 GEMV
+  kernel with float32 activations, or inductor's bf16-activation template where the kernel does
+  not build; compiled before the timed rounds, on the shapes they use; its prefill is int8's,
+  and its quality columns score the same products eagerly, ``compiled.decode_view``);
   int8 with ``activations="per_row"`` (W7A8: each activation row rounded to 8 bits with its
   own scale and zero point over 7-bit weights), eager and compiled ("int8 per_row compiled":
   the same W7A8 products inside the compiled step); int8 with ``activations="auto"`` (the
