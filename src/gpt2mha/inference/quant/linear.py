@@ -439,7 +439,8 @@ class QuantizedLinear(nn.Module):
             y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
         elif many:
             y = self.dequantized_product(x2.float())
-        elif self.scheme == "int8" and tokens == 1 and gemv.available():  # decode: float32 x @ deq(W)ᵀ
+        elif self.scheme == "int8" and tokens == 1 and self.weight.is_contiguous() and gemv.available():
+            # decode: float32 x @ deq(W)ᵀ on the GEMV kernel
             y = torch.ops.gpt2mha.int8_gemv(x2.float(), self.weight, self.gemv_scales(), None)
         elif self.scheme == "int8":
             kernel = int8_kernel()
