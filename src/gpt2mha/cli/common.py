@@ -103,7 +103,8 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="UTF-8 text file GPTQ calibrates on (default: a 16 KiB Shakespeare sample in the package)")
     p.add_argument("--activations", choices=["exact", "per_row", "auto"], default=None,
-                   help="how an int8 model's products treat the activations: exact (default; integer pieces), "
+                   help="how an int8 model's products treat the activations: exact (default; never rounded: float32 "
+                        "times the int8 weights on gpt2mha's GEMV kernel for decode steps, integer pieces else), "
                         "per_row (each row rounded to 8 bits over 7-bit weights, W7A8: faster prefill and batched "
                         "decode, less exact) or auto (exact for decode, per_row for prompts of 64+ tokens on CPUs "
                         "without VNNI; README 'Quantized decode'); also sets it on a model saved int8")

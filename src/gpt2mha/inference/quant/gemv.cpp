@@ -16,7 +16,7 @@
  *
  * Every row of x is summed in the same order whatever M is (four 8-lane accumulators over
  * k mod 32, then a fixed reduction), so a row's result does not depend on the other rows
- * (batch invariance); threads split the output channels, which changes no sum. Compiled with
+ * (batch invariance); threads share out the output channels, which changes no sum. Compiled with
  * -ffp-contract=off so the compiler fuses nothing this file does not say.
  */
 #include <ATen/core/Tensor.h>
@@ -29,6 +29,16 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+
+/* Threads: output channels are handed out in chunks of CHUNK as threads come free (a thread
+ * the OS holds back on a busy machine leaves its share to the others instead of stalling the
+ * call), and only for products of at least PARALLEL_MACS multiply-adds: below that an OpenMP
+ * region costs more than it saves, and on a loaded machine much more (a waiting thread must
+ * be scheduled before the call can end). Which thread computes a channel changes no sum. */
+static const int64_t CHUNK = 32;
+static const int64_t PARALLEL_MACS = 1 << 18;
+
+static inline bool parallel_worth(int64_t M, int64_t K, int64_t N) { return M * K * N >= PARALLEL_MACS; }
 
 static inline __m256 w8(const int8_t *p) {          /* 8 int8 weights -> 8 float32 */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -84,22 +94,18 @@ static void dot2(const float *x0, const float *x1, const int8_t *w, int64_t K, f
 
 static void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N,
                  const float *scales, const float *bias, float *y) {
-    #pragma omp parallel
-    {
-        int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
-        for (int64_t n = n0; n < n1; n++) {
-            const int8_t *wn = w + n * K;
-            float b = bias ? bias[n] : 0.0f, s0, s1;
-            int64_t m = 0;
-            for (; m + 2 <= M; m += 2) {
-                dot2(x + m * K, x + (m + 1) * K, wn, K, &s0, &s1);
-                y[m * N + n] = std::fmaf(s0, scales[n], b);
-                y[(m + 1) * N + n] = std::fmaf(s1, scales[n], b);
-            }
-            if (m < M)
-                y[m * N + n] = std::fmaf(dot1(x + m * K, wn, K), scales[n], b);
+    #pragma omp parallel for schedule(dynamic, CHUNK) if (parallel_worth(M, K, N))
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wn = w + n * K;
+        float b = bias ? bias[n] : 0.0f, s0, s1;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            dot2(x + m * K, x + (m + 1) * K, wn, K, &s0, &s1);
+            y[m * N + n] = std::fmaf(s0, scales[n], b);
+            y[(m + 1) * N + n] = std::fmaf(s1, scales[n], b);
         }
+        if (m < M)
+            y[m * N + n] = std::fmaf(dot1(x + m * K, wn, K), scales[n], b);
     }
 }
 
@@ -140,25 +146,21 @@ static inline void rows_tile(const uint8_t *u8, int64_t K, const int8_t *wn, int
 
 static void gemv_rows(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, int64_t N,
                       const int32_t *qsum, const float *scales, float *y) {
-    #pragma omp parallel
-    {
-        int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+    #pragma omp parallel for schedule(dynamic, CHUNK) if (parallel_worth(M, K, N))
+    for (int64_t n = 0; n < N; n++) {
         int32_t s[4];
-        for (int64_t n = n0; n < n1; n++) {
-            const int8_t *wn = w + n * K;
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {              /* up to four rows of u per pass over wn */
-                const int64_t mt = M - m0 < 4 ? M - m0 : 4;
-                const uint8_t *um = u8 + m0 * K;
-                switch (mt) {
-                    case 4: rows_tile<4>(um, K, wn, s); break;
-                    case 3: rows_tile<3>(um, K, wn, s); break;
-                    case 2: rows_tile<2>(um, K, wn, s); break;
-                    default: rows_tile<1>(um, K, wn, s); break;
-                }
-                for (int64_t i = 0; i < mt; i++)
-                    y[(m0 + i) * N + n] = (float)(s[i] - 128 * qsum[n]) * scales[n];
+        const int8_t *wn = w + n * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {                  /* up to four rows of u per pass over wn */
+            const int64_t mt = M - m0 < 4 ? M - m0 : 4;
+            const uint8_t *um = u8 + m0 * K;
+            switch (mt) {
+                case 4: rows_tile<4>(um, K, wn, s); break;
+                case 3: rows_tile<3>(um, K, wn, s); break;
+                case 2: rows_tile<2>(um, K, wn, s); break;
+                default: rows_tile<1>(um, K, wn, s); break;
             }
+            for (int64_t i = 0; i < mt; i++)
+                y[(m0 + i) * N + n] = (float)(s[i] - 128 * qsum[n]) * scales[n];
         }
     }
 }
