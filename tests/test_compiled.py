@@ -167,6 +167,19 @@ def test_one_compiled_step_reads_every_span_and_a_batch_prefills_together(per_ro
     assert (got == want).float().mean() >= 0.95                                   # a rare rounding tie may differ
 
 
+def test_switching_activations_gives_a_new_compiled_step(int8_model):
+    # set_activations changes which layers the view holds (GemvInt8Linear / PerRowInt8Linear):
+    # a decoder built before the switch must not be reused after it (found by a break-it review)
+    from gpt2mha.inference.quant import set_activations
+    model = copy.deepcopy(int8_model)
+    first = compiled_decoder(model)                              # built, not yet compiled (lazy)
+    assert compiled_decoder(model) is first
+    set_activations(model, "per_row")
+    second = compiled_decoder(model)
+    assert second is not first
+    assert any(isinstance(m, PerRowInt8Linear) for m in second.step.modules())
+
+
 def test_the_compiled_step_is_reused_and_rebuilt_when_a_weight_changes():
     torch.manual_seed(0)
     model = GPT2(GPT2Config(n_vocab=64, n_ctx=64, n_embd=32, n_head=2, n_layer=1, tokenizer="bytes")).eval()

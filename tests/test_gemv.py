@@ -139,3 +139,63 @@ def test_the_per_row_operator_refuses_values_that_are_not_8_bit_integers():
         torch.ops.gpt2mha.int8_gemv_rows(u, q, qsum, s)
     with pytest.raises(RuntimeError, match="qsum must be a contiguous int32"):
         torch.ops.gpt2mha.int8_gemv_rows(u * 0, q, qsum.long(), s)
+
+
+def test_a_cached_library_cut_short_or_replaced_is_rebuilt_not_loaded(monkeypatch, tmp_path):
+    # a truncated .so crashed the process when loaded (bus error): the digest written beside a
+    # built library must match before it is loaded. The compiler and the loader are stood in for
+    # (copying a stand-in "library"; recording the path), so no second copy of the ops registers.
+    monkeypatch.setenv("GPT2MHA_CACHE", str(tmp_path))
+    monkeypatch.setenv(gemv.ENV, "1")
+    built = b"a complete library" * 100
+    runs, loaded = [], []
+
+    def compile_(cmd, **kw):
+        runs.append(cmd)
+        with open(cmd[cmd.index("-o") + 1], "wb") as f:
+            f.write(built)
+        return gemv.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gemv.subprocess, "run", compile_)
+    monkeypatch.setattr(gemv.torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(gemv.torch.library, "register_fake", lambda name: (lambda fn: fn))
+    monkeypatch.setattr(gemv.shutil, "which", lambda name: "/usr/bin/g++")
+    assert gemv._build() == "" and len(runs) == 1
+    so = next(tmp_path.glob("gemv-*.so"))
+    assert so.read_bytes() == built and loaded == [str(so)]
+    assert gemv._build() == "" and len(runs) == 1                # a good library: loaded, not rebuilt
+    so.write_bytes(built[:50])                                    # cut short
+    assert gemv._build() == "" and len(runs) == 2 and so.read_bytes() == built
+    so.with_suffix(".sha256").unlink()                            # no digest: rebuilt too
+    assert gemv._build() == "" and len(runs) == 3
+    assert all(p == str(so) for p in loaded) and len(loaded) == 4
+    monkeypatch.setenv("GPT2MHA_CACHE", str(so))                  # a file, not a directory
+    assert "not a directory" in gemv._build()
+
+
+def test_switches_and_misuse_are_named(monkeypatch, tmp_path):
+    for off in ("0", "off", "False", "no"):
+        monkeypatch.setenv(gemv.ENV, off)
+        assert gemv._build().startswith("turned off")
+    monkeypatch.setenv("GPT2MHA_CACHE", "~/somewhere")
+    assert "~" not in str(gemv.cache_dir())
+    if gemv.available():
+        x = torch.zeros(1, 32, requires_grad=True)
+        with pytest.raises(ValueError, match="requires grad"):
+            gemv.int8_gemv(x, torch.zeros(2, 32, dtype=torch.int8), torch.ones(2))
+        with pytest.raises(RuntimeError, match="integers in"):
+            torch.ops.gpt2mha.int8_gemv_rows(torch.full((1, 32), 0.6), torch.zeros(2, 32, dtype=torch.int8),
+                                             torch.zeros(2, dtype=torch.int32), torch.ones(2))
+
+
+@needs_kernel
+def test_decode_products_see_scales_written_in_place_even_in_inference_mode():
+    # reference: the same layer's product before the write, doubled (the scales multiply linearly)
+    from gpt2mha.inference.quant.linear import QuantizedLinear
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        layer = QuantizedLinear.from_float(torch.randn(16, 32) * 0.1, torch.zeros(16), "int8")
+        x = torch.randn(1, 1, 32)
+        before = layer(x)
+        layer.scales.mul_(2)
+        assert torch.allclose(layer(x), 2 * before, rtol=1e-6, atol=1e-7)

@@ -292,8 +292,10 @@ class _Unadvanced(KVCache):
 
 
 def _signature(model: nn.Module) -> tuple:
+    # the tensors, and how each int8 layer treats its activations (set_activations changes the view)
     return tuple((id(t), t._version if not t.is_inference() else -1)
-                 for t in [*model.parameters(), *model.buffers()])
+                 for t in [*model.parameters(), *model.buffers()]) + \
+        tuple(m.activations for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
 def options(model: nn.Module) -> dict:

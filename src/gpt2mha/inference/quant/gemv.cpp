@@ -111,7 +111,8 @@ static void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
 
 /* The per_row (W7A8) product for decode sizes: y[m, n] = (sum_k u[m, k] * q[n, k]) * scales[n]
  * for u float32 [M, K] holding integers in [-128, 127] (each activation row rounded to 8 bits:
- * compiled.py's PerRowInt8Linear) and 7-bit weights q int8 [N, K] in [-63, 63], with qsum[n] =
+ * compiled.py's PerRowInt8Linear) and 7-bit weights q int8 [N, K] in [-63, 63] (weight_7bit;
+ * the caller's promise: wider weights would saturate silently), with qsum[n] =
  * sum_k q[n, k]. As FBGEMM does: u + 128 as uint8 times q with vpmaddubsw (pairs of products
  * never saturate int16: 2 * 255 * 63 < 2^15), int32 sums, exact; minus 128 * qsum[n]; one float
  * rounding when scaled. Exact integer sums make the result independent of the order, hence of
@@ -221,10 +222,12 @@ static at::Tensor int8_gemv_rows(const at::Tensor &u, const at::Tensor &weight, 
         /* NaN comes from a row with a non-finite activation, whose scale is non-finite too: the
          * layer's rescale makes that row non-finite whatever is summed here, so it counts as 0 */
         const float v = std::isnan(src[i]) ? 128.0f : src[i] + 128.0f;
-        ok &= v >= 0.0f && v <= 255.0f;
+        ok &= v >= 0.0f && v <= 255.0f && v == std::nearbyint(v);
         dst[i] = ok ? (uint8_t)v : 0;
     }
     TORCH_CHECK(ok, "int8_gemv_rows: u must hold integers in [-128, 127] (or NaN)");
+    /* weight's range ([-63, 63]) is the caller's promise, not checked here (a pass over the
+     * weights per call): 8-bit weights would saturate vpmaddubsw's int16 pairs */
     at::Tensor y = at::empty({M, N}, u.options());
     gemv_rows(dst, M, K, weight.data_ptr<int8_t>(), N, qsum.data_ptr<int32_t>(), scales.data_ptr<float>(),
               y.data_ptr<float>());

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
-#: Set to ``0`` to turn the kernel off (callers then use torch's kernels).
+#: Set to ``0`` (or ``false``, ``off``, ``no``) to turn the kernel off (callers then use torch's kernels).
 ENV = "GPT2MHA_GEMV"
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-w")
 
@@ -45,8 +45,12 @@ def cache_dir() -> Path:
     """Where built kernels are kept: ``$GPT2MHA_CACHE``, else ``$XDG_CACHE_HOME/gpt2mha``, else
     ``~/.cache/gpt2mha``."""
     if os.environ.get("GPT2MHA_CACHE"):
-        return Path(os.environ["GPT2MHA_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt2mha"
+        return Path(os.environ["GPT2MHA_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "gpt2mha"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _command(cxx: str, out: str) -> list[str]:
@@ -59,8 +63,8 @@ def _command(cxx: str, out: str) -> list[str]:
 
 def _build() -> str:
     """Builds and loads the operator; returns "" or why it is not available."""
-    if os.environ.get(ENV, "1") == "0":
-        return f"turned off ({ENV}=0)"
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return f"turned off ({ENV}={os.environ[ENV]})"
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"built for Linux on x86-64 only (this is {sys.platform}, {platform.machine()})"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -71,7 +75,14 @@ def _build() -> str:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_command(cxx, "")).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     out = cache_dir() / f"gemv-{key}.so"
-    if not out.exists():
+    check = out.with_suffix(".sha256")           # written after the library: a library without it,
+    try:                                         # or with another digest (cut short, replaced), is rebuilt
+        good = out.is_file() and check.read_text().strip() == _digest(out)
+    except OSError:
+        good = False
+    if not good:
+        if out.parent.exists() and not out.parent.is_dir():
+            return f"the cache path {out.parent} is not a directory (set GPT2MHA_CACHE to one)"
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
@@ -79,7 +90,14 @@ def _build() -> str:
             done = subprocess.run(_command(cxx, tmp), capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 return f"{cxx} failed: {done.stderr.strip()[-500:]}"
-            os.replace(tmp, out)                            # atomic: concurrent builds are safe
+            os.chmod(tmp, 0o755)                        # loadable by other users of a shared cache
+            digest = _digest(Path(tmp))
+            os.replace(tmp, out)                        # atomic: concurrent builds are safe
+            fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=out.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(digest)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, check)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -131,11 +149,15 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
 
     Raises:
         RuntimeError: the kernel is not available (:func:`unavailable_reason` says why).
-        ValueError: a tensor of the wrong dtype, shape or device, or a weight that is not contiguous.
+        ValueError: a tensor of the wrong dtype, shape or device, a weight that is not
+            contiguous, or ``x`` requiring grad (no backward).
     """
     if not available():
         raise RuntimeError(f"the int8 GEMV kernel is not available: {unavailable_reason()}")
     # the operator checks too (TORCH_CHECK, a RuntimeError); here the same checks raise ValueError
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError("x requires grad: the int8 GEMV kernel is for inference (no backward); "
+                         "call it under torch.no_grad() or torch.inference_mode()")
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a float32 CPU tensor [M, K]; got {x.dtype} {tuple(x.shape)} on {x.device}")
     if weight.dtype != torch.int8 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous() \

@@ -547,7 +547,10 @@ class QuantizedLinear(nn.Module):
 
     def gemv_scales(self) -> torch.Tensor:
         """The int8 scales in float32 ``[n_out]``, for the GEMV kernel (:mod:`.gemv`), made on
-        first use and again whenever ``scales`` is another tensor or was written in place."""
+        first use and again whenever ``scales`` is another tensor or was written in place (made
+        at every call for an inference-mode tensor, which counts no writes)."""
+        if self.scales.is_inference():           # no version counter: a write in place would go unseen
+            return self.scales.float().contiguous()
         key = (self.scales, _version(self.scales))
         cached = self.__dict__.get("_gemv")
         if cached is None or cached[0][0] is not key[0] or cached[0][1] != key[1]:
