@@ -123,8 +123,7 @@ class GemvInt8Linear(nn.Module):
     order), not :class:`WoqInt8Linear`'s bf16 activations (~2e-3). An opaque C++ operator inside
     the step (``torch.ops.gpt2mha.int8_gemv``); a row's result does not depend on the other rows.
 
-    Shares the layer's int8 weight (no copy); keeps float32 copies of the scales (and of the
-    bias, for a model whose dtype is not float32). Forward ``[..., K]`` → ``[..., N]`` in the
+    Shares the layer's int8 weight and bias (no copy); keeps a float32 copy of the scales. Forward ``[..., K]`` → ``[..., N]`` in the
     dtype the layer itself returns; the bias is added in float32 inside the kernel for float32
     outputs, after the product is rounded to the model's dtype otherwise (as the eager layer).
     """
