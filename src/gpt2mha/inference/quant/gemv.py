@@ -104,6 +104,7 @@ def _build() -> str:
     torch.ops.load_library(str(out))
     torch.library.register_fake("gpt2mha::int8_gemv")(_fake)
     torch.library.register_fake("gpt2mha::int8_gemv_rows")(_fake_rows)
+    torch.library.register_fake("gpt2mha::int4_gemv")(_fake_int4)
     return ""
 
 
@@ -113,6 +114,11 @@ def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: tor
 
 def _fake_rows(u: torch.Tensor, weight: torch.Tensor, qsum: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return u.new_empty(u.shape[0], weight.shape[0])
+
+
+def _fake_int4(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @functools.cache
@@ -170,3 +176,54 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor [N={weight.shape[0]}]; "
                              f"got {t.dtype} {tuple(t.shape)}")
     return torch.ops.gpt2mha.int8_gemv(x, weight, scales, bias)
+
+
+def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ deq(W)ᵀ + bias`` in float32 by ``gemv.cpp`` for an int4 weight: the float32 product
+    with the dequantized weight ``(q − 8)·s + z`` (float32 activations and accumulation).
+
+    Args:
+        x: float32 ``[M, K]`` (any M; made for 1–8).
+        weight: uint8 ``[N, K/2]``, contiguous, input ``2i`` in the low nibble of byte ``i``
+            and ``2i + 1`` in the high one (:func:`~.schemes.pack_int4`, a
+            :class:`~.linear.QuantizedLinear`'s int4 ``weight``).
+        scale_zero: bfloat16 ``[N, K / group_size, 2]``, contiguous: each row's groups'
+            (scale, zero) (the layer's ``scale_zero [K/g, N, 2]`` transposed, see
+            :meth:`~.linear.QuantizedLinear.gemv_params`).
+        group_size: inputs per group, a multiple of 16 dividing K.
+        bias: float32 ``[N]`` or None.
+
+    Returns:
+        float32 ``[M, N]``. Each row's result is the same whatever the other rows are.
+
+    Raises:
+        RuntimeError: the kernel is not available (:func:`unavailable_reason` says why).
+        ValueError: a tensor of the wrong dtype, shape or device, a tensor that is not
+            contiguous, a group size the weight cannot have, or ``x`` requiring grad.
+    """
+    if not available():
+        raise RuntimeError(f"the GEMV kernel is not available: {unavailable_reason()}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError("x requires grad: the int4 GEMV kernel is for inference (no backward); "
+                         "call it under torch.no_grad() or torch.inference_mode()")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor [M, K]; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    K = x.shape[1]
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 16 or group_size % 16 \
+            or K % group_size:
+        raise ValueError(f"group_size={group_size!r}: expected a multiple of 16 dividing K={K}")
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] * 2 != K or not weight.is_contiguous() \
+            or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a contiguous uint8 CPU tensor [N, K/2={K // 2}]; got {weight.dtype} "
+                         f"{tuple(weight.shape)} (contiguous={weight.is_contiguous()}) on {weight.device}")
+    N = weight.shape[0]
+    if scale_zero.dtype != torch.bfloat16 or tuple(scale_zero.shape) != (N, K // group_size, 2) \
+            or not scale_zero.is_contiguous() or scale_zero.device.type != "cpu":
+        raise ValueError(f"scale_zero must be a contiguous bfloat16 CPU tensor [N={N}, K/group_size="
+                         f"{K // group_size}, 2]; got {scale_zero.dtype} {tuple(scale_zero.shape)} "
+                         f"(contiguous={scale_zero.is_contiguous()})")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (N,)
+                             or not bias.is_contiguous() or bias.device.type != "cpu"):
+        raise ValueError(f"bias must be a contiguous float32 CPU tensor [N={N}]; got {bias.dtype} {tuple(bias.shape)}")
+    return torch.ops.gpt2mha.int4_gemv(x, weight, scale_zero, group_size, bias)
