@@ -51,12 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         compiled = {}
         if gemv.available():
             compiled["int8 compiled"] = CompiledDecoder(models["int8"])
+            compiled["int4 compiled"] = CompiledDecoder(models["int4"])
         template = copy.deepcopy(models["int8"])
         with mock.patch.object(gemv, "available", lambda: False):      # the step as it is without our kernel
             compiled["int8 compiled, template"] = CompiledDecoder(template)
         for name, dec in compiled.items():
             steps[name] = dec
-            views[name] = for_decoding(template if "template" in name else models["int8"])   # its prefill
+            views[name] = for_decoding(template if "template" in name else models[name.split()[0]])   # its prefill
     times = {k: [] for k in steps}
     max_len = cache_len(4 + args.steps, 1024)
     with torch.inference_mode():

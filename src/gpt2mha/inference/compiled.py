@@ -147,6 +147,39 @@ class GemvInt8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.n_out)
 
 
+class GemvInt4Linear(nn.Module):
+    """An int4 :class:`~gpt2mha.inference.quant.linear.QuantizedLinear` for the compiled step on
+    our own kernel (``torch.ops.gpt2mha.int4_gemv``, :func:`~gpt2mha.inference.quant.gemv.int4_gemv`):
+    ``y = x @ deq(W)ᵀ + b`` with **float32 activations**, each nibble converted to float32 in
+    registers, ``deq(W) = (q − 8)·s + z`` per group: the float32 product with the dequantized
+    weight, where the eager int4 kernel takes bf16 activations (slow on CPUs without native
+    bf16). A row's result does not depend on the other rows.
+
+    Shares the layer's packed nibbles ``[N, K/2]`` and bias; keeps the (scale, zero) pairs as
+    bfloat16 ``[N, K/g, 2]`` (:meth:`~gpt2mha.inference.quant.linear.QuantizedLinear.gemv_scales`).
+    Forward ``[..., K]`` → ``[..., N]`` in the dtype the layer itself returns.
+    """
+
+    def __init__(self, layer: QuantizedLinear):
+        super().__init__()
+        if layer.scheme != "int4":
+            raise ValueError(f"GemvInt4Linear takes an int4 layer; got scheme={layer.scheme!r}")
+        self.n_in, self.n_out, self.out_dtype, self.group_size = layer.n_in, layer.n_out, layer.out_dtype, layer.group_size
+        self.weight = nn.Parameter(layer.weight.contiguous(), requires_grad=False)   # the same storage
+        self.scale_zero = nn.Parameter(layer.gemv_scales(), requires_grad=False)
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.n_in).float()
+        out = self.out_dtype(x.dtype)
+        fused = self.bias is not None and out == torch.float32 and self.bias.dtype == torch.float32
+        y = torch.ops.gpt2mha.int4_gemv(x2, self.weight, self.scale_zero, self.group_size,
+                                        self.bias if fused else None).to(out)
+        if self.bias is not None and not fused:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.n_out)
+
+
 #: FBGEMM's packed 7-bit weights of the live :class:`PerRowInt8Linear` layers, by key (the
 #: operator below takes the key: a packed weight is a TorchScript object, which dynamo does not trace).
 _FBGEMM_PACKED: dict[int, object] = {}
@@ -248,6 +281,8 @@ def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Mod
             if m.activations == "per_row":
                 return PerRowInt8Linear(m)
             return GemvInt8Linear(m) if gemv.available() else WoqInt8Linear(m)
+        if isinstance(m, QuantizedLinear) and m.scheme == "int4" and m.weight.device.type == "cpu" and gemv.available():
+            return GemvInt4Linear(m)
         if isinstance(m, CausalSelfAttention):
             new = copy.copy(m)                                  # shallow: parameters shared
             new._modules = {name: replace(f"{path}.{name}", child) or child for name, child in m._modules.items()}

@@ -32,13 +32,21 @@
 #include <optional>
 #include <vector>
 
-/* Threads: output channels are handed out in chunks of CHUNK as threads come free (a thread
- * the OS holds back on a busy machine leaves its share to the others instead of stalling the
- * call), and only for products of at least PARALLEL_MACS multiply-adds: below that an OpenMP
- * region costs more than it saves, and on a loaded machine much more (a waiting thread must
- * be scheduled before the call can end). Which thread computes a channel changes no sum. */
-static const int64_t CHUNK = 32;
+/* Threads: output channels are handed out in chunks of about CHUNK_BYTES of weights as threads
+ * come free (a thread the OS holds back on a busy machine leaves its share to the others
+ * instead of stalling the call), and only for products of at least PARALLEL_MACS multiply-adds:
+ * below that an OpenMP region costs more than it saves, and on a loaded machine much more (a
+ * waiting thread must be scheduled before the call can end). Chunks of 128 KiB keep each
+ * thread's reads one long sequential run the prefetcher follows: chunks of 32 rows (24 KiB of
+ * the 768-wide head) left two threads no faster than one (RESULTS.md, "int4 and chunks").
+ * Which thread computes a channel changes no sum. */
+static const int64_t CHUNK_BYTES = 1 << 17;
 static const int64_t PARALLEL_MACS = 1 << 18;
+
+static inline int64_t chunk_rows(int64_t row_bytes) {
+    const int64_t r = CHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    return r > 1 ? r : 1;
+}
 
 static inline bool parallel_worth(int64_t M, int64_t K, int64_t N) { return M * K * N >= PARALLEL_MACS; }
 
@@ -96,7 +104,8 @@ static void dot2(const float *x0, const float *x1, const int8_t *w, int64_t K, f
 
 static void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N,
                  const float *scales, const float *bias, float *y) {
-    #pragma omp parallel for schedule(dynamic, CHUNK) if (parallel_worth(M, K, N))
+    const int64_t chunk = chunk_rows(K);
+    #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wn = w + n * K;
         float b = bias ? bias[n] : 0.0f, s0, s1;
@@ -149,7 +158,8 @@ static inline void rows_tile(const uint8_t *u8, int64_t K, const int8_t *wn, int
 
 static void gemv_rows(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, int64_t N,
                       const int32_t *qsum, const float *scales, float *y) {
-    #pragma omp parallel for schedule(dynamic, CHUNK) if (parallel_worth(M, K, N))
+    const int64_t chunk = chunk_rows(K);
+    #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
     for (int64_t n = 0; n < N; n++) {
         int32_t s[4];
         const int8_t *wn = w + n * K;
@@ -242,11 +252,11 @@ static inline void int4_tile(const float *xe, const float *xo, const float *xz, 
 template <int GT>
 static void gemv_int4(const float *xe, const float *xo, const float *xz, int64_t M, int64_t K, int64_t G,
                       const uint8_t *w, int64_t N, const uint16_t *sz, const float *bias, float *y) {
-    const int64_t half = K / 2, ng = K / G;
+    const int64_t half = K / 2, ng = K / G, chunk = chunk_rows(half);
     #pragma omp parallel if (parallel_worth(M, K, N))
     {
         std::vector<float> sf(2 * ng);
-        #pragma omp for schedule(dynamic, CHUNK)
+        #pragma omp for schedule(dynamic, chunk)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *wn = w + n * half;
             params_f32(sz + n * ng * 2, ng, sf.data());

@@ -439,9 +439,12 @@ class QuantizedLinear(nn.Module):
             y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
         elif many:
             y = self.dequantized_product(x2.float())
-        elif self.scheme == "int8" and tokens == 1 and self.weight.is_contiguous() and gemv.available():
+        elif tokens == 1 and self.weight.is_contiguous() and gemv.available():
             # decode: float32 x @ deq(W)ᵀ on the GEMV kernel
-            y = torch.ops.gpt2mha.int8_gemv(x2.float(), self.weight, self.gemv_scales(), None)
+            if self.scheme == "int8":
+                y = torch.ops.gpt2mha.int8_gemv(x2.float(), self.weight, self.gemv_scales(), None)
+            else:
+                y = torch.ops.gpt2mha.int4_gemv(x2.float(), self.weight, self.gemv_scales(), self.group_size, None)
         elif self.scheme == "int8":
             kernel = int8_kernel()
             y = int8_matmul(x2, self.weight, self.scales, kernel,
@@ -546,15 +549,20 @@ class QuantizedLinear(nn.Module):
         return cached[1]
 
     def gemv_scales(self) -> torch.Tensor:
-        """The int8 scales in float32 ``[n_out]``, for the GEMV kernel (:mod:`.gemv`), made on
-        first use and again whenever ``scales`` is another tensor or was written in place (made
-        at every call for an inference-mode tensor, which counts no writes)."""
-        if self.scales.is_inference():           # no version counter: a write in place would go unseen
-            return self.scales.float().contiguous()
-        key = (self.scales, _version(self.scales))
+        """The scales in the GEMV kernel's layout (:mod:`.gemv`): int8's as float32 ``[n_out]``;
+        int4's ``scale_zero`` as bfloat16 ``[n_out, n_in / group_size, 2]`` (each output
+        channel's groups together, the order the kernel streams them). Made on first use and
+        again whenever the buffer is another tensor or was written in place (made at every call
+        for an inference-mode tensor, which counts no writes)."""
+        scales = self.scales if self.scheme == "int8" else self.scale_zero
+        convert = (lambda t: t.float().contiguous()) if self.scheme == "int8" else \
+            (lambda t: t.transpose(0, 1).contiguous())
+        if scales.is_inference():                # no version counter: a write in place would go unseen
+            return convert(scales)
+        key = (scales, _version(scales))
         cached = self.__dict__.get("_gemv")
         if cached is None or cached[0][0] is not key[0] or cached[0][1] != key[1]:
-            cached = (key, self.scales.float().contiguous())
+            cached = (key, convert(scales))
             self.__dict__["_gemv"] = cached
         return cached[1]
 
