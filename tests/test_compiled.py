@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpt2mha import GPT2, GPT2Config, KVCache
-from gpt2mha.inference.compiled import (GEMV_ROWS, SPAN_MULTIPLE, SPAN_STEP, GemvInt8Linear, PerRowInt8Linear, WoqInt8Linear, cache_len,
+from gpt2mha.inference.compiled import (GEMV_ROWS, SPAN_MULTIPLE, SPAN_STEP, GemvInt4Linear, GemvInt8Linear, PerRowInt8Linear, WoqInt8Linear, cache_len,
                                         compiled_decoder, decode_view, options)
 from gpt2mha.inference.quant import gemv
 
@@ -82,6 +82,51 @@ def test_compiled_steps_give_the_int8_models_logits_and_advance_the_cache(int8_m
         assert (got - same_math).abs().max().item() < 1e-2 * scale       # same products, other summation order
         assert (got - exact).abs().max().item() < 3e-2 * scale           # bf16 activations vs exact pieces
     assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(not gemv.available(), reason=f"the GEMV kernel does not build here: {gemv.unavailable_reason()}")
+def test_int4_models_decode_compiled_on_the_int4_kernel():
+    # references: the eager decode view (the same int4_gemv products, float32 activations) and
+    # float64 products of the dequantized weights through the whole model (an int4 layer's
+    # dequantized(); its int8 head's too), computed here by swapping every quantized layer for
+    # an nn.Linear holding its dequantized weight
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_vocab=96, n_ctx=128, n_embd=64, n_head=4, n_layer=2, tokenizer="bytes")
+    model = GPT2(cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = model.quantize("int4", method="rtn", group_size=32)
+    view = decode_view(model)
+    layers = [m for m in view.modules() if isinstance(m, GemvInt4Linear)]
+    assert len(layers) == 4 * cfg.n_layer                                  # every block product; the head is int8
+    assert layers[0].weight.data_ptr() == model.h[0].attn.c_attn.weight.data_ptr()
+    from gpt2mha.inference.quant.linear import QuantizedLinear
+    dense = copy.deepcopy(model).double()
+    for name, m in list(dense.named_modules()):
+        for child_name, child in list(m.named_children()):
+            if isinstance(child, QuantizedLinear):
+                lin = torch.nn.Linear(child.n_in, child.n_out, bias=child.bias is not None).double()
+                lin.weight.data = child.dequantized().double()
+                if child.bias is not None:
+                    lin.bias.data = child.bias.double()
+                setattr(m, child_name, lin)
+    B, T, steps = 2, 5, 4
+    idx = torch.randint(0, 96, (B, T + steps))
+    dec = compiled_decoder(model)
+    with torch.inference_mode():
+        eager_view = decode_view(model)
+        caches = [KVCache(2, B, 4, cache_len(T + steps, 128), 16) for _ in range(2)]
+        for c in caches:
+            model(idx[:, :T], cache=c)
+        for s in range(T, T + steps):
+            got = dec(idx[:, s:s + 1], caches[0])
+            plan = caches[1].plan(1, span=caches[1].max_len, per_row=True)
+            same = eager_view(idx[:, s:s + 1], cache=caches[1], step=plan, last_only=True).logits[:, -1]
+            exact = dense(idx[:, :s + 1]).logits[:, -1]
+            scale = exact.abs().max().item()
+            assert (got - same).abs().max().item() < 1e-5 * scale
+            # the prefill ran torch's int4 kernel (bf16 activations): the cache is off float64's a little
+            assert (got.double() - exact).abs().max().item() < 2e-3 * scale     # measured ~4e-4
 
 
 @pytest.fixture(scope="module")

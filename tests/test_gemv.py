@@ -199,3 +199,102 @@ def test_decode_products_see_scales_written_in_place_even_in_inference_mode():
         before = layer(x)
         layer.scales.mul_(2)
         assert torch.allclose(layer(x), 2 * before, rtol=1e-6, atol=1e-7)
+
+
+# --- int4 (the float32 product with the dequantized int4 weight, (q - 8)·s + z per group) ---
+
+def _int4_case(M, K, N, G, seed=0):
+    from gpt2mha.inference.quant.schemes import pack_int4, quantize_int4
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * 2
+    q, scale_zero = quantize_int4(torch.randn(N, K, generator=g) * 0.05 + 0.01, G)   # off-centre: zeros matter
+    b = torch.randn(N, generator=g)
+    return x, q, pack_int4(q), scale_zero, b
+
+
+def _int4_dequantized(q, scale_zero, G):
+    # float64 (q - 8)·s + z, written out here (independent of schemes.dequantize_int4)
+    N, K = q.shape
+    sz = scale_zero.double().transpose(0, 1).repeat_interleave(G, dim=1)      # [N, K, 2]
+    return (q.double() - 8) * sz[..., 0] + sz[..., 1], sz
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N,G", [(1, 768, 2304, 32), (2, 768, 768, 64), (3, 3072, 768, 32), (5, 768, 40, 128),
+                                     (4, 512, 9, 256), (1, 48, 3, 16), (8, 96, 17, 32)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_int4_kernel_gives_the_float_product_of_the_dequantized_weight(M, K, N, G, bias):
+    x, q, packed, scale_zero, b = _int4_case(M, K, N, G)
+    b = b if bias else None
+    y = gemv.int4_gemv(x, packed, scale_zero.transpose(0, 1).contiguous(), G, b)
+    w, sz = _int4_dequantized(q, scale_zero, G)
+    ref = x.double() @ w.t() + (0 if b is None else b.double())
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    # float32 rounding of s·Σ q·x + (z − 8s)·Σ x per group, summed over the groups: at most about
+    # (K/8 + 16) units of 2^-24 of Σ (s·q + |z − 8s|)·|x|; a wrong nibble, group or zero is off by ~s·|x|
+    terms = x.double().abs() @ (sz[..., 0] * q.double() + (sz[..., 1] - 8 * sz[..., 0]).abs()).t()
+    bound = (K / 8 + 16) * 2.0 ** -24 * (terms + (0 if b is None else b.double().abs()))
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_kernel
+def test_each_rows_int4_result_is_the_same_whatever_the_other_rows_and_threads():
+    x, q, packed, scale_zero, b = _int4_case(7, 3072, 300, 32, seed=1)
+    sz = scale_zero.transpose(0, 1).contiguous()
+    together = gemv.int4_gemv(x, packed, sz, 32, b)
+    for i in range(7):
+        assert torch.equal(gemv.int4_gemv(x[i:i + 1], packed, sz, 32, b)[0], together[i])
+    assert torch.equal(gemv.int4_gemv(x[[6, 0, 3]], packed, sz, 32, b), together[[6, 0, 3]])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gemv.int4_gemv(x, packed, sz, 32, b), together)
+    finally:
+        torch.set_num_threads(threads)
+    x[2, 7] = float("nan")
+    y = gemv.int4_gemv(x, packed, sz, 32, b)
+    assert y[2].isnan().all() and torch.equal(y[[0, 1, 3, 4, 5, 6]], together[[0, 1, 3, 4, 5, 6]])
+
+
+@needs_kernel
+def test_bad_int4_arguments_are_named():
+    x, q, packed, scale_zero, b = _int4_case(2, 64, 16, 32)
+    sz = scale_zero.transpose(0, 1).contiguous()
+    with pytest.raises(ValueError, match="group_size=24: expected a multiple of 16 dividing K=64"):
+        gemv.int4_gemv(x, packed, sz, 24, b)
+    with pytest.raises(ValueError, match="group_size=True"):
+        gemv.int4_gemv(x, packed, sz, True, b)
+    with pytest.raises(ValueError, match=r"weight must be a contiguous uint8 CPU tensor \[N, K/2=32\]"):
+        gemv.int4_gemv(x, packed.view(torch.int8), sz, 32, b)
+    with pytest.raises(ValueError, match=r"scale_zero must be a contiguous bfloat16 CPU tensor \[N=16, K/group_size=2, 2\]"):
+        gemv.int4_gemv(x, packed, scale_zero, 32, b)                  # the checkpoint's [K/g, N, 2]: transpose it
+    with pytest.raises(ValueError, match="bias must be"):
+        gemv.int4_gemv(x, packed, sz, 32, b[:3])
+    with pytest.raises(RuntimeError, match=r"int4_gemv: scale_zero must be a contiguous bfloat16"):
+        torch.ops.gpt2mha.int4_gemv(x, packed, sz.float(), 32, b)
+    with pytest.raises(RuntimeError, match=r"int4_gemv: group_size must be a multiple of 16"):
+        torch.ops.gpt2mha.int4_gemv(x, packed, sz, 8, b)
+
+
+@needs_kernel
+def test_int4_layers_decode_on_the_kernel_with_float32_activations():
+    # reference: float64 x @ dequantized()ᵀ + b. The int4 fallback (torch's int4pack kernel) takes
+    # bf16 activations (~3e-3 relative): the kernel's float32 product must be far closer
+    from unittest import mock
+    from gpt2mha.inference.quant.linear import QuantizedLinear
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_float(torch.randn(48, 256) * 0.1, torch.randn(48), "int4", group_size=32)
+    x = torch.randn(3, 1, 256)
+    ref = x.double() @ layer.dequantized().double().t() + layer.bias.double()
+    scale = ref.abs().max().item()
+    with torch.inference_mode():
+        with mock.patch.object(torch.ops.gpt2mha, "int4_gemv", wraps=torch.ops.gpt2mha.int4_gemv) as op:
+            y = layer(x)
+            assert op.call_count == 1
+        assert (y.double() - ref).abs().max().item() < 1e-6 * scale
+        assert torch.equal(layer(x[1:2])[0], y[1])                        # a row alone: the same bits
+        prefill = layer(x.view(1, 3, 256))                               # 3 tokens of one sequence: torch's kernel
+        assert 1e-6 * scale < (prefill.double() - ref.view(1, 3, -1)).abs().max().item() < 3e-2 * scale
+        layer.scale_zero[..., 0].mul_(2)                                  # scales written in place: seen
+        w2 = layer.dequantized().double()
+        assert (layer(x).double() - (x.double() @ w2.t() + layer.bias.double())).abs().max().item() < 2e-6 * scale
