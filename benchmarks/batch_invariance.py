@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from gpt2mha import GPT2, GPT2Config, KVCache  # noqa: E402
 from gpt2mha.inference.fast import for_decoding, pad_rows  # noqa: E402
 from gpt2mha.inference.generate import left_pad  # noqa: E402
-from gpt2mha.inference.quant import QuantizedLinear, int8_matmul  # noqa: E402
+from gpt2mha.inference.quant import QuantizedLinear, gemv, int8_matmul  # noqa: E402
 from gpt2mha.inference.quant.schemes import quantize_int8  # noqa: E402
 
 MS = list(range(1, 65)) + [100, 128, 256, 300]
@@ -63,7 +63,12 @@ def survey_products(K=768, N=2304, ms=MS) -> dict[str, list[int]]:
     xo[::7, 5] = 300.0                                          # outlier rows among ordinary ones
     out["int8 int8_matmul, outlier rows mixed in"] = row_classes(lambda v: int8_matmul(v, q, s), xo, ms)
     layer = QuantizedLinear.from_float(W.t(), b, "int4", 32)
-    out["int4 _weight_int4pack_mm_for_cpu"] = row_classes(layer, x.to(torch.bfloat16), ms)
+    out["int4 _weight_int4pack_mm_for_cpu"] = row_classes(
+        lambda v: torch.ops.aten._weight_int4pack_mm_for_cpu(v, layer.packed, 32, layer.scale_zero), x.to(torch.bfloat16), ms)
+    if gemv.available():                          # one token per sequence on gpt2mha's kernel (decode view)
+        out["int8 int8_gemv (decode view)"] = row_classes(lambda v: gemv.int8_gemv(v, q, s.float(), b), x, ms)
+        out["int4 int4_gemv (decode view)"] = row_classes(
+            lambda v: gemv.int4_gemv(v, layer.weight, layer.gemv_scales(), 32, layer.bias), x, ms)
     return out
 
 
