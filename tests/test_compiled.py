@@ -179,11 +179,16 @@ def test_auto_activations_decode_compiled_as_exact_int8(int8_model):
     assert not any(isinstance(m, PerRowInt8Linear) for m in view.modules())
 
 
-def test_compiled_per_row_steps_follow_the_eager_per_row_model(per_row_model):
+@pytest.mark.parametrize("kernel", ["fbgemm", "int_mm"])
+def test_compiled_per_row_steps_follow_the_eager_per_row_model(per_row_model, kernel, monkeypatch):
+    # int_mm is what VNNI CPUs run: frozen, inductor's lowering of it gave NaN there (options() unfreezes)
+    monkeypatch.setenv("GPT2MHA_INT8_KERNEL", kernel)
+    per_row_model = copy.deepcopy(per_row_model)                  # its own compiled step, on this kernel
     B, T, steps = 2, 5, 6
     idx = torch.randint(0, 96, (B, T + steps), generator=torch.Generator().manual_seed(2))
     dec = compiled_decoder(per_row_model)
     assert "max_autotune" not in dec.options                    # no GEMM template to pick: FBGEMM is an opaque call
+    assert dec.options["freezing"] == (kernel == "fbgemm")
     with torch.inference_mode():
         caches = [KVCache(2, B, 4, cache_len(T + steps, 128), 16) for _ in range(2)]
         for c in caches:

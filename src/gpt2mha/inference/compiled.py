@@ -338,12 +338,18 @@ def options(model: nn.Module) -> dict:
     another model of the same shapes: measured, tests/test_compiled.py), and for an int8
     model max-autotune over inductor's C++ GEMM templates only (max-autotune times its
     candidates on weights hot in cache, where ATen's eager kernel looks faster than it is when
-    the weights stream from memory: measured, RESULTS.md)."""
+    the weights stream from memory: measured, RESULTS.md); for a per_row model on
+    ``torch._int_mm`` (VNNI CPUs), no freezing (it broke that step)."""
     opts = {"freezing": True, "fx_graph_cache": False}
     quantization = getattr(model, "quantization", None) or {}
     if quantization.get("scheme") == "int8" and quantization.get("activations", "exact") != "per_row" \
             and not gemv.available():
         opts.update(max_autotune=True, max_autotune_gemm_backends="CPP")
+    if quantization.get("activations") == "per_row" and int8_kernel() == "int_mm":
+        # with the weight frozen into a constant, inductor's lowering of torch._int_mm followed by
+        # per_row's rescale gave NaN/inf (garbage) for two rows or more (torch 2.13, Zen 4 with
+        # VNNI; tests/test_compiled.py); not frozen, the same step is right
+        opts["freezing"] = False
     return opts
 
 
@@ -381,7 +387,8 @@ class CompiledDecoder:
         plan = cache.plan(1, span=read_span(max(cache.lengths) + 1, cache.max_len), per_row=True)
         if plan.span > 1:                                        # sizes 0 and 1 are always specialized
             torch._dynamo.maybe_mark_dynamic(plan.mask, 3)
-        with torch._inductor.config.patch(freezing=True, fx_graph_cache=False), \
+        read = {k: v for k, v in self.options.items() if k in ("freezing", "fx_graph_cache")}
+        with torch._inductor.config.patch(read), \
                 torch._functorch.config.patch(enable_autograd_cache=False):    # read while dynamo traces
             logits = self.compiled(token, _Unadvanced.over(cache), plan._replace(span=0))
         cache.advance(1)
