@@ -19,7 +19,8 @@ The contenders:
   own scale and zero point over 7-bit weights), eager and compiled ("int8 per_row compiled":
   the same W7A8 products inside the compiled step); int8 with ``activations="auto"`` (the
   exact products for decode, W7A8 for prompts of 64+ tokens; compiled, its decode step is
-  int8 compiled's);
+  int8 compiled's); int4 compiled (the block products on gpt2mha's int4 GEMV kernel, float32
+  activations; the int8 head on the int8 one);
 * transformers float32 (``GPT2LMHeadModel``, sdpa): the reference every ratio divides by;
 * llama.cpp (through llama-cpp-python): GGUF f32 written with the ``gguf`` package (llama.cpp's
   own Python library: its ``GGUFWriter`` and its GPT-2 tensor-name map, the steps of its
@@ -94,7 +95,7 @@ REFERENCE = "transformers float32"
 #: Every contender besides the reference and gpt2mha float32 (``--skip`` takes these names; the
 #: reference always runs, gpt2mha float32 whenever the gpt2mha engine does).
 VARIANTS = ("gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int8 per_row", "gpt2mha int8 per_row compiled",
-            "gpt2mha int8 auto", "gpt2mha int8 auto compiled", "gpt2mha int4", "llama.cpp f32",
+            "gpt2mha int8 auto", "gpt2mha int8 auto compiled", "gpt2mha int4", "gpt2mha int4 compiled", "llama.cpp f32",
             "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 float32", "ctranslate2 int8", "onnxruntime float32",
             "onnxruntime int8")
 
@@ -667,7 +668,7 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
             if not os.path.isdir(qdir):
                 model.save_pretrained(qdir)
             out.append(Torch(name, model, dir_bytes(qdir), step_bytes(model), hf=False))
-            if want(name + " compiled") and scheme == "int8":
+            if want(name + " compiled"):
                 out.append(Torch(name + " compiled", model, dir_bytes(qdir), step_bytes(model), hf=False,
                                  compiled=True))
 
