@@ -18,7 +18,9 @@ What each model gets (:func:`decode_view`):
   product rounded to bf16 and the bias and residual stream kept in float32 (~2e-3 relative
   per product; top-1 agreement with float32 in RESULTS.md).
 * int8 with ``activations="per_row"``: :class:`PerRowInt8Linear` (W7A8, FBGEMM's integer GEMM).
-* float32 / bf16 / fp16 / int4 blocks: the eager decode view (:func:`~.fast.for_decoding`),
+* int4 blocks: :class:`GemvInt4Linear`, gpt2mha's int4 GEMV kernel (float32 activations, the
+  nibbles converted in registers) where it builds; else the eager decode view's bf16 kernel.
+* float32 / bf16 / fp16: the eager decode view (:func:`~.fast.for_decoding`),
   compiled as it is (ATen's products, fused small ops).
 
 The step compiles once for the whole loop: the cache is read up to the longest row's length,
@@ -271,7 +273,9 @@ class PerRowInt8Linear(nn.Module):
 def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Module:
     """``model``'s decode view (:func:`~.fast.for_decoding`) as the compiled step runs it (a
     view: ``model`` is not changed): every int8 quantized layer swapped for a
-    :class:`WoqInt8Linear`, and attention on the explicit core (``attn_impl="explicit"``,
+    :class:`GemvInt8Linear` (:class:`PerRowInt8Linear` with ``activations="per_row"``;
+    :class:`WoqInt8Linear` where the GEMV kernel does not build), every int4 one for a
+    :class:`GemvInt4Linear` where it does, and attention on the explicit core (``attn_impl="explicit"``,
     OpenAI's formula), which inductor fuses into the step, where the fused SDPA kernel is an
     opaque call costing ~0.15 ms per layer at one token (profiled on 124M)."""
     def replace(path: str, m: nn.Module) -> nn.Module | None:

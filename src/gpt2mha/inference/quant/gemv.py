@@ -1,12 +1,14 @@
-"""An optional C++ kernel for int8 weight-only products at decode sizes: ``gemv.cpp``, the operator
-``torch.ops.gpt2mha.int8_gemv``, built on first use with the system C++ compiler against torch's
+"""An optional C++ kernel for int8 and int4 weight-only products at decode sizes: ``gemv.cpp``, the
+operators ``torch.ops.gpt2mha.int8_gemv`` and ``int4_gemv`` (and per_row's ``int8_gemv_rows``), built on first use with the system C++ compiler against torch's
 headers (~10 s, once) and loaded with ``torch.ops.load_library``.
 
 At one to eight input rows a product is a read of the int8 weights. On an AVX2-only CPU none of
 the kernels torch ships streams them near the memory's speed (inductor's weight-only int8
 template ~13–15 GB/s, FBGEMM and oneDNN less); ``gemv.cpp`` reads each weight row start to end
 and converts it to float32 in registers (17–18 GB/s on the same host, with float32 activations
-where the template rounds them to bf16: benchmarks/RESULTS.md, "A kernel of our own"). Issue 22
+where the template rounds them to bf16: benchmarks/RESULTS.md, "A kernel of our own"). int4
+weights (two per byte, a bf16 scale and zero per group) are unpacked the same way, where
+torch's int4 kernel takes bf16 activations, emulated and slow on CPUs without AVX-512 BF16. Issue 22
 allows hand-written SIMD only as a small, tested, optional extension where nothing else gets
 there; this is it. Where it cannot be built (no C++ compiler, no AVX2/FMA, not Linux on x86-64,
 or ``GPT2MHA_GEMV=0``) :func:`available` is False and callers keep torch's kernels.

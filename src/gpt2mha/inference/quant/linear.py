@@ -8,7 +8,8 @@ has no fast path: on an AVX2-only Zen 3 it ran 6–12x slower than the float32 m
 1.2–6x faster than it (benchmarks/RESULTS.md, "Kernels per CPU"). One-token steps (decode) of
 int8 layers run gpt2mha's own GEMV kernel where it builds (:mod:`.gemv`: float32 activations
 times the dequantized weight, no rounding of the activations at all; 2.9x faster than the pieces
-at batch 1 on the AVX2 Zen 3, RESULTS.md, "A kernel of our own").
+at batch 1 on the AVX2 Zen 3, RESULTS.md, "A kernel of our own"); int4 layers' one-token steps
+too (float32 activations where torch's int4 kernel takes bf16).
 """
 
 from __future__ import annotations
@@ -337,8 +338,9 @@ class QuantizedLinear(nn.Module):
     one token per sequence (a decode step: ``[B, 1, n_in]``, or a 2-D input of one row) with
     ``"exact"`` or ``"auto"`` runs the GEMV kernel instead where it builds
     (:func:`~.gemv.int8_gemv`: the float32 product of the dequantized weight, closer to float32
-    than the pieces; decided per sequence, never by the batch size, so batch invariance holds),
-    int4 hands the kernel :data:`KERNEL_DTYPE` activations; on CPUs
+    than the pieces; decided per sequence, never by the batch size, so batch invariance holds);
+    int4 decode steps likewise run :func:`~.gemv.int4_gemv` (float32 activations), other int4
+    products hand torch's int4 kernel :data:`KERNEL_DTYPE` activations; on CPUs
     without VNNI/AMX, inputs of :data:`DEQUANTIZE_FROM_ROWS` rows or more run
     :meth:`dequantized_product` instead. The product comes back to x's dtype before the bias is
     added (float32 bias and residual stream for a float32 model). Elsewhere the weight is
