@@ -298,3 +298,93 @@ def test_int4_layers_decode_on_the_kernel_with_float32_activations():
         layer.scale_zero[..., 0].mul_(2)                                  # scales written in place: seen
         w2 = layer.dequantized().double()
         assert (layer(x).double() - (x.double() @ w2.t() + layer.bias.double())).abs().max().item() < 2e-6 * scale
+
+
+# --- int4 W4A8 (activations="per_block"): x rounded to 8 bits per group, exact int32 sums ---
+
+def _per_block_reference(x, q, scale_zero, G):
+    # float64 W4A8 written out: a = round(x · (127 / max|x|)) per group (the kernel's float32
+    # reciprocal and round-half-even, mimicked in float32), d = max|x| / 127, times the float64
+    # dequantized weight
+    M, K = x.shape
+    xg = x.view(M, K // G, G)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    a = torch.round(xg * inv)
+    xq = (a.double() * (amax / 127.0).double()).view(M, K)
+    w, sz = _int4_dequantized(q, scale_zero, G)
+    return xq @ w.t(), xq, w, sz
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N,G", [(1, 768, 2304, 32), (3, 768, 768, 64), (5, 3072, 768, 128), (2, 512, 40, 256),
+                                     (6, 96, 17, 32)])
+def test_the_per_block_kernel_gives_the_product_of_rounded_activations(M, K, N, G):
+    x, q, packed, scale_zero, b = _int4_case(M, K, N, G)
+    x[0, :G] = 0.0                                                       # an all-zero group: d = 0
+    y = gemv.int4_gemv(x, packed, scale_zero.transpose(0, 1).contiguous(), G, b, activations="per_block")
+    ref, xq, w, sz = _per_block_reference(x, q, scale_zero, G)
+    ref = ref + b.double()
+    # exact int32 sums, then float32 roundings per group and across groups: the same bound as exact
+    terms = xq.abs() @ (sz[..., 0] * q.double() + (sz[..., 1] - 8 * sz[..., 0]).abs()).t()
+    bound = (K / 8 + 16) * 2.0 ** -24 * (terms + b.double().abs())
+    assert ((y.double() - ref).abs() <= bound).all()
+    # and it is not the exact product: rounding x to 8 bits costs ~1e-3 of it
+    exact = x.double() @ w.t() + b.double()
+    rel = ((y.double() - exact).abs().max() / exact.abs().max()).item()
+    assert 1e-5 < rel < 2e-2
+
+
+@needs_kernel
+def test_each_rows_per_block_result_is_its_own():
+    x, q, packed, scale_zero, b = _int4_case(9, 768, 200, 32, seed=3)
+    sz = scale_zero.transpose(0, 1).contiguous()
+    together = gemv.int4_gemv(x, packed, sz, 32, b, activations="per_block")
+    for i in range(9):                                                  # tiles of 4, 3, 2 and 1 rows
+        assert torch.equal(gemv.int4_gemv(x[i:i + 1], packed, sz, 32, b, activations="per_block")[0], together[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gemv.int4_gemv(x, packed, sz, 32, b, activations="per_block"), together)
+    finally:
+        torch.set_num_threads(threads)
+    x[4, 100] = float("inf")
+    y = gemv.int4_gemv(x, packed, sz, 32, b, activations="per_block")
+    assert y[4].isnan().all() and torch.equal(y[[0, 1, 2, 3, 5, 6, 7, 8]], together[[0, 1, 2, 3, 5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="group_size=16: expected a multiple of 32"):
+        gemv.int4_gemv(x[:, :64], packed[:, :32].contiguous(), torch.ones(200, 4, 2, dtype=torch.bfloat16), 16,
+                       activations="per_block")
+    with pytest.raises(ValueError, match="activations='rows': expected 'exact' or 'per_block'"):
+        gemv.int4_gemv(x, packed, sz, 32, activations="rows")
+    with pytest.raises(RuntimeError, match="int4_gemv_a8: group_size must be a multiple of 32"):
+        torch.ops.gpt2mha.int4_gemv_a8(x[:, :64], packed[:, :32].contiguous(),
+                                       torch.ones(200, 4, 2, dtype=torch.bfloat16), 16, None)
+
+
+@needs_kernel
+def test_per_block_int4_models_decode_on_w4a8_and_keep_it_in_their_checkpoint(tmp_path):
+    from unittest import mock
+    import warnings
+    from gpt2mha import GPT2, GPT2Config
+    from gpt2mha.inference.quant import set_activations
+    from gpt2mha.inference.quant.linear import QuantizedLinear
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_vocab=96, n_ctx=64, n_embd=64, n_head=4, n_layer=2, tokenizer="bytes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPT2(cfg).eval().quantize("int4", method="rtn", group_size=32, activations="per_block")
+    assert {m.activations for m in model.modules() if isinstance(m, QuantizedLinear) and m.scheme == "int4"} == {"per_block"}
+    assert model.lm_head.activations == "exact"                          # the int8 head is not int4's
+    idx = torch.randint(0, 96, (3, 9))
+    with torch.inference_mode():
+        with mock.patch.object(torch.ops.gpt2mha, "int4_gemv_a8", wraps=torch.ops.gpt2mha.int4_gemv_a8) as op:
+            out = model.generate(idx, 4, temperature=0)
+            assert op.call_count == 4 * cfg.n_layer * 3                   # every block product of 3 decode steps
+    model.save_pretrained(tmp_path / "q4")
+    loaded = GPT2.from_pretrained(str(tmp_path / "q4"))
+    assert loaded.quantization["activations"] == "per_block"
+    with torch.inference_mode():
+        assert torch.equal(loaded.generate(idx, 4, temperature=0), out)
+    set_activations(loaded, "exact")
+    with pytest.raises(ValueError, match="'per_row' does not apply to scheme='int4'"):
+        set_activations(loaded, "per_row")

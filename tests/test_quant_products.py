@@ -153,10 +153,12 @@ def test_per_row_layer_follows_its_weight_and_validates(monkeypatch, kernel):
     check()
     assert layer.per_row_weights() is not cached
     assert "activations=per_row" in repr(layer) and copy.deepcopy(layer).activations == "per_row"
-    with pytest.raises(ValueError, match=r"activations='rows': expected one of \('exact', 'per_row', 'auto'\)"):
+    with pytest.raises(ValueError, match=r"activations='rows': an int8 layer takes one of \('exact', 'per_row', 'auto'\)"):
         layer.activations = "rows"
+    with pytest.raises(ValueError, match=r"activations='per_block': an int8 layer takes one of"):
+        layer.activations = "per_block"
     int4 = QuantizedLinear.from_float(torch.randn(8, 32, generator=g), None, "int4", 32)
-    with pytest.raises(ValueError, match="applies to int8 products; this layer is int4"):
+    with pytest.raises(ValueError, match=r"activations='per_row': an int4 layer takes one of \('exact', 'per_block'\)"):
         int4.activations = "per_row"
 
 
@@ -216,7 +218,7 @@ def test_quantize_with_per_row_activations_round_trips_and_names_errors(tmp_path
     set_activations(loaded, "exact")
     with torch.no_grad():
         assert torch.equal(loaded(idx).logits, e)
-    with pytest.raises(ValueError, match=r"activations='per_row' applies to int8 products; scheme='int4'"):
+    with pytest.raises(ValueError, match=r"activations='per_row' does not apply to scheme='int4': int4 takes one of"):
         copy.deepcopy(ref).quantize("int4", method="rtn", activations="per_row")
     with pytest.raises(ValueError, match=r"activations='fast': expected one of"):
         copy.deepcopy(ref).quantize("int8", method="rtn", activations="fast")

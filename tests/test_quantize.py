@@ -644,7 +644,7 @@ def test_cli_activations_per_row_quantizes_converts_and_sets_a_saved_int8_model(
         assert main([*gen, *bad]) == 2
         assert says in capsys.readouterr().err
     assert main(["convert", str(src), str(tmp_path / "x"), "--activations", "per_row"]) == 2
-    assert "--activations per_row applies to int8 models" in capsys.readouterr().err
+    assert "--activations per_row applies to quantized models" in capsys.readouterr().err
     # auto: saved with the checkpoint, read back onto every int8 layer
     auto = tmp_path / "q8auto"
     assert main(["convert", str(src), str(auto), "--quantize", "int8", "--quantize-method", "rtn",

@@ -102,12 +102,14 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                         "'Quantized decode'); rtn: round to nearest, instant")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="UTF-8 text file GPTQ calibrates on (default: a 16 KiB Shakespeare sample in the package)")
-    p.add_argument("--activations", choices=["exact", "per_row", "auto"], default=None,
-                   help="how an int8 model's products treat the activations: exact (default; never rounded: float32 "
-                        "times the int8 weights on gpt2mha's GEMV kernel for decode steps, integer pieces else), "
-                        "per_row (each row rounded to 8 bits over 7-bit weights, W7A8: faster prefill and batched "
-                        "decode, less exact) or auto (exact for decode, per_row for prompts of 64+ tokens on CPUs "
-                        "without VNNI; README 'Quantized decode'); also sets it on a model saved int8")
+    p.add_argument("--activations", choices=["exact", "per_row", "auto", "per_block"], default=None,
+                   help="how a quantized model's products treat the activations: exact (default; never rounded: "
+                        "float32 times the int8/int4 weights on gpt2mha's GEMV kernel for decode steps, integer "
+                        "pieces else); int8: per_row (each row rounded to 8 bits over 7-bit weights, W7A8: faster "
+                        "prefill and batched decode, less exact) or auto (exact for decode, per_row for prompts of "
+                        "64+ tokens on CPUs without VNNI); int4: per_block (decode steps with each row rounded to 8 "
+                        "bits per group, W4A8 as llama.cpp q4_0; README 'Quantized decode'); also sets it on a model "
+                        "saved quantized")
 
 
 def check_quantize_args(args) -> None:
@@ -119,9 +121,11 @@ def check_quantize_args(args) -> None:
                          f"--quantize int8|int4 with --quantize-method gptq")
     if args.quantize_method is not None and args.quantize is None:
         raise ValueError(f"--quantize-method {args.quantize_method} applies only with --quantize int8|int4")
-    if getattr(args, "activations", None) not in (None, "exact") and args.quantize == "int4":
-        raise ValueError(f"--activations {args.activations} applies to int8 products; --quantize int4 multiplies "
-                         f"bf16 activations by int4 weights (use --quantize int8)")
+    from ..inference.quant.linear import SCHEME_ACTIVATIONS
+    activations = getattr(args, "activations", None)
+    if activations is not None and args.quantize is not None and activations not in SCHEME_ACTIVATIONS[args.quantize]:
+        raise ValueError(f"--activations {activations} does not apply to --quantize {args.quantize}, which takes "
+                         f"{' or '.join(SCHEME_ACTIVATIONS[args.quantize])}")
 
 
 def quantized(model, args):
@@ -135,8 +139,8 @@ def quantized(model, args):
         if activations is None:
             return model
         if not getattr(model, "quantization", None):
-            raise ValueError(f"--activations {activations} applies to int8 models: add --quantize int8, or load a "
-                             f"model saved int8")
+            raise ValueError(f"--activations {activations} applies to quantized models: add --quantize int8 (or "
+                             f"int4), or load a model saved quantized")
         return _set_activations(model, activations)
     if getattr(model, "quantization", None):                     # convert reads a core GPT2, without the attribute
         q = model.quantization
@@ -177,7 +181,7 @@ def quantized(model, args):
 
 
 def _set_activations(model, activations: str):
-    """``model`` (quantized) with ``--activations`` set on every int8 product; the error names the flag."""
+    """``model`` (quantized) with ``--activations`` set on its products; the error names the flag."""
     from ..inference.quant import set_activations
 
     try:

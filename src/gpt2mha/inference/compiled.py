@@ -157,6 +157,9 @@ class GemvInt4Linear(nn.Module):
     weight, where the eager int4 kernel takes bf16 activations (slow on CPUs without native
     bf16). A row's result does not depend on the other rows.
 
+    With the layer's ``activations="per_block"``, the kernel's W4A8 product instead
+    (``torch.ops.gpt2mha.int4_gemv_a8``: each activation row rounded to 8 bits per group).
+
     Shares the layer's packed nibbles ``[N, K/2]`` and bias; keeps the (scale, zero) pairs as
     bfloat16 ``[N, K/g, 2]`` (:meth:`~gpt2mha.inference.quant.linear.QuantizedLinear.gemv_scales`).
     Forward ``[..., K]`` → ``[..., N]`` in the dtype the layer itself returns.
@@ -170,13 +173,14 @@ class GemvInt4Linear(nn.Module):
         self.weight = nn.Parameter(layer.weight.contiguous(), requires_grad=False)   # the same storage
         self.scale_zero = nn.Parameter(layer.gemv_scales(), requires_grad=False)
         self.bias = layer.bias
+        self.per_block = layer.activations == "per_block"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.n_in).float()
         out = self.out_dtype(x.dtype)
         fused = self.bias is not None and out == torch.float32 and self.bias.dtype == torch.float32
-        y = torch.ops.gpt2mha.int4_gemv(x2, self.weight, self.scale_zero, self.group_size,
-                                        self.bias if fused else None).to(out)
+        op = torch.ops.gpt2mha.int4_gemv_a8 if self.per_block else torch.ops.gpt2mha.int4_gemv
+        y = op(x2, self.weight, self.scale_zero, self.group_size, self.bias if fused else None).to(out)
         if self.bias is not None and not fused:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.n_out)

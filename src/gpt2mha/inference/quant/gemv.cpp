@@ -276,6 +276,71 @@ static void gemv_int4(const float *xe, const float *xo, const float *xz, int64_t
     }
 }
 
+/* int4 weights times 8-bit activations (W4A8, as llama.cpp's q4_0 x q8_0): each activation
+ * row is rounded to 8 bits per group of G inputs, a = round(x / d), d = max|x| / 127 over the
+ * group, and the nibbles (unsigned, 0..15) multiply a with vpmaddubsw: exact int32 sums per
+ * group, one float rounding per group when scaled by s_g * d_g. The zeros enter as
+ * sum_g (z_g - 8 s_g) * d_g * A_g, A_g = sum a over the group. a is stored per group as its 16
+ * even inputs then its 16 odd ones per 32, the order the unpacked nibbles come in. */
+template <int MT, int GT>
+static inline void int4_a8_tile(const int8_t *a, const float *d, const float *az, int64_t K, int64_t G,
+                                const uint8_t *wn, const float *sf, float *out) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const int64_t gh = GT ? GT / 2 : G / 2, ng = K / (2 * gh);
+    __m256 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m256i ga[MT];
+        for (int i = 0; i < MT; i++) ga[i] = _mm256_setzero_si256();
+        const uint8_t *wg = wn + g * gh;
+        for (int64_t c = 0; c < gh; c += 16) {
+            const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wg + c)));
+            const __m256i q = _mm256_blend_epi32(_mm256_and_si256(v, low),
+                                                 _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 0xF0);
+            for (int i = 0; i < MT; i++) {
+                const __m256i ai = _mm256_loadu_si256((const __m256i *)(a + i * K + g * 2 * gh + 2 * c));
+                ga[i] = _mm256_add_epi32(ga[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, ai), ones));
+            }
+        }
+        const __m256 sv = _mm256_broadcast_ss(sf + 2 * g);
+        for (int i = 0; i < MT; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ga[i]), _mm256_mul_ps(sv, _mm256_broadcast_ss(d + i * ng + g)),
+                                     acc[i]);
+    }
+    const __m256 zero = _mm256_setzero_ps();
+    for (int i = 0; i < MT; i++)
+        out[i] = reduce(acc[i], zero, zero, zero) + dotf(sf, az + i * 2 * ng, 2 * ng);
+}
+
+template <int GT>
+static void gemv_int4_a8(const int8_t *a, const float *d, const float *az, int64_t M, int64_t K, int64_t G,
+                         const uint8_t *w, int64_t N, const uint16_t *sz, const float *bias, float *y) {
+    const int64_t half = K / 2, ng = K / G, chunk = chunk_rows(half);
+    #pragma omp parallel if (parallel_worth(M, K, N))
+    {
+        std::vector<float> sf(2 * ng);
+        #pragma omp for schedule(dynamic, chunk)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *wn = w + n * half;
+            params_f32(sz + n * ng * 2, ng, sf.data());
+            const float b = bias ? bias[n] : 0.0f;
+            float s[4];
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int64_t mt = M - m0 < 4 ? M - m0 : 4;
+                const int8_t *am = a + m0 * K;
+                const float *dm = d + m0 * ng, *azm = az + m0 * 2 * ng;
+                switch (mt) {
+                    case 4: int4_a8_tile<4, GT>(am, dm, azm, K, G, wn, sf.data(), s); break;
+                    case 3: int4_a8_tile<3, GT>(am, dm, azm, K, G, wn, sf.data(), s); break;
+                    case 2: int4_a8_tile<2, GT>(am, dm, azm, K, G, wn, sf.data(), s); break;
+                    default: int4_a8_tile<1, GT>(am, dm, azm, K, G, wn, sf.data(), s); break;
+                }
+                for (int64_t i = 0; i < mt; i++) y[(m0 + i) * N + n] = s[i] + b;
+            }
+        }
+    }
+}
+
 /* The operator: checks its arguments (a clear message, never a read out of bounds), then runs
  * gemv. Without autograd: the weights are quantized, for inference. */
 static at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scales,
@@ -401,14 +466,86 @@ static at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const
     return y;
 }
 
+/* The W4A8 operator (gemv_int4_a8): the same arguments as int4_gemv; x is rounded here. */
+static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
+                               int64_t group_size, const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "int4_gemv_a8: x must be a float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
+    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size;
+    TORCH_CHECK(G >= 32 && G % 32 == 0 && K % G == 0,
+                "int4_gemv_a8: group_size must be a multiple of 32 dividing K=", K, "; got ", G);
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.size(1) == K / 2 &&
+                weight.is_contiguous() && weight.device().is_cpu(),
+                "int4_gemv_a8: weight must be a contiguous uint8 CPU tensor [N, K/2=", K / 2, "]; got ",
+                weight.scalar_type(), " ", weight.sizes());
+    TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == N && scale_zero.size(1) == K / G &&
+                scale_zero.size(2) == 2 && scale_zero.scalar_type() == at::kBFloat16 &&
+                scale_zero.is_contiguous() && scale_zero.device().is_cpu(),
+                "int4_gemv_a8: scale_zero must be a contiguous bfloat16 CPU tensor [N=", N, ", K/group_size=",
+                K / G, ", 2]; got ", scale_zero.scalar_type(), " ", scale_zero.sizes());
+    const float *b = nullptr;
+    if (bias.has_value()) {
+        const at::Tensor &t = *bias;
+        TORCH_CHECK(t.dim() == 1 && t.size(0) == N && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.device().is_cpu(),
+                    "int4_gemv_a8: bias must be a contiguous float32 CPU tensor [N=", N, "] or None; got ",
+                    t.scalar_type(), " ", t.sizes());
+        b = t.data_ptr<float>();
+    }
+    at::Tensor xc = x.contiguous();
+    const int64_t ng = K / G;
+    at::Tensor a8 = at::empty({M, K}, x.options().dtype(at::kChar));
+    at::Tensor dz = at::empty({3 * M * ng}, x.options());
+    const float *src = xc.data_ptr<float>();
+    int8_t *a = a8.data_ptr<int8_t>();
+    float *d = dz.data_ptr<float>(), *az = d + M * ng;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < ng; g++) {
+            const float *xg = src + m * K + g * G;
+            float amax = 0.0f;
+            bool finite = true;
+            for (int64_t k = 0; k < G; k++) {
+                finite &= std::isfinite(xg[k]);
+                amax = std::fmax(amax, std::fabs(xg[k]));
+            }
+            const float dg = finite ? amax / 127.0f : NAN, inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum = 0;
+            int8_t *ag = a + m * K + g * G;
+            for (int64_t k = 0; k < G; k += 32)              /* 16 even inputs, then 16 odd, per 32 */
+                for (int64_t j = 0; j < 16; j++) {
+                    const int32_t e = (int32_t)std::nearbyint(finite ? xg[k + 2 * j] * inv : 0.0f);
+                    const int32_t o = (int32_t)std::nearbyint(finite ? xg[k + 2 * j + 1] * inv : 0.0f);
+                    ag[k + j] = (int8_t)e;
+                    ag[k + 16 + j] = (int8_t)o;
+                    sum += e + o;
+                }
+            d[m * ng + g] = dg;
+            az[m * 2 * ng + 2 * g] = -8.0f * dg * (float)sum;
+            az[m * 2 * ng + 2 * g + 1] = dg * (float)sum;
+        }
+    at::Tensor y = at::empty({M, N}, x.options());
+    const uint8_t *w = weight.data_ptr<uint8_t>();
+    const uint16_t *sz = reinterpret_cast<const uint16_t *>(scale_zero.data_ptr<at::BFloat16>());
+    float *out = y.data_ptr<float>();
+    switch (G) {
+        case 32: gemv_int4_a8<32>(a, d, az, M, K, G, w, N, sz, b, out); break;
+        case 64: gemv_int4_a8<64>(a, d, az, M, K, G, w, N, sz, b, out); break;
+        case 128: gemv_int4_a8<128>(a, d, az, M, K, G, w, N, sz, b, out); break;
+        default: gemv_int4_a8<0>(a, d, az, M, K, G, w, N, sz, b, out); break;
+    }
+    return y;
+}
+
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
     m.def("int8_gemv_rows(Tensor u, Tensor weight, Tensor qsum, Tensor scales) -> Tensor");
     m.def("int4_gemv(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
+    m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
     m.impl("int8_gemv", &int8_gemv);
     m.impl("int8_gemv_rows", &int8_gemv_rows);
     m.impl("int4_gemv", &int4_gemv);
+    m.impl("int4_gemv_a8", &int4_gemv_a8);
 }

@@ -107,6 +107,7 @@ def _build() -> str:
     torch.library.register_fake("gpt2mha::int8_gemv")(_fake)
     torch.library.register_fake("gpt2mha::int8_gemv_rows")(_fake_rows)
     torch.library.register_fake("gpt2mha::int4_gemv")(_fake_int4)
+    torch.library.register_fake("gpt2mha::int4_gemv_a8")(_fake_int4)
     return ""
 
 
@@ -181,9 +182,15 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
 
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ deq(W)ᵀ + bias`` in float32 by ``gemv.cpp`` for an int4 weight: the float32 product
-    with the dequantized weight ``(q − 8)·s + z`` (float32 activations and accumulation).
+              bias: torch.Tensor | None = None, activations: str = "exact") -> torch.Tensor:
+    """``x @ deq(W)ᵀ + bias`` in float32 by ``gemv.cpp`` for an int4 weight, ``deq(W) = (q − 8)·s + z``.
+
+    ``activations="exact"`` (``torch.ops.gpt2mha.int4_gemv``): the float32 product with the
+    dequantized weight (float32 activations and accumulation). ``"per_block"``
+    (``torch.ops.gpt2mha.int4_gemv_a8``, W4A8 as llama.cpp's q4_0 · q8_0): each row of x rounded
+    to 8 bits per group of ``group_size`` inputs, ``a = round(x / d)`` with ``d = max|x| / 127``
+    over the group, the nibbles times ``a`` in exact int32 sums (``vpmaddubsw``), scaled by
+    ``s·d`` per group: ``x̂ @ deq(W)ᵀ`` for the rounded ``x̂ = a·d``, fewer instructions per weight.
 
     Args:
         x: float32 ``[M, K]`` (any M; made for 1–8).
@@ -193,8 +200,9 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
         scale_zero: bfloat16 ``[N, K / group_size, 2]``, contiguous: each row's groups'
             (scale, zero) (the layer's ``scale_zero [K/g, N, 2]`` transposed, see
             :meth:`~.linear.QuantizedLinear.gemv_params`).
-        group_size: inputs per group, a multiple of 16 dividing K.
+        group_size: inputs per group, a multiple of 16 dividing K (of 32 for ``"per_block"``).
         bias: float32 ``[N]`` or None.
+        activations: ``"exact"`` or ``"per_block"``.
 
     Returns:
         float32 ``[M, N]``. Each row's result is the same whatever the other rows are.
@@ -202,8 +210,11 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     Raises:
         RuntimeError: the kernel is not available (:func:`unavailable_reason` says why).
         ValueError: a tensor of the wrong dtype, shape or device, a tensor that is not
-            contiguous, a group size the weight cannot have, or ``x`` requiring grad.
+            contiguous, a group size the weight cannot have, an unknown ``activations``, or
+            ``x`` requiring grad.
     """
+    if activations not in ("exact", "per_block"):
+        raise ValueError(f"activations={activations!r}: expected 'exact' or 'per_block'")
     if not available():
         raise RuntimeError(f"the GEMV kernel is not available: {unavailable_reason()}")
     if x.requires_grad and torch.is_grad_enabled():
@@ -212,9 +223,10 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a float32 CPU tensor [M, K]; got {x.dtype} {tuple(x.shape)} on {x.device}")
     K = x.shape[1]
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 16 or group_size % 16 \
+    unit = 32 if activations == "per_block" else 16
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < unit or group_size % unit \
             or K % group_size:
-        raise ValueError(f"group_size={group_size!r}: expected a multiple of 16 dividing K={K}")
+        raise ValueError(f"group_size={group_size!r}: expected a multiple of {unit} dividing K={K}")
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] * 2 != K or not weight.is_contiguous() \
             or weight.device.type != "cpu":
         raise ValueError(f"weight must be a contiguous uint8 CPU tensor [N, K/2={K // 2}]; got {weight.dtype} "
@@ -228,4 +240,5 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (N,)
                              or not bias.is_contiguous() or bias.device.type != "cpu"):
         raise ValueError(f"bias must be a contiguous float32 CPU tensor [N={N}]; got {bias.dtype} {tuple(bias.shape)}")
-    return torch.ops.gpt2mha.int4_gemv(x, weight, scale_zero, group_size, bias)
+    op = torch.ops.gpt2mha.int4_gemv if activations == "exact" else torch.ops.gpt2mha.int4_gemv_a8
+    return op(x, weight, scale_zero, group_size, bias)

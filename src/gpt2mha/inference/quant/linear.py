@@ -65,7 +65,9 @@ DEQUANTIZE_CHUNK = 1 << 22
 #: pieces where ``"exact"`` runs them (decode), W7A8 where ``"exact"`` would fall back to the
 #: dequantized float32 GEMM (:meth:`QuantizedLinear.dequantize_for`: prefill of many tokens on
 #: CPUs without VNNI).
-ACTIVATIONS = ("exact", "per_row", "auto")
+ACTIVATIONS = ("exact", "per_row", "auto", "per_block")
+#: The values each scheme's layers take: ``"per_block"`` is int4's W4A8 decode (:func:`~.gemv.int4_gemv`).
+SCHEME_ACTIVATIONS = {"int8": ("exact", "per_row", "auto"), "int4": ("exact", "per_block")}
 
 
 def fbgemm_available() -> bool:
@@ -367,26 +369,26 @@ class QuantizedLinear(nn.Module):
 
     @property
     def activations(self) -> str:
-        """How this layer's int8 products treat the activations, one of :data:`ACTIVATIONS`:
+        """How this layer's products treat the activations, one of :data:`ACTIVATIONS`. int8:
         ``"exact"`` (default; the GEMV kernel for one token per sequence where it builds,
         :mod:`.gemv`, else integer pieces, :func:`int8_matmul`, or the dequantized weight for
         many rows, :meth:`dequantize_for`), ``"per_row"`` (8 bits per row with a zero point over
         7-bit weights, :func:`int8_matmul_per_row`, at every size) or ``"auto"`` (per shape:
         ``"exact"``'s integer pieces where it runs them, ``"per_row"`` where it would run the
-        dequantized weight). int4 layers are always ``"exact"``.
+        dequantized weight). int4 layers take ``"exact"`` (float32 activations on the GEMV kernel
+        for decode steps) or ``"per_block"`` (decode steps on the kernel's W4A8 product, each
+        activation row rounded to 8 bits per group of ``group_size``, as llama.cpp's q8_0
+        activations; other products as ``"exact"``): :data:`SCHEME_ACTIVATIONS`.
 
         Raises:
-            ValueError: (on setting) a value not in :data:`ACTIVATIONS`, or other than ``"exact"`` on an int4 layer.
+            ValueError: (on setting) a value this layer's scheme does not take (:data:`SCHEME_ACTIVATIONS`).
         """
         return self._activations
 
     @activations.setter
     def activations(self, value: str) -> None:
-        if value not in ACTIVATIONS:
-            raise ValueError(f"activations={value!r}: expected one of {ACTIVATIONS}")
-        if value != "exact" and self.scheme != "int8":
-            raise ValueError(f"activations={value!r} applies to int8 products; this layer is {self.scheme} "
-                             f"(its kernel takes bf16 activations)")
+        if value not in SCHEME_ACTIVATIONS[self.scheme]:
+            raise ValueError(f"activations={value!r}: an {self.scheme} layer takes one of {SCHEME_ACTIVATIONS[self.scheme]}")
         self._activations = value
 
     @classmethod
@@ -446,7 +448,8 @@ class QuantizedLinear(nn.Module):
             if self.scheme == "int8":
                 y = torch.ops.gpt2mha.int8_gemv(x2.float(), self.weight, self.gemv_scales(), None)
             else:
-                y = torch.ops.gpt2mha.int4_gemv(x2.float(), self.weight, self.gemv_scales(), self.group_size, None)
+                op = torch.ops.gpt2mha.int4_gemv_a8 if self.activations == "per_block" else torch.ops.gpt2mha.int4_gemv
+                y = op(x2.float(), self.weight, self.gemv_scales(), self.group_size, None)
         elif self.scheme == "int8":
             kernel = int8_kernel()
             y = int8_matmul(x2, self.weight, self.scales, kernel,

@@ -13,7 +13,7 @@ from torch import nn
 
 from ...core.hooks import record
 
-from .linear import ACTIVATIONS, QuantizedHead, QuantizedLinear
+from .linear import ACTIVATIONS, SCHEME_ACTIVATIONS, QuantizedHead, QuantizedLinear
 from .schemes import (ABNORMAL_ERROR, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, HEAD_SCHEME, METHODS, SCHEMES,
                       check_scheme)
 
@@ -294,8 +294,8 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
         method: ``"gptq"`` or ``"rtn"`` (:data:`METHODS`).
         calibration: GPTQ's text, or token ids ``[N]`` / ``[B, T]`` (:func:`calibration_ids`);
             None: the packaged :func:`default_calibration` text. Only with ``"gptq"``.
-        activations: how int8 products treat the activations (:func:`set_activations`):
-            ``"exact"`` (default), ``"per_row"`` or ``"auto"`` (int8 only).
+        activations: how the products treat the activations (:func:`set_activations`):
+            ``"exact"`` (default), ``"per_row"`` or ``"auto"`` (int8), ``"per_block"`` (int4).
 
     Returns:
         ``model``.
@@ -342,13 +342,13 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
 def _check_activations(activations, scheme) -> None:
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r}: expected one of {ACTIVATIONS}")
-    if activations != "exact" and scheme != "int8":
-        raise ValueError(f"activations={activations!r} applies to int8 products; scheme={scheme!r} multiplies "
-                         f"bf16 activations by int4 weights (use activations='exact', or scheme='int8')")
+    if activations not in SCHEME_ACTIVATIONS[scheme]:
+        raise ValueError(f"activations={activations!r} does not apply to scheme={scheme!r}: {scheme} takes one of "
+                         f"{SCHEME_ACTIVATIONS[scheme]}")
 
 
 def set_activations(model, activations: str) -> None:
-    """Set how a quantized model's int8 products treat the activations, in every
+    """Set how a quantized model's products treat the activations, in every
     :class:`QuantizedLinear` (:attr:`QuantizedLinear.activations`), and record it in
     ``model.quantization["activations"]`` (saved with the checkpoint):
 
@@ -367,15 +367,23 @@ def set_activations(model, activations: str) -> None:
       float32 weight (:meth:`~.linear.QuantizedLinear.dequantize_for`: 64 tokens or more per
       sequence on CPUs without VNNI, where that GEMM is no faster than float32). Decode keeps
       the exact route's agreement; a prompt's forward (and a scored window) gets per_row's.
+    - ``"per_block"`` (int4 models; ``"exact"`` is their default): decode steps run the GEMV
+      kernel's W4A8 product, each activation row rounded to 8 bits per group of the weight's
+      ``group_size`` inputs (llama.cpp's q8_0 activations against its q4_0 weights), exact int32
+      sums (:func:`~.gemv.int4_gemv`); prompts as ``"exact"``; the int8 head stays exact. Where
+      the kernel does not build it changes nothing. Fewer instructions per weight than the float32
+      activations of ``"exact"`` (RESULTS.md, "int4 on the kernel").
+
+    Set on the layers of the model's scheme (an int4 model's int8 head keeps ``"exact"``).
 
     Raises:
-        ValueError: ``model`` is not quantized, ``activations`` is not one of
-            :data:`~.linear.ACTIVATIONS`, or not ``"exact"`` for an int4 model.
+        ValueError: ``model`` is not quantized, or ``activations`` is not one its scheme takes
+            (:data:`~.linear.SCHEME_ACTIVATIONS`).
     """
     if not getattr(model, "quantization", None):
         raise ValueError("set_activations: the model is not quantized (call model.quantize('int8', ...) first)")
     _check_activations(activations, model.quantization["scheme"])
     for m in model.modules():
-        if isinstance(m, QuantizedLinear) and m.scheme == "int8":
+        if isinstance(m, QuantizedLinear) and m.scheme == model.quantization["scheme"]:   # not an int4 model's int8 head
             m.activations = activations
     model.quantization["activations"] = activations
