@@ -224,10 +224,10 @@ class PerRowInt8Linear(nn.Module):
     (:func:`~gpt2mha.inference.quant.linear.int8_matmul_per_row`: each activation row rounded to
     8 bits with its own scale and zero point, 7-bit weights), written as ops inductor fuses
     (the row's min/max, the rounding, the rescale and the bias) around one integer GEMM:
-    FBGEMM's (:func:`fbgemm_rows`, CPUs without VNNI/AMX; up to :data:`GEMV_ROWS` rows, where it
-    builds, gpt2mha's ``torch.ops.gpt2mha.int8_gemv_rows`` instead, :mod:`.quant.gemv`: the same
-    exact integer sums) or ``torch._int_mm``, which inductor lowers itself. A row's result does
-    not depend on the other rows.
+    FBGEMM's (:func:`fbgemm_rows`, CPUs without VNNI/AMX) or ``torch._int_mm``, which inductor
+    lowers itself; up to :data:`GEMV_ROWS` rows, where it builds, gpt2mha's
+    ``torch.ops.gpt2mha.int8_gemv_rows`` instead (:mod:`.quant.gemv`, ``vpmaddubsw`` or AVX-512
+    VNNI: the same exact integer sums). A row's result does not depend on the other rows.
 
     Forward ``[..., K]`` → ``[..., N]`` in the dtype the layer itself returns. Rows holding NaN
     or ±inf give non-finite rows (the eager layer gives NaN rows).
@@ -243,8 +243,8 @@ class PerRowInt8Linear(nn.Module):
         q7, scales7, packed, wsum = layer.per_row_weights()
         self.wsum = nn.Parameter(wsum, requires_grad=False)
         self.bias = layer.bias
-        self.gemv = self.kernel == "fbgemm" and gemv.available()
-        if self.gemv:                    # decode sizes on gpt2mha's kernel (maddubs, as FBGEMM's), else FBGEMM
+        self.gemv = gemv.available()
+        if self.gemv:                    # decode sizes on gpt2mha's kernel (maddubs or VNNI: FBGEMM's sums)
             q7, scales7 = weight_7bit(layer.weight, layer.scales)       # (per_row_weights keeps only FBGEMM's copy)
             self.q7 = nn.Parameter(q7.contiguous(), requires_grad=False)
             self.qsum = nn.Parameter(q7.sum(1, dtype=torch.int32), requires_grad=False)

@@ -127,7 +127,7 @@ static void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
  * sum_k q[n, k]. As FBGEMM does: u + 128 as uint8 times q with vpmaddubsw (pairs of products
  * never saturate int16: 2 * 255 * 63 < 2^15), int32 sums, exact; minus 128 * qsum[n]; one float
  * rounding when scaled. Exact integer sums make the result independent of the order, hence of
- * the other rows and the threads. */
+ * the other rows and the threads (and of the instructions: VNNI's vpdpbusd where the CPU has it). */
 static inline int32_t hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -156,8 +156,73 @@ static inline void rows_tile(const uint8_t *u8, int64_t K, const int8_t *wn, int
     }
 }
 
+/* The same sums with AVX-512 VNNI (vpdpbusd: four u8 x s8 products added into each int32 lane,
+ * no int16 step), where the CPU has it: compiled for it here whatever the build flags, chosen at
+ * run time (vnni()). The integer sums are exact either way, so the results are the same bits. */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline int32_t hsum_i32_512(__m512i v) {
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline void rows_tile_vnni(const uint8_t *u8, int64_t K, const int8_t *wn, int32_t *out) {
+    __m512i acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        const __m512i w = _mm512_loadu_si512((const void *)(wn + k));
+        for (int i = 0; i < MT; i++)
+            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_loadu_si512((const void *)(u8 + i * K + k)), w);
+    }
+    for (int i = 0; i < MT; i++) {
+        int32_t s = hsum_i32_512(acc[i]);
+        for (int64_t j = k; j < K; j++) s += (int32_t)u8[i * K + j] * wn[j];
+        out[i] = s;
+    }
+}
+
+static bool vnni() {
+    static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vnni");
+    return has;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void gemv_rows_vnni(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, int64_t N,
+                           const int32_t *qsum, const float *scales, float *y) {
+    const int64_t chunk = chunk_rows(K);
+    #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
+    for (int64_t n = 0; n < N; n++) {
+        int32_t s[8];
+        const int8_t *wn = w + n * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {                  /* up to eight rows of u per pass over wn */
+            const int64_t mt = M - m0 < 8 ? M - m0 : 8;
+            const uint8_t *um = u8 + m0 * K;
+            switch (mt) {
+                case 8: rows_tile_vnni<8>(um, K, wn, s); break;
+                case 7: rows_tile_vnni<7>(um, K, wn, s); break;
+                case 6: rows_tile_vnni<6>(um, K, wn, s); break;
+                case 5: rows_tile_vnni<5>(um, K, wn, s); break;
+                case 4: rows_tile_vnni<4>(um, K, wn, s); break;
+                case 3: rows_tile_vnni<3>(um, K, wn, s); break;
+                case 2: rows_tile_vnni<2>(um, K, wn, s); break;
+                default: rows_tile_vnni<1>(um, K, wn, s); break;
+            }
+            for (int64_t i = 0; i < mt; i++)
+                y[(m0 + i) * N + n] = (float)(s[i] - 128 * qsum[n]) * scales[n];
+        }
+    }
+}
+
 static void gemv_rows(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, int64_t N,
                       const int32_t *qsum, const float *scales, float *y) {
+    if (vnni())
+        return gemv_rows_vnni(u8, M, K, w, N, qsum, scales, y);
     const int64_t chunk = chunk_rows(K);
     #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
     for (int64_t n = 0; n < N; n++) {
