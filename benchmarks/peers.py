@@ -20,7 +20,8 @@ The contenders:
   the same W7A8 products inside the compiled step); int8 with ``activations="auto"`` (the
   exact products for decode, W7A8 for prompts of 64+ tokens; compiled, its decode step is
   int8 compiled's); int4 compiled (the block products on gpt2mha's int4 GEMV kernel, float32
-  activations; the int8 head on the int8 one);
+  activations; the int8 head on the int8 one); int4 with ``activations="per_block"`` (decode
+  steps W4A8: activations rounded to 8 bits per group of 32, as llama.cpp's q8_0), eager and compiled;
 * transformers float32 (``GPT2LMHeadModel``, sdpa): the reference every ratio divides by;
 * llama.cpp (through llama-cpp-python): GGUF f32 written with the ``gguf`` package (llama.cpp's
   own Python library: its ``GGUFWriter`` and its GPT-2 tensor-name map, the steps of its
@@ -95,7 +96,8 @@ REFERENCE = "transformers float32"
 #: Every contender besides the reference and gpt2mha float32 (``--skip`` takes these names; the
 #: reference always runs, gpt2mha float32 whenever the gpt2mha engine does).
 VARIANTS = ("gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int8 per_row", "gpt2mha int8 per_row compiled",
-            "gpt2mha int8 auto", "gpt2mha int8 auto compiled", "gpt2mha int4", "gpt2mha int4 compiled", "llama.cpp f32",
+            "gpt2mha int8 auto", "gpt2mha int8 auto compiled", "gpt2mha int4", "gpt2mha int4 compiled",
+            "gpt2mha int4 per_block", "gpt2mha int4 per_block compiled", "llama.cpp f32",
             "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 float32", "ctranslate2 int8", "onnxruntime float32",
             "onnxruntime int8")
 
@@ -657,7 +659,8 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
 
     if "gpt2mha" in engines:
         out.append(Torch("gpt2mha float32", GPT2.from_pretrained(hf_dir), float_bytes, float_read_bytes(cfg), hf=False))
-        for scheme, activations in (("int8", "exact"), ("int8", "per_row"), ("int8", "auto"), ("int4", "exact")):
+        for scheme, activations in (("int8", "exact"), ("int8", "per_row"), ("int8", "auto"), ("int4", "exact"),
+                                    ("int4", "per_block")):
             name = f"gpt2mha {scheme}" + (f" {activations}" if activations != "exact" else "")
             if not want(name):
                 continue
