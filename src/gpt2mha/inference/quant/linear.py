@@ -257,8 +257,9 @@ def int8_matmul_per_row(x: torch.Tensor, q7: torch.Tensor | None, scales7: torch
     on the same bytes.
 
     Raises:
-        ValueError: an unknown ``kernel``; ``q7`` outside [-63, 63] (checked when ``packed`` is
-            not given), or None where it is needed.
+        ValueError: an unknown ``kernel``; ``q7`` outside [-63, 63] (checked when neither ``packed``
+            nor ``wsum`` is given: callers that pass them made q7 with :func:`weight_7bit`), or
+            None where it is needed.
     """
     kernel = kernel or int8_kernel()
     if kernel not in INT8_KERNELS:
@@ -266,7 +267,8 @@ def int8_matmul_per_row(x: torch.Tensor, q7: torch.Tensor | None, scales7: torch
     if q7 is None and (kernel != "fbgemm" or packed is None or wsum is None):
         raise ValueError(f"q7=None: the 7-bit weights are needed on kernel={kernel!r} unless FBGEMM's packed copy "
                          f"and wsum are given")
-    if packed is None and int(q7.abs().max()) > 63:
+    if packed is None and wsum is None and int(q7.abs().max()) > 63:    # a pass over the weights: the layer,
+        # which made q7 with weight_7bit and passes its wsum, skips it (it cost 2x the product on _int_mm)
         raise ValueError(f"q7: weights up to {int(q7.abs().max())} in magnitude; expected 7-bit weights in "
                          f"[-63, 63] (weight_7bit)")
     xf = x.float()
