@@ -228,7 +228,11 @@ def test_quantize_with_per_row_activations_round_trips_and_names_errors(tmp_path
     cfg = json.load(open(cfg_path))
     cfg["gpt2mha"]["quantization"]["activations"] = "per_block"
     json.dump(cfg, open(cfg_path, "w"))
-    with pytest.raises(QuantizationError, match="activations='per_block': expected one of"):
+    with pytest.raises(QuantizationError, match="activations='per_block' does not apply to scheme='int8'"):
+        GPT2.from_pretrained(str(tmp_path / "fast"))                  # int4's value in an int8 checkpoint
+    cfg["gpt2mha"]["quantization"]["activations"] = "per_tile"
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(QuantizationError, match="activations='per_tile': expected one of"):
         GPT2.from_pretrained(str(tmp_path / "fast"))
 
 
