@@ -185,7 +185,8 @@ def test_auto_activations_decode_compiled_as_exact_int8(int8_model):
 
 
 @pytest.mark.parametrize("kernel", ["fbgemm", "int_mm"])
-def test_compiled_per_row_steps_follow_the_eager_per_row_model(per_row_model, kernel, monkeypatch):
+def test_compiled_per_row_steps_follow_the_eager_per_row_model(per_row_model, int8_model, kernel, monkeypatch):
+    int8_model_for_options = int8_model
     # int_mm is what VNNI CPUs run: frozen, inductor's lowering of it gave NaN there (options() unfreezes)
     monkeypatch.setenv("GPT2MHA_INT8_KERNEL", kernel)
     per_row_model = copy.deepcopy(per_row_model)                  # its own compiled step, on this kernel
@@ -194,6 +195,9 @@ def test_compiled_per_row_steps_follow_the_eager_per_row_model(per_row_model, ke
     dec = compiled_decoder(per_row_model)
     assert "max_autotune" not in dec.options                    # no GEMM template to pick: FBGEMM is an opaque call
     assert dec.options["freezing"] == (kernel == "fbgemm")
+    lone = copy.deepcopy(int8_model_for_options)                      # per_row set on one layer alone
+    lone.lm_head.activations = "per_row"
+    assert options(lone)["freezing"] == (kernel == "fbgemm")
     with torch.inference_mode():
         caches = [KVCache(2, B, 4, cache_len(T + steps, 128), 16) for _ in range(2)]
         for c in caches:

@@ -351,6 +351,12 @@ def test_each_rows_per_block_result_is_its_own():
     x[4, 100] = float("inf")
     y = gemv.int4_gemv(x, packed, sz, 32, b, activations="per_block")
     assert y[4].isnan().all() and torch.equal(y[[0, 1, 2, 3, 5, 6, 7, 8]], together[[0, 1, 2, 3, 5, 6, 7, 8]])
+    tiny = x[:2].clone()
+    tiny[0, :32] *= 1e-38                                              # 127 / max|x| overflows: zeros
+    y = gemv.int4_gemv(tiny, packed, sz, 32, b, activations="per_block")
+    zeroed = tiny.clone()
+    zeroed[0, :32] = 0.0
+    assert torch.equal(y, gemv.int4_gemv(zeroed, packed, sz, 32, b, activations="per_block"))
     with pytest.raises(ValueError, match="group_size=16: expected a multiple of 32"):
         gemv.int4_gemv(x[:, :64], packed[:, :32].contiguous(), torch.ones(200, 4, 2, dtype=torch.bfloat16), 16,
                        activations="per_block")

@@ -353,7 +353,8 @@ def options(model: nn.Module) -> dict:
     if quantization.get("scheme") == "int8" and quantization.get("activations", "exact") != "per_row" \
             and not gemv.available():
         opts.update(max_autotune=True, max_autotune_gemm_backends="CPP")
-    if quantization.get("activations") == "per_row" and int8_kernel() == "int_mm":
+    per_row = any(isinstance(m, QuantizedLinear) and m.activations == "per_row" for m in model.modules())
+    if per_row and int8_kernel() == "int_mm":       # (a layer may be set alone: its int8 head, say)
         # with the weight frozen into a constant, inductor's lowering of torch._int_mm followed by
         # per_row's rescale gave NaN/inf (garbage) for two rows or more (torch 2.13, Zen 4 with
         # VNNI; tests/test_compiled.py); not frozen, the same step is right

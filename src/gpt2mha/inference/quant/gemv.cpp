@@ -573,7 +573,9 @@ static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, co
                 finite &= std::isfinite(xg[k]);
                 amax = std::fmax(amax, std::fabs(xg[k]));
             }
-            const float dg = finite ? amax / 127.0f : NAN, inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+            /* a group too small for 127 / amax to be finite (amax < ~4e-37) counts as zeros */
+            const float dg = finite ? amax / 127.0f : NAN, r = 127.0f / amax;
+            const float inv = finite && amax > 0.0f && std::isfinite(r) ? r : 0.0f;
             int32_t sum = 0;
             int8_t *ag = a + m * K + g * G;
             for (int64_t k = 0; k < G; k += 32)              /* 16 even inputs, then 16 odd, per 32 */
