@@ -640,7 +640,11 @@ def test_cli_activations_per_row_quantizes_converts_and_sets_a_saved_int8_model(
     assert main([*gen, "--model", str(exact), "--activations", "per_row"]) == 0            # a saved int8 model
     assert capsys.readouterr().out == text
     for bad, says in ((["--model", str(src), "--activations", "per_row"], "add --quantize int8"),
-                      (["--model", str(src), "--quantize", "int4", "--activations", "per_row"], "--quantize int4")):
+                      (["--model", str(src), "--quantize", "int4", "--activations", "per_row"], "--quantize int4"),
+                      (["--model", str(src), "--activations", "per_block"], "add --quantize int4, or load a model saved int4"),
+                      (["--model", str(exact), "--activations", "per_block"], "does not apply to scheme='int8'"),
+                      (["--model", str(src), "--quantize", "int8", "--activations", "per_block"],
+                       "does not apply to --quantize int8, which takes exact or per_row or auto")):
         assert main([*gen, *bad]) == 2
         assert says in capsys.readouterr().err
     assert main(["convert", str(src), str(tmp_path / "x"), "--activations", "per_row"]) == 2

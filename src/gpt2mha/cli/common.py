@@ -139,8 +139,10 @@ def quantized(model, args):
         if activations is None:
             return model
         if not getattr(model, "quantization", None):
-            raise ValueError(f"--activations {activations} applies to quantized models: add --quantize int8 (or "
-                             f"int4), or load a model saved quantized")
+            from ..inference.quant.linear import SCHEME_ACTIVATIONS
+            schemes = " or ".join(k for k, v in SCHEME_ACTIVATIONS.items() if activations in v)
+            raise ValueError(f"--activations {activations} applies to quantized models: add --quantize {schemes}, "
+                             f"or load a model saved {schemes}")
         return _set_activations(model, activations)
     if getattr(model, "quantization", None):                     # convert reads a core GPT2, without the attribute
         q = model.quantization
