@@ -474,32 +474,39 @@ static at::Tensor int8_gemv_rows(const at::Tensor &u, const at::Tensor &weight, 
     return y;
 }
 
-/* The int4 operator (gemv_int4). */
-static at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
-                            int64_t group_size, const std::optional<at::Tensor> &bias) {
+/* The int4 operators' argument checks (a clear message, never a read out of bounds); returns
+ * the bias pointer (NULL for None). `unit`: what the group size must be a multiple of. */
+static const float *check_int4(const char *name, int64_t unit, const at::Tensor &x, const at::Tensor &weight,
+                               const at::Tensor &scale_zero, int64_t G, const std::optional<at::Tensor> &bias) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-                "int4_gemv: x must be a float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
-    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size;
-    TORCH_CHECK(G >= 16 && G % 16 == 0 && K % G == 0,
-                "int4_gemv: group_size must be a multiple of 16 dividing K=", K, "; got ", G);
+                name, ": x must be a float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
+    const int64_t K = x.size(1), N = weight.size(0);
+    TORCH_CHECK(G >= unit && G % unit == 0 && K % G == 0,
+                name, ": group_size must be a multiple of ", unit, " dividing K=", K, "; got ", G);
     TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.size(1) == K / 2 &&
                 weight.is_contiguous() && weight.device().is_cpu(),
-                "int4_gemv: weight must be a contiguous uint8 CPU tensor [N, K/2=", K / 2, "]; got ",
+                name, ": weight must be a contiguous uint8 CPU tensor [N, K/2=", K / 2, "]; got ",
                 weight.scalar_type(), " ", weight.sizes());
     TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == N && scale_zero.size(1) == K / G &&
                 scale_zero.size(2) == 2 && scale_zero.scalar_type() == at::kBFloat16 &&
                 scale_zero.is_contiguous() && scale_zero.device().is_cpu(),
-                "int4_gemv: scale_zero must be a contiguous bfloat16 CPU tensor [N=", N, ", K/group_size=",
+                name, ": scale_zero must be a contiguous bfloat16 CPU tensor [N=", N, ", K/group_size=",
                 K / G, ", 2]; got ", scale_zero.scalar_type(), " ", scale_zero.sizes());
-    const float *b = nullptr;
-    if (bias.has_value()) {
-        const at::Tensor &t = *bias;
-        TORCH_CHECK(t.dim() == 1 && t.size(0) == N && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                    t.device().is_cpu(),
-                    "int4_gemv: bias must be a contiguous float32 CPU tensor [N=", N, "] or None; got ",
-                    t.scalar_type(), " ", t.sizes());
-        b = t.data_ptr<float>();
-    }
+    if (!bias.has_value())
+        return nullptr;
+    const at::Tensor &t = *bias;
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == N && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                t.device().is_cpu(),
+                name, ": bias must be a contiguous float32 CPU tensor [N=", N, "] or None; got ",
+                t.scalar_type(), " ", t.sizes());
+    return t.data_ptr<float>();
+}
+
+/* The int4 operator (gemv_int4). */
+static at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
+                            int64_t group_size, const std::optional<at::Tensor> &bias) {
+    const float *b = check_int4("int4_gemv", 16, x, weight, scale_zero, group_size, bias);
+    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size;
     at::Tensor xc = x.contiguous();
     /* the even and the odd inputs of each row, and each group's sum, in a fixed order */
     const int64_t half = K / 2, ng = K / G;
@@ -534,29 +541,8 @@ static at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const
 /* The W4A8 operator (gemv_int4_a8): the same arguments as int4_gemv; x is rounded here. */
 static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
                                int64_t group_size, const std::optional<at::Tensor> &bias) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-                "int4_gemv_a8: x must be a float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
+    const float *b = check_int4("int4_gemv_a8", 32, x, weight, scale_zero, group_size, bias);
     const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size;
-    TORCH_CHECK(G >= 32 && G % 32 == 0 && K % G == 0,
-                "int4_gemv_a8: group_size must be a multiple of 32 dividing K=", K, "; got ", G);
-    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.size(1) == K / 2 &&
-                weight.is_contiguous() && weight.device().is_cpu(),
-                "int4_gemv_a8: weight must be a contiguous uint8 CPU tensor [N, K/2=", K / 2, "]; got ",
-                weight.scalar_type(), " ", weight.sizes());
-    TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == N && scale_zero.size(1) == K / G &&
-                scale_zero.size(2) == 2 && scale_zero.scalar_type() == at::kBFloat16 &&
-                scale_zero.is_contiguous() && scale_zero.device().is_cpu(),
-                "int4_gemv_a8: scale_zero must be a contiguous bfloat16 CPU tensor [N=", N, ", K/group_size=",
-                K / G, ", 2]; got ", scale_zero.scalar_type(), " ", scale_zero.sizes());
-    const float *b = nullptr;
-    if (bias.has_value()) {
-        const at::Tensor &t = *bias;
-        TORCH_CHECK(t.dim() == 1 && t.size(0) == N && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                    t.device().is_cpu(),
-                    "int4_gemv_a8: bias must be a contiguous float32 CPU tensor [N=", N, "] or None; got ",
-                    t.scalar_type(), " ", t.sizes());
-        b = t.data_ptr<float>();
-    }
     at::Tensor xc = x.contiguous();
     const int64_t ng = K / G;
     at::Tensor a8 = at::empty({M, K}, x.options().dtype(at::kChar));

@@ -142,6 +142,17 @@ def unavailable_reason() -> str:
     return _library()
 
 
+def _check_x(x: torch.Tensor, scheme: str) -> None:
+    # the operators check too (TORCH_CHECK, a RuntimeError); here the same checks raise ValueError
+    if not available():
+        raise RuntimeError(f"the {scheme} GEMV kernel is not available: {unavailable_reason()}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"x requires grad: the {scheme} GEMV kernel is for inference (no backward); "
+                         f"call it under torch.no_grad() or torch.inference_mode()")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor [M, K]; got {x.dtype} {tuple(x.shape)} on {x.device}")
+
+
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ (weight · scales)ᵀ + bias`` in float32 by ``gemv.cpp``: the float32 product with the
@@ -161,14 +172,7 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         ValueError: a tensor of the wrong dtype, shape or device, a weight that is not
             contiguous, or ``x`` requiring grad (no backward).
     """
-    if not available():
-        raise RuntimeError(f"the int8 GEMV kernel is not available: {unavailable_reason()}")
-    # the operator checks too (TORCH_CHECK, a RuntimeError); here the same checks raise ValueError
-    if x.requires_grad and torch.is_grad_enabled():
-        raise ValueError("x requires grad: the int8 GEMV kernel is for inference (no backward); "
-                         "call it under torch.no_grad() or torch.inference_mode()")
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be a float32 CPU tensor [M, K]; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    _check_x(x, "int8")
     if weight.dtype != torch.int8 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous() \
             or weight.device.type != "cpu":
         raise ValueError(f"weight must be a contiguous int8 CPU tensor [N, K={x.shape[1]}]; got {weight.dtype} "
@@ -215,13 +219,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     """
     if activations not in ("exact", "per_block"):
         raise ValueError(f"activations={activations!r}: expected 'exact' or 'per_block'")
-    if not available():
-        raise RuntimeError(f"the GEMV kernel is not available: {unavailable_reason()}")
-    if x.requires_grad and torch.is_grad_enabled():
-        raise ValueError("x requires grad: the int4 GEMV kernel is for inference (no backward); "
-                         "call it under torch.no_grad() or torch.inference_mode()")
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be a float32 CPU tensor [M, K]; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    _check_x(x, "int4")
     K = x.shape[1]
     unit = 32 if activations == "per_block" else 16
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < unit or group_size % unit \
