@@ -6,7 +6,8 @@ A cheaper stand-in for ``gpt2mha bench --only quant`` when the machine is too bu
 static KV cache on the decode view (as ``generate``), the three taking turns step by step (round-robin), and
 the median and minimum step times are printed. One thread avoids OpenMP's two-thread barriers,
 which stall whenever another process holds one of the cores. ``--compile`` adds int8 through
-``generate(compile=True)``'s compiled step (:mod:`gpt2mha.inference.compiled`; compiled before
+``generate(compile=True)``'s compiled step, and int4 compiled with float32 (exact) and 8-bit
+(``per_block``) activations (:mod:`gpt2mha.inference.compiled`; compiled before
 the timed steps, on their shapes): on our own kernel (``int8 compiled``,
 :mod:`gpt2mha.inference.quant.gemv`) where it builds, and on inductor's weight-only int8
 template with bf16 activations (``int8 compiled, template``), what the step runs without it.
@@ -26,6 +27,7 @@ import torch
 from gpt2mha import GPT2, GPT2Config, KVCache
 from gpt2mha.inference.compiled import CompiledDecoder, cache_len
 from gpt2mha.inference.fast import for_decoding
+from gpt2mha.inference.quant import set_activations
 
 
 @torch.inference_mode()
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore")
         models = {"float32": base, "int8": copy.deepcopy(base).quantize("int8", method="rtn"),
                   "int4": copy.deepcopy(base).quantize("int4", method="rtn")}
+        if args.compile:
+            models["int4 per_block"] = copy.deepcopy(models["int4"])
+            set_activations(models["int4 per_block"], "per_block")
     idx = torch.randint(0, 50257, (args.batch, 4 + args.steps), generator=torch.Generator().manual_seed(0))
     caches, views = {}, {name: for_decoding(m) for name, m in models.items()}      # as generate decodes
     steps = {name: (lambda tok, cache, m=m: m(tok, cache=cache, last_only=True, validate=False)) for name, m in views.items()}
@@ -52,12 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         if gemv.available():
             compiled["int8 compiled"] = CompiledDecoder(models["int8"])
             compiled["int4 compiled"] = CompiledDecoder(models["int4"])
+            compiled["int4 per_block compiled"] = CompiledDecoder(models["int4 per_block"])
         template = copy.deepcopy(models["int8"])
         with mock.patch.object(gemv, "available", lambda: False):      # the step as it is without our kernel
             compiled["int8 compiled, template"] = CompiledDecoder(template)
         for name, dec in compiled.items():
             steps[name] = dec
-            views[name] = for_decoding(template if "template" in name else models[name.split()[0]])   # its prefill
+            views[name] = for_decoding(template if "template" in name else models[name.removesuffix(" compiled")])
     times = {k: [] for k in steps}
     max_len = cache_len(4 + args.steps, 1024)
     with torch.inference_mode():
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batch {args.batch}, {args.threads} thread(s), {args.steps} steps each, in turn")
     for name, t in times.items():
         med = statistics.median(t[2:])
-        print(f"  {name:13} median {med * 1e3:6.1f} ms  min {min(t) * 1e3:6.1f} ms  float32 / {name} = {ref / med:.2f}")
+        print(f"  {name:24} median {med * 1e3:6.1f} ms  min {min(t) * 1e3:6.1f} ms  float32 / {name} = {ref / med:.2f}")
     return 0
 
 

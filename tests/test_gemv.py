@@ -127,6 +127,29 @@ def test_the_per_row_operator_sums_exactly_as_integers(M, K, N):
     assert torch.equal(torch.ops.gpt2mha.int8_gemv_rows(u[-1:], q, q.sum(1, dtype=torch.int32), s)[0], y[-1])
 
 
+@pytest.fixture
+def both_paths():
+    """Runs a test's body on the AVX-512 VNNI paths and on the AVX2 ones (skips where the CPU
+    has no VNNI): yields a function that sets the path, and restores the default after."""
+    if not gemv.available() or not gemv.use_vnni(True):
+        pytest.skip("the CPU has no AVX-512 VNNI: the kernels have one path here")
+    yield gemv.use_vnni
+    gemv.use_vnni(True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N", [(1, 768, 300), (8, 3072, 64), (11, 100, 37)])
+def test_the_per_row_operators_vnni_and_avx2_paths_give_the_same_bits(both_paths, M, K, N):
+    g = torch.Generator().manual_seed(K)
+    u = torch.randint(-128, 128, (M, K), generator=g).float()
+    q = torch.randint(-63, 64, (N, K), dtype=torch.int8, generator=g)
+    args = (u, q, q.sum(1, dtype=torch.int32), torch.rand(N, generator=g) * 0.01)
+    assert both_paths(True)
+    vnni = torch.ops.gpt2mha.int8_gemv_rows(*args)
+    assert not both_paths(False)
+    assert torch.equal(torch.ops.gpt2mha.int8_gemv_rows(*args), vnni)
+
+
 @needs_kernel
 def test_the_per_row_operator_refuses_values_that_are_not_8_bit_integers():
     u = torch.zeros(2, 32)
@@ -318,7 +341,7 @@ def _per_block_reference(x, q, scale_zero, G):
 
 @needs_kernel
 @pytest.mark.parametrize("M,K,N,G", [(1, 768, 2304, 32), (3, 768, 768, 64), (5, 3072, 768, 128), (2, 512, 40, 256),
-                                     (6, 96, 17, 32)])
+                                     (6, 96, 17, 32), (4, 64, 9, 32), (2, 192, 11, 64)])
 def test_the_per_block_kernel_gives_the_product_of_rounded_activations(M, K, N, G):
     x, q, packed, scale_zero, b = _int4_case(M, K, N, G)
     x[0, :G] = 0.0                                                       # an all-zero group: d = 0
@@ -333,6 +356,23 @@ def test_the_per_block_kernel_gives_the_product_of_rounded_activations(M, K, N, 
     exact = x.double() @ w.t() + b.double()
     rel = ((y.double() - exact).abs().max() / exact.abs().max()).item()
     assert 1e-5 < rel < 2e-2
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N,G", [(1, 768, 2304, 32), (3, 768, 100, 64), (5, 3072, 70, 128), (2, 512, 40, 256),
+                                     (6, 96, 17, 32), (4, 64, 9, 32), (2, 192, 11, 64)])
+def test_the_per_block_kernels_vnni_and_avx2_paths_give_the_same_bits(both_paths, M, K, N, G):
+    # one order of float operations on both (K = 96, 64, 192: rows ending in 16- and 32-byte chunks)
+    x, q, packed, scale_zero, b = _int4_case(M, K, N, G, seed=K)
+    x[-1, -G:] = 0.0
+    sz = scale_zero.transpose(0, 1).contiguous()
+    assert both_paths(True)
+    vnni = gemv.int4_gemv(x, packed, sz, G, b, activations="per_block")
+    assert not both_paths(False)
+    avx2 = gemv.int4_gemv(x, packed, sz, G, b, activations="per_block")
+    assert torch.equal(avx2, vnni)
+    with pytest.raises(TypeError, match="on=1: expected True or False"):
+        gemv.use_vnni(1)
 
 
 @needs_kernel

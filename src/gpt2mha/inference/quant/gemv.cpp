@@ -21,6 +21,7 @@
  */
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -219,9 +220,11 @@ static void gemv_rows_vnni(const uint8_t *u8, int64_t M, int64_t K, const int8_t
     }
 }
 
+static bool use_vnni = true;   /* use_vnni(false): the AVX2 paths on a VNNI CPU too (tests compare them) */
+
 static void gemv_rows(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, int64_t N,
                       const int32_t *qsum, const float *scales, float *y) {
-    if (vnni())
+    if (use_vnni && vnni())
         return gemv_rows_vnni(u8, M, K, w, N, qsum, scales, y);
     const int64_t chunk = chunk_rows(K);
     #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
@@ -343,65 +346,153 @@ static void gemv_int4(const float *xe, const float *xo, const float *xz, int64_t
 
 /* int4 weights times 8-bit activations (W4A8, as llama.cpp's q4_0 x q8_0): each activation
  * row is rounded to 8 bits per group of G inputs, a = round(x / d), d = max|x| / 127 over the
- * group, and the nibbles (unsigned, 0..15) multiply a with vpmaddubsw: exact int32 sums per
- * group, one float rounding per group when scaled by s_g * d_g. The zeros enter as
- * sum_g (z_g - 8 s_g) * d_g * A_g, A_g = sum a over the group. a is stored per group as its 16
- * even inputs then its 16 odd ones per 32, the order the unpacked nibbles come in. */
+ * group, and the nibbles (unsigned, 0..15) multiply a in exact int32 sums, scaled per group by
+ * s_g * d_g in float32. The zeros enter as sum_g (z_g - 8 s_g) * d_g * A_g, A_g = sum a over
+ * the group (a dot product per row, as in gemv_int4). a is stored as each row's even inputs
+ * (ae [M, K/2]) and odd ones (ao), so the low nibbles of a run of weight bytes meet ae and the
+ * high ones ao at the same offsets.
+ *
+ * One order of operations on every CPU, so AVX2 and AVX-512 VNNI give the same bits: a weight
+ * row is read in chunks of 64 bytes (128 weights); lane l (0..15) of a chunk holds the exact
+ * int32 sum of its bytes 4l..4l+3 (low nibbles times ae, high times ao: VNNI's vpdpbusd twice,
+ * or AVX2's vpmaddubsw, an int16 add and vpmaddwd against ones on each half of the chunk), and
+ * 16 float32 lanes accumulate float(sum_l) * (s_g * d_g) with one FMA per chunk, g the lane's
+ * group; then the 16 lanes are added, high half onto low, then reduce(). A last chunk of 16, 32
+ * or 48 bytes reads zeros past the row (its lanes add 0 * 0). Exact integer sums and a fixed float
+ * order: a row's result does not depend on the other rows, the threads or the instructions. */
+struct A8 {
+    const int8_t *ae, *ao;   /* [M, half + 64]: even / odd inputs of each row, zero-padded */
+    const float *d;          /* [M, ng + 4]: d per group, zero-padded */
+    const float *az;         /* [M, 2 * ng]: (-8 d A, d A) per group */
+    int64_t stride, dstride;
+    int32_t lane[16];        /* lane l's group in its chunk, counted from the chunk's first: (8 l) / G */
+};
+
 template <int MT, int GT>
-static inline void int4_a8_tile(const int8_t *a, const float *d, const float *az, int64_t K, int64_t G,
-                                const uint8_t *wn, const float *sf, float *out) {
+static inline void a8_tile(const A8 &A, int64_t m0, int64_t K, int64_t G, const uint8_t *wn, const float *sf,
+                           float *out) {
+    const int64_t half = K / 2, ng = K / G;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    const int64_t gh = GT ? GT / 2 : G / 2, ng = K / (2 * gh);
-    __m256 acc[MT];
-    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        __m256i ga[MT];
-        for (int i = 0; i < MT; i++) ga[i] = _mm256_setzero_si256();
-        const uint8_t *wg = wn + g * gh;
-        for (int64_t c = 0; c < gh; c += 16) {
-            const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wg + c)));
-            const __m256i q = _mm256_blend_epi32(_mm256_and_si256(v, low),
-                                                 _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 0xF0);
-            for (int i = 0; i < MT; i++) {
-                const __m256i ai = _mm256_loadu_si256((const __m256i *)(a + i * K + g * 2 * gh + 2 * c));
-                ga[i] = _mm256_add_epi32(ga[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, ai), ones));
-            }
+    const __m256i id0 = _mm256_loadu_si256((const __m256i *)A.lane), id1 = _mm256_loadu_si256((const __m256i *)(A.lane + 8));
+    const __m256i is0 = _mm256_add_epi32(id0, id0), is1 = _mm256_add_epi32(id1, id1);   /* (s, z) pairs: 2 g */
+    __m256 acc[MT][2];
+    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < half; c += 64) {
+        const int64_t g0 = (2 * c) / (GT ? GT : G), left = half - c;
+        const __m256 s8 = _mm256_loadu_ps(sf + 2 * g0);
+        const __m256 s0 = _mm256_permutevar8x32_ps(s8, is0), s1 = _mm256_permutevar8x32_ps(s8, is1);
+        __m256i v0, v1;
+        if (left >= 64) {
+            v0 = _mm256_loadu_si256((const __m256i *)(wn + c));
+            v1 = _mm256_loadu_si256((const __m256i *)(wn + c + 32));
+        } else {                                  /* a last chunk of 16, 32 or 48 bytes */
+            v0 = left >= 32 ? _mm256_loadu_si256((const __m256i *)(wn + c))
+                            : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(wn + c)));
+            v1 = left > 32 ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(wn + c + 32)))
+                           : _mm256_setzero_si256();
         }
-        const __m256 sv = _mm256_broadcast_ss(sf + 2 * g);
-        for (int i = 0; i < MT; i++)
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ga[i]), _mm256_mul_ps(sv, _mm256_broadcast_ss(d + i * ng + g)),
-                                     acc[i]);
+        const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+        const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+        for (int i = 0; i < MT; i++) {
+            const int8_t *ae = A.ae + (m0 + i) * A.stride + c, *ao = A.ao + (m0 + i) * A.stride + c;
+            const __m256 d8 = _mm256_loadu_ps(A.d + (m0 + i) * A.dstride + g0);
+            const __m256i p0 = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_loadu_si256((const __m256i *)ae)),
+                                 _mm256_maddubs_epi16(hi0, _mm256_loadu_si256((const __m256i *)ao))), ones);
+            const __m256i p1 = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo1, _mm256_loadu_si256((const __m256i *)(ae + 32))),
+                                 _mm256_maddubs_epi16(hi1, _mm256_loadu_si256((const __m256i *)(ao + 32)))), ones);
+            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0),
+                                        _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d8, id0)), acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
+                                        _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(d8, id1)), acc[i][1]);
+        }
     }
     const __m256 zero = _mm256_setzero_ps();
     for (int i = 0; i < MT; i++)
-        out[i] = reduce(acc[i], zero, zero, zero) + dotf(sf, az + i * 2 * ng, 2 * ng);
+        out[i] = reduce(_mm256_add_ps(acc[i][0], acc[i][1]), zero, zero, zero) +
+                 dotf(sf, A.az + (m0 + i) * 2 * ng, 2 * ng);
+}
+
+/* The same arithmetic with AVX-512 VNNI: one 64-byte chunk per register, vpdpbusd. */
+template <int MT, int GT>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline void a8_tile_vnni(const A8 &A, int64_t m0, int64_t K, int64_t G, const uint8_t *wn, const float *sf,
+                                float *out) {
+    const int64_t half = K / 2, ng = K / G;
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i id = _mm512_loadu_si512((const void *)A.lane), is = _mm512_add_epi32(id, id);
+    __m512 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < half; c += 64) {
+        const int64_t g0 = (2 * c) / (GT ? GT : G), left = half - c;
+        const __m512 s = _mm512_permutexvar_ps(is, _mm512_castps256_ps512(_mm256_loadu_ps(sf + 2 * g0)));
+        const __m512i v = left >= 64 ? _mm512_loadu_si512((const void *)(wn + c))
+                                     : _mm512_maskz_loadu_epi8(((__mmask64)1 << left) - 1, wn + c);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int i = 0; i < MT; i++) {
+            const int8_t *ae = A.ae + (m0 + i) * A.stride + c, *ao = A.ao + (m0 + i) * A.stride + c;
+            const __m512 d = _mm512_permutexvar_ps(
+                id, _mm512_castps256_ps512(_mm256_loadu_ps(A.d + (m0 + i) * A.dstride + g0)));
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                                      _mm512_loadu_si512((const void *)ae)),
+                                                  hi, _mm512_loadu_si512((const void *)ao));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s, d), acc[i]);
+        }
+    }
+    const __m256 zero = _mm256_setzero_ps();
+    for (int i = 0; i < MT; i++) {
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+        out[i] = reduce(h, zero, zero, zero) + dotf(sf, A.az + (m0 + i) * 2 * ng, 2 * ng);
+    }
+}
+
+/* all rows of x over weight row n: y[m, n] for every m, in tiles of up to four rows */
+#define A8_ROW(TILE)                                                                   \
+    float s[4];                                                                        \
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {                                            \
+        const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                    \
+        switch (mt) {                                                                  \
+            case 4: TILE<4, GT>(A, m0, K, G, wn, sf, s); break;                        \
+            case 3: TILE<3, GT>(A, m0, K, G, wn, sf, s); break;                        \
+            case 2: TILE<2, GT>(A, m0, K, G, wn, sf, s); break;                        \
+            default: TILE<1, GT>(A, m0, K, G, wn, sf, s); break;                       \
+        }                                                                              \
+        for (int64_t i = 0; i < mt; i++) y[(m0 + i) * N + n] = s[i] + b;               \
+    }
+
+template <int GT>
+static void a8_row(const A8 &A, int64_t M, int64_t K, int64_t G, const uint8_t *wn, const float *sf, float b,
+                   float *y, int64_t N, int64_t n) {
+    A8_ROW(a8_tile)
 }
 
 template <int GT>
-static void gemv_int4_a8(const int8_t *a, const float *d, const float *az, int64_t M, int64_t K, int64_t G,
-                         const uint8_t *w, int64_t N, const uint16_t *sz, const float *bias, float *y) {
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void a8_row_vnni(const A8 &A, int64_t M, int64_t K, int64_t G, const uint8_t *wn, const float *sf, float b,
+                        float *y, int64_t N, int64_t n) {
+    A8_ROW(a8_tile_vnni)
+}
+#undef A8_ROW
+
+static void gemv_int4_a8(const A8 &A, int64_t M, int64_t K, int64_t G, const uint8_t *w, int64_t N,
+                         const uint16_t *sz, const float *bias, float *y) {
     const int64_t half = K / 2, ng = K / G, chunk = chunk_rows(half);
+    /* the group size a template argument where it is one of the usual ones: g0 a shift, not a division */
+    using Row = void (*)(const A8 &, int64_t, int64_t, int64_t, const uint8_t *, const float *, float, float *,
+                         int64_t, int64_t);
+    const bool v = use_vnni && vnni();
+    const Row row = G == 32 ? (v ? a8_row_vnni<32> : a8_row<32>) : G == 64 ? (v ? a8_row_vnni<64> : a8_row<64>)
+                  : G == 128 ? (v ? a8_row_vnni<128> : a8_row<128>) : G == 256 ? (v ? a8_row_vnni<256> : a8_row<256>)
+                  : (v ? a8_row_vnni<0> : a8_row<0>);
     #pragma omp parallel if (parallel_worth(M, K, N))
     {
-        std::vector<float> sf(2 * ng);
+        std::vector<float> sf(2 * ng + 8, 0.0f);   /* + 8: a chunk reads 8 floats from its first group */
         #pragma omp for schedule(dynamic, chunk)
         for (int64_t n = 0; n < N; n++) {
-            const uint8_t *wn = w + n * half;
             params_f32(sz + n * ng * 2, ng, sf.data());
-            const float b = bias ? bias[n] : 0.0f;
-            float s[4];
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int64_t mt = M - m0 < 4 ? M - m0 : 4;
-                const int8_t *am = a + m0 * K;
-                const float *dm = d + m0 * ng, *azm = az + m0 * 2 * ng;
-                switch (mt) {
-                    case 4: int4_a8_tile<4, GT>(am, dm, azm, K, G, wn, sf.data(), s); break;
-                    case 3: int4_a8_tile<3, GT>(am, dm, azm, K, G, wn, sf.data(), s); break;
-                    case 2: int4_a8_tile<2, GT>(am, dm, azm, K, G, wn, sf.data(), s); break;
-                    default: int4_a8_tile<1, GT>(am, dm, azm, K, G, wn, sf.data(), s); break;
-                }
-                for (int64_t i = 0; i < mt; i++) y[(m0 + i) * N + n] = s[i] + b;
-            }
+            row(A, M, K, G, w + n * half, sf.data(), bias ? bias[n] : 0.0f, y, N, n);
         }
     }
 }
@@ -544,12 +635,12 @@ static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, co
     const float *b = check_int4("int4_gemv_a8", 32, x, weight, scale_zero, group_size, bias);
     const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size;
     at::Tensor xc = x.contiguous();
-    const int64_t ng = K / G;
-    at::Tensor a8 = at::empty({M, K}, x.options().dtype(at::kChar));
-    at::Tensor dz = at::empty({3 * M * ng}, x.options());
+    const int64_t half = K / 2, ng = K / G, stride = half + 64, dstride = ng + 8;
+    at::Tensor a8 = at::zeros({2 * M * stride}, x.options().dtype(at::kChar));
+    at::Tensor dz = at::zeros({M * dstride + 2 * M * ng}, x.options());
     const float *src = xc.data_ptr<float>();
-    int8_t *a = a8.data_ptr<int8_t>();
-    float *d = dz.data_ptr<float>(), *az = d + M * ng;
+    int8_t *ae = a8.data_ptr<int8_t>(), *ao = ae + M * stride;
+    float *d = dz.data_ptr<float>(), *az = d + M * dstride;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < ng; g++) {
             const float *xg = src + m * K + g * G;
@@ -563,30 +654,32 @@ static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, co
             const float dg = finite ? amax / 127.0f : NAN, r = 127.0f / amax;
             const float inv = finite && amax > 0.0f && std::isfinite(r) ? r : 0.0f;
             int32_t sum = 0;
-            int8_t *ag = a + m * K + g * G;
-            for (int64_t k = 0; k < G; k += 32)              /* 16 even inputs, then 16 odd, per 32 */
-                for (int64_t j = 0; j < 16; j++) {
-                    const int32_t e = (int32_t)std::nearbyint(finite ? xg[k + 2 * j] * inv : 0.0f);
-                    const int32_t o = (int32_t)std::nearbyint(finite ? xg[k + 2 * j + 1] * inv : 0.0f);
-                    ag[k + j] = (int8_t)e;
-                    ag[k + 16 + j] = (int8_t)o;
-                    sum += e + o;
-                }
-            d[m * ng + g] = dg;
+            for (int64_t j = 0; j < G / 2; j++) {
+                const int32_t e = (int32_t)std::nearbyint(finite ? xg[2 * j] * inv : 0.0f);
+                const int32_t o = (int32_t)std::nearbyint(finite ? xg[2 * j + 1] * inv : 0.0f);
+                ae[m * stride + g * G / 2 + j] = (int8_t)e;
+                ao[m * stride + g * G / 2 + j] = (int8_t)o;
+                sum += e + o;
+            }
+            d[m * dstride + g] = dg;
             az[m * 2 * ng + 2 * g] = -8.0f * dg * (float)sum;
             az[m * 2 * ng + 2 * g + 1] = dg * (float)sum;
         }
     at::Tensor y = at::empty({M, N}, x.options());
+    A8 A{ae, ao, d, az, stride, dstride, {}};
+    for (int l = 0; l < 16; l++) A.lane[l] = (int32_t)((8 * l) / G);
     const uint8_t *w = weight.data_ptr<uint8_t>();
     const uint16_t *sz = reinterpret_cast<const uint16_t *>(scale_zero.data_ptr<at::BFloat16>());
-    float *out = y.data_ptr<float>();
-    switch (G) {
-        case 32: gemv_int4_a8<32>(a, d, az, M, K, G, w, N, sz, b, out); break;
-        case 64: gemv_int4_a8<64>(a, d, az, M, K, G, w, N, sz, b, out); break;
-        case 128: gemv_int4_a8<128>(a, d, az, M, K, G, w, N, sz, b, out); break;
-        default: gemv_int4_a8<0>(a, d, az, M, K, G, w, N, sz, b, out); break;
-    }
+    gemv_int4_a8(A, M, K, G, w, N, sz, b, y.data_ptr<float>());
     return y;
+}
+
+/* use_vnni(on): whether the kernels may take their AVX-512 VNNI paths (default true); returns
+ * whether they now do (false on a CPU without VNNI). The results are the same bits either way:
+ * tests switch it off to compare. */
+static bool set_use_vnni(bool on) {
+    use_vnni = on;
+    return on && vnni();
 }
 
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
@@ -594,6 +687,7 @@ TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("int8_gemv_rows(Tensor u, Tensor weight, Tensor qsum, Tensor scales) -> Tensor");
     m.def("int4_gemv(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
     m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
+    m.def("use_vnni(bool on) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
@@ -601,4 +695,8 @@ TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
     m.impl("int8_gemv_rows", &int8_gemv_rows);
     m.impl("int4_gemv", &int4_gemv);
     m.impl("int4_gemv_a8", &int4_gemv_a8);
+}
+
+TORCH_LIBRARY_IMPL(gpt2mha, CompositeExplicitAutograd, m) {
+    m.impl("use_vnni", &set_use_vnni);
 }

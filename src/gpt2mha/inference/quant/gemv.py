@@ -142,6 +142,22 @@ def unavailable_reason() -> str:
     return _library()
 
 
+def use_vnni(on: bool) -> bool:
+    """Let the kernels take their AVX-512 VNNI paths where the CPU has them (``on=True``, the
+    default) or keep to AVX2 (``False``: tests compare the two). Returns whether they now take
+    them. Process-wide, for every thread.
+
+    Raises:
+        RuntimeError: the kernel is not available.
+        TypeError: ``on`` is not a bool.
+    """
+    if not isinstance(on, bool):
+        raise TypeError(f"on={on!r}: expected True or False")
+    if not available():
+        raise RuntimeError(f"the GEMV kernel is not available: {unavailable_reason()}")
+    return torch.ops.gpt2mha.use_vnni(on)
+
+
 def _check_x(x: torch.Tensor, scheme: str) -> None:
     # the operators check too (TORCH_CHECK, a RuntimeError); here the same checks raise ValueError
     if not available():
@@ -193,8 +209,9 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     dequantized weight (float32 activations and accumulation). ``"per_block"``
     (``torch.ops.gpt2mha.int4_gemv_a8``, W4A8 as llama.cpp's q4_0 · q8_0): each row of x rounded
     to 8 bits per group of ``group_size`` inputs, ``a = round(x / d)`` with ``d = max|x| / 127``
-    over the group, the nibbles times ``a`` in exact int32 sums (``vpmaddubsw``), scaled by
-    ``s·d`` per group: ``x̂ @ deq(W)ᵀ`` for the rounded ``x̂ = a·d``, fewer instructions per weight.
+    over the group, the nibbles times ``a`` in exact int32 sums (``vpdpbusd`` on AVX-512 VNNI
+    CPUs, ``vpmaddubsw`` elsewhere: the same bits), scaled by ``s·d`` per group:
+    ``x̂ @ deq(W)ᵀ`` for the rounded ``x̂ = a·d``, fewer instructions per weight.
 
     Args:
         x: float32 ``[M, K]`` (any M; made for 1–8).
