@@ -33,20 +33,24 @@
 #include <optional>
 #include <vector>
 
-/* Threads: output channels are handed out in chunks of about CHUNK_BYTES of weights as threads
- * come free (a thread the OS holds back on a busy machine leaves its share to the others
- * instead of stalling the call), and only for products of at least PARALLEL_MACS multiply-adds:
- * below that an OpenMP region costs more than it saves, and on a loaded machine much more (a
- * waiting thread must be scheduled before the call can end). Chunks of 128 KiB keep each
- * thread's reads one long sequential run the prefetcher follows: chunks of 32 rows (24 KiB of
- * the 768-wide head) left two threads no faster than one (RESULTS.md, "int4 and chunks").
- * Which thread computes a channel changes no sum. */
+/* Threads: output channels are handed out in chunks as threads come free (a thread the OS holds
+ * back on a busy machine leaves its share to the others instead of stalling the call), and only
+ * for products of at least PARALLEL_MACS multiply-adds: below that an OpenMP region costs more
+ * than it saves, and on a loaded machine much more (a waiting thread must be scheduled before
+ * the call can end). A chunk holds about CHUNK_BYTES of weights, which keeps each thread's reads
+ * one long sequential run the prefetcher follows (chunks of 32 rows, 24 KiB of the 768-wide
+ * head, left two threads no faster than one: RESULTS.md, "int4 and chunks"), and the number of
+ * chunks is a multiple of the threads, so that on an idle machine they finish together (a
+ * 768x2304 int4 matrix in 128 KiB chunks is 6.75 of them: one thread did 4, the other 3). Which
+ * thread computes a channel changes no sum. */
 static const int64_t CHUNK_BYTES = 1 << 17;
 static const int64_t PARALLEL_MACS = 1 << 18;
 
-static inline int64_t chunk_rows(int64_t row_bytes) {
-    const int64_t r = CHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
-    return r > 1 ? r : 1;
+static inline int64_t chunk_rows(int64_t row_bytes, int64_t N) {
+    const int64_t per = CHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1), rows = per > 1 ? per : 1;
+    const int64_t T = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;
+    const int64_t chunks = T * ((N + T * rows - 1) / (T * rows));        /* a multiple of T */
+    return chunks > 0 ? (N + chunks - 1) / chunks : 1;
 }
 
 static inline bool parallel_worth(int64_t M, int64_t K, int64_t N) { return M * K * N >= PARALLEL_MACS; }
@@ -105,7 +109,7 @@ static void dot2(const float *x0, const float *x1, const int8_t *w, int64_t K, f
 
 static void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N,
                  const float *scales, const float *bias, float *y) {
-    const int64_t chunk = chunk_rows(K);
+    const int64_t chunk = chunk_rows(K, N);
     #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wn = w + n * K;
@@ -196,7 +200,7 @@ static bool vnni() {
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void gemv_rows_vnni(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, int64_t N,
                            const int32_t *qsum, const float *scales, float *y) {
-    const int64_t chunk = chunk_rows(K);
+    const int64_t chunk = chunk_rows(K, N);
     #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
     for (int64_t n = 0; n < N; n++) {
         int32_t s[8];
@@ -226,7 +230,7 @@ static void gemv_rows(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, 
                       const int32_t *qsum, const float *scales, float *y) {
     if (use_vnni && vnni())
         return gemv_rows_vnni(u8, M, K, w, N, qsum, scales, y);
-    const int64_t chunk = chunk_rows(K);
+    const int64_t chunk = chunk_rows(K, N);
     #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
     for (int64_t n = 0; n < N; n++) {
         int32_t s[4];
@@ -320,7 +324,7 @@ static inline void int4_tile(const float *xe, const float *xo, const float *xz, 
 template <int GT>
 static void gemv_int4(const float *xe, const float *xo, const float *xz, int64_t M, int64_t K, int64_t G,
                       const uint8_t *w, int64_t N, const uint16_t *sz, const float *bias, float *y) {
-    const int64_t half = K / 2, ng = K / G, chunk = chunk_rows(half);
+    const int64_t half = K / 2, ng = K / G, chunk = chunk_rows(half, N);
     #pragma omp parallel if (parallel_worth(M, K, N))
     {
         std::vector<float> sf(2 * ng);
@@ -348,39 +352,57 @@ static void gemv_int4(const float *xe, const float *xo, const float *xz, int64_t
  * row is rounded to 8 bits per group of G inputs, a = round(x / d), d = max|x| / 127 over the
  * group, and the nibbles (unsigned, 0..15) multiply a in exact int32 sums, scaled per group by
  * s_g * d_g in float32. The zeros enter as sum_g (z_g - 8 s_g) * d_g * A_g, A_g = sum a over
- * the group (a dot product per row, as in gemv_int4). a is stored as each row's even inputs
- * (ae [M, K/2]) and odd ones (ao), so the low nibbles of a run of weight bytes meet ae and the
- * high ones ao at the same offsets.
+ * the group: the row's (s, z) pairs times az = (-8 d A, d A) per group. a is stored as each
+ * row's even inputs (ae) and odd ones (ao), so the low nibbles of a run of weight bytes meet ae
+ * and the high ones ao at the same offsets.
  *
  * One order of operations on every CPU, so AVX2 and AVX-512 VNNI give the same bits: a weight
  * row is read in chunks of 64 bytes (128 weights); lane l (0..15) of a chunk holds the exact
  * int32 sum of its bytes 4l..4l+3 (low nibbles times ae, high times ao: VNNI's vpdpbusd twice,
  * or AVX2's vpmaddubsw, an int16 add and vpmaddwd against ones on each half of the chunk), and
  * 16 float32 lanes accumulate float(sum_l) * (s_g * d_g) with one FMA per chunk, g the lane's
- * group; then the 16 lanes are added, high half onto low, then reduce(). A last chunk of 16, 32
- * or 48 bytes reads zeros past the row (its lanes add 0 * 0). Exact integer sums and a fixed float
- * order: a row's result does not depend on the other rows, the threads or the instructions. */
+ * group. The zero terms go into 8 more lanes, one FMA of four groups' (s, z) pairs by their az
+ * pairs at each chunk that starts a run of four groups. At the end: (lanes 0-7 + lanes 8-15) +
+ * the zero lanes, then reduce(). A last chunk of 16, 32 or 48 bytes reads zeros past the row
+ * (its lanes add 0 * 0). Exact integer sums and a fixed float order: a row's result does not
+ * depend on the other rows, the threads or the instructions. */
 struct A8 {
     const int8_t *ae, *ao;   /* [M, half + 64]: even / odd inputs of each row, zero-padded */
-    const float *d;          /* [M, ng + 4]: d per group, zero-padded */
-    const float *az;         /* [M, 2 * ng]: (-8 d A, d A) per group */
-    int64_t stride, dstride;
+    const float *d;          /* [M, ng + 8]: d per group, zero-padded */
+    const float *az;         /* [M, 2 ng + 8]: (-8 d A, d A) per group, zero-padded */
+    int64_t stride, dstride, zstride;
     int32_t lane[16];        /* lane l's group in its chunk, counted from the chunk's first: (8 l) / G */
 };
 
+/* four groups' (scale, zero) pairs from g0 as float32 (bf16 is float32's top half); zeros past ng */
+static inline __m256 pairs8(const uint16_t *szn, int64_t g0, int64_t ng) {
+    __m128i h;
+    if (g0 + 4 <= ng) {
+        h = _mm_loadu_si128((const __m128i *)(szn + 2 * g0));
+    } else {
+        uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        std::memcpy(t, szn + 2 * g0, (size_t)(2 * (ng - g0)) * sizeof(uint16_t));
+        h = _mm_loadu_si128((const __m128i *)t);
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* MT rows of a (from row m0) over one weight row wn with its pairs szn; GT the group size when
+ * known at compile time (0: G at run time) */
 template <int MT, int GT>
-static inline void a8_tile(const A8 &A, int64_t m0, int64_t K, int64_t G, const uint8_t *wn, const float *sf,
+static inline void a8_tile(const A8 &A, int64_t m0, int64_t K, int64_t G_, const uint8_t *wn, const uint16_t *szn,
                            float *out) {
-    const int64_t half = K / 2, ng = K / G;
+    const int64_t G = GT ? GT : G_, half = K / 2, ng = K / G;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const __m256i id0 = _mm256_loadu_si256((const __m256i *)A.lane), id1 = _mm256_loadu_si256((const __m256i *)(A.lane + 8));
     const __m256i is0 = _mm256_add_epi32(id0, id0), is1 = _mm256_add_epi32(id1, id1);   /* (s, z) pairs: 2 g */
-    __m256 acc[MT][2];
-    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    __m256 acc[MT][2], zacc[MT];
+    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = zacc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < half; c += 64) {
-        const int64_t g0 = (2 * c) / (GT ? GT : G), left = half - c;
-        const __m256 s8 = _mm256_loadu_ps(sf + 2 * g0);
-        const __m256 s0 = _mm256_permutevar8x32_ps(s8, is0), s1 = _mm256_permutevar8x32_ps(s8, is1);
+        const int64_t g0 = (2 * c) / G, left = half - c;
+        const bool run = (2 * c) % G == 0 && g0 % 4 == 0;         /* the chunk starts four groups */
+        const __m256 p8 = pairs8(szn, g0, ng);
+        const __m256 s0 = _mm256_permutevar8x32_ps(p8, is0), s1 = _mm256_permutevar8x32_ps(p8, is1);
         __m256i v0, v1;
         if (left >= 64) {
             v0 = _mm256_loadu_si256((const __m256i *)(wn + c));
@@ -406,27 +428,35 @@ static inline void a8_tile(const A8 &A, int64_t m0, int64_t K, int64_t G, const 
                                         _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d8, id0)), acc[i][0]);
             acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
                                         _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(d8, id1)), acc[i][1]);
+            if (run)
+                zacc[i] = _mm256_fmadd_ps(p8, _mm256_loadu_ps(A.az + (m0 + i) * A.zstride + 2 * g0), zacc[i]);
         }
     }
     const __m256 zero = _mm256_setzero_ps();
     for (int i = 0; i < MT; i++)
-        out[i] = reduce(_mm256_add_ps(acc[i][0], acc[i][1]), zero, zero, zero) +
-                 dotf(sf, A.az + (m0 + i) * 2 * ng, 2 * ng);
+        out[i] = reduce(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), zacc[i]), zero, zero, zero);
 }
 
 /* The same arithmetic with AVX-512 VNNI: one 64-byte chunk per register, vpdpbusd. */
 template <int MT, int GT>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline void a8_tile_vnni(const A8 &A, int64_t m0, int64_t K, int64_t G, const uint8_t *wn, const float *sf,
-                                float *out) {
-    const int64_t half = K / 2, ng = K / G;
+static inline void a8_tile_vnni(const A8 &A, int64_t m0, int64_t K, int64_t G_, const uint8_t *wn,
+                                const uint16_t *szn, float *out) {
+    const int64_t G = GT ? GT : G_, half = K / 2, ng = K / G;
     const __m512i low = _mm512_set1_epi8(15);
     const __m512i id = _mm512_loadu_si512((const void *)A.lane), is = _mm512_add_epi32(id, id);
     __m512 acc[MT];
-    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    __m256 zacc[MT];
+    for (int i = 0; i < MT; i++) {
+        acc[i] = _mm512_setzero_ps();
+        zacc[i] = _mm256_setzero_ps();
+    }
     for (int64_t c = 0; c < half; c += 64) {
-        const int64_t g0 = (2 * c) / (GT ? GT : G), left = half - c;
-        const __m512 s = _mm512_permutexvar_ps(is, _mm512_castps256_ps512(_mm256_loadu_ps(sf + 2 * g0)));
+        const int64_t g0 = (2 * c) / G, left = half - c;
+        const bool run = (2 * c) % G == 0 && g0 % 4 == 0;
+        const __m256 p8 = pairs8(szn, g0, ng);
+        const __m512 s = _mm512_permutexvar_ps(is, _mm512_castps256_ps512(p8));
+        /* a plain load where the chunk is whole: Zen 4's masked byte loads ran the kernel 3x slower */
         const __m512i v = left >= 64 ? _mm512_loadu_si512((const void *)(wn + c))
                                      : _mm512_maskz_loadu_epi8(((__mmask64)1 << left) - 1, wn + c);
         const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -438,63 +468,65 @@ static inline void a8_tile_vnni(const A8 &A, int64_t m0, int64_t K, int64_t G, c
                                                                       _mm512_loadu_si512((const void *)ae)),
                                                   hi, _mm512_loadu_si512((const void *)ao));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s, d), acc[i]);
+            if (run)
+                zacc[i] = _mm256_fmadd_ps(p8, _mm256_loadu_ps(A.az + (m0 + i) * A.zstride + 2 * g0), zacc[i]);
         }
     }
     const __m256 zero = _mm256_setzero_ps();
     for (int i = 0; i < MT; i++) {
         const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-        out[i] = reduce(h, zero, zero, zero) + dotf(sf, A.az + (m0 + i) * 2 * ng, 2 * ng);
+        out[i] = reduce(_mm256_add_ps(h, zacc[i]), zero, zero, zero);
     }
 }
 
-/* all rows of x over weight row n: y[m, n] for every m, in tiles of up to four rows */
-#define A8_ROW(TILE)                                                                   \
+/* weight rows n0..n1-1 times every row of a: y[m, n], in tiles of up to four rows of a */
+#define A8_ROWS(TILE)                                                                  \
+    const int64_t G = GT ? GT : G_, half = K / 2, ng = K / G;                          \
     float s[4];                                                                        \
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {                                            \
-        const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                    \
-        switch (mt) {                                                                  \
-            case 4: TILE<4, GT>(A, m0, K, G, wn, sf, s); break;                        \
-            case 3: TILE<3, GT>(A, m0, K, G, wn, sf, s); break;                        \
-            case 2: TILE<2, GT>(A, m0, K, G, wn, sf, s); break;                        \
-            default: TILE<1, GT>(A, m0, K, G, wn, sf, s); break;                       \
+    for (int64_t n = n0; n < n1; n++) {                                                \
+        const uint8_t *wn = w + n * half;                                              \
+        const uint16_t *szn = sz + n * 2 * ng;                                         \
+        const float b = bias ? bias[n] : 0.0f;                                         \
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {                                        \
+            const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                \
+            switch (mt) {                                                              \
+                case 4: TILE<4, GT>(A, m0, K, G, wn, szn, s); break;                   \
+                case 3: TILE<3, GT>(A, m0, K, G, wn, szn, s); break;                   \
+                case 2: TILE<2, GT>(A, m0, K, G, wn, szn, s); break;                   \
+                default: TILE<1, GT>(A, m0, K, G, wn, szn, s); break;                  \
+            }                                                                          \
+            for (int64_t i = 0; i < mt; i++) y[(m0 + i) * N + n] = s[i] + b;           \
         }                                                                              \
-        for (int64_t i = 0; i < mt; i++) y[(m0 + i) * N + n] = s[i] + b;               \
     }
 
 template <int GT>
-static void a8_row(const A8 &A, int64_t M, int64_t K, int64_t G, const uint8_t *wn, const float *sf, float b,
-                   float *y, int64_t N, int64_t n) {
-    A8_ROW(a8_tile)
+static void a8_rows(const A8 &A, int64_t M, int64_t K, int64_t G_, const uint8_t *w, const uint16_t *sz,
+                    const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
+    A8_ROWS(a8_tile)
 }
 
 template <int GT>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void a8_row_vnni(const A8 &A, int64_t M, int64_t K, int64_t G, const uint8_t *wn, const float *sf, float b,
-                        float *y, int64_t N, int64_t n) {
-    A8_ROW(a8_tile_vnni)
+static void a8_rows_vnni(const A8 &A, int64_t M, int64_t K, int64_t G_, const uint8_t *w, const uint16_t *sz,
+                         const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
+    A8_ROWS(a8_tile_vnni)
 }
-#undef A8_ROW
+#undef A8_ROWS
 
 static void gemv_int4_a8(const A8 &A, int64_t M, int64_t K, int64_t G, const uint8_t *w, int64_t N,
                          const uint16_t *sz, const float *bias, float *y) {
-    const int64_t half = K / 2, ng = K / G, chunk = chunk_rows(half);
     /* the group size a template argument where it is one of the usual ones: g0 a shift, not a division */
-    using Row = void (*)(const A8 &, int64_t, int64_t, int64_t, const uint8_t *, const float *, float, float *,
-                         int64_t, int64_t);
+    using Rows = void (*)(const A8 &, int64_t, int64_t, int64_t, const uint8_t *, const uint16_t *, const float *,
+                          float *, int64_t, int64_t, int64_t);
     const bool v = use_vnni && vnni();
-    const Row row = G == 32 ? (v ? a8_row_vnni<32> : a8_row<32>) : G == 64 ? (v ? a8_row_vnni<64> : a8_row<64>)
-                  : G == 128 ? (v ? a8_row_vnni<128> : a8_row<128>) : G == 256 ? (v ? a8_row_vnni<256> : a8_row<256>)
-                  : (v ? a8_row_vnni<0> : a8_row<0>);
-    #pragma omp parallel if (parallel_worth(M, K, N))
-    {
-        std::vector<float> sf(2 * ng + 8, 0.0f);   /* + 8: a chunk reads 8 floats from its first group */
-        #pragma omp for schedule(dynamic, chunk)
-        for (int64_t n = 0; n < N; n++) {
-            params_f32(sz + n * ng * 2, ng, sf.data());
-            row(A, M, K, G, w + n * half, sf.data(), bias ? bias[n] : 0.0f, y, N, n);
-        }
-    }
+    const Rows rows = G == 32 ? (v ? a8_rows_vnni<32> : a8_rows<32>) : G == 64 ? (v ? a8_rows_vnni<64> : a8_rows<64>)
+                    : G == 128 ? (v ? a8_rows_vnni<128> : a8_rows<128>)
+                    : G == 256 ? (v ? a8_rows_vnni<256> : a8_rows<256>) : (v ? a8_rows_vnni<0> : a8_rows<0>);
+    const int64_t chunk = chunk_rows(K / 2, N), chunks = (N + chunk - 1) / chunk;
+    #pragma omp parallel for schedule(dynamic, 1) if (parallel_worth(M, K, N))
+    for (int64_t i = 0; i < chunks; i++)
+        rows(A, M, K, G, w, sz, bias, y, N, i * chunk, i * chunk + chunk < N ? i * chunk + chunk : N);
 }
 
 /* The operator: checks its arguments (a clear message, never a read out of bounds), then runs
@@ -635,9 +667,9 @@ static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, co
     const float *b = check_int4("int4_gemv_a8", 32, x, weight, scale_zero, group_size, bias);
     const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size;
     at::Tensor xc = x.contiguous();
-    const int64_t half = K / 2, ng = K / G, stride = half + 64, dstride = ng + 8;
+    const int64_t half = K / 2, ng = K / G, stride = half + 64, dstride = ng + 8, zstride = 2 * ng + 8;
     at::Tensor a8 = at::zeros({2 * M * stride}, x.options().dtype(at::kChar));
-    at::Tensor dz = at::zeros({M * dstride + 2 * M * ng}, x.options());
+    at::Tensor dz = at::zeros({M * dstride + M * zstride}, x.options());
     const float *src = xc.data_ptr<float>();
     int8_t *ae = a8.data_ptr<int8_t>(), *ao = ae + M * stride;
     float *d = dz.data_ptr<float>(), *az = d + M * dstride;
@@ -662,11 +694,11 @@ static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, co
                 sum += e + o;
             }
             d[m * dstride + g] = dg;
-            az[m * 2 * ng + 2 * g] = -8.0f * dg * (float)sum;
-            az[m * 2 * ng + 2 * g + 1] = dg * (float)sum;
+            az[m * zstride + 2 * g] = -8.0f * dg * (float)sum;
+            az[m * zstride + 2 * g + 1] = dg * (float)sum;
         }
     at::Tensor y = at::empty({M, N}, x.options());
-    A8 A{ae, ao, d, az, stride, dstride, {}};
+    A8 A{ae, ao, d, az, stride, dstride, zstride, {}};
     for (int l = 0; l < 16; l++) A.lane[l] = (int32_t)((8 * l) / G);
     const uint8_t *w = weight.data_ptr<uint8_t>();
     const uint16_t *sz = reinterpret_cast<const uint16_t *>(scale_zero.data_ptr<at::BFloat16>());
