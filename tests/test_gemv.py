@@ -115,16 +115,32 @@ def test_built_kernels_live_in_the_cache_directory_the_environment_names(monkeyp
 
 
 @needs_kernel
-@pytest.mark.parametrize("M,K,N", [(1, 768, 300), (5, 3072, 64), (8, 100, 37), (3, 31, 9)])
+@pytest.mark.parametrize("M,K,N", [(1, 768, 300), (5, 3072, 64), (8, 100, 37), (3, 31, 9), (16, 768, 33),
+                                   (11, 64, 32)])
 def test_the_per_row_operator_sums_exactly_as_integers(M, K, N):
-    # reference: the same sums in int64 (exact), scaled once in float32, as FBGEMM's W7A8 product
+    # reference: the same sums in int64 (exact), scaled once in float32, as FBGEMM's W7A8 product;
+    # K and N not multiples of 4 and 32 exercise the packing's padding, M of 8 and 16 a second tile
     g = torch.Generator().manual_seed(M + K)
     u = torch.randint(-128, 128, (M, K), generator=g).float()
     q = torch.randint(-63, 64, (N, K), dtype=torch.int8, generator=g)
+    q[0] = 63
+    u[0] = 127                                                  # the largest sums a row can have
     s = torch.rand(N, generator=g) * 0.01
-    y = torch.ops.gpt2mha.int8_gemv_rows(u, q, q.sum(1, dtype=torch.int32), s)
+    P, qsum = gemv.pack_rows(q), q.sum(1, dtype=torch.int32)
+    y = torch.ops.gpt2mha.int8_gemv_packed(u, P, qsum, s)
     assert torch.equal(y, (u.long() @ q.long().t()).float() * s)
-    assert torch.equal(torch.ops.gpt2mha.int8_gemv_rows(u[-1:], q, q.sum(1, dtype=torch.int32), s)[0], y[-1])
+    assert torch.equal(torch.ops.gpt2mha.int8_gemv_packed(u[-1:], P, qsum, s)[0], y[-1])
+
+
+def test_packing_puts_four_inputs_of_32_channels_together():
+    q = torch.arange(40 * 6, dtype=torch.int32).remainder(127).to(torch.int8).view(40, 6)
+    P = gemv.pack_rows(q)
+    assert P.shape == (2, 2, 32, 4) and P.is_contiguous()
+    for t, j, c, i in [(0, 0, 0, 0), (0, 1, 5, 1), (1, 0, 7, 3), (1, 1, 7, 1)]:
+        assert P[t, j, c, i] == q[32 * t + c, 4 * j + i]
+    assert (P[1, :, 8:] == 0).all() and (P[:, 1, :, 2:] == 0).all()          # channels 40+, inputs 6+
+    with pytest.raises(ValueError, match="q must be a 2-D int8 CPU tensor"):
+        gemv.pack_rows(q.float())
 
 
 @pytest.fixture
@@ -143,25 +159,29 @@ def test_the_per_row_operators_vnni_and_avx2_paths_give_the_same_bits(both_paths
     g = torch.Generator().manual_seed(K)
     u = torch.randint(-128, 128, (M, K), generator=g).float()
     q = torch.randint(-63, 64, (N, K), dtype=torch.int8, generator=g)
-    args = (u, q, q.sum(1, dtype=torch.int32), torch.rand(N, generator=g) * 0.01)
-    assert both_paths(True)
-    vnni = torch.ops.gpt2mha.int8_gemv_rows(*args)
-    assert not both_paths(False)
-    assert torch.equal(torch.ops.gpt2mha.int8_gemv_rows(*args), vnni)
+    args = (u, gemv.pack_rows(q), q.sum(1, dtype=torch.int32), torch.rand(N, generator=g) * 0.01)
+    assert both_paths(True) and gemv.vnni()
+    vnni = torch.ops.gpt2mha.int8_gemv_packed(*args)
+    assert not both_paths(False) and not gemv.vnni()
+    assert torch.equal(torch.ops.gpt2mha.int8_gemv_packed(*args), vnni)
 
 
 @needs_kernel
 def test_the_per_row_operator_refuses_values_that_are_not_8_bit_integers():
-    u = torch.zeros(2, 32)
-    q = torch.ones(4, 32, dtype=torch.int8)
-    qsum, s = q.sum(1, dtype=torch.int32), torch.ones(4)
+    u = torch.zeros(2, 35)
+    q = torch.ones(4, 35, dtype=torch.int8)
+    P, qsum, s = gemv.pack_rows(q), q.sum(1, dtype=torch.int32), torch.ones(4)
     u[1, 3] = float("nan")                    # a non-finite row: its scale makes the layer's row NaN anyway
-    assert torch.equal(torch.ops.gpt2mha.int8_gemv_rows(u, q, qsum, s), torch.zeros(2, 4))
-    u[1, 3] = 128.0
-    with pytest.raises(RuntimeError, match=r"integers in \[-128, 127\]"):
-        torch.ops.gpt2mha.int8_gemv_rows(u, q, qsum, s)
+    assert torch.equal(torch.ops.gpt2mha.int8_gemv_packed(u, P, qsum, s), torch.zeros(2, 4))
+    for k, bad in [(3, 128.0), (3, -129.0), (5, 0.5), (33, 127.5), (34, float("inf"))]:   # 33, 34: past 32
+        v = u.clone()
+        v[1, k] = bad
+        with pytest.raises(RuntimeError, match=r"integers in \[-128, 127\]"):
+            torch.ops.gpt2mha.int8_gemv_packed(v, P, qsum, s)
     with pytest.raises(RuntimeError, match="qsum must be a contiguous int32"):
-        torch.ops.gpt2mha.int8_gemv_rows(u * 0, q, qsum.long(), s)
+        torch.ops.gpt2mha.int8_gemv_packed(u * 0, P, qsum.long(), s)
+    with pytest.raises(RuntimeError, match=r"packed must be a contiguous int8 CPU tensor \[ceil\(N/32\)=1"):
+        torch.ops.gpt2mha.int8_gemv_packed(u * 0, q, qsum, s)
 
 
 def test_a_cached_library_cut_short_or_replaced_is_rebuilt_not_loaded(monkeypatch, tmp_path):
@@ -207,8 +227,8 @@ def test_switches_and_misuse_are_named(monkeypatch, tmp_path):
         with pytest.raises(ValueError, match="requires grad"):
             gemv.int8_gemv(x, torch.zeros(2, 32, dtype=torch.int8), torch.ones(2))
         with pytest.raises(RuntimeError, match="integers in"):
-            torch.ops.gpt2mha.int8_gemv_rows(torch.full((1, 32), 0.6), torch.zeros(2, 32, dtype=torch.int8),
-                                             torch.zeros(2, dtype=torch.int32), torch.ones(2))
+            torch.ops.gpt2mha.int8_gemv_packed(torch.full((1, 32), 0.6), gemv.pack_rows(torch.zeros(2, 32, dtype=torch.int8)),
+                                               torch.zeros(2, dtype=torch.int32), torch.ones(2))
 
 
 @needs_kernel

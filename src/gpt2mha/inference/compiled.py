@@ -63,10 +63,15 @@ from .quant.linear import QuantizedLinear, int8_kernel, weight_7bit
 #: Cache lengths of a compiled decode are multiples of this (:func:`cache_len`).
 SPAN_MULTIPLE = 64
 #: Largest batch whose W7A8 products a compiled step runs on gpt2mha's kernel
-#: (``torch.ops.gpt2mha.int8_gemv_rows``) rather than FBGEMM's GEMM (the same exact integer sums,
-#: bitwise equal). The 49 products of 124M on the AVX2 Zen 3, 2 threads: 6.2 / 9.1 / 10.2 / 13.3 ms
-#: at 1 / 2 / 4 / 8 rows against FBGEMM's 8.2 / 10.8 / 11.1 / 11.8 (RESULTS.md, "A kernel of our own").
+#: (``torch.ops.gpt2mha.int8_gemv_packed``) rather than FBGEMM's GEMM or ``torch._int_mm`` (the
+#: same exact integer sums, bitwise equal), on CPUs without AVX-512 VNNI. The 49 products of
+#: 124M on the AVX2 Zen 3, 2 threads: 6.2 / 9.1 / 10.2 / 13.3 ms at 1 / 2 / 4 / 8 rows against
+#: FBGEMM's 8.2 / 10.8 / 11.1 / 11.8 (RESULTS.md, "A kernel of our own").
 GEMV_ROWS = 4
+#: The same on AVX-512 VNNI CPUs: the 49 products of 124M and the head on the Zen 4, 2 threads,
+#: 3.4 / 4.1 / 5.4 ms at 1 / 8 / 16 rows against ``torch._int_mm``'s 9.9 (RESULTS.md, "Packed
+#: weights for per_row decode").
+GEMV_ROWS_VNNI = 16
 #: A compiled step reads the cached keys up to the longest row's, rounded up to a multiple of this.
 SPAN_STEP = 16
 
@@ -225,9 +230,10 @@ class PerRowInt8Linear(nn.Module):
     8 bits with its own scale and zero point, 7-bit weights), written as ops inductor fuses
     (the row's min/max, the rounding, the rescale and the bias) around one integer GEMM:
     FBGEMM's (:func:`fbgemm_rows`, CPUs without VNNI/AMX) or ``torch._int_mm``, which inductor
-    lowers itself; up to :data:`GEMV_ROWS` rows, where it builds, gpt2mha's
-    ``torch.ops.gpt2mha.int8_gemv_rows`` instead (:mod:`.quant.gemv`, ``vpmaddubsw`` or AVX-512
-    VNNI: the same exact integer sums). A row's result does not depend on the other rows.
+    lowers itself; up to :data:`GEMV_ROWS` rows (:data:`GEMV_ROWS_VNNI` on AVX-512 VNNI CPUs),
+    where it builds, gpt2mha's ``torch.ops.gpt2mha.int8_gemv_packed`` instead on weights packed
+    for it (:func:`~.quant.gemv.pack_rows`; ``vpmaddubsw`` or VNNI's ``vpdpbusd``: the same exact
+    integer sums). A row's result does not depend on the other rows.
 
     Forward ``[..., K]`` → ``[..., N]`` in the dtype the layer itself returns. Rows holding NaN
     or ±inf give non-finite rows (the eager layer gives NaN rows).
@@ -246,9 +252,10 @@ class PerRowInt8Linear(nn.Module):
         self.gemv = gemv.available()
         if self.gemv:                    # decode sizes on gpt2mha's kernel (maddubs or VNNI: FBGEMM's sums)
             q7, scales7 = weight_7bit(layer.weight, layer.scales)       # (per_row_weights keeps only FBGEMM's copy)
-            self.q7 = nn.Parameter(q7.contiguous(), requires_grad=False)
+            self.q7p = nn.Parameter(gemv.pack_rows(q7), requires_grad=False)
             self.qsum = nn.Parameter(q7.sum(1, dtype=torch.int32), requires_grad=False)
             self.scales7 = nn.Parameter(scales7.float().contiguous(), requires_grad=False)
+            self.gemv_rows = GEMV_ROWS_VNNI if gemv.vnni() else GEMV_ROWS
         if self.kernel == "fbgemm":
             self.key = next(_keys)
             _FBGEMM_PACKED[self.key] = packed
@@ -262,8 +269,8 @@ class PerRowInt8Linear(nn.Module):
         lo = x2.amin(-1, keepdim=True)
         a = (x2.amax(-1, keepdim=True) - lo) / 255
         u = ((x2 - lo) / a.clamp(min=1e-30)).round() - 128                       # integers in [-128, 127]
-        if self.gemv and x2.shape[0] <= GEMV_ROWS:
-            y = torch.ops.gpt2mha.int8_gemv_rows(u, self.q7, self.qsum, self.scales7)
+        if self.gemv and x2.shape[0] <= self.gemv_rows:
+            y = torch.ops.gpt2mha.int8_gemv_packed(u, self.q7p, self.qsum, self.scales7)
         elif self.kernel == "fbgemm":
             y = fbgemm_rows(u, self.key, self.n_out)
         else:

@@ -125,128 +125,132 @@ static void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
     }
 }
 
-/* The per_row (W7A8) product for decode sizes: y[m, n] = (sum_k u[m, k] * q[n, k]) * scales[n]
- * for u float32 [M, K] holding integers in [-128, 127] (each activation row rounded to 8 bits:
- * compiled.py's PerRowInt8Linear) and 7-bit weights q int8 [N, K] in [-63, 63] (weight_7bit;
- * the caller's promise: wider weights would saturate silently), with qsum[n] =
- * sum_k q[n, k]. As FBGEMM does: u + 128 as uint8 times q with vpmaddubsw (pairs of products
- * never saturate int16: 2 * 255 * 63 < 2^15), int32 sums, exact; minus 128 * qsum[n]; one float
- * rounding when scaled. Exact integer sums make the result independent of the order, hence of
- * the other rows and the threads (and of the instructions: VNNI's vpdpbusd where the CPU has it). */
-static inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
-/* MT rows of u (a compile-time count, so the accumulators stay in registers) over one weight row */
-template <int MT>
-static inline void rows_tile(const uint8_t *u8, int64_t K, const int8_t *wn, int32_t *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[MT];
-    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_si256();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(wn + k));
-        for (int i = 0; i < MT; i++) {
-            const __m256i u = _mm256_loadu_si256((const __m256i *)(u8 + i * K + k));
-            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, w), ones));
-        }
-    }
-    for (int i = 0; i < MT; i++) {
-        int32_t s = hsum_i32(acc[i]);
-        for (int64_t j = k; j < K; j++) s += (int32_t)u8[i * K + j] * wn[j];
-        out[i] = s;
-    }
-}
-
-/* The same sums with AVX-512 VNNI (vpdpbusd: four u8 x s8 products added into each int32 lane,
- * no int16 step), where the CPU has it: compiled for it here whatever the build flags, chosen at
- * run time (vnni()). The integer sums are exact either way, so the results are the same bits. */
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline int32_t hsum_i32_512(__m512i v) {
-    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
-template <int MT>
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline void rows_tile_vnni(const uint8_t *u8, int64_t K, const int8_t *wn, int32_t *out) {
-    __m512i acc[MT];
-    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_si512();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        const __m512i w = _mm512_loadu_si512((const void *)(wn + k));
-        for (int i = 0; i < MT; i++)
-            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_loadu_si512((const void *)(u8 + i * K + k)), w);
-    }
-    for (int i = 0; i < MT; i++) {
-        int32_t s = hsum_i32_512(acc[i]);
-        for (int64_t j = k; j < K; j++) s += (int32_t)u8[i * K + j] * wn[j];
-        out[i] = s;
-    }
-}
-
+/* AVX-512 VNNI (vpdpbusd: four u8 x s8 products added into each int32 lane, no int16 step), where
+ * the CPU has it: the functions that use it are compiled for it whatever the build flags and
+ * chosen at run time. use_vnni(false) keeps to the AVX2 paths on such a CPU too (tests compare
+ * them: each path gives the same bits). */
 static bool vnni() {
     static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                             __builtin_cpu_supports("avx512vnni");
     return has;
 }
 
+static bool use_vnni = true;
+
+/* The per_row (W7A8) product for decode sizes (int8_gemv_packed):
+ * y[m, n] = (sum_k u[m, k] q[n, k]) * scales[n] for u float32 [M, K] holding integers in
+ * [-128, 127] (each activation row rounded to 8 bits: compiled.py's PerRowInt8Linear) and 7-bit
+ * weights q in [-63, 63] (weight_7bit; the caller's promise: wider weights would saturate
+ * vpmaddubsw's int16 pairs silently), with qsum[n] = sum_k q[n, k]. As FBGEMM does: u + 128 as
+ * uint8 times q (pairs of products never saturate int16: 2 * 255 * 63 < 2^15), int32 sums, exact;
+ * minus 128 * qsum[n]; one float rounding when scaled. The weights are laid out as VNNI
+ * multiplies want them, as oneDNN and FBGEMM pack theirs: P [N/32,
+ * K/4, 32, 4] (both rounded up, zero-padded; pack_rows in gemv.py), four consecutive inputs of
+ * 32 output channels per 128 bytes. Four bytes of a row of u, broadcast, times 128 bytes of P
+ * add into the int32 sums of 32 channels at once (two vpdpbusd, or four vpmaddubsw + vpmaddwd
+ * on AVX2): no horizontal sums (a kernel over row-major weights spent about as long on them as
+ * on the products at eight rows: RESULTS.md, "Packed weights for per_row decode"), and each
+ * 128-byte step of P is read once for up to eight rows of u. A tile of 32 channels is one
+ * sequential run of 32 K bytes. Exact integer sums make the result independent of the order,
+ * hence of the other rows, the threads and the instructions: the same bits as FBGEMM's and
+ * torch._int_mm's. */
+template <int MT>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void gemv_rows_vnni(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, int64_t N,
-                           const int32_t *qsum, const float *scales, float *y) {
-    const int64_t chunk = chunk_rows(K, N);
-    #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
-    for (int64_t n = 0; n < N; n++) {
-        int32_t s[8];
-        const int8_t *wn = w + n * K;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {                  /* up to eight rows of u per pass over wn */
+static inline void packed_tile_vnni(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, int32_t *sums) {
+    __m512i acc[2 * MT];
+    for (int i = 0; i < 2 * MT; i++) acc[i] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < Kq; q++) {
+        const __m512i w0 = _mm512_loadu_si512((const void *)(pt + 128 * q));
+        const __m512i w1 = _mm512_loadu_si512((const void *)(pt + 128 * q + 64));
+        for (int i = 0; i < MT; i++) {
+            const __m512i b = _mm512_broadcastd_epi32(_mm_loadu_si32((const void *)(u8 + i * ustride + 4 * q)));
+            acc[2 * i] = _mm512_dpbusd_epi32(acc[2 * i], b, w0);
+            acc[2 * i + 1] = _mm512_dpbusd_epi32(acc[2 * i + 1], b, w1);
+        }
+    }
+    for (int i = 0; i < 2 * MT; i++) _mm512_storeu_si512((void *)(sums + 16 * i), acc[i]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void packed_rows_vnni(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
+                             const int32_t *qsum, const float *scales, float *y, int64_t t0, int64_t t1) {
+    int32_t s[256];
+    for (int64_t t = t0; t < t1; t++) {
+        const int8_t *pt = P + t * Kq * 128;
+        const int64_t n0 = 32 * t, nn = N - n0 < 32 ? N - n0 : 32;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
             const int64_t mt = M - m0 < 8 ? M - m0 : 8;
-            const uint8_t *um = u8 + m0 * K;
+            const uint8_t *um = u8 + m0 * ustride;
             switch (mt) {
-                case 8: rows_tile_vnni<8>(um, K, wn, s); break;
-                case 7: rows_tile_vnni<7>(um, K, wn, s); break;
-                case 6: rows_tile_vnni<6>(um, K, wn, s); break;
-                case 5: rows_tile_vnni<5>(um, K, wn, s); break;
-                case 4: rows_tile_vnni<4>(um, K, wn, s); break;
-                case 3: rows_tile_vnni<3>(um, K, wn, s); break;
-                case 2: rows_tile_vnni<2>(um, K, wn, s); break;
-                default: rows_tile_vnni<1>(um, K, wn, s); break;
+                case 8: packed_tile_vnni<8>(um, ustride, Kq, pt, s); break;
+                case 7: packed_tile_vnni<7>(um, ustride, Kq, pt, s); break;
+                case 6: packed_tile_vnni<6>(um, ustride, Kq, pt, s); break;
+                case 5: packed_tile_vnni<5>(um, ustride, Kq, pt, s); break;
+                case 4: packed_tile_vnni<4>(um, ustride, Kq, pt, s); break;
+                case 3: packed_tile_vnni<3>(um, ustride, Kq, pt, s); break;
+                case 2: packed_tile_vnni<2>(um, ustride, Kq, pt, s); break;
+                default: packed_tile_vnni<1>(um, ustride, Kq, pt, s); break;
             }
-            for (int64_t i = 0; i < mt; i++)
-                y[(m0 + i) * N + n] = (float)(s[i] - 128 * qsum[n]) * scales[n];
+            for (int64_t i = 0; i < mt; i++) {
+                float *yr = y + (m0 + i) * N + n0;
+                for (int64_t j = 0; j < nn; j++) yr[j] = (float)(s[32 * i + j] - 128 * qsum[n0 + j]) * scales[n0 + j];
+            }
         }
     }
 }
 
-static bool use_vnni = true;   /* use_vnni(false): the AVX2 paths on a VNNI CPU too (tests compare them) */
-
-static void gemv_rows(const uint8_t *u8, int64_t M, int64_t K, const int8_t *w, int64_t N,
-                      const int32_t *qsum, const float *scales, float *y) {
-    if (use_vnni && vnni())
-        return gemv_rows_vnni(u8, M, K, w, N, qsum, scales, y);
-    const int64_t chunk = chunk_rows(K, N);
-    #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
-    for (int64_t n = 0; n < N; n++) {
-        int32_t s[4];
-        const int8_t *wn = w + n * K;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {                  /* up to four rows of u per pass over wn */
-            const int64_t mt = M - m0 < 4 ? M - m0 : 4;
-            const uint8_t *um = u8 + m0 * K;
-            switch (mt) {
-                case 4: rows_tile<4>(um, K, wn, s); break;
-                case 3: rows_tile<3>(um, K, wn, s); break;
-                case 2: rows_tile<2>(um, K, wn, s); break;
-                default: rows_tile<1>(um, K, wn, s); break;
-            }
-            for (int64_t i = 0; i < mt; i++)
-                y[(m0 + i) * N + n] = (float)(s[i] - 128 * qsum[n]) * scales[n];
+/* AVX2: two rows of u per pass over a tile's 128-byte steps (eight accumulators of 8 channels) */
+template <int MT>
+static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, __m256i *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < 4 * MT; i++) acc[i] = _mm256_setzero_si256();
+    for (int64_t q = 0; q < Kq; q++) {
+        __m256i w[4];
+        for (int j = 0; j < 4; j++) w[j] = _mm256_loadu_si256((const __m256i *)(pt + 128 * q + 32 * j));
+        for (int i = 0; i < MT; i++) {
+            int32_t four;
+            std::memcpy(&four, u8 + i * ustride + 4 * q, 4);
+            const __m256i b = _mm256_set1_epi32(four);
+            for (int j = 0; j < 4; j++)     /* pairs of uint8 x 7-bit products never saturate int16 */
+                acc[4 * i + j] = _mm256_add_epi32(acc[4 * i + j], _mm256_madd_epi16(_mm256_maddubs_epi16(b, w[j]), ones));
         }
+    }
+}
+
+static void packed_rows(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
+                        const int32_t *qsum, const float *scales, float *y, int64_t t0, int64_t t1) {
+    __m256i acc[8];
+    for (int64_t t = t0; t < t1; t++) {
+        const int8_t *pt = P + t * Kq * 128;
+        const int64_t n0 = 32 * t, nn = N - n0 < 32 ? N - n0 : 32;
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            const int64_t mt = M - m0 < 2 ? M - m0 : 2;
+            if (mt == 2)
+                packed_tile<2>(u8 + m0 * ustride, ustride, Kq, pt, acc);
+            else
+                packed_tile<1>(u8 + m0 * ustride, ustride, Kq, pt, acc);
+            for (int64_t i = 0; i < mt; i++) {
+                alignas(32) int32_t s[32];
+                for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(s + 8 * j), acc[4 * i + j]);
+                float *yr = y + (m0 + i) * N + n0;
+                for (int64_t j = 0; j < nn; j++) yr[j] = (float)(s[j] - 128 * qsum[n0 + j]) * scales[n0 + j];
+            }
+        }
+    }
+}
+
+static void gemv_packed(const uint8_t *u8, int64_t M, int64_t ustride, int64_t K, const int8_t *P, int64_t N,
+                        const int32_t *qsum, const float *scales, float *y) {
+    const int64_t Kq = (K + 3) / 4, tiles = (N + 31) / 32;
+    const int64_t per = chunk_rows(Kq * 128, tiles), chunks = (tiles + per - 1) / per;
+    const bool v = use_vnni && vnni();
+    #pragma omp parallel for schedule(dynamic, 1) if (parallel_worth(M, K, N))
+    for (int64_t i = 0; i < chunks; i++) {
+        const int64_t t0 = i * per, t1 = t0 + per < tiles ? t0 + per : tiles;
+        if (v)
+            packed_rows_vnni(u8, M, ustride, Kq, P, N, qsum, scales, y, t0, t1);
+        else
+            packed_rows(u8, M, ustride, Kq, P, N, qsum, scales, y, t0, t1);
     }
 }
 
@@ -559,41 +563,68 @@ static at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const
     return y;
 }
 
-/* The per_row operator (gemv_rows); u's integers are checked as they are converted. */
-static at::Tensor int8_gemv_rows(const at::Tensor &u, const at::Tensor &weight, const at::Tensor &qsum,
-                                 const at::Tensor &scales) {
+/* u float32 [M, K] holding integers in [-128, 127] (or NaN, counted as 0) as u + 128 in uint8,
+ * rows of ustride bytes (zero-padded); false if a value is not such an integer */
+static bool u_to_uint8(const float *src, int64_t M, int64_t K, uint8_t *dst, int64_t ustride) {
+    const __m256 off = _mm256_set1_ps(128.0f), top = _mm256_set1_ps(255.0f), zero = _mm256_setzero_ps();
+    __m256 bad = zero;                                   /* lanes that failed the check: all ones */
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = src + m * K;
+        uint8_t *d = dst + m * ustride;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            /* NaN comes from a row with a non-finite activation, whose scale is non-finite too:
+             * the layer's rescale makes that row non-finite whatever is summed here: it counts as 0 */
+            const __m256 xv = _mm256_loadu_ps(x + k);
+            const __m256 v = _mm256_add_ps(_mm256_blendv_ps(xv, zero, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q)), off);
+            const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(v, r, _CMP_NEQ_UQ),
+                                                 _mm256_or_ps(_mm256_cmp_ps(v, zero, _CMP_LT_OQ),
+                                                              _mm256_cmp_ps(v, top, _CMP_GT_OQ))));
+            const __m256i i32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, zero), top));
+            const __m256i p16 = _mm256_packus_epi32(i32, i32);           /* per 128-bit lane */
+            const __m256i p8 = _mm256_packus_epi16(p16, p16);
+            const uint32_t lo = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(p8));
+            const uint32_t hi = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(p8, 1));
+            const uint64_t both = (uint64_t)lo | ((uint64_t)hi << 32);
+            std::memcpy(d + k, &both, 8);
+        }
+        for (; k < K; k++) {
+            const float v = std::isnan(x[k]) ? 128.0f : x[k] + 128.0f;
+            if (!(v >= 0.0f && v <= 255.0f && v == std::nearbyint(v)))
+                return false;
+            d[k] = (uint8_t)v;
+        }
+    }
+    return _mm256_movemask_ps(bad) == 0;
+}
+
+/* The per_row operator on packed weights (gemv_packed). */
+static at::Tensor int8_gemv_packed(const at::Tensor &u, const at::Tensor &packed, const at::Tensor &qsum,
+                                   const at::Tensor &scales) {
     TORCH_CHECK(u.dim() == 2 && u.scalar_type() == at::kFloat && u.device().is_cpu(),
-                "int8_gemv_rows: u must be a float32 CPU tensor [M, K]; got ", u.scalar_type(), " ", u.sizes());
-    const int64_t M = u.size(0), K = u.size(1), N = weight.size(0);
-    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.size(1) == K &&
-                weight.is_contiguous() && weight.device().is_cpu(),
-                "int8_gemv_rows: weight must be a contiguous int8 CPU tensor [N, K=", K, "]; got ",
-                weight.scalar_type(), " ", weight.sizes());
-    TORCH_CHECK(qsum.dim() == 1 && qsum.size(0) == N && qsum.scalar_type() == at::kInt && qsum.is_contiguous(),
-                "int8_gemv_rows: qsum must be a contiguous int32 tensor [N=", N, "]; got ", qsum.scalar_type(),
-                " ", qsum.sizes());
+                "int8_gemv_packed: u must be a float32 CPU tensor [M, K]; got ", u.scalar_type(), " ", u.sizes());
+    const int64_t M = u.size(0), K = u.size(1), N = qsum.size(0), Kq = (K + 3) / 4;
+    TORCH_CHECK(qsum.dim() == 1 && qsum.scalar_type() == at::kInt && qsum.is_contiguous() && qsum.device().is_cpu(),
+                "int8_gemv_packed: qsum must be a contiguous int32 CPU tensor [N]; got ", qsum.scalar_type(), " ",
+                qsum.sizes());
+    TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(0) == (N + 31) / 32 &&
+                packed.size(1) == Kq && packed.size(2) == 32 && packed.size(3) == 4 && packed.is_contiguous() &&
+                packed.device().is_cpu(),
+                "int8_gemv_packed: packed must be a contiguous int8 CPU tensor [ceil(N/32)=", (N + 31) / 32,
+                ", ceil(K/4)=", Kq, ", 32, 4] (gemv.pack_rows); got ", packed.scalar_type(), " ", packed.sizes());
     TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kFloat &&
-                scales.is_contiguous(),
-                "int8_gemv_rows: scales must be a contiguous float32 tensor [N=", N, "]; got ",
+                scales.is_contiguous() && scales.device().is_cpu(),
+                "int8_gemv_packed: scales must be a contiguous float32 CPU tensor [N=", N, "]; got ",
                 scales.scalar_type(), " ", scales.sizes());
     at::Tensor uc = u.contiguous();
-    at::Tensor u8 = at::empty({M, K}, u.options().dtype(at::kByte));
-    const float *src = uc.data_ptr<float>();
-    uint8_t *dst = u8.data_ptr<uint8_t>();
-    bool ok = true;
-    for (int64_t i = 0; i < M * K; i++) {
-        /* NaN comes from a row with a non-finite activation, whose scale is non-finite too: the
-         * layer's rescale makes that row non-finite whatever is summed here, so it counts as 0 */
-        const float v = std::isnan(src[i]) ? 128.0f : src[i] + 128.0f;
-        ok &= v >= 0.0f && v <= 255.0f && v == std::nearbyint(v);
-        dst[i] = ok ? (uint8_t)v : 0;
-    }
-    TORCH_CHECK(ok, "int8_gemv_rows: u must hold integers in [-128, 127] (or NaN)");
-    /* weight's range ([-63, 63]) is the caller's promise, not checked here (a pass over the
-     * weights per call): 8-bit weights would saturate vpmaddubsw's int16 pairs */
+    const int64_t ustride = 4 * Kq;
+    at::Tensor u8 = at::zeros({M, ustride}, u.options().dtype(at::kByte));
+    TORCH_CHECK(u_to_uint8(uc.data_ptr<float>(), M, K, u8.data_ptr<uint8_t>(), ustride),
+                "int8_gemv_packed: u must hold integers in [-128, 127] (or NaN)");
     at::Tensor y = at::empty({M, N}, u.options());
-    gemv_rows(dst, M, K, weight.data_ptr<int8_t>(), N, qsum.data_ptr<int32_t>(), scales.data_ptr<float>(),
-              y.data_ptr<float>());
+    gemv_packed(u8.data_ptr<uint8_t>(), M, ustride, K, packed.data_ptr<int8_t>(), N, qsum.data_ptr<int32_t>(),
+                scales.data_ptr<float>(), y.data_ptr<float>());
     return y;
 }
 
@@ -706,6 +737,10 @@ static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, co
     return y;
 }
 
+/* has_vnni(): whether the kernels now take their AVX-512 VNNI paths (the CPU has them and
+ * use_vnni has not turned them off) */
+static bool has_vnni() { return use_vnni && vnni(); }
+
 /* use_vnni(on): whether the kernels may take their AVX-512 VNNI paths (default true); returns
  * whether they now do (false on a CPU without VNNI). The results are the same bits either way:
  * tests switch it off to compare. */
@@ -716,19 +751,21 @@ static bool set_use_vnni(bool on) {
 
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
-    m.def("int8_gemv_rows(Tensor u, Tensor weight, Tensor qsum, Tensor scales) -> Tensor");
     m.def("int4_gemv(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
     m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
+    m.def("int8_gemv_packed(Tensor u, Tensor packed, Tensor qsum, Tensor scales) -> Tensor");
     m.def("use_vnni(bool on) -> bool");
+    m.def("has_vnni() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
     m.impl("int8_gemv", &int8_gemv);
-    m.impl("int8_gemv_rows", &int8_gemv_rows);
     m.impl("int4_gemv", &int4_gemv);
     m.impl("int4_gemv_a8", &int4_gemv_a8);
+    m.impl("int8_gemv_packed", &int8_gemv_packed);
 }
 
 TORCH_LIBRARY_IMPL(gpt2mha, CompositeExplicitAutograd, m) {
     m.impl("use_vnni", &set_use_vnni);
+    m.impl("has_vnni", &has_vnni);
 }

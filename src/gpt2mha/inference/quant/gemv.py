@@ -1,5 +1,5 @@
 """An optional C++ kernel for int8 and int4 weight-only products at decode sizes: ``gemv.cpp``, the
-operators ``torch.ops.gpt2mha.int8_gemv`` and ``int4_gemv`` (and per_row's ``int8_gemv_rows``), built on first use with the system C++ compiler against torch's
+operators ``torch.ops.gpt2mha.int8_gemv`` and ``int4_gemv`` (and per_row's ``int8_gemv_packed``), built on first use with the system C++ compiler against torch's
 headers (~10 s, once) and loaded with ``torch.ops.load_library``.
 
 At one to eight input rows a product is a read of the int8 weights. On an AVX2-only CPU none of
@@ -105,7 +105,7 @@ def _build() -> str:
                 os.unlink(tmp)
     torch.ops.load_library(str(out))
     torch.library.register_fake("gpt2mha::int8_gemv")(_fake)
-    torch.library.register_fake("gpt2mha::int8_gemv_rows")(_fake_rows)
+    torch.library.register_fake("gpt2mha::int8_gemv_packed")(_fake_packed)
     torch.library.register_fake("gpt2mha::int4_gemv")(_fake_int4)
     torch.library.register_fake("gpt2mha::int4_gemv_a8")(_fake_int4)
     return ""
@@ -115,8 +115,8 @@ def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: tor
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _fake_rows(u: torch.Tensor, weight: torch.Tensor, qsum: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return u.new_empty(u.shape[0], weight.shape[0])
+def _fake_packed(u: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return u.new_empty(u.shape[0], qsum.shape[0])
 
 
 def _fake_int4(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
@@ -140,6 +140,31 @@ def available() -> bool:
 def unavailable_reason() -> str:
     """Why :func:`available` is False ("" when it is True)."""
     return _library()
+
+
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` int8 laid out for ``torch.ops.gpt2mha.int8_gemv_packed``: ``[ceil(N/32),
+    ceil(K/4), 32, 4]``, four consecutive inputs of 32 output channels per 128 bytes
+    (``P[t, j, c, i] = q[32t + c, 4j + i]``, zero past N and K), the order VNNI's ``vpdpbusd``
+    multiplies them in (oneDNN and FBGEMM pack their int8 weights alike). A copy (same bytes,
+    rounded up).
+
+    Raises:
+        ValueError: ``q`` is not a 2-D int8 CPU tensor.
+    """
+    if q.dtype != torch.int8 or q.dim() != 2 or q.device.type != "cpu":
+        raise ValueError(f"q must be a 2-D int8 CPU tensor [N, K]; got {q.dtype} {tuple(q.shape)} on {q.device}")
+    N, K = q.shape
+    Np, Kp = -(-N // 32) * 32, -(-K // 4) * 4
+    padded = torch.zeros(Np, Kp, dtype=torch.int8)
+    padded[:N, :K] = q
+    return padded.view(Np // 32, 32, Kp // 4, 4).transpose(1, 2).contiguous()
+
+
+def vnni() -> bool:
+    """Whether the kernels take their AVX-512 VNNI paths (``vpdpbusd``): the CPU has AVX-512
+    VNNI and :func:`use_vnni` has not turned them off. False where the kernel is not available."""
+    return available() and bool(torch.ops.gpt2mha.has_vnni())
 
 
 def use_vnni(on: bool) -> bool:
