@@ -6,8 +6,8 @@ A cheaper stand-in for ``gpt2mha bench --only quant`` when the machine is too bu
 static KV cache on the decode view (as ``generate``), the three taking turns step by step (round-robin), and
 the median and minimum step times are printed. One thread avoids OpenMP's two-thread barriers,
 which stall whenever another process holds one of the cores. ``--compile`` adds int8 through
-``generate(compile=True)``'s compiled step, and int4 compiled with float32 (exact) and 8-bit
-(``per_block``) activations (:mod:`gpt2mha.inference.compiled`; compiled before
+``generate(compile=True)``'s compiled step, int4 compiled with float32 (exact) and 8-bit
+(``per_block``) activations, and int8 ``per_row`` (W7A8) compiled (:mod:`gpt2mha.inference.compiled`; compiled before
 the timed steps, on their shapes): on our own kernel (``int8 compiled``,
 :mod:`gpt2mha.inference.quant.gemv`) where it builds, and on inductor's weight-only int8
 template with bf16 activations (``int8 compiled, template``), what the step runs without it.
@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile:
             models["int4 per_block"] = copy.deepcopy(models["int4"])
             set_activations(models["int4 per_block"], "per_block")
+            models["int8 per_row"] = copy.deepcopy(models["int8"])
+            set_activations(models["int8 per_row"], "per_row")
     idx = torch.randint(0, 50257, (args.batch, 4 + args.steps), generator=torch.Generator().manual_seed(0))
     caches, views = {}, {name: for_decoding(m) for name, m in models.items()}      # as generate decodes
     steps = {name: (lambda tok, cache, m=m: m(tok, cache=cache, last_only=True, validate=False)) for name, m in views.items()}
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             compiled["int8 compiled"] = CompiledDecoder(models["int8"])
             compiled["int4 compiled"] = CompiledDecoder(models["int4"])
             compiled["int4 per_block compiled"] = CompiledDecoder(models["int4 per_block"])
+        compiled["int8 per_row compiled"] = CompiledDecoder(models["int8 per_row"])
         template = copy.deepcopy(models["int8"])
         with mock.patch.object(gemv, "available", lambda: False):      # the step as it is without our kernel
             compiled["int8 compiled, template"] = CompiledDecoder(template)

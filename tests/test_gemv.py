@@ -114,22 +114,57 @@ def test_built_kernels_live_in_the_cache_directory_the_environment_names(monkeyp
     assert gemv.cache_dir() == tmp_path / "x" / "gpt2mha"
 
 
+def _per_row_case(M, K, N, seed=0):
+    from gpt2mha.inference.quant.linear import weight_7bit
+    from gpt2mha.inference.quant.schemes import quantize_int8
+    g = torch.Generator().manual_seed(seed)
+    q7, s7 = weight_7bit(*quantize_int8(torch.randn(N, K, generator=g)))
+    wsum = (q7.float() * s7.float()[:, None]).sum(1)
+    args = (gemv.pack_rows(q7), q7.sum(1, dtype=torch.int32), s7.float().contiguous(), wsum)
+    return torch.randn(M, K, generator=g) * 3, q7, s7.float(), args, torch.randn(N, generator=g)
+
+
 @needs_kernel
 @pytest.mark.parametrize("M,K,N", [(1, 768, 300), (5, 3072, 64), (8, 100, 37), (3, 31, 9), (16, 768, 33),
                                    (11, 64, 32)])
 def test_the_per_row_operator_sums_exactly_as_integers(M, K, N):
-    # reference: the same sums in int64 (exact), scaled once in float32, as FBGEMM's W7A8 product;
-    # K and N not multiples of 4 and 32 exercise the packing's padding, M of 8 and 16 a second tile
-    g = torch.Generator().manual_seed(M + K)
+    # rows of integers from -128 to 127 round to themselves (a = 1, lo = -128), and the rescale
+    # adds (128·1 − 128)·wsum = 0: what is left is the integer product, exact (int64 reference)
+    # scaled once in float32, as FBGEMM's W7A8 product. K and N not multiples of 4 and 32 exercise
+    # the packing's padding, M of 8 and 16 a second tile.
+    _, q7, s7, args, _ = _per_row_case(M, K, N, seed=M + K)
+    g = torch.Generator().manual_seed(K)
     u = torch.randint(-128, 128, (M, K), generator=g).float()
-    q = torch.randint(-63, 64, (N, K), dtype=torch.int8, generator=g)
-    q[0] = 63
-    u[0] = 127                                                  # the largest sums a row can have
-    s = torch.rand(N, generator=g) * 0.01
-    P, qsum = gemv.pack_rows(q), q.sum(1, dtype=torch.int32)
-    y = torch.ops.gpt2mha.int8_gemv_packed(u, P, qsum, s)
-    assert torch.equal(y, (u.long() @ q.long().t()).float() * s)
-    assert torch.equal(torch.ops.gpt2mha.int8_gemv_packed(u[-1:], P, qsum, s)[0], y[-1])
+    u[:, 0], u[:, -1] = -128.0, 127.0
+    u[0] = 127.0
+    u[0, 0] = -128.0                                            # nearly the largest sums a row can have
+    q7[0] = 63
+    args = (gemv.pack_rows(q7), q7.sum(1, dtype=torch.int32)) + args[2:]
+    y = gemv.int8_per_row(u, *args)
+    assert torch.equal(y, (u.long() @ q7.long().t()).float() * s7)
+    assert torch.equal(gemv.int8_per_row(u[-1:], *args)[0], y[-1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N", [(1, 768, 300), (4, 3072, 70), (9, 100, 37)])
+def test_the_per_row_operator_is_the_eager_per_row_layer(M, K, N):
+    # the reference: linear.int8_matmul_per_row (torch's ops, _int_mm or FBGEMM for the integer
+    # product) plus the bias; the same roundings, so equal up to the order of float additions
+    from gpt2mha.inference.quant.linear import int8_matmul_per_row
+    x, q7, s7, args, b = _per_row_case(M, K, N, seed=K)
+    x[0, :5] = 0.0
+    x[-1] = 0.25                                                 # a constant row: a = 0
+    want = int8_matmul_per_row(x, q7, s7) + b
+    y = gemv.int8_per_row(x, *args, b)
+    assert (y - want).abs().max() <= 1e-6 * want.abs().max()
+    assert torch.equal(gemv.int8_per_row(x, *args) + b, y)                     # the bias: one last addition
+    for i in range(M):
+        assert torch.equal(gemv.int8_per_row(x[i:i + 1], *args, b)[0], y[i])
+    x[1 % M, 7] = float("inf")
+    z = gemv.int8_per_row(x, *args, b)
+    assert z[1 % M].isnan().all()
+    others = [i for i in range(M) if i != 1 % M]
+    assert torch.equal(z[others], y[others])
 
 
 def test_packing_puts_four_inputs_of_32_channels_together():
@@ -156,32 +191,26 @@ def both_paths():
 @needs_kernel
 @pytest.mark.parametrize("M,K,N", [(1, 768, 300), (8, 3072, 64), (11, 100, 37)])
 def test_the_per_row_operators_vnni_and_avx2_paths_give_the_same_bits(both_paths, M, K, N):
-    g = torch.Generator().manual_seed(K)
-    u = torch.randint(-128, 128, (M, K), generator=g).float()
-    q = torch.randint(-63, 64, (N, K), dtype=torch.int8, generator=g)
-    args = (u, gemv.pack_rows(q), q.sum(1, dtype=torch.int32), torch.rand(N, generator=g) * 0.01)
+    x, _, _, args, b = _per_row_case(M, K, N, seed=K)
     assert both_paths(True) and gemv.vnni()
-    vnni = torch.ops.gpt2mha.int8_gemv_packed(*args)
+    vnni = gemv.int8_per_row(x, *args, b)
     assert not both_paths(False) and not gemv.vnni()
-    assert torch.equal(torch.ops.gpt2mha.int8_gemv_packed(*args), vnni)
+    assert torch.equal(gemv.int8_per_row(x, *args, b), vnni)
 
 
 @needs_kernel
-def test_the_per_row_operator_refuses_values_that_are_not_8_bit_integers():
-    u = torch.zeros(2, 35)
-    q = torch.ones(4, 35, dtype=torch.int8)
-    P, qsum, s = gemv.pack_rows(q), q.sum(1, dtype=torch.int32), torch.ones(4)
-    u[1, 3] = float("nan")                    # a non-finite row: its scale makes the layer's row NaN anyway
-    assert torch.equal(torch.ops.gpt2mha.int8_gemv_packed(u, P, qsum, s), torch.zeros(2, 4))
-    for k, bad in [(3, 128.0), (3, -129.0), (5, 0.5), (33, 127.5), (34, float("inf"))]:   # 33, 34: past 32
-        v = u.clone()
-        v[1, k] = bad
-        with pytest.raises(RuntimeError, match=r"integers in \[-128, 127\]"):
-            torch.ops.gpt2mha.int8_gemv_packed(v, P, qsum, s)
+def test_the_per_row_operator_names_bad_arguments():
+    x, q7, s7, (P, qsum, s7c, wsum), b = _per_row_case(2, 35, 4)
     with pytest.raises(RuntimeError, match="qsum must be a contiguous int32"):
-        torch.ops.gpt2mha.int8_gemv_packed(u * 0, P, qsum.long(), s)
+        gemv.int8_per_row(x, P, qsum.long(), s7c, wsum)
     with pytest.raises(RuntimeError, match=r"packed must be a contiguous int8 CPU tensor \[ceil\(N/32\)=1"):
-        torch.ops.gpt2mha.int8_gemv_packed(u * 0, q, qsum, s)
+        gemv.int8_per_row(x, q7, qsum, s7c, wsum)
+    with pytest.raises(RuntimeError, match=r"wsum must be a contiguous float32 CPU tensor \[N=4\]"):
+        gemv.int8_per_row(x, P, qsum, s7c, wsum.double())
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous float32 CPU tensor \[N=4\] or None"):
+        gemv.int8_per_row(x, P, qsum, s7c, wsum, b[:3])
+    with pytest.raises(ValueError, match="x must be a float32 CPU tensor"):
+        gemv.int8_per_row(x.double(), P, qsum, s7c, wsum)
 
 
 def test_a_cached_library_cut_short_or_replaced_is_rebuilt_not_loaded(monkeypatch, tmp_path):
@@ -226,9 +255,9 @@ def test_switches_and_misuse_are_named(monkeypatch, tmp_path):
         x = torch.zeros(1, 32, requires_grad=True)
         with pytest.raises(ValueError, match="requires grad"):
             gemv.int8_gemv(x, torch.zeros(2, 32, dtype=torch.int8), torch.ones(2))
-        with pytest.raises(RuntimeError, match="integers in"):
-            torch.ops.gpt2mha.int8_gemv_packed(torch.full((1, 32), 0.6), gemv.pack_rows(torch.zeros(2, 32, dtype=torch.int8)),
-                                               torch.zeros(2, dtype=torch.int32), torch.ones(2))
+        with pytest.raises(ValueError, match="requires grad"):
+            gemv.int8_per_row(x, gemv.pack_rows(torch.zeros(2, 32, dtype=torch.int8)), torch.zeros(2, dtype=torch.int32),
+                              torch.ones(2), torch.zeros(2))
 
 
 @needs_kernel

@@ -63,7 +63,7 @@ from .quant.linear import QuantizedLinear, int8_kernel, weight_7bit
 #: Cache lengths of a compiled decode are multiples of this (:func:`cache_len`).
 SPAN_MULTIPLE = 64
 #: Largest batch whose W7A8 products a compiled step runs on gpt2mha's kernel
-#: (``torch.ops.gpt2mha.int8_gemv_packed``) rather than FBGEMM's GEMM or ``torch._int_mm`` (the
+#: (``torch.ops.gpt2mha.int8_per_row``) rather than FBGEMM's GEMM or ``torch._int_mm`` (the
 #: same exact integer sums, bitwise equal), on CPUs without AVX-512 VNNI. The 49 products of
 #: 124M on the AVX2 Zen 3, 2 threads: 6.2 / 9.1 / 10.2 / 13.3 ms at 1 / 2 / 4 / 8 rows against
 #: FBGEMM's 8.2 / 10.8 / 11.1 / 11.8 (RESULTS.md, "A kernel of our own").
@@ -231,8 +231,9 @@ class PerRowInt8Linear(nn.Module):
     (the row's min/max, the rounding, the rescale and the bias) around one integer GEMM:
     FBGEMM's (:func:`fbgemm_rows`, CPUs without VNNI/AMX) or ``torch._int_mm``, which inductor
     lowers itself; up to :data:`GEMV_ROWS` rows (:data:`GEMV_ROWS_VNNI` on AVX-512 VNNI CPUs),
-    where it builds, gpt2mha's ``torch.ops.gpt2mha.int8_gemv_packed`` instead on weights packed
-    for it (:func:`~.quant.gemv.pack_rows`; ``vpmaddubsw`` or VNNI's ``vpdpbusd``: the same exact
+    where it builds, the whole layer in gpt2mha's ``torch.ops.gpt2mha.int8_per_row`` instead
+    (the same rounding and rescale, the product on weights packed for it,
+    :func:`~.quant.gemv.pack_rows`; ``vpmaddubsw`` or VNNI's ``vpdpbusd``: the same exact
     integer sums). A row's result does not depend on the other rows.
 
     Forward ``[..., K]`` → ``[..., N]`` in the dtype the layer itself returns. Rows holding NaN
@@ -266,12 +267,17 @@ class PerRowInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.n_in).float()
+        if self.gemv and x2.shape[0] <= self.gemv_rows:
+            # the rounding, product and rescale in one call: its output is a tensor inductor
+            # cannot fold into the next op (written as graph ops, the rescale of c_attn's output
+            # was recomputed for every cached key inside the attention kernel)
+            y = torch.ops.gpt2mha.int8_per_row(x2, self.q7p, self.qsum, self.scales7, self.wsum,
+                                               None if self.bias is None else self.bias.float())
+            return y.to(self.out_dtype(x.dtype)).view(*x.shape[:-1], self.n_out)
         lo = x2.amin(-1, keepdim=True)
         a = (x2.amax(-1, keepdim=True) - lo) / 255
         u = ((x2 - lo) / a.clamp(min=1e-30)).round() - 128                       # integers in [-128, 127]
-        if self.gemv and x2.shape[0] <= self.gemv_rows:
-            y = torch.ops.gpt2mha.int8_gemv_packed(u, self.q7p, self.qsum, self.scales7)
-        elif self.kernel == "fbgemm":
+        if self.kernel == "fbgemm":
             y = fbgemm_rows(u, self.key, self.n_out)
         else:
             y = torch._int_mm(u.to(torch.int8), self.q7t).float() * self.scales7

@@ -137,23 +137,34 @@ static bool vnni() {
 
 static bool use_vnni = true;
 
-/* The per_row (W7A8) product for decode sizes (int8_gemv_packed):
- * y[m, n] = (sum_k u[m, k] q[n, k]) * scales[n] for u float32 [M, K] holding integers in
- * [-128, 127] (each activation row rounded to 8 bits: compiled.py's PerRowInt8Linear) and 7-bit
- * weights q in [-63, 63] (weight_7bit; the caller's promise: wider weights would saturate
- * vpmaddubsw's int16 pairs silently), with qsum[n] = sum_k q[n, k]. As FBGEMM does: u + 128 as
- * uint8 times q (pairs of products never saturate int16: 2 * 255 * 63 < 2^15), int32 sums, exact;
- * minus 128 * qsum[n]; one float rounding when scaled. The weights are laid out as VNNI
- * multiplies want them, as oneDNN and FBGEMM pack theirs: P [N/32,
- * K/4, 32, 4] (both rounded up, zero-padded; pack_rows in gemv.py), four consecutive inputs of
- * 32 output channels per 128 bytes. Four bytes of a row of u, broadcast, times 128 bytes of P
- * add into the int32 sums of 32 channels at once (two vpdpbusd, or four vpmaddubsw + vpmaddwd
- * on AVX2): no horizontal sums (a kernel over row-major weights spent about as long on them as
- * on the products at eight rows: RESULTS.md, "Packed weights for per_row decode"), and each
- * 128-byte step of P is read once for up to eight rows of u. A tile of 32 channels is one
- * sequential run of 32 K bytes. Exact integer sums make the result independent of the order,
- * hence of the other rows, the threads and the instructions: the same bits as FBGEMM's and
- * torch._int_mm's. */
+/* The per_row (W7A8) layer for decode sizes (the operator int8_per_row): x's rows rounded to
+ * 8 bits with their own step and minimum (round_rows, below), u in 0..255, times 7-bit weights q
+ * in [-63, 63] (weight_7bit; the caller's promise: wider weights would saturate vpmaddubsw's
+ * int16 pairs silently), as FBGEMM does: (sum_k u[m, k] q[n, k] - 128 qsum[n]) in exact int32
+ * sums (pairs of products never saturate int16: 2 * 255 * 63 < 2^15), qsum[n] = sum_k q[n, k],
+ * times scales[n], then per_row's rescale (Rescale). The weights are laid out as VNNI
+ * multiplies want them, as oneDNN and FBGEMM pack theirs: P [N/32, K/4, 32, 4] (both rounded
+ * up, zero-padded; pack_rows in gemv.py), four consecutive inputs of 32 output channels per 128
+ * bytes. Four bytes of a row of u, broadcast, times 128 bytes of P add into the int32 sums of 32
+ * channels at once (two vpdpbusd, or four vpmaddubsw + vpmaddwd on AVX2): no horizontal sums (a
+ * kernel over row-major weights spent about as long on them as on the products at eight rows:
+ * RESULTS.md, "Packed weights for per_row decode"), and each 128-byte step of P is read once for
+ * up to eight rows of u. A tile of 32 channels is one sequential run of 32 K bytes. Exact integer
+ * sums make the result independent of the order, hence of the other rows, the threads and the
+ * instructions (the same sums as FBGEMM's and torch._int_mm's); the rounding and the rescale
+ * are per row and per element. */
+/* per_row's rescale of the integer product v = (sum u q - 128 qsum) * scales, as the layer
+ * writes it (compiled.py's PerRowInt8Linear): v * a + (a * 128 + lo) * wsum + bias, a and lo the
+ * row's step and minimum; NaN for a row whose a or lo is not finite */
+struct Rescale {
+    const float *a, *c;      /* [M]: a and a * 128 + lo per row */
+    const float *wsum, *bias;
+    inline float apply(int64_t m, int64_t n, float v) const {
+        const float t = v * a[m] + c[m] * wsum[n];
+        return bias ? t + bias[n] : t;
+    }
+};
+
 template <int MT>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static inline void packed_tile_vnni(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, int32_t *sums) {
@@ -173,7 +184,8 @@ static inline void packed_tile_vnni(const uint8_t *u8, int64_t ustride, int64_t 
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void packed_rows_vnni(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
-                             const int32_t *qsum, const float *scales, float *y, int64_t t0, int64_t t1) {
+                             const int32_t *qsum, const float *scales, const Rescale &r, float *y, int64_t t0,
+                             int64_t t1) {
     int32_t s[256];
     for (int64_t t = t0; t < t1; t++) {
         const int8_t *pt = P + t * Kq * 128;
@@ -193,7 +205,8 @@ static void packed_rows_vnni(const uint8_t *u8, int64_t M, int64_t ustride, int6
             }
             for (int64_t i = 0; i < mt; i++) {
                 float *yr = y + (m0 + i) * N + n0;
-                for (int64_t j = 0; j < nn; j++) yr[j] = (float)(s[32 * i + j] - 128 * qsum[n0 + j]) * scales[n0 + j];
+                for (int64_t j = 0; j < nn; j++)
+                    yr[j] = r.apply(m0 + i, n0 + j, (float)(s[32 * i + j] - 128 * qsum[n0 + j]) * scales[n0 + j]);
             }
         }
     }
@@ -218,7 +231,7 @@ static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, c
 }
 
 static void packed_rows(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
-                        const int32_t *qsum, const float *scales, float *y, int64_t t0, int64_t t1) {
+                        const int32_t *qsum, const float *scales, const Rescale &r, float *y, int64_t t0, int64_t t1) {
     __m256i acc[8];
     for (int64_t t = t0; t < t1; t++) {
         const int8_t *pt = P + t * Kq * 128;
@@ -233,14 +246,15 @@ static void packed_rows(const uint8_t *u8, int64_t M, int64_t ustride, int64_t K
                 alignas(32) int32_t s[32];
                 for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(s + 8 * j), acc[4 * i + j]);
                 float *yr = y + (m0 + i) * N + n0;
-                for (int64_t j = 0; j < nn; j++) yr[j] = (float)(s[j] - 128 * qsum[n0 + j]) * scales[n0 + j];
+                for (int64_t j = 0; j < nn; j++)
+                    yr[j] = r.apply(m0 + i, n0 + j, (float)(s[j] - 128 * qsum[n0 + j]) * scales[n0 + j]);
             }
         }
     }
 }
 
 static void gemv_packed(const uint8_t *u8, int64_t M, int64_t ustride, int64_t K, const int8_t *P, int64_t N,
-                        const int32_t *qsum, const float *scales, float *y) {
+                        const int32_t *qsum, const float *scales, const Rescale &r, float *y) {
     const int64_t Kq = (K + 3) / 4, tiles = (N + 31) / 32;
     const int64_t per = chunk_rows(Kq * 128, tiles), chunks = (tiles + per - 1) / per;
     const bool v = use_vnni && vnni();
@@ -248,9 +262,9 @@ static void gemv_packed(const uint8_t *u8, int64_t M, int64_t ustride, int64_t K
     for (int64_t i = 0; i < chunks; i++) {
         const int64_t t0 = i * per, t1 = t0 + per < tiles ? t0 + per : tiles;
         if (v)
-            packed_rows_vnni(u8, M, ustride, Kq, P, N, qsum, scales, y, t0, t1);
+            packed_rows_vnni(u8, M, ustride, Kq, P, N, qsum, scales, r, y, t0, t1);
         else
-            packed_rows(u8, M, ustride, Kq, P, N, qsum, scales, y, t0, t1);
+            packed_rows(u8, M, ustride, Kq, P, N, qsum, scales, r, y, t0, t1);
     }
 }
 
@@ -563,68 +577,98 @@ static at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const
     return y;
 }
 
-/* u float32 [M, K] holding integers in [-128, 127] (or NaN, counted as 0) as u + 128 in uint8,
- * rows of ustride bytes (zero-padded); false if a value is not such an integer */
-static bool u_to_uint8(const float *src, int64_t M, int64_t K, uint8_t *dst, int64_t ustride) {
-    const __m256 off = _mm256_set1_ps(128.0f), top = _mm256_set1_ps(255.0f), zero = _mm256_setzero_ps();
-    __m256 bad = zero;                                   /* lanes that failed the check: all ones */
+/* per_row's rounding of the rows of x [M, K] (compiled.py's PerRowInt8Linear, linear.py's
+ * int8_matmul_per_row): lo = min, a = (max - min) / 255, u = round((x - lo) / max(a, 1e-30)) in
+ * 0..255 (round half to even, as torch.round), into rows of ustride bytes; a[m] and c[m] = a * 128
+ * + lo for the rescale; a row with a non-finite value gets u = 0 and a = c = NaN. */
+static void round_rows(const float *x, int64_t M, int64_t K, uint8_t *u8, int64_t ustride, float *ra, float *rc) {
     for (int64_t m = 0; m < M; m++) {
-        const float *x = src + m * K;
-        uint8_t *d = dst + m * ustride;
+        const float *xr = x + m * K;
+        __m256 lo8 = _mm256_set1_ps(INFINITY), hi8 = _mm256_set1_ps(-INFINITY), bad8 = _mm256_setzero_ps();
         int64_t k = 0;
         for (; k + 8 <= K; k += 8) {
-            /* NaN comes from a row with a non-finite activation, whose scale is non-finite too:
-             * the layer's rescale makes that row non-finite whatever is summed here: it counts as 0 */
-            const __m256 xv = _mm256_loadu_ps(x + k);
-            const __m256 v = _mm256_add_ps(_mm256_blendv_ps(xv, zero, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q)), off);
-            const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(v, r, _CMP_NEQ_UQ),
-                                                 _mm256_or_ps(_mm256_cmp_ps(v, zero, _CMP_LT_OQ),
-                                                              _mm256_cmp_ps(v, top, _CMP_GT_OQ))));
-            const __m256i i32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, zero), top));
+            const __m256 v = _mm256_loadu_ps(xr + k);
+            bad8 = _mm256_or_ps(bad8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            lo8 = _mm256_min_ps(lo8, v);
+            hi8 = _mm256_max_ps(hi8, v);
+        }
+        alignas(32) float l[8], h[8];
+        _mm256_store_ps(l, lo8);
+        _mm256_store_ps(h, hi8);
+        float lo = l[0], hi = h[0];
+        for (int j = 1; j < 8; j++) {
+            lo = std::fmin(lo, l[j]);
+            hi = std::fmax(hi, h[j]);
+        }
+        bool bad = _mm256_movemask_ps(bad8) != 0;
+        for (; k < K; k++) {
+            bad |= std::isnan(xr[k]);
+            lo = std::fmin(lo, xr[k]);
+            hi = std::fmax(hi, xr[k]);
+        }
+        const float a = (hi - lo) / 255.0f;
+        uint8_t *ur = u8 + m * ustride;
+        if (bad || !std::isfinite(a) || !std::isfinite(lo)) {
+            std::memset(ur, 0, (size_t)K);
+            ra[m] = rc[m] = NAN;
+            continue;
+        }
+        const float step = a > 1e-30f ? a : 1e-30f;
+        const __m256 lov = _mm256_set1_ps(lo), stepv = _mm256_set1_ps(step);
+        for (k = 0; k + 8 <= K; k += 8) {
+            const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(xr + k), lov), stepv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256i i32 = _mm256_cvtps_epi32(r);
             const __m256i p16 = _mm256_packus_epi32(i32, i32);           /* per 128-bit lane */
             const __m256i p8 = _mm256_packus_epi16(p16, p16);
-            const uint32_t lo = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(p8));
-            const uint32_t hi = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(p8, 1));
-            const uint64_t both = (uint64_t)lo | ((uint64_t)hi << 32);
-            std::memcpy(d + k, &both, 8);
+            const uint64_t both = (uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(p8)) |
+                                  ((uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(p8, 1)) << 32);
+            std::memcpy(ur + k, &both, 8);
         }
-        for (; k < K; k++) {
-            const float v = std::isnan(x[k]) ? 128.0f : x[k] + 128.0f;
-            if (!(v >= 0.0f && v <= 255.0f && v == std::nearbyint(v)))
-                return false;
-            d[k] = (uint8_t)v;
-        }
+        for (; k < K; k++) ur[k] = (uint8_t)std::nearbyint((xr[k] - lo) / step);
+        ra[m] = a;
+        rc[m] = a * 128.0f + lo;
     }
-    return _mm256_movemask_ps(bad) == 0;
 }
 
-/* The per_row operator on packed weights (gemv_packed). */
-static at::Tensor int8_gemv_packed(const at::Tensor &u, const at::Tensor &packed, const at::Tensor &qsum,
-                                   const at::Tensor &scales) {
-    TORCH_CHECK(u.dim() == 2 && u.scalar_type() == at::kFloat && u.device().is_cpu(),
-                "int8_gemv_packed: u must be a float32 CPU tensor [M, K]; got ", u.scalar_type(), " ", u.sizes());
-    const int64_t M = u.size(0), K = u.size(1), N = qsum.size(0), Kq = (K + 3) / 4;
+/* The per_row operator: rounds x's rows, multiplies on the packed weights, rescales. */
+static at::Tensor int8_per_row(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &qsum,
+                               const at::Tensor &scales, const at::Tensor &wsum, const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "int8_per_row: x must be a float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
+    const int64_t M = x.size(0), K = x.size(1), N = qsum.size(0), Kq = (K + 3) / 4;
     TORCH_CHECK(qsum.dim() == 1 && qsum.scalar_type() == at::kInt && qsum.is_contiguous() && qsum.device().is_cpu(),
-                "int8_gemv_packed: qsum must be a contiguous int32 CPU tensor [N]; got ", qsum.scalar_type(), " ",
+                "int8_per_row: qsum must be a contiguous int32 CPU tensor [N]; got ", qsum.scalar_type(), " ",
                 qsum.sizes());
     TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(0) == (N + 31) / 32 &&
                 packed.size(1) == Kq && packed.size(2) == 32 && packed.size(3) == 4 && packed.is_contiguous() &&
                 packed.device().is_cpu(),
-                "int8_gemv_packed: packed must be a contiguous int8 CPU tensor [ceil(N/32)=", (N + 31) / 32,
+                "int8_per_row: packed must be a contiguous int8 CPU tensor [ceil(N/32)=", (N + 31) / 32,
                 ", ceil(K/4)=", Kq, ", 32, 4] (gemv.pack_rows); got ", packed.scalar_type(), " ", packed.sizes());
-    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kFloat &&
-                scales.is_contiguous() && scales.device().is_cpu(),
-                "int8_gemv_packed: scales must be a contiguous float32 CPU tensor [N=", N, "]; got ",
-                scales.scalar_type(), " ", scales.sizes());
-    at::Tensor uc = u.contiguous();
+    for (const at::Tensor *t : {&scales, &wsum})
+        TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->device().is_cpu(),
+                    "int8_per_row: ", t == &scales ? "scales" : "wsum", " must be a contiguous float32 CPU tensor [N=",
+                    N, "]; got ", t->scalar_type(), " ", t->sizes());
+    const float *b = nullptr;
+    if (bias.has_value()) {
+        const at::Tensor &t = *bias;
+        TORCH_CHECK(t.dim() == 1 && t.size(0) == N && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.device().is_cpu(),
+                    "int8_per_row: bias must be a contiguous float32 CPU tensor [N=", N, "] or None; got ",
+                    t.scalar_type(), " ", t.sizes());
+        b = t.data_ptr<float>();
+    }
+    at::Tensor xc = x.contiguous();
     const int64_t ustride = 4 * Kq;
-    at::Tensor u8 = at::zeros({M, ustride}, u.options().dtype(at::kByte));
-    TORCH_CHECK(u_to_uint8(uc.data_ptr<float>(), M, K, u8.data_ptr<uint8_t>(), ustride),
-                "int8_gemv_packed: u must hold integers in [-128, 127] (or NaN)");
-    at::Tensor y = at::empty({M, N}, u.options());
+    at::Tensor u8 = at::zeros({M * ustride}, x.options().dtype(at::kByte));
+    at::Tensor rows = at::empty({2 * M}, x.options());
+    float *ra = rows.data_ptr<float>(), *rc = ra + M;
+    round_rows(xc.data_ptr<float>(), M, K, u8.data_ptr<uint8_t>(), ustride, ra, rc);
+    at::Tensor y = at::empty({M, N}, x.options());
+    const Rescale r{ra, rc, wsum.data_ptr<float>(), b};
     gemv_packed(u8.data_ptr<uint8_t>(), M, ustride, K, packed.data_ptr<int8_t>(), N, qsum.data_ptr<int32_t>(),
-                scales.data_ptr<float>(), y.data_ptr<float>());
+                scales.data_ptr<float>(), r, y.data_ptr<float>());
     return y;
 }
 
@@ -753,7 +797,7 @@ TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
     m.def("int4_gemv(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
     m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
-    m.def("int8_gemv_packed(Tensor u, Tensor packed, Tensor qsum, Tensor scales) -> Tensor");
+    m.def("int8_per_row(Tensor x, Tensor packed, Tensor qsum, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
     m.def("use_vnni(bool on) -> bool");
     m.def("has_vnni() -> bool");
 }
@@ -762,7 +806,7 @@ TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
     m.impl("int8_gemv", &int8_gemv);
     m.impl("int4_gemv", &int4_gemv);
     m.impl("int4_gemv_a8", &int4_gemv_a8);
-    m.impl("int8_gemv_packed", &int8_gemv_packed);
+    m.impl("int8_per_row", &int8_per_row);
 }
 
 TORCH_LIBRARY_IMPL(gpt2mha, CompositeExplicitAutograd, m) {

@@ -1,5 +1,5 @@
 """An optional C++ kernel for int8 and int4 weight-only products at decode sizes: ``gemv.cpp``, the
-operators ``torch.ops.gpt2mha.int8_gemv`` and ``int4_gemv`` (and per_row's ``int8_gemv_packed``), built on first use with the system C++ compiler against torch's
+operators ``torch.ops.gpt2mha.int8_gemv`` and ``int4_gemv`` (and per_row's ``int8_per_row``), built on first use with the system C++ compiler against torch's
 headers (~10 s, once) and loaded with ``torch.ops.load_library``.
 
 At one to eight input rows a product is a read of the int8 weights. On an AVX2-only CPU none of
@@ -105,7 +105,7 @@ def _build() -> str:
                 os.unlink(tmp)
     torch.ops.load_library(str(out))
     torch.library.register_fake("gpt2mha::int8_gemv")(_fake)
-    torch.library.register_fake("gpt2mha::int8_gemv_packed")(_fake_packed)
+    torch.library.register_fake("gpt2mha::int8_per_row")(_fake_per_row)
     torch.library.register_fake("gpt2mha::int4_gemv")(_fake_int4)
     torch.library.register_fake("gpt2mha::int4_gemv_a8")(_fake_int4)
     return ""
@@ -115,8 +115,9 @@ def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: tor
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _fake_packed(u: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return u.new_empty(u.shape[0], qsum.shape[0])
+def _fake_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales: torch.Tensor, wsum: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qsum.shape[0])
 
 
 def _fake_int4(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
@@ -143,7 +144,7 @@ def unavailable_reason() -> str:
 
 
 def pack_rows(q: torch.Tensor) -> torch.Tensor:
-    """``q [N, K]`` int8 laid out for ``torch.ops.gpt2mha.int8_gemv_packed``: ``[ceil(N/32),
+    """``q [N, K]`` int8 laid out for ``torch.ops.gpt2mha.int8_per_row``: ``[ceil(N/32),
     ceil(K/4), 32, 4]``, four consecutive inputs of 32 output channels per 128 bytes
     (``P[t, j, c, i] = q[32t + c, 4j + i]``, zero past N and K), the order VNNI's ``vpdpbusd``
     multiplies them in (oneDNN and FBGEMM pack their int8 weights alike). A copy (same bytes,
@@ -165,6 +166,35 @@ def vnni() -> bool:
     """Whether the kernels take their AVX-512 VNNI paths (``vpdpbusd``): the CPU has AVX-512
     VNNI and :func:`use_vnni` has not turned them off. False where the kernel is not available."""
     return available() and bool(torch.ops.gpt2mha.has_vnni())
+
+
+def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales7: torch.Tensor,
+                 wsum: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """per_row's W7A8 layer (:func:`~.linear.int8_matmul_per_row`, plus the bias) at decode
+    sizes by ``gemv.cpp``: each row of x rounded to 8 bits with its own step ``a = (max − min) /
+    255`` and minimum ``lo``, ``u = round((x − lo) / a)``; the exact integer sums of u with the
+    7-bit weights on their packed copy (``vpdpbusd`` on AVX-512 VNNI CPUs, ``vpmaddubsw``
+    elsewhere: the same bits); then ``(Σ u·q − 128·qsum)·scales7·a + (128·a + lo)·wsum + bias``.
+
+    Args:
+        x: float32 ``[M, K]`` (made for 1–16 rows).
+        packed: :func:`pack_rows` of the 7-bit weights ``q7 [N, K]`` (values in [-63, 63],
+            :func:`~.linear.weight_7bit`: 8-bit weights would saturate the AVX2 path).
+        qsum: int32 ``[N]``, ``q7.sum(1)``.
+        scales7: float32 ``[N]``; wsum: float32 ``[N]``, ``(q7 · scales7).sum(1)``.
+        bias: float32 ``[N]`` or None.
+
+    Returns:
+        float32 ``[M, N]``; a row of x holding NaN or ±inf gives a NaN row. Each row's result is
+        the same whatever the other rows and the threads are.
+
+    Raises:
+        RuntimeError: the kernel is not available, or (from the operator) a tensor of the
+            wrong dtype or shape.
+        ValueError: ``x`` requires grad, or is not a float32 CPU matrix.
+    """
+    _check_x(x, "per_row")
+    return torch.ops.gpt2mha.int8_per_row(x, packed, qsum, scales7, wsum, bias)
 
 
 def use_vnni(on: bool) -> bool:
