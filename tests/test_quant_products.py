@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from conftest import small_model
 from gpt2mha import GPT2
 from gpt2mha.inference.quant import (QuantizationError, QuantizationWarning, QuantizedLinear, int8_matmul_per_row,
                                      set_activations)
+from gpt2mha.inference.quant import gemv
 from gpt2mha.inference.quant import linear as qlinear
 from gpt2mha.inference.quant.linear import fbgemm_available, weight_7bit
 from gpt2mha.inference.quant.schemes import quantize_int8
@@ -146,12 +148,22 @@ def test_per_row_layer_follows_its_weight_and_validates(monkeypatch, kernel):
         q7, s7 = weight_7bit(layer.weight, layer.scales)
         torch.testing.assert_close(layer(x), int8_matmul_per_row(x, q7, s7, kernel) + layer.bias, rtol=1e-6, atol=1e-6)
     check()
-    cached = layer.per_row_weights()
-    assert layer.per_row_weights() is cached
+    # on AVX-512 VNNI CPUs the layer runs gpt2mha's per_row operator on its packed copy (for
+    # every row count), elsewhere torch's ops on the 7-bit weight
+    weights = layer.per_row_packed if gemv.vnni() else layer.per_row_weights
+    cached = weights()
+    assert weights() is cached
     with torch.no_grad():
         layer.weight[:5] = -layer.weight[:5]
     check()
-    assert layer.per_row_weights() is not cached
+    assert weights() is not cached
+    if gemv.vnni():
+        with mock.patch.object(torch.ops.gpt2mha, "int8_per_row", wraps=torch.ops.gpt2mha.int8_per_row) as op:
+            many = torch.randn(300, 32, generator=g)
+            y = layer(many)
+            assert op.call_count == 1 and y.shape == (300, 40)
+            q7, s7 = weight_7bit(layer.weight, layer.scales)
+            torch.testing.assert_close(y, int8_matmul_per_row(many, q7, s7, kernel) + layer.bias, rtol=1e-6, atol=1e-6)
     assert "activations=per_row" in repr(layer) and copy.deepcopy(layer).activations == "per_row"
     with pytest.raises(ValueError, match=r"activations='rows': an int8 layer takes one of \('exact', 'per_row', 'auto'\)"):
         layer.activations = "rows"

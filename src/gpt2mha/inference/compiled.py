@@ -57,7 +57,7 @@ from ..core.attention import CausalSelfAttention
 from ..core.kv_cache import KVCache
 from .fast import for_decoding, hooked, invariant_by_default, swap_modules
 from .quant import gemv
-from .quant.linear import QuantizedLinear, int8_kernel, weight_7bit
+from .quant.linear import QuantizedLinear, int8_kernel
 
 
 #: Cache lengths of a compiled decode are multiples of this (:func:`cache_len`).
@@ -252,10 +252,11 @@ class PerRowInt8Linear(nn.Module):
         self.bias = layer.bias
         self.gemv = gemv.available()
         if self.gemv:                    # decode sizes on gpt2mha's kernel (maddubs or VNNI: FBGEMM's sums)
-            q7, scales7 = weight_7bit(layer.weight, layer.scales)       # (per_row_weights keeps only FBGEMM's copy)
-            self.q7p = nn.Parameter(gemv.pack_rows(q7), requires_grad=False)
-            self.qsum = nn.Parameter(q7.sum(1, dtype=torch.int32), requires_grad=False)
-            self.scales7 = nn.Parameter(scales7.float().contiguous(), requires_grad=False)
+            q7p, qsum, scales7p, wsum_p = layer.per_row_packed()
+            self.q7p = nn.Parameter(q7p, requires_grad=False)
+            self.qsum = nn.Parameter(qsum, requires_grad=False)
+            self.scales7p = nn.Parameter(scales7p, requires_grad=False)
+            self.wsum_p = nn.Parameter(wsum_p, requires_grad=False)
             self.gemv_rows = GEMV_ROWS_VNNI if gemv.vnni() else GEMV_ROWS
         if self.kernel == "fbgemm":
             self.key = next(_keys)
@@ -271,7 +272,7 @@ class PerRowInt8Linear(nn.Module):
             # the rounding, product and rescale in one call: its output is a tensor inductor
             # cannot fold into the next op (written as graph ops, the rescale of c_attn's output
             # was recomputed for every cached key inside the attention kernel)
-            y = torch.ops.gpt2mha.int8_per_row(x2, self.q7p, self.qsum, self.scales7, self.wsum,
+            y = torch.ops.gpt2mha.int8_per_row(x2, self.q7p, self.qsum, self.scales7p, self.wsum_p,
                                                None if self.bias is None else self.bias.float())
             return y.to(self.out_dtype(x.dtype)).view(*x.shape[:-1], self.n_out)
         lo = x2.amin(-1, keepdim=True)

@@ -441,8 +441,14 @@ class QuantizedLinear(nn.Module):
         if x.device.type != "cpu":
             y = F.linear(x2.to(KERNEL_DTYPE), self.dequantized().to(KERNEL_DTYPE))
         elif self.scheme == "int8" and (self.activations == "per_row" or self.activations == "auto" and many):
-            q7, scales7, packed, wsum = self.per_row_weights()
-            y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
+            if gemv.vnni():
+                # the same W7A8 product in one call (rounding, exact integer sums on the packed
+                # copy, rescale): faster than _int_mm and the ops around it at every size
+                # measured, 1 to 512 rows (RESULTS.md, "Packed weights for per_row decode")
+                y = torch.ops.gpt2mha.int8_per_row(x2.float().contiguous(), *self.per_row_packed(), None)
+            else:
+                q7, scales7, packed, wsum = self.per_row_weights()
+                y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
         elif many:
             y = self.dequantized_product(x2.float())
         elif tokens == 1 and self.weight.is_contiguous() and gemv.available():
@@ -542,6 +548,24 @@ class QuantizedLinear(nn.Module):
             self.__dict__["_per_row"] = cached
         return cached[1]
 
+    def per_row_packed(self):
+        """``(packed, qsum, scales7, wsum)`` for ``torch.ops.gpt2mha.int8_per_row``
+        (:func:`~.gemv.int8_per_row`): the 7-bit weight (:func:`weight_7bit`) packed for the
+        kernel (:func:`~.gemv.pack_rows`, int8 ``[ceil(n_out/32), ceil(n_in/4), 32, 4]``), its row
+        sums as int32, the 7-bit scales as float32 and the float row sums of ``q7 · scales7``;
+        made on first use and again whenever ``weight`` or ``scales`` change (as
+        :meth:`per_row_weights`). Not part of the state dict."""
+        key = (self.weight, self.scales, _version(self.weight), _version(self.scales))
+        cached = self.__dict__.get("_per_row_packed")
+        if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
+            with torch.inference_mode(False), torch.no_grad():
+                q7, scales7 = weight_7bit(self.weight, self.scales)
+                scales7 = scales7.float().contiguous()
+                cached = (key, (gemv.pack_rows(q7), q7.sum(1, dtype=torch.int32), scales7,
+                                q7.float().mul_(scales7[:, None]).sum(1)))
+            self.__dict__["_per_row_packed"] = cached
+        return cached[1]
+
     def fbgemm_packed(self):
         """FBGEMM's packed copy of the int8 weight (:func:`fbgemm_pack`), made on first use and
         made again whenever ``weight`` or ``scales`` is another tensor or was written in place
@@ -578,6 +602,7 @@ class QuantizedLinear(nn.Module):
         state = dict(state)
         state.pop("_fbgemm", None)
         state.pop("_per_row", None)
+        state.pop("_per_row_packed", None)
         state.pop("_gemv", None)
         return state
 
