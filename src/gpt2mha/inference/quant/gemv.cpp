@@ -560,6 +560,26 @@ static void gemv_int4_a8(const A8 &A, int64_t M, int64_t K, int64_t G, const uin
         rows(A, M, K, G, w, sz, bias, y, N, i * chunk, i * chunk + chunk < N ? i * chunk + chunk : N);
 }
 
+/* The operators' checks of a float32 vector argument [N] (a clear message, never a read out of
+ * bounds): vec returns its data; bias_of returns NULL for None. */
+static const float *vec(const char *op, const char *name, const at::Tensor &t, int64_t N) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == N && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                t.device().is_cpu(),
+                op, ": ", name, " must be a contiguous float32 CPU tensor [N=", N, "]; got ", t.scalar_type(), " ",
+                t.sizes());
+    return t.data_ptr<float>();
+}
+
+static const float *bias_of(const char *op, const std::optional<at::Tensor> &bias, int64_t N) {
+    if (!bias.has_value())
+        return nullptr;
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat &&
+                bias->is_contiguous() && bias->device().is_cpu(),
+                op, ": bias must be a contiguous float32 CPU tensor [N=", N, "] or None; got ", bias->scalar_type(),
+                " ", bias->sizes());
+    return bias->data_ptr<float>();
+}
+
 /* The operator: checks its arguments (a clear message, never a read out of bounds), then runs
  * gemv. Without autograd: the weights are quantized, for inference. */
 static at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scales,
@@ -571,19 +591,8 @@ static at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const
                 weight.is_contiguous() && weight.device().is_cpu(),
                 "int8_gemv: weight must be a contiguous int8 CPU tensor [N, K=", K, "]; got ",
                 weight.scalar_type(), " ", weight.sizes());
-    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kFloat &&
-                scales.is_contiguous() && scales.device().is_cpu(),
-                "int8_gemv: scales must be a contiguous float32 CPU tensor [N=", N, "]; got ",
-                scales.scalar_type(), " ", scales.sizes());
-    const float *b = nullptr;
-    if (bias.has_value()) {
-        const at::Tensor &t = *bias;
-        TORCH_CHECK(t.dim() == 1 && t.size(0) == N && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                    t.device().is_cpu(),
-                    "int8_gemv: bias must be a contiguous float32 CPU tensor [N=", N, "] or None; got ",
-                    t.scalar_type(), " ", t.sizes());
-        b = t.data_ptr<float>();
-    }
+    vec("int8_gemv", "scales", scales, N);
+    const float *b = bias_of("int8_gemv", bias, N);
     at::Tensor xc = x.contiguous();
     at::Tensor y = at::empty({M, N}, x.options());
     gemv(xc.data_ptr<float>(), M, K, weight.data_ptr<int8_t>(), N, scales.data_ptr<float>(), b, y.data_ptr<float>());
@@ -658,20 +667,8 @@ static at::Tensor int8_per_row(const at::Tensor &x, const at::Tensor &packed, co
                 packed.device().is_cpu(),
                 "int8_per_row: packed must be a contiguous int8 CPU tensor [ceil(N/32)=", (N + 31) / 32,
                 ", ceil(K/4)=", Kq, ", 32, 4] (gemv.pack_rows); got ", packed.scalar_type(), " ", packed.sizes());
-    for (const at::Tensor *t : {&scales, &wsum})
-        TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                    t->device().is_cpu(),
-                    "int8_per_row: ", t == &scales ? "scales" : "wsum", " must be a contiguous float32 CPU tensor [N=",
-                    N, "]; got ", t->scalar_type(), " ", t->sizes());
-    const float *b = nullptr;
-    if (bias.has_value()) {
-        const at::Tensor &t = *bias;
-        TORCH_CHECK(t.dim() == 1 && t.size(0) == N && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                    t.device().is_cpu(),
-                    "int8_per_row: bias must be a contiguous float32 CPU tensor [N=", N, "] or None; got ",
-                    t.scalar_type(), " ", t.sizes());
-        b = t.data_ptr<float>();
-    }
+    vec("int8_per_row", "scales", scales, N);
+    const float *ws = vec("int8_per_row", "wsum", wsum, N), *b = bias_of("int8_per_row", bias, N);
     at::Tensor xc = x.contiguous();
     const int64_t ustride = 4 * Kq;
     at::Tensor u8 = at::zeros({M * ustride}, x.options().dtype(at::kByte));
@@ -679,7 +676,7 @@ static at::Tensor int8_per_row(const at::Tensor &x, const at::Tensor &packed, co
     float *ra = rows.data_ptr<float>(), *rc = ra + M;
     round_rows(xc.data_ptr<float>(), M, K, u8.data_ptr<uint8_t>(), ustride, ra, rc);
     at::Tensor y = at::empty({M, N}, x.options());
-    const Rescale r{ra, rc, wsum.data_ptr<float>(), b, qsum.data_ptr<int32_t>(), scales.data_ptr<float>()};
+    const Rescale r{ra, rc, ws, b, qsum.data_ptr<int32_t>(), scales.data_ptr<float>()};
     gemv_packed(u8.data_ptr<uint8_t>(), M, ustride, K, packed.data_ptr<int8_t>(), N, r, y.data_ptr<float>());
     return y;
 }
@@ -702,14 +699,7 @@ static const float *check_int4(const char *name, int64_t unit, const at::Tensor 
                 scale_zero.is_contiguous() && scale_zero.device().is_cpu(),
                 name, ": scale_zero must be a contiguous bfloat16 CPU tensor [N=", N, ", K/group_size=",
                 K / G, ", 2]; got ", scale_zero.scalar_type(), " ", scale_zero.sizes());
-    if (!bias.has_value())
-        return nullptr;
-    const at::Tensor &t = *bias;
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == N && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                t.device().is_cpu(),
-                name, ": bias must be a contiguous float32 CPU tensor [N=", N, "] or None; got ",
-                t.scalar_type(), " ", t.sizes());
-    return t.data_ptr<float>();
+    return bias_of(name, bias, N);
 }
 
 /* The int4 operator (gemv_int4). */
