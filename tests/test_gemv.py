@@ -168,7 +168,7 @@ def test_the_per_row_operator_is_the_eager_per_row_layer(M, K, N):
 
 
 def test_packing_puts_four_inputs_of_32_channels_together():
-    q = torch.arange(40 * 6, dtype=torch.int32).remainder(127).to(torch.int8).view(40, 6)
+    q = (torch.arange(40 * 6, dtype=torch.int32).remainder(127) - 63).to(torch.int8).view(40, 6)
     P = gemv.pack_rows(q)
     assert P.shape == (2, 2, 32, 4) and P.is_contiguous()
     for t, j, c, i in [(0, 0, 0, 0), (0, 1, 5, 1), (1, 0, 7, 3), (1, 1, 7, 1)]:
@@ -176,6 +176,9 @@ def test_packing_puts_four_inputs_of_32_channels_together():
     assert (P[1, :, 8:] == 0).all() and (P[:, 1, :, 2:] == 0).all()          # channels 40+, inputs 6+
     with pytest.raises(ValueError, match="q must be a 2-D int8 CPU tensor"):
         gemv.pack_rows(q.float())
+    q[3, 2] = -128                                        # 8 bits: would saturate the AVX2 path's int16 pairs
+    with pytest.raises(ValueError, match=r"q: weights from -128 to 63; expected 7-bit weights in \[-63, 63\]"):
+        gemv.pack_rows(q)
 
 
 @pytest.fixture
@@ -211,6 +214,10 @@ def test_the_per_row_operator_names_bad_arguments():
         gemv.int8_per_row(x, P, qsum, s7c, wsum, b[:3])
     with pytest.raises(ValueError, match="x must be a float32 CPU tensor"):
         gemv.int8_per_row(x.double(), P, qsum, s7c, wsum)
+    with pytest.raises(RuntimeError, match=r"qsum must be a contiguous int32 CPU tensor \[N\]"):
+        gemv.int8_per_row(x, P, qsum[0], s7c, wsum)                         # 0-d: named, not an IndexError
+    with pytest.raises(RuntimeError, match="with K >= 1"):
+        gemv.int8_per_row(x[:, :0], P, qsum, s7c, wsum)
 
 
 def test_a_cached_library_cut_short_or_replaced_is_rebuilt_not_loaded(monkeypatch, tmp_path):
@@ -390,7 +397,7 @@ def _per_block_reference(x, q, scale_zero, G):
 
 @needs_kernel
 @pytest.mark.parametrize("M,K,N,G", [(1, 768, 2304, 32), (3, 768, 768, 64), (5, 3072, 768, 128), (2, 512, 40, 256),
-                                     (6, 96, 17, 32), (4, 64, 9, 32), (2, 192, 11, 64)])
+                                     (6, 96, 17, 32), (4, 64, 9, 32), (2, 192, 11, 64), (3, 768, 20, 384)])
 def test_the_per_block_kernel_gives_the_product_of_rounded_activations(M, K, N, G):
     x, q, packed, scale_zero, b = _int4_case(M, K, N, G)
     x[0, :G] = 0.0                                                       # an all-zero group: d = 0
@@ -451,6 +458,16 @@ def test_each_rows_per_block_result_is_its_own():
                        activations="per_block")
     with pytest.raises(ValueError, match="activations='rows': expected 'exact' or 'per_block'"):
         gemv.int4_gemv(x, packed, sz, 32, activations="rows")
+    # per_block reads rows in chunks of 128 weights: groups of 96 would straddle them
+    x96, _, p96, sz96, _ = _int4_case(1, 384, 8, 96)
+    sz96 = sz96.transpose(0, 1).contiguous()
+    with pytest.raises(ValueError, match="group_size=96: per_block takes 32, 64 or a multiple of 128"):
+        gemv.int4_gemv(x96, p96, sz96, 96, activations="per_block")
+    with pytest.raises(RuntimeError, match="int4_gemv_a8: group_size must be 32, 64 or a multiple of 128; got 96"):
+        torch.ops.gpt2mha.int4_gemv_a8(x96, p96, sz96, 96, None)
+    assert gemv.int4_gemv(x96, p96, sz96, 96).shape == (1, 8)                  # the exact route takes them
+    with pytest.raises(RuntimeError, match="int4_gemv: weight must be a contiguous uint8 CPU tensor"):
+        torch.ops.gpt2mha.int4_gemv(x96, p96[0, 0], sz96, 96, None)             # 0-d: named, not an IndexError
     with pytest.raises(RuntimeError, match="int4_gemv_a8: group_size must be a multiple of 32"):
         torch.ops.gpt2mha.int4_gemv_a8(x[:, :64], packed[:, :32].contiguous(),
                                        torch.ones(200, 4, 2, dtype=torch.bfloat16), 16, None)

@@ -656,12 +656,13 @@ static void round_rows(const float *x, int64_t M, int64_t K, uint8_t *u8, int64_
 /* The per_row operator: rounds x's rows, multiplies on the packed weights, rescales. */
 static at::Tensor int8_per_row(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &qsum,
                                const at::Tensor &scales, const at::Tensor &wsum, const std::optional<at::Tensor> &bias) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-                "int8_per_row: x must be a float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
-    const int64_t M = x.size(0), K = x.size(1), N = qsum.size(0), Kq = (K + 3) / 4;
+    TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "int8_per_row: x must be a float32 CPU tensor [M, K] with K >= 1; got ", x.scalar_type(), " ",
+                x.sizes());
     TORCH_CHECK(qsum.dim() == 1 && qsum.scalar_type() == at::kInt && qsum.is_contiguous() && qsum.device().is_cpu(),
-                "int8_per_row: qsum must be a contiguous int32 CPU tensor [N]; got ", qsum.scalar_type(), " ",
-                qsum.sizes());
+                "int8_per_row: qsum must be a contiguous int32 CPU tensor [N] (it sets N for packed, scales, wsum "
+                "and bias); got ", qsum.scalar_type(), " ", qsum.sizes());
+    const int64_t M = x.size(0), K = x.size(1), N = qsum.size(0), Kq = (K + 3) / 4;
     TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(0) == (N + 31) / 32 &&
                 packed.size(1) == Kq && packed.size(2) == 32 && packed.size(3) == 4 && packed.is_contiguous() &&
                 packed.device().is_cpu(),
@@ -687,9 +688,14 @@ static const float *check_int4(const char *name, int64_t unit, const at::Tensor 
                                const at::Tensor &scale_zero, int64_t G, const std::optional<at::Tensor> &bias) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 name, ": x must be a float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
+    TORCH_CHECK(weight.dim() == 2, name, ": weight must be a contiguous uint8 CPU tensor [N, K/2]; got ",
+                weight.scalar_type(), " ", weight.sizes());
     const int64_t K = x.size(1), N = weight.size(0);
     TORCH_CHECK(G >= unit && G % unit == 0 && K % G == 0,
                 name, ": group_size must be a multiple of ", unit, " dividing K=", K, "; got ", G);
+    /* per_block reads rows in chunks of 128 weights: a group must hold whole chunks or a chunk whole groups */
+    TORCH_CHECK(unit != 32 || 128 % G == 0 || G % 128 == 0,
+                name, ": group_size must be 32, 64 or a multiple of 128; got ", G);
     TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.size(1) == K / 2 &&
                 weight.is_contiguous() && weight.device().is_cpu(),
                 name, ": weight must be a contiguous uint8 CPU tensor [N, K/2=", K / 2, "]; got ",

@@ -151,10 +151,13 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
     rounded up).
 
     Raises:
-        ValueError: ``q`` is not a 2-D int8 CPU tensor.
+        ValueError: ``q`` is not a 2-D int8 CPU tensor, or holds values outside [-63, 63].
     """
     if q.dtype != torch.int8 or q.dim() != 2 or q.device.type != "cpu":
         raise ValueError(f"q must be a 2-D int8 CPU tensor [N, K]; got {q.dtype} {tuple(q.shape)} on {q.device}")
+    if q.numel() and (int(q.min()) < -63 or int(q.max()) > 63):   # 8-bit weights would saturate the AVX2 path
+        raise ValueError(f"q: weights from {int(q.min())} to {int(q.max())}; expected 7-bit weights in [-63, 63] "
+                         f"(linear.weight_7bit)")
     N, K = q.shape
     Np, Kp = -(-N // 32) * 32, -(-K // 4) * 4
     padded = torch.zeros(Np, Kp, dtype=torch.int8)
@@ -276,7 +279,8 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
         scale_zero: bfloat16 ``[N, K / group_size, 2]``, contiguous: each row's groups'
             (scale, zero) (the layer's ``scale_zero [K/g, N, 2]`` transposed, see
             :meth:`~.linear.QuantizedLinear.gemv_params`).
-        group_size: inputs per group, a multiple of 16 dividing K (of 32 for ``"per_block"``).
+        group_size: inputs per group, a multiple of 16 dividing K (for ``"per_block"``: 32, 64
+            or a multiple of 128, dividing K).
         bias: float32 ``[N]`` or None.
         activations: ``"exact"`` or ``"per_block"``.
 
@@ -297,6 +301,8 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < unit or group_size % unit \
             or K % group_size:
         raise ValueError(f"group_size={group_size!r}: expected a multiple of {unit} dividing K={K}")
+    if activations == "per_block" and 128 % group_size and group_size % 128:   # the kernel's chunks of 128 weights
+        raise ValueError(f"group_size={group_size}: per_block takes 32, 64 or a multiple of 128")
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] * 2 != K or not weight.is_contiguous() \
             or weight.device.type != "cpu":
         raise ValueError(f"weight must be a contiguous uint8 CPU tensor [N, K/2={K // 2}]; got {weight.dtype} "

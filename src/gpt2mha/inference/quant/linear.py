@@ -436,6 +436,10 @@ class QuantizedLinear(nn.Module):
                                f"it; quantized models are for inference (train the float model, then quantize)")
         x2 = x.reshape(-1, self.n_in)                                  # [M, K]
         tokens = x.shape[-2] if x.dim() > 2 else x2.shape[0]            # tokens per sequence
+        # gpt2mha's operators add a float32 bias to a float32 output themselves (one pass less)
+        bias = self.bias if self.bias is not None and self.bias.dtype == torch.float32 \
+            and self.out_dtype(x.dtype) == torch.float32 else None
+        fused = False
         many = (x.device.type == "cpu" and self.activations != "per_row"      # (per_row never asks)
                 and self.dequantize_for(tokens))
         if x.device.type != "cpu":
@@ -445,7 +449,8 @@ class QuantizedLinear(nn.Module):
                 # the same W7A8 product in one call (rounding, exact integer sums on the packed
                 # copy, rescale): faster than _int_mm and the ops around it at every size
                 # measured, 1 to 512 rows (RESULTS.md, "Packed weights for per_row decode")
-                y = torch.ops.gpt2mha.int8_per_row(x2.float().contiguous(), *self.per_row_packed(), None)
+                y = torch.ops.gpt2mha.int8_per_row(x2.float().contiguous(), *self.per_row_packed(), bias)
+                fused = True
             else:
                 q7, scales7, packed, wsum = self.per_row_weights()
                 y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
@@ -454,10 +459,11 @@ class QuantizedLinear(nn.Module):
         elif tokens == 1 and self.weight.is_contiguous() and gemv.available():
             # decode: float32 x @ deq(W)ᵀ on the GEMV kernel
             if self.scheme == "int8":
-                y = torch.ops.gpt2mha.int8_gemv(x2.float(), self.weight, self.gemv_scales(), None)
+                y = torch.ops.gpt2mha.int8_gemv(x2.float(), self.weight, self.gemv_scales(), bias)
             else:
                 op = torch.ops.gpt2mha.int4_gemv_a8 if self.activations == "per_block" else torch.ops.gpt2mha.int4_gemv
-                y = op(x2.float(), self.weight, self.gemv_scales(), self.group_size, None)
+                y = op(x2.float(), self.weight, self.gemv_scales(), self.group_size, bias)
+            fused = True
         elif self.scheme == "int8":
             kernel = int8_kernel()
             y = int8_matmul(x2, self.weight, self.scales, kernel,
@@ -469,7 +475,7 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, scale_zero)
             y = y[:, :self.n_out]
         y = y.to(self.out_dtype(x.dtype))
-        if self.bias is not None:
+        if self.bias is not None and not (fused and bias is not None):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.n_out)
 
