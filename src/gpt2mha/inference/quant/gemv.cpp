@@ -202,35 +202,11 @@ static inline void packed_tile_vnni(const uint8_t *u8, int64_t ustride, int64_t 
     for (int i = 0; i < 2 * MT; i++) _mm512_storeu_si512((void *)(sums + 16 * i), acc[i]);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void packed_rows_vnni(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
-                             const Rescale &r, float *y, int64_t t0, int64_t t1) {
-    int32_t s[256];
-    for (int64_t t = t0; t < t1; t++) {
-        const int8_t *pt = P + t * Kq * 128;
-        const int64_t n0 = 32 * t, nn = N - n0 < 32 ? N - n0 : 32;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            const int64_t mt = M - m0 < 8 ? M - m0 : 8;
-            const uint8_t *um = u8 + m0 * ustride;
-            switch (mt) {
-                case 8: packed_tile_vnni<8>(um, ustride, Kq, pt, s); break;
-                case 7: packed_tile_vnni<7>(um, ustride, Kq, pt, s); break;
-                case 6: packed_tile_vnni<6>(um, ustride, Kq, pt, s); break;
-                case 5: packed_tile_vnni<5>(um, ustride, Kq, pt, s); break;
-                case 4: packed_tile_vnni<4>(um, ustride, Kq, pt, s); break;
-                case 3: packed_tile_vnni<3>(um, ustride, Kq, pt, s); break;
-                case 2: packed_tile_vnni<2>(um, ustride, Kq, pt, s); break;
-                default: packed_tile_vnni<1>(um, ustride, Kq, pt, s); break;
-            }
-            for (int64_t i = 0; i < mt; i++) r.apply(m0 + i, n0, nn, s + 32 * i, y + (m0 + i) * N + n0);
-        }
-    }
-}
-
 /* AVX2: two rows of u per pass over a tile's 128-byte steps (eight accumulators of 8 channels) */
 template <int MT>
-static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, __m256i *acc) {
+static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, int32_t *sums) {
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[4 * MT];
     for (int i = 0; i < 4 * MT; i++) acc[i] = _mm256_setzero_si256();
     for (int64_t q = 0; q < Kq; q++) {
         __m256i w[4];
@@ -243,28 +219,44 @@ static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, c
                 acc[4 * i + j] = _mm256_add_epi32(acc[4 * i + j], _mm256_madd_epi16(_mm256_maddubs_epi16(b, w[j]), ones));
         }
     }
+    for (int i = 0; i < 4 * MT; i++) _mm256_storeu_si256((__m256i *)(sums + 8 * i), acc[i]);
+}
+
+/* tiles t0..t1-1 of 32 channels times every row of u, in passes of up to ROWS rows (TILE's
+ * MT); each pass leaves its sums in s [32 MT] for the rescale */
+#define PACKED_ROWS(ROWS, SWITCH)                                                      \
+    int32_t s[32 * ROWS];                                                              \
+    for (int64_t t = t0; t < t1; t++) {                                                \
+        const int8_t *pt = P + t * Kq * 128;                                           \
+        const int64_t n0 = 32 * t, nn = N - n0 < 32 ? N - n0 : 32;                     \
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {                                     \
+            const int64_t mt = M - m0 < ROWS ? M - m0 : ROWS;                          \
+            const uint8_t *um = u8 + m0 * ustride;                                     \
+            SWITCH                                                                     \
+            for (int64_t i = 0; i < mt; i++) r.apply(m0 + i, n0, nn, s + 32 * i, y + (m0 + i) * N + n0); \
+        }                                                                              \
+    }
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void packed_rows_vnni(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
+                             const Rescale &r, float *y, int64_t t0, int64_t t1) {
+    PACKED_ROWS(8, switch (mt) {
+        case 8: packed_tile_vnni<8>(um, ustride, Kq, pt, s); break;
+        case 7: packed_tile_vnni<7>(um, ustride, Kq, pt, s); break;
+        case 6: packed_tile_vnni<6>(um, ustride, Kq, pt, s); break;
+        case 5: packed_tile_vnni<5>(um, ustride, Kq, pt, s); break;
+        case 4: packed_tile_vnni<4>(um, ustride, Kq, pt, s); break;
+        case 3: packed_tile_vnni<3>(um, ustride, Kq, pt, s); break;
+        case 2: packed_tile_vnni<2>(um, ustride, Kq, pt, s); break;
+        default: packed_tile_vnni<1>(um, ustride, Kq, pt, s); break;
+    })
 }
 
 static void packed_rows(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
                         const Rescale &r, float *y, int64_t t0, int64_t t1) {
-    __m256i acc[8];
-    for (int64_t t = t0; t < t1; t++) {
-        const int8_t *pt = P + t * Kq * 128;
-        const int64_t n0 = 32 * t, nn = N - n0 < 32 ? N - n0 : 32;
-        for (int64_t m0 = 0; m0 < M; m0 += 2) {
-            const int64_t mt = M - m0 < 2 ? M - m0 : 2;
-            if (mt == 2)
-                packed_tile<2>(u8 + m0 * ustride, ustride, Kq, pt, acc);
-            else
-                packed_tile<1>(u8 + m0 * ustride, ustride, Kq, pt, acc);
-            for (int64_t i = 0; i < mt; i++) {
-                alignas(32) int32_t s[32];
-                for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(s + 8 * j), acc[4 * i + j]);
-                r.apply(m0 + i, n0, nn, s, y + (m0 + i) * N + n0);
-            }
-        }
-    }
+    PACKED_ROWS(2, if (mt == 2) packed_tile<2>(um, ustride, Kq, pt, s); else packed_tile<1>(um, ustride, Kq, pt, s);)
 }
+#undef PACKED_ROWS
 
 static void gemv_packed(const uint8_t *u8, int64_t M, int64_t ustride, int64_t K, const int8_t *P, int64_t N,
                         const Rescale &r, float *y) {
