@@ -107,7 +107,8 @@ def _require_transformers():
         import transformers
     except ImportError:
         raise SystemExit("error: gpt2mha bench compares against Hugging Face transformers, which is not "
-                         "installed; pip install transformers (a benchmark/test dependency only)") from None
+                         "installed; pip install -e \".[test]\" in a checkout, or pip install transformers (a "
+                         "benchmark/test dependency only)") from None
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()           # no load/save bars among the figures
     return transformers
