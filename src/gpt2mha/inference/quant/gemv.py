@@ -167,8 +167,14 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
 
 def vnni() -> bool:
     """Whether the kernels take their AVX-512 VNNI paths (``vpdpbusd``): the CPU has AVX-512
-    VNNI and :func:`use_vnni` has not turned them off. False where the kernel is not available."""
-    return available() and bool(torch.ops.gpt2mha.has_vnni())
+    VNNI and :func:`use_vnni` has not turned them off. False where the kernel is not available.
+    Asked once, then kept (layers ask it on every call)."""
+    if _VNNI["on"] is None:
+        _VNNI["on"] = available() and bool(torch.ops.gpt2mha.has_vnni())
+    return _VNNI["on"]
+
+
+_VNNI: dict = {"on": None}
 
 
 def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales7: torch.Tensor,
@@ -213,7 +219,8 @@ def use_vnni(on: bool) -> bool:
         raise TypeError(f"on={on!r}: expected True or False")
     if not available():
         raise RuntimeError(f"the GEMV kernel is not available: {unavailable_reason()}")
-    return torch.ops.gpt2mha.use_vnni(on)
+    _VNNI["on"] = bool(torch.ops.gpt2mha.use_vnni(on))
+    return _VNNI["on"]
 
 
 def _check_x(x: torch.Tensor, scheme: str) -> None:
