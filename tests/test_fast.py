@@ -475,3 +475,103 @@ def test_low_precision_cached_decode_matches_its_own_forward(confident, dtype):
     assert (full == stepped).float().mean() >= 0.97
     out = low.generate(window[:, :8], 16, temperature=0)
     assert out.shape == (1, 24)
+
+
+# ------------------------------------------------------------------------- prefill views
+@pytest.mark.parametrize("T,block", [(300, 64), (256, 64), (65, 64), (40, 7), (7, 7)])
+def test_causal_attention_in_blocks_of_queries_is_sdpas_causal_attention(T, block):
+    # reference: PyTorch's own causal SDPA over the whole sequence (the same sums, in blocks)
+    from gpt2mha.inference.fast import causal_blocks
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(2, 3, T, 16, generator=g) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(causal_blocks(q, k, v, block), want, atol=1e-6, rtol=1e-5)
+
+
+def test_long_prefills_in_the_decode_view_attend_in_blocks_and_agree_with_the_model(monkeypatch):
+    import gpt2mha.inference.fast as fast
+    model = small_model(seed=4, n_ctx=320)
+    before = module_tree(model)
+    view = for_decoding(model)
+    assert all(type(b.attn) is fast.PrefillAttention for b in view.h)
+    assert module_tree(model) == before                          # the model's own modules are unchanged
+    calls = []
+    real = fast.causal_blocks
+    monkeypatch.setattr(fast, "causal_blocks", lambda *a: calls.append(a[0].shape) or real(*a))
+    idx = torch.randint(0, 97, (2, 300), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        cache = KVCache(3, 2, 4, 301, 8)
+        got = view(idx, cache=cache).logits
+        short = view(idx[:, :200]).logits                          # below BLOCKED_FROM: SDPA as it is
+    assert len(calls) == 3 and calls[0][2] == 300                  # each layer, once, the whole prompt
+    torch.testing.assert_close(got, reference_logits(model, idx), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(short, reference_logits(model, idx[:, :200]), atol=1e-5, rtol=1e-5)
+
+
+def test_hooked_attention_scores_still_see_every_score_in_a_long_prefill():
+    model = small_model(seed=5, n_ctx=320)
+    seen = []
+    handle = model.h[1].attn.hook_attn_scores.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    try:
+        idx = torch.randint(0, 97, (1, 260), generator=torch.Generator().manual_seed(5))
+        with torch.inference_mode():
+            got = for_decoding(model)(idx).logits
+    finally:
+        handle.remove()
+    assert seen == [(1, 4, 260, 260)]
+    torch.testing.assert_close(got, reference_logits(model, idx), atol=1e-5, rtol=1e-5)
+
+
+def _per_row_model(seed):
+    from gpt2mha.inference.quant import gemv, set_activations
+    if not gemv.vnni():
+        pytest.skip("the fused GELU runs in per_row's operator on AVX-512 VNNI CPUs only")
+    model = small_model(seed=seed).quantize("int8", method="rtn")
+    set_activations(model, "per_row")
+    return model
+
+
+def test_per_row_mlps_apply_gelu_inside_their_first_product(monkeypatch):
+    # reference: the same quantized model's own forward (unfused: c_fc, then F.gelu), and its
+    # uncached greedy tokens for generate (which prefills and decodes through the view)
+    from gpt2mha.inference.fast import GeluFusedMLP
+    model = _per_row_model(6)
+    before = module_tree(model)
+    view = for_decoding(model)
+    assert all(type(b.mlp) is GeluFusedMLP for b in view.h) and module_tree(model) == before
+    idx = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(6))
+    calls = []
+    gelu = F.gelu
+    monkeypatch.setattr(F, "gelu", lambda *a, **k: calls.append(1) or gelu(*a, **k))
+    with torch.inference_mode():
+        want = model(idx).logits
+        assert len(calls) == 3
+        got = view(idx).logits
+        assert len(calls) == 3                                    # no separate GELU in the view
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    out = model.generate(idx, 6, temperature=0)
+    for row, ref_row in zip(out, greedy_uncached(model, idx, 6)):
+        assert_same_greedy(model, row, ref_row, idx.shape[1])
+
+
+def test_a_hook_on_the_mlps_pre_activation_sees_it_unfused():
+    # hook_pre must see c_fc's output before GELU: the fused MLP steps aside while it is hooked
+    model = _per_row_model(7)
+    idx = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(7))
+    mlp = model.h[2].mlp
+    seen = {}
+    view = for_decoding(model)
+    handle = mlp.hook_pre.register_forward_hook(lambda m, a, out: seen.setdefault("pre", out.clone()))
+    try:
+        with torch.inference_mode():
+            got = view(idx).logits                             # hooked after the view was made
+    finally:
+        handle.remove()
+    handle = mlp.c_fc.register_forward_hook(lambda m, a, out: seen.setdefault("c_fc", out.clone()))
+    try:
+        with torch.inference_mode():
+            want = model(idx).logits
+    finally:
+        handle.remove()
+    assert torch.equal(seen["pre"], seen["c_fc"]) and seen["pre"].min() < -0.2    # pre-GELU values
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

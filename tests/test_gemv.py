@@ -167,6 +167,51 @@ def test_the_per_row_operator_is_the_eager_per_row_layer(M, K, N):
     assert torch.equal(z[others], y[others])
 
 
+def _gelu64(y):
+    """GPT-2's GELU in float64 (openai/gpt-2's ``gelu``, 0.5·y·(1 + tanh(u)), written y·sigmoid(2u):
+    the same function, and accurate where 1 + tanh(u) cancels): the fused activation's reference."""
+    y = y.double()
+    return y * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3))
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N", [(1, 768, 300), (5, 768, 3072), (130, 100, 37)])
+def test_the_per_row_operator_applies_gpt2s_gelu_as_torch_does(M, K, N):
+    # reference: float64 GELU of the unfused output (the same product bits); and torch's own
+    # F.gelu(approximate="tanh") in float32, to its absolute rounding (below about -5 torch's
+    # 1 + tanh(u) cancels to 0 in float32, where ours keeps the tiny true value)
+    import torch.nn.functional as F
+    x, _, _, args, b = _per_row_case(M, K, N, seed=N)
+    y = gemv.int8_per_row(x, *args, b)
+    g = gemv.int8_per_row(x, *args, b, gelu=True)
+    want = _gelu64(y)
+    err = (g.double() - want).abs()
+    # a few float32 ulps, plus the rounding of exp's float32 argument 2u: four roundings make it
+    # (y³, ·0.044715 + y, ·2√(2/π)), each a relative 2^-24 of |2u| in the result
+    u = (2 / torch.pi) ** 0.5 * (y.double() + 0.044715 * y.double() ** 3)
+    assert (err <= (4 + 8 * u.abs()) * 2.0 ** -24 * want.abs() + 1e-30).all()
+    assert (g - F.gelu(y, approximate="tanh")).abs().max() <= 1e-6 * y.abs().max()
+    for i in (0, M - 1):                                          # a row's result is its own
+        assert torch.equal(gemv.int8_per_row(x[i:i + 1], *args, b, gelu=True)[0], g[i])
+
+
+@needs_kernel
+def test_the_fused_gelu_at_the_extremes():
+    # zero weights make the output the bias exactly, so the bias sets GELU's input: tiny, large
+    # and infinite values (float64 reference)
+    values = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, 1.0, -1.0, 3.0, -3.0, 5.0, -5.0, 9.5,
+                           -9.5, 50.0, -50.0, 1e20, -1e20, float("inf")])
+    N, K = len(values), 8
+    q7 = torch.zeros(N, K, dtype=torch.int8)
+    args = (gemv.pack_rows(q7), q7.sum(1, dtype=torch.int32), torch.ones(N), torch.zeros(N))
+    x = torch.randn(3, K)
+    g = gemv.int8_per_row(x, *args, values, gelu=True)
+    want = _gelu64(values.expand(3, N)).float()
+    u = (2 / torch.pi) ** 0.5 * (values.double() + 0.044715 * values.double() ** 3)
+    close = (g - want).abs() <= (4 + 8 * u.abs().nan_to_num(posinf=0.0)) * 2.0 ** -24 * want.abs() + 1e-30
+    assert (close | (g == want)).all(), (g[0], want[0])                  # inf: equal
+
+
 def test_packing_puts_four_inputs_of_32_channels_together():
     q = (torch.arange(40 * 6, dtype=torch.int32).remainder(127) - 63).to(torch.int8).view(40, 6)
     P = gemv.pack_rows(q)
@@ -197,8 +242,10 @@ def test_the_per_row_operators_vnni_and_avx2_paths_give_the_same_bits(both_paths
     x, _, _, args, b = _per_row_case(M, K, N, seed=K)
     assert both_paths(True) and gemv.vnni()
     vnni = gemv.int8_per_row(x, *args, b)
+    vnni_gelu = gemv.int8_per_row(x, *args, b, gelu=True)
     assert not both_paths(False) and not gemv.vnni()
     assert torch.equal(gemv.int8_per_row(x, *args, b), vnni)
+    assert torch.equal(gemv.int8_per_row(x, *args, b, gelu=True), vnni_gelu)
 
 
 @needs_kernel

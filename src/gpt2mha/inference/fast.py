@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.attention import Conv1D
-from ..core.model import LMHead, TiedLMHead, logits_dtype
+from ..core.attention import CausalSelfAttention, Conv1D, attention_mask
+from ..core.model import MLP, LMHead, TiedLMHead, logits_dtype
 
 
 def transposed_copy(w: torch.Tensor, dtype: torch.dtype | None = None, block: int = 256) -> torch.Tensor:
@@ -116,6 +116,75 @@ class TransposedHead(nn.Module):
         return y.view(*x.shape[:-1], -1)
 
 
+#: A prefill of at least this many tokens (on CPU) attends in blocks of :data:`QUERY_BLOCK`
+#: queries (:func:`causal_blocks`).
+BLOCKED_FROM = 256
+#: Queries per block of :func:`causal_blocks`.
+QUERY_BLOCK = 64
+
+
+def causal_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = QUERY_BLOCK) -> torch.Tensor:
+    """Causal attention over ``q, k, v [B, h, T, head_dim]`` (a prefill from position 0: every
+    query sees the keys up to its own) by ``scaled_dot_product_attention`` on blocks of
+    ``block`` queries, each over the keys it can see: ``[B, h, T, head_dim]``, the same
+    softmax-weighted sums as ``is_causal=True`` (float32 rounding apart).
+
+    Why: PyTorch's CPU flash kernel skips masked keys only in blocks of 512, so a 512-token
+    prefill computes every score and drops half; in blocks of 64 queries a 124M prefill's
+    attention takes 3.9 against 5.8 ms a layer (2 threads, benchmarks/RESULTS.md, "Prefill").
+    """
+    T = q.shape[-2]
+    out = [F.scaled_dot_product_attention(q[:, :, :block], k[:, :, :block], v[:, :, :block], is_causal=True)]
+    for s in range(block, T, block):
+        e = min(T, s + block)
+        out.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e],
+                                                  attn_mask=attention_mask(e - s, e, device=q.device)))
+    return torch.cat(out, dim=2)
+
+
+class PrefillAttention(CausalSelfAttention):
+    """A :class:`~gpt2mha.core.attention.CausalSelfAttention` (the same parameters, capture
+    points and ``forward``) whose long causal prefills on CPU attend in blocks of queries
+    (:func:`causal_blocks`, from :data:`BLOCKED_FROM` tokens); every other call attends as the
+    original does. Made by :func:`for_decoding` (:meth:`view_of`). Inference only."""
+
+    @classmethod
+    def view_of(cls, attn: CausalSelfAttention) -> "PrefillAttention":
+        """A shallow copy of ``attn`` (its parameters and submodules shared) of this class."""
+        new = copy.copy(attn)
+        new.__class__, new._modules = cls, dict(attn._modules)
+        return new
+
+    def attend(self, q, k, v, mask, hooked: bool) -> torch.Tensor:
+        T = q.shape[-2]
+        if (mask is None and not hooked and self.attn_impl == "sdpa" and not self.training
+                and T >= BLOCKED_FROM and k.shape[-2] == T and q.device.type == "cpu"):
+            return causal_blocks(q, k, v)
+        return super().attend(q, k, v, mask, hooked)
+
+
+class GeluFusedMLP(MLP):
+    """An :class:`~gpt2mha.core.model.MLP` (the same parameters and capture points) whose
+    ``c_fc`` applies the GELU itself (``c_fc(x, gelu=True)``: per_row's operator computes it as
+    it writes each output, one pass over ``[B, T, 4·n_embd]`` less: a 512-token 124M prefill
+    ~18 ms faster on 2 threads, benchmarks/RESULTS.md, "Prefill"). While ``hook_pre`` or
+    ``c_fc`` has hooks (which must see the activation's input) it runs as the original.
+    Made by :func:`for_decoding` for layers whose :attr:`fuses_gelu` is true. Inference only."""
+
+    @classmethod
+    def view_of(cls, mlp: MLP) -> "GeluFusedMLP":
+        """A shallow copy of ``mlp`` (its parameters and submodules shared) of this class."""
+        new = copy.copy(mlp)
+        new.__class__, new._modules = cls, dict(mlp._modules)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hooked(self.c_fc) or hooked(self.hook_pre):
+            return super().forward(x)
+        h = self.hook_post(self.c_fc(x, gelu=True))                # [B, T, 4·n_embd], after GELU
+        return F.dropout(self.c_proj(h), self.dropout, self.training)
+
+
 def swap_modules(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None]) -> nn.Module:
     """A new module tree over ``model``: every module for which ``replace(path, module)`` returns
     a module is swapped for it, every other one is shared or (on the path to a swap) shallow-
@@ -189,5 +258,14 @@ def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True,
             if m.weight.dtype == torch.float32 and batch_invariant:
                 return RowPaddedConv1D(m)
         return None
+
+    def prefill(path: str, m: nn.Module) -> nn.Module | None:
+        if hooked(m):
+            return None
+        if type(m) is CausalSelfAttention:
+            return PrefillAttention.view_of(m)
+        if type(m) is MLP and getattr(m.c_fc, "fuses_gelu", False):
+            return GeluFusedMLP.view_of(m)
+        return None
     with torch.no_grad():
-        return swap_modules(model, replace)
+        return swap_modules(swap_modules(model, replace), prefill)

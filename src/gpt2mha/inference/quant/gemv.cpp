@@ -153,14 +153,64 @@ static bool use_vnni = true;
  * sums make the result independent of the order, hence of the other rows, the threads and the
  * instructions (the same sums as FBGEMM's and torch._int_mm's); the rounding and the rescale
  * are per row and per element. */
+/* GPT-2's GELU (openai/gpt-2's gelu: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), written
+ * as x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3) (the same function: 1 + tanh(u) =
+ * 2 / (1 + exp(-2u)), with no cancellation near u = 0), exp by Cephes' expf (range reduction by
+ * ln 2 in two parts, a degree-6 polynomial; about 1 ulp; past 88.4 it gives inf, so that a
+ * large negative x gives -0, as the true GELU rounds). Within a few float32 ulps of torch's
+ * F.gelu(approximate="tanh"), about 3x faster here. exp8 and exp1, gelu8 and gelu1 are the same
+ * operations on 8 lanes and on one float (the same bits). */
+static const float EXP_HI = 88.8f, EXP_LO = -87.3f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f,
+                   LN2_LO = -2.12194440e-4f, GELU_K = 0.044715f, GELU_2C = -1.59576912160573073f; /* -2 sqrt(2/pi) */
+static const float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                               1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float exp1(float x) {
+    x = std::fmin(std::fmax(x, EXP_LO), EXP_HI);
+    const float n = std::nearbyint(x * LOG2E);
+    float r = std::fmaf(-n, LN2_HI, x);
+    r = std::fmaf(-n, LN2_LO, r);
+    float p = EXP_P[0];
+    for (int i = 1; i < 6; i++) p = std::fmaf(p, r, EXP_P[i]);
+    p = std::fmaf(p, r * r, r) + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, 4);
+    return p * two_n;
+}
+
+static inline __m256 gelu8(__m256 x) {
+    const __m256 inner = _mm256_fmadd_ps(_mm256_set1_ps(GELU_K), _mm256_mul_ps(_mm256_mul_ps(x, x), x), x);
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_mul_ps(_mm256_set1_ps(GELU_2C), inner))));
+}
+
+static inline float gelu1(float x) {
+    const float inner = std::fmaf(GELU_K, (x * x) * x, x);
+    return x / (1.0f + exp1(GELU_2C * inner));
+}
+
 /* per_row's rescale of the integer product v = (sum u q - 128 qsum) * scales, as the layer
  * writes it (compiled.py's PerRowInt8Linear): v * a + (a * 128 + lo) * wsum + bias, a and lo the
- * row's step and minimum; NaN for a row whose a or lo is not finite */
+ * row's step and minimum; NaN for a row whose a or lo is not finite; then GELU (gelu1) if asked
+ * (the MLP's c_fc, fused: gpt2mha.inference.fast.GeluFusedMLP) */
 struct Rescale {
     const float *a, *c;      /* [M]: a and a * 128 + lo per row */
     const float *wsum, *bias;
     const int32_t *qsum;
     const float *scales;
+    bool gelu;
     /* y[n0 .. n0 + nn) of row m from its int32 sums s: eight lanes at a time, then one by one
      * (the same operations either way: IEEE multiplies and adds, nothing fused) */
     inline void apply(int64_t m, int64_t n0, int64_t nn, const int32_t *s, float *y) const {
@@ -175,12 +225,13 @@ struct Rescale {
             __m256 t = _mm256_add_ps(_mm256_mul_ps(v, av), _mm256_mul_ps(cv, _mm256_loadu_ps(wsum + n)));
             if (bias)
                 t = _mm256_add_ps(t, _mm256_loadu_ps(bias + n));
-            _mm256_storeu_ps(y + j, t);
+            _mm256_storeu_ps(y + j, gelu ? gelu8(t) : t);
         }
         for (; j < nn; j++) {
             const int64_t n = n0 + j;
             const float v = (float)(s[j] - 128 * qsum[n]) * scales[n], t = v * a[m] + c[m] * wsum[n];
-            y[j] = bias ? t + bias[n] : t;
+            const float tb = bias ? t + bias[n] : t;
+            y[j] = gelu ? gelu1(tb) : tb;
         }
     }
 };
@@ -647,7 +698,8 @@ static void round_rows(const float *x, int64_t M, int64_t K, uint8_t *u8, int64_
 
 /* The per_row operator: rounds x's rows, multiplies on the packed weights, rescales. */
 static at::Tensor int8_per_row(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &qsum,
-                               const at::Tensor &scales, const at::Tensor &wsum, const std::optional<at::Tensor> &bias) {
+                               const at::Tensor &scales, const at::Tensor &wsum, const std::optional<at::Tensor> &bias,
+                               bool gelu) {
     TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 "int8_per_row: x must be a float32 CPU tensor [M, K] with K >= 1; got ", x.scalar_type(), " ",
                 x.sizes());
@@ -669,7 +721,7 @@ static at::Tensor int8_per_row(const at::Tensor &x, const at::Tensor &packed, co
     float *ra = rows.data_ptr<float>(), *rc = ra + M;
     round_rows(xc.data_ptr<float>(), M, K, u8.data_ptr<uint8_t>(), ustride, ra, rc);
     at::Tensor y = at::empty({M, N}, x.options());
-    const Rescale r{ra, rc, ws, b, qsum.data_ptr<int32_t>(), scales.data_ptr<float>()};
+    const Rescale r{ra, rc, ws, b, qsum.data_ptr<int32_t>(), scales.data_ptr<float>(), gelu};
     gemv_packed(u8.data_ptr<uint8_t>(), M, ustride, K, packed.data_ptr<int8_t>(), N, r, y.data_ptr<float>());
     return y;
 }
@@ -797,7 +849,7 @@ TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
     m.def("int4_gemv(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
     m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
-    m.def("int8_per_row(Tensor x, Tensor packed, Tensor qsum, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
+    m.def("int8_per_row(Tensor x, Tensor packed, Tensor qsum, Tensor scales, Tensor wsum, Tensor? bias, bool gelu=False) -> Tensor");
     m.def("use_vnni(bool on) -> bool");
     m.def("has_vnni() -> bool");
 }

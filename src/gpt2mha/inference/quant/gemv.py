@@ -116,7 +116,7 @@ def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: tor
 
 
 def _fake_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales: torch.Tensor, wsum: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+                  bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], qsum.shape[0])
 
 
@@ -178,7 +178,7 @@ _VNNI: dict = {"on": None}
 
 
 def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales7: torch.Tensor,
-                 wsum: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                 wsum: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
     """per_row's W7A8 layer (:func:`~.linear.int8_matmul_per_row`, plus the bias) at decode
     sizes by ``gemv.cpp``: each row of x rounded to 8 bits with its own step ``a = (max − min) /
     255`` and minimum ``lo``, ``u = round((x − lo) / a)``; the exact integer sums of u with the
@@ -192,6 +192,10 @@ def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scal
         qsum: int32 ``[N]``, ``q7.sum(1)``.
         scales7: float32 ``[N]``; wsum: float32 ``[N]``, ``(q7 · scales7).sum(1)``.
         bias: float32 ``[N]`` or None.
+        gelu: apply GPT-2's GELU to the result (the MLP's ``c_fc`` fused with its activation):
+            ``x / (1 + exp(-2u))``, ``u = √(2/π)(x + 0.044715x³)``, which is
+            ``0.5x(1 + tanh(u))`` (openai/gpt-2's ``gelu``) within a few float32 ulps of
+            ``F.gelu(approximate="tanh")`` (its own exp: Cephes' ``expf``).
 
     Returns:
         float32 ``[M, N]``; a row of x holding NaN or ±inf gives a NaN row. Each row's result is
@@ -203,7 +207,7 @@ def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scal
         ValueError: ``x`` requires grad, or is not a float32 CPU matrix.
     """
     _check_x(x, "per_row")
-    return torch.ops.gpt2mha.int8_per_row(x, packed, qsum, scales7, wsum, bias)
+    return torch.ops.gpt2mha.int8_per_row(x, packed, qsum, scales7, wsum, bias, gelu)
 
 
 def use_vnni(on: bool) -> bool:

@@ -430,7 +430,11 @@ class QuantizedLinear(nn.Module):
         pad = _pad_rows(self.n_out) - self.n_out                         # the kernel needs N % 16 == 0
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(F.pad(q, (0, 0, 0, pad)), 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """``x [..., n_in]`` → ``[..., n_out]`` (see the class); ``gelu``: GPT-2's GELU applied
+        to the result (an MLP's ``c_fc`` with its activation,
+        :class:`~gpt2mha.inference.fast.GeluFusedMLP`): inside per_row's operator where the
+        layer runs it (float32 out), else ``F.gelu(approximate="tanh")`` after."""
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError(f"this layer's weight is quantized ({self.scheme}): autograd cannot flow through "
                                f"it; quantized models are for inference (train the float model, then quantize)")
@@ -439,7 +443,7 @@ class QuantizedLinear(nn.Module):
         # gpt2mha's operators add a float32 bias to a float32 output themselves (one pass less)
         bias = self.bias if self.bias is not None and self.bias.dtype == torch.float32 \
             and self.out_dtype(x.dtype) == torch.float32 else None
-        fused = False
+        fused = in_op = False
         many = (x.device.type == "cpu" and self.activations != "per_row"      # (per_row never asks)
                 and self.dequantize_for(tokens))
         if x.device.type != "cpu":
@@ -449,7 +453,8 @@ class QuantizedLinear(nn.Module):
                 # the same W7A8 product in one call (rounding, exact integer sums on the packed
                 # copy, rescale): faster than _int_mm and the ops around it at every size
                 # measured, 1 to 512 rows (RESULTS.md, "Packed weights for per_row decode")
-                y = torch.ops.gpt2mha.int8_per_row(x2.float().contiguous(), *self.per_row_packed(), bias)
+                in_op = gelu and x.dtype == torch.float32 and (self.bias is None or bias is not None)
+                y = torch.ops.gpt2mha.int8_per_row(x2.float().contiguous(), *self.per_row_packed(), bias, in_op)
                 fused = True
             else:
                 q7, scales7, packed, wsum = self.per_row_weights()
@@ -477,7 +482,17 @@ class QuantizedLinear(nn.Module):
         y = y.to(self.out_dtype(x.dtype))
         if self.bias is not None and not (fused and bias is not None):
             y = y + self.bias
+        if gelu and not in_op:
+            y = F.gelu(y, approximate="tanh")
         return y.view(*x.shape[:-1], self.n_out)
+
+    @property
+    def fuses_gelu(self) -> bool:
+        """Whether :meth:`forward` with ``gelu=True`` may fuse the activation into the product
+        (per_row's operator: an int8 layer with per_row or auto activations on a CPU with
+        AVX-512 VNNI where gpt2mha's kernel builds)."""
+        return (self.scheme == "int8" and self.activations in ("per_row", "auto")
+                and self.weight.device.type == "cpu" and gemv.vnni())
 
     def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the output for inputs in ``dtype``: the same."""
