@@ -573,5 +573,7 @@ def test_a_hook_on_the_mlps_pre_activation_sees_it_unfused():
             want = model(idx).logits
     finally:
         handle.remove()
-    assert torch.equal(seen["pre"], seen["c_fc"]) and seen["pre"].min() < -0.2    # pre-GELU values
+    # pre-GELU values (layers 0 and 1 of the view fuse theirs: float rounding apart)
+    torch.testing.assert_close(seen["pre"], seen["c_fc"], atol=1e-5, rtol=1e-5)
+    assert seen["pre"].min() < -0.2
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
