@@ -488,23 +488,36 @@ def test_causal_attention_in_blocks_of_queries_is_sdpas_causal_attention(T, bloc
     torch.testing.assert_close(causal_blocks(q, k, v, block), want, atol=1e-6, rtol=1e-5)
 
 
-def test_long_prefills_in_the_decode_view_attend_in_blocks_and_agree_with_the_model(monkeypatch):
+def _ops_run(fn):
+    """The names of the operators ``fn()`` runs (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_prefills_in_the_decode_view_attend_causally_and_agree_with_the_model(monkeypatch, kernel):
+    # gpt2mha's causal_attention kernel where it builds; else, from BLOCKED_FROM tokens, SDPA in
+    # blocks of queries. Reference: the model's own forward (SDPA, is_causal) on a fresh copy.
     import gpt2mha.inference.fast as fast
+    if kernel and not fast.gemv.available():
+        pytest.skip(f"gpt2mha's kernels do not build here: {fast.gemv.unavailable_reason()}")
+    if not kernel:
+        monkeypatch.setattr(fast.gemv, "available", lambda: False)
     model = small_model(seed=4, n_ctx=320)
     before = module_tree(model)
     view = for_decoding(model)
     assert all(type(b.attn) is fast.PrefillAttention for b in view.h)
     assert module_tree(model) == before                          # the model's own modules are unchanged
-    calls = []
-    real = fast.causal_blocks
-    monkeypatch.setattr(fast, "causal_blocks", lambda *a: calls.append(a[0].shape) or real(*a))
     idx = torch.randint(0, 97, (2, 300), generator=torch.Generator().manual_seed(4))
+    got = []
     with torch.inference_mode():
         cache = KVCache(3, 2, 4, 301, 8)
-        got = view(idx, cache=cache).logits
-        short = view(idx[:, :200]).logits                          # below BLOCKED_FROM: SDPA as it is
-    assert len(calls) == 3 and calls[0][2] == 300                  # each layer, once, the whole prompt
-    torch.testing.assert_close(got, reference_logits(model, idx), atol=1e-5, rtol=1e-5)
+        ops = _ops_run(lambda: got.append(view(idx, cache=cache).logits))
+        short = view(idx[:, :200]).logits
+    assert ("gpt2mha::causal_attention" in ops) == kernel
+    assert ("aten::_scaled_dot_product_flash_attention_for_cpu" in ops) != kernel
+    torch.testing.assert_close(got[0], reference_logits(model, idx), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(short, reference_logits(model, idx[:, :200]), atol=1e-5, rtol=1e-5)
 
 

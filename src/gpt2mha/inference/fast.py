@@ -38,6 +38,7 @@ from torch import nn
 
 from ..core.attention import CausalSelfAttention, Conv1D, attention_mask
 from ..core.model import MLP, LMHead, TiedLMHead, logits_dtype
+from .quant import gemv
 
 
 def transposed_copy(w: torch.Tensor, dtype: torch.dtype | None = None, block: int = 256) -> torch.Tensor:
@@ -146,9 +147,13 @@ def causal_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int 
 
 class PrefillAttention(CausalSelfAttention):
     """A :class:`~gpt2mha.core.attention.CausalSelfAttention` (the same parameters, capture
-    points and ``forward``) whose long causal prefills on CPU attend in blocks of queries
-    (:func:`causal_blocks`, from :data:`BLOCKED_FROM` tokens); every other call attends as the
-    original does. Made by :func:`for_decoding` (:meth:`view_of`). Inference only."""
+    points and ``forward``) whose causal prefills on CPU (2 or more queries, OpenAI's causal
+    mask, nothing hooked) attend by gpt2mha's kernel ``torch.ops.gpt2mha.causal_attention``
+    (float32, head_dim a multiple of 8, where :func:`~.quant.gemv.available`): each query
+    computes only the scores it keeps, ~2× SDPA's speed at 128 and 512 tokens (2 threads,
+    benchmarks/RESULTS.md, "Prefill"); else, from :data:`BLOCKED_FROM` tokens, in blocks of
+    queries (:func:`causal_blocks`). Every other call attends as the original does. Made by
+    :func:`for_decoding` (:meth:`view_of`). Inference only."""
 
     @classmethod
     def view_of(cls, attn: CausalSelfAttention) -> "PrefillAttention":
@@ -158,10 +163,13 @@ class PrefillAttention(CausalSelfAttention):
         return new
 
     def attend(self, q, k, v, mask, hooked: bool) -> torch.Tensor:
-        T = q.shape[-2]
-        if (mask is None and not hooked and self.attn_impl == "sdpa" and not self.training
-                and T >= BLOCKED_FROM and k.shape[-2] == T and q.device.type == "cpu"):
-            return causal_blocks(q, k, v)
+        T, S = q.shape[-2], k.shape[-2]
+        if mask is None and not hooked and self.attn_impl == "sdpa" and not self.training and q.device.type == "cpu":
+            if (T > 1 and q.dtype == k.dtype == v.dtype == torch.float32 and q.shape[-1] % 8 == 0
+                    and gemv.available()):
+                return torch.ops.gpt2mha.causal_attention(q, k, v)
+            if T >= BLOCKED_FROM and S == T:
+                return causal_blocks(q, k, v)
         return super().attend(q, k, v, mask, hooked)
 
 
@@ -187,22 +195,24 @@ class GeluFusedMLP(MLP):
         return F.dropout(self.c_proj(h), self.dropout, self.training)
 
 
-def swap_modules(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None]) -> nn.Module:
+def swap_modules(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None],
+                 after: Callable[[nn.Module], nn.Module | None] | None = None) -> nn.Module:
     """A new module tree over ``model``: every module for which ``replace(path, module)`` returns
     a module is swapped for it, every other one is shared or (on the path to a swap) shallow-
     copied, so parameters, buffers and capture points stay the very same tensors and modules.
-    ``model`` itself is not changed."""
+    ``after(module)``, once a kept module's children are done, may return a module to put in
+    its place (a view of it: :meth:`PrefillAttention.view_of`). ``model`` itself is not changed."""
     def visit(path: str, module: nn.Module) -> nn.Module:
         new = replace(path, module)
         if new is not None:
             return new
         children = {name: visit(f"{path}.{name}" if path else name, child)
                     for name, child in module._modules.items() if child is not None}
-        if all(children[n] is module._modules[n] for n in children):
-            return module
-        out = copy.copy(module)                                 # shallow: parameters shared
-        out._modules = {**module._modules, **children}
-        return out
+        out = module
+        if any(children[n] is not module._modules[n] for n in children):
+            out = copy.copy(module)                             # shallow: parameters shared
+            out._modules = {**module._modules, **children}
+        return (after and after(out)) or out
     return visit("", model)
 
 
@@ -261,13 +271,11 @@ def for_decoding(model: nn.Module, head: bool = True, conv1d: bool = True,
                 return RowPaddedConv1D(m)
         return None
 
-    def prefill(path: str, m: nn.Module) -> nn.Module | None:
-        if hooked(m):
-            return None
-        if type(m) is CausalSelfAttention:
+    def prefill(m: nn.Module) -> nn.Module | None:
+        if type(m) is CausalSelfAttention and not hooked(m):
             return PrefillAttention.view_of(m)
-        if type(m) is MLP and getattr(m.c_fc, "fuses_gelu", False):
+        if type(m) is MLP and not hooked(m) and getattr(m.c_fc, "fuses_gelu", False):
             return GeluFusedMLP.view_of(m)
         return None
     with torch.no_grad():
-        return swap_modules(swap_modules(model, replace), prefill)
+        return swap_modules(model, replace, prefill)

@@ -38,6 +38,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
+#: Every file of the library: the products (gemv.cpp), prefill attention (attention.cpp) and their
+#: shared vector helpers (simd.h).
+SOURCES = (SOURCE, SOURCE.with_name("attention.cpp"), SOURCE.with_name("simd.h"))
 #: Set to ``0`` (or ``false``, ``off``, ``no``) to turn the kernel off (callers then use torch's kernels).
 ENV = "GPT2MHA_GEMV"
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-w")
@@ -59,7 +62,7 @@ def _command(cxx: str, out: str) -> list[str]:
     from torch.utils import cpp_extension
     lib = cpp_extension.library_paths()[0]
     return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE),
+            *(f"-I{p}" for p in cpp_extension.include_paths()), *(str(p) for p in SOURCES if p.suffix == ".cpp"),
             f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-o", out]
 
 
@@ -74,7 +77,7 @@ def _build() -> str:
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     if cxx is None:
         return "no C++ compiler found (set CXX, or install g++)"
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_command(cxx, "")).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(_command(cxx, "")).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     out = cache_dir() / f"gemv-{key}.so"
     check = out.with_suffix(".sha256")           # written after the library: a library without it,

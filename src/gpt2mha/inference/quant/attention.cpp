@@ -1,0 +1,257 @@
+/* Causal self-attention for prefills on the CPU: the operator torch.ops.gpt2mha.causal_attention
+ * (built with gemv.cpp by gemv.py; called by gpt2mha.inference.fast.PrefillAttention).
+ *
+ *   o[i] = sum_{j <= i + S - T} softmax_j(q[i] . k[j] / sqrt(D)) v[j]
+ *
+ * q [B, h, T, D], k and v [B, h, S, D] float32 (any strides but the last, 1), OpenAI's
+ * bottom-right causal mask (query i sees keys 0 .. i + S - T); o float32 [B, h, T, D], laid out
+ * [B, T, h, D] (the heads merge with a free reshape).
+ *
+ * Why (benchmarks/RESULTS.md, "Prefill"): PyTorch's CPU flash kernel skips masked keys only in
+ * blocks of 512, so up to 512 tokens it computes every score of the square and drops half;
+ * split into blocks of queries, each SDPA call costs more than its share. Here each query row
+ * computes only the scores it keeps. Each head's keys are first copied transposed (kt [D, S]
+ * zero-padded to 16 keys); then work is shared out as blocks of ROWS query rows of one head:
+ *   scores: up to 6 rows x 16 keys per pass, FMAs over d in order (one fixed sum per score),
+ *   softmax: per row, max, exp (simd.h), sum in 8 lanes then a fixed reduction,
+ *   o: 2 rows x 32 dims per pass, FMAs over keys in order, divided by the row's sum.
+ * Every value a row gets is computed the same way whatever the other rows, heads, batch and
+ * threads are (batch invariance). AVX2 + FMA only: Zen 4 runs 512-bit FMAs as two 256-bit ones.
+ */
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t ROWS = 32;            /* query rows per task */
+constexpr int PV_ROWS = 4, PV_DT = 2;   /* o = p v: rows x 8 PV_DT dims per pass */
+
+struct Head {
+    const float *q, *v;
+    int64_t qs, vs;                     /* row strides (elements) */
+    float *o;
+    int64_t os;
+};
+
+/* scores s[r][j] = q[r] . kt[:, j] for MT rows and 16 keys from j0 (kt: D rows of n16 keys) */
+template <int MT>
+static inline void scores_tile(const float *const *qr, const float *kt, int64_t n16, int64_t D, int64_t j0,
+                               float *const *sr) {
+    __m256 acc[MT][2];
+    for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 k0 = _mm256_loadu_ps(kt + d * n16 + j0), k1 = _mm256_loadu_ps(kt + d * n16 + j0 + 8);
+        for (int r = 0; r < MT; r++) {
+            const __m256 qb = _mm256_broadcast_ss(qr[r] + d);
+            acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < MT; r++) {
+        _mm256_storeu_ps(sr[r] + j0, acc[r][0]);
+        _mm256_storeu_ps(sr[r] + j0 + 8, acc[r][1]);
+    }
+}
+
+/* row s[0 .. n) -> exp(scale * (s - max)) in place, zeros from n to zero_to; returns the sum */
+static inline float softmax_row(float *s, int64_t n, int64_t zero_to, float scale) {
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, mx);
+    float m = m8[0];
+    for (int i = 1; i < 8; i++) m = std::fmax(m, m8[i]);
+    for (int64_t t = j; t < n; t++) m = std::fmax(m, s[t]);
+    const __m256 sc = _mm256_set1_ps(scale), ms = _mm256_set1_ps(scale * m);
+    __m256 sum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), sc, ms));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    alignas(32) float s8[8];
+    _mm256_store_ps(s8, sum);
+    float total = ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));
+    for (; j < n; j++) {
+        s[j] = exp1(std::fmaf(s[j], scale, -scale * m));
+        total += s[j];
+    }
+    for (; j < zero_to; j++) s[j] = 0.0f;
+    return total;
+}
+
+/* o[r][d0 .. d0 + 8 DT) = sum_j p[r][j] v[j][d0 ..] / total[r] for MT (1 or 2) rows */
+template <int MT, int DT>
+static inline void out_tile(const float *const *pr, const float *v, int64_t vs, int64_t n, int64_t d0,
+                            const float *inv, float *const *orow) {
+    __m256 acc[MT][DT];
+    for (int r = 0; r < MT; r++)
+        for (int t = 0; t < DT; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        __m256 vj[DT];
+        for (int t = 0; t < DT; t++) vj[t] = _mm256_loadu_ps(v + j * vs + d0 + 8 * t);
+        for (int r = 0; r < MT; r++) {
+            const __m256 p = _mm256_broadcast_ss(pr[r] + j);
+            for (int t = 0; t < DT; t++) acc[r][t] = _mm256_fmadd_ps(p, vj[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < MT; r++) {
+        const __m256 iv = _mm256_set1_ps(inv[r]);
+        for (int t = 0; t < DT; t++) _mm256_storeu_ps(orow[r] + d0 + 8 * t, _mm256_mul_ps(acc[r][t], iv));
+    }
+}
+
+/* 8 x 8 floats: dst[c * dstride + r] = src[r * sstride + c] */
+static inline void transpose8(const float *src, int64_t sstride, float *dst, int64_t dstride) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * sstride);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * dstride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * dstride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+
+/* kt [D, n16] = keys 0 .. S of one head transposed, zero past S */
+static void transpose_keys(const float *k, int64_t ks, int64_t S, int64_t D, int64_t n16, float *kt) {
+    int64_t j0 = 0;
+    for (; j0 + 8 <= S; j0 += 8)
+        for (int64_t d0 = 0; d0 < D; d0 += 8) transpose8(k + j0 * ks + d0, ks, kt + d0 * n16 + j0, n16);
+    for (int64_t d = 0; d < D; d++) {
+        for (int64_t j = j0; j < S; j++) kt[d * n16 + j] = k[j * ks + d];
+        for (int64_t j = S; j < n16; j++) kt[d * n16 + j] = 0.0f;
+    }
+}
+
+/* rows i0 .. i1 of one head, its keys transposed in kt [D, n16]; off = S - T */
+static void block(const Head &H, const float *kt, int64_t n16, int64_t i0, int64_t i1, int64_t off, int64_t D,
+                  float scale, std::vector<float> &sc) {
+    sc.resize(ROWS * n16);
+    const float *qr[6];
+    float *sr[6];
+    for (int64_t r0 = i0; r0 < i1; r0 += 6) {
+        const int mt = (int)std::min<int64_t>(6, i1 - r0);
+        for (int r = 0; r < mt; r++) {
+            qr[r] = H.q + (r0 + r) * H.qs;
+            sr[r] = sc.data() + (r0 + r - i0) * n16;
+        }
+        const int64_t need = r0 + mt - 1 + off + 1;      /* keys the last row of the pass sees */
+        for (int64_t j0 = 0; j0 < need; j0 += 16) {
+            switch (mt) {
+                case 6: scores_tile<6>(qr, kt, n16, D, j0, sr); break;
+                case 5: scores_tile<5>(qr, kt, n16, D, j0, sr); break;
+                case 4: scores_tile<4>(qr, kt, n16, D, j0, sr); break;
+                case 3: scores_tile<3>(qr, kt, n16, D, j0, sr); break;
+                case 2: scores_tile<2>(qr, kt, n16, D, j0, sr); break;
+                default: scores_tile<1>(qr, kt, n16, D, j0, sr); break;
+            }
+        }
+    }
+    float inv[ROWS];
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t n = i + off + 1;
+        inv[i - i0] = 1.0f / softmax_row(sc.data() + (i - i0) * n16, n, std::min(n16, n + PV_ROWS), scale);
+    }
+    const float *pr[PV_ROWS];
+    float *orow[PV_ROWS];
+    for (int64_t r0 = i0; r0 < i1; r0 += PV_ROWS) {
+        const int mt = (int)std::min<int64_t>(PV_ROWS, i1 - r0);
+        for (int r = 0; r < mt; r++) {
+            pr[r] = sc.data() + (r0 + r - i0) * n16;
+            orow[r] = H.o + (r0 + r) * H.os;
+        }
+        const int64_t n = r0 + mt - 1 + off + 1;          /* the first rows' p are 0 past their keys */
+        const float *iv = inv + (r0 - i0);
+        for (int64_t d0 = 0; d0 < D; d0 += 8 * PV_DT) {
+            if (d0 + 8 * PV_DT <= D) {
+                switch (mt) {
+                    case 6: out_tile<6, PV_DT>(pr, H.v, H.vs, n, d0, iv, orow); break;
+                    case 5: out_tile<5, PV_DT>(pr, H.v, H.vs, n, d0, iv, orow); break;
+                    case 4: out_tile<4, PV_DT>(pr, H.v, H.vs, n, d0, iv, orow); break;
+                    case 3: out_tile<3, PV_DT>(pr, H.v, H.vs, n, d0, iv, orow); break;
+                    case 2: out_tile<2, PV_DT>(pr, H.v, H.vs, n, d0, iv, orow); break;
+                    default: out_tile<1, PV_DT>(pr, H.v, H.vs, n, d0, iv, orow); break;
+                }
+            } else {
+                for (int64_t d = d0; d < D; d += 8)
+                    for (int r = 0; r < mt; r++) out_tile<1, 1>(pr + r, H.v, H.vs, n, d, iv + r, orow + r);
+            }
+        }
+    }
+}
+
+static void check(const at::Tensor &t, const char *name) {
+    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(3) == 1,
+                "causal_attention: ", name, " must be a float32 CPU tensor [B, h, T, D] whose last dimension "
+                "is contiguous; got ", t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
+}
+
+at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
+    check(q, "q");
+    check(k, "k");
+    check(v, "v");
+    const int64_t B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), S = k.size(2);
+    TORCH_CHECK(k.size(0) == B && k.size(1) == h && k.size(3) == D && v.sizes() == k.sizes(),
+                "causal_attention: k and v must be [B=", B, ", h=", h, ", S, D=", D, "]; got k ", k.sizes(),
+                ", v ", v.sizes());
+    TORCH_CHECK(D % 8 == 0 && D > 0, "causal_attention: head_dim=", D, " must be a positive multiple of 8");
+    TORCH_CHECK(T >= 1 && S >= T, "causal_attention: needs 1 <= T <= S (queries are the last T positions); "
+                "got T=", T, ", S=", S);
+    at::Tensor o = at::empty({B, T, h, D}, q.options());
+    const float scale = 1.0f / std::sqrt((float)D);
+    const int64_t blocks = (T + ROWS - 1) / ROWS, tasks = B * h * blocks;
+    const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+    float *op = o.data_ptr<float>();
+    const int64_t n16 = (S + 15) / 16 * 16;
+    at::Tensor kt = at::empty({B * h, D, n16}, q.options());        /* each head's keys, transposed */
+    float *ktp = kt.data_ptr<float>();
+    const bool par = tasks > 1 && T * S * h * B >= (1 << 14);
+    #pragma omp parallel for schedule(static) if (par)
+    for (int64_t bh = 0; bh < B * h; bh++)
+        transpose_keys(kp + (bh / h) * k.stride(0) + (bh % h) * k.stride(1), k.stride(2), S, D, n16,
+                       ktp + bh * D * n16);
+    #pragma omp parallel if (par)
+    {
+        std::vector<float> sc;
+        /* the longest blocks (the last rows) first: dynamic hand-out then evens the threads */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t bh = t % (B * h), blk = blocks - 1 - t / (B * h), b = bh / h, hh = bh % h;
+            const Head H{qp + b * q.stride(0) + hh * q.stride(1), vp + b * v.stride(0) + hh * v.stride(1),
+                         q.stride(2), v.stride(2), op + (b * T * h + hh) * D, h * D};
+            block(H, ktp + bh * D * n16, n16, blk * ROWS, std::min(T, (blk + 1) * ROWS), S - T, D, scale, sc);
+        }
+    }
+    return o.permute({0, 2, 1, 3});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
+    m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
+    m.impl("causal_attention", &causal_attention);
+}

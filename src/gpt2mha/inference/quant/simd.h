@@ -1,0 +1,43 @@
+/* Vector helpers shared by gpt2mha's C++ kernels (gemv.cpp, attention.cpp): exp on 8 float32
+ * lanes and on one float, the same operations either way (the same bits). */
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+/* exp by Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial (about
+ * 1 ulp); below -87.3 it gives exp(-87.3) (about 1e-38), past 88.4 inf. */
+static const float EXP_HI = 88.8f, EXP_LO = -87.3f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f,
+                   LN2_LO = -2.12194440e-4f;
+static const float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                               1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float exp1(float x) {
+    x = std::fmin(std::fmax(x, EXP_LO), EXP_HI);
+    const float n = std::nearbyint(x * LOG2E);
+    float r = std::fmaf(-n, LN2_HI, x);
+    r = std::fmaf(-n, LN2_LO, r);
+    float p = EXP_P[0];
+    for (int i = 1; i < 6; i++) p = std::fmaf(p, r, EXP_P[i]);
+    p = std::fmaf(p, r * r, r) + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, 4);
+    return p * two_n;
+}
+

@@ -1,0 +1,87 @@
+"""gpt2mha's causal attention kernel for prefills (inference/quant/attention.cpp,
+``torch.ops.gpt2mha.causal_attention``, used by the decode view's PrefillAttention).
+
+Reference: PyTorch's own ``scaled_dot_product_attention`` with OpenAI's causal mask
+(``gpt2mha.attention_mask``, bottom-right aligned), and float64 attention written out; the
+kernel sums in another order, so they agree to float32 rounding.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2mha import attention_mask
+from gpt2mha.inference.quant import gemv
+
+pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"the kernels do not build here: {gemv.unavailable_reason()}")
+
+
+def _qkv(B, h, T, S, D, seed=0, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    if strided:                                         # as CausalSelfAttention splits c_attn's output
+        qkv = torch.randn(B, T, 3 * h * D, generator=g)
+        q = qkv[..., :h * D].view(B, T, h, D).transpose(1, 2)
+    else:
+        q = torch.randn(B, h, T, D, generator=g)
+    k, v = torch.randn(B, h, S, D, generator=g), torch.randn(B, h, S, D, generator=g)
+    return q, k, v
+
+
+def _reference64(q, k, v):
+    T, S = q.shape[-2], k.shape[-2]
+    w = (q.double() @ k.double().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    w = w.masked_fill(~attention_mask(T, S), float("-inf")).softmax(-1)
+    return w @ v.double()
+
+
+@pytest.mark.parametrize("B,h,T,S,D", [(1, 12, 128, 128, 64), (2, 3, 37, 37, 16), (1, 2, 300, 300, 8),
+                                       (2, 4, 5, 21, 24), (1, 1, 2, 2, 8), (1, 2, 70, 70, 40)])
+def test_the_kernel_is_causal_attention(B, h, T, S, D):
+    q, k, v = _qkv(B, h, T, S, D, seed=T + S, strided=D == 16)
+    o = torch.ops.gpt2mha.causal_attention(q, k, v)
+    assert o.shape == (B, h, T, D) and o.dtype == torch.float32
+    ref = _reference64(q, k, v)
+    assert (o.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(T, S))
+    torch.testing.assert_close(o, sdpa, atol=2e-6, rtol=1e-5)
+    assert o.transpose(1, 2).is_contiguous()                    # heads merge with a free reshape
+
+
+def test_each_querys_result_is_its_own():
+    # batch invariance: a query's output is the same bits whatever the other queries, heads,
+    # sequences and threads of the call (a shorter prompt of the same tokens, one head, one thread)
+    q, k, v = _qkv(2, 3, 77, 77, 64, seed=1)
+    full = torch.ops.gpt2mha.causal_attention(q, k, v)
+    for T in (1, 6, 33, 64):
+        assert torch.equal(torch.ops.gpt2mha.causal_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T]), full[:, :, :T])
+    assert torch.equal(torch.ops.gpt2mha.causal_attention(q[1:, 2:], k[1:, 2:], v[1:, 2:]), full[1:, 2:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.gpt2mha.causal_attention(q, k, v), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_query_ignores_the_keys_after_it():
+    q, k, v = _qkv(1, 2, 40, 40, 8, seed=2)
+    o = torch.ops.gpt2mha.causal_attention(q, k, v)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 20:] = 1e4                                            # keys no query before 20 may see
+    v2[:, :, 20:] = float("nan")
+    o2 = torch.ops.gpt2mha.causal_attention(q, k2, v2)
+    assert torch.equal(o2[:, :, :20], o[:, :, :20]) and o2[:, :, 20:].isnan().all()
+
+
+def test_bad_arguments_are_named():
+    q, k, v = _qkv(1, 2, 4, 4, 8)
+    with pytest.raises(RuntimeError, match=r"causal_attention: q must be a float32 CPU tensor \[B, h, T, D\]"):
+        torch.ops.gpt2mha.causal_attention(q.double(), k, v)
+    with pytest.raises(RuntimeError, match="whose last dimension is contiguous"):
+        torch.ops.gpt2mha.causal_attention(q, k.transpose(2, 3), v)
+    with pytest.raises(RuntimeError, match=r"head_dim=6 must be a positive multiple of 8"):
+        torch.ops.gpt2mha.causal_attention(q[..., :6], k[..., :6], v[..., :6])
+    with pytest.raises(RuntimeError, match=r"needs 1 <= T <= S .*got T=4, S=3"):
+        torch.ops.gpt2mha.causal_attention(q, k[:, :, :3], v[:, :, :3])
+    with pytest.raises(RuntimeError, match=r"k and v must be \[B=1, h=2, S, D=8\]"):
+        torch.ops.gpt2mha.causal_attention(q, k, v[:, :1])
