@@ -278,6 +278,9 @@ def test_generate_on_a_training_model_samples_with_dropout_off_and_restores_the_
     assert torch.equal(model.generate(IDX, 8, seed=3), ref)
     assert torch.equal(model.generate(IDX, 8, seed=3), ref)
     assert model.training and all(m.training for m in model.modules())
+    model.eval()
+    model.h[1].train()                                            # one block left in training mode
+    assert torch.equal(model.generate(IDX, 8, seed=3), ref)
 
 
 def test_seeded_sampling_of_a_batch_row_equals_that_prompt_alone():
