@@ -212,10 +212,15 @@ struct Rescale {
 
 template <int MT>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline void packed_tile_vnni(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, int32_t *sums) {
+static inline void packed_tile_vnni(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, int32_t *sums,
+                                    const int8_t *pf) {
     __m512i acc[2 * MT];
     for (int i = 0; i < 2 * MT; i++) acc[i] = _mm512_setzero_si512();
     for (int64_t q = 0; q < Kq; q++) {
+        if (pf) {
+            _mm_prefetch((const char *)(pf + 128 * q), _MM_HINT_T1);
+            _mm_prefetch((const char *)(pf + 128 * q + 64), _MM_HINT_T1);
+        }
         const __m512i w0 = _mm512_loadu_si512((const void *)(pt + 128 * q));
         const __m512i w1 = _mm512_loadu_si512((const void *)(pt + 128 * q + 64));
         for (int i = 0; i < MT; i++) {
@@ -229,11 +234,16 @@ static inline void packed_tile_vnni(const uint8_t *u8, int64_t ustride, int64_t 
 
 /* AVX2: two rows of u per pass over a tile's 128-byte steps (eight accumulators of 8 channels) */
 template <int MT>
-static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, int32_t *sums) {
+static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, int32_t *sums,
+                               const int8_t *pf) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc[4 * MT];
     for (int i = 0; i < 4 * MT; i++) acc[i] = _mm256_setzero_si256();
     for (int64_t q = 0; q < Kq; q++) {
+        if (pf) {
+            _mm_prefetch((const char *)(pf + 128 * q), _MM_HINT_T1);
+            _mm_prefetch((const char *)(pf + 128 * q + 64), _MM_HINT_T1);
+        }
         __m256i w[4];
         for (int j = 0; j < 4; j++) w[j] = _mm256_loadu_si256((const __m256i *)(pt + 128 * q + 32 * j));
         for (int i = 0; i < MT; i++) {
@@ -248,7 +258,9 @@ static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, c
 }
 
 /* tiles t0..t1-1 of 32 channels times every row of u, in passes of up to ROWS rows (TILE's
- * MT); each pass leaves its sums in s [32 MT] for the rescale */
+ * MT); each pass leaves its sums in s [32 MT] for the rescale. With more rows than one pass
+ * (prefill), the first pass over a tile also prefetches the next tile into L2 (pf): the 48
+ * products of 124M at 128 rows 3-5% faster, weights from memory */
 #define PACKED_ROWS(ROWS, SWITCH)                                                      \
     int32_t s[32 * ROWS];                                                              \
     for (int64_t t = t0; t < t1; t++) {                                                \
@@ -257,6 +269,7 @@ static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, c
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {                                     \
             const int64_t mt = M - m0 < ROWS ? M - m0 : ROWS;                          \
             const uint8_t *um = u8 + m0 * ustride;                                     \
+            const int8_t *pf = m0 == 0 && M > ROWS && t + 1 < t1 ? pt + Kq * 128 : nullptr; \
             SWITCH                                                                     \
             for (int64_t i = 0; i < mt; i++) r.apply(m0 + i, n0, nn, s + 32 * i, y + (m0 + i) * N + n0); \
         }                                                                              \
@@ -266,20 +279,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void packed_rows_vnni(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
                              const Rescale &r, float *y, int64_t t0, int64_t t1) {
     PACKED_ROWS(8, switch (mt) {
-        case 8: packed_tile_vnni<8>(um, ustride, Kq, pt, s); break;
-        case 7: packed_tile_vnni<7>(um, ustride, Kq, pt, s); break;
-        case 6: packed_tile_vnni<6>(um, ustride, Kq, pt, s); break;
-        case 5: packed_tile_vnni<5>(um, ustride, Kq, pt, s); break;
-        case 4: packed_tile_vnni<4>(um, ustride, Kq, pt, s); break;
-        case 3: packed_tile_vnni<3>(um, ustride, Kq, pt, s); break;
-        case 2: packed_tile_vnni<2>(um, ustride, Kq, pt, s); break;
-        default: packed_tile_vnni<1>(um, ustride, Kq, pt, s); break;
+        case 8: packed_tile_vnni<8>(um, ustride, Kq, pt, s, pf); break;
+        case 7: packed_tile_vnni<7>(um, ustride, Kq, pt, s, pf); break;
+        case 6: packed_tile_vnni<6>(um, ustride, Kq, pt, s, pf); break;
+        case 5: packed_tile_vnni<5>(um, ustride, Kq, pt, s, pf); break;
+        case 4: packed_tile_vnni<4>(um, ustride, Kq, pt, s, pf); break;
+        case 3: packed_tile_vnni<3>(um, ustride, Kq, pt, s, pf); break;
+        case 2: packed_tile_vnni<2>(um, ustride, Kq, pt, s, pf); break;
+        default: packed_tile_vnni<1>(um, ustride, Kq, pt, s, pf); break;
     })
 }
 
 static void packed_rows(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
                         const Rescale &r, float *y, int64_t t0, int64_t t1) {
-    PACKED_ROWS(2, if (mt == 2) packed_tile<2>(um, ustride, Kq, pt, s); else packed_tile<1>(um, ustride, Kq, pt, s);)
+    PACKED_ROWS(2, if (mt == 2) packed_tile<2>(um, ustride, Kq, pt, s, pf); else packed_tile<1>(um, ustride, Kq, pt, s, pf);)
 }
 #undef PACKED_ROWS
 
