@@ -406,3 +406,36 @@ def test_token_logprobs_are_the_models_log_softmax_with_the_chosen_token_among_t
     assert chosen[0] == top[0][0][1]
     chosen, top = token_logprobs(logits, tokens, 0)
     assert [[i for i, _ in t] for t in top] == [[t] for t in tokens.tolist()]
+
+
+def test_each_call_reuses_the_last_calls_cache_memory_zeroed():
+    # the next call's cache lies in the last call's storage (generate._SPARE), zeroed first:
+    # tokens as with a fresh cache (reference: the same call after the spare is dropped)
+    import gpt2mha.inference.generate as G
+    model = small_model(**ROBUST)
+    G._SPARE.clear()
+    want = [model.generate(IDX, 6, temperature=0), model.generate(IDX[:1, :2], 3, seed=5)]
+    kept = G._SPARE[torch.float32]
+    model.generate(IDX, 30, seed=1)                               # fills more of a larger storage
+    got = [model.generate(IDX, 6, temperature=0), model.generate(IDX[:1, :2], 3, seed=5)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert G._SPARE[torch.float32].numel() >= kept.numel()
+    G._SPARE.clear()
+    storage, _ = G.new_cache((3, 1, 4, 5, 8), torch.float32, "cpu")
+    storage.fill_(1.0)                                            # what a call leaves in it
+    G.keep_for_next_call(storage)
+    again, cache = G.new_cache((3, 1, 4, 5, 8), torch.float32, "cpu")
+    assert again is storage and cache.k.data_ptr() == storage.data_ptr() and not storage.any()
+    G.keep_for_next_call(again)
+    G.keep_for_next_call(torch.empty(G.SPARE_BYTES // 4 + 1))    # more than SPARE_BYTES is not kept
+    assert G._SPARE[torch.float32] is again
+    G._SPARE.clear()
+
+
+def test_a_cache_over_given_storage():
+    from gpt2mha import KVCache
+    k, v = torch.zeros(3, 2, 4, 10, 8), torch.zeros(3, 2, 4, 10, 8)
+    cache = KVCache.over(k, v)
+    assert cache.k is k and cache.lengths == [0, 0] and cache.max_len == 10
+    with pytest.raises(ValueError, match=r"k and v must be two \[n_layer, B, h, T_max, head_dim\] tensors"):
+        KVCache.over(k, v[:, :1])

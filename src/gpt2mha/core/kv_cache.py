@@ -90,6 +90,22 @@ class KVCache:
         self._bind(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                    [0] * batch_size)
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """An empty cache over the caller's storage ``k, v [n_layer, B, h, T_max, head_dim]``
+        (used as it is, not copied; zeros, as a new cache's, unless every position a step reads
+        is written first).
+
+        Raises:
+            ValueError: ``k`` and ``v`` differ in shape, dtype or device, or are not 5-D.
+        """
+        if k.dim() != 5 or k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(f"k and v must be two [n_layer, B, h, T_max, head_dim] tensors of one dtype and "
+                             f"device; got {tuple(k.shape)} {k.dtype} {k.device} and {tuple(v.shape)} {v.dtype} {v.device}")
+        cache = cls.__new__(cls)
+        cache._bind(k, v, [0] * k.shape[1])
+        return cache
+
     def _bind(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int], offset: int = 0) -> None:
         self.k, self.v = k, v
         self._lengths = lengths                                 # shared with the views of :meth:`rows`, :meth:`row`

@@ -351,45 +351,84 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
     if step_fn is not None:                                    # compiled: one shape for similar lengths
         from .compiled import cache_len
         max_len = cache_len(max_len, n_ctx)
-    cache = KVCache(model.config.n_layer, B, model.config.n_head, max_len,
-                    model.config.head_dim, dtype=p.dtype, device=p.device)
-    adjust = dict(adjust or {})
-    counts = None
-    if adjust.get("presence_penalty") or adjust.get("frequency_penalty"):
-        counts = torch.zeros(B, vocab_size or model.config.n_vocab, dtype=torch.float32, device=idx.device)
-    if step_fn is not None and keep is None and B > 1:         # compiled, prompts of one length: one prefill
-        logits = model(idx[:, -n_ctx:], cache=cache, last_only=True, validate=False).logits[:, -1]
-    else:
-        logits = torch.cat([model(ids[None, -n_ctx:], cache=cache.row(b), last_only=True, validate=False).logits[:, -1]
-                            for b, ids in enumerate(prompts)])     # [B, n_vocab]
-    sliding = set()                                            # rows recomputed over their last n_ctx tokens
-    for step in range(max_new_tokens):
-        pos = T + step                                         # column of the token being chosen
-        step_logits = logits[:, :vocab_size]
-        if counts is not None or adjust.get("bias") is not None:
-            step_logits = adjust_logits(step_logits, counts, **adjust)
-        token = sample_next(step_logits, **sample)
-        if eos_token_id is not None:
-            token = torch.where(finished, eos_token_id, token)
-            finished |= token == eos_token_id
-        if counts is not None:
-            counts[torch.arange(B, device=idx.device), token] += 1
-        out[:, pos] = token
-        if on_token is not None:
-            on_token(token)
-        if step == max_new_tokens - 1:
-            break
-        if eos_token_id is not None and bool(finished.all()):
-            out[:, pos + 1:] = eos_token_id
-            break
-        sliding.update(b for b, n in enumerate(cache.lengths) if n == cache.max_len)
-        for b in sliding:                                      # its row of the cache is no longer read
-            cache.reset(b)
-        if step_fn is not None:
-            logits = step_fn(token[:, None], cache)
+    storage, cache = new_cache((model.config.n_layer, B, model.config.n_head, max_len, model.config.head_dim),
+                               p.dtype, p.device)
+    try:
+        adjust = dict(adjust or {})
+        counts = None
+        if adjust.get("presence_penalty") or adjust.get("frequency_penalty"):
+            counts = torch.zeros(B, vocab_size or model.config.n_vocab, dtype=torch.float32, device=idx.device)
+        if step_fn is not None and keep is None and B > 1:      # compiled, prompts of one length: one prefill
+            logits = model(idx[:, -n_ctx:], cache=cache, last_only=True, validate=False).logits[:, -1]
         else:
-            logits = model(token[:, None], cache=cache, last_only=True, validate=False).logits[:, -1]
-        for b in sorted(sliding):                              # positions restart at 0 for the window
-            window = torch.cat([prompts[b], out[b, T:pos + 1]])[-n_ctx:]
-            logits[b] = model(window[None], last_only=True, validate=False).logits[0, -1]
-    return out
+            logits = torch.cat([model(ids[None, -n_ctx:], cache=cache.row(b), last_only=True,
+                                      validate=False).logits[:, -1] for b, ids in enumerate(prompts)])  # [B, n_vocab]
+        sliding = set()                                         # rows recomputed over their last n_ctx tokens
+        for step in range(max_new_tokens):
+            pos = T + step                                      # column of the token being chosen
+            step_logits = logits[:, :vocab_size]
+            if counts is not None or adjust.get("bias") is not None:
+                step_logits = adjust_logits(step_logits, counts, **adjust)
+            token = sample_next(step_logits, **sample)
+            if eos_token_id is not None:
+                token = torch.where(finished, eos_token_id, token)
+                finished |= token == eos_token_id
+            if counts is not None:
+                counts[torch.arange(B, device=idx.device), token] += 1
+            out[:, pos] = token
+            if on_token is not None:
+                on_token(token)
+            if step == max_new_tokens - 1:
+                break
+            if eos_token_id is not None and bool(finished.all()):
+                out[:, pos + 1:] = eos_token_id
+                break
+            sliding.update(b for b, n in enumerate(cache.lengths) if n == cache.max_len)
+            for b in sliding:                                   # its row of the cache is no longer read
+                cache.reset(b)
+            if step_fn is not None:
+                logits = step_fn(token[:, None], cache)
+            else:
+                logits = model(token[:, None], cache=cache, last_only=True, validate=False).logits[:, -1]
+            for b in sorted(sliding):                           # positions restart at 0 for the window
+                window = torch.cat([prompts[b], out[b, T:pos + 1]])[-n_ctx:]
+                logits[b] = model(window[None], last_only=True, validate=False).logits[0, -1]
+        return out
+    finally:
+        keep_for_next_call(storage)                            # its memory, for the next call
+
+
+#: The KV cache storage of the last finished :func:`generate` on CPU, by dtype: the next call whose
+#: cache fits in it reuses it (:func:`new_cache`), as llama.cpp keeps its context's cache and ONNX
+#: Runtime its arena. A new 124M cache for a 128-token prompt cost ~1 ms of page faults and
+#: zeroing, 4% of its time to the first token (benchmarks/RESULTS.md, "Prefill").
+_SPARE: dict = {}
+#: Storage larger than this (bytes) is not kept between calls.
+SPARE_BYTES = 128 << 20
+
+
+def new_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, KVCache]:
+    """A zeroed :class:`KVCache` of ``shape`` ``[n_layer, B, h, T_max, head_dim]`` and the flat
+    storage under it: the last call's (:data:`_SPARE`) where it fits (and is at most 4× the
+    size), else new."""
+    n = 1
+    for d in shape:
+        n *= d
+    buf = _SPARE.pop(dtype, None) if torch.device(device).type == "cpu" else None
+    if buf is None or not 2 * n <= buf.numel() <= 8 * n:
+        if buf is not None:
+            keep_for_next_call(buf)                            # not this call's size: kept for another
+        buf = torch.empty(2 * n, dtype=dtype, device=device)
+    buf[:2 * n].zero_()
+    return buf, KVCache.over(buf[:n].view(shape), buf[n:2 * n].view(shape))
+
+
+def keep_for_next_call(storage: torch.Tensor) -> None:
+    """Keep a finished call's cache storage for the next (:func:`new_cache`): CPU only, up to
+    :data:`SPARE_BYTES`, the larger of it and what is kept already."""
+    if storage.device.type != "cpu" or storage.numel() * storage.element_size() > SPARE_BYTES:
+        return
+    held = _SPARE.get(storage.dtype)
+    if held is None or held.numel() < storage.numel():
+        _SPARE[storage.dtype] = storage
+
