@@ -37,11 +37,14 @@ def random_model(config: GPT2Config, seed: int = 0) -> GPT2:
 
 
 class RecordingCache(KVCache):
+    """Records each cache generate makes (over its storage: KVCache.over)."""
     made = []
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        RecordingCache.made.append(self)
+    @classmethod
+    def over(cls, k, v):
+        cache = super().over(k, v)
+        RecordingCache.made.append(cache)
+        return cache
 
 
 def tp_checks(rank, world, config_kwargs, greedy_steps):

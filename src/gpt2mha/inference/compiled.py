@@ -348,10 +348,16 @@ class _Unadvanced(KVCache):
 
 
 def _signature(model: nn.Module) -> tuple:
-    # the tensors, and how each int8 layer treats its activations (set_activations changes the view)
-    return tuple((id(t), t._version if not t.is_inference() else -1)
-                 for t in [*model.parameters(), *model.buffers()]) + \
-        tuple(m.activations for m in model.modules() if isinstance(m, QuantizedLinear))
+    # the tensors, and how each int8 layer treats its activations (set_activations changes the
+    # view); one walk over the modules (generate asks it every call)
+    sig = []
+    for m in model.modules():
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                sig.append((id(t), t._version if not t.is_inference() else -1))
+        if isinstance(m, QuantizedLinear):
+            sig.append(m.activations)
+    return tuple(sig)
 
 
 def options(model: nn.Module) -> dict:

@@ -9,7 +9,10 @@ every parameter and capture point) in which:
   rows than ``F.linear`` over ``wte``, and a bf16/fp16 model skips upcasting ``wte`` per step;
 * on CPU, every bf16/fp16 :class:`~gpt2mha.core.attention.Conv1D` multiplies by an
   ``[n_out, n_in]`` copy (:class:`TransposedConv1D`): torch's reduced-precision kernels read
-  that layout faster. A float32 model keeps GPT-2's ``[in, out]``, its fastest.
+  that layout faster. A float32 model keeps GPT-2's ``[in, out]``, its fastest;
+* every attention sublayer is a :class:`PrefillAttention`: a causal prefill on CPU attends by
+  gpt2mha's kernel, which computes only the scores each query keeps;
+* the MLPs of per_row int8 models are :class:`GeluFusedMLP`: GELU inside ``c_fc``'s operator.
 
 With ``batch_invariant`` (by default for every model but one with float32 weights,
 :func:`invariant_by_default`), every product in the view gives each row the same bits whatever
@@ -206,6 +209,8 @@ def swap_modules(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module
         new = replace(path, module)
         if new is not None:
             return new
+        if not module._modules:                                 # a leaf (half of them: capture points)
+            return (after and after(module)) or module
         children = {name: visit(f"{path}.{name}" if path else name, child)
                     for name, child in module._modules.items() if child is not None}
         out = module
