@@ -63,14 +63,37 @@ def test_each_querys_result_is_its_own():
         torch.set_num_threads(threads)
 
 
-def test_a_query_ignores_the_keys_after_it():
+@pytest.mark.parametrize("cut", [20, 18, 33])
+def test_a_query_ignores_the_keys_after_it(cut):
+    # whatever sits in later keys and values (huge, NaN) never reaches an earlier query, at any
+    # row of the kernel's passes (cut 18 and 33 fall inside them)
     q, k, v = _qkv(1, 2, 40, 40, 8, seed=2)
     o = torch.ops.gpt2mha.causal_attention(q, k, v)
     k2, v2 = k.clone(), v.clone()
-    k2[:, :, 20:] = 1e4                                            # keys no query before 20 may see
-    v2[:, :, 20:] = float("nan")
+    k2[:, :, cut:] = 1e4
+    v2[:, :, cut:] = float("nan")
     o2 = torch.ops.gpt2mha.causal_attention(q, k2, v2)
-    assert torch.equal(o2[:, :, :20], o[:, :, :20]) and o2[:, :, 20:].isnan().all()
+    assert torch.equal(o2[:, :, :cut], o[:, :, :cut]) and o2[:, :, cut:].isnan().all()
+
+
+def test_huge_scores_keep_their_gaps_and_non_finite_ones_give_nan_rows():
+    # reference: SDPA with OpenAI's mask. Scores ~3e10 apart by ~1e5: all weight on the largest
+    q = torch.zeros(1, 1, 2, 8)
+    k = torch.zeros(1, 1, 2, 8)
+    v = torch.arange(16.0).view(1, 1, 2, 8)
+    q[..., 0] = 1.0
+    k[0, 0, 0, 0], k[0, 0, 1, 0] = 9.0e10, 9.0e10 + 2e5
+    o = torch.ops.gpt2mha.causal_attention(q, k, v)
+    torch.testing.assert_close(o, F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(2, 2)))
+    torch.testing.assert_close(o[0, 0, 1], v[0, 0, 1])
+    q2, k2, v2 = _qkv(1, 2, 12, 12, 8, seed=3)
+    q2[0, 1, 5, 3] = float("inf")                                  # ±inf scores: a NaN row
+    k2[0, 0, 2] = float("nan")                                     # NaN scores: NaN from query 2 on
+    o2 = torch.ops.gpt2mha.causal_attention(q2, k2, v2)
+    want = _reference64(q2, k2, v2)                                # (SDPA spreads NaN to every query)
+    assert torch.equal(o2.isnan(), want.isnan())
+    assert o2[0, 1, 5].isnan().all() and o2[0, 0, 2:].isnan().all() and not o2[0, 0, :2].isnan().any()
+    torch.testing.assert_close(o2.nan_to_num().double(), want.nan_to_num(), atol=2e-6, rtol=1e-5)
 
 
 def test_bad_arguments_are_named():
@@ -85,3 +108,10 @@ def test_bad_arguments_are_named():
         torch.ops.gpt2mha.causal_attention(q, k[:, :, :3], v[:, :, :3])
     with pytest.raises(RuntimeError, match=r"k and v must be \[B=1, h=2, S, D=8\]"):
         torch.ops.gpt2mha.causal_attention(q, k, v[:, :1])
+
+
+def test_inside_torch_compile_the_kernel_is_one_opaque_call():
+    # a registered fake: dynamo traces it with fullgraph=True (reference: the eager call)
+    q, k, v = _qkv(1, 2, 9, 9, 8, seed=4)
+    f = torch.compile(lambda q, k, v: torch.ops.gpt2mha.causal_attention(q, k, v) * 2.0, fullgraph=True)
+    torch.testing.assert_close(f(q, k, v), torch.ops.gpt2mha.causal_attention(q, k, v) * 2.0)

@@ -590,3 +590,27 @@ def test_a_hook_on_the_mlps_pre_activation_sees_it_unfused():
     torch.testing.assert_close(seen["pre"], seen["c_fc"], atol=1e-5, rtol=1e-5)
     assert seen["pre"].min() < -0.2
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_hooks_returning_any_layout_and_grad_still_attend_correctly():
+    # a mean-ablation hook returns an expanded tensor (stride 0 in head_dim): the view falls back
+    # to PyTorch's attention for it; with grad, too (the kernel has no backward). Reference: the
+    # model's own forward (and its greedy tokens, uncached).
+    model = small_model(seed=8, n_ctx=40)
+    idx = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(8))
+    handle = model.h[0].attn.hook_v.register_forward_hook(lambda m, a, out: out.mean(-1, keepdim=True).expand_as(out))
+    try:
+        with torch.inference_mode():
+            got = for_decoding(model)(idx).logits
+            want = model(idx).logits
+        out = model.generate(idx[:, :12], 8, temperature=0, sliding_window=True)
+        ref = greedy_uncached(model, idx[:, :12], 8)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_same_greedy(model, out[0], ref[0], 12)
+    view = for_decoding(model)
+    loss = view(idx).logits.logsumexp(-1).sum()
+    loss.backward()
+    assert model.h[0].attn.c_attn.weight.grad is not None and model.h[0].attn.c_attn.weight.grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)

@@ -281,6 +281,7 @@ def test_generate_on_a_training_model_samples_with_dropout_off_and_restores_the_
     model.eval()
     model.h[1].train()                                            # one block left in training mode
     assert torch.equal(model.generate(IDX, 8, seed=3), ref)
+    assert [m for m in model.modules() if m.training] == list(model.h[1].modules())   # each mode as it was
 
 
 def test_seeded_sampling_of_a_batch_row_equals_that_prompt_alone():
@@ -439,3 +440,22 @@ def test_a_cache_over_given_storage():
     assert cache.k is k and cache.lengths == [0, 0] and cache.max_len == 10
     with pytest.raises(ValueError, match=r"k and v must be two \[n_layer, B, h, T_max, head_dim\] tensors"):
         KVCache.over(k, v[:, :1])
+    with pytest.raises(ValueError, match="k and v share memory"):
+        KVCache.over(k, k)
+    buf = torch.zeros(2 * 3 * 2 * 4 * 10 * 8)
+    halves = buf.view(2, 3, 2, 4, 10, 8)
+    assert KVCache.over(halves[0], halves[1]).max_len == 10            # two halves of one buffer: fine
+    with pytest.raises(ValueError, match="max_len"):
+        KVCache.over(k[:, :, :, :0], v[:, :, :, :0])
+
+
+def test_decode_loop_outside_inference_mode_after_generate():
+    # the storage generate keeps was made in inference mode; a caller without it gets a new one
+    import gpt2mha.inference.generate as G
+    from gpt2mha.inference.fast import for_decoding
+    model = small_model(**ROBUST)
+    want = model.generate(IDX, 4, temperature=0)
+    with torch.no_grad():
+        got = G.decode_loop(for_decoding(model), IDX, 4, None, dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                                                                     generator=None), None, None, None)
+    assert torch.equal(got, want)

@@ -97,11 +97,19 @@ class KVCache:
         is written first).
 
         Raises:
-            ValueError: ``k`` and ``v`` differ in shape, dtype or device, or are not 5-D.
+            ValueError: ``k`` and ``v`` differ in shape, dtype or device, are not 5-D, have a size
+                that is not positive, or share memory (a write to one would change the other).
         """
         if k.dim() != 5 or k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
             raise ValueError(f"k and v must be two [n_layer, B, h, T_max, head_dim] tensors of one dtype and "
                              f"device; got {tuple(k.shape)} {k.dtype} {k.device} and {tuple(v.shape)} {v.dtype} {v.device}")
+        checks.positive_ints(**dict(zip(("n_layer", "batch_size", "n_head", "max_len", "head_dim"), k.shape)))
+        def span(t):                                            # the bytes t's elements lie in
+            end = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+            return t.data_ptr(), t.data_ptr() + end * t.element_size()
+        (k0, k1), (v0, v1) = span(k), span(v)
+        if k0 < v1 and v0 < k1:
+            raise ValueError("k and v share memory: a cache needs separate storage for keys and values")
         cache = cls.__new__(cls)
         cache._bind(k, v, [0] * k.shape[1])
         return cache

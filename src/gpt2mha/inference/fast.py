@@ -150,9 +150,10 @@ def causal_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int 
 
 class PrefillAttention(CausalSelfAttention):
     """A :class:`~gpt2mha.core.attention.CausalSelfAttention` (the same parameters, capture
-    points and ``forward``) whose causal prefills on CPU (2 or more queries, OpenAI's causal
-    mask, nothing hooked) attend by gpt2mha's kernel ``torch.ops.gpt2mha.causal_attention``
-    (float32, head_dim a multiple of 8, where :func:`~.quant.gemv.available`): each query
+    points and ``forward``) whose causal prefills on CPU (2 or more queries over at most twice as
+    many keys, OpenAI's causal mask, nothing hooked, no grad) attend by gpt2mha's kernel
+    ``torch.ops.gpt2mha.causal_attention`` (float32, head_dim a multiple of 8, each head's rows
+    contiguous, where :func:`~.quant.gemv.available`): each query
     computes only the scores it keeps, ~2× SDPA's speed at 128 and 512 tokens (2 threads,
     benchmarks/RESULTS.md, "Prefill"); else, from :data:`BLOCKED_FROM` tokens, in blocks of
     queries (:func:`causal_blocks`). Every other call attends as the original does. Made by
@@ -167,9 +168,10 @@ class PrefillAttention(CausalSelfAttention):
 
     def attend(self, q, k, v, mask, hooked: bool) -> torch.Tensor:
         T, S = q.shape[-2], k.shape[-2]
-        if mask is None and not hooked and self.attn_impl == "sdpa" and not self.training and q.device.type == "cpu":
-            if (T > 1 and q.dtype == k.dtype == v.dtype == torch.float32 and q.shape[-1] % 8 == 0
-                    and gemv.available()):
+        if (mask is None and not hooked and self.attn_impl == "sdpa" and not self.training and q.device.type == "cpu"
+                and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and q.requires_grad)):
+            if (1 < T and S <= 2 * T and q.dtype == k.dtype == v.dtype == torch.float32 and q.shape[-1] % 8 == 0
+                    and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and gemv.available()):
                 return torch.ops.gpt2mha.causal_attention(q, k, v)
             if T >= BLOCKED_FROM and S == T:
                 return causal_blocks(q, k, v)

@@ -306,9 +306,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator)
     adjust = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                   bias=bias_vector(logit_bias, vocab_size or c.n_vocab, idx.device))
-    was_training = model.training
-    switch = any(m.training for m in model.modules())          # eval()/train() walk every module: ~1 ms for 124M
-    if switch:
+    training = [m for m in model.modules() if m.training]     # restored exactly after (eval() walks ~1 ms for 124M)
+    if training:
         model.eval()                                           # dropout off: a seed fixes the tokens
     try:
         step = None
@@ -319,8 +318,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             out = decode_loop(for_decoding(model, batch_invariant=batch_invariant), idx, max_new_tokens,
                               attention_mask, sample, eos_token_id, on_token, vocab_size, adjust, step)
     finally:
-        if switch:
-            model.train(was_training)
+        for m in training:
+            m.training = True
     return out.clone()                                         # outside inference mode: an ordinary tensor
 
 
@@ -409,18 +408,23 @@ SPARE_BYTES = 128 << 20
 
 def new_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, KVCache]:
     """A zeroed :class:`KVCache` of ``shape`` ``[n_layer, B, h, T_max, head_dim]`` and the flat
-    storage under it: the last call's (:data:`_SPARE`) where it fits (and is at most 4× the
-    size), else new."""
+    storage under it: the last call's (:data:`_SPARE`) where it fits (at most 4× the size, made
+    in the same inference mode), else new."""
     n = 1
     for d in shape:
         n *= d
     buf = _SPARE.pop(dtype, None) if torch.device(device).type == "cpu" else None
-    if buf is None or not 2 * n <= buf.numel() <= 8 * n:
+    if buf is None or not 2 * n <= buf.numel() <= 8 * n or buf.is_inference() != torch.is_inference_mode_enabled():
         if buf is not None:
             keep_for_next_call(buf)                            # not this call's size: kept for another
         buf = torch.empty(2 * n, dtype=dtype, device=device)
     buf[:2 * n].zero_()
     return buf, KVCache.over(buf[:n].view(shape), buf[n:2 * n].view(shape))
+
+
+def drop_kept_cache() -> None:
+    """Let go of the KV cache storage :func:`generate` keeps between calls (:data:`_SPARE`)."""
+    _SPARE.clear()
 
 
 def keep_for_next_call(storage: torch.Tensor) -> None:

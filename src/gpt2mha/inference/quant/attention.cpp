@@ -13,8 +13,9 @@
  * computes only the scores it keeps. Each head's keys are first copied transposed (kt [D, S]
  * zero-padded to 16 keys); then work is shared out as blocks of ROWS query rows of one head:
  *   scores: up to 6 rows x 16 keys per pass, FMAs over d in order (one fixed sum per score),
- *   softmax: per row, max, exp (simd.h), sum in 8 lanes then a fixed reduction,
- *   o: 2 rows x 32 dims per pass, FMAs over keys in order, divided by the row's sum.
+ *   softmax: per row, max, exp((s - max) * scale) (simd.h), sum in 8 lanes then a fixed
+ *     reduction; a NaN score or a non-finite max gives a NaN row (as SDPA),
+ *   o: 4 rows x 16 dims per pass, FMAs over each row's own keys in order, divided by its sum.
  * Every value a row gets is computed the same way whatever the other rows, heads, batch and
  * threads are (batch invariance). AVX2 + FMA only: Zen 4 runs 512-bit FMAs as two 256-bit ones.
  */
@@ -64,20 +65,32 @@ static inline void scores_tile(const float *const *qr, const float *kt, int64_t 
     }
 }
 
-/* row s[0 .. n) -> exp(scale * (s - max)) in place, zeros from n to zero_to; returns the sum */
-static inline float softmax_row(float *s, int64_t n, int64_t zero_to, float scale) {
-    __m256 mx = _mm256_set1_ps(-INFINITY);
+/* row s[0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is
+ * NaN or the largest is not finite (as SDPA's NaN row) */
+static inline float softmax_row(float *s, int64_t n, float scale) {
+    __m256 mx = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(s + j);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, v);
+    }
     alignas(32) float m8[8];
     _mm256_store_ps(m8, mx);
     float m = m8[0];
     for (int i = 1; i < 8; i++) m = std::fmax(m, m8[i]);
-    for (int64_t t = j; t < n; t++) m = std::fmax(m, s[t]);
-    const __m256 sc = _mm256_set1_ps(scale), ms = _mm256_set1_ps(scale * m);
+    bool nan = _mm256_movemask_ps(bad) != 0;
+    for (int64_t t = j; t < n; t++) {
+        nan |= std::isnan(s[t]);
+        m = std::fmax(m, s[t]);
+    }
+    if (nan || !std::isfinite(m))
+        return NAN;
+    /* (s - m) first: exact for the largest scores (Sterbenz), so huge scores keep their gaps */
+    const __m256 sc = _mm256_set1_ps(scale), mv = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
     for (j = 0; j + 8 <= n; j += 8) {
-        const __m256 e = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), sc, ms));
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv), sc));
         _mm256_storeu_ps(s + j, e);
         sum = _mm256_add_ps(sum, e);
     }
@@ -85,24 +98,34 @@ static inline float softmax_row(float *s, int64_t n, int64_t zero_to, float scal
     _mm256_store_ps(s8, sum);
     float total = ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));
     for (; j < n; j++) {
-        s[j] = exp1(std::fmaf(s[j], scale, -scale * m));
+        s[j] = exp1((s[j] - m) * scale);
         total += s[j];
     }
-    for (; j < zero_to; j++) s[j] = 0.0f;
     return total;
 }
 
-/* o[r][d0 .. d0 + 8 DT) = sum_j p[r][j] v[j][d0 ..] / total[r] for MT (1 or 2) rows */
+/* o[r][d0 .. d0 + 8 DT) = sum_{j < n0 + r} p[r][j] v[j][d0 ..] / total[r] for MT consecutive
+ * rows (row r sees n0 + r keys): all rows over keys 0 .. n0, then each row over its own last
+ * keys; every row's sum runs over its keys in order, whatever rows share the pass */
 template <int MT, int DT>
-static inline void out_tile(const float *const *pr, const float *v, int64_t vs, int64_t n, int64_t d0,
+static inline void out_tile(const float *const *pr, const float *v, int64_t vs, int64_t n0, int64_t d0,
                             const float *inv, float *const *orow) {
     __m256 acc[MT][DT];
     for (int r = 0; r < MT; r++)
         for (int t = 0; t < DT; t++) acc[r][t] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
+    for (int64_t j = 0; j < n0; j++) {
         __m256 vj[DT];
         for (int t = 0; t < DT; t++) vj[t] = _mm256_loadu_ps(v + j * vs + d0 + 8 * t);
         for (int r = 0; r < MT; r++) {
+            const __m256 p = _mm256_broadcast_ss(pr[r] + j);
+            for (int t = 0; t < DT; t++) acc[r][t] = _mm256_fmadd_ps(p, vj[t], acc[r][t]);
+        }
+    }
+    for (int e = 0; e + 1 < MT; e++) {
+        const int64_t j = n0 + e;
+        __m256 vj[DT];
+        for (int t = 0; t < DT; t++) vj[t] = _mm256_loadu_ps(v + j * vs + d0 + 8 * t);
+        for (int r = e + 1; r < MT; r++) {
             const __m256 p = _mm256_broadcast_ss(pr[r] + j);
             for (int t = 0; t < DT; t++) acc[r][t] = _mm256_fmadd_ps(p, vj[t], acc[r][t]);
         }
@@ -171,7 +194,7 @@ static void block(const Head &H, const float *kt, int64_t n16, int64_t i0, int64
     float inv[ROWS];
     for (int64_t i = i0; i < i1; i++) {
         const int64_t n = i + off + 1;
-        inv[i - i0] = 1.0f / softmax_row(sc.data() + (i - i0) * n16, n, std::min(n16, n + PV_ROWS), scale);
+        inv[i - i0] = 1.0f / softmax_row(sc.data() + (i - i0) * n16, n, scale);
     }
     const float *pr[PV_ROWS];
     float *orow[PV_ROWS];
@@ -181,7 +204,7 @@ static void block(const Head &H, const float *kt, int64_t n16, int64_t i0, int64
             pr[r] = sc.data() + (r0 + r - i0) * n16;
             orow[r] = H.o + (r0 + r) * H.os;
         }
-        const int64_t n = r0 + mt - 1 + off + 1;          /* the first rows' p are 0 past their keys */
+        const int64_t n = r0 + off + 1;                   /* the first row's keys; row r sees n + r */
         const float *iv = inv + (r0 - i0);
         for (int64_t d0 = 0; d0 < D; d0 += 8 * PV_DT) {
             if (d0 + 8 * PV_DT <= D) {
@@ -195,7 +218,7 @@ static void block(const Head &H, const float *kt, int64_t n16, int64_t i0, int64
                 }
             } else {
                 for (int64_t d = d0; d < D; d += 8)
-                    for (int r = 0; r < mt; r++) out_tile<1, 1>(pr + r, H.v, H.vs, n, d, iv + r, orow + r);
+                    for (int r = 0; r < mt; r++) out_tile<1, 1>(pr + r, H.v, H.vs, n + r, d, iv + r, orow + r);
             }
         }
     }
