@@ -48,6 +48,16 @@ def test_generate_greedy_and_bad_arguments(byte_model, capsys):
         assert needle in capsys.readouterr().err
     assert main(["generate", "", "--model", byte_model]) == 2
     assert "PROMPT is empty" in capsys.readouterr().err
+    # a prompt too long for n_ctx is refused before any quantization (GPTQ takes seconds to minutes)
+    import gpt2mha.inference.quant as qmodel
+    calls = []
+    real = qmodel.quantize_model
+    qmodel.quantize_model = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        assert main(["generate", "a" * 60, "--model", byte_model, "--max-new-tokens", "10", "--quantize", "int8"]) == 2
+        assert "prompt of 60 tokens + max_new_tokens=10 = 70 > n_ctx=64" in capsys.readouterr().err and not calls
+    finally:
+        qmodel.quantize_model = real
     assert main(["generate", "x", "--model", "/nonexistent/dir"]) == 2
     assert "not a directory" in capsys.readouterr().err
 

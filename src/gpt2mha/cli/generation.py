@@ -82,6 +82,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from ..inference import parallel
+    from ..inference.generate import check_fits
     from ..inference.sampling import check_logit_bias
     from ..io.tokenizer import StreamDecoder, tokenizer_for
     from ..train import distributed
@@ -90,7 +91,7 @@ def cmd_generate(args) -> int:
     di = parallel.check_world(args.tp)                # --tp N needs N ranks (torchrun)
     model = load_model(args.model, args.dtype)
     weights = distributed.weights_fingerprint(model) if di.world_size > 1 else None
-    model = quantized(parallel.tensor_parallel(model, args.tp), args)
+    model = parallel.tensor_parallel(model, args.tp)
     tok = tokenizer_for(model.config)
     check_logit_bias(args.logit_bias, min(tok.n_vocab, model.config.n_vocab), "--logit-bias")
     if args.stop_at_eos and tok.eot_token is None:
@@ -102,6 +103,8 @@ def cmd_generate(args) -> int:
         encoded = [[tok.eot_token]] if args.unconditional else [tok.encode(p) for p in prompts]
     except UnicodeError:
         raise ValueError("PROMPT is not valid UTF-8 text") from None
+    check_fits(max(map(len, encoded)), args.max_new_tokens, model.config.n_ctx, args.sliding_window)
+    model = quantized(model, args)                    # after the checks: GPTQ takes seconds to minutes
     # tensor-parallel ranks must sample the same tokens from their equal logits: same inputs, one seed
     distributed.agree({"the prompts' token ids": encoded, "the weights (checksum)": weights, "--dtype": args.dtype,
                     **{f"--{k.replace('_', '-')}": getattr(args, k) for k in (

@@ -292,10 +292,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     batch_invariant = invariant_by_default(model) if batch_invariant is None else checks.flag(batch_invariant,
                                                                                                "batch_invariant")
     B, T = idx.shape
-    if T + max_new_tokens > c.n_ctx and not sliding_window:
-        raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "
-                         f"n_ctx={c.n_ctx}; shorten the prompt, lower max_new_tokens, or use sliding_window=True "
-                         f"(CLI: --sliding-window)")
+    check_fits(T, max_new_tokens, c.n_ctx, sliding_window)
     if max_new_tokens == 0:
         return idx.clone()
     if seed is None and temperature > 0:
@@ -321,6 +318,15 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         for m in training:
             m.training = True
     return out.clone()                                         # outside inference mode: an ordinary tensor
+
+
+def check_fits(T: int, max_new_tokens: int, n_ctx: int, sliding_window: bool = False) -> None:
+    """Raises ValueError (naming the sizes and the ways out) when a prompt of ``T`` tokens and
+    ``max_new_tokens`` more do not fit in ``n_ctx`` positions without ``sliding_window``."""
+    if T + max_new_tokens > n_ctx and not sliding_window:
+        raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "
+                         f"n_ctx={n_ctx}; shorten the prompt, lower max_new_tokens, or use sliding_window=True "
+                         f"(CLI: --sliding-window)")
 
 
 def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_token_id, on_token,

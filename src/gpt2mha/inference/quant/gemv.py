@@ -141,12 +141,20 @@ def _fake_int4(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, 
 _BUILD_LOCK = threading.Lock()
 
 
+#: Reasons :func:`_build` gives without trying to build (said by :func:`unavailable_reason` only).
+_EXPECTED = ("turned off", "built for Linux", "the CPU has no AVX2", "no C++ compiler")
+
+
 @functools.cache
 def _built() -> str:
     try:
-        return _build()
+        why = _build()
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return f"could not build or load the kernel: {e}"
+        why = f"could not build or load the kernel: {e}"
+    if why and not why.startswith(_EXPECTED):                # a build that was tried and failed: say so once
+        sys.stderr.write(f"gpt2mha: its C++ kernels are not available, PyTorch's run instead: {why.splitlines()[0][:300]}\n")
+        sys.stderr.flush()
+    return why
 
 
 def _library() -> str:

@@ -343,8 +343,8 @@ def _check_activations(activations, scheme) -> None:
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r}: expected one of {ACTIVATIONS}")
     if activations not in SCHEME_ACTIVATIONS[scheme]:
-        raise ValueError(f"activations={activations!r} does not apply to scheme={scheme!r}: {scheme} takes one of "
-                         f"{SCHEME_ACTIVATIONS[scheme]}")
+        raise ValueError(f"activations={activations!r} does not apply to scheme={scheme!r}: {scheme} takes "
+                         f"{' or '.join(SCHEME_ACTIVATIONS[scheme])}")
 
 
 def set_activations(model, activations: str) -> None:
