@@ -609,7 +609,8 @@ def test_cli_calibration_and_convert_quantize(tmp_path, capsys):
     assert main(["generate", "ab", "--model", str(src), "--quantize", "int8", "--quantize-method", "rtn",
                  "--calibration", str(text)]) == 2
     assert "--calibration" in capsys.readouterr().err
-    assert main(["generate", "ab", "--model", str(src), "--quantize", "int8", "--calibration", str(tmp_path / "no")]) == 2
+    assert main(["generate", "ab", "--model", str(src), "--max-new-tokens", "5", "--quantize", "int8",
+                 "--calibration", str(tmp_path / "no")]) == 2
     assert "--calibration: FILE=" in capsys.readouterr().err
     assert main(["convert", str(src), str(tmp_path / "book.pth"), "--to", "book", "--quantize", "int8"]) == 2
     assert "only the hf format holds quantized weights" in capsys.readouterr().err
@@ -808,9 +809,10 @@ def test_cli_quantize_flags_name_themselves_and_convert_never_writes_over_its_so
     short.write_text("abc")
     runs = [(["generate", "ab", "--model", str(src), "--quantize-method", "rtn"],
              "--quantize-method rtn applies only with --quantize int8|int4"),
-            (["generate", "ab", "--model", str(src), "--quantize", "int4", "--group-size", "48"],
+            (["generate", "ab", "--model", str(src), "--max-new-tokens", "5", "--quantize", "int4", "--group-size", "48"],
              "--group-size: group_size=48: int4 needs one of"),
-            (["generate", "ab", "--model", str(src), "--quantize", "int8", "--calibration", str(short)],
+            (["generate", "ab", "--model", str(src), "--max-new-tokens", "5", "--quantize", "int8", "--calibration",
+              str(short)],
              f"--calibration {short}: calibration: 3 tokens, fewer than one row of 64")]
     for argv, message in runs:
         assert main(argv) == 2
