@@ -148,6 +148,15 @@ def causal_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int 
     return torch.cat(out, dim=2)
 
 
+def retyped(module: nn.Module, cls: type) -> nn.Module:
+    """A shallow copy of ``module`` (parameters, buffers, capture points and submodules shared;
+    its own dict of submodules) whose class is ``cls``, a subclass of ``module``'s that only
+    overrides methods."""
+    new = copy.copy(module)
+    new.__class__, new._modules = cls, dict(module._modules)
+    return new
+
+
 class PrefillAttention(CausalSelfAttention):
     """A :class:`~gpt2mha.core.attention.CausalSelfAttention` (the same parameters, capture
     points and ``forward``) whose causal prefills on CPU (2 or more queries over at most twice as
@@ -162,9 +171,7 @@ class PrefillAttention(CausalSelfAttention):
     @classmethod
     def view_of(cls, attn: CausalSelfAttention) -> "PrefillAttention":
         """A shallow copy of ``attn`` (its parameters and submodules shared) of this class."""
-        new = copy.copy(attn)
-        new.__class__, new._modules = cls, dict(attn._modules)
-        return new
+        return retyped(attn, cls)
 
     def attend(self, q, k, v, mask, hooked: bool) -> torch.Tensor:
         T, S = q.shape[-2], k.shape[-2]
@@ -189,9 +196,7 @@ class GeluFusedMLP(MLP):
     @classmethod
     def view_of(cls, mlp: MLP) -> "GeluFusedMLP":
         """A shallow copy of ``mlp`` (its parameters and submodules shared) of this class."""
-        new = copy.copy(mlp)
-        new.__class__, new._modules = cls, dict(mlp._modules)
-        return new
+        return retyped(mlp, cls)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hooked(self.c_fc) or hooked(self.hook_pre):

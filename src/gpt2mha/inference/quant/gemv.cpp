@@ -210,6 +210,12 @@ struct Rescale {
     }
 };
 
+/* the 128 bytes of step q of the next tile, into L2 (PACKED_ROWS' pf) */
+static inline void prefetch_step(const int8_t *pf, int64_t q) {
+    _mm_prefetch((const char *)(pf + 128 * q), _MM_HINT_T1);
+    _mm_prefetch((const char *)(pf + 128 * q + 64), _MM_HINT_T1);
+}
+
 template <int MT>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static inline void packed_tile_vnni(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, int32_t *sums,
@@ -217,10 +223,8 @@ static inline void packed_tile_vnni(const uint8_t *u8, int64_t ustride, int64_t 
     __m512i acc[2 * MT];
     for (int i = 0; i < 2 * MT; i++) acc[i] = _mm512_setzero_si512();
     for (int64_t q = 0; q < Kq; q++) {
-        if (pf) {
-            _mm_prefetch((const char *)(pf + 128 * q), _MM_HINT_T1);
-            _mm_prefetch((const char *)(pf + 128 * q + 64), _MM_HINT_T1);
-        }
+        if (pf)
+            prefetch_step(pf, q);
         const __m512i w0 = _mm512_loadu_si512((const void *)(pt + 128 * q));
         const __m512i w1 = _mm512_loadu_si512((const void *)(pt + 128 * q + 64));
         for (int i = 0; i < MT; i++) {
@@ -240,10 +244,8 @@ static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, c
     __m256i acc[4 * MT];
     for (int i = 0; i < 4 * MT; i++) acc[i] = _mm256_setzero_si256();
     for (int64_t q = 0; q < Kq; q++) {
-        if (pf) {
-            _mm_prefetch((const char *)(pf + 128 * q), _MM_HINT_T1);
-            _mm_prefetch((const char *)(pf + 128 * q + 64), _MM_HINT_T1);
-        }
+        if (pf)
+            prefetch_step(pf, q);
         __m256i w[4];
         for (int j = 0; j < 4; j++) w[j] = _mm256_loadu_si256((const __m256i *)(pt + 128 * q + 32 * j));
         for (int i = 0; i < MT; i++) {
