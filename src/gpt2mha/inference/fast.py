@@ -135,7 +135,8 @@ def causal_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int 
 
     Why: PyTorch's CPU flash kernel skips masked keys only in blocks of 512, so a 512-token
     prefill computes every score and drops half; in blocks of 64 queries a 124M prefill's
-    attention takes 3.9 against 5.8 ms a layer (2 threads, benchmarks/RESULTS.md, "Prefill").
+    attention takes 3.9 against 5.8 ms a layer (2 threads, benchmarks/RESULTS.md, "Prefill:
+    causal attention of our own").
     """
     T = q.shape[-2]
     # block s:e sees mask[s:e, :e]; as 0 / -inf added to the scores (SDPA would turn each bool block into that)
@@ -164,7 +165,8 @@ class PrefillAttention(CausalSelfAttention):
     ``torch.ops.gpt2mha.causal_attention`` (float32, head_dim a multiple of 8, each head's rows
     contiguous, where :func:`~.quant.gemv.available`): each query
     computes only the scores it keeps, ~2× SDPA's speed at 128 and 512 tokens (2 threads,
-    benchmarks/RESULTS.md, "Prefill"); else, from :data:`BLOCKED_FROM` tokens, in blocks of
+    benchmarks/RESULTS.md, "Prefill: causal attention of our own"); else, from
+    :data:`BLOCKED_FROM` tokens, in blocks of
     queries (:func:`causal_blocks`). Every other call attends as the original does. Made by
     :func:`for_decoding` (:meth:`view_of`). Inference only."""
 
@@ -189,7 +191,8 @@ class GeluFusedMLP(MLP):
     """An :class:`~gpt2mha.core.model.MLP` (the same parameters and capture points) whose
     ``c_fc`` applies the GELU itself (``c_fc(x, gelu=True)``: per_row's operator computes it as
     it writes each output, one pass over ``[B, T, 4·n_embd]`` less: a 512-token 124M prefill
-    ~18 ms faster on 2 threads, benchmarks/RESULTS.md, "Prefill"). While ``hook_pre`` or
+    ~18 ms faster on 2 threads, benchmarks/RESULTS.md, "Prefill: causal attention of our
+    own"). While ``hook_pre`` or
     ``c_fc`` has hooks (which must see the activation's input) it runs as the original.
     Made by :func:`for_decoding` for layers whose :attr:`fuses_gelu` is true. Inference only."""
 

@@ -7,7 +7,8 @@
  * bottom-right causal mask (query i sees keys 0 .. i + S - T); o float32 [B, h, T, D], laid out
  * [B, T, h, D] (the heads merge with a free reshape).
  *
- * Why (benchmarks/RESULTS.md, "Prefill"): PyTorch's CPU flash kernel skips masked keys only in
+ * Why (benchmarks/RESULTS.md, "Prefill: causal attention of our own"): PyTorch's CPU flash
+ * kernel skips masked keys only in
  * blocks of 512, so up to 512 tokens it computes every score of the square and drops half;
  * split into blocks of queries, each SDPA call costs more than its share. Here each query row
  * computes only the scores it keeps. Each head's keys are first copied transposed (kt [D, S]
