@@ -780,6 +780,62 @@ static at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const
     return y;
 }
 
+/* per_block's rounding of one row x [K] (groups of G, a multiple of 32): per group
+ * d = amax / 127 and e = round(x * 127 / amax) (round half to even, as torch.round), evens into
+ * ae and odds into ao; d per group; az gets the zero terms (-8 d A, d A) with A the group's sum of
+ * e; the padding (64 bytes of ae and ao, 8 values of d and az) zeroed. A group with a non-finite value gets
+ * e = 0 and d = NaN; one too small for 127 / amax to be finite (amax < ~4e-37) counts as zeros. */
+static void round_groups(const float *x, int64_t K, int64_t G, int8_t *ae, int8_t *ao, float *d, float *az) {
+    const int64_t ng = K / G, half = K / 2;
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    const __m256i evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t g = 0; g < ng; g++) {
+        const float *xg = x + g * G;
+        __m256 amax8 = zero, bad8 = zero;
+        for (int64_t k = 0; k < G; k += 8) {
+            const __m256 v = _mm256_loadu_ps(xg + k);
+            amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v));
+            bad8 = _mm256_or_ps(bad8, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_NEQ_UQ));   /* inf - inf, NaN */
+        }
+        alignas(32) float a[8];
+        _mm256_store_ps(a, amax8);
+        float amax = a[0];
+        for (int j = 1; j < 8; j++) amax = std::fmax(amax, a[j]);
+        const bool finite = _mm256_movemask_ps(bad8) == 0;
+        const float dg = finite ? amax / 127.0f : NAN, r = 127.0f / amax;
+        const float inv = finite && amax > 0.0f && std::isfinite(r) ? r : 0.0f;
+        const __m256 invv = _mm256_set1_ps(inv);
+        __m256i sum8 = _mm256_setzero_si256();
+        int8_t *e = ae + g * G / 2, *o = ao + g * G / 2;
+        for (int64_t k = 0; k < G; k += 16) {
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + k), invv));       /* e0 o0 .. e3 o3 */
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + k + 8), invv));   /* e4 o4 .. e7 o7 */
+            if (!finite) i0 = i1 = _mm256_setzero_si256();
+            sum8 = _mm256_add_epi32(sum8, _mm256_add_epi32(i0, i1));
+            i0 = _mm256_permutevar8x32_epi32(i0, evens_first);
+            i1 = _mm256_permutevar8x32_epi32(i1, evens_first);
+            const __m256i ev = _mm256_permute2x128_si256(i0, i1, 0x20), od = _mm256_permute2x128_si256(i0, i1, 0x31);
+            const __m256i p16 = _mm256_packs_epi32(ev, od);        /* e0-3 o0-3 e0-3 o0-3 | e4-7 o4-7 ... */
+            const __m256i p8 = _mm256_packs_epi16(p16, p16);
+            const uint64_t lo = (uint64_t)_mm_cvtsi128_si64(_mm256_castsi256_si128(p8)),
+                           hi = (uint64_t)_mm_cvtsi128_si64(_mm256_extracti128_si256(p8, 1));
+            const uint64_t evens = (lo & 0xffffffffu) | (hi << 32), odds = (lo >> 32) | (hi & 0xffffffff00000000u);
+            std::memcpy(e + k / 2, &evens, 8);
+            std::memcpy(o + k / 2, &odds, 8);
+        }
+        alignas(32) int32_t t[8];
+        _mm256_store_si256((__m256i *)t, sum8);
+        const int32_t sum = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+        d[g] = dg;
+        az[2 * g] = -8.0f * dg * (float)sum;
+        az[2 * g + 1] = dg * (float)sum;
+    }
+    std::memset(d + ng, 0, 8 * sizeof(float));
+    std::memset(az + 2 * ng, 0, 8 * sizeof(float));
+    std::memset(ae + half, 0, 64);
+    std::memset(ao + half, 0, 64);
+}
+
 /* The W4A8 operator (gemv_int4_a8): the same arguments as int4_gemv; x is rounded here. */
 static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
                                int64_t group_size, const std::optional<at::Tensor> &bias) {
@@ -787,38 +843,16 @@ static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, co
     const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size;
     at::Tensor xc = x.contiguous();
     const int64_t half = K / 2, ng = K / G, stride = half + 64, dstride = ng + 8, zstride = 2 * ng + 8;
-    at::Tensor a8 = at::zeros({2 * M * stride}, x.options().dtype(at::kChar));
-    at::Tensor dz = at::zeros({M * dstride + M * zstride}, x.options());
+    at::Tensor a8 = at::empty({2 * M * stride}, x.options().dtype(at::kChar));
+    at::Tensor dz = at::empty({M * dstride + M * zstride}, x.options());
     const float *src = xc.data_ptr<float>();
     int8_t *ae = a8.data_ptr<int8_t>(), *ao = ae + M * stride;
     float *d = dz.data_ptr<float>(), *az = d + M * dstride;
     for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < ng; g++) {
-            const float *xg = src + m * K + g * G;
-            float amax = 0.0f;
-            bool finite = true;
-            for (int64_t k = 0; k < G; k++) {
-                finite &= std::isfinite(xg[k]);
-                amax = std::fmax(amax, std::fabs(xg[k]));
-            }
-            /* a group too small for 127 / amax to be finite (amax < ~4e-37) counts as zeros */
-            const float dg = finite ? amax / 127.0f : NAN, r = 127.0f / amax;
-            const float inv = finite && amax > 0.0f && std::isfinite(r) ? r : 0.0f;
-            int32_t sum = 0;
-            for (int64_t j = 0; j < G / 2; j++) {
-                const int32_t e = (int32_t)std::nearbyint(finite ? xg[2 * j] * inv : 0.0f);
-                const int32_t o = (int32_t)std::nearbyint(finite ? xg[2 * j + 1] * inv : 0.0f);
-                ae[m * stride + g * G / 2 + j] = (int8_t)e;
-                ao[m * stride + g * G / 2 + j] = (int8_t)o;
-                sum += e + o;
-            }
-            d[m * dstride + g] = dg;
-            az[m * zstride + 2 * g] = -8.0f * dg * (float)sum;
-            az[m * zstride + 2 * g + 1] = dg * (float)sum;
-        }
-    at::Tensor y = at::empty({M, N}, x.options());
+        round_groups(src + m * K, K, G, ae + m * stride, ao + m * stride, d + m * dstride, az + m * zstride);
     A8 A{ae, ao, d, az, stride, dstride, zstride, {}};
     for (int l = 0; l < 16; l++) A.lane[l] = (int32_t)((8 * l) / G);
+    at::Tensor y = at::empty({M, N}, x.options());
     const uint8_t *w = weight.data_ptr<uint8_t>();
     const uint16_t *sz = reinterpret_cast<const uint16_t *>(scale_zero.data_ptr<at::BFloat16>());
     gemv_int4_a8(A, M, K, G, w, N, sz, b, y.data_ptr<float>());
