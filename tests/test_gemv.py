@@ -536,9 +536,12 @@ def test_per_block_int4_models_decode_on_w4a8_and_keep_it_in_their_checkpoint(tm
     assert model.lm_head.activations == "exact"                          # the int8 head is not int4's
     idx = torch.randint(0, 96, (3, 9))
     with torch.inference_mode():
-        with mock.patch.object(torch.ops.gpt2mha, "int4_gemv_a8", wraps=torch.ops.gpt2mha.int4_gemv_a8) as op:
+        with mock.patch.object(torch.ops.gpt2mha, "decode_step", wraps=torch.ops.gpt2mha.decode_step) as step:
             out = model.generate(idx, 4, temperature=0)
-            assert op.call_count == 4 * cfg.n_layer * 3                   # every block product of 3 decode steps
+            assert step.call_count == 3          # 3 decode steps, each one call of W4A8 products (native.py)
+        with mock.patch.object(torch.ops.gpt2mha, "int4_gemv_a8", wraps=torch.ops.gpt2mha.int4_gemv_a8) as op:
+            model(idx[:, :1], last_only=True)
+            assert op.call_count == 4 * cfg.n_layer                       # the layers' own one-token forward
     model.save_pretrained(tmp_path / "q4")
     loaded = GPT2.from_pretrained(str(tmp_path / "q4"))
     assert loaded.quantization["activations"] == "per_block"

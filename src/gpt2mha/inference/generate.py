@@ -307,10 +307,12 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     if training:
         model.eval()                                           # dropout off: a seed fixes the tokens
     try:
-        step = None
         if compile:
             from .compiled import compiled_decoder
             step = compiled_decoder(model, batch_invariant)
+        else:                                                  # int4 per_block on the CPU: one C++ call a step
+            from .native import native_step
+            step = native_step(model)
         with torch.inference_mode():
             out = decode_loop(for_decoding(model, batch_invariant=batch_invariant), idx, max_new_tokens,
                               attention_mask, sample, eos_token_id, on_token, vocab_size, adjust, step)

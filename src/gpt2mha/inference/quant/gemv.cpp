@@ -33,6 +33,7 @@
 #include <optional>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 /* Threads: output channels are handed out in chunks as threads come free (a thread the OS holds
@@ -111,8 +112,8 @@ static void dot2(const float *x0, const float *x1, const int8_t *w, int64_t K, f
     *s1 = t;
 }
 
-static void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N,
-                 const float *scales, const float *bias, float *y) {
+void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N, const float *scales, const float *bias,
+          float *y) {
     const int64_t chunk = chunk_rows(K, N);
     #pragma omp parallel for schedule(dynamic, chunk) if (parallel_worth(M, K, N))
     for (int64_t n = 0; n < N; n++) {
@@ -157,24 +158,6 @@ static bool use_vnni = true;
  * sums make the result independent of the order, hence of the other rows, the threads and the
  * instructions (the same sums as FBGEMM's and torch._int_mm's); the rounding and the rescale
  * are per row and per element. */
-/* GPT-2's GELU (openai/gpt-2's gelu: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), written
- * as x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3) (the same function: 1 + tanh(u) =
- * 2 / (1 + exp(-2u)), with no cancellation near u = 0), exp8/exp1 of simd.h (inf past 88.4, so
- * that a large negative x gives -0, as the true GELU rounds). Within a few float32 ulps of
- * torch's F.gelu(approximate="tanh") (and accurate where its 1 + tanh(u) cancels), about 3x
- * faster here. gelu8 and gelu1 are the same operations on 8 lanes and on one float. */
-static const float GELU_K = 0.044715f, GELU_2C = -1.59576912160573073f; /* -2 sqrt(2/pi) */
-
-static inline __m256 gelu8(__m256 x) {
-    const __m256 inner = _mm256_fmadd_ps(_mm256_set1_ps(GELU_K), _mm256_mul_ps(_mm256_mul_ps(x, x), x), x);
-    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_mul_ps(_mm256_set1_ps(GELU_2C), inner))));
-}
-
-static inline float gelu1(float x) {
-    const float inner = std::fmaf(GELU_K, (x * x) * x, x);
-    return x / (1.0f + exp1(GELU_2C * inner));
-}
-
 /* per_row's rescale of the integer product v = (sum u q - 128 qsum) * scales, as the layer
  * writes it (compiled.py's PerRowInt8Linear): v * a + (a * 128 + lo) * wsum + bias, a and lo the
  * row's step and minimum; NaN for a row whose a or lo is not finite; then GELU (gelu1) if asked
@@ -836,26 +819,29 @@ static void round_groups(const float *x, int64_t K, int64_t G, int8_t *ae, int8_
     std::memset(ao + half, 0, 64);
 }
 
-/* The W4A8 operator (gemv_int4_a8): the same arguments as int4_gemv; x is rounded here. */
+void w4a8(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *w, const uint16_t *sz, int64_t N,
+          const float *bias, float *y) {
+    const int64_t half = K / 2, ng = K / G, stride = half + 64, dstride = ng + 8, zstride = 2 * ng + 8;
+    std::vector<int8_t> a8((size_t)(2 * M * stride));
+    std::vector<float> dz((size_t)(M * (dstride + zstride)));
+    int8_t *ae = a8.data(), *ao = ae + M * stride;
+    float *d = dz.data(), *az = d + M * dstride;
+    for (int64_t m = 0; m < M; m++)
+        round_groups(x + m * K, K, G, ae + m * stride, ao + m * stride, d + m * dstride, az + m * zstride);
+    A8 A{ae, ao, d, az, stride, dstride, zstride, {}};
+    for (int l = 0; l < 16; l++) A.lane[l] = (int32_t)((8 * l) / G);
+    gemv_int4_a8(A, M, K, G, w, N, sz, bias, y);
+}
+
+/* The W4A8 operator (w4a8): the same arguments as int4_gemv; x is rounded here. */
 static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
                                int64_t group_size, const std::optional<at::Tensor> &bias) {
     const float *b = check_int4("int4_gemv_a8", 32, x, weight, scale_zero, group_size, bias);
-    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size;
+    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
     at::Tensor xc = x.contiguous();
-    const int64_t half = K / 2, ng = K / G, stride = half + 64, dstride = ng + 8, zstride = 2 * ng + 8;
-    at::Tensor a8 = at::empty({2 * M * stride}, x.options().dtype(at::kChar));
-    at::Tensor dz = at::empty({M * dstride + M * zstride}, x.options());
-    const float *src = xc.data_ptr<float>();
-    int8_t *ae = a8.data_ptr<int8_t>(), *ao = ae + M * stride;
-    float *d = dz.data_ptr<float>(), *az = d + M * dstride;
-    for (int64_t m = 0; m < M; m++)
-        round_groups(src + m * K, K, G, ae + m * stride, ao + m * stride, d + m * dstride, az + m * zstride);
-    A8 A{ae, ao, d, az, stride, dstride, zstride, {}};
-    for (int l = 0; l < 16; l++) A.lane[l] = (int32_t)((8 * l) / G);
     at::Tensor y = at::empty({M, N}, x.options());
-    const uint8_t *w = weight.data_ptr<uint8_t>();
-    const uint16_t *sz = reinterpret_cast<const uint16_t *>(scale_zero.data_ptr<at::BFloat16>());
-    gemv_int4_a8(A, M, K, G, w, N, sz, b, y.data_ptr<float>());
+    w4a8(xc.data_ptr<float>(), M, K, group_size, weight.data_ptr<uint8_t>(),
+         reinterpret_cast<const uint16_t *>(scale_zero.data_ptr<at::BFloat16>()), N, b, y.data_ptr<float>());
     return y;
 }
 

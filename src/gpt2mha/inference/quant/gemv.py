@@ -40,9 +40,11 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
-#: Every file of the library: the products (gemv.cpp), prefill attention (attention.cpp) and their
-#: shared vector helpers (simd.h).
-SOURCES = (SOURCE, SOURCE.with_name("attention.cpp"), SOURCE.with_name("simd.h"))
+#: Every file of the library: the products (gemv.cpp), prefill attention (attention.cpp), the int4
+#: decode step in one call (step.cpp), their shared vector helpers (simd.h) and the products'
+#: declarations (kernels.h).
+SOURCES = (SOURCE, SOURCE.with_name("attention.cpp"), SOURCE.with_name("step.cpp"), SOURCE.with_name("simd.h"),
+           SOURCE.with_name("kernels.h"))
 #: Set to ``0`` (or ``false``, ``off``, ``no``) to turn the kernel off (callers then use torch's kernels).
 ENV = "GPT2MHA_GEMV"
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-w")

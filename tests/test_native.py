@@ -1,0 +1,165 @@
+"""The decode step in one C++ call (gpt2mha.inference.native, quant/step.cpp) against the model's
+own forward with a KVCache (the reference: the model is tested against transformers and
+openai/gpt-2's formulas elsewhere; both run the same W4A8 and int8 product operators, so what
+differs is LayerNorm, softmax and GELU in float32 summed in other orders)."""
+
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+
+from gpt2mha import GPT2, GPT2Config, KVCache
+from gpt2mha.inference import native
+from gpt2mha.inference.native import NativeStep, native_step
+from gpt2mha.inference.quant import gemv, set_activations
+
+needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"the kernels do not build here: {gemv.unavailable_reason()}")
+
+
+def _model(seed=0, n_ctx=64, n_embd=64, n_head=4, n_layer=2, group_size=32):
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_vocab=96, n_ctx=n_ctx, n_embd=n_embd, n_head=n_head, n_layer=n_layer, tokenizer="bytes")
+    model = GPT2(cfg).eval()
+    with torch.no_grad():                               # larger LayerNorm gains and biases than init's
+        for name, p in model.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.quantize("int4", method="rtn", group_size=group_size, activations="per_block")
+
+
+def _prefilled(model, lengths, max_len=32, seed=1):
+    """A cache whose row b holds lengths[b] tokens of a random prompt, prefilled by the model."""
+    c = model.config
+    torch.manual_seed(seed)
+    cache = KVCache(c.n_layer, len(lengths), c.n_head, max_len, c.n_embd // c.n_head)
+    with torch.inference_mode():
+        for b, n in enumerate(lengths):
+            model(torch.randint(0, c.n_vocab, (1, n)), cache=cache.row(b), last_only=True)
+    return cache
+
+
+def _clone(cache, rows=None):
+    """A copy of cache (of its rows ``rows``), in storage of its own."""
+    rows = range(cache.batch_size) if rows is None else rows
+    L, _, h, T, hd = cache.k.shape
+    copy = KVCache(L, len(rows), h, T, hd)
+    for i, b in enumerate(rows):
+        copy.load(i, cache, b)
+    return copy
+
+
+@needs_kernel
+def test_native_steps_match_the_models_own_steps_on_rows_of_different_lengths():
+    model = _model()
+    step = NativeStep(model)
+    lengths = [5, 1, 12]
+    ours, ref = _prefilled(model, lengths), None
+    ref = _clone(ours)
+    torch.manual_seed(2)
+    with torch.inference_mode():
+        for _ in range(6):
+            token = torch.randint(0, 96, (3, 1))
+            want = model(token, cache=ref, last_only=True).logits[:, -1]
+            got = step(token, ours)
+            assert got.shape == want.shape == (3, 96) and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+            assert ours.lengths == ref.lengths
+        # every key and value each step wrote, where the model wrote its own
+        for b, n in enumerate(ref.lengths):
+            torch.testing.assert_close(ours.k[:, b, :, :n], ref.k[:, b, :, :n], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(ours.v[:, b, :, :n], ref.v[:, b, :, :n], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_each_rows_native_result_is_its_own():
+    model = _model(seed=3)
+    step = NativeStep(model)
+    together = _prefilled(model, [7, 3, 7])
+    token = torch.tensor([[4], [50], [9]])
+    with torch.inference_mode():
+        alone = [step(token[b:b + 1], _clone(together, [b])) for b in range(3)]
+        batch = step(token, together)
+    for b in range(3):
+        assert torch.equal(batch[b], alone[b][0])      # the same bits: nothing a row computes reads another row
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_contexts_attend_on_the_threads_and_still_match(threads):
+    # 4 heads of 64: from ~1024 keys the operator splits attention over (row, head) on the threads
+    model = _model(seed=4, n_ctx=1200, n_embd=256, n_head=4, n_layer=1, group_size=64)
+    cache = _prefilled(model, [1100], max_len=1200)
+    ref = _clone(cache)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            token = torch.tensor([[17]])
+            want = model(token, cache=ref, last_only=True).logits[:, -1]
+            got = NativeStep(model)(token, cache)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@needs_kernel
+def test_generate_decodes_int4_per_block_models_on_it_with_the_models_greedy_tokens():
+    # the built-in model (trained: real margins between its top tokens), int4 per_block
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPT2.from_pretrained("shakespeare-byte").quantize("int4", method="rtn", activations="per_block")
+    idx = torch.tensor([list(b"ROMEO:\nWhat light"), list(b"To be, or not to ")])
+    with mock.patch.object(torch.ops.gpt2mha, "decode_step", wraps=torch.ops.gpt2mha.decode_step) as op:
+        out = model.generate(idx, 40, temperature=0)
+    assert op.call_count == 39
+    with mock.patch.object(native, "native_step", lambda m: None):
+        want = model.generate(idx, 40, temperature=0)
+    assert torch.equal(out, want)
+
+
+@needs_kernel
+def test_models_it_does_not_fit_decode_as_before():
+    model = _model(seed=5)
+    assert isinstance(native_step(model), NativeStep)
+    assert native_step(model) is native_step(model)                  # kept while nothing changes
+    handle = model.h[0].mlp.register_forward_hook(lambda m, i, o: o)
+    assert native_step(model) is None                                # hooks run in the model's forward only
+    handle.remove()
+    kept = native_step(model)
+    with torch.no_grad():
+        model.ln_f.bias.add_(1.0)                                    # written in place: made again
+    fresh = native_step(model)
+    assert fresh is not kept and torch.equal(fresh.ln_f[1], model.ln_f.bias)
+    set_activations(model, "exact")
+    assert native_step(model) is None                                # int4 with float32 activations
+    with pytest.raises(ValueError, match="no native decode step for this model: its blocks are not int4 with per_block"):
+        NativeStep(model)
+    assert native_step(GPT2(model.config).eval()) is None            # float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        per_row = GPT2(model.config).eval().quantize("int8", method="rtn", activations="per_row")
+    assert native_step(per_row) is None
+
+
+@needs_kernel
+def test_the_operator_names_what_does_not_fit():
+    model = _model(seed=6)
+    step = NativeStep(model)
+    full = _prefilled(model, [4], max_len=4)
+    with pytest.raises(RuntimeError, match="row 0 is at position 4: the cache holds T_max=4"):
+        step(torch.tensor([[1]]), full)
+    cache = _prefilled(model, [3], max_len=8)
+    with pytest.raises(RuntimeError, match=r"token 96 of row 0 is not an id in \[0, n_vocab=96\)"):
+        step(torch.tensor([[96]]), cache)
+    with pytest.raises(RuntimeError, match="layers must hold 16 tensors per layer"):
+        torch.ops.gpt2mha.decode_step(torch.tensor([1]), step.wte, step.wpe, step.layers[:-1], *step.ln_f, *step.head,
+                                      cache.k, cache.v, cache.lengths, 32, 1e-5)
+    bad = list(step.layers)
+    bad[2] = bad[2][:, :-1].contiguous()
+    with pytest.raises(RuntimeError, match=r"attn.c_attn weight of layer 0 must be a contiguous Byte CPU tensor \[192, 32\]"):
+        torch.ops.gpt2mha.decode_step(torch.tensor([1]), step.wte, step.wpe, bad, *step.ln_f, *step.head,
+                                      cache.k, cache.v, cache.lengths, 32, 1e-5)
+    assert cache.lengths == [3]                                      # nothing written, nothing advanced
