@@ -31,8 +31,9 @@
 #include "kernels.h"
 #include "simd.h"
 
-/* Attention runs on the threads from this many multiply-adds (a few hundred keys at 124M's sizes). */
-static const int64_t PARALLEL_ATTENTION = 1 << 18;
+/* Attention runs on the threads from this many multiply-adds (~10 keys at 124M's sizes): at one query it
+ * waits on reading the cached keys and values (evicted by the weights every step), not on arithmetic. */
+static const int64_t PARALLEL_ATTENTION = 1 << 13;
 
 static inline float hsum8(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -62,15 +63,33 @@ static void layer_norm(const float *x, int64_t E, const float *w, const float *b
 
 /* One query q [D] over keys kc [0 .. n) and values vc [n, D] (D a multiple of 8): out [D] =
  * softmax((q k_j) / sqrt(D)) v, the softmax written (s_j - max) / sqrt(D) as attention.cpp's;
- * p [n] scratch. */
+ * p [n] scratch. Four keys' dot products at a time, and p v as up to eight independent sums over
+ * the keys (one chain of dependent FMAs per key and dimension ran at a quarter of the speed). */
 static void attend(const float *q, const float *kc, const float *vc, int64_t n, int64_t D, float *p, float *out) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *k0 = kc + j * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + D + d), a1);
+            a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 2 * D + d), a2);
+            a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 3 * D + d), a3);
+        }
+        p[j] = hsum8(a0);
+        p[j + 1] = hsum8(a1);
+        p[j + 2] = hsum8(a2);
+        p[j + 3] = hsum8(a3);
+    }
+    for (; j < n; j++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kc + j * D + d), a);
+        p[j] = hsum8(a);
+    }
     float mx = -INFINITY;
     bool nan = false;
-    for (int64_t j = 0; j < n; j++) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kc + j * D + d), a);
-        p[j] = hsum8(a);
+    for (j = 0; j < n; j++) {
         nan |= std::isnan(p[j]);
         mx = std::fmax(mx, p[j]);
     }
@@ -78,8 +97,7 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t n, 
     const float scale = 1.0f / std::sqrt((float)D);
     const __m256 mx8 = _mm256_set1_ps(mx), sc8 = _mm256_set1_ps(scale);
     __m256 t8 = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
+    for (j = 0; j + 8 <= n; j += 8) {
         const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(p + j), mx8), sc8));
         _mm256_storeu_ps(p + j, e);
         t8 = _mm256_add_ps(t8, e);
@@ -89,10 +107,17 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t n, 
         p[j] = exp1((p[j] - mx) * scale);
         total += p[j];
     }
-    for (int64_t d = 0; d < D; d += 8) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t k = 0; k < n; k++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[k]), _mm256_loadu_ps(vc + k * D + d), a);
-        _mm256_storeu_ps(out + d, _mm256_div_ps(a, _mm256_set1_ps(total)));
+    const __m256 inv = _mm256_set1_ps(total);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {                 /* dims d0 .. d0 + 63: up to 8 sums */
+        const int64_t nd = D - d0 < 64 ? (D - d0) / 8 : 8;
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < n; k++) {
+            const __m256 pk = _mm256_set1_ps(p[k]);
+            const float *vk = vc + k * D + d0;
+            for (int i = 0; i < nd; i++) a[i] = _mm256_fmadd_ps(pk, _mm256_loadu_ps(vk + 8 * i), a[i]);
+        }
+        for (int i = 0; i < nd; i++) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_div_ps(a[i], inv));
     }
 }
 
@@ -187,6 +212,11 @@ static at::Tensor decode_step(const at::Tensor &tokens, const at::Tensor &wte, c
                     kc[off + pos * D + d] = row[E + hd * D + d];
                     vc[off + pos * D + d] = row[2 * E + hd * D + d];
                 }
+                if (hd + 1 < H)                /* the next head's keys and values: latency, not bandwidth, bound */
+                    for (int64_t i = 0; i < (pos + 1) * D; i += 16) {
+                        _mm_prefetch((const char *)(kc + off + T * D + i), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(vc + off + T * D + i), _MM_HINT_T0);
+                    }
                 attend(row + hd * D, kc + off, vc + off, pos + 1, D, p + (b * H + hd) * T, z + b * E + hd * D);
             }
         product(t + 5, z, E, E, y);
