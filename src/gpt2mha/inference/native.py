@@ -113,9 +113,9 @@ def native_step(model: nn.Module) -> NativeStep | None:
     with an int8 head, hooks attached, not float32 on the CPU, the kernels not built). Made on
     first use and kept while the model lives; made again when any parameter or buffer was
     replaced or written in place since."""
-    if not gemv.available() or not any(isinstance(m, QuantizedLinear) and m.activations == "per_block"
-                                       for m in getattr(model, "h", nn.ModuleList()).modules()):
-        return None
+    quantization = getattr(model, "quantization", None) or {}
+    if quantization.get("scheme") != "int4" or quantization.get("activations") != "per_block" or not gemv.available():
+        return None                                            # (asked every generate call: cheap first)
     if any(hooked(m) for m in model.modules()):                # asked every call: hooks come and go
         return None
     from .compiled import _signature

@@ -370,7 +370,8 @@ def set_activations(model, activations: str) -> None:
     - ``"per_block"`` (int4 models; ``"exact"`` is their default): decode steps run the GEMV
       kernel's W4A8 product, each activation row rounded to 8 bits per group of the weight's
       ``group_size`` inputs (llama.cpp's q8_0 activations against its q4_0 weights), exact int32
-      sums (:func:`~.gemv.int4_gemv`); prompts as ``"exact"``; the int8 head stays exact. Where
+      sums (:func:`~.gemv.int4_gemv`), each step in one C++ call on the CPU
+      (:mod:`~gpt2mha.inference.native`); prompts as ``"exact"``; the int8 head stays exact. Where
       the kernel does not build it changes nothing. Fewer instructions per weight than the float32
       activations of ``"exact"`` (RESULTS.md, "int4 on the kernel").
 
