@@ -536,7 +536,7 @@ def test_per_block_int4_models_decode_on_w4a8_and_keep_it_in_their_checkpoint(tm
     assert model.lm_head.activations == "exact"                          # the int8 head is not int4's
     idx = torch.randint(0, 96, (3, 9))
     with torch.inference_mode():
-        with mock.patch.object(torch.ops.gpt2mha, "decode_step", wraps=torch.ops.gpt2mha.decode_step) as step:
+        with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as step:
             out = model.generate(idx, 4, temperature=0)
             assert step.call_count == 3          # 3 decode steps, each one call of W4A8 products (native.py)
         with mock.patch.object(torch.ops.gpt2mha, "int4_gemv_a8", wraps=torch.ops.gpt2mha.int4_gemv_a8) as op:

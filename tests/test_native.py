@@ -1,7 +1,7 @@
-"""The decode step in one C++ call (gpt2mha.inference.native, quant/step.cpp) against the model's
-own forward with a KVCache (the reference: the model is tested against transformers and
-openai/gpt-2's formulas elsewhere; both run the same W4A8 and int8 product operators, so what
-differs is LayerNorm, softmax and GELU in float32 summed in other orders)."""
+"""The forward in one C++ call (gpt2mha.inference.native, quant/step.cpp) against the model's own
+forward with a KVCache (the reference: the model is tested against transformers and
+openai/gpt-2's formulas elsewhere; both run the same W4A8, W7A8 and int8 product kernels, so
+what differs is LayerNorm, softmax and GELU in float32 summed in other orders)."""
 
 import warnings
 from unittest import mock
@@ -17,7 +17,7 @@ from gpt2mha.inference.quant import gemv, set_activations
 needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"the kernels do not build here: {gemv.unavailable_reason()}")
 
 
-def _model(seed=0, n_ctx=64, n_embd=64, n_head=4, n_layer=2, group_size=32):
+def _model(seed=0, n_ctx=64, n_embd=64, n_head=4, n_layer=2, group_size=32, kind="per_block"):
     torch.manual_seed(seed)
     cfg = GPT2Config(n_vocab=96, n_ctx=n_ctx, n_embd=n_embd, n_head=n_head, n_layer=n_layer, tokenizer="bytes")
     model = GPT2(cfg).eval()
@@ -27,6 +27,8 @@ def _model(seed=0, n_ctx=64, n_embd=64, n_head=4, n_layer=2, group_size=32):
                 p.add_(0.3 * torch.randn_like(p))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if kind == "per_row":
+            return model.quantize("int8", method="rtn", activations="per_row")
         return model.quantize("int4", method="rtn", group_size=group_size, activations="per_block")
 
 
@@ -51,9 +53,13 @@ def _clone(cache, rows=None):
     return copy
 
 
+KINDS = pytest.mark.parametrize("kind", ["per_block", "per_row"])
+
+
 @needs_kernel
-def test_native_steps_match_the_models_own_steps_on_rows_of_different_lengths():
-    model = _model()
+@KINDS
+def test_native_steps_match_the_models_own_steps_on_rows_of_different_lengths(kind):
+    model = _model(kind=kind)
     step = NativeStep(model)
     lengths = [5, 1, 12]
     ours, ref = _prefilled(model, lengths), None
@@ -74,8 +80,28 @@ def test_native_steps_match_the_models_own_steps_on_rows_of_different_lengths():
 
 
 @needs_kernel
-def test_each_rows_native_result_is_its_own():
-    model = _model(seed=3)
+@pytest.mark.parametrize("start", [0, 9])
+def test_a_prompt_in_one_call_matches_the_models_prefill(start):
+    # per_row (its prompts are W7A8 as its steps); start 9: a second chunk over cached keys (S > T)
+    model = _model(seed=7, kind="per_row")
+    assert NativeStep(model).prefill is not None
+    assert NativeStep(_model(seed=7)).prefill is None      # int4 per_block prompts: exact products, the model's
+    ours = _prefilled(model, [start], max_len=40) if start else KVCache(2, 1, 4, 40, 16)
+    ref = _clone(ours)
+    prompt = torch.randint(0, 96, (1, 23))
+    with torch.inference_mode():
+        want = model(prompt, cache=ref, last_only=True).logits[:, -1]
+        got = NativeStep(model)(prompt, ours)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert ours.lengths == ref.lengths == [start + 23]
+    torch.testing.assert_close(ours.k, ref.k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours.v, ref.v, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@KINDS
+def test_each_rows_native_result_is_its_own(kind):
+    model = _model(seed=3, kind=kind)
     step = NativeStep(model)
     together = _prefilled(model, [7, 3, 7])
     token = torch.tensor([[4], [50], [9]])
@@ -112,12 +138,41 @@ def test_generate_decodes_int4_per_block_models_on_it_with_the_models_greedy_tok
         warnings.simplefilter("ignore")
         model = GPT2.from_pretrained("shakespeare-byte").quantize("int4", method="rtn", activations="per_block")
     idx = torch.tensor([list(b"ROMEO:\nWhat light"), list(b"To be, or not to ")])
-    with mock.patch.object(torch.ops.gpt2mha, "decode_step", wraps=torch.ops.gpt2mha.decode_step) as op:
+    with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
         out = model.generate(idx, 40, temperature=0)
-    assert op.call_count == 39
+    assert op.call_count == 39                           # the steps (the prompts: the model's exact products)
     with mock.patch.object(native, "native_step", lambda m: None):
         want = model.generate(idx, 40, temperature=0)
     assert torch.equal(out, want)
+    # prompts of different lengths: each prefilled alone into its row of the cache
+    mask = torch.ones_like(idx)
+    mask[1, :5] = 0
+    with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
+        out = model.generate(idx, 12, temperature=0, attention_mask=mask)
+    assert op.call_count == 11
+    with mock.patch.object(native, "native_step", lambda m: None):
+        assert torch.equal(out, model.generate(idx, 12, temperature=0, attention_mask=mask))
+
+
+@needs_kernel
+def test_generate_runs_int8_per_row_models_on_it_with_the_models_greedy_tokens():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPT2.from_pretrained("shakespeare-byte").quantize("int8", method="rtn", activations="per_row")
+    idx = torch.tensor([list(b"KING HENRY:\nOnce more unto")])
+    with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
+        out = model.generate(idx, 40, temperature=0)
+    assert op.call_count == 40
+    with mock.patch.object(native, "native_step", lambda m: None):
+        assert torch.equal(out, model.generate(idx, 40, temperature=0))
+    two = torch.cat([idx, torch.roll(idx, 3, 1)])
+    mask = torch.ones_like(two)
+    mask[0, :4] = 0                                      # prompts of 24 and 28 bytes: each prefilled alone
+    with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
+        out = model.generate(two, 12, temperature=0, attention_mask=mask)
+    assert op.call_count == 2 + 11
+    with mock.patch.object(native, "native_step", lambda m: None):
+        assert torch.equal(out, model.generate(two, 12, temperature=0, attention_mask=mask))
 
 
 @needs_kernel
@@ -135,13 +190,18 @@ def test_models_it_does_not_fit_decode_as_before():
     assert fresh is not kept and torch.equal(fresh.ln_f[1], model.ln_f.bias)
     set_activations(model, "exact")
     assert native_step(model) is None                                # int4 with float32 activations
-    with pytest.raises(ValueError, match="no native decode step for this model: its blocks are not int4 with per_block"):
+    with pytest.raises(ValueError, match="no native forward for this model: its blocks are not all int4 with per_block"):
         NativeStep(model)
     assert native_step(GPT2(model.config).eval()) is None            # float32
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        per_row = GPT2(model.config).eval().quantize("int8", method="rtn", activations="per_row")
-    assert native_step(per_row) is None
+        exact = GPT2(model.config).eval().quantize("int8", method="rtn")
+    assert native_step(exact) is None                                # int8's exact products: the model's forward
+    per_row = _model(kind="per_row")
+    assert isinstance(native_step(per_row), NativeStep)
+    per_row.lm_head.activations = "exact"                            # a layer set alone
+    with pytest.raises(ValueError, match="its head is not int8 with the blocks' activations"):
+        NativeStep(per_row)
 
 
 @needs_kernel
@@ -149,17 +209,20 @@ def test_the_operator_names_what_does_not_fit():
     model = _model(seed=6)
     step = NativeStep(model)
     full = _prefilled(model, [4], max_len=4)
-    with pytest.raises(RuntimeError, match="row 0 is at position 4: the cache holds T_max=4"):
+    with pytest.raises(RuntimeError, match="row 0 at position 4 with 1 new tokens: the cache holds T_max=4"):
         step(torch.tensor([[1]]), full)
     cache = _prefilled(model, [3], max_len=8)
     with pytest.raises(RuntimeError, match=r"token 96 of row 0 is not an id in \[0, n_vocab=96\)"):
         step(torch.tensor([[96]]), cache)
+    two = _prefilled(model, [3, 5], max_len=16)
+    with pytest.raises(RuntimeError, match="with T=2 new tokens every row must hold the same length"):
+        step(torch.tensor([[1, 2], [3, 4]]), two)
+    call = lambda layers: torch.ops.gpt2mha.cached_forward(torch.tensor([[1]]), step.wte, step.wpe, layers, *step.ln_f,
+                                                           step.head, cache.k, cache.v, cache.lengths, 32, 1e-5)
     with pytest.raises(RuntimeError, match="layers must hold 16 tensors per layer"):
-        torch.ops.gpt2mha.decode_step(torch.tensor([1]), step.wte, step.wpe, step.layers[:-1], *step.ln_f, *step.head,
-                                      cache.k, cache.v, cache.lengths, 32, 1e-5)
+        call(step.layers[:-1])
     bad = list(step.layers)
     bad[2] = bad[2][:, :-1].contiguous()
     with pytest.raises(RuntimeError, match=r"attn.c_attn weight of layer 0 must be a contiguous Byte CPU tensor \[192, 32\]"):
-        torch.ops.gpt2mha.decode_step(torch.tensor([1]), step.wte, step.wpe, bad, *step.ln_f, *step.head,
-                                      cache.k, cache.v, cache.lengths, 32, 1e-5)
-    assert cache.lengths == [3]                                      # nothing written, nothing advanced
+        call(bad)
+    assert cache.lengths == [3] and two.lengths == [3, 5]           # nothing advanced

@@ -347,11 +347,13 @@ class _Unadvanced(KVCache):
         pass
 
 
-def _signature(model: nn.Module) -> tuple:
+def _signature(model: nn.Module, refuse=None) -> tuple | None:
     # the tensors, and how each int8 layer treats its activations (set_activations changes the
-    # view); one walk over the modules (generate asks it every call)
+    # view); one walk over the modules (generate asks it every call); None where refuse(module)
     sig = []
     for m in model.modules():
+        if refuse is not None and refuse(m):
+            return None
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None:
                 sig.append((id(t), t._version if not t.is_inference() else -1))

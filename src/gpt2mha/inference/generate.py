@@ -310,12 +310,13 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         if compile:
             from .compiled import compiled_decoder
             step = compiled_decoder(model, batch_invariant)
-        else:                                                  # int4 per_block on the CPU: one C++ call a step
+        else:                                                  # int4 per_block, int8 per_row: a C++ call a forward
             from .native import native_step
             step = native_step(model)
-        with torch.inference_mode():
-            out = decode_loop(for_decoding(model, batch_invariant=batch_invariant), idx, max_new_tokens,
-                              attention_mask, sample, eos_token_id, on_token, vocab_size, adjust, step)
+        with torch.inference_mode():                           # (the native forward needs no decode view)
+            view = model if step is not None and not compile else for_decoding(model, batch_invariant=batch_invariant)
+            out = decode_loop(view, idx, max_new_tokens, attention_mask, sample, eos_token_id, on_token, vocab_size,
+                              adjust, step)
     finally:
         for m in training:
             m.training = True
@@ -343,7 +344,9 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
     A row whose window is full (``sliding_window``) is recomputed alone over its last n_ctx tokens.
     ``adjust``: :func:`~gpt2mha.inference.sampling.adjust_logits`'s penalties and bias, the
     counts of each row's generated tokens kept here. ``step_fn(token [B, 1], cache)`` → logits
-    ``[B, n_vocab]``: the decode step to use instead of the model's (a compiled one).
+    ``[B, n_vocab]``: the decode step to use instead of the model's (a compiled one, or
+    :class:`~gpt2mha.inference.native.NativeStep`, whose ``prefill(ids [B, T], cache)`` then runs
+    the prompts too).
     """
     B, T = idx.shape
     n_ctx = model.config.n_ctx
@@ -355,21 +358,24 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
     p = model.wte.weight
     longest = max(len(ids) for ids in prompts)
     max_len = min(n_ctx, longest + max_new_tokens)
-    if step_fn is not None:                                    # compiled: one shape for similar lengths
+    from .native import NativeStep
+    native = isinstance(step_fn, NativeStep)                   # reads only the keys it wrote
+    if step_fn is not None and not native:                     # compiled: one shape for similar lengths
         from .compiled import cache_len
         max_len = cache_len(max_len, n_ctx)
     storage, cache = new_cache((model.config.n_layer, B, model.config.n_head, max_len, model.config.head_dim),
-                               p.dtype, p.device)
+                               p.dtype, p.device, zero=not native)
     try:
         adjust = dict(adjust or {})
         counts = None
         if adjust.get("presence_penalty") or adjust.get("frequency_penalty"):
             counts = torch.zeros(B, vocab_size or model.config.n_vocab, dtype=torch.float32, device=idx.device)
+        prefill = getattr(step_fn, "prefill", None) or \
+            (lambda ids, c: model(ids, cache=c, last_only=True, validate=False).logits[:, -1])
         if step_fn is not None and keep is None and B > 1:      # compiled, prompts of one length: one prefill
-            logits = model(idx[:, -n_ctx:], cache=cache, last_only=True, validate=False).logits[:, -1]
+            logits = prefill(idx[:, -n_ctx:], cache)
         else:
-            logits = torch.cat([model(ids[None, -n_ctx:], cache=cache.row(b), last_only=True,
-                                      validate=False).logits[:, -1] for b, ids in enumerate(prompts)])  # [B, n_vocab]
+            logits = torch.cat([prefill(ids[None, -n_ctx:], cache.row(b)) for b, ids in enumerate(prompts)])  # [B, n_vocab]
         sliding = set()                                         # rows recomputed over their last n_ctx tokens
         for step in range(max_new_tokens):
             pos = T + step                                      # column of the token being chosen
@@ -415,10 +421,12 @@ _SPARE: dict = {}
 SPARE_BYTES = 128 << 20
 
 
-def new_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, KVCache]:
+def new_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              zero: bool = True) -> tuple[torch.Tensor, KVCache]:
     """A zeroed :class:`KVCache` of ``shape`` ``[n_layer, B, h, T_max, head_dim]`` and the flat
     storage under it: the last call's (:data:`_SPARE`) where it fits (at most 4× the size, made
-    in the same inference mode), else new."""
+    in the same inference mode), else new. ``zero=False`` leaves a reused storage's old values
+    (for a caller that reads only what it writes: ~1 ms for a 128-token prompt's cache)."""
     n = 1
     for d in shape:
         n *= d
@@ -427,7 +435,8 @@ def new_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
         if buf is not None:
             keep_for_next_call(buf)                            # not this call's size: kept for another
         buf = torch.empty(2 * n, dtype=dtype, device=device)
-    buf[:2 * n].zero_()
+    if zero:
+        buf[:2 * n].zero_()
     return buf, KVCache.over(buf[:n].view(shape), buf[n:2 * n].view(shape))
 
 

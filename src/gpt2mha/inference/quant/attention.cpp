@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -231,6 +232,8 @@ static void check(const at::Tensor &t, const char *name) {
                 "is contiguous; got ", t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
 }
 
+}  // namespace
+
 at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
     check(q, "q");
     check(k, "k");
@@ -269,8 +272,6 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
     }
     return o.permute({0, 2, 1, 3});
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> Tensor");

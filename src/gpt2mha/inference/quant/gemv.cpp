@@ -671,7 +671,17 @@ static void round_rows(const float *x, int64_t M, int64_t K, uint8_t *u8, int64_
     }
 }
 
-/* The per_row operator: rounds x's rows, multiplies on the packed weights, rescales. */
+void per_row(const float *x, int64_t M, int64_t K, const int8_t *packed, int64_t N, const int32_t *qsum,
+             const float *scales, const float *wsum, const float *bias, bool gelu, float *y) {
+    const int64_t ustride = 4 * ((K + 3) / 4);
+    std::vector<uint8_t> u8((size_t)(M * ustride));
+    std::vector<float> rows((size_t)(2 * M));
+    round_rows(x, M, K, u8.data(), ustride, rows.data(), rows.data() + M);
+    const Rescale r{rows.data(), rows.data() + M, wsum, bias, qsum, scales, gelu};
+    gemv_packed(u8.data(), M, ustride, K, packed, N, r, y);
+}
+
+/* The per_row operator: rounds x's rows, multiplies on the packed weights, rescales (per_row). */
 static at::Tensor int8_per_row(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &qsum,
                                const at::Tensor &scales, const at::Tensor &wsum, const std::optional<at::Tensor> &bias,
                                bool gelu) {
@@ -690,14 +700,9 @@ static at::Tensor int8_per_row(const at::Tensor &x, const at::Tensor &packed, co
     vec("int8_per_row", "scales", scales, N);
     const float *ws = vec("int8_per_row", "wsum", wsum, N), *b = bias_of("int8_per_row", bias, N);
     at::Tensor xc = x.contiguous();
-    const int64_t ustride = 4 * Kq;
-    at::Tensor u8 = at::empty({M * ustride}, x.options().dtype(at::kByte));
-    at::Tensor rows = at::empty({2 * M}, x.options());
-    float *ra = rows.data_ptr<float>(), *rc = ra + M;
-    round_rows(xc.data_ptr<float>(), M, K, u8.data_ptr<uint8_t>(), ustride, ra, rc);
     at::Tensor y = at::empty({M, N}, x.options());
-    const Rescale r{ra, rc, ws, b, qsum.data_ptr<int32_t>(), scales.data_ptr<float>(), gelu};
-    gemv_packed(u8.data_ptr<uint8_t>(), M, ustride, K, packed.data_ptr<int8_t>(), N, r, y.data_ptr<float>());
+    per_row(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, qsum.data_ptr<int32_t>(), scales.data_ptr<float>(),
+            ws, b, gelu, y.data_ptr<float>());
     return y;
 }
 

@@ -1,5 +1,7 @@
-/* The products of gemv.cpp that step.cpp calls (one library: gemv.py builds every .cpp here). */
+/* What step.cpp calls in gemv.cpp and attention.cpp (one library: gemv.py builds every .cpp here). */
 #pragma once
+
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
@@ -13,3 +15,14 @@ void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N, cons
  * (may be NULL) (int4_gemv_a8). */
 void w4a8(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *w, const uint16_t *sz, int64_t N,
           const float *bias, float *y);
+
+/* y [M, N] = per_row's W7A8 product of x [M, K] (each row rounded to 8 bits with its own step
+ * and minimum) with the packed 7-bit weights [ceil(N/32), ceil(K/4), 32, 4], qsum [N], scales [N],
+ * wsum [N], + bias (may be NULL), then GPT-2's GELU if gelu (int8_per_row). */
+void per_row(const float *x, int64_t M, int64_t K, const int8_t *packed, int64_t N, const int32_t *qsum,
+             const float *scales, const float *wsum, const float *bias, bool gelu, float *y);
+
+/* Causal attention of q [B, h, T, D] over k, v [B, h, S, D] (S >= T, OpenAI's bottom-right
+ * mask), last dimensions contiguous; returns o [B, T, h, D] permuted to [B, h, T, D]
+ * (attention.cpp, the operator causal_attention). */
+at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v);

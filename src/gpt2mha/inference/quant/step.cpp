@@ -1,24 +1,28 @@
-/* gpt2mha's decode step in one call, for int4 models with per_block (W4A8) activations: the
- * operator torch.ops.gpt2mha.decode_step (optional; built with gemv.cpp by gemv.py; step.py is
- * its Python side). One token per row through every block and the head, as GPT2.forward does
- * with a KVCache (core/model.py), in one C++ function: no Python, dispatcher or allocation
- * between the 12 x 4 products of 124M.
+/* gpt2mha's forward in one call for quantized models on the CPU: the operator
+ * torch.ops.gpt2mha.cached_forward (optional; built with gemv.cpp by gemv.py; inference/native.py
+ * is its Python side). T new tokens per row through every block and the head, as GPT2.forward
+ * does with a KVCache and last_only (core/model.py), in one C++ function: no Python, dispatcher,
+ * hook points or allocation between the 12 x 4 products of 124M. Products: int4 with per_block
+ * activations (W4A8, gemv.cpp's w4a8) or int8 with per_row activations (W7A8, per_row).
  *
- * Why it exists (benchmarks/RESULTS.md, "The decode step in one call"): at batch 1 an int4 124M
+ * Why it exists (benchmarks/RESULTS.md, "The forward in one call"): at batch 1 an int4 124M
  * step reads ~92 MB, about 2.3 ms at this machine's memory speed, and the compiled step
  * (inductor's kernels, its Python wrapper, the operator calls) spent ~0.8 ms more around them;
- * llama.cpp's whole step takes ~2.7.
+ * llama.cpp's whole step takes ~2.7. A 128-token prompt spent ~3 ms of its ~24 outside the
+ * products and attention (LayerNorm, residual adds, module calls).
  *
- * Per row b (its token tokens[b] at position lengths[b], the row's next cache index) and layer l:
- *   h = ln_1(x); qkv = c_attn(h) (W4A8); write k, v at position lengths[b] of row b's cache;
- *   z = softmax(q k^T / sqrt(head_dim)) v over keys 0 .. lengths[b] (the causal mask at one
- *   query); x += c_proj(z); h = ln_2(x); x += mlp.c_proj(gelu(c_fc(h)));
- * then logits = head(ln_f(x)) (int8, float32 activations). Each row's arithmetic is its own
- * (the products' rows are independent; attention reads the row's own keys), so a row's logits do
- * not depend on the other rows. Sums in float32 in a fixed order: within float32 rounding of the
- * model's own step, not the same bits (torch's LayerNorm and softmax sum in other orders). */
+ * Per row b (its new tokens at positions lengths[b] ..) and layer l:
+ *   h = ln_1(x); qkv = c_attn(h); write k, v at the new positions of row b's cache;
+ *   z = softmax(q k^T / sqrt(head_dim)) v over keys 0 .. each query's position (OpenAI's causal
+ *   mask); x += c_proj(z); h = ln_2(x); x += mlp.c_proj(gelu(c_fc(h)));
+ * then logits = head(ln_f(x)) at each row's last token. Each row's arithmetic is its own (the
+ * products round and sum rows independently; attention reads the row's own keys), so a row's
+ * logits do not depend on the other rows. Sums in float32 in a fixed order: within float32
+ * rounding of the model's own forward, not the same bits (torch's LayerNorm and softmax sum in
+ * other orders). */
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -26,6 +30,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -122,124 +128,196 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t n, 
 }
 
 /* A tensor argument's check (a clear message, never a read out of bounds): dtype, sizes, contiguous, CPU. */
-static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t> sizes, const char *name, int64_t layer) {
+static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t> sizes, const std::string &name,
+                 int64_t layer = -1) {
     TORCH_CHECK(t.scalar_type() == dtype && t.sizes().vec() == sizes && t.is_contiguous() && t.device().is_cpu(),
-                "decode_step: ", name, layer >= 0 ? " of layer " + std::to_string(layer) : std::string(""),
+                "cached_forward: ", name, layer >= 0 ? " of layer " + std::to_string(layer) : std::string(""),
                 " must be a contiguous ", dtype, " CPU tensor ", at::IntArrayRef(sizes), "; got ", t.scalar_type(),
                 " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
-/* The operator. layers: 16 tensors per block, in order: ln_1 weight, bias; attn.c_attn nibbles
- * [3E, E/2], (scale, zero) [3E, E/G, 2] bf16, bias; attn.c_proj nibbles, pairs, bias; ln_2
- * weight, bias; mlp.c_fc nibbles, pairs, bias; mlp.c_proj nibbles, pairs, bias (the layouts of
- * int4_gemv_a8). k, v: the cache [L, B, h, T_max, D], written at each row's position. */
-static at::Tensor decode_step(const at::Tensor &tokens, const at::Tensor &wte, const at::Tensor &wpe,
-                              at::TensorList layers, const at::Tensor &ln_f_weight, const at::Tensor &ln_f_bias,
-                              const at::Tensor &head_weight, const at::Tensor &head_scales,
-                              const std::optional<at::Tensor> &head_bias, const at::Tensor &k, const at::Tensor &v,
-                              at::IntArrayRef lengths, int64_t group_size, double eps) {
-    TORCH_CHECK(k.dim() == 5, "decode_step: k must be the cache [n_layer, B, n_head, T_max, head_dim]; got ", k.sizes());
-    const int64_t L = k.size(0), B = k.size(1), H = k.size(2), T = k.size(3), D = k.size(4), E = H * D, G = group_size;
-    TORCH_CHECK(wte.dim() == 2 && wpe.dim() == 2 && head_weight.dim() == 2,
-                "decode_step: wte, wpe and head_weight must be 2-D; got ", wte.sizes(), wpe.sizes(), head_weight.sizes());
-    const int64_t V = head_weight.size(0), n_vocab = wte.size(0), P = wpe.size(0);
-    TORCH_CHECK(D % 8 == 0, "decode_step: head_dim must be a multiple of 8; got ", D);
-    TORCH_CHECK(G >= 32 && E % G == 0 && (128 % G == 0 || G % 128 == 0),
-                "decode_step: group_size must be 32, 64 or a multiple of 128 dividing n_embd=", E, "; got ", G);
-    TORCH_CHECK((int64_t)layers.size() == 16 * L, "decode_step: layers must hold 16 tensors per layer (", 16 * L,
-                "); got ", layers.size());
-    TORCH_CHECK((int64_t)lengths.size() == B, "decode_step: lengths must hold one position per row (", B, "); got ",
-                lengths.size());
-    need(k, at::kFloat, {L, B, H, T, D}, "k", -1);
-    need(v, at::kFloat, {L, B, H, T, D}, "v", -1);
-    need(tokens, at::kLong, {B}, "tokens", -1);
-    need(wte, at::kFloat, {n_vocab, E}, "wte", -1);
-    need(wpe, at::kFloat, {P, E}, "wpe", -1);
-    need(ln_f_weight, at::kFloat, {E}, "ln_f weight", -1);
-    need(ln_f_bias, at::kFloat, {E}, "ln_f bias", -1);
-    need(head_weight, at::kChar, {V, E}, "head_weight", -1);
-    need(head_scales, at::kFloat, {V}, "head_scales", -1);
-    if (head_bias.has_value()) need(*head_bias, at::kFloat, {V}, "head_bias", -1);
-    const int64_t *tok = tokens.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; b++) {
-        TORCH_CHECK(tok[b] >= 0 && tok[b] < n_vocab, "decode_step: token ", tok[b], " of row ", b,
-                    " is not an id in [0, n_vocab=", n_vocab, ")");
-        TORCH_CHECK(lengths[b] >= 0 && lengths[b] < T && lengths[b] < P, "decode_step: row ", b, " is at position ",
-                    lengths[b], ": the cache holds T_max=", T, " and wpe n_ctx=", P, " positions");
+/* One product y [M, N] = x [M, K] W^T + b of a layer given as its tensors t: three for W4A8
+ * (nibbles [N, K/2], (scale, zero) pairs [N, K/G, 2] bf16, bias [N]), five for per_row (packed
+ * [ceil(N/32), ceil(K/4), 32, 4] int8, qsum [N] int32, scales [N], wsum [N], bias [N]). */
+struct Product {
+    int64_t G;               /* group size: W4A8; 0: per_row */
+    int count() const { return G ? 3 : 5; }
+    void check(const at::Tensor *t, int64_t N, int64_t K, const std::string &name, int64_t layer, bool bias = true) const {
+        if (G) {
+            need(t[0], at::kByte, {N, K / 2}, name + " weight", layer);
+            need(t[1], at::kBFloat16, {N, K / G, 2}, name + " scale_zero", layer);
+        } else {
+            need(t[0], at::kChar, {(N + 31) / 32, (K + 3) / 4, 32, 4}, name + " packed", layer);
+            need(t[1], at::kInt, {N}, name + " qsum", layer);
+            need(t[2], at::kFloat, {N}, name + " scales", layer);
+            need(t[3], at::kFloat, {N}, name + " wsum", layer);
+        }
+        if (bias) need(t[count() - 1], at::kFloat, {N}, name + " bias", layer);
     }
-    const int64_t sizes[4][2] = {{3 * E, E}, {E, E}, {4 * E, E}, {E, 4 * E}};     /* [N, K] of the 4 products */
-    const char *names[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
-    for (int64_t l = 0; l < L; l++) {
-        const at::Tensor *t = layers.data() + 16 * l;
-        need(t[0], at::kFloat, {E}, "ln_1 weight", l);
-        need(t[1], at::kFloat, {E}, "ln_1 bias", l);
-        need(t[8], at::kFloat, {E}, "ln_2 weight", l);
-        need(t[9], at::kFloat, {E}, "ln_2 bias", l);
-        for (int i = 0; i < 4; i++) {
-            const int64_t off = i < 2 ? 2 + 3 * i : 10 + 3 * (i - 2), N = sizes[i][0], K = sizes[i][1];
-            const std::string name(names[i]);
-            need(t[off], at::kByte, {N, K / 2}, (name + " weight").c_str(), l);
-            need(t[off + 1], at::kBFloat16, {N, K / G, 2}, (name + " scale_zero").c_str(), l);
-            need(t[off + 2], at::kFloat, {N}, (name + " bias").c_str(), l);
+    void operator()(const at::Tensor *t, const float *x, int64_t M, int64_t K, int64_t N, float *y, bool gelu) const {
+        if (G) {
+            w4a8(x, M, K, G, t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(t[1].data_ptr<at::BFloat16>()),
+                 N, t[2].data_ptr<float>(), y);
+            if (gelu)
+                for (int64_t i = 0; i < M * N; i += 8) _mm256_storeu_ps(y + i, gelu8(_mm256_loadu_ps(y + i)));
+        } else {
+            per_row(x, M, K, t[0].data_ptr<int8_t>(), N, t[1].data_ptr<int32_t>(), t[2].data_ptr<float>(),
+                    t[3].data_ptr<float>(), t[4].data_ptr<float>(), gelu, y);
         }
     }
+};
 
-    std::vector<float> buf((size_t)(B * (E + E + 3 * E + E + 4 * E + E) + B * H * T));
-    float *x = buf.data(), *h = x + B * E, *qkv = h + B * E, *z = qkv + 3 * B * E, *f = z + B * E,
-          *y = f + 4 * B * E, *p = y + B * E;
+/* The operator (see the file's comment). tokens [B, T]: T new tokens per row, row b's first at
+ * its cache index lengths[b] (with T > 1 every row at the same index). layers: per block ln_1
+ * weight, bias, attn.c_attn, attn.c_proj, ln_2 weight, bias, mlp.c_fc, mlp.c_proj, each product
+ * as Product's tensors (group_size > 0: W4A8, 0: per_row). head: the int8 head as int8_gemv's
+ * (weight [V, E], scales [V]) or per_row's four tensors, then its bias or an empty tensor. k, v:
+ * the cache [L, B, h, T_max, D] (rows may be a view of a larger cache: each row's [h, T_max, D]
+ * contiguous), written at the new tokens' positions. Returns each row's last logits [B, V]. */
+static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte, const at::Tensor &wpe,
+                                 at::TensorList layers, const at::Tensor &ln_f_weight, const at::Tensor &ln_f_bias,
+                                 at::TensorList head, const at::Tensor &k, const at::Tensor &v, at::IntArrayRef lengths,
+                                 int64_t group_size, double eps) {
+    TORCH_CHECK(k.dim() == 5 && v.dim() == 5 && k.sizes() == v.sizes(),
+                "cached_forward: k and v must be the cache [n_layer, B, n_head, T_max, head_dim]; got ", k.sizes(),
+                " and ", v.sizes());
+    const int64_t L = k.size(0), B = k.size(1), H = k.size(2), Tm = k.size(3), D = k.size(4), E = H * D;
+    for (const at::Tensor *c : {&k, &v})
+        TORCH_CHECK(c->scalar_type() == at::kFloat && c->device().is_cpu() && c->stride(4) == 1 && c->stride(3) == D &&
+                    c->stride(2) == Tm * D && (B == 1 || c->stride(1) >= H * Tm * D) && c->stride(0) >= B * H * Tm * D,
+                    "cached_forward: k and v must be float32 CPU caches whose rows [n_head, T_max, head_dim] are "
+                    "each contiguous; got ", c->scalar_type(), " strides ", c->strides());
+    TORCH_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1,
+                "cached_forward: tokens must be [B=", B, ", T >= 1]; got ", tokens.sizes());
+    const int64_t T = tokens.size(1), M = B * T;
+    TORCH_CHECK(wte.dim() == 2 && wpe.dim() == 2, "cached_forward: wte and wpe must be 2-D; got ", wte.sizes(), " and ",
+                wpe.sizes());
+    const int64_t n_vocab = wte.size(0), P = wpe.size(0);
+    TORCH_CHECK(D % 8 == 0, "cached_forward: head_dim must be a multiple of 8; got ", D);
+    const Product product{group_size};
+    TORCH_CHECK(group_size == 0 || (group_size >= 32 && E % group_size == 0 &&
+                                    (128 % group_size == 0 || group_size % 128 == 0)),
+                "cached_forward: group_size must be 0 (per_row) or 32, 64 or a multiple of 128 dividing n_embd=", E,
+                "; got ", group_size);
+    const int64_t per_layer = 4 + 4 * product.count();
+    TORCH_CHECK((int64_t)layers.size() == per_layer * L, "cached_forward: layers must hold ", per_layer,
+                " tensors per layer (", per_layer * L, "); got ", layers.size());
+    TORCH_CHECK((int64_t)lengths.size() == B, "cached_forward: lengths must hold one position per row (", B, "); got ",
+                lengths.size());
+    need(tokens, at::kLong, {B, T}, "tokens");
+    need(wte, at::kFloat, {n_vocab, E}, "wte");
+    need(wpe, at::kFloat, {P, E}, "wpe");
+    need(ln_f_weight, at::kFloat, {E}, "ln_f weight");
+    need(ln_f_bias, at::kFloat, {E}, "ln_f bias");
+    const int64_t *tok = tokens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; b++) {
+        TORCH_CHECK(T == 1 || lengths[b] == lengths[0], "cached_forward: with T=", T,
+                    " new tokens every row must hold the same length; got ", lengths);
+        TORCH_CHECK(lengths[b] >= 0 && lengths[b] + T <= Tm && lengths[b] + T <= P, "cached_forward: row ", b,
+                    " at position ", lengths[b], " with ", T, " new tokens: the cache holds T_max=", Tm,
+                    " and wpe n_ctx=", P, " positions");
+        for (int64_t t = 0; t < T; t++)
+            TORCH_CHECK(tok[b * T + t] >= 0 && tok[b * T + t] < n_vocab, "cached_forward: token ", tok[b * T + t],
+                        " of row ", b, " is not an id in [0, n_vocab=", n_vocab, ")");
+    }
+    const bool head_per_row = !head.empty() && head[0].dim() == 4;
+    const int64_t V = head_per_row ? head[1].numel() : (head.empty() ? 0 : head[0].size(0));
+    TORCH_CHECK(head.size() == (head_per_row ? 5u : 3u), "cached_forward: head must be int8_gemv's weight, scales and "
+                "bias (or an empty tensor), or per_row's packed, qsum, scales, wsum and bias; got ", head.size(),
+                " tensors");
+    if (head_per_row) {
+        Product{0}.check(head.data(), V, E, "head", -1, false);
+    } else {
+        need(head[0], at::kChar, {V, E}, "head weight");
+        need(head[1], at::kFloat, {V}, "head scales");
+    }
+    const at::Tensor &head_bias = head[head.size() - 1];
+    if (head_bias.numel() > 0) need(head_bias, at::kFloat, {V}, "head bias");
+    const int64_t sizes[4][2] = {{3 * E, E}, {E, E}, {4 * E, E}, {E, 4 * E}};   /* [N, K] of the 4 products */
+    const char *names[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
+    const int64_t pc = product.count(), at_[4] = {2, 2 + pc, 4 + 2 * pc, 4 + 3 * pc}, ln2 = 2 + 2 * pc;
+    for (int64_t l = 0; l < L; l++) {
+        const at::Tensor *t = layers.data() + per_layer * l;
+        need(t[0], at::kFloat, {E}, "ln_1 weight", l);
+        need(t[1], at::kFloat, {E}, "ln_1 bias", l);
+        need(t[ln2], at::kFloat, {E}, "ln_2 weight", l);
+        need(t[ln2 + 1], at::kFloat, {E}, "ln_2 bias", l);
+        for (int i = 0; i < 4; i++) product.check(t + at_[i], sizes[i][0], sizes[i][1], names[i], l);
+    }
+
+    const int64_t S = lengths[0] + T;                   /* keys every row reads when T > 1 */
+    std::vector<float> buf((size_t)(M * (E + E + 3 * E + E + 4 * E + E) + (T == 1 ? B * H * Tm : 0)));
+    float *x = buf.data(), *h = x + M * E, *qkv = h + M * E, *z = qkv + 3 * M * E, *f = z + M * E, *y = f + 4 * M * E,
+          *p = y + M * E;
+    const float *wt = wte.data_ptr<float>(), *wp = wpe.data_ptr<float>();
     for (int64_t b = 0; b < B; b++)
-        for (int64_t i = 0; i < E; i++)
-            x[b * E + i] = wte.data_ptr<float>()[tok[b] * E + i] + wpe.data_ptr<float>()[lengths[b] * E + i];
-    auto product = [&](const at::Tensor *t, const float *in, int64_t K, int64_t N, float *out) {
-        w4a8(in, B, K, G, t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(t[1].data_ptr<at::BFloat16>()),
-             N, t[2].data_ptr<float>(), out);
-    };
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < E; i++)
+                x[(b * T + t) * E + i] = wt[tok[b * T + t] * E + i] + wp[(lengths[b] + t) * E + i];
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lengths[b] + 1 > longest ? lengths[b] + 1 : longest;
     const float e = (float)eps;
-    float *kc = k.data_ptr<float>(), *vc = v.data_ptr<float>();
+    float *kd = k.data_ptr<float>(), *vd = v.data_ptr<float>();
+    const int64_t kl = k.stride(0), kb = k.stride(1), vl = v.stride(0), vb = v.stride(1);
     for (int64_t l = 0; l < L; l++) {
-        const at::Tensor *t = layers.data() + 16 * l;
-        for (int64_t b = 0; b < B; b++)
-            layer_norm(x + b * E, E, t[0].data_ptr<float>(), t[1].data_ptr<float>(), e, h + b * E);
-        product(t + 2, h, E, 3 * E, qkv);
-        #pragma omp parallel for collapse(2) schedule(static) if (B * H * longest * D >= PARALLEL_ATTENTION)
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t hd = 0; hd < H; hd++) {
-                const int64_t pos = lengths[b], off = ((l * B + b) * H + hd) * T * D;
-                const float *row = qkv + b * 3 * E;
-                for (int64_t d = 0; d < D; d++) {
-                    kc[off + pos * D + d] = row[E + hd * D + d];
-                    vc[off + pos * D + d] = row[2 * E + hd * D + d];
+        const at::Tensor *t = layers.data() + per_layer * l;
+        for (int64_t r = 0; r < M; r++)
+            layer_norm(x + r * E, E, t[0].data_ptr<float>(), t[1].data_ptr<float>(), e, h + r * E);
+        product(t + at_[0], h, M, E, 3 * E, qkv, false);
+        for (int64_t b = 0; b < B; b++)                 /* the new keys and values into the cache */
+            for (int64_t tt = 0; tt < T; tt++)
+                for (int64_t hd = 0; hd < H; hd++) {
+                    const float *row = qkv + (b * T + tt) * 3 * E + hd * D;
+                    const int64_t at_pos = (hd * Tm + lengths[b] + tt) * D;
+                    std::memcpy(kd + l * kl + b * kb + at_pos, row + E, D * sizeof(float));
+                    std::memcpy(vd + l * vl + b * vb + at_pos, row + 2 * E, D * sizeof(float));
                 }
-                if (hd + 1 < H)                /* the next head's keys and values: latency, not bandwidth, bound */
-                    for (int64_t i = 0; i < (pos + 1) * D; i += 16) {
-                        _mm_prefetch((const char *)(kc + off + T * D + i), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(vc + off + T * D + i), _MM_HINT_T0);
-                    }
-                attend(row + hd * D, kc + off, vc + off, pos + 1, D, p + (b * H + hd) * T, z + b * E + hd * D);
-            }
-        product(t + 5, z, E, E, y);
-        for (int64_t i = 0; i < B * E; i++) x[i] += y[i];
-        for (int64_t b = 0; b < B; b++)
-            layer_norm(x + b * E, E, t[8].data_ptr<float>(), t[9].data_ptr<float>(), e, h + b * E);
-        product(t + 10, h, E, 4 * E, f);
-        for (int64_t i = 0; i < 4 * B * E; i += 8) _mm256_storeu_ps(f + i, gelu8(_mm256_loadu_ps(f + i)));
-        product(t + 13, f, 4 * E, E, y);
-        for (int64_t i = 0; i < B * E; i++) x[i] += y[i];
+        at::Tensor o;
+        if (T == 1) {
+            #pragma omp parallel for collapse(2) schedule(static) if (B * H * longest * D >= PARALLEL_ATTENTION)
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t hd = 0; hd < H; hd++) {
+                    const float *kc = kd + l * kl + b * kb + hd * Tm * D, *vc = vd + l * vl + b * vb + hd * Tm * D;
+                    const int64_t n = lengths[b] + 1;
+                    if (hd + 1 < H)            /* the next head's keys and values: latency, not bandwidth, bound */
+                        for (int64_t i = 0; i < n * D; i += 16) {
+                            _mm_prefetch((const char *)(kc + Tm * D + i), _MM_HINT_T0);
+                            _mm_prefetch((const char *)(vc + Tm * D + i), _MM_HINT_T0);
+                        }
+                    attend(qkv + b * 3 * E + hd * D, kc, vc, n, D, p + (b * H + hd) * Tm, z + b * E + hd * D);
+                }
+        } else {                                        /* a prompt: attention.cpp's kernel */
+            const auto opts = at::TensorOptions().dtype(at::kFloat);
+            const at::Tensor q = at::from_blob(qkv, {B, H, T, D}, {T * 3 * E, D, 3 * E, 1}, opts);
+            const at::Tensor kk = at::from_blob(kd + l * kl, {B, H, S, D}, {kb, Tm * D, D, 1}, opts);
+            const at::Tensor vv = at::from_blob(vd + l * vl, {B, H, S, D}, {vb, Tm * D, D, 1}, opts);
+            o = causal_attention(q, kk, vv);            /* [B, T, h, D] in memory: the rows of z */
+        }
+        const float *zz = T == 1 ? z : o.data_ptr<float>();
+        product(t + at_[1], zz, M, E, E, y, false);
+        for (int64_t i = 0; i < M * E; i++) x[i] += y[i];
+        for (int64_t r = 0; r < M; r++)
+            layer_norm(x + r * E, E, t[ln2].data_ptr<float>(), t[ln2 + 1].data_ptr<float>(), e, h + r * E);
+        product(t + at_[2], h, M, E, 4 * E, f, true);
+        product(t + at_[3], f, M, 4 * E, E, y, false);
+        for (int64_t i = 0; i < M * E; i++) x[i] += y[i];
     }
-    for (int64_t b = 0; b < B; b++)
-        layer_norm(x + b * E, E, ln_f_weight.data_ptr<float>(), ln_f_bias.data_ptr<float>(), e, h + b * E);
+    for (int64_t b = 0; b < B; b++)                     /* each row's last token */
+        layer_norm(x + (b * T + T - 1) * E, E, ln_f_weight.data_ptr<float>(), ln_f_bias.data_ptr<float>(), e, h + b * E);
     at::Tensor logits = at::empty({B, V}, wte.options());
-    gemv(h, B, E, head_weight.data_ptr<int8_t>(), V, head_scales.data_ptr<float>(),
-         head_bias.has_value() ? head_bias->data_ptr<float>() : nullptr, logits.data_ptr<float>());
+    const float *hb = head_bias.numel() > 0 ? head_bias.data_ptr<float>() : nullptr;
+    if (head_per_row)
+        per_row(h, B, E, head[0].data_ptr<int8_t>(), V, head[1].data_ptr<int32_t>(), head[2].data_ptr<float>(),
+                head[3].data_ptr<float>(), hb, false, logits.data_ptr<float>());
+    else
+        gemv(h, B, E, head[0].data_ptr<int8_t>(), V, head[1].data_ptr<float>(), hb, logits.data_ptr<float>());
     return logits;
 }
 
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
-    m.def("decode_step(Tensor tokens, Tensor wte, Tensor wpe, Tensor[] layers, Tensor ln_f_weight, Tensor ln_f_bias, "
-          "Tensor head_weight, Tensor head_scales, Tensor? head_bias, Tensor(a!) k, Tensor(b!) v, int[] lengths, "
-          "int group_size, float eps) -> Tensor");
+    m.def("cached_forward(Tensor tokens, Tensor wte, Tensor wpe, Tensor[] layers, Tensor ln_f_weight, "
+          "Tensor ln_f_bias, Tensor[] head, Tensor(a!) k, Tensor(b!) v, int[] lengths, int group_size, float eps) "
+          "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) { m.impl("decode_step", &decode_step); }
+TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) { m.impl("cached_forward", &cached_forward); }
