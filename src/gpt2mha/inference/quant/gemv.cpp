@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -674,11 +675,11 @@ static void round_rows(const float *x, int64_t M, int64_t K, uint8_t *u8, int64_
 void per_row(const float *x, int64_t M, int64_t K, const int8_t *packed, int64_t N, const int32_t *qsum,
              const float *scales, const float *wsum, const float *bias, bool gelu, float *y) {
     const int64_t ustride = 4 * ((K + 3) / 4);
-    std::vector<uint8_t> u8((size_t)(M * ustride));
-    std::vector<float> rows((size_t)(2 * M));
-    round_rows(x, M, K, u8.data(), ustride, rows.data(), rows.data() + M);
-    const Rescale r{rows.data(), rows.data() + M, wsum, bias, qsum, scales, gelu};
-    gemv_packed(u8.data(), M, ustride, K, packed, N, r, y);
+    const std::unique_ptr<uint8_t[]> u8(new uint8_t[M * ustride]);       /* uninitialized: round_rows fills it */
+    const std::unique_ptr<float[]> rows(new float[2 * M]);
+    round_rows(x, M, K, u8.get(), ustride, rows.get(), rows.get() + M);
+    const Rescale r{rows.get(), rows.get() + M, wsum, bias, qsum, scales, gelu};
+    gemv_packed(u8.get(), M, ustride, K, packed, N, r, y);
 }
 
 /* The per_row operator: rounds x's rows, multiplies on the packed weights, rescales (per_row). */
@@ -827,10 +828,10 @@ static void round_groups(const float *x, int64_t K, int64_t G, int8_t *ae, int8_
 void w4a8(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *w, const uint16_t *sz, int64_t N,
           const float *bias, float *y) {
     const int64_t half = K / 2, ng = K / G, stride = half + 64, dstride = ng + 8, zstride = 2 * ng + 8;
-    std::vector<int8_t> a8((size_t)(2 * M * stride));
-    std::vector<float> dz((size_t)(M * (dstride + zstride)));
-    int8_t *ae = a8.data(), *ao = ae + M * stride;
-    float *d = dz.data(), *az = d + M * dstride;
+    const std::unique_ptr<int8_t[]> a8(new int8_t[2 * M * stride]);      /* uninitialized: round_groups fills it */
+    const std::unique_ptr<float[]> dz(new float[M * (dstride + zstride)]);
+    int8_t *ae = a8.get(), *ao = ae + M * stride;
+    float *d = dz.get(), *az = d + M * dstride;
     for (int64_t m = 0; m < M; m++)
         round_groups(x + m * K, K, G, ae + m * stride, ao + m * stride, d + m * dstride, az + m * zstride);
     A8 A{ae, ao, d, az, stride, dstride, zstride, {}};
