@@ -21,7 +21,10 @@ The contenders:
   exact products for decode, W7A8 for prompts of 64+ tokens; compiled, its decode step is
   int8 compiled's); int4 compiled (the block products on gpt2mha's int4 GEMV kernel, float32
   activations; the int8 head on the int8 one); int4 with ``activations="per_block"`` (decode
-  steps W4A8: activations rounded to 8 bits per group of 32, as llama.cpp's q8_0), eager and compiled;
+  steps W4A8: activations rounded to 8 bits per group of 32, as llama.cpp's q8_0), eager and compiled.
+  "Eager" per_row and per_block run on gpt2mha's forward in one C++ call
+  (``gpt2mha.inference.native``: per_row's prompts and steps, per_block's steps), which
+  ``generate`` uses for them without ``compile``;
 * transformers float32 (``GPT2LMHeadModel``, sdpa): the reference every ratio divides by;
 * llama.cpp (through llama-cpp-python): GGUF f32 written with the ``gguf`` package (llama.cpp's
   own Python library: its ``GGUFWriter`` and its GPT-2 tensor-name map, the steps of its
