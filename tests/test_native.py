@@ -226,3 +226,71 @@ def test_the_operator_names_what_does_not_fit():
     with pytest.raises(RuntimeError, match=r"attn.c_attn weight of layer 0 must be a contiguous Byte CPU tensor \[192, 32\]"):
         call(bad)
     assert cache.lengths == [3] and two.lengths == [3, 5]           # nothing advanced
+
+
+@needs_kernel
+def test_generate_takes_every_prompt_the_model_takes():
+    # strided views and int32 ids reach the operator as the contiguous int64 it needs
+    model = _model(seed=8, kind="per_row")
+    torch.manual_seed(9)
+    a = torch.randint(0, 96, (2, 12))
+    want = model.generate(a[:, ::2].contiguous(), 6, temperature=0)
+    with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
+        assert torch.equal(model.generate(a[:, ::2], 6, temperature=0), want)
+        assert torch.equal(model.generate(a[:, ::2].int(), 6, temperature=0), want)
+    assert op.call_count == 2 * 6
+
+
+@needs_kernel
+def test_native_step_follows_the_model():
+    model = _model(seed=10, kind="per_row")
+    first = native_step(model)
+    model.ln_f.bias.data = torch.randn_like(model.ln_f.bias)          # new storage, same Parameter
+    second = native_step(model)
+    assert second is not first and torch.equal(second.ln_f[1], model.ln_f.bias)
+    for m in model.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            m.eps = 1e-3
+    third = native_step(model)
+    assert third is not None and third is not second and third.eps == pytest.approx(1e-3)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:
+        assert native_step(model) is None                             # a hook on every module
+    finally:
+        handle.remove()
+    assert native_step(model) is third
+    cache = KVCache(2, 1, 2, 8, 32)                                   # 2 heads of 32: this model has 4 of 16
+    with pytest.raises(ValueError, match="the cache is .n_layer=2, B, n_head=2, T_max, head_dim=32.; this model "
+                                         "needs n_layer=2, n_head=4, head_dim=16"):
+        third(torch.tensor([[1]]), cache)
+    model.h = model.h[:1]                                             # blocks cut, config unchanged
+    assert native_step(model) is None
+
+
+@needs_kernel
+def test_the_operator_refuses_what_it_cannot_read_or_write():
+    model = _model(seed=11, kind="per_row")
+    step = NativeStep(model)
+    cache = _prefilled(model, [3], max_len=8)
+
+    def call(tokens=torch.tensor([[1]]), head=None, k=None, v=None, lengths=None, eps=1e-5):
+        return torch.ops.gpt2mha.cached_forward(tokens, step.wte, step.wpe, step.layers, *step.ln_f,
+                                                step.head if head is None else head,
+                                                cache.k if k is None else k, cache.v if v is None else v,
+                                                cache.lengths if lengths is None else lengths, 0, eps)
+
+    with pytest.raises(RuntimeError, match="head must be int8_gemv's weight"):
+        call(head=step.head[:1])
+    with pytest.raises(RuntimeError, match="the cache must have every size >= 1"):
+        call(tokens=torch.zeros(0, 1, dtype=torch.long), k=cache.k[:, :0], v=cache.v[:, :0], lengths=[])
+    with pytest.raises(RuntimeError, match="the cache must have every size >= 1"):
+        call(k=cache.k[:0], v=cache.v[:0])
+    with pytest.raises(RuntimeError, match="row 0 at position 9223372036854775806 with 2 new tokens"):
+        call(tokens=torch.tensor([[1, 2]]), lengths=[2 ** 63 - 2])
+    with pytest.raises(RuntimeError, match="k and v share memory"):
+        call(v=cache.k)
+    with pytest.raises(RuntimeError, match="must not require grad"):
+        call(k=cache.k.clone().requires_grad_())
+    with pytest.raises(RuntimeError, match="eps must be a positive number"):
+        call(eps=float("nan"))
+    assert cache.lengths == [3]

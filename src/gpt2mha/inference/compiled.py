@@ -55,7 +55,7 @@ from torch import nn
 
 from ..core.attention import CausalSelfAttention
 from ..core.kv_cache import KVCache
-from .fast import for_decoding, hooked, invariant_by_default, swap_modules
+from .fast import for_decoding, global_hooks, hooked, invariant_by_default, swap_modules
 from .quant import gemv
 from .quant.linear import QuantizedLinear, int8_kernel
 
@@ -316,8 +316,9 @@ def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Mod
 
 
 def has_hooks(model: nn.Module) -> bool:
-    """Whether any module of ``model`` has forward hooks or pre-hooks (capture points included)."""
-    return any(hooked(m) for m in model.modules())
+    """Whether any module of ``model`` has forward hooks or pre-hooks (capture points included),
+    or hooks are registered for every module (:func:`~.fast.global_hooks`)."""
+    return global_hooks() or any(hooked(m) for m in model.modules())
 
 
 class _Step(nn.Module):
@@ -348,17 +349,21 @@ class _Unadvanced(KVCache):
 
 
 def _signature(model: nn.Module, refuse=None) -> tuple | None:
-    # the tensors, and how each int8 layer treats its activations (set_activations changes the
-    # view); one walk over the modules (generate asks it every call); None where refuse(module)
+    # the tensors (which object, its writes, its storage: `p.data = t` keeps the object and the
+    # count), how each int8 layer treats its activations (set_activations changes the view) and
+    # each LayerNorm's eps; one walk over the modules (generate asks it every call); None where
+    # refuse(module). An inference-mode tensor counts no writes: its entry's count is -1.
     sig = []
     for m in model.modules():
         if refuse is not None and refuse(m):
             return None
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None:
-                sig.append((id(t), t._version if not t.is_inference() else -1))
+                sig.append((id(t), t._version if not t.is_inference() else -1, t.data_ptr()))
         if isinstance(m, QuantizedLinear):
             sig.append(m.activations)
+        elif isinstance(m, nn.LayerNorm):
+            sig.append(m.eps)
     return tuple(sig)
 
 

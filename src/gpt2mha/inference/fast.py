@@ -237,6 +237,13 @@ def hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
+def global_hooks() -> bool:
+    """Whether forward hooks or pre-hooks are registered for every module
+    (``torch.nn.modules.module.register_module_forward_hook`` and its pre-hook twin)."""
+    from torch.nn.modules import module
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
 def invariant_by_default(model: nn.Module) -> bool:
     """Whether ``generate`` and the server pad float32 products (``batch_invariant=None``): for
     every model whose block weights are not float32. A float32 model's decode step at batch 1

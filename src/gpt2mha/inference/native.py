@@ -14,7 +14,11 @@ operator calls, the small ops between them, the wrapper), more than llama.cpp's 
 a 128-token prompt spent ~3 ms of ~24 outside its products and attention (benchmarks/RESULTS.md,
 "The forward in one call"). The arithmetic is the model's: the same W4A8, W7A8 and int8 product
 kernels the model's layers call, LayerNorm, GPT-2's GELU and the softmax in float32 with sums in
-other orders (logits within float32 rounding of the model's own forward; tests/test_native.py).
+other orders: activations a last bit apart, which the products' 8-bit rounding of each activation
+row now and then turns into one rounding step of a value, so most steps' logits agree with the
+model's to ~1e-6 and a few differ by up to ~1e-2 relative (as the compiled step's do); greedy
+tokens part from the model's only at near ties, and quality is the same (benchmarks/RESULTS.md;
+tests/test_native.py).
 
 Source: the loop of gpt-fast's ``decode_one_token`` and llama.cpp's graph for GPT-2, with the
 arithmetic of openai/gpt-2's ``model.py`` (``block``, ``attn``, ``norm``, ``gelu``).
@@ -28,7 +32,7 @@ import torch
 from torch import nn
 
 from ..core.kv_cache import KVCache
-from .fast import hooked
+from .fast import global_hooks, hooked
 from .quant import gemv
 from .quant.linear import QuantizedLinear
 
@@ -51,8 +55,10 @@ def _why_not(model: nn.Module) -> str:
         return "not a GPT2"
     if model.wte.weight.device.type != "cpu" or model.wte.weight.dtype != torch.float32:
         return f"the model is {model.wte.weight.dtype} on {model.wte.weight.device}, not float32 on the CPU"
-    if any(hooked(m) for m in model.modules()):
+    if global_hooks() or any(hooked(m) for m in model.modules()):
         return "the model has hooks attached"
+    if len(model.h) != model.config.n_layer:
+        return f"it holds {len(model.h)} blocks where its config says n_layer={model.config.n_layer}"
     kind = _kind(model)
     scheme = {"per_block": "int4", "per_row": "int8"}.get(kind)
     groups = set()
@@ -122,6 +128,8 @@ class NativeStep:
         bias = torch.empty(0) if head.bias is None else head.bias.detach().float()
         self.head = [*(_product(head) if head.activations == "per_row" else
                        [head.weight.detach().contiguous(), head.gemv_scales()]), bias]
+        c = model.config
+        self.sizes = (len(model.h), c.n_head, c.n_embd // c.n_head)
         self.group_size = model.h[0].attn.c_attn.group_size if _kind(model) == "per_block" else 0
         self.eps = float(model.ln_f.eps)
         # what decode_loop runs the prompts on: per_row's prompts are W7A8 like its steps; an int4
@@ -129,8 +137,13 @@ class NativeStep:
         self.prefill = self if self.group_size == 0 else None
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        logits = torch.ops.gpt2mha.cached_forward(tokens, self.wte, self.wpe, self.layers, *self.ln_f, self.head,
-                                                  cache.k, cache.v, cache.lengths, self.group_size, self.eps)
+        L, _, h, _, hd = cache.k.shape
+        if (L, h, hd) != self.sizes:
+            raise ValueError(f"the cache is [n_layer={L}, B, n_head={h}, T_max, head_dim={hd}]; this model needs "
+                             f"n_layer={self.sizes[0]}, n_head={self.sizes[1]}, head_dim={self.sizes[2]}")
+        logits = torch.ops.gpt2mha.cached_forward(tokens.long().contiguous(), self.wte, self.wpe, self.layers,
+                                                  *self.ln_f, self.head, cache.k, cache.v, cache.lengths,
+                                                  self.group_size, self.eps)
         cache.advance(tokens.shape[1])
         return logits
 
@@ -142,11 +155,13 @@ def native_step(model: nn.Module) -> NativeStep | None:
     """``model``'s :class:`NativeStep`, or None where it has none (not an int4 per_block or int8
     per_row model, hooks attached, not float32 on the CPU, the kernels not built). Made on
     first use and kept while the model lives; made again when any parameter or buffer was
-    replaced or written in place since."""
+    replaced, written in place or given new data (``p.data = t``) since, or a LayerNorm's eps
+    changed; made every call for a model holding tensors made in inference mode (they count no
+    writes)."""
     if not _kind(model) or not gemv.available():
         return None                                            # (asked every generate call: cheap first)
     from .compiled import _signature
-    sig = _signature(model, refuse=hooked)                     # asked every call: hooks come and go
+    sig = None if global_hooks() else _signature(model, refuse=hooked)     # every call: hooks come and go
     if sig is None:
         return None
     kept = _steps.get(model)
@@ -155,5 +170,8 @@ def native_step(model: nn.Module) -> NativeStep | None:
     if _why_not(model):
         return None
     step = NativeStep(model)
-    _steps[model] = (sig, step)
+    # a tensor made in inference mode counts no writes: such a model's step is made every call
+    # (it holds copies: the int4 pairs in the kernel's layout)
+    if not any(type(e) is tuple and e[1] == -1 for e in sig):
+        _steps[model] = (sig, step)
     return step

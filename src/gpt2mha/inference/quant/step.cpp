@@ -17,9 +17,9 @@
  *   mask); x += c_proj(z); h = ln_2(x); x += mlp.c_proj(gelu(c_fc(h)));
  * then logits = head(ln_f(x)) at each row's last token. Each row's arithmetic is its own (the
  * products round and sum rows independently; attention reads the row's own keys), so a row's
- * logits do not depend on the other rows. Sums in float32 in a fixed order: within float32
- * rounding of the model's own forward, not the same bits (torch's LayerNorm and softmax sum in
- * other orders). */
+ * logits do not depend on the other rows. Sums in float32 in a fixed order, not the model's
+ * bits (torch's LayerNorm and softmax sum in other orders): a last-bit difference that the
+ * products' 8-bit rounding of activations now and then turns into one rounding step (native.py). */
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -33,6 +33,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -196,6 +197,20 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                 "cached_forward: k and v must be the cache [n_layer, B, n_head, T_max, head_dim]; got ", k.sizes(),
                 " and ", v.sizes());
     const int64_t L = k.size(0), B = k.size(1), H = k.size(2), Tm = k.size(3), D = k.size(4), E = H * D;
+    TORCH_CHECK(L >= 1 && B >= 1 && H >= 1 && Tm >= 1 && D >= 1, "cached_forward: the cache must have every size >= 1 "
+                "[n_layer, B, n_head, T_max, head_dim]; got ", k.sizes());
+    auto span = [](const at::Tensor &t) {                 /* the bytes t's elements lie in */
+        int64_t last = 0;
+        for (int64_t i = 0; i < t.dim(); i++) last += (t.size(i) - 1) * t.stride(i);
+        const char *p0 = static_cast<const char *>(t.data_ptr());
+        return std::make_pair(p0, p0 + (last + 1) * t.element_size());
+    };
+    const auto ks = span(k), vs = span(v);
+    TORCH_CHECK(!(ks.first < vs.second && vs.first < ks.second), "cached_forward: k and v share memory: a cache "
+                "needs separate storage for keys and values");
+    TORCH_CHECK(!k.requires_grad() && !v.requires_grad(), "cached_forward: k and v are written in place and must not "
+                "require grad");
+    TORCH_CHECK(std::isfinite(eps) && eps > 0, "cached_forward: eps must be a positive number; got ", eps);
     for (const at::Tensor *c : {&k, &v})
         TORCH_CHECK(c->scalar_type() == at::kFloat && c->device().is_cpu() && c->stride(4) == 1 && c->stride(3) == D &&
                     c->stride(2) == Tm * D && (B == 1 || c->stride(1) >= H * Tm * D) && c->stride(0) >= B * H * Tm * D,
@@ -227,7 +242,7 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     for (int64_t b = 0; b < B; b++) {
         TORCH_CHECK(T == 1 || lengths[b] == lengths[0], "cached_forward: with T=", T,
                     " new tokens every row must hold the same length; got ", lengths);
-        TORCH_CHECK(lengths[b] >= 0 && lengths[b] + T <= Tm && lengths[b] + T <= P, "cached_forward: row ", b,
+        TORCH_CHECK(lengths[b] >= 0 && lengths[b] <= Tm - T && lengths[b] <= P - T, "cached_forward: row ", b,
                     " at position ", lengths[b], " with ", T, " new tokens: the cache holds T_max=", Tm,
                     " and wpe n_ctx=", P, " positions");
         for (int64_t t = 0; t < T; t++)
@@ -235,10 +250,10 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                         " of row ", b, " is not an id in [0, n_vocab=", n_vocab, ")");
     }
     const bool head_per_row = !head.empty() && head[0].dim() == 4;
-    const int64_t V = head_per_row ? head[1].numel() : (head.empty() ? 0 : head[0].size(0));
-    TORCH_CHECK(head.size() == (head_per_row ? 5u : 3u), "cached_forward: head must be int8_gemv's weight, scales and "
-                "bias (or an empty tensor), or per_row's packed, qsum, scales, wsum and bias; got ", head.size(),
-                " tensors");
+    TORCH_CHECK(head.size() == (head_per_row ? 5u : 3u) && head[head_per_row ? 1 : 0].dim() >= 1,
+                "cached_forward: head must be int8_gemv's weight [V, E], scales and bias (or an empty tensor), or "
+                "per_row's packed, qsum [V], scales, wsum and bias; got ", head.size(), " tensors");
+    const int64_t V = head_per_row ? head[1].size(0) : head[0].size(0);
     if (head_per_row) {
         Product{0}.check(head.data(), V, E, "head", -1, false);
     } else {
