@@ -116,6 +116,12 @@ def check_quantize_args(args) -> None:
     """The quantization flags must go together (raises ValueError naming them)."""
     if args.group_size is not None and args.quantize != "int4":
         raise ValueError(f"--group-size={args.group_size} applies only to --quantize int4")
+    if args.group_size is not None:                             # before the model loads (n_embd is checked then)
+        from ..inference.quant.schemes import check_scheme
+        try:
+            check_scheme("int4", args.group_size)
+        except ValueError as e:
+            raise ValueError(f"--group-size: {e}") from None
     if args.calibration is not None and (args.quantize is None or args.quantize_method == "rtn"):
         raise ValueError(f"--calibration {args.calibration}: calibration text is read only by "
                          f"--quantize int8|int4 with --quantize-method gptq")

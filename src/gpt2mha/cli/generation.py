@@ -291,10 +291,11 @@ def add_commands(sub) -> None:
                    help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
     batch_invariant_arg(g)
     g.add_argument("--compile", action="store_true",
-                   help="compile the decode step (torch.compile; CPU): 10-70 s to compile, then int8 and int4 "
-                        "models decode faster still (small ops fused around the same products: float32 activations "
-                        "on gpt2mha's GEMV kernel, bf16 ones where it does not build, W7A8 with --activations "
-                        "per_row, W4A8 with --activations per_block); no batch-invariance guarantee for prompts of "
+                   help="compile the decode step (torch.compile; CPU): 10-70 s to compile, then exact int8 and "
+                        "int4 models decode faster still (small ops fused around the same products: float32 "
+                        "activations on gpt2mha's GEMV kernel, bf16 ones where it does not build); not for "
+                        "--activations per_row or per_block, which decode faster without it (one C++ call a "
+                        "forward: README 'The forward in one call'); no batch-invariance guarantee for prompts of "
                         "different lengths (README 'Compiled decode')")
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: split the heads over this many processes "

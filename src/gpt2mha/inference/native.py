@@ -47,8 +47,12 @@ def _kind(model: nn.Module) -> str:
     return ""
 
 
-def _why_not(model: nn.Module) -> str:
-    """Why ``model`` cannot run on the native forward ("" when it can)."""
+def why_not(model: nn.Module) -> str:
+    """Why ``generate`` does not run ``model`` on the native forward ("" when it does, without
+    ``compile``): not per_row/per_block, the kernels not built, hooks attached (global ones
+    too), not float32 on the CPU, blocks cut or mixed."""
+    if not _kind(model):
+        return "not an int8 per_row or int4 per_block model (model.quantization)"
     if not gemv.available():
         return f"the C++ kernels are not built ({gemv.unavailable_reason()})"
     if not all(hasattr(model, name) for name in ("wte", "wpe", "h", "ln_f", "lm_head", "config")):
@@ -111,7 +115,7 @@ class NativeStep:
     """
 
     def __init__(self, model: nn.Module):
-        why = _why_not(model)
+        why = why_not(model)
         if why:
             raise ValueError(f"no native forward for this model: {why}")
         layers = []
@@ -167,7 +171,7 @@ def native_step(model: nn.Module) -> NativeStep | None:
     kept = _steps.get(model)
     if kept is not None and kept[0] == sig:
         return kept[1]
-    if _why_not(model):
+    if why_not(model):
         return None
     step = NativeStep(model)
     # a tensor made in inference mode counts no writes: such a model's step is made every call
