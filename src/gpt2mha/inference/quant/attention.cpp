@@ -67,9 +67,11 @@ static inline void scores_tile(const float *const *qr, const float *kt, int64_t 
     }
 }
 
+}  // namespace
+
 /* row s[0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is
- * NaN or the largest is not finite (as SDPA's NaN row) */
-static inline float softmax_row(float *s, int64_t n, float scale) {
+ * NaN or the largest is not finite (as SDPA's NaN row); kernels.h */
+float softmax_row(float *s, int64_t n, float scale) {
     __m256 mx = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
@@ -105,6 +107,8 @@ static inline float softmax_row(float *s, int64_t n, float scale) {
     }
     return total;
 }
+
+namespace {
 
 /* o[r][d0 .. d0 + 8 DT) = sum_{j < n0 + r} p[r][j] v[j][d0 ..] / total[r] for MT consecutive
  * rows (row r sees n0 + r keys): all rows over keys 0 .. n0, then each row over its own last

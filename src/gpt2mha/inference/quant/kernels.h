@@ -26,3 +26,7 @@ void per_row(const float *x, int64_t M, int64_t K, const int8_t *packed, int64_t
  * mask), last dimensions contiguous; returns o [B, T, h, D] permuted to [B, h, T, D]
  * (attention.cpp, the operator causal_attention). */
 at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v);
+
+/* s [0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is NaN or
+ * the largest is not finite (attention.cpp). */
+float softmax_row(float *s, int64_t n, float scale);

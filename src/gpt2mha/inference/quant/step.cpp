@@ -108,27 +108,8 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t n, 
         for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kc + j * D + d), a);
         p[j] = hsum8(a);
     }
-    float mx = -INFINITY;
-    bool nan = false;
-    for (j = 0; j < n; j++) {
-        nan |= std::isnan(p[j]);
-        mx = std::fmax(mx, p[j]);
-    }
-    if (nan || !std::isfinite(mx)) mx = NAN;     /* a NaN or infinite score: the row is NaN, as SDPA's */
-    const float scale = 1.0f / std::sqrt((float)D);
-    const __m256 mx8 = _mm256_set1_ps(mx), sc8 = _mm256_set1_ps(scale);
-    __m256 t8 = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= n; j += 8) {
-        const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(p + j), mx8), sc8));
-        _mm256_storeu_ps(p + j, e);
-        t8 = _mm256_add_ps(t8, e);
-    }
-    float total = hsum8(t8);
-    for (; j < n; j++) {
-        p[j] = exp1((p[j] - mx) * scale);
-        total += p[j];
-    }
-    const __m256 inv = _mm256_set1_ps(total);
+    const float total = softmax_row(p, n, 1.0f / std::sqrt((float)D));   /* NaN: a NaN row, as SDPA's */
+    const __m256 tot = _mm256_set1_ps(total);
     for (int64_t d0 = 0; d0 < D; d0 += 64) {                 /* dims d0 .. d0 + 63: up to 8 sums */
         const int64_t nd = D - d0 < 64 ? (D - d0) / 8 : 8;
         __m256 a[8];
@@ -138,7 +119,7 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t n, 
             const float *vk = vc + k * D + d0;
             for (int i = 0; i < nd; i++) a[i] = _mm256_fmadd_ps(pk, _mm256_loadu_ps(vk + 8 * i), a[i]);
         }
-        for (int i = 0; i < nd; i++) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_div_ps(a[i], inv));
+        for (int i = 0; i < nd; i++) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_div_ps(a[i], tot));
     }
 }
 
