@@ -1,6 +1,6 @@
 """An optional C++ kernel for int8 and int4 weight-only products at decode sizes: ``gemv.cpp``, the
 operators ``torch.ops.gpt2mha.int8_gemv`` and ``int4_gemv`` (and per_row's ``int8_per_row``), built on first use with the system C++ compiler against torch's
-headers (~20 s, once, with a line on stderr) and loaded with ``torch.ops.load_library``; the same
+headers (~30 s, once, with a line on stderr) and loaded with ``torch.ops.load_library``; the same
 library holds prefill's causal attention kernel (``attention.cpp``, used for float32 models too).
 
 At one to eight input rows a product is a read of the int8 weights. On an AVX2-only CPU none of
@@ -93,7 +93,7 @@ def _build() -> str:
         if out.parent.exists() and not out.parent.is_dir():
             return f"the cache path {out.parent} is not a directory (set GPT2MHA_CACHE to one)"
         out.parent.mkdir(parents=True, exist_ok=True)
-        sys.stderr.write(f"gpt2mha: building its C++ kernels into {out.parent} (once, ~20 s)\n")
+        sys.stderr.write(f"gpt2mha: building its C++ kernels into {out.parent} (once, ~30 s)\n")
         sys.stderr.flush()
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
@@ -165,7 +165,7 @@ def _library() -> str:
 
 
 def available() -> bool:
-    """Whether the operator is built and loaded (builds it on the first call: ~20 s, then cached)."""
+    """Whether the operator is built and loaded (builds it on the first call: ~30 s, then cached)."""
     return _library() == ""
 
 
