@@ -59,7 +59,8 @@ def why_not(model: nn.Module) -> str:
         return "not a GPT2"
     if model.wte.weight.device.type != "cpu" or model.wte.weight.dtype != torch.float32:
         return f"the model is {model.wte.weight.dtype} on {model.wte.weight.device}, not float32 on the CPU"
-    if global_hooks() or any(hooked(m) for m in model.modules()):
+    from .compiled import has_hooks
+    if has_hooks(model):
         return "the model has hooks attached"
     if len(model.h) != model.config.n_layer:
         return f"it holds {len(model.h)} blocks where its config says n_layer={model.config.n_layer}"
@@ -88,10 +89,11 @@ def why_not(model: nn.Module) -> str:
 
 
 def _product(layer: QuantizedLinear) -> list[torch.Tensor]:
-    # the layer's tensors in step.cpp's Product layout
-    if layer.scheme == "int4":
-        return [layer.weight.detach().contiguous(), layer.gemv_scales()]
-    return list(layer.per_row_packed())
+    # the layer's tensors in step.cpp's layouts: W4A8's and the exact int8 head's (weight, kernel
+    # scales), per_row's packed four
+    if layer.activations == "per_row":
+        return list(layer.per_row_packed())
+    return [layer.weight.detach().contiguous(), layer.gemv_scales()]
 
 
 class NativeStep:
@@ -130,8 +132,7 @@ class NativeStep:
         self.ln_f = (model.ln_f.weight.detach(), model.ln_f.bias.detach())
         head = model.lm_head
         bias = torch.empty(0) if head.bias is None else head.bias.detach().float()
-        self.head = [*(_product(head) if head.activations == "per_row" else
-                       [head.weight.detach().contiguous(), head.gemv_scales()]), bias]
+        self.head = [*_product(head), bias]
         c = model.config
         self.sizes = (len(model.h), c.n_head, c.n_embd // c.n_head)
         self.group_size = model.h[0].attn.c_attn.group_size if _kind(model) == "per_block" else 0
