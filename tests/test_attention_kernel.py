@@ -47,6 +47,24 @@ def test_the_kernel_is_causal_attention(B, h, T, S, D):
     assert o.transpose(1, 2).is_contiguous()                    # heads merge with a free reshape
 
 
+@pytest.mark.parametrize("B,h,T,S,D", [(1, 12, 128, 128, 64), (2, 3, 37, 50, 64), (1, 2, 17, 40, 24),
+                                       (1, 2, 33, 33, 40), (1, 2, 64, 97, 80), (1, 1, 1, 1, 16)])
+def test_the_avx512_and_avx2_paths_give_the_same_bits(B, h, T, S, D):
+    # 16-lane tiles (32 keys, 64 dims, exp on 16 lanes) against the 8-lane ones: each lane's
+    # operations are the same, so are the results; sizes that leave 16-key, 16-dim and 8-dim tails
+    if not gemv.use_vnni(True):
+        pytest.skip("the CPU has no AVX-512 VNNI: the kernels have one path here")
+    q, k, v = _qkv(B, h, T, S, D, seed=7 * T + S, strided=D == 64)
+    try:
+        wide = torch.ops.gpt2mha.causal_attention(q * 3, k, v)
+        assert not gemv.use_vnni(False)
+        narrow = torch.ops.gpt2mha.causal_attention(q * 3, k, v)
+    finally:
+        gemv.use_vnni(True)
+    assert torch.equal(wide, narrow)
+    assert (wide.double() - _reference64(q * 3, k, v)).abs().max() <= 1e-5
+
+
 def test_each_querys_result_is_its_own():
     # batch invariance: a query's output is the same bits whatever the other queries, heads,
     # sequences and threads of the call (a shorter prompt of the same tokens, one head, one thread)

@@ -18,7 +18,11 @@
  *     reduction; a NaN score or a non-finite max gives a NaN row (as SDPA),
  *   o: 4 rows x 16 dims per pass, FMAs over each row's own keys in order, divided by its sum.
  * Every value a row gets is computed the same way whatever the other rows, heads, batch and
- * threads are (batch invariance). AVX2 + FMA only: Zen 4 runs 512-bit FMAs as two 256-bit ones.
+ * threads are (batch invariance). On AVX-512 CPUs (unless use_vnni(false)) the same sums run on
+ * 16 lanes: 8 rows x 32 keys per scores pass, 4 rows x 64 dims per o pass, exp on 16 lanes; each
+ * lane's operations are those of the AVX2 path, so both give the same bits. A 512-bit FMA does
+ * twice a 256-bit one's work on Zen 5 (one 256-bit FMA's on Zen 4): the 124M prefill's attention
+ * 2.55 -> X ms at 128 tokens, 38.4 -> X at 512 (RESULTS.md, "Attention on 16 lanes").
  */
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -94,6 +98,51 @@ float softmax_row(float *s, int64_t n, float scale) {
     const __m256 sc = _mm256_set1_ps(scale), mv = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
     for (j = 0; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv), sc));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    alignas(32) float s8[8];
+    _mm256_store_ps(s8, sum);
+    float total = ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));
+    for (; j < n; j++) {
+        s[j] = exp1((s[j] - m) * scale);
+        total += s[j];
+    }
+    return total;
+}
+
+/* softmax_row's operations with the exps on 16 lanes: the same bits (each 16 added to the 8-lane
+ * sum as its two halves, in order) */
+AVX512_TARGET static float softmax_row16(float *s, int64_t n, float scale) {
+    __m256 mx = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(s + j);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, v);
+    }
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, mx);
+    float m = m8[0];
+    for (int i = 1; i < 8; i++) m = std::fmax(m, m8[i]);
+    bool nan = _mm256_movemask_ps(bad) != 0;
+    for (int64_t t = j; t < n; t++) {
+        nan |= std::isnan(s[t]);
+        m = std::fmax(m, s[t]);
+    }
+    if (nan || !std::isfinite(m))
+        return NAN;
+    const __m512 sc16 = _mm512_set1_ps(scale), mv16 = _mm512_set1_ps(m);
+    const __m256 sc = _mm256_set1_ps(scale), mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (j = 0; j + 16 <= n; j += 16) {
+        const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv16), sc16));
+        _mm512_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
+        sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(e, 1));
+    }
+    for (; j + 8 <= n; j += 8) {
         const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv), sc));
         _mm256_storeu_ps(s + j, e);
         sum = _mm256_add_ps(sum, e);
@@ -230,6 +279,118 @@ static void block(const Head &H, const float *kt, int64_t n16, int64_t i0, int64
     }
 }
 
+/* The same on 16 lanes (AVX-512): scores of MT rows x 16 KT keys from j0 (kt: D rows of nk keys),
+ * each lane's FMAs over d in order as scores_tile's */
+template <int MT, int KT>
+AVX512_TARGET static inline void scores_tile16(const float *const *qr, const float *kt, int64_t nk, int64_t D,
+                                               int64_t j0, float *const *sr) {
+    __m512 acc[MT][KT];
+    for (int r = 0; r < MT; r++)
+        for (int c = 0; c < KT; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m512 kv[KT];
+        for (int c = 0; c < KT; c++) kv[c] = _mm512_loadu_ps(kt + d * nk + j0 + 16 * c);
+        for (int r = 0; r < MT; r++) {
+            const __m512 qb = _mm512_set1_ps(qr[r][d]);
+            for (int c = 0; c < KT; c++) acc[r][c] = _mm512_fmadd_ps(qb, kv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < MT; r++)
+        for (int c = 0; c < KT; c++) _mm512_storeu_ps(sr[r] + j0 + 16 * c, acc[r][c]);
+}
+
+/* out_tile on 16 lanes: o[r][d0 .. d0 + 16 DT) for MT rows, each lane's sum over the row's keys in order */
+template <int MT, int DT>
+AVX512_TARGET static inline void out_tile16(const float *const *pr, const float *v, int64_t vs, int64_t n0, int64_t d0,
+                                            const float *inv, float *const *orow) {
+    __m512 acc[MT][DT];
+    for (int r = 0; r < MT; r++)
+        for (int t = 0; t < DT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n0; j++) {
+        __m512 vj[DT];
+        for (int t = 0; t < DT; t++) vj[t] = _mm512_loadu_ps(v + j * vs + d0 + 16 * t);
+        for (int r = 0; r < MT; r++) {
+            const __m512 p = _mm512_set1_ps(pr[r][j]);
+            for (int t = 0; t < DT; t++) acc[r][t] = _mm512_fmadd_ps(p, vj[t], acc[r][t]);
+        }
+    }
+    for (int e = 0; e + 1 < MT; e++) {
+        const int64_t j = n0 + e;
+        __m512 vj[DT];
+        for (int t = 0; t < DT; t++) vj[t] = _mm512_loadu_ps(v + j * vs + d0 + 16 * t);
+        for (int r = e + 1; r < MT; r++) {
+            const __m512 p = _mm512_set1_ps(pr[r][j]);
+            for (int t = 0; t < DT; t++) acc[r][t] = _mm512_fmadd_ps(p, vj[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < MT; r++) {
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+        for (int t = 0; t < DT; t++) _mm512_storeu_ps(orow[r] + d0 + 16 * t, _mm512_mul_ps(acc[r][t], iv));
+    }
+}
+
+/* block() on 16 lanes (kt padded to nk, a multiple of 32 keys): the same values */
+constexpr int SC_ROWS16 = 8;
+AVX512_TARGET static void block16(const Head &H, const float *kt, int64_t nk, int64_t i0, int64_t i1, int64_t off,
+                                  int64_t D, float scale, std::vector<float> &sc) {
+    sc.resize(ROWS * nk);
+    const float *qr[SC_ROWS16];
+    float *sr[SC_ROWS16];
+    for (int64_t r0 = i0; r0 < i1; r0 += SC_ROWS16) {
+        const int mt = (int)std::min<int64_t>(SC_ROWS16, i1 - r0);
+        for (int r = 0; r < mt; r++) {
+            qr[r] = H.q + (r0 + r) * H.qs;
+            sr[r] = sc.data() + (r0 + r - i0) * nk;
+        }
+        const int64_t need = r0 + mt - 1 + off + 1;      /* keys the last row of the pass sees */
+        for (int64_t j0 = 0; j0 < need;) {
+            const bool two = need - j0 > 16;             /* 32 keys, else 16 */
+#define SCORES16(M) (two ? scores_tile16<M, 2>(qr, kt, nk, D, j0, sr) : scores_tile16<M, 1>(qr, kt, nk, D, j0, sr))
+            switch (mt) {
+                case 8: SCORES16(8); break;
+                case 7: SCORES16(7); break;
+                case 6: SCORES16(6); break;
+                case 5: SCORES16(5); break;
+                case 4: SCORES16(4); break;
+                case 3: SCORES16(3); break;
+                case 2: SCORES16(2); break;
+                default: SCORES16(1); break;
+            }
+#undef SCORES16
+            j0 += two ? 32 : 16;
+        }
+    }
+    float inv[ROWS];
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t n = i + off + 1;
+        inv[i - i0] = 1.0f / softmax_row16(sc.data() + (i - i0) * nk, n, scale);
+    }
+    const float *pr[PV_ROWS];
+    float *orow[PV_ROWS];
+    for (int64_t r0 = i0; r0 < i1; r0 += PV_ROWS) {
+        const int mt = (int)std::min<int64_t>(PV_ROWS, i1 - r0);
+        for (int r = 0; r < mt; r++) {
+            pr[r] = sc.data() + (r0 + r - i0) * nk;
+            orow[r] = H.o + (r0 + r) * H.os;
+        }
+        const int64_t n = r0 + off + 1;                   /* the first row's keys; row r sees n + r */
+        const float *iv = inv + (r0 - i0);
+        int64_t d0 = 0;
+#define OUT16(DT)                                                                               \
+        switch (mt) {                                                                           \
+            case 4: out_tile16<4, DT>(pr, H.v, H.vs, n, d0, iv, orow); break;                   \
+            case 3: out_tile16<3, DT>(pr, H.v, H.vs, n, d0, iv, orow); break;                   \
+            case 2: out_tile16<2, DT>(pr, H.v, H.vs, n, d0, iv, orow); break;                   \
+            default: out_tile16<1, DT>(pr, H.v, H.vs, n, d0, iv, orow); break;                  \
+        }
+        for (; d0 + 64 <= D; d0 += 64) OUT16(4)
+        for (; d0 + 16 <= D; d0 += 16) OUT16(1)
+#undef OUT16
+        for (; d0 < D; d0 += 8)                           /* the last 8 dims of a D = 16 k + 8 */
+            for (int r = 0; r < mt; r++) out_tile<1, 1>(pr + r, H.v, H.vs, n + r, d0, iv + r, orow + r);
+    }
+}
+
 static void check(const at::Tensor &t, const char *name) {
     TORCH_CHECK(t.dim() == 4 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(3) == 1,
                 "causal_attention: ", name, " must be a float32 CPU tensor [B, h, T, D] whose last dimension "
@@ -254,16 +415,17 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
     const int64_t blocks = (T + ROWS - 1) / ROWS, tasks = B * h * blocks;
     const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
     float *op = o.data_ptr<float>();
-    const int64_t n16 = (S + 15) / 16 * 16;
+    const bool wide = avx512_paths();
+    const int64_t n16 = wide ? (S + 31) / 32 * 32 : (S + 15) / 16 * 16;   /* keys padded to whole tiles */
     at::Tensor kt = at::empty({B * h, D, n16}, q.options());        /* each head's keys, transposed */
     float *ktp = kt.data_ptr<float>();
     const bool par = tasks > 1 && T * S * h * B >= (1 << 14);
-    #pragma omp parallel for schedule(static) if (par)
-    for (int64_t bh = 0; bh < B * h; bh++)
-        transpose_keys(kp + (bh / h) * k.stride(0) + (bh % h) * k.stride(1), k.stride(2), S, D, n16,
-                       ktp + bh * D * n16);
-    #pragma omp parallel if (par)
+    #pragma omp parallel if (par)                      /* one region: waking the threads twice cost ~0.03 ms */
     {
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * h; bh++)
+            transpose_keys(kp + (bh / h) * k.stride(0) + (bh % h) * k.stride(1), k.stride(2), S, D, n16,
+                           ktp + bh * D * n16);
         std::vector<float> sc;
         /* the longest blocks (the last rows) first: dynamic hand-out then evens the threads */
         #pragma omp for schedule(dynamic, 1)
@@ -271,7 +433,10 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
             const int64_t bh = t % (B * h), blk = blocks - 1 - t / (B * h), b = bh / h, hh = bh % h;
             const Head H{qp + b * q.stride(0) + hh * q.stride(1), vp + b * v.stride(0) + hh * v.stride(1),
                          q.stride(2), v.stride(2), op + (b * T * h + hh) * D, h * D};
-            block(H, ktp + bh * D * n16, n16, blk * ROWS, std::min(T, (blk + 1) * ROWS), S - T, D, scale, sc);
+            if (wide)
+                block16(H, ktp + bh * D * n16, n16, blk * ROWS, std::min(T, (blk + 1) * ROWS), S - T, D, scale, sc);
+            else
+                block(H, ktp + bh * D * n16, n16, blk * ROWS, std::min(T, (blk + 1) * ROWS), S - T, D, scale, sc);
         }
     }
     return o.permute({0, 2, 1, 3});

@@ -855,6 +855,8 @@ static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, co
  * use_vnni has not turned them off) */
 static bool has_vnni() { return use_vnni && vnni(); }
 
+bool avx512_paths() { return use_vnni && vnni(); }
+
 /* use_vnni(on): whether the kernels may take their AVX-512 VNNI paths (default true); returns
  * whether they now do (false on a CPU without VNNI). The results are the same bits either way:
  * tests switch it off to compare. */

@@ -242,9 +242,10 @@ def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scal
 
 
 def use_vnni(on: bool) -> bool:
-    """Let the kernels take their AVX-512 VNNI paths where the CPU has them (``on=True``, the
-    default) or keep to AVX2 (``False``: tests compare the two). Returns whether they now take
-    them. Process-wide, for every thread.
+    """Let the kernels take their AVX-512 paths where the CPU has AVX-512 VNNI (``on=True``, the
+    default): ``vpdpbusd`` in the products, 16-lane FMAs and exps in the prefill attention
+    (``causal_attention``); or keep to AVX2 (``False``: tests compare the two; the same bits).
+    Returns whether they now take them. Process-wide, for every thread.
 
     Raises:
         RuntimeError: the kernel is not available.

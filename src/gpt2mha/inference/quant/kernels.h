@@ -30,3 +30,7 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
 /* s [0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is NaN or
  * the largest is not finite (attention.cpp). */
 float softmax_row(float *s, int64_t n, float scale);
+
+/* whether the kernels take their AVX-512 paths now: the CPU has AVX-512 VNNI and use_vnni has not
+ * turned them off (gemv.cpp) */
+bool avx512_paths();
