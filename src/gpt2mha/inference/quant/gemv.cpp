@@ -137,6 +137,7 @@ void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N, cons
  * them: each path gives the same bits). */
 static bool vnni() {
     static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
                             __builtin_cpu_supports("avx512vnni");
     return has;
 }
@@ -173,12 +174,11 @@ struct Rescale {
      * (the same operations either way: IEEE multiplies and adds, nothing fused) */
     inline void apply(int64_t m, int64_t n0, int64_t nn, const int32_t *s, float *y) const {
         const __m256 av = _mm256_set1_ps(a[m]), cv = _mm256_set1_ps(c[m]);
-        const __m256i k128 = _mm256_set1_epi32(128);
         int64_t j = 0;
         for (; j + 8 <= nn; j += 8) {
             const int64_t n = n0 + j;
             const __m256i q = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(s + j)),
-                                               _mm256_mullo_epi32(k128, _mm256_loadu_si256((const __m256i *)(qsum + n))));
+                                               _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(qsum + n)), 7));
             const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(scales + n));
             __m256 t = _mm256_add_ps(_mm256_mul_ps(v, av), _mm256_mul_ps(cv, _mm256_loadu_ps(wsum + n)));
             if (bias)
@@ -191,6 +191,23 @@ struct Rescale {
             const float tb = bias ? t + bias[n] : t;
             y[j] = gelu ? gelu1(tb) : tb;
         }
+    }
+    /* the same on 16 lanes (AVX-512; GELU's div and exp were ~1.3 of a 128-token prompt's ~22 ms on 8) */
+    AVX512_TARGET inline void apply16(int64_t m, int64_t n0, int64_t nn, const int32_t *s, float *y) const {
+        const __m512 av = _mm512_set1_ps(a[m]), cv = _mm512_set1_ps(c[m]);
+        int64_t j = 0;
+        for (; j + 16 <= nn; j += 16) {
+            const int64_t n = n0 + j;
+            const __m512i q = _mm512_sub_epi32(_mm512_loadu_si512((const void *)(s + j)),
+                                               _mm512_slli_epi32(_mm512_loadu_si512((const void *)(qsum + n)), 7));
+            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(scales + n));
+            __m512 t = _mm512_add_ps(_mm512_mul_ps(v, av), _mm512_mul_ps(cv, _mm512_loadu_ps(wsum + n)));
+            if (bias)
+                t = _mm512_add_ps(t, _mm512_loadu_ps(bias + n));
+            _mm512_storeu_ps(y + j, gelu ? gelu16(t) : t);
+        }
+        if (j < nn)
+            apply(m, n0 + j, nn - j, s + j, y + j);
     }
 };
 
@@ -247,7 +264,7 @@ static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, c
  * MT); each pass leaves its sums in s [32 MT] for the rescale. With more rows than one pass
  * (prefill), the first pass over a tile also prefetches the next tile into L2 (pf): the 48
  * products of 124M at 128 rows 3-5% faster, weights from memory */
-#define PACKED_ROWS(ROWS, SWITCH)                                                      \
+#define PACKED_ROWS(ROWS, APPLY, SWITCH)                                               \
     int32_t s[32 * ROWS];                                                              \
     for (int64_t t = t0; t < t1; t++) {                                                \
         const int8_t *pt = P + t * Kq * 128;                                           \
@@ -257,14 +274,14 @@ static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, c
             const uint8_t *um = u8 + m0 * ustride;                                     \
             const int8_t *pf = m0 == 0 && M > ROWS && t + 1 < t1 ? pt + Kq * 128 : nullptr; \
             SWITCH                                                                     \
-            for (int64_t i = 0; i < mt; i++) r.apply(m0 + i, n0, nn, s + 32 * i, y + (m0 + i) * N + n0); \
+            for (int64_t i = 0; i < mt; i++) r.APPLY(m0 + i, n0, nn, s + 32 * i, y + (m0 + i) * N + n0); \
         }                                                                              \
     }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void packed_rows_vnni(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
                              const Rescale &r, float *y, int64_t t0, int64_t t1) {
-    PACKED_ROWS(8, switch (mt) {
+    PACKED_ROWS(8, apply16, switch (mt) {
         case 8: packed_tile_vnni<8>(um, ustride, Kq, pt, s, pf); break;
         case 7: packed_tile_vnni<7>(um, ustride, Kq, pt, s, pf); break;
         case 6: packed_tile_vnni<6>(um, ustride, Kq, pt, s, pf); break;
@@ -278,7 +295,7 @@ static void packed_rows_vnni(const uint8_t *u8, int64_t M, int64_t ustride, int6
 
 static void packed_rows(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
                         const Rescale &r, float *y, int64_t t0, int64_t t1) {
-    PACKED_ROWS(2, if (mt == 2) packed_tile<2>(um, ustride, Kq, pt, s, pf); else packed_tile<1>(um, ustride, Kq, pt, s, pf);)
+    PACKED_ROWS(2, apply, if (mt == 2) packed_tile<2>(um, ustride, Kq, pt, s, pf); else packed_tile<1>(um, ustride, Kq, pt, s, pf);)
 }
 #undef PACKED_ROWS
 
@@ -615,60 +632,113 @@ static at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &weight, const
     return y;
 }
 
+/* the end of a row's range: folds the 8-lane min and max (lanes, then the last k .. K one by one);
+ * a row with a non-finite value or range gets u = 0 and a = c = NaN (returns false); else the
+ * step a = (hi - lo) / 255 (at least 1e-30 to divide by), a and c = a * 128 + lo kept */
+static inline bool row_range(const float *xr, int64_t K, int64_t k, __m256 lo8, __m256 hi8, bool bad, uint8_t *ur,
+                             float *ra, float *rc, float &lo, float &hi, float &step) {
+    alignas(32) float l[8], h[8];
+    _mm256_store_ps(l, lo8);
+    _mm256_store_ps(h, hi8);
+    lo = l[0];
+    hi = h[0];
+    for (int j = 1; j < 8; j++) {
+        lo = std::fmin(lo, l[j]);
+        hi = std::fmax(hi, h[j]);
+    }
+    for (; k < K; k++) {
+        bad |= std::isnan(xr[k]);
+        lo = std::fmin(lo, xr[k]);
+        hi = std::fmax(hi, xr[k]);
+    }
+    const float a = (hi - lo) / 255.0f;
+    if (bad || !std::isfinite(a) || !std::isfinite(lo)) {
+        std::memset(ur, 0, (size_t)K);
+        *ra = *rc = NAN;
+        return false;
+    }
+    step = a > 1e-30f ? a : 1e-30f;
+    *ra = a;
+    *rc = a * 128.0f + lo;
+    return true;
+}
+
+/* one row of round_rows: u [ustride] from x [K] */
+static void round_row(const float *xr, int64_t K, uint8_t *ur, int64_t ustride, float *ra, float *rc) {
+    std::memset(ur + K, 0, (size_t)(ustride - K));                    /* the padding to 4 bytes */
+    __m256 lo8 = _mm256_set1_ps(INFINITY), hi8 = _mm256_set1_ps(-INFINITY), bad8 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + k);
+        bad8 = _mm256_or_ps(bad8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        lo8 = _mm256_min_ps(lo8, v);
+        hi8 = _mm256_max_ps(hi8, v);
+    }
+    float lo, hi, step;
+    if (!row_range(xr, K, k, lo8, hi8, _mm256_movemask_ps(bad8) != 0, ur, ra, rc, lo, hi, step))
+        return;
+    const __m256 lov = _mm256_set1_ps(lo), stepv = _mm256_set1_ps(step);
+    for (k = 0; k + 8 <= K; k += 8) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(xr + k), lov), stepv),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i i32 = _mm256_cvtps_epi32(r);
+        const __m256i p16 = _mm256_packus_epi32(i32, i32);               /* per 128-bit lane */
+        const __m256i p8 = _mm256_packus_epi16(p16, p16);
+        const uint64_t both = (uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(p8)) |
+                              ((uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(p8, 1)) << 32);
+        std::memcpy(ur + k, &both, 8);
+    }
+    for (; k < K; k++) ur[k] = (uint8_t)std::nearbyint((xr[k] - lo) / step);
+}
+
+/* the same on 16 lanes (AVX-512): the same bytes and steps (min and max in any order are the same
+ * values; each value's subtract, divide and round are the 8-lane path's) */
+AVX512_TARGET static void round_row16(const float *xr, int64_t K, uint8_t *ur, int64_t ustride, float *ra, float *rc) {
+    std::memset(ur + K, 0, (size_t)(ustride - K));
+    __m512 lo16 = _mm512_set1_ps(INFINITY), hi16 = _mm512_set1_ps(-INFINITY);
+    __mmask16 bad16 = 0;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m512 v = _mm512_loadu_ps(xr + k);
+        bad16 |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        lo16 = _mm512_min_ps(lo16, v);
+        hi16 = _mm512_max_ps(hi16, v);
+    }
+    __m256 lo8 = _mm256_min_ps(_mm512_castps512_ps256(lo16), _mm512_extractf32x8_ps(lo16, 1));
+    __m256 hi8 = _mm256_max_ps(_mm512_castps512_ps256(hi16), _mm512_extractf32x8_ps(hi16, 1));
+    bool bad = bad16 != 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + k);
+        bad |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0;
+        lo8 = _mm256_min_ps(lo8, v);
+        hi8 = _mm256_max_ps(hi8, v);
+    }
+    float lo, hi, step;
+    if (!row_range(xr, K, k, lo8, hi8, bad, ur, ra, rc, lo, hi, step))
+        return;
+    const __m512 lov = _mm512_set1_ps(lo), stepv = _mm512_set1_ps(step);
+    for (k = 0; k + 16 <= K; k += 16) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(xr + k), lov), stepv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i i32 = _mm512_max_epi32(_mm512_cvtps_epi32(r), _mm512_setzero_si512());   /* as packus: 0 .. 255 */
+        _mm_storeu_si128((__m128i *)(ur + k), _mm512_cvtusepi32_epi8(i32));
+    }
+    for (; k < K; k++) ur[k] = (uint8_t)std::nearbyint((xr[k] - lo) / step);
+}
+
 /* per_row's rounding of the rows of x [M, K] (compiled.py's PerRowInt8Linear, linear.py's
  * int8_matmul_per_row): lo = min, a = (max - min) / 255, u = round((x - lo) / max(a, 1e-30)) in
  * 0..255 (round half to even, as torch.round), into rows of ustride bytes; a[m] and c[m] = a * 128
  * + lo for the rescale; a row with a non-finite value gets u = 0 and a = c = NaN. */
 static void round_rows(const float *x, int64_t M, int64_t K, uint8_t *u8, int64_t ustride, float *ra, float *rc) {
+    const bool wide = use_vnni && vnni();
     /* rows on the threads for prefill sizes (a 512 x 3072 input took ~0.5 ms on one) */
     #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_ROUND)
     for (int64_t m = 0; m < M; m++) {
-        std::memset(u8 + m * ustride + K, 0, (size_t)(ustride - K));       /* the padding to 4 bytes */
-        const float *xr = x + m * K;
-        __m256 lo8 = _mm256_set1_ps(INFINITY), hi8 = _mm256_set1_ps(-INFINITY), bad8 = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            const __m256 v = _mm256_loadu_ps(xr + k);
-            bad8 = _mm256_or_ps(bad8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            lo8 = _mm256_min_ps(lo8, v);
-            hi8 = _mm256_max_ps(hi8, v);
-        }
-        alignas(32) float l[8], h[8];
-        _mm256_store_ps(l, lo8);
-        _mm256_store_ps(h, hi8);
-        float lo = l[0], hi = h[0];
-        for (int j = 1; j < 8; j++) {
-            lo = std::fmin(lo, l[j]);
-            hi = std::fmax(hi, h[j]);
-        }
-        bool bad = _mm256_movemask_ps(bad8) != 0;
-        for (; k < K; k++) {
-            bad |= std::isnan(xr[k]);
-            lo = std::fmin(lo, xr[k]);
-            hi = std::fmax(hi, xr[k]);
-        }
-        const float a = (hi - lo) / 255.0f;
-        uint8_t *ur = u8 + m * ustride;
-        if (bad || !std::isfinite(a) || !std::isfinite(lo)) {
-            std::memset(ur, 0, (size_t)K);
-            ra[m] = rc[m] = NAN;
-            continue;
-        }
-        const float step = a > 1e-30f ? a : 1e-30f;
-        const __m256 lov = _mm256_set1_ps(lo), stepv = _mm256_set1_ps(step);
-        for (k = 0; k + 8 <= K; k += 8) {
-            const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(xr + k), lov), stepv),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m256i i32 = _mm256_cvtps_epi32(r);
-            const __m256i p16 = _mm256_packus_epi32(i32, i32);           /* per 128-bit lane */
-            const __m256i p8 = _mm256_packus_epi16(p16, p16);
-            const uint64_t both = (uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(p8)) |
-                                  ((uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(p8, 1)) << 32);
-            std::memcpy(ur + k, &both, 8);
-        }
-        for (; k < K; k++) ur[k] = (uint8_t)std::nearbyint((xr[k] - lo) / step);
-        ra[m] = a;
-        rc[m] = a * 128.0f + lo;
+        if (wide)
+            round_row16(x + m * K, K, u8 + m * ustride, ustride, ra + m, rc + m);
+        else
+            round_row(x + m * K, K, u8 + m * ustride, ustride, ra + m, rc + m);
     }
 }
 

@@ -69,6 +69,12 @@ static inline __m256 gelu8(__m256 x) {
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_mul_ps(_mm256_set1_ps(GELU_2C), inner))));
 }
 
+/* gelu8's operations on 16 lanes (AVX-512 CPUs) */
+AVX512_TARGET static inline __m512 gelu16(__m512 x) {
+    const __m512 inner = _mm512_fmadd_ps(_mm512_set1_ps(GELU_K), _mm512_mul_ps(_mm512_mul_ps(x, x), x), x);
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_mul_ps(_mm512_set1_ps(GELU_2C), inner))));
+}
+
 static inline float gelu1(float x) {
     const float inner = std::fmaf(GELU_K, (x * x) * x, x);
     return x / (1.0f + exp1(GELU_2C * inner));
