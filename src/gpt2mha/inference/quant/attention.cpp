@@ -74,9 +74,8 @@ static inline void scores_tile(const float *const *qr, const float *kt, int64_t 
 
 }  // namespace
 
-/* row s[0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is
- * NaN or the largest is not finite (as SDPA's NaN row); kernels.h */
-float softmax_row(float *s, int64_t n, float scale) {
+/* the largest of s[0 .. n) into m; false when a score is NaN or the largest is not finite */
+static bool row_max(const float *s, int64_t n, float &m) {
     __m256 mx = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
@@ -86,19 +85,21 @@ float softmax_row(float *s, int64_t n, float scale) {
     }
     alignas(32) float m8[8];
     _mm256_store_ps(m8, mx);
-    float m = m8[0];
+    m = m8[0];
     for (int i = 1; i < 8; i++) m = std::fmax(m, m8[i]);
     bool nan = _mm256_movemask_ps(bad) != 0;
     for (int64_t t = j; t < n; t++) {
         nan |= std::isnan(s[t]);
         m = std::fmax(m, s[t]);
     }
-    if (nan || !std::isfinite(m))
-        return NAN;
-    /* (s - m) first: exact for the largest scores (Sterbenz), so huge scores keep their gaps */
+    return !nan && std::isfinite(m);
+}
+
+/* softmax_row from score j on (j a multiple of 8), the 8-lane sum of the exps before j in sum:
+ * 8 at a time into sum, its fixed reduction, then one by one; returns the total */
+static float exp_rest(float *s, int64_t j, int64_t n, float m, float scale, __m256 sum) {
     const __m256 sc = _mm256_set1_ps(scale), mv = _mm256_set1_ps(m);
-    __m256 sum = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= n; j += 8) {
+    for (; j + 8 <= n; j += 8) {
         const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv), sc));
         _mm256_storeu_ps(s + j, e);
         sum = _mm256_add_ps(sum, e);
@@ -113,49 +114,32 @@ float softmax_row(float *s, int64_t n, float scale) {
     return total;
 }
 
+/* row s[0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is
+ * NaN or the largest is not finite (as SDPA's NaN row); (s - max) first: exact for the largest
+ * scores (Sterbenz), so huge scores keep their gaps; kernels.h */
+float softmax_row(float *s, int64_t n, float scale) {
+    float m;
+    if (!row_max(s, n, m))
+        return NAN;
+    return exp_rest(s, 0, n, m, scale, _mm256_setzero_ps());
+}
+
 /* softmax_row's operations with the exps on 16 lanes: the same bits (each 16 added to the 8-lane
  * sum as its two halves, in order) */
 AVX512_TARGET static float softmax_row16(float *s, int64_t n, float scale) {
-    __m256 mx = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 v = _mm256_loadu_ps(s + j);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        mx = _mm256_max_ps(mx, v);
-    }
-    alignas(32) float m8[8];
-    _mm256_store_ps(m8, mx);
-    float m = m8[0];
-    for (int i = 1; i < 8; i++) m = std::fmax(m, m8[i]);
-    bool nan = _mm256_movemask_ps(bad) != 0;
-    for (int64_t t = j; t < n; t++) {
-        nan |= std::isnan(s[t]);
-        m = std::fmax(m, s[t]);
-    }
-    if (nan || !std::isfinite(m))
+    float m;
+    if (!row_max(s, n, m))
         return NAN;
-    const __m512 sc16 = _mm512_set1_ps(scale), mv16 = _mm512_set1_ps(m);
-    const __m256 sc = _mm256_set1_ps(scale), mv = _mm256_set1_ps(m);
+    const __m512 sc = _mm512_set1_ps(scale), mv = _mm512_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
-    for (j = 0; j + 16 <= n; j += 16) {
-        const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv16), sc16));
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv), sc));
         _mm512_storeu_ps(s + j, e);
         sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
         sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(e, 1));
     }
-    for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv), sc));
-        _mm256_storeu_ps(s + j, e);
-        sum = _mm256_add_ps(sum, e);
-    }
-    alignas(32) float s8[8];
-    _mm256_store_ps(s8, sum);
-    float total = ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));
-    for (; j < n; j++) {
-        s[j] = exp1((s[j] - m) * scale);
-        total += s[j];
-    }
-    return total;
+    return exp_rest(s, j, n, m, scale, sum);
 }
 
 namespace {
