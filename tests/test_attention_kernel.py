@@ -65,6 +65,25 @@ def test_the_avx512_and_avx2_paths_give_the_same_bits(B, h, T, S, D):
     assert (wide.double() - _reference64(q * 3, k, v)).abs().max() <= 1e-5
 
 
+def test_nan_rows_are_the_same_nan_on_both_paths():
+    # an infinite score makes a NaN row (as SDPA's); its NaNs took the sign of whichever operand
+    # each path's multiply kept (0xffc00000 on AVX2, 0x7fc00000 on AVX-512: a break-it review)
+    if not gemv.use_vnni(True):
+        pytest.skip("the CPU has no AVX-512 VNNI: the kernels have one path here")
+    q, k, v = _qkv(1, 2, 9, 25, 56, seed=3)
+    q[0, 0, 8, 3] = float("inf")
+    k[0, 1, 0, 5] = float("nan")                     # key 0, which every query of head 1 sees
+    try:
+        wide = torch.ops.gpt2mha.causal_attention(q, k, v)
+        assert not gemv.use_vnni(False)
+        narrow = torch.ops.gpt2mha.causal_attention(q, k, v)
+    finally:
+        gemv.use_vnni(True)
+    nan = wide.isnan()
+    assert nan[0, 0, 8].all() and nan[0, 1].all() and nan.sum() == 56 * 10      # row 8 of head 0, all of head 1
+    assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))        # every bit, NaNs included
+
+
 def test_each_querys_result_is_its_own():
     # batch invariance: a query's output is the same bits whatever the other queries, heads,
     # sequences and threads of the call (a shorter prompt of the same tokens, one head, one thread)

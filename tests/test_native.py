@@ -210,6 +210,26 @@ def test_models_it_does_not_fit_decode_as_before():
 
 
 @needs_kernel
+def test_a_head_dim_the_kernels_cannot_take_runs_on_the_models_forward():
+    # head_dim 12 (36 / 3): the operator wants multiples of 8; generate must fall back, not fail
+    # (a break-it review found `RuntimeError: cached_forward: head_dim must be a multiple of 8`)
+    model = _model(seed=12, n_embd=36, n_head=3, kind="per_row")
+    assert native.why_not(model) == "head_dim=12 is not a multiple of 8 (the kernels' vectors)"
+    assert native_step(model) is None
+    prompt = torch.tensor([[1, 2, 3]])
+    out = model.generate(prompt, 4, temperature=0)
+    c = model.config
+    cache = KVCache(c.n_layer, 1, c.n_head, 8, c.n_embd // c.n_head)
+    with torch.inference_mode():                        # the model's own greedy steps
+        ids = prompt
+        logits = model(ids, cache=cache, last_only=True).logits[:, -1]
+        for _ in range(4):
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+            logits = model(ids[:, -1:], cache=cache, last_only=True).logits[:, -1]
+    assert torch.equal(out, ids)
+
+
+@needs_kernel
 def test_the_operator_names_what_does_not_fit():
     model = _model(seed=6)
     step = NativeStep(model)

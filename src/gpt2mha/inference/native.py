@@ -50,7 +50,7 @@ def _kind(model: nn.Module) -> str:
 def why_not(model: nn.Module) -> str:
     """Why ``generate`` does not run ``model`` on the native forward ("" when it does, without
     ``compile``): not per_row/per_block, the kernels not built, hooks attached (global ones
-    too), not float32 on the CPU, blocks cut or mixed."""
+    too), not float32 on the CPU, blocks cut or mixed, a head_dim that is not a multiple of 8."""
     if not _kind(model):
         return "not an int8 per_row or int4 per_block model (model.quantization)"
     if not gemv.available():
@@ -64,6 +64,9 @@ def why_not(model: nn.Module) -> str:
         return "the model has hooks attached"
     if len(model.h) != model.config.n_layer:
         return f"it holds {len(model.h)} blocks where its config says n_layer={model.config.n_layer}"
+    head_dim = model.config.n_embd // model.config.n_head
+    if head_dim % 8:
+        return f"head_dim={head_dim} is not a multiple of 8 (the kernels' vectors)"
     kind = _kind(model)
     scheme = {"per_block": "int4", "per_row": "int8"}.get(kind)
     groups = set()

@@ -207,6 +207,14 @@ static void transpose_keys(const float *k, int64_t ks, int64_t S, int64_t D, int
     }
 }
 
+/* rows i0 .. i1 whose softmax gave NaN (inv) written as NaN, one value whatever the path (the
+ * product of NaNs keeps one operand's sign, which the two paths' instructions pick differently) */
+static void nan_rows(const Head &H, const float *inv, int64_t i0, int64_t i1, int64_t D) {
+    for (int64_t i = i0; i < i1; i++)
+        if (std::isnan(inv[i - i0]))
+            for (int64_t d = 0; d < D; d++) H.o[i * H.os + d] = NAN;
+}
+
 /* rows i0 .. i1 of one head, its keys transposed in kt [D, n16]; off = S - T */
 static void block(const Head &H, const float *kt, int64_t n16, int64_t i0, int64_t i1, int64_t off, int64_t D,
                   float scale, std::vector<float> &sc) {
@@ -262,6 +270,7 @@ static void block(const Head &H, const float *kt, int64_t n16, int64_t i0, int64
             }
         }
     }
+    nan_rows(H, inv, i0, i1, D);
 }
 
 /* The same on 16 lanes (AVX-512): scores of MT rows x 16 KT keys from j0 (kt: D rows of nk keys),
@@ -374,6 +383,7 @@ AVX512_TARGET static void block16(const Head &H, const float *kt, int64_t nk, in
         for (; d0 < D; d0 += 8)                           /* the last 8 dims of a D = 16 k + 8 */
             for (int r = 0; r < mt; r++) out_tile<1, 1>(pr + r, H.v, H.vs, n + r, d0, iv + r, orow + r);
     }
+    nan_rows(H, inv, i0, i1, D);
 }
 
 static void check(const at::Tensor &t, const char *name) {
