@@ -432,7 +432,7 @@ def cmd_convert(args) -> int:
     from ..io.formats import convert
 
     if args.quantize is None and (args.group_size is not None or args.calibration is not None
-                                  or args.quantize_method is not None):
+                                  or args.quantize_method is not None or args.quantize_head is not None):
         quantized(None, args)                                   # the named error for a stray option
     # --activations alone sets the mode on a model saved int8 (and names the flag for a float one)
     written = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, src_format=args.src_format,

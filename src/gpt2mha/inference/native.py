@@ -80,9 +80,14 @@ def why_not(model: nn.Module) -> str:
             if norm.weight is None or norm.bias is None:
                 return "a LayerNorm has no weight or bias"
     head = model.lm_head
-    if not (isinstance(head, QuantizedLinear) and head.scheme == "int8"
-            and head.activations == ("per_row" if kind == "per_row" else "exact")):
-        return "its head is not int8 with the blocks' activations (int4 models: exact)"
+    int4_head = kind == "per_block" and isinstance(head, QuantizedLinear) and head.scheme == "int4"
+    if int4_head:
+        if head.activations != "per_block" or head.bias is not None:
+            return "its int4 head does not take the blocks' per_block activations, or has a bias"
+        groups.add(head.group_size)
+    elif not (isinstance(head, QuantizedLinear) and head.scheme == "int8"
+              and head.activations == ("per_row" if kind == "per_row" else "exact")):
+        return "its head is not int8 with the blocks' activations (int4 models: exact) or int4 per_block"
     eps = {m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)}
     if len(groups) != 1 or len(eps) != 1:
         return "its layers differ in group size or LayerNorm epsilon"

@@ -10,10 +10,10 @@ whole model, calibration, the error report).
 
 from .linear import ACTIVATIONS, QuantizedHead, QuantizedLinear, int8_matmul, int8_matmul_per_row, split_activations
 from .model import QuantizationWarning, calibration_ids, default_calibration, quantize_model, set_activations
-from .schemes import (DEFAULT_GROUP_SIZE, HEAD_SCHEME, INT4_GROUP_SIZES, KERNEL_DTYPE, METHODS, SCHEMES,
-                      QuantizationError, check_scheme)
+from .schemes import (DEFAULT_GROUP_SIZE, HEAD_SCHEME, HEAD_SCHEMES, INT4_GROUP_SIZES, KERNEL_DTYPE, METHODS, SCHEMES,
+                      QuantizationError, check_head, check_scheme)
 
 __all__ = ["ACTIVATIONS", "QuantizedHead", "QuantizedLinear", "int8_matmul", "int8_matmul_per_row", "split_activations",
            "QuantizationWarning", "calibration_ids", "default_calibration", "quantize_model", "set_activations",
-           "DEFAULT_GROUP_SIZE", "HEAD_SCHEME",
-           "INT4_GROUP_SIZES", "KERNEL_DTYPE", "METHODS", "SCHEMES", "QuantizationError", "check_scheme"]
+           "DEFAULT_GROUP_SIZE", "HEAD_SCHEME", "HEAD_SCHEMES",
+           "INT4_GROUP_SIZES", "KERNEL_DTYPE", "METHODS", "SCHEMES", "QuantizationError", "check_head", "check_scheme"]

@@ -12,9 +12,9 @@ import math
 import torch
 
 from .linear import QuantizedLinear
-from .model import BLOCK_LINEARS, _check_activations, install, quantized_layers, set_activations
-from .schemes import (HEAD_SCHEME, KERNEL_DTYPE, METHODS, QuantizationError, check_scheme, dequantize_int4,
-                      unpack_int4)
+from .model import BLOCK_LINEARS, _check_activations, head_group, install, quantized_layers, set_activations
+from .schemes import (HEAD_SCHEMES, KERNEL_DTYPE, METHODS, QuantizationError, check_head, check_scheme,
+                      dequantize_int4, unpack_int4)
 
 #: The format of a quantized checkpoint, recorded in config.json's "gpt2mha.quantization".
 FORMAT_VERSION = 2
@@ -61,8 +61,8 @@ def _json_type_ok(value, kind: str) -> bool:
     return integer or (kind == "integer or null" and value is None)
 
 
-def read_scheme(entry, source: str) -> tuple[str, int | None, bool]:
-    """``(scheme, group_size, tied)`` from config.json's quantization entry.
+def read_scheme(entry, source: str) -> tuple[str, int | None, bool, str]:
+    """``(scheme, group_size, tied, head)`` from config.json's quantization entry.
 
     Every field is type-checked as JSON writes it (:data:`ENTRY_FIELDS`): ``"tied": "false"``
     (a string) or ``"group_size": 32.0`` is refused, never read as something else; an unknown
@@ -81,11 +81,12 @@ def read_scheme(entry, source: str) -> tuple[str, int | None, bool]:
     if problems:
         raise QuantizationError(f"{source}: gpt2mha.quantization: " + "; ".join(problems)
                                 + f" (expected {', '.join(f'{k}: {v}' for k, v in ENTRY_FIELDS.items())})")
-    if entry["format"] not in READABLE_FORMATS or entry["head"] != HEAD_SCHEME:
+    if entry["format"] not in READABLE_FORMATS or entry["head"] not in HEAD_SCHEMES:
         raise QuantizationError(f"{source}: quantization format {entry['format']!r} with a {entry['head']!r} "
-                                f"head; this gpt2mha reads formats {READABLE_FORMATS} with an {HEAD_SCHEME} head")
+                                f"head; this gpt2mha reads formats {READABLE_FORMATS} with a head in {HEAD_SCHEMES}")
     try:
         check_scheme(entry["scheme"], entry["group_size"])
+        check_head(entry["head"], entry["scheme"])
     except ValueError as e:
         raise QuantizationError(f"{source}: {e}") from None
     if entry.get("method", "rtn") not in METHODS:
@@ -95,7 +96,7 @@ def read_scheme(entry, source: str) -> tuple[str, int | None, bool]:
         _check_activations(entry.get("activations", "exact"), entry["scheme"])
     except ValueError as e:
         raise QuantizationError(f"{source}: {e}") from None
-    return entry["scheme"], entry["group_size"], entry["tied"]
+    return entry["scheme"], entry["group_size"], entry["tied"], entry["head"]
 
 
 def check_state(model, sd: dict[str, torch.Tensor], source: str, tied: bool) -> None:
@@ -137,7 +138,8 @@ def check_state(model, sd: dict[str, torch.Tensor], source: str, tied: bool) -> 
         elif not torch.isfinite(t).all():
             problems.append(f"{k}: contains NaN or inf values")
     if not problems:
-        problems = overflow_problems(sd, model.config, model.quantization["scheme"], group_size, tied)
+        problems = overflow_problems(sd, model.config, model.quantization["scheme"], group_size, tied,
+                                     model.quantization["head"])
     if problems:
         raise QuantizationError(f"{source}: cannot load the quantized checkpoint:\n  " + "\n  ".join(problems))
 
@@ -164,7 +166,7 @@ def _row_norms(sd: dict, path: str, scheme: str, group_size: int | None, rows: i
 
 
 def overflow_problems(sd: dict[str, torch.Tensor], config, scheme: str, group_size: int | None,
-                      tied: bool) -> list[str]:
+                      tied: bool, head: str = "int8") -> list[str]:
     """Whether any value the model computes can overflow with these scales and zeros, for any
     input: worst-case magnitudes in float64, from first principles, each compared with
     :data:`KERNEL_MAX`. Returns the problems, each naming the scale tensor that causes it.
@@ -186,7 +188,7 @@ def overflow_problems(sd: dict[str, torch.Tensor], config, scheme: str, group_si
 
     def blame(paths) -> str:                    # of the layers a value passed through: the largest gain
         path = max(paths, key=lambda q: gains.get(q, 0.0))
-        return f"{path}.{'scales' if path == 'lm_head' or scheme == 'int8' else 'scale_zero'}"
+        return f"{path}.{'scales' if (head if path == 'lm_head' else scheme) == 'int8' else 'scale_zero'}"
 
     def flag(paths, what: str, value: float) -> None:
         problems.append(f"{blame(paths)}: {what} can reach {value:.3g}, beyond the {KERNEL_MAX:.3g} the kernels' "
@@ -198,7 +200,8 @@ def overflow_problems(sd: dict[str, torch.Tensor], config, scheme: str, group_si
         return float(g.abs().max()) * math.sqrt(C) + float(b.norm())
 
     def linear(path, u_norm: float, upstream=()) -> torch.Tensor:
-        norms = _row_norms(sd, path, HEAD_SCHEME if path == "lm_head" else scheme, group_size)
+        norms = _row_norms(sd, path, *((head, head_group(head, group_size)) if path == "lm_head" else
+                                       (scheme, group_size)))
         gains[path] = float(norms.max())
         bias = sd.get(path + ".bias")
         bound = u_norm * norms + (bias.double().abs() if bias is not None else 0.0)
@@ -206,7 +209,7 @@ def overflow_problems(sd: dict[str, torch.Tensor], config, scheme: str, group_si
             flag((path, *upstream), "its outputs (the kernel's product)", float(bound.max()))
         return bound
 
-    head_norms = _row_norms(sd, "lm_head", HEAD_SCHEME, None)
+    head_norms = _row_norms(sd, "lm_head", head, head_group(head, group_size))
     gains["lm_head"] = float(head_norms.max())
     embed = float(sd["wte.weight"].double().abs().max()) if "wte.weight" in sd else 0.0
     if tied:                                    # wte is the dequantized head: each entry <= its row's norm
@@ -251,7 +254,7 @@ def load_state(model, entry, sd: dict[str, torch.Tensor], source: str, dtype: to
         QuantizationError: see :func:`read_scheme`, :func:`check_state`; or a float tensor (a
             tied wte: the dequantized head) that overflows ``dtype``.
     """
-    scheme, group_size, tied = read_scheme(entry, source)
+    scheme, group_size, tied, head = read_scheme(entry, source)
     if entry["format"] == 1:                    # format 1 named the quantized head quantized_head.*
         sd = {"lm_head." + k.removeprefix("quantized_head.") if k.startswith("quantized_head.") else k: v
               for k, v in sd.items()}
@@ -260,7 +263,7 @@ def load_state(model, entry, sd: dict[str, torch.Tensor], source: str, dtype: to
     except ValueError as e:
         raise QuantizationError(f"{source}: {e}") from None
     with torch.device("meta"):
-        install(model, quantized_layers(model, scheme, group_size), scheme, group_size, tied)
+        install(model, quantized_layers(model, scheme, group_size, head), scheme, group_size, tied, head)
     check_state(model, sd, source, tied)
     model = model.to_empty(device="cpu")
     quantized = {k for k, v in model.state_dict().items() if not v.is_floating_point() or

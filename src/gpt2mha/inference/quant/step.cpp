@@ -192,7 +192,8 @@ struct Product {
  * its cache index lengths[b] (with T > 1 every row at the same index). layers: per block ln_1
  * weight, bias, attn.c_attn, attn.c_proj, ln_2 weight, bias, mlp.c_fc, mlp.c_proj, each product
  * as Product's tensors (group_size > 0: W4A8, 0: per_row). head: the int8 head as int8_gemv's
- * (weight [V, E], scales [V]) or per_row's four tensors, then its bias or an empty tensor. k, v:
+ * (weight [V, E], scales [V]) or per_row's four tensors, or an int4 head as W4A8's two (in the
+ * blocks' group_size), then its bias or an empty tensor. k, v:
  * the cache [L, B, h, T_max, D] (rows may be a view of a larger cache: each row's [h, T_max, D]
  * contiguous), written at the new tokens' positions. Returns each row's last logits [B, V]. */
 static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte, const at::Tensor &wpe,
@@ -256,12 +257,16 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                         " of row ", b, " is not an id in [0, n_vocab=", n_vocab, ")");
     }
     const bool head_per_row = !head.empty() && head[0].dim() == 4;
+    const bool head_w4a8 = !head_per_row && !head.empty() && head[0].scalar_type() == at::kByte;
     TORCH_CHECK(head.size() == (head_per_row ? 5u : 3u) && head[head_per_row ? 1 : 0].dim() >= 1,
-                "cached_forward: head must be int8_gemv's weight [V, E], scales and bias (or an empty tensor), or "
-                "per_row's packed, qsum [V], scales, wsum and bias; got ", head.size(), " tensors");
+                "cached_forward: head must be int8_gemv's weight [V, E], scales and bias (or an empty tensor), "
+                "per_row's packed, qsum [V], scales, wsum and bias, or W4A8's nibbles [V, E/2], (scale, zero) "
+                "pairs and bias; got ", head.size(), " tensors");
+    TORCH_CHECK(!head_w4a8 || group_size > 0, "cached_forward: an int4 head (uint8 nibbles) needs the blocks' "
+                "group_size > 0 (W4A8); got group_size=", group_size);
     const int64_t V = head_per_row ? head[1].size(0) : head[0].size(0);
-    if (head_per_row) {
-        Product{0}.check(head.data(), V, E, "head", -1, false);
+    if (head_per_row || head_w4a8) {
+        Product{head_w4a8 ? group_size : 0}.check(head.data(), V, E, "head", -1, false);
     } else {
         need(head[0], at::kChar, {V, E}, "head weight");
         need(head[1], at::kFloat, {V}, "head scales");
@@ -346,6 +351,9 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     if (head_per_row)
         per_row(h, B, E, head[0].data_ptr<int8_t>(), V, head[1].data_ptr<int32_t>(), head[2].data_ptr<float>(),
                 head[3].data_ptr<float>(), hb, false, logits.data_ptr<float>());
+    else if (head_w4a8)
+        w4a8(h, B, E, group_size, head[0].data_ptr<uint8_t>(),
+             reinterpret_cast<const uint16_t *>(head[1].data_ptr<at::BFloat16>()), V, hb, logits.data_ptr<float>());
     else
         gemv(h, B, E, head[0].data_ptr<int8_t>(), V, head[1].data_ptr<float>(), hb, logits.data_ptr<float>());
     return logits;
