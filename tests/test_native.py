@@ -18,6 +18,7 @@ needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"the kernels do 
 
 
 def _model(seed=0, n_ctx=64, n_embd=64, n_head=4, n_layer=2, group_size=32, kind="per_block"):
+    # kind: "per_block" (int4, W4A8, the int8 head), "per_block_head4" (the same with an int4 head), "per_row"
     torch.manual_seed(seed)
     cfg = GPT2Config(n_vocab=96, n_ctx=n_ctx, n_embd=n_embd, n_head=n_head, n_layer=n_layer, tokenizer="bytes")
     model = GPT2(cfg).eval()
@@ -29,7 +30,8 @@ def _model(seed=0, n_ctx=64, n_embd=64, n_head=4, n_layer=2, group_size=32, kind
         warnings.simplefilter("ignore")
         if kind == "per_row":
             return model.quantize("int8", method="rtn", activations="per_row")
-        return model.quantize("int4", method="rtn", group_size=group_size, activations="per_block")
+        return model.quantize("int4", method="rtn", group_size=group_size, activations="per_block",
+                              head="int4" if kind == "per_block_head4" else "int8")
 
 
 def _prefilled(model, lengths, max_len=32, seed=1):
@@ -53,7 +55,7 @@ def _clone(cache, rows=None):
     return copy
 
 
-KINDS = pytest.mark.parametrize("kind", ["per_block", "per_row"])
+KINDS = pytest.mark.parametrize("kind", ["per_block", "per_block_head4", "per_row"])
 
 
 @needs_kernel
@@ -132,11 +134,15 @@ def test_long_contexts_attend_on_the_threads_and_still_match(threads):
 
 
 @needs_kernel
-def test_generate_decodes_int4_per_block_models_on_it_with_the_models_greedy_tokens():
-    # the built-in model (trained: real margins between its top tokens), int4 per_block
+@pytest.mark.parametrize("head", ["int8", "int4"])
+def test_generate_decodes_int4_per_block_models_on_it_with_the_models_greedy_tokens(head):
+    # the built-in model (trained: real margins between its top tokens), int4 per_block, its head
+    # int8 (exact products) or int4 (W4A8, as the blocks)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = GPT2.from_pretrained("shakespeare-byte").quantize("int4", method="rtn", activations="per_block")
+        model = GPT2.from_pretrained("shakespeare-byte").quantize("int4", method="rtn", activations="per_block",
+                                                                   head=head)
+    assert native.why_not(model) == ""
     idx = torch.tensor([list(b"ROMEO:\nWhat light"), list(b"To be, or not to ")])
     with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
         out = model.generate(idx, 40, temperature=0)
@@ -207,6 +213,11 @@ def test_models_it_does_not_fit_decode_as_before():
     per_row.lm_head.activations = "exact"                            # a layer set alone
     with pytest.raises(ValueError, match="its head is not int8 with the blocks' activations"):
         NativeStep(per_row)
+    head4 = _model(kind="per_block_head4")
+    assert isinstance(native_step(head4), NativeStep)
+    head4.lm_head.activations = "exact"                              # an int4 head with float32 activations
+    assert native.why_not(head4) == "its int4 head does not take the blocks' per_block activations, or has a bias"
+    assert native_step(head4) is None
 
 
 @needs_kernel
@@ -250,6 +261,16 @@ def test_the_operator_names_what_does_not_fit():
     bad[2] = bad[2][:, :-1].contiguous()
     with pytest.raises(RuntimeError, match=r"attn.c_attn weight of layer 0 must be a contiguous Byte CPU tensor \[192, 32\]"):
         call(bad)
+    head4 = NativeStep(_model(seed=6, kind="per_block_head4"))
+    head_call = lambda head: torch.ops.gpt2mha.cached_forward(
+        torch.tensor([[1]]), head4.wte, head4.wpe, head4.layers, *head4.ln_f, head, cache.k, cache.v, cache.lengths,
+        32, 1e-5)
+    with pytest.raises(RuntimeError, match=r"head scale_zero must be a contiguous BFloat16 CPU tensor \[96, 2, 2\]"):
+        head_call([head4.head[0], head4.head[1][:, :1].contiguous(), head4.head[2]])
+    per_row = NativeStep(_model(seed=6, kind="per_row"))                # per_row blocks, an int4 head
+    with pytest.raises(RuntimeError, match="an int4 head \\(uint8 nibbles\\) needs the blocks' group_size > 0"):
+        torch.ops.gpt2mha.cached_forward(torch.tensor([[1]]), per_row.wte, per_row.wpe, per_row.layers, *per_row.ln_f,
+                                         head4.head, cache.k, cache.v, cache.lengths, 0, 1e-5)
     assert cache.lengths == [3] and two.lengths == [3, 5]           # nothing advanced
 
 
