@@ -28,6 +28,7 @@ ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha i
            "gpt2mha int8 per_row compiled", "gpt2mha int8 auto", "gpt2mha int8 auto compiled", "gpt2mha int4",
            "gpt2mha int4 compiled", "gpt2mha int4 per_block", "gpt2mha int4 per_block compiled",
            "gpt2mha int4 per_block head4", "gpt2mha int4 per_block head4 compiled",
+           "gpt2mha int4 per_block head4 g64", "gpt2mha int4 per_block head4 g64 compiled",
            "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 int8", "onnxruntime int8")
 
 
