@@ -547,7 +547,10 @@ def test_an_int4_head_takes_the_blocks_groups_and_round_trips(tmp_path):
     x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(40))
     with torch.no_grad():
         want = (x.double() @ head.dequantized().double().t()).float()
-        torch.testing.assert_close(head(x), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))   # bf16 activations
+        # float32 logits from a prompt's rows as from one row: not torch's bf16-output int4 kernel, whose
+        # rounding tied the top tokens (a break-it review)
+        torch.testing.assert_close(head(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        torch.testing.assert_close(head(x[:1, :1]), want[:1, :1], rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     from gpt2mha.inference.quant import set_activations
     set_activations(model, "per_block")
     assert head.activations == "per_block" and int8_head.lm_head.activations == "exact"

@@ -129,7 +129,8 @@ def check_quantize_args(args) -> None:
         raise ValueError(f"--calibration {args.calibration}: calibration text is read only by "
                          f"--quantize int8|int4 with --quantize-method gptq")
     if args.quantize_head is not None and args.quantize is None:
-        raise ValueError(f"--quantize-head {args.quantize_head} applies only with --quantize int8|int4")
+        raise ValueError(f"--quantize-head {args.quantize_head} applies only with --quantize "
+                         f"{'int4' if args.quantize_head == 'int4' else 'int8|int4'}")
     if args.quantize_head == "int4" and args.quantize != "int4":
         raise ValueError(f"--quantize-head int4 needs --quantize int4 (the head takes the blocks' groups); got "
                          f"--quantize {args.quantize}")

@@ -85,8 +85,8 @@ def read_scheme(entry, source: str) -> tuple[str, int | None, bool, str]:
         raise QuantizationError(f"{source}: quantization format {entry['format']!r} with a {entry['head']!r} "
                                 f"head; this gpt2mha reads formats {READABLE_FORMATS} with a head in {HEAD_SCHEMES}")
     try:
+        check_head(entry["head"], entry["scheme"])              # first: its message names the head
         check_scheme(entry["scheme"], entry["group_size"])
-        check_head(entry["head"], entry["scheme"])
     except ValueError as e:
         raise QuantizationError(f"{source}: {e}") from None
     if entry.get("method", "rtn") not in METHODS:
