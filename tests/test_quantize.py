@@ -980,6 +980,13 @@ def test_a_model_loaded_quantized_is_not_requantized_with_other_flags(tmp_path, 
     assert "--quantize-method gptq: this model was saved quantized as int4 (group_size=32, method rtn, head int8)" in err
     assert main(run + ["--quantize", "int4", "--quantize-head", "int4"]) == 2
     assert "--quantize-head int4: this model was saved quantized as int4" in capsys.readouterr().err
+    assert main(run + ["--quantize-head", "int4"]) == 2             # alone: checked against the saved head
+    assert "--quantize-head int4: this model was saved quantized as int4 with an int8 head" in capsys.readouterr().err
+    assert main(run + ["--quantize-head", "int8"]) == 0             # the saved one: used as saved
+    capsys.readouterr()
+    assert main(["generate", "ab", "--max-new-tokens", "2", "--quantize-head", "int4"]) == 2      # a float model
+    assert "--quantize-head int4 applies only with --quantize int4 (or to a model saved quantized)" in \
+        capsys.readouterr().err
     assert main(run + ["--quantize", "int4", "--group-size", "64"]) == 2
     assert "--group-size 64: this model was saved quantized as int4" in capsys.readouterr().err
     text = tmp_path / "c.txt"

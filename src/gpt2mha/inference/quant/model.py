@@ -278,7 +278,8 @@ def _plan(model, scheme, group_size, method, calibration, head=HEAD_SCHEME):
 def quantize_model(model, scheme: str, group_size: int | None = None, method: str = "gptq", calibration=None,
                    activations: str = "exact", head: str = HEAD_SCHEME):
     """Weight-only quantize ``model`` in place: every block Conv1D (``c_attn``, ``attn.c_proj``,
-    ``c_fc``, ``mlp.c_proj``) and the LM head become :class:`QuantizedLinear` layers.
+    ``c_fc``, ``mlp.c_proj``) becomes a :class:`QuantizedLinear` and the LM head a
+    :class:`QuantizedHead`.
 
     The LM head is quantized to ``head`` (int8 by default, :data:`HEAD_SCHEME`; or, with int4
     blocks, int4 in their groups) into ``model.lm_head``. When it is tied to ``wte``, ``wte`` is
@@ -308,8 +309,8 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
         activations: how the products treat the activations (:func:`set_activations`):
             ``"exact"`` (default), ``"per_row"`` or ``"auto"`` (int8), ``"per_block"`` (int4).
         head: the LM head's scheme, ``"int8"`` (default) or ``"int4"`` (int4 models only:
-            24 MB a decode step on 124M instead of 38.6, ~1.5 points less top-1 agreement
-            with float32 on the built-in model; README, "Quantized decode").
+            on 124M a 24 MB head instead of 38.6, ~1.5 points less top-1 agreement with
+            float32 on the built-in model; README, "Quantized decode").
 
     Returns:
         ``model``.
