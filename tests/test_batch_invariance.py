@@ -113,6 +113,41 @@ def test_two_threads_split_no_row_differently(spy):
         torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def builtin_f32():
+    return GPT2.from_pretrained("shakespeare-byte")
+
+
+@pytest.mark.parametrize("fmt,activations", [("float", None), ("int8", "exact"), ("int8", "auto"),
+                                             ("int8", "per_row"), ("int4", "exact"), ("int4", "per_block")])
+def test_two_threads_rows_of_one_length_equal_their_prompt_alone(builtin_f32, fmt, activations, spy, monkeypatch):
+    """With two threads PyTorch's CPU attention splits one call's (row, head) pairs over its threads
+    so that a row's rounding depends on the rows beside it, even rows of one length; each row is
+    attended in a call of its own. Built-in model, batches with repeated prompts (equal lengths),
+    every route generate takes (decode view, native forward), and the scheduler: bitwise alone."""
+    import copy
+
+    from gpt2mha.io.tokenizer import get_tokenizer
+
+    model = builtin_f32 if fmt == "float" else copy.deepcopy(builtin_f32).quantize(
+        fmt, method="rtn", activations=activations)
+    p, q = PROMPTS[10], PROMPTS[12]
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone = [run(model, [x], spy, n=6, temperature=0)[1][0] for x in (p, q)]
+        logits = run(model, [p, p, q, q, p], spy, n=6, temperature=0)[1]
+        for b, i in enumerate([0, 0, 1, 1, 0]):
+            assert torch.equal(logits[b], alone[i]), f"row {b}: {(logits[b] - alone[i]).abs().max().item():.3g} apart"
+        if fmt == "float":
+            plan = [(0, p, 6), (0, p, 6), (0, q, 6), (0, q, 6)]
+            served = served_logits(model, get_tokenizer("bytes"), plan, monkeypatch)
+            for (_, got), ref in zip(served, [alone[0], alone[0], alone[1], alone[1]]):
+                assert torch.equal(got, ref)
+    finally:
+        torch.set_num_threads(n)
+
+
 def test_invariance_is_the_default_except_for_float32_weights_and_the_flag_is_checked(spy):
     """``batch_invariant=None`` pads float32 products for every model but a float32 one (where
     it costs most at batch 1); a float32 batch without it is not held to bitwise equality, with

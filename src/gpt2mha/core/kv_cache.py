@@ -17,10 +17,12 @@ A forward over ``T`` new tokens is planned once (:meth:`KVCache.plan`, a :class:
 where each row writes, how many keys every layer reads, which of them each query may see),
 then each layer writes and reads with :meth:`KVCache.update`, then :meth:`KVCache.advance`.
 
-Rows of different lengths are attended in groups of adjacent rows of one length
-(:attr:`CacheStep.groups`), each over exactly its own keys: attention kernels sum over the keys
-they are given in an order that depends on how many there are, so a row read with masked keys
-behind its own (a longer neighbour's span) would round differently from the same row alone.
+The rows of a batch are attended one row a call (:attr:`CacheStep.groups`), each over exactly
+its own keys: attention kernels sum over the keys they are given in an order that depends on
+how many there are, so a row read with masked keys behind its own (a longer neighbour's span)
+would round differently from the same row alone; and PyTorch's CPU attention splits one call's
+(row, head) pairs over its threads in a way that changes a row's rounding with the rows beside
+it, even rows of one length.
 """
 
 from __future__ import annotations
@@ -44,12 +46,11 @@ class CacheStep(NamedTuple):
         mask: None (the bottom-right causal mask), or bool ``[B, 1, T, span]``: query ``(b, t)``
             may read key ``j`` iff ``j <= pos[b, t]``.
         rows: ``[B, 1]`` row indices for the per-row write, or None with ``start``.
-        groups: when lengths differ and no fixed span was asked for: ``((rows, keys), …)``, the
-            runs of adjacent rows (``slice``, in row order, covering every row) holding one
-            length, each to be attended over its first
-            ``keys`` cache indices only, with OpenAI's bottom-right causal mask: exactly the keys
-            and shapes that row would have in a batch of its own (batch invariance). None
-            otherwise (one call over ``span`` keys with ``mask``).
+        groups: for two or more rows and no fixed span: ``((rows, keys), …)``, one per row
+            (a one-row ``slice``, in row order), each to be attended over its first ``keys``
+            cache indices only, with OpenAI's bottom-right causal mask: exactly the keys and
+            shapes that row would have in a batch of its own (batch invariance). None otherwise
+            (one call over ``span`` keys with ``mask``).
     """
 
     start: int | None
@@ -208,11 +209,11 @@ class KVCache:
             raise ValueError(f"KVCache is full: {longest} cached + {n_new} new > max_len={self.max_len}")
         if span is not None and not longest + n_new <= span <= self.max_len:
             raise ValueError(f"span={span} must be in [{longest + n_new}, max_len={self.max_len}]")
+        groups = None if span is not None or len(lengths) == 1 else tuple(
+            (slice(b, b + 1), n + n_new) for b, n in enumerate(lengths))     # one attention call a row
         if min(lengths) == longest and span is None and not per_row:
-            return CacheStep(longest, None, longest + n_new, None)
+            return CacheStep(longest, None, longest + n_new, None, groups=groups)
         device = self.k.device
-        groups = None if span is not None else tuple(
-            (slice(a, b), lengths[a] + n_new) for a, b in runs(lengths))
         span = longest + n_new if span is None else span
         pos = torch.tensor(lengths, device=device)[:, None] + torch.arange(n_new, device=device)   # [B, T]
         mask = torch.arange(span, device=device) <= pos[:, :, None]                       # [B, T, span]
@@ -319,12 +320,3 @@ class KVCache:
         cache._lengths[:] = [P] * B
         return cache
 
-
-def runs(lengths: list[int]) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each maximal run of adjacent equal values in ``lengths``."""
-    out, a = [], 0
-    for b in range(1, len(lengths) + 1):
-        if b == len(lengths) or lengths[b] != lengths[a]:
-            out.append((a, b))
-            a = b
-    return out
