@@ -198,6 +198,53 @@ def test_stop_strings_past_the_limit_say_how_many_and_the_limit_and_a_server_fla
                  "10 strings", "at most 9")
 
 
+# ------------------------------------------------------------------------ keys: non-ASCII, huge ids
+#: Bodies whose keys are not ASCII (or a logit_bias id past int()'s 4300-digit limit), the route
+#: and the field the 400 must name. Each once answered 500 and closed the connection.
+ODD_KEYS = [
+    ("/v1/completions", {"prömpt": "a"}, "prompt"),                                       # then prompt is missing
+    ("/v1/completions", {"prompt": "a", "prömpt": "a"}, "prömpt"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"é": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"１": 1}}, "logit_bias"),            # a fullwidth digit
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),    # > 4300 digits
+    ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": {"ü": True}}, "stream_options.ü"),
+    ("/v1/chat/completions", {"messages": [{"rôle": "user", "content": "a"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tëmperature": 0}, "tëmperature"),
+    ("/tokenize", {"prömpt": "a"}, "prömpt"),
+    ("/detokenize", {"tokens": [1], "tökens": [1]}, "tökens"),
+]
+
+
+def test_non_ascii_keys_and_huge_logit_bias_ids_are_400s_on_a_connection_that_stays_open(chat_server):
+    """Every body of ODD_KEYS gets OpenAI's 400 naming its field (the key itself, or the object
+    that holds it), over one keep-alive connection that the server keeps open (the socket of
+    the first answer serves them all and a valid request after them: a logit_bias id written
+    with 5000 leading zeros is still a token id)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    conn = http.client.HTTPConnection(urlsplit(chat_server).netloc, timeout=60)
+    sock = None
+    try:
+        for path, body, param in ODD_KEYS:
+            conn.request("POST", path, json.dumps(body, ensure_ascii=False).encode(),
+                         {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            data = json.loads(r.read())
+            assert r.status == 400, (path, body, data)
+            err = data["error"]
+            assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
+            assert param.split(".")[-1] in err["message"] or param == "messages", err["message"]
+            sock = sock or conn.sock
+            assert conn.sock is sock and r.getheader("connection") != "close", (path, body)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "a", "max_tokens": 1, "logit_bias": {"0" * 5000
+                     + "98": 5}}), {"Content-Type": "application/json"})   # leading zeros: still token 98
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 1 and conn.sock is sock
+    finally:
+        conn.close()
+
+
 # ------------------------------------------------------------------------ errors and models
 @pytest.mark.parametrize("method,path,status,words", [
     ("GET", "/nope", 404, ["GET /nope"]),

@@ -146,12 +146,17 @@ def check_unicode(data, where: str = "", param: str | None = None) -> None:
     elif isinstance(data, dict):
         for key, value in data.items():
             name = f"{where}.{key}" if where else key
-            check_unicode(key, name.encode("utf-8", "backslashreplace").decode("ascii"), param or
-                          key.encode("utf-8", "backslashreplace").decode("ascii"))
+            check_unicode(key, printable(name), param or printable(key))
             check_unicode(value, name, param or key)
     elif isinstance(data, list):
         for i, value in enumerate(data):
             check_unicode(value, f"{where}[{i}]", param)
+
+
+def printable(text: str) -> str:
+    """``text`` with its lone surrogates written as ``\\udXXX`` escapes (any other character,
+    ASCII or not, kept): a name that an error message and its UTF-8 JSON can carry."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def validation_error(errors: list[dict], expected: dict | None = None) -> APIError:
@@ -392,19 +397,28 @@ def check_choices(body: CompletionRequest) -> None:
             raise APIError(400, f"{name}={value} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", name)
     for key, value in (body.logit_bias or {}).items():
         if not (key.isascii() and key.isdigit()):
-            raise APIError(400, f"logit_bias key {key!r} is not a token id (a string of digits, e.g. \"50256\")",
-                           "logit_bias")
+            raise APIError(400, f"logit_bias key {short(key)!r} is not a token id (a string of ASCII digits, e.g. "
+                                f"\"50256\")", "logit_bias")
         if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
-            raise APIError(400, f"logit_bias[{key!r}]={value} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            raise APIError(400, f"logit_bias[{short(key)!r}]={value} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
                            "logit_bias")
 
 
 def check_logit_bias_ids(body: CompletionRequest, vocab_size: int) -> None:
-    """Every ``logit_bias`` key is a token id below ``vocab_size``: 400 naming ``logit_bias``."""
+    """Every ``logit_bias`` key is a token id below ``vocab_size``: 400 naming ``logit_bias``.
+    A key of more digits than ``vocab_size`` has (leading zeros aside) is refused without
+    ``int()``, whose 4300-digit limit would raise."""
     for key in body.logit_bias or {}:
-        if int(key) >= vocab_size:
-            raise APIError(400, f"logit_bias key {key!r} is not a token id of this model's tokenizer "
+        digits = key.lstrip("0") or "0"
+        if len(digits) > len(str(vocab_size)) or int(digits) >= vocab_size:
+            raise APIError(400, f"logit_bias key {short(key)!r} is not a token id of this model's tokenizer "
                                 f"(ids 0 … {vocab_size - 1})", "logit_bias")
+
+
+def short(key: str) -> str:
+    """A key as an error message shows it: whole up to 40 characters, else its start, its end
+    and its length."""
+    return key if len(key) <= 40 else f"{key[:20]}…{key[-10:]} ({len(key)} characters)"
 
 
 def choice_params(body: CompletionRequest) -> dict:
@@ -412,7 +426,7 @@ def choice_params(body: CompletionRequest) -> dict:
     adjustments, from a checked request."""
     return dict(n=body.n, best_of=body.best_of, echo=body.echo, logprobs=body.logprobs,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()))
+                logit_bias=tuple((int(k.lstrip("0") or "0"), v) for k, v in (body.logit_bias or {}).items()))
 
 
 def token_text(tokenizer, token: int) -> str:
