@@ -12,6 +12,7 @@ import torch
 
 from gpt2mha import GPT2, GPT2Config, KVCache
 from gpt2mha.core.hooks import HookPoint, record
+from gpt2mha.inference.compiled import has_hooks
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +207,35 @@ def test_hooks_act_in_generate_prefill_and_decode(model):
         for _ in range(6):
             ref = torch.cat([ref, model.run_with_hooks(ref, fwd_hooks=[hook])[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(out, ref)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["h.0.attn.hook_pattern", "h.0.attn.hook_attn_scores", "h.1.attn.hook_result",
+                                  "h.0.ln_1.hook_scale", "h.0.ln_1.hook_standardized", "hook_pos_embed"])
+def test_a_forward_pre_hook_reaches_every_capture_point_as_a_hook_does(model, name):
+    """A pre-hook (``register_forward_pre_hook``) on a point the forward computes only while it is
+    hooked (the explicit pattern and scores, the per-head results, LayerNorm's parts, the expanded
+    positions) is called with the tensor, and a tensor it returns replaces the activation, as a
+    forward hook's does (reference: the same edit made by a forward hook)."""
+    idx = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(3))
+    point = dict(model.named_modules())[name]
+    seen = []
+
+    def pre(module, args):
+        seen.append(args[0].shape)
+        return (args[0] * 0.5,)
+
+    handle = point.register_forward_pre_hook(pre)
+    try:
+        assert has_hooks(model)                     # what generate asks before it picks a route
+        got = model(idx).logits
+    finally:
+        handle.remove()
+    assert seen, f"the pre-hook on {name} was never called"
+    handle = point.add_hook(lambda x, hook: x * 0.5)
+    try:
+        want = model(idx).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(want, model(idx).logits)

@@ -273,13 +273,13 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.update(layer, k, v, step)              # [B, h, S, head_dim]: cached + new
             groups = step.groups if attn_mask is None else None
             attn_mask = step.mask if attn_mask is None else attn_mask
-        hooked = bool(self.hook_attn_scores._forward_hooks or self.hook_pattern._forward_hooks)
+        hooked = self.hook_attn_scores.has_hooks() or self.hook_pattern.has_hooks()
         if groups is not None and not hooked:                   # each run of rows over exactly its own keys
             a = torch.cat([self.attend(q[rows], k[rows, :, :S], v[rows, :, :S], None, hooked) for rows, S in groups])
         else:
             a = self.attend(q, k, v, attn_mask, hooked)
         z = self.hook_z(a.transpose(1, 2))                      # [B, T, h, head_dim]
-        if self.hook_result._forward_hooks:
+        if self.hook_result.has_hooks():
             y = self.head_results(z).sum(dim=2) + self.c_proj.bias
         else:
             y = self.c_proj(z.reshape(B, T, h * hd))            # merge heads, project: [B, T, n_embd]

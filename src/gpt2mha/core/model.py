@@ -137,7 +137,7 @@ class LayerNorm(nn.LayerNorm):
         self.hook_scale, self.hook_standardized = HookPoint(), HookPoint()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.hook_scale._forward_hooks or self.hook_standardized._forward_hooks:
+        if self.hook_scale.has_hooks() or self.hook_standardized.has_hooks():
             acc = torch.promote_types(x.dtype, torch.float32)
             xc = x.to(acc) - x.to(acc).mean(dim=-1, keepdim=True)
             scale = self.hook_scale((xc.pow(2).mean(dim=-1, keepdim=True) + self.eps).sqrt())
@@ -380,7 +380,7 @@ class GPT2(nn.Module):
             mask = step.mask if step else None
             mask = combine_masks(causal_mask(T, S, device=idx.device) if mask is None else mask, attention_mask)
         pos = self.wpe(position_ids)                            # [T, n_embd], [1, T, …] or [B, T, …]
-        if self.hook_pos_embed._forward_hooks:                  # a hook sees [B, T, n_embd], as the docs say
+        if self.hook_pos_embed.has_hooks():                  # a hook sees [B, T, n_embd], as the docs say
             pos = self.hook_pos_embed(pos.expand(B, T, -1))
         x = self.hook_embed(self.wte(idx)) + pos
         x = F.dropout(x, self.config.embd_pdrop, self.training)   # [B, T, n_embd]
