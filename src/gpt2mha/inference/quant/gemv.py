@@ -39,11 +39,11 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gemv.cpp")
+SOURCE = Path(__file__).parents[2] / "kernels" / "products.cpp"
 #: Every file of the library: the products (gemv.cpp), prefill attention (attention.cpp), the int4
 #: decode step in one call (step.cpp), their shared vector helpers (simd.h) and the products'
 #: declarations (kernels.h).
-SOURCES = (SOURCE, SOURCE.with_name("attention.cpp"), SOURCE.with_name("step.cpp"), SOURCE.with_name("simd.h"),
+SOURCES = (SOURCE, SOURCE.with_name("causal_attention.cpp"), SOURCE.with_name("cached_forward.cpp"), SOURCE.with_name("simd.h"),
            SOURCE.with_name("kernels.h"))
 #: Set to ``0`` (or ``false``, ``off``, ``no``) to turn the kernel off (callers then use torch's kernels).
 ENV = "GPT2MHA_GEMV"
