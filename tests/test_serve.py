@@ -476,7 +476,7 @@ BAD_REQUESTS = [
     ({"prompt": "a", "top_p": 1.5}, "top_p"),
     ({"prompt": "a", "top_k": -1}, "top_k"),
     ({"prompt": "a", "seed": -1}, "seed"),
-    ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "a", "stop": [f"s{i}" for i in range(65)]}, "stop"),    # past the default limit, 64
     ({"prompt": "a", "n": 0}, "n"),                                     # choices and logprobs: OpenAI's rules
     ({"prompt": "a", "n": 129}, "n"),
     ({"prompt": "a", "n": 21}, "n"),                                    # 21 sequences > max_batch + max_queue = 20
@@ -865,13 +865,16 @@ def test_cli_serve_rejects_bad_numbers_as_usage_errors(capsys, flag, value):
     assert "Traceback" not in err
 
 
-def test_serve_api_checks_port_and_cli_default_body_limit_matches():
-    from gpt2mha.cli import common as cli
+def test_serve_api_checks_port_and_cli_defaults_match():
+    from gpt2mha.cli import build_parser, common as cli
+    from gpt2mha.serving.protocol import MAX_STOP
     from gpt2mha.serving.server import DEFAULT_MAX_BODY_BYTES, serve
 
     with pytest.raises(ValueError, match=r"port=99999 must be an integer in \[0, 65535\]"):
         serve(None, None, "m", port=99999)
     assert cli.DEFAULT_MAX_BODY_BYTES == DEFAULT_MAX_BODY_BYTES
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_body_bytes, args.max_stop) == (DEFAULT_MAX_BODY_BYTES, MAX_STOP)
 
 
 def test_relay_wakes_the_loop_once_per_batch_and_delivers_in_order():

@@ -50,7 +50,7 @@ def builtin(one_thread):
 
 @pytest.fixture(scope="module")
 def server(builtin):
-    """The default server: no chat template, OpenAI's limit of 4 stop strings."""
+    """The default server (its default stop-string limit)."""
     model, tok = builtin
     with serve_in_thread(Scheduler(model, tok, max_batch=4, max_queue=16), DEFAULT_MODEL) as url:
         yield url
@@ -178,22 +178,29 @@ def test_stream_options_without_stream_is_400_naming_it(server):
     assert chunks[-1].usage.completion_tokens == 2
 
 
-def test_stop_strings_past_the_limit_say_how_many_and_the_limit_and_a_server_flag_raises_it(server, chat_server,
-                                                                                             builtin):
-    """OpenAI's limit of 4 by default: 5 stop strings get a 400 naming stop, the count sent and
-    the limit. A server started with max_stop=9 (lm-evaluation-harness's 8 `until` strings and
-    the EOS string) applies all 9: the text is the greedy text cut before the first place any
-    of them occurs (reference: the same request without stops, cut by str.find), and 10 are
-    refused naming 9."""
+def test_stop_strings_a_default_server_takes_lm_evals_and_a_server_flag_sets_the_limit(server, chat_server,
+                                                                                      builtin):
+    """The default server takes the stop strings real clients send: lm-evaluation-harness's
+    generate_until sends a task's `until` strings plus the EOS string (5 for a task with 4; 9
+    here), and vLLM and llama.cpp's server set no limit. All 9 apply: the text is the greedy
+    text cut before the first place any of them occurs (reference: offline generate without
+    stops, cut by str.find). Past the default limit (64), 65 get a 400 naming stop, the count
+    and the limit; a server started with max_stop=9 refuses 10 naming 9."""
+    from gpt2mha.serving.protocol import MAX_STOP
+
     model, tok = builtin
     stops = ["zq", "xj", "qz", "jx", "vv", "kk", "ww", "e", "Ā"]
-    assert_error(post(server, "/v1/completions", {"prompt": "a", "stop": stops[:5]}), 400, "stop",
-                 "5 strings", "at most 4", "--max-stop")
     full = offline(model, tok.encode("ROMEO:"), 40)[1]
     cut = min(i for i in (full.find(s) for s in stops) if i >= 0)          # 'e' occurs in the greedy text
-    r = post(chat_server, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0, "stop": stops})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == full[:cut] and r.json()["choices"][0]["finish_reason"] == "stop"
+    for url in (server, chat_server):
+        r = post(url, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0, "stop": stops})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == full[:cut] and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert MAX_STOP == 64
+    many = [f"q{i}z" for i in range(65)]
+    assert post(server, "/v1/completions", {"prompt": "a", "max_tokens": 1, "stop": many[:64]}).status_code == 200
+    assert_error(post(server, "/v1/completions", {"prompt": "a", "stop": many}), 400, "stop",
+                 "65 strings", "at most 64", "--max-stop")
     assert_error(post(chat_server, "/v1/completions", {"prompt": "a", "stop": stops + ["yy"]}), 400, "stop",
                  "10 strings", "at most 9")
 
@@ -496,7 +503,7 @@ def test_lm_eval_generate_until_against_the_server_with_its_remote_tokenizer(bui
     """lm-evaluation-harness's `local-completions` model, `tokenizer_backend=remote` (it reads
     /tokenizer_info and tokenizes through /tokenize, then sends token-id prompts with its 8
     `until` strings plus the EOS string as `stop`), on the local generate_until task against a
-    server started with max_stop=9: exit 0, and every answer is gpt2mha's offline greedy
+    server with the default stop-string limit: exit 0, and every answer is gpt2mha's offline greedy
     continuation cut before the first stop string (test_lm_eval_tasks.greedy_until)."""
     import glob
     import os
@@ -509,7 +516,7 @@ def test_lm_eval_generate_until_against_the_server_with_its_remote_tokenizer(bui
     output = str(tmp_path / "out")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "datasets"), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    with serve_in_thread(Scheduler(model, tok, max_batch=4), DEFAULT_MODEL, max_stop=9) as url:
+    with serve_in_thread(Scheduler(model, tok, max_batch=4), DEFAULT_MODEL) as url:
         args = (f"model={DEFAULT_MODEL},base_url={url}/v1/completions,tokenizer_backend=remote,max_length=256,"
                 f"max_retries=1")
         run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,

@@ -531,6 +531,11 @@ def cmd_serve(args) -> int:
     return 0
 
 
+#: ``gpt2mha serve --max-stop`` default (:data:`gpt2mha.serving.protocol.MAX_STOP`, repeated so that
+#: parsing arguments needs no FastAPI; tests/test_serve.py checks that the two agree)
+DEFAULT_MAX_STOP = 64
+
+
 def _add_serve_command(sub) -> None:
     """Parser of ``serve`` (:mod:`gpt2mha.serving`)."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions) with continuous batching",
@@ -565,9 +570,10 @@ def _add_serve_command(sub) -> None:
                    help="serve POST /v1/chat/completions with this Jinja chat template (transformers' "
                         "apply_chat_template semantics: messages, add_generation_prompt, bos_token, eos_token; a "
                         ".json file: its 'chat_template'); without it that route answers 400 (GPT-2 has no template)")
-    s.add_argument("--max-stop", type=number(int, 1), default=4, metavar="N",
-                   help="stop strings a request may send (OpenAI's limit is 4; lm-evaluation-harness sends a "
-                        "task's 'until' strings plus the EOS string: 1 + len(until))")
+    s.add_argument("--max-stop", type=number(int, 1), default=DEFAULT_MAX_STOP, metavar="N",
+                   help="stop strings a request may send; more get HTTP 400 (lm-evaluation-harness sends a task's "
+                        "'until' strings plus the EOS string: 1 + len(until); OpenAI's API takes 4, vLLM and "
+                        "llama.cpp's server have no limit)")
     quantize_args(s)
     s.set_defaults(func=cmd_serve, check=check_quantize_args)
 

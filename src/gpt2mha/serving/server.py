@@ -4,7 +4,8 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
 
 - ``POST /v1/completions``: ``model``, ``prompt`` (a string, a list of token ids, or a batch:
   a list of strings or of token-id lists), ``max_tokens`` (default 16), ``temperature``,
-  ``top_p``, ``seed``, ``stop`` (up to 4 strings, as OpenAI; ``max_stop`` raises the limit),
+  ``top_p``, ``seed``, ``stop`` (up to ``max_stop`` strings, default 64:
+  lm-evaluation-harness sends a task's ``until`` strings and the EOS string),
   ``stream`` (server-sent events ending in ``data: [DONE]``), ``stream_options.include_usage``
   (only with ``stream``), ``logprobs`` and ``echo``
   (:func:`~gpt2mha.serving.protocol.choice_answer`; a stream's chunks carry their own tokens'
