@@ -92,6 +92,34 @@ def test_weight_7bit_is_within_half_a_7bit_step():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("activations", ["exact", "per_row", "auto"])
+def test_int8_weights_of_minus_128_compute_as_their_dequantized_product(monkeypatch, kernel, activations):
+    """Other int8 tools write −128 (the full int8 range), which gpt2mha's own rounding never
+    does. A layer holding it computes, on every route (exact pieces, per_row on FBGEMM or
+    ``_int_mm``, the VNNI/AVX2 operator where built; 1 and 300 rows), the product of its
+    dequantized weight (reference: float64 ``x @ (q · s)ᵀ``) to the route's own accuracy, and
+    weight_7bit maps −128 to −63 (−128 · 63 / 128), within [-63, 63]."""
+    monkeypatch.setenv("GPT2MHA_INT8_KERNEL", kernel)
+    g = torch.Generator().manual_seed(11)
+    layer = QuantizedLinear.from_float(torch.randn(72, 64, generator=g), None, "int8")
+    with torch.no_grad():
+        layer.weight[::3, 5] = -128                            # row 0: -128 is its only top
+        layer.weight[0] = layer.weight[0].clamp(-100, 100)
+        layer.weight[0, 7] = -128
+        layer.weight[1] = -128                                 # a row of nothing else
+    q7, s7 = weight_7bit(layer.weight, layer.scales)
+    assert int(q7.abs().max()) == 63 and int(q7[0, 7]) == -63 and (q7[1] == -63).all()
+    layer.activations = activations
+    ref_w = layer.weight.double() * layer.scales.double()[:, None]
+    for rows in (1, 300):
+        x = torch.randn(rows, 64, generator=g)
+        y = layer(x)
+        err = rel_err(y, x.double() @ ref_w.t())
+        bound = 1e-4 if activations == "exact" or (activations == "auto" and rows == 1) else 3e-2
+        assert (err < bound).all(), (rows, float(err.max()))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_per_row_product_equals_first_principles_and_each_row_alone(kernel):
     """int8_matmul_per_row against float64 arithmetic written from its definition (each row
     rounded to ``lo + a·round((x − lo)/a)``, ``a = (max − min)/255``, times ``q7 · s7``): equal to

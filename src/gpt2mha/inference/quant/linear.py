@@ -224,8 +224,9 @@ def weight_7bit(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     ``(q7 int8 [N, K] in [-63, 63], scales7 float32 [N])`` with ``q7 = round(q · 63 / max|q|)``
     and ``scales7 = scales · max|q| / 63`` (an all-zero row keeps its scale), so that
     ``q7 · scales7 ≈ q · scales`` within half a 7-bit step. The weights of
-    :func:`int8_matmul_per_row`."""
-    top = q.abs().amax(1).float().clamp(min=1)                                # [N]
+    :func:`int8_matmul_per_row`. Takes the whole int8 range: −128 (which other int8 tools
+    write) has magnitude 128 and becomes −63."""
+    top = q.float().abs().amax(1).clamp(min=1)                                # [N] (int8's abs(-128) is -128)
     q7 = torch.round(q.float() * (63 / top)[:, None]).to(torch.int8)
     return q7, scales.float() * top / 63
 
