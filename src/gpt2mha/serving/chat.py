@@ -25,8 +25,10 @@ import os
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .protocol import (EXPECTED, APIError, CompletionRequest, StreamOptions, check_unicode, drop_nulls, encode_text,
-                       parse_json, validation_error)
+from .completions import Completions
+from .protocol import (EXPECTED, APIError, CompletionRequest, StreamOptions, check_model, check_unicode, drop_nulls,
+                       encode_prompts, encode_text, parse_json, validation_error)
+from .scheduler import Sequence
 
 
 # ------------------------------------------------------------------------------ template
@@ -265,3 +267,45 @@ def delta_choice(index: int, delta: dict, finish_reason: str | None) -> dict:
     "assistant", "content": ""}`` in a choice's first chunk, then ``{"content": text}``, and
     ``{}`` in a last chunk that only carries the finish reason."""
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+# -------------------------------------------------------------------------------- route
+class ChatCompletions(Completions):
+    """``POST /v1/chat/completions``: the messages rendered by ``template``
+    (:class:`ChatTemplate`) into one prompt of token ids, continued as a
+    completion, answered in OpenAI's ``chat.completion`` / ``chat.completion.chunk`` shapes."""
+
+    OBJECT, CHUNK_OBJECT, ID_PREFIX = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def __init__(self, template: "ChatTemplate", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.template = template
+
+    def prepare(self, raw: bytes):
+        """Parse and check a chat body, render its messages and tokenize them.
+
+        Raises:
+            APIError: 400/404 naming the field (:mod:`.chat`, :mod:`.protocol`).
+        """
+        s = self.scheduler
+        body = parse_chat_request(raw)
+        check_model(body.model, self.model_name)                 # before rendering anything
+        request = completion_request(body, self.template, s.tokenizer, s.n_ctx)
+        self.check(request)
+        return request, encode_prompts(request, s.tokenizer, s.n_ctx)
+
+    def whole_choice(self, index: int, seq: Sequence) -> dict:
+        return message_choice(index, seq.text, seq.finish_reason)
+
+    def chunk_choices(self, seq: Sequence, text: str, finished: bool, seen: list[int]) -> list[dict]:
+        """A choice's first chunk carries the role (``{"role": "assistant", "content": ""}``), as
+        OpenAI's do; the finish reason comes with the last text, or alone with an empty delta."""
+        index, finish_reason = seq.index, seq.finish_reason if finished else None
+        first = seen[index] == 0
+        seen[index] += 1
+        out = [delta_choice(index, {"role": "assistant", "content": ""}, None)] if first else []
+        if text or finish_reason is None:
+            out.append(delta_choice(index, {"content": text}, finish_reason))
+        else:
+            out.append(delta_choice(index, {}, finish_reason))
+        return out

@@ -185,11 +185,16 @@ def validation_error(errors: list[dict], expected: dict | None = None) -> APIErr
     return APIError(400, f"Invalid type for '{where}': expected {want}, got {got}", param)
 
 
+def check_model(name: str | None, model_name: str) -> None:
+    """404 naming ``model`` for a name other than the served one (None: the served one)."""
+    if name is not None and name != model_name:
+        raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'", "model",
+                       code="model_not_found")
+
+
 def check_request(body: CompletionRequest, model_name: str) -> None:
     """Value checks OpenAI makes (and ours): raises :class:`APIError` 400/404 naming the field."""
-    if body.model is not None and body.model != model_name:
-        raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{model_name}'",
-                       "model", code="model_not_found")
+    check_model(body.model, model_name)
     if body.max_tokens < 0:
         raise APIError(400, f"max_tokens={body.max_tokens} must be >= 0", "max_tokens")
     if not (math.isfinite(body.temperature) and body.temperature >= 0):

@@ -25,7 +25,7 @@ import json
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .chat import Message, template_messages
-from .protocol import APIError, check_token_ids, check_unicode, drop_nulls, parse_json, validation_error
+from .protocol import APIError, check_model, check_token_ids, check_unicode, drop_nulls, parse_json, validation_error
 
 #: What each field must be, for the messages of type errors.
 EXPECTED = {"model": "a string", "prompt": "a string", "messages": "a list of messages {role, content}",
@@ -60,13 +60,6 @@ def parse(raw: bytes, schema):
         return schema.model_validate(drop_nulls(data))
     except ValidationError as e:
         raise validation_error(e.errors(), EXPECTED) from None
-
-
-def check_model(name: str | None, model_name: str) -> None:
-    """404 naming ``model`` for a name other than the served one (None: the served one)."""
-    if name is not None and name != model_name:
-        raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'", "model",
-                       code="model_not_found")
 
 
 def tokenize(raw: bytes, tokenizer, model_name: str, n_ctx: int, template=None) -> dict:
