@@ -459,3 +459,27 @@ def test_decode_loop_outside_inference_mode_after_generate():
         got = G.decode_loop(for_decoding(model), IDX, 4, None, dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                                                                      generator=None), None, None, None)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_nan_logits_are_a_named_error_at_the_step_they_appear(temperature, quantize):
+    """A NaN in the position embedding of position 9 spoils the logits computed there and only
+    there: a 3-token prompt's step 7 (its 8th new token is chosen from position 9's logits).
+    Greedy used to emit token 0 forever, sampling raised torch's multinomial message; both now
+    raise NonFiniteLogitsError naming the step, on the model's own forward and (int8 per_row) on
+    the native route. The steps before it are untouched."""
+    from gpt2mha.inference.sampling import NonFiniteLogitsError
+
+    model = small_model(4, n_vocab=97, n_ctx=32, n_embd=32, n_head=2, n_layer=2)
+    if quantize:
+        model.quantize(quantize, method="rtn", activations="per_row")
+    with torch.no_grad():
+        model.wpe.weight[9, 0] = float("nan")
+    prompt = torch.tensor([[5, 6, 7]])
+    out = model.generate(prompt, 7, temperature=temperature, seed=1)      # steps 0-6 read positions 2-8
+    assert out.shape == (1, 10)
+    with pytest.raises(NonFiniteLogitsError, match=r"NaN or infinite logits at step 7 \(rows \[1\]\); its weights "
+                                                   r"or inputs hold NaN/inf"):
+        model.generate(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 7]])[:, 1:], 12, temperature=temperature, seed=1,
+                       attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))

@@ -940,3 +940,26 @@ def _up(url):
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+@pytest.mark.slow
+def test_nan_logits_fail_only_their_request_with_a_500_that_says_so(builtin):
+    """A model whose position 20 embedding holds NaN: a request that reaches position 20 (greedy
+    and sampled) fails with HTTP 500 whose message names the step and NaN logits; a request that
+    stays before it, sent next on the same server, is answered as offline generate answers it."""
+    import copy
+
+    model, tok = builtin
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.wpe.weight[20, 3] = float("nan")
+    sched = Scheduler(model, tok, max_batch=2, max_queue=4)
+    with serve_in_thread(sched, DEFAULT_MODEL) as url, httpx.Client(base_url=url, timeout=60) as client:
+        for temperature in (0, 0.8):                           # "ROMEO:" is 6 bytes: step 15 reads position 20
+            r = client.post("/v1/completions", json=dict(prompt="ROMEO:", max_tokens=30, temperature=temperature,
+                                                         seed=3))
+            assert r.status_code == 500, r.text
+            message = r.json()["error"]["message"]
+            assert "NaN or infinite logits at step 15" in message and "NonFiniteLogitsError" in message, message
+        r = client.post("/v1/completions", json=dict(prompt="ROMEO:", max_tokens=10, temperature=0))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(model, tok, "ROMEO:", 10, 0)[1]

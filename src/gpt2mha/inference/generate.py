@@ -382,7 +382,7 @@ def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_to
             step_logits = logits[:, :vocab_size]
             if counts is not None or adjust.get("bias") is not None:
                 step_logits = adjust_logits(step_logits, counts, **adjust)
-            token = sample_next(step_logits, **sample)
+            token = sample_next(step_logits, **sample, step=step)
             if eos_token_id is not None:
                 token = torch.where(finished, eos_token_id, token)
                 finished |= token == eos_token_id

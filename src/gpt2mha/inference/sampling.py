@@ -76,20 +76,48 @@ def min_p_logits(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The model's logits hold NaN or +inf (or no finite value) where a token is to be chosen:
+    its weights or its inputs hold NaN/inf. No token can be chosen from them (greedy would pick
+    an arbitrary id, a draw has no distribution)."""
+
+
+def check_finite(top: torch.Tensor, step: int | None = None) -> None:
+    """Raises :class:`NonFiniteLogitsError` naming ``step`` and the rows unless every row's
+    largest logit ``top [B]`` (or ``[B, 1]``) is finite. NaN anywhere in a row makes its
+    maximum NaN, +inf makes it +inf, so one reduction, which the sampler computes anyway,
+    checks the whole row."""
+    ok = torch.isfinite(top)
+    if not bool(ok.all()):
+        rows = (~ok).flatten().nonzero().flatten().tolist()
+        at = "" if step is None else f" at step {step}"
+        raise NonFiniteLogitsError(f"the model produced NaN or infinite logits{at} (rows {rows}); its weights or "
+                                   f"inputs hold NaN/inf")
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                generator: torch.Generator | list[torch.Generator] | None = None, min_p: float = 0.0) -> torch.Tensor:
+                generator: torch.Generator | list[torch.Generator] | None = None, min_p: float = 0.0,
+                step: int | None = None) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from last-position logits ``[B, V]``.
 
     Temperature 0 (or below :data:`MIN_TEMPERATURE`) is argmax. Logits are shifted by their row
     maximum before dividing by the temperature (softmax does not change), so a tiny temperature
     cannot overflow to inf. Then top-k, top-p and min-p filtering, in that order (transformers'
     order). ``generator`` is one generator for the whole batch, or a list with one per row (row
-    i drawn from ``generator[i]``, as if sampled alone).
+    i drawn from ``generator[i]``, as if sampled alone). ``step``: which new token this is
+    (0-based), for the error message.
+
+    Raises:
+        NonFiniteLogitsError: a row's logits hold NaN or +inf (:func:`check_finite`).
     """
     logits = logits.float()
     if temperature < MIN_TEMPERATURE:
-        return logits.argmax(dim=-1)
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature      # <= 0: no overflow
+        ids = logits.argmax(dim=-1)                                          # a NaN is argmax's maximum
+        check_finite(logits.gather(-1, ids[:, None]), step)
+        return ids
+    top = logits.amax(dim=-1, keepdim=True)
+    check_finite(top, step)
+    logits = (logits - top) / temperature                                    # <= 0: no overflow
     logits = min_p_logits(top_p_logits(top_k_logits(logits, top_k), top_p), min_p)
     probs = torch.softmax(logits, dim=-1)
     if isinstance(generator, (list, tuple)):

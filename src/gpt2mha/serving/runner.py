@@ -46,7 +46,8 @@ import torch
 from ..core import checks
 from ..core.kv_cache import KVCache
 from ..inference.fast import for_decoding, invariant_by_default
-from ..inference.sampling import MIN_TEMPERATURE, adjust_logits, bias_vector, sample_next, token_logprobs
+from ..inference.sampling import (MIN_TEMPERATURE, adjust_logits, bias_vector, check_finite, sample_next,
+                                  token_logprobs)
 
 #: One token's log-probability and the most probable ids with theirs: ``(logprob, [(id, logprob), ...])``.
 TokenLogprob = tuple[float, list[tuple[int, float]]]
@@ -133,6 +134,7 @@ class Runner:
         self.vocab_size = vocab_size
         self.samplers: list[Sampler | None] = [None] * slots
         self.last: list[int] = [0] * slots                     # each slot's newest token: its next input
+        self.steps: list[int] = [0] * slots                    # tokens each slot has sampled (for errors)
         #: each slot's newest token's :data:`TokenLogprob` (None unless opened with ``logprobs``)
         self.logprobs: list[TokenLogprob | None] = [None] * slots
 
@@ -173,6 +175,7 @@ class Runner:
         self.cache.reset(slot)
         self.samplers[slot] = None
         self.last[slot] = 0
+        self.steps[slot] = 0
         self.logprobs[slot] = None
 
     @torch.inference_mode()
@@ -228,7 +231,9 @@ class Runner:
                 s = self.samplers[slot]
                 if s.greedy and not s.adjusted:
                     if greedy is None:                          # one argmax for every greedy row
-                        greedy = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+                        ids = logits[:, :self.vocab_size].argmax(dim=-1)
+                        greedy, top = ids.tolist(), logits.gather(-1, ids[:, None])   # a NaN is argmax's maximum
+                    check_finite(top[row], self.steps[slot])
                     token = greedy[row]
                 else:
                     token = self.sample(slot, logits[row:row + 1])
@@ -239,6 +244,7 @@ class Runner:
                 if s.counts is not None:
                     s.counts[0, token] += 1
                 self.last[slot] = token
+                self.steps[slot] += 1
                 out.append(token)
             except Exception as e:                              # this row fails; the others go on
                 out.append(e)
@@ -251,7 +257,7 @@ class Runner:
         logits = logits[:, :self.vocab_size]
         if s.adjusted:
             logits = adjust_logits(logits, s.counts, s.presence_penalty, s.frequency_penalty, s.bias)
-        return int(sample_next(logits, s.temperature, s.top_k, s.top_p, s.generator)[0])
+        return int(sample_next(logits, s.temperature, s.top_k, s.top_p, s.generator, step=self.steps[slot])[0])
 
     @torch.inference_mode()
     def score(self, prompt: list[int], k: int) -> list[TokenLogprob]:
