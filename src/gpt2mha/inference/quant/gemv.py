@@ -1,177 +1,40 @@
-"""An optional C++ kernel for int8 and int4 weight-only products at decode sizes: ``gemv.cpp``, the
-operators ``torch.ops.gpt2mha.int8_gemv`` and ``int4_gemv`` (and per_row's ``int8_per_row``), built on first use with the system C++ compiler against torch's
-headers (~30 s, once, with a line on stderr) and loaded with ``torch.ops.load_library``; the same
-library holds prefill's causal attention kernel (``attention.cpp``, used for float32 models too).
+"""The Python side of gpt2mha's C++ products (``src/gpt2mha/kernels/products.cpp``): the
+operators ``torch.ops.gpt2mha.int8_gemv`` and ``int4_gemv`` (float32 activations),
+``int4_gemv_a8`` (W4A8) and ``int8_per_row`` (W7A8) behind checked wrappers, per_row's weight
+packing and the AVX-512 switch. The library is built at install and loaded by
+:mod:`gpt2mha.kernels`; :func:`available` says whether it is, :func:`unavailable_reason` why not
+(then callers keep torch's kernels, and gpt2mha has said so once).
 
 At one to eight input rows a product is a read of the int8 weights. On an AVX2-only CPU none of
 the kernels torch ships streams them near the memory's speed (inductor's weight-only int8
-template ~13–15 GB/s, FBGEMM and oneDNN less); ``gemv.cpp`` reads each weight row start to end
-and converts it to float32 in registers (17–18 GB/s on the same host, with float32 activations
-where the template rounds them to bf16: benchmarks/RESULTS.md, "A kernel of our own"). int4
-weights (two per byte, a bf16 scale and zero per group) are unpacked the same way, where
-torch's int4 kernel takes bf16 activations, emulated and slow on CPUs without AVX-512 BF16. Issue 22
-allows hand-written SIMD only as a small, tested, optional extension where nothing else gets
-there; this is it. Where it cannot be built (no C++ compiler, no AVX2/FMA, not Linux on x86-64,
-or ``GPT2MHA_GEMV=0``) :func:`available` is False and callers keep torch's kernels.
+template ~13–15 GB/s, FBGEMM and oneDNN less); ``products.cpp`` reads each weight row start to
+end and converts it to float32 in registers (17–18 GB/s on the same host, with float32
+activations where the template rounds them to bf16: benchmarks/RESULTS.md, "A kernel of our
+own"). int4 weights (two per byte, a bf16 scale and zero per group) are unpacked the same way,
+where torch's int4 kernel takes bf16 activations, emulated and slow on CPUs without AVX-512
+BF16.
 
 A C++ operator, not a Python one: inside a compiled step each call costs ~5 us through torch's
 dispatcher, against ~35 us for a ``torch.library`` operator implemented in Python (measured:
-~1.5 ms a step over 124M's 49 products).
-
-The built library lives in ``$GPT2MHA_CACHE`` (default ``$XDG_CACHE_HOME/gpt2mha`` or
-``~/.cache/gpt2mha``) under a name that hashes the source, the compiler, its flags and torch's
-version. It is linked against ``libgomp.so.1``, which torch has already loaded: the kernel's
-OpenMP threads are torch's (``torch.set_num_threads`` sets their number).
+~1.5 ms a step over 124M's 49 products). The kernels' OpenMP threads are torch's
+(``torch.set_num_threads`` sets their number).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-from pathlib import Path
-
 import torch
 
-SOURCE = Path(__file__).parents[2] / "kernels" / "products.cpp"
-#: Every file of the library: the products (gemv.cpp), prefill attention (attention.cpp), the int4
-#: decode step in one call (step.cpp), their shared vector helpers (simd.h) and the products'
-#: declarations (kernels.h).
-SOURCES = (SOURCE, SOURCE.with_name("causal_attention.cpp"), SOURCE.with_name("cached_forward.cpp"), SOURCE.with_name("simd.h"),
-           SOURCE.with_name("kernels.h"))
-#: Set to ``0`` (or ``false``, ``off``, ``no``) to turn the kernel off (callers then use torch's kernels).
-ENV = "GPT2MHA_GEMV"
-FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-w")
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: ``$GPT2MHA_CACHE``, else ``$XDG_CACHE_HOME/gpt2mha``, else
-    ``~/.cache/gpt2mha``."""
-    if os.environ.get("GPT2MHA_CACHE"):
-        return Path(os.environ["GPT2MHA_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "gpt2mha"
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _command(cxx: str, out: str) -> list[str]:
-    from torch.utils import cpp_extension
-    lib = cpp_extension.library_paths()[0]
-    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *(f"-I{p}" for p in cpp_extension.include_paths()), *(str(p) for p in SOURCES if p.suffix == ".cpp"),
-            f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-o", out]
-
-
-def _build() -> str:
-    """Builds and loads the operator; returns "" or why it is not available."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
-        return f"turned off ({ENV}={os.environ[ENV]})"
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"built for Linux on x86-64 only (this is {sys.platform}, {platform.machine()})"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if cxx is None:
-        return "no C++ compiler found (set CXX, or install g++)"
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(_command(cxx, "")).encode()
-                         + torch.__version__.encode()).hexdigest()[:16]
-    out = cache_dir() / f"gemv-{key}.so"
-    check = out.with_suffix(".sha256")           # written after the library: a library without it,
-    try:                                         # or with another digest (cut short, replaced), is rebuilt
-        good = out.is_file() and check.read_text().strip() == _digest(out)
-    except OSError:
-        good = False
-    if not good:
-        if out.parent.exists() and not out.parent.is_dir():
-            return f"the cache path {out.parent} is not a directory (set GPT2MHA_CACHE to one)"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        sys.stderr.write(f"gpt2mha: building its C++ kernels into {out.parent} (once, ~30 s)\n")
-        sys.stderr.flush()
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run(_command(cxx, tmp), capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                return f"{cxx} failed: {done.stderr.strip()[-500:]}"
-            os.chmod(tmp, 0o755)                        # loadable by other users of a shared cache
-            digest = _digest(Path(tmp))
-            os.replace(tmp, out)                        # atomic: concurrent builds are safe
-            fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=out.parent)
-            with os.fdopen(fd, "w") as f:
-                f.write(digest)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, check)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    torch.ops.load_library(str(out))
-    torch.library.register_fake("gpt2mha::int8_gemv")(_fake)
-    torch.library.register_fake("gpt2mha::int8_per_row")(_fake_per_row)
-    torch.library.register_fake("gpt2mha::int4_gemv")(_fake_int4)
-    torch.library.register_fake("gpt2mha::int4_gemv_a8")(_fake_int4)
-    torch.library.register_fake("gpt2mha::causal_attention")(_fake_attention)
-    return ""
-
-
-def _fake_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    B, h, T, D = q.shape
-    return q.new_empty(B, T, h, D).permute(0, 2, 1, 3)
-
-
-def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def _fake_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales: torch.Tensor, wsum: torch.Tensor,
-                  bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
-    return x.new_empty(x.shape[0], qsum.shape[0])
-
-
-def _fake_int4(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-_BUILD_LOCK = threading.Lock()
-
-
-#: Reasons :func:`_build` gives without trying to build (said by :func:`unavailable_reason` only).
-_EXPECTED = ("turned off", "built for Linux", "the CPU has no AVX2", "no C++ compiler")
-
-
-@functools.cache
-def _built() -> str:
-    try:
-        why = _build()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        why = f"could not build or load the kernel: {e}"
-    if why and not why.startswith(_EXPECTED):                # a build that was tried and failed: say so once
-        sys.stderr.write(f"gpt2mha: its C++ kernels are not available, PyTorch's run instead: {why.splitlines()[0][:300]}\n")
-        sys.stderr.flush()
-    return why
-
-
-def _library() -> str:
-    with _BUILD_LOCK:                            # threads asking at once: one build, one answer
-        return _built()
+from ... import kernels
 
 
 def available() -> bool:
-    """Whether the operator is built and loaded (builds it on the first call: ~30 s, then cached)."""
-    return _library() == ""
+    """Whether gpt2mha's kernels are loaded (:func:`gpt2mha.kernels.available`)."""
+    return kernels.available()
 
 
 def unavailable_reason() -> str:
     """Why :func:`available` is False ("" when it is True)."""
-    return _library()
+    return kernels.unavailable_reason()
 
 
 def pack_rows(q: torch.Tensor) -> torch.Tensor:

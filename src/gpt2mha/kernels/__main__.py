@@ -1,0 +1,35 @@
+"""``python -m gpt2mha.kernels``: which kernel library this process loads and how it was built
+(compiler, flags, seconds, torch), or why none loads. Exits 0 when one is loaded, 1 otherwise."""
+
+import json
+import sys
+import warnings
+
+import torch
+
+from . import build, loader
+
+
+def main() -> int:
+    """Prints the library's state (see the module's docstring) and returns the exit status."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", loader.KernelsUnavailable)   # said below instead
+        why = loader.load()
+    if why:
+        print(f"gpt2mha's C++ kernels: not loaded: {why}")
+        return 1
+    library = loader.loaded_library()
+    print(f"gpt2mha's C++ kernels: {library}")
+    try:
+        record = json.loads(build.record_path(library).read_text())
+    except (OSError, ValueError):
+        record = {}
+    if record:
+        print(f"  built in {record.get('seconds')} s by {record.get('compiler')} against torch {record.get('torch')}")
+        print(f"  flags: {' '.join(record.get('flags', []))}")
+    print(f"  AVX-512 VNNI paths: {'yes' if torch.ops.gpt2mha.has_vnni() else 'no (AVX2)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

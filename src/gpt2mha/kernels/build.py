@@ -1,0 +1,200 @@
+"""How gpt2mha's C++ kernels are compiled: the sources, the flags, the compiler command and the
+record kept beside a built library. One place for every build: ``setup.py`` (the build at
+install, torch's ``CppExtension``), the opt-in build into the cache (``GPT2MHA_KERNELS=build``,
+:mod:`.cache`) and CI's sanitizer build (``python -m gpt2mha.kernels.build --sanitize
+address,undefined OUT``).
+
+Standard library only at import (``setup.py`` loads this file by its path in the build
+environment, before gpt2mha is installed); torch is imported where its headers are needed.
+
+The library needs AVX2 and FMA (``-mavx2 -mfma``, checked at load); the AVX-512 VNNI paths are
+compiled for their own targets (``__attribute__((target(...)))``) and chosen at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+#: The library's sources, all compiled into one library (products.cpp: int8/int4 GEMV, W4A8 and
+#: W7A8 products; causal_attention.cpp: prefill attention; cached_forward.cpp: the forward in one
+#: call) and the headers they share (kernels.h: what cached_forward.cpp calls in the others;
+#: simd.h: exp and GELU on vectors).
+SOURCES = ("products.cpp", "causal_attention.cpp", "cached_forward.cpp", "kernels.h", "simd.h")
+#: The extension's module name (setup.py) and so its file: ``_kernels.abi3.so`` beside this file.
+MODULE = "gpt2mha.kernels._kernels"
+#: What a build writes beside its library, named after it (:func:`record_path`).
+RECORD_SUFFIX = ".json"
+#: Our sources compile warning-free: warnings are errors. torch's headers are system headers
+#: (``-isystem``), outside these rules. ``-ffp-contract=off``: the compiler fuses no multiply-add
+#: the sources do not write (the AVX2 and AVX-512 paths give the same bits). ``-g0``: no debug
+#: information (Python's own flags ask for it: 7.8 MB against ~0.5).
+CXX_FLAGS = ("-O3", "-g0", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC",
+             "-Wall", "-Wextra")
+#: Linked against libgomp.so.1: at run time the one torch has loaded (its OpenMP threads are ours).
+LINK_FLAGS = ("-fopenmp",)
+#: ``--sanitize`` values and their flags: every report stops the process (``-fno-sanitize-recover``).
+SANITIZERS = ("address", "undefined", "thread")
+SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
+
+
+def platform_supported() -> str:
+    """"" where the kernels are built (Linux on x86-64), else why not."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"the kernels are built for Linux on x86-64 only (this is {sys.platform} on {platform.machine()})"
+    return ""
+
+
+def sources_digest(directory: Path = HERE) -> str:
+    """sha256 over :data:`SOURCES` in ``directory`` (names and bytes), or "" when one is missing."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        path = directory / name
+        if not path.is_file():
+            return ""
+        h.update(name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def torch_include_flags() -> list[str]:
+    """torch's header directories as system headers (``-isystem``), with torch's C++ ABI flag."""
+    import torch
+    from torch.utils import cpp_extension
+    return [*(f for p in cpp_extension.include_paths() for f in ("-isystem", p)),
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+
+
+def sanitize_flags(sanitize: str) -> list[str]:
+    """The compile and link flags for ``sanitize``, a comma-separated list of :data:`SANITIZERS`
+    ("" for none).
+
+    Raises:
+        ValueError: an unknown sanitizer, or ``thread`` with another (TSan runs alone).
+    """
+    names = [s for s in sanitize.split(",") if s]
+    bad = [s for s in names if s not in SANITIZERS]
+    if bad:
+        raise ValueError(f"sanitize={sanitize!r}: {bad[0]!r} is not one of {', '.join(SANITIZERS)}")
+    if "thread" in names and len(names) > 1:
+        raise ValueError(f"sanitize={sanitize!r}: ThreadSanitizer runs alone, not with {', '.join(names)}")
+    return [f"-fsanitize={','.join(names)}", *SANITIZE_FLAGS] if names else []
+
+
+def compiler() -> str:
+    """The C++ compiler: ``$CXX``, else ``c++``, else ``g++``, as a path.
+
+    Raises:
+        FileNotFoundError: none is found (install g++, or set CXX).
+    """
+    cxx = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
+    if cxx is None:
+        raise FileNotFoundError(f"no C++ compiler found (CXX={os.environ.get('CXX')!r}, no c++ or g++ on PATH): "
+                                f"install g++, or set CXX")
+    return cxx
+
+
+def compiler_version(cxx: str) -> str:
+    """The first line ``cxx --version`` prints ("" when it prints nothing)."""
+    done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    return (done.stdout.splitlines() or [""])[0].strip()
+
+
+def command(cxx: str, out: str, sanitize: str = "") -> list[str]:
+    """The command that compiles and links every source into the shared library ``out`` (the
+    opt-in cache build and the sanitizer build; setup.py passes the same flags to setuptools)."""
+    from torch.utils import cpp_extension
+    lib = cpp_extension.library_paths()[0]
+    extra = sanitize_flags(sanitize)
+    return [cxx, *CXX_FLAGS, *extra, "-shared", *torch_include_flags(),
+            *(str(HERE / s) for s in SOURCES if s.endswith(".cpp")),
+            f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", *LINK_FLAGS, "-o", out]
+
+
+def record_path(library: Path) -> Path:
+    """Where the record of ``library`` is kept: beside it, ``LIBRARY.json``."""
+    return library.with_name(library.name + RECORD_SUFFIX)
+
+
+def flags(sanitize: str = "") -> list[str]:
+    """Every compile and link flag of a build with ``sanitize`` (as :func:`record` keeps them)."""
+    return [*CXX_FLAGS, *sanitize_flags(sanitize), *LINK_FLAGS]
+
+
+def record(library: Path, cxx: str, seconds: float, sanitize: str = "", **extra: str) -> Path:
+    """Writes :func:`record_path` of ``library``: the torch it was built against (its C++ ABI is
+    that version's), the sources' digest, the compiler, the flags, the sanitizers and the
+    build's seconds (and ``extra``), read at load (:mod:`.loader`) and by ``python -m
+    gpt2mha.kernels``. Written whole or not at all. Returns its path."""
+    import torch
+    path = record_path(library)
+    data = {"library": library.name, "torch": torch.__version__, "sources": sources_digest(),
+            "compiler": compiler_version(cxx), "flags": flags(sanitize), "sanitize": sanitize,
+            "seconds": round(seconds, 1), **extra}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def compile_library(out: Path, sanitize: str = "", timeout: float = 900) -> float:
+    """Compiles the library into ``out`` (written whole or not at all: a temporary file beside
+    it, renamed) with :func:`command`, and returns the seconds it took. Writes nothing else.
+
+    Raises:
+        FileNotFoundError: no compiler (:func:`compiler`).
+        RuntimeError: the compiler failed (its last lines of output) or ran past ``timeout`` s.
+    """
+    cxx = compiler()
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    start = time.monotonic()
+    try:
+        try:
+            done = subprocess.run(command(cxx, str(tmp), sanitize), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{cxx} ran past {timeout:.0f} s compiling gpt2mha's kernels") from None
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed compiling gpt2mha's kernels:\n{(done.stdout + done.stderr).strip()[-3000:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gpt2mha.kernels.build [--sanitize LIST] OUT``: compiles the library into OUT
+    (with its record beside it) and prints the time; load it with ``GPT2MHA_KERNELS=OUT``."""
+    p = argparse.ArgumentParser(prog="python -m gpt2mha.kernels.build", description=main.__doc__)
+    p.add_argument("out", type=Path, help="the library to write (a .so path)")
+    p.add_argument("--sanitize", default="", help=f"comma-separated sanitizers: {', '.join(SANITIZERS)}")
+    args = p.parse_args(argv)
+    why = platform_supported()
+    if why:
+        p.error(why)
+    try:
+        sanitize_flags(args.sanitize)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        seconds = compile_library(args.out, args.sanitize)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"gpt2mha: {e}", file=sys.stderr)
+        return 1
+    cxx = compiler()
+    record(args.out, cxx, seconds, args.sanitize)
+    print(f"gpt2mha: compiled its C++ kernels into {args.out} in {seconds:.0f} s"
+          + (f" (sanitizers: {args.sanitize})" if args.sanitize else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
