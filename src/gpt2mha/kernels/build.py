@@ -39,7 +39,7 @@ RECORD_SUFFIX = ".json"
 #: the sources do not write (the AVX2 and AVX-512 paths give the same bits). ``-g0``: no debug
 #: information (Python's own flags ask for it: 7.8 MB against ~0.5).
 CXX_FLAGS = ("-O3", "-g0", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC",
-             "-Wall", "-Wextra")
+             "-Wall", "-Wextra", "-Werror")
 #: Linked against libgomp.so.1: at run time the one torch has loaded (its OpenMP threads are ours).
 LINK_FLAGS = ("-fopenmp",)
 #: ``--sanitize`` values and their flags: every report stops the process (``-fno-sanitize-recover``).

@@ -20,12 +20,13 @@
  * logits do not depend on the other rows. Sums in float32 in a fixed order, not the model's
  * bits (torch's LayerNorm and softmax sum in other orders): a last-bit difference that the
  * products' 8-bit rounding of activations now and then turns into one rounding step (native.py). */
+#include "simd.h" /* first: its note on immintrin.h says why */
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
@@ -37,7 +38,6 @@
 #include <vector>
 
 #include "kernels.h"
-#include "simd.h"
 
 /* Attention runs on the threads from this many multiply-adds (~10 keys at 124M's sizes): at one query it
  * waits on reading the cached keys and values (evicted by the weights every step), not on arithmetic. */

@@ -25,11 +25,12 @@
  * attention took 2.55 -> 1.67-1.96 ms at 128 tokens, 38.4 -> 20.8-24.6 at 512 (2 threads; RESULTS.md,
  * "AVX-512 in the float parts").
  */
+#include "simd.h" /* first: its note on immintrin.h says why */
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -38,7 +39,6 @@
 #include <vector>
 
 #include "kernels.h"
-#include "simd.h"
 
 namespace {
 

@@ -19,12 +19,13 @@
  * (batch invariance); threads share out the output channels, which changes no sum. Compiled with
  * -ffp-contract=off so the compiler fuses nothing this file does not say.
  */
+#include "simd.h" /* first: its note on immintrin.h says why */
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
@@ -35,7 +36,6 @@
 #include <vector>
 
 #include "kernels.h"
-#include "simd.h"
 
 /* Threads: output channels are handed out in chunks as threads come free (a thread the OS holds
  * back on a busy machine leaves its share to the others instead of stalling the call), and only

@@ -3,7 +3,15 @@
  * same bits). */
 #pragma once
 
+/* GCC 12 warns that the undefined vector some AVX-512 intrinsics start from "may be used
+ * uninitialized" wherever they are inlined (GCC bug 105593, fixed in GCC 13): lines of
+ * avx512fintrin.h, not ours. The pragmas cover that header's lines only, so each source includes
+ * simd.h before anything else (torch's headers include immintrin.h too). */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 
 #include <cmath>
 #include <cstdint>
