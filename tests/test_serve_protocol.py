@@ -26,6 +26,7 @@ from gpt2mha.serving.scheduler import Scheduler
 pytest.importorskip("fastapi")                  # the 'serve' extra (the 'test' extra installs it)
 openai = pytest.importorskip("openai")
 from fastapi.testclient import TestClient                 # noqa: E402
+from gpt2mha.serving.chat import BUILTIN_TEMPLATES      # noqa: E402
 from gpt2mha.serving.server import create_app, serve_in_thread       # noqa: E402
 
 #: A chat template in transformers' dialect: loops, the special tokens, raise_exception, the
@@ -284,13 +285,19 @@ def test_models_retrieve_and_unknown_ids_with_the_openai_client(server):
 
 
 # ------------------------------------------------------------------------ chat
-def test_chat_without_a_template_is_a_400_saying_how_to_serve_chat(server):
+def test_chat_without_a_template_is_a_400_saying_how_to_serve_chat(bare_app):
+    """A server started with --chat-template none (chat_template=None): the official client's
+    chat gets BadRequestError naming the built-in templates and /v1/completions; /tokenize of
+    messages is a 400 naming messages."""
+    c = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=bare_app)
     with pytest.raises(openai.BadRequestError) as e:
-        client(server).chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=4)
+        c.chat.completions.create(model="tiny-bpe", messages=MESSAGES, max_tokens=4)
     body = e.value.body
     assert body["code"] == "chat_template_missing" and body["type"] == "invalid_request_error"
-    assert "completions model" in body["message"] and "--chat-template" in body["message"]
-    assert "/v1/completions" in body["message"]
+    for word in ("completions model", "--chat-template none", "--chat-template chatml or plain", "/v1/completions"):
+        assert word in body["message"], (word, body["message"])
+    assert_error(bare_app.post("/tokenize", json={"messages": MESSAGES}), 400, "messages", "--chat-template none")
+    assert "chat_template" not in bare_app.get("/tokenizer_info").json()
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +345,7 @@ def test_chat_with_a_template_equals_transformers_rendering_and_offline_generate
 def test_chat_defaults_parts_nulls_and_errors(chat_server, builtin, hf_chat_tokenizer):
     """max_tokens left out fills the context (as vLLM); text content parts read as one string
     joined by newlines; null fields are defaults; a template's raise_exception, a non-text part
-    and chat logprobs are 400s naming their field; another model's name is 404."""
+    and top_logprobs without logprobs are 400s naming their field; another model's name is 404."""
     model, _ = builtin
     c = client(chat_server)
     r = c.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES[1:], temperature=0)
@@ -355,7 +362,7 @@ def test_chat_defaults_parts_nulls_and_errors(chat_server, builtin, hf_chat_toke
     bad = [({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "unknown role: tool"),
            ({"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}, 400, "messages",
             "'image_url'"),
-           ({"messages": MESSAGES, "logprobs": True}, 400, "logprobs", "logprobs"),
+           ({"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
            ({"messages": []}, 400, "messages", "empty"),
            ({"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 3}, 400, "max_completion_tokens",
             "differ"),
@@ -391,6 +398,16 @@ def bpe_app(one_thread):
         yield http
 
 
+@pytest.fixture(scope="module")
+def bare_app(one_thread):
+    """As bpe_app, served without a chat template (``--chat-template none``)."""
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config.from_preset("tiny", n_vocab=50257, tokenizer="gpt2")).eval()
+    app = create_app(Scheduler(model, tokenizer_for(model.config), max_batch=1), "tiny-bpe", chat_template=None)
+    with TestClient(app) as http:
+        yield http
+
+
 @pytest.mark.parametrize("text", ["Hello world, <|endoftext|> and ünïcödé 😀", "x" * 300])
 def test_tokenize_detokenize_round_trip_equals_gpt2mhas_tokenizer_bpe(bpe_app, text):
     """/tokenize gives tiktoken's GPT-2 ids (what a completion's prompt becomes: the text
@@ -421,13 +438,15 @@ def test_tokenizer_info_is_what_transformers_reads_from_the_saved_files(bpe_app,
     assert {k: info[k] for k in config} == config
     assert (info["eos_token"], info["bos_token"]) == (hf.eos_token, hf.bos_token) == ("<|endoftext|>",) * 2
     assert (info["eos_token_id"], info["bos_token_id"]) == (hf.eos_token_id, hf.bos_token_id) == (50256, 50256)
-    assert info["max_model_len"] == 64 and info["vocab_size"] == 50257 and "chat_template" not in info
+    assert info["max_model_len"] == 64 and info["vocab_size"] == 50257
+    assert info["chat_template"] == BUILTIN_TEMPLATES["plain"]                # served by default
 
 
 @pytest.mark.parametrize("path,body,status,param,word", [
     ("/tokenize", {}, 400, "prompt", "either"),
     ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "prompt", "either"),
-    ("/tokenize", {"messages": MESSAGES}, 400, "messages", "--chat-template"),
+    ("/tokenize", {"messages": [{"role": "user"}], "prompt": None, "add_generation_prompt": 1}, 400,
+     "add_generation_prompt", "a boolean"),
     ("/tokenize", {"prompt": 5}, 400, "prompt", "a string"),
     ("/tokenize", {"model": "gpt-4", "prompt": "a"}, 404, "model", "gpt-4"),
     ("/detokenize", {"tokens": [50257]}, 400, "tokens", "tokens[0]=50257"),

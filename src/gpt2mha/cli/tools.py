@@ -511,7 +511,7 @@ def cmd_serve(args) -> int:
     from ..serving.chat import load_chat_template
 
     try:                                      # before loading the model: a bad file fails at once
-        template = None if args.chat_template is None else load_chat_template(args.chat_template)
+        template = load_chat_template(args.chat_template)         # a built-in name, none, or a file
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -541,7 +541,7 @@ def _add_serve_command(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions) with continuous batching",
                        formatter_class=DefaultsHelpFormatter,
                        description="Serve the model over HTTP in the OpenAI completions format: POST /v1/completions "
-                                   "(streaming with server-sent events), POST /v1/chat/completions (with "
+                                   "(streaming with server-sent events), POST /v1/chat/completions (through "
                                    "--chat-template), GET /v1/models, GET /health, POST /tokenize, POST /detokenize, "
                                    "GET /tokenizer_info. Requests are "
                                    "batched continuously: every decode step advances all running sequences, new "
@@ -566,10 +566,11 @@ def _add_serve_command(sub) -> None:
                    help="largest request body accepted; larger ones get HTTP 413")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in /v1/models and requests' 'model' field (default: --model as given)")
-    s.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="serve POST /v1/chat/completions with this Jinja chat template (transformers' "
-                        "apply_chat_template semantics: messages, add_generation_prompt, bos_token, eos_token; a "
-                        ".json file: its 'chat_template'); without it that route answers 400 (GPT-2 has no template)")
+    s.add_argument("--chat-template", default="plain", metavar="NAME|FILE",
+                   help="the chat template of POST /v1/chat/completions: a built-in one by name (plain: 'role: "
+                        "content' lines then 'assistant:'; chatml: ChatML turns), none (no chat: that route answers "
+                        "400), or a Jinja file (transformers' apply_chat_template semantics: messages, "
+                        "add_generation_prompt, bos_token, eos_token; a .json file: its 'chat_template')")
     s.add_argument("--max-stop", type=number(int, 1), default=DEFAULT_MAX_STOP, metavar="N",
                    help="stop strings a request may send; more get HTTP 400 (lm-evaluation-harness sends a task's "
                         "'until' strings plus the EOS string: 1 + len(until); OpenAI's API takes 4, vLLM and "

@@ -2,9 +2,11 @@
 into one prompt, which the server continues as ``/v1/completions`` does; the answer is shaped
 as OpenAI's ``chat.completion`` (or ``chat.completion.chunk`` events when streamed).
 
-GPT-2 has no chat template, so ``/v1/chat/completions`` is served only when one is given
-(``gpt2mha serve --chat-template FILE``, as vLLM's ``--chat-template``); otherwise it answers
-400 (:func:`no_template_error`). The template is rendered as transformers'
+GPT-2 has no chat template of its own. The server ships built-in ones, selected by name
+(:data:`BUILTIN_TEMPLATES`: ``plain``, "role: content" lines, the default, and ``chatml``), and
+takes a Jinja file as vLLM's ``--chat-template`` does (``gpt2mha serve --chat-template
+NAME|FILE``); with ``--chat-template none`` the route answers 400 (:func:`no_template_error`).
+The template is rendered as transformers'
 ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` renders
 it (a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the
 ``raise_exception`` and ``strftime_now`` functions, a ``tojson`` that keeps non-ASCII text, and
@@ -26,25 +28,57 @@ import os
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .completions import Completions
-from .protocol import (EXPECTED, APIError, CompletionRequest, StreamOptions, check_model, check_unicode, drop_nulls,
-                       encode_prompts, encode_text, parse_json, validation_error)
+from .protocol import (EXPECTED, MAX_LOGPROBS, APIError, CompletionRequest, StreamOptions, check_model, check_unicode,
+                       drop_nulls, encode_prompts, encode_text, parse_json, token_text, validation_error)
 from .scheduler import Sequence
 
 
 # ------------------------------------------------------------------------------ template
-def load_chat_template(path: str) -> str:
-    """The Jinja source of a chat template file: the file's text, or for a ``.json`` file (a
-    ``tokenizer_config.json``) its ``chat_template`` string.
+#: The built-in chat templates, by name (``gpt2mha serve --chat-template NAME``), in transformers'
+#: dialect. ``plain``: one "role: content" line per message, then ``assistant:`` (text a base
+#: model such as GPT-2 reads as a dialogue to continue); ``chatml``: OpenAI's ChatML turns,
+#: ``<|im_start|>role\ncontent<|im_end|>\n``, then ``<|im_start|>assistant\n`` (the layout
+#: of chat models tuned on it; to GPT-2's tokenizer its markers are ordinary text).
+BUILTIN_TEMPLATES = {
+    "plain": ("{% for message in messages %}"
+              "{{ message['role'] + ': ' + (message['content'] or '') + '\n' }}"
+              "{% endfor %}"
+              "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"),
+    "chatml": ("{% for message in messages %}"
+               "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
+               "{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+}
+#: The template ``gpt2mha serve`` and :func:`~gpt2mha.serving.server.create_app` serve chat with by
+#: default: chat-first clients (the openai client's chat, LangChain's ``ChatOpenAI``, litellm)
+#: then work against a default server, as they do against llama.cpp's server.
+DEFAULT_CHAT_TEMPLATE = "plain"
+#: The name that serves no chat (``--chat-template none``).
+NO_TEMPLATE = "none"
+
+
+def load_chat_template(spec: str) -> str | None:
+    """The Jinja source of a chat template: a built-in one by name (:data:`BUILTIN_TEMPLATES`),
+    None for ``"none"`` (no chat), else a file's text, or for a ``.json`` file (a
+    ``tokenizer_config.json``) its ``chat_template`` string. A name wins over a file of that name
+    in the current directory (give that one as ``./plain``).
 
     Raises:
-        ValueError: the file is missing or unreadable, a JSON file has no string ``chat_template``,
-            or the template is not valid Jinja (the message names the file and the line).
+        ValueError: the file is missing or unreadable (the message names the built-in templates
+            too), a JSON file has no string ``chat_template``, or the template is not valid Jinja
+            (the message names the file and the line).
     """
+    if spec == NO_TEMPLATE:
+        return None
+    if spec in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[spec]
+    path = spec
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--chat-template {path!r}: cannot read the file ({e})") from None
+        raise ValueError(f"--chat-template {path!r}: cannot read the file ({e}); the built-in templates: "
+                         f"{', '.join(sorted(BUILTIN_TEMPLATES))} (or {NO_TEMPLATE} for no chat)") from None
     if path.endswith(".json"):
         try:
             text = json.loads(text)["chat_template"]
@@ -129,9 +163,10 @@ def special_tokens(tokenizer_name: str, n_ctx: int) -> dict:
 
 def no_template_error(model_name: str) -> APIError:
     """The 400 of ``/v1/chat/completions`` on a server started without a chat template."""
-    return APIError(400, f"'{model_name}' is a completions model: it has no chat template, so this server does not "
-                         f"serve /v1/chat/completions. Send the text to continue to POST /v1/completions "
-                         f"('prompt'), or start the server with --chat-template FILE (a Jinja chat template, as "
+    return APIError(400, f"'{model_name}' is a completions model and this server was started without a chat "
+                         f"template (--chat-template none), so it does not serve /v1/chat/completions. Send the text "
+                         f"to continue to POST /v1/completions ('prompt'), or start the server with --chat-template "
+                         f"{' or '.join(sorted(BUILTIN_TEMPLATES))} (built in) or FILE (a Jinja chat template, as "
                          f"transformers' apply_chat_template and vLLM take) to serve chat.",
                     code="chat_template_missing")
 
@@ -178,10 +213,14 @@ class ChatRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # accepted at their neutral values only (chat's logprobs have their own format)
+    # each generated token's logprob, and the top_logprobs most probable (choices[i].logprobs.content)
     logprobs: bool = False
     top_logprobs: int | None = None
 
+
+#: The most ``top_logprobs`` a chat request may ask for: the server's limit of completions'
+#: ``logprobs`` (OpenAI's, for completions; OpenAI's chat takes 20).
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
 
 #: What each field must be, for the messages of type errors.
 CHAT_EXPECTED = {**EXPECTED, "messages": "a list of messages {role: string, content: string or list of text parts}",
@@ -195,7 +234,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     Raises:
         APIError: 400 for malformed JSON, a field of the wrong type, an unknown field, missing
             messages, a string that is not Unicode text, a content part that is not text, or
-            non-default ``logprobs``/``top_logprobs`` (each naming the field).
+            ``top_logprobs`` without ``logprobs: true`` or outside ``[0, MAX_TOP_LOGPROBS]`` (each
+            naming the field).
     """
     data = parse_json(raw)
     check_unicode(data)
@@ -210,10 +250,13 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
             if part.type != "text":
                 raise APIError(400, f"messages[{i}].content[{j}] has type {part.type!r}; this model reads only "
                                     f"'text' parts", "messages")
-    for name, default in (("logprobs", False), ("top_logprobs", None)):
-        if getattr(body, name) != default:
-            raise APIError(400, f"{name}={getattr(body, name)!r} is not supported for chat by this server "
-                                f"(only its default; /v1/completions gives token logprobs)", name)
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs: true (the top tokens come with "
+                                f"each token's logprob)", "top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs={body.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}] on this server "
+                                f"(OpenAI's API takes up to 20)", "top_logprobs")
     return body
 
 
@@ -251,22 +294,44 @@ def completion_request(body: ChatRequest, template: ChatTemplate, tokenizer, n_c
     fields = body.model_dump(include={"model", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                                       "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
                                       "user"}, exclude_none=True)
+    if body.logprobs:                             # completions' logprobs=k: each token's logprob and the k most probable
+        fields["logprobs"] = body.top_logprobs or 0
     return CompletionRequest.model_validate({**fields, "prompt": ids,
                                              "max_tokens": n_ctx - len(ids) if limit is None else limit})
 
 
 # ------------------------------------------------------------------------------- answers
-def message_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    """One entry of a ``chat.completion``'s ``choices``."""
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def message_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    """One entry of a ``chat.completion``'s ``choices`` (``logprobs``: :func:`logprobs_content`'s, or None)."""
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
-def delta_choice(index: int, delta: dict, finish_reason: str | None) -> dict:
+def delta_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     """One entry of a ``chat.completion.chunk``'s ``choices``: ``delta`` is ``{"role":
-    "assistant", "content": ""}`` in a choice's first chunk, then ``{"content": text}``, and
-    ``{}`` in a last chunk that only carries the finish reason."""
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    "assistant", "content": ""}`` in a choice's first chunk, then ``{"content": text}`` (with
+    the logprobs of the tokens it covers when asked), and ``{}`` in a last chunk that only
+    carries the finish reason."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def top_entry(tokenizer, token: int, logprob: float) -> dict:
+    """One token as OpenAI's chat logprobs name it: ``{"token", "logprob", "bytes"}``, the token's
+    text (``"bytes:\\xNN…"`` for bytes that are not whole UTF-8 characters, as completions'
+    logprobs write them) and its raw bytes as integers."""
+    return {"token": token_text(tokenizer, token), "logprob": logprob,
+            "bytes": list(tokenizer.decode_bytes([token]))}
+
+
+def logprobs_content(tokenizer, seq: Sequence, start: int, end: int) -> dict:
+    """OpenAI's chat ``logprobs`` for ``seq``'s generated tokens ``start … end-1``: ``{"content":
+    [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}],
+    "refusal": None}``, ``top_logprobs`` the ``seq.params.logprobs`` most probable tokens, most
+    probable first (all from the model's raw distribution, :mod:`.runner`)."""
+    k = seq.params.logprobs
+    content = [{**top_entry(tokenizer, t, lp), "top_logprobs": [top_entry(tokenizer, i, v) for i, v in top[:k]]}
+               for t, (lp, top) in zip(seq.tokens[start:end], seq.logprobs[start:end])]
+    return {"content": content, "refusal": None}
 
 
 # -------------------------------------------------------------------------------- route
@@ -295,17 +360,25 @@ class ChatCompletions(Completions):
         return request, encode_prompts(request, s.tokenizer, s.n_ctx)
 
     def whole_choice(self, index: int, seq: Sequence) -> dict:
-        return message_choice(index, seq.text, seq.finish_reason)
+        """A finished sequence as ``choices[index]``, with the logprobs of the tokens its text
+        covers (:attr:`TextStream.released <gpt2mha.serving.text_stream.TextStream.released>`) when asked."""
+        lp = None
+        if seq.params.logprobs is not None:
+            lp = logprobs_content(self.scheduler.tokenizer, seq, 0, seq.stream.released if seq.stream else 0)
+        return message_choice(index, seq.text, seq.finish_reason, lp)
 
     def chunk_choices(self, seq: Sequence, text: str, finished: bool, seen: list[int]) -> list[dict]:
         """A choice's first chunk carries the role (``{"role": "assistant", "content": ""}``), as
-        OpenAI's do; the finish reason comes with the last text, or alone with an empty delta."""
+        OpenAI's do; the finish reason comes with the last text, or alone with an empty delta.
+        With logprobs, a chunk carries those of the tokens its event covers (``seq.marks``, as
+        :meth:`~gpt2mha.serving.completions.Completions.chunk`)."""
         index, finish_reason = seq.index, seq.finish_reason if finished else None
-        first = seen[index] == 0
+        k = seen[index]
         seen[index] += 1
-        out = [delta_choice(index, {"role": "assistant", "content": ""}, None)] if first else []
-        if text or finish_reason is None:
-            out.append(delta_choice(index, {"content": text}, finish_reason))
-        else:
-            out.append(delta_choice(index, {}, finish_reason))
+        out = [delta_choice(index, {"role": "assistant", "content": ""}, None)] if k == 0 else []
+        lp = None
+        if seq.params.logprobs is not None:
+            lp = logprobs_content(self.scheduler.tokenizer, seq, seq.marks[k - 1] if k else 0, seq.marks[k])
+            lp = lp if lp["content"] or text else None          # a finish-only chunk: null, as OpenAI's
+        out.append(delta_choice(index, {"content": text} if text or finish_reason is None else {}, finish_reason, lp))
         return out

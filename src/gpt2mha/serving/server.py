@@ -64,6 +64,9 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 #: After ``graceful_timeout`` the scheduler cancels what is left; requests get this long to
 #: answer before uvicorn cancels their tasks itself (:class:`GracefulServer`).
 CANCEL_GRACE_S = 10.0
+#: The chat template served by default: the built-in ``plain`` one
+#: (:data:`~gpt2mha.serving.chat.DEFAULT_CHAT_TEMPLATE`), so chat-first clients work on a default server.
+DEFAULT_CHAT_TEMPLATE = chat.BUILTIN_TEMPLATES[chat.DEFAULT_CHAT_TEMPLATE]
 
 
 class AnswerCancelled:
@@ -105,11 +108,12 @@ class AnswerCancelled:
 
 
 def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat_template: str | None = None, max_stop: int = MAX_STOP) -> FastAPI:
+               chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP) -> FastAPI:
     """The ASGI app serving ``scheduler``'s model as ``model_name``; request bodies over
     ``max_body_bytes`` get 413; requests may carry up to ``max_stop`` stop strings;
-    ``/v1/chat/completions`` renders messages with ``chat_template`` (Jinja source; None: that
-    route answers 400, :func:`~gpt2mha.serving.chat.no_template_error`).
+    ``/v1/chat/completions`` renders messages with ``chat_template`` (Jinja source, default the
+    built-in plain one, :data:`DEFAULT_CHAT_TEMPLATE`; None: that route answers 400,
+    :func:`~gpt2mha.serving.chat.no_template_error`).
 
     Every error, the app's own and the router's (404 unknown route, 405 wrong method), is
     OpenAI's ``{"error": {"message", "type", "param", "code"}}`` object.
@@ -273,7 +277,8 @@ def check_port(port: int) -> None:
 
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16,
           max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          chat_template: str | None = None, max_stop: int = MAX_STOP, batch_invariant: bool | None = None) -> None:
+          chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
+          batch_invariant: bool | None = None) -> None:
     """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``). On SIGTERM uvicorn stops
     accepting connections and lets in-flight responses finish; past ``graceful_timeout``
     seconds what is left is cancelled (503 / a stream's error event, :class:`GracefulServer`);
@@ -309,7 +314,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
 @contextlib.contextmanager
 def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 0,
                     timeout: float = 30.0, graceful_timeout: float | None = None,
-                    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
+                    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
                     max_stop: int = MAX_STOP):
     """Run the app with uvicorn in a background thread for the ``with`` block; yields the base
     URL (``http://host:port``, the real port when ``port`` is 0). For tests and scripts that

@@ -75,9 +75,9 @@ def tokenize(raw: bytes, tokenizer, model_name: str, n_ctx: int, template=None) 
         raise APIError(400, "Give either 'prompt' (a string) or 'messages' (a list of chat messages)", "prompt")
     if body.messages is not None:
         if template is None:
-            raise APIError(400, f"messages need a chat template, and '{model_name}' is served without one (start the "
-                                f"server with --chat-template FILE); send the text as 'prompt' instead", "messages",
-                           code="chat_template_missing")
+            raise APIError(400, f"messages need a chat template, and '{model_name}' is served without one (the "
+                                f"server was started with --chat-template none); send the text as 'prompt' instead",
+                           "messages", code="chat_template_missing")
         text = template.render(template_messages(body), body.add_generation_prompt)
     else:
         text = body.prompt
