@@ -531,6 +531,16 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def check_serve_args(args) -> None:
+    """What ``serve``'s line alone decides, before torch is imported and the model loaded: the
+    quantization flags, and that ``--host``/``--port`` can be listened on now (a port in use is
+    one error line, exit 2, at once: :func:`gpt2mha.serving.address.check_address`)."""
+    from ..serving.address import check_address
+
+    check_quantize_args(args)
+    check_address(args.host, args.port)
+
+
 #: ``gpt2mha serve --max-stop`` default (:data:`gpt2mha.serving.protocol.MAX_STOP`, repeated so that
 #: parsing arguments needs no FastAPI; tests/test_serve.py checks that the two agree)
 DEFAULT_MAX_STOP = 64
@@ -576,7 +586,7 @@ def _add_serve_command(sub) -> None:
                         "'until' strings plus the EOS string: 1 + len(until); OpenAI's API takes 4, vLLM and "
                         "llama.cpp's server have no limit)")
     quantize_args(s)
-    s.set_defaults(func=cmd_serve, check=check_quantize_args)
+    s.set_defaults(func=cmd_serve, check=check_serve_args)
 
 
 def add_commands(sub) -> None:

@@ -1,9 +1,9 @@
 /* gpt2mha's forward in one call for quantized models on the CPU: the operator
- * torch.ops.gpt2mha.cached_forward (optional; built with gemv.cpp by gemv.py; inference/native.py
+ * torch.ops.gpt2mha.cached_forward (in the library build.py compiles; inference/native.py
  * is its Python side). T new tokens per row through every block and the head, as GPT2.forward
  * does with a KVCache and last_only (core/model.py), in one C++ function: no Python, dispatcher,
  * hook points or allocation between the 12 x 4 products of 124M. Products: int4 with per_block
- * activations (W4A8, gemv.cpp's w4a8) or int8 with per_row activations (W7A8, per_row).
+ * activations (W4A8, products.cpp's w4a8) or int8 with per_row activations (W7A8, per_row).
  *
  * Why it exists (benchmarks/RESULTS.md, "The forward in one call"): at batch 1 an int4 124M
  * step reads ~92 MB, about 2.3 ms at this machine's memory speed, and the compiled step
@@ -94,7 +94,7 @@ static void add_norm(float *x, const float *y, int64_t M, int64_t E, const float
 }
 
 /* One query q [D] over keys kc [0 .. n) and values vc [n, D] (D a multiple of 8): out [D] =
- * softmax((q k_j) / sqrt(D)) v, the softmax written (s_j - max) / sqrt(D) as attention.cpp's;
+ * softmax((q k_j) / sqrt(D)) v, the softmax written (s_j - max) / sqrt(D) as causal_attention.cpp's;
  * p [n] scratch. Four keys' dot products at a time, and p v as up to eight independent sums over
  * the keys (one chain of dependent FMAs per key and dimension ran at a quarter of the speed). */
 static void attend(const float *q, const float *kc, const float *vc, int64_t n, int64_t D, float *p, float *out) {
@@ -328,7 +328,7 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                         }
                     attend(qkv + b * 3 * E + hd * D, kc, vc, n, D, p + (b * H + hd) * Tm, z + b * E + hd * D);
                 }
-        } else {                                        /* a prompt: attention.cpp's kernel */
+        } else {                                        /* a prompt: causal_attention.cpp's kernel */
             const auto opts = at::TensorOptions().dtype(at::kFloat);
             const at::Tensor q = at::from_blob(qkv, {B, H, T, D}, {T * 3 * E, D, 3 * E, 1}, opts);
             const at::Tensor kk = at::from_blob(kd + l * kl, {B, H, S, D}, {kb, Tm * D, D, 1}, opts);

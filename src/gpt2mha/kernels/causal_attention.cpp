@@ -1,5 +1,5 @@
 /* Causal self-attention for prefills on the CPU: the operator torch.ops.gpt2mha.causal_attention
- * (built with gemv.cpp by gemv.py; called by gpt2mha.inference.fast.PrefillAttention).
+ * (in the library build.py compiles; called by gpt2mha.inference.fast.PrefillAttention).
  *
  *   o[i] = sum_{j <= i + S - T} softmax_j(q[i] . k[j] / sqrt(D)) v[j]
  *

@@ -1,4 +1,5 @@
-/* What step.cpp calls in gemv.cpp and attention.cpp (one library: gemv.py builds every .cpp here). */
+/* What cached_forward.cpp calls in products.cpp and causal_attention.cpp (one library: every .cpp here,
+ * build.py's SOURCES). */
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,13 +25,13 @@ void per_row(const float *x, int64_t M, int64_t K, const int8_t *packed, int64_t
 
 /* Causal attention of q [B, h, T, D] over k, v [B, h, S, D] (S >= T, OpenAI's bottom-right
  * mask), last dimensions contiguous; returns o [B, T, h, D] permuted to [B, h, T, D]
- * (attention.cpp, the operator causal_attention). */
+ * (causal_attention.cpp, the operator causal_attention). */
 at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v);
 
 /* s [0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is NaN or
- * the largest is not finite (attention.cpp). */
+ * the largest is not finite (causal_attention.cpp). */
 float softmax_row(float *s, int64_t n, float scale);
 
 /* whether the kernels take their AVX-512 paths now: the CPU has AVX-512 VNNI and use_vnni has not
- * turned them off (gemv.cpp) */
+ * turned them off (products.cpp) */
 bool avx512_paths();

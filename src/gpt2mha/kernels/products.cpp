@@ -1,5 +1,7 @@
-/* gpt2mha's int8 weight-only product for decode-sized inputs on AVX2 CPUs: the operator
- * torch.ops.gpt2mha.int8_gemv (optional; built and loaded by gemv.py with the system C++ compiler).
+/* gpt2mha's quantized products (inference/quant/gemv.py wraps them): int8_gemv and int4_gemv
+ * (float32 activations), int4_gemv_a8 (W4A8) and int8_per_row (W7A8), each described where it is
+ * defined, and the switch of the AVX-512 paths (use_vnni). First, the int8 weight-only product for
+ * decode-sized inputs on AVX2 CPUs, the operator torch.ops.gpt2mha.int8_gemv:
  *
  *   y[m, n] = (sum_k x[m, k] * w[n, k]) * scales[n] + bias[n]
  *

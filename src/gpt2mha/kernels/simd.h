@@ -1,6 +1,6 @@
-/* Vector helpers shared by gpt2mha's C++ kernels (gemv.cpp, attention.cpp, step.cpp): exp and
- * GPT-2's GELU on 8 float32 lanes (16 on AVX-512 CPUs) and on one float, the same operations either way (the
- * same bits). */
+/* Vector helpers shared by gpt2mha's C++ kernels (products.cpp, causal_attention.cpp,
+ * cached_forward.cpp): exp and GPT-2's GELU on 8 float32 lanes (16 on AVX-512 CPUs) and on one
+ * float, the same operations either way (the same bits). */
 #pragma once
 
 /* GCC 12 warns that the undefined vector some AVX-512 intrinsics start from "may be used
