@@ -116,7 +116,6 @@ def test_cli_serve_chat_template_by_name_and_none(monkeypatch):
 
     got = []
     monkeypatch.setattr(server, "serve", lambda *a, **kw: got.append(kw["chat_template"]))
-    monkeypatch.setattr(tools, "check_address", lambda host, port: None, raising=False)
     for argv, want in (([], BUILTIN_TEMPLATES["plain"]), (["--chat-template", "chatml"], BUILTIN_TEMPLATES["chatml"]),
                        (["--chat-template", "none"], None)):
         assert main(["serve", "--port", "0", *argv]) == 0

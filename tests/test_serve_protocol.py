@@ -480,6 +480,48 @@ def test_bpe_token_id_prompts_take_the_whole_vocabulary(bpe_app):
                  "prompt[1][0]=50257", "[0, 50257)")
 
 
+# ------------------------------------------------------------------------ the command
+def test_cli_serve_on_a_port_in_use_fails_at_once_with_one_line(monkeypatch, capsys):
+    """`gpt2mha serve --port P` with P taken by another listening socket: exit 2 with one error
+    line naming the address and the reason, in well under a second and before the model is
+    loaded (in process: load_model made to fail); the same in a subprocess (no uvicorn start,
+    no traceback). A free port passes the check."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import gpt2mha.cli.tools as tools
+    from gpt2mha.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(tools, "load_model", lambda *a: pytest.fail("the model was loaded"))
+        t0 = time.monotonic()
+        assert main(["serve", "--port", str(port)]) == 2
+        assert time.monotonic() - t0 < 0.5
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"127.0.0.1:{port}" in err and "Address already in use" in err, err
+        assert "--port" in err
+        t0 = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "gpt2mha", "serve", "--port", str(port), "--threads", "1"],
+                             capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
+    assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stdout, run.stderr)
+    assert run.stderr.count("\n") == 1 and f"127.0.0.1:{port}" in run.stderr, run.stderr
+    assert took < 3, took                                       # the interpreter's start; no model, no uvicorn
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    from gpt2mha.serving.address import check_address
+    check_address("127.0.0.1", port)
+    with pytest.raises(ValueError, match="--host 'no-such-host.invalid'"):
+        check_address("no-such-host.invalid", port)
+
+
 @pytest.mark.slow
 def test_cli_serve_chat_template_and_max_stop(tmp_path):
     """`gpt2mha serve --port 0 --chat-template FILE --max-stop 9` in a subprocess: chat answers

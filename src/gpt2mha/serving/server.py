@@ -52,6 +52,7 @@ from starlette.exceptions import HTTPException
 
 from ..core import checks
 from . import chat, tokens
+from .address import check_address
 from .completions import DRAIN_BYTES, Completions, Relay, read_body   # noqa: F401  (DRAIN_BYTES: the API as before)
 from .protocol import MAX_STOP, APIError, cancelled_error, sse, validation_error
 from .scheduler import Scheduler
@@ -286,7 +287,8 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     :func:`create_app`; ``batch_invariant``: as :class:`~gpt2mha.serving.scheduler.Scheduler`.
 
     Raises:
-        ValueError: a port outside [0, 65535], a negative or non-finite graceful_timeout,
+        ValueError: a port outside [0, 65535] or one that cannot be listened on now (in use,
+            :func:`~gpt2mha.serving.address.check_address`), a negative or non-finite graceful_timeout,
             max_body_bytes < 1, max_stop < 1, a chat template that is not valid Jinja, or bad
             max_batch/max_queue (:class:`~gpt2mha.serving.scheduler.Scheduler`).
         RuntimeError: the server could not start (e.g. the address is in use or the host
@@ -296,6 +298,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
 
     check_port(port)
     check_graceful_timeout(graceful_timeout)
+    check_address(host, port)                     # a port in use: ValueError now, not after the app starts
     scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant)
     app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
                      max_stop=max_stop)
