@@ -41,13 +41,13 @@ from .scheduler import Sequence
 #: of chat models tuned on it; to GPT-2's tokenizer its markers are ordinary text).
 BUILTIN_TEMPLATES = {
     "plain": ("{% for message in messages %}"
-              "{{ message['role'] + ': ' + (message['content'] or '') + '\n' }}"
+              r"{{ message['role'] + ': ' + (message['content'] or '') + '\n' }}"
               "{% endfor %}"
               "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"),
     "chatml": ("{% for message in messages %}"
-               "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
+               r"{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
                "{% endfor %}"
-               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+               r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
 }
 #: The template ``gpt2mha serve`` and :func:`~gpt2mha.serving.server.create_app` serve chat with by
 #: default: chat-first clients (the openai client's chat, LangChain's ``ChatOpenAI``, litellm)
@@ -294,7 +294,7 @@ def completion_request(body: ChatRequest, template: ChatTemplate, tokenizer, n_c
     fields = body.model_dump(include={"model", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                                       "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
                                       "user"}, exclude_none=True)
-    if body.logprobs:                             # completions' logprobs=k: each token's logprob and the k most probable
+    if body.logprobs:              # completions' logprobs=k: each token's logprob and the k most probable
         fields["logprobs"] = body.top_logprobs or 0
     return CompletionRequest.model_validate({**fields, "prompt": ids,
                                              "max_tokens": n_ctx - len(ids) if limit is None else limit})
