@@ -483,9 +483,9 @@ def test_bpe_token_id_prompts_take_the_whole_vocabulary(bpe_app):
 # ------------------------------------------------------------------------ the command
 def test_cli_serve_on_a_port_in_use_fails_at_once_with_one_line(monkeypatch, capsys):
     """`gpt2mha serve --port P` with P taken by another listening socket: exit 2 with one error
-    line naming the address and the reason, in well under a second and before the model is
-    loaded (in process: load_model made to fail); the same in a subprocess (no uvicorn start,
-    no traceback). A free port passes the check."""
+    line naming the address and the reason, in under a second and before the model is loaded
+    (in process: load_model made to fail); the same in a subprocess (one line: no uvicorn start,
+    no traceback). A free port passes the check; a host that does not resolve is named."""
     import socket
     import subprocess
     import sys
@@ -501,17 +501,15 @@ def test_cli_serve_on_a_port_in_use_fails_at_once_with_one_line(monkeypatch, cap
         monkeypatch.setattr(tools, "load_model", lambda *a: pytest.fail("the model was loaded"))
         t0 = time.monotonic()
         assert main(["serve", "--port", str(port)]) == 2
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 1                           # a socket's bind, no model
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"127.0.0.1:{port}" in err and "Address already in use" in err, err
         assert "--port" in err
-        t0 = time.monotonic()
         run = subprocess.run([sys.executable, "-m", "gpt2mha", "serve", "--port", str(port), "--threads", "1"],
                              capture_output=True, text=True, timeout=120)
-        took = time.monotonic() - t0
     assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stdout, run.stderr)
     assert run.stderr.count("\n") == 1 and f"127.0.0.1:{port}" in run.stderr, run.stderr
-    assert took < 3, took                                       # the interpreter's start; no model, no uvicorn
+    assert "Uvicorn" not in run.stderr and "startup" not in run.stderr         # no model loaded, no server started
     free = socket.socket()
     free.bind(("127.0.0.1", 0))
     port = free.getsockname()[1]
