@@ -311,7 +311,8 @@ def throughput(base_url: str, n_requests: int, max_tokens: int, levels=(1, 4, 16
 def engine(model, tokenizer, levels=(1, 4, 16), steps: int = 20, max_batch: int = 16) -> list[dict]:
     """The scheduler alone, in this process (no HTTP): decode-step time and tokens/s with
     ``rows`` greedy sequences running, after prefill; the bound the server's figures approach."""
-    from gpt2mha.serving.scheduler import SamplingParams, Scheduler
+    from gpt2mha.inference.params import SamplingParams
+    from gpt2mha.serving.scheduler import Scheduler
 
     prompts = prompts_from_text(max(levels), 2, 10, 60)
     rows = []
@@ -336,7 +337,8 @@ def engine_workload(model, tokenizer, n_requests: int, max_tokens: int, levels=(
     """The throughput part's requests run by the scheduler alone (no HTTP, this process):
     ``c`` sequences in flight, a new one submitted as soon as one finishes, prefill included.
     The ceiling the server's ratio can reach for this workload; median of ``repeats`` rounds."""
-    from gpt2mha.serving.scheduler import SamplingParams, Scheduler
+    from gpt2mha.inference.params import SamplingParams
+    from gpt2mha.serving.scheduler import Scheduler
 
     prompts = [tokenizer.encode(p) for p in prompts_from_text(n_requests, seed, 10, 60)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0)

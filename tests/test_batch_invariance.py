@@ -14,13 +14,13 @@ import threading
 import pytest
 import torch
 
-import gpt2mha.inference.generate as generate_module
 from conftest import small_model
 from gpt2mha import GPT2
 from gpt2mha.inference.generate import left_pad
 from gpt2mha.inference.sampling import row_seed
-from gpt2mha.serving.runner import Runner
-from gpt2mha.serving.scheduler import SamplingParams, Scheduler
+from gpt2mha.inference.engine import Engine
+from gpt2mha.inference.params import SamplingParams
+from gpt2mha.serving.scheduler import Scheduler
 
 LENGTHS = [1, 2, 3, 4, 5, 7, 9, 16, 17, 31, 33, 64, 100, 129, 150, 200]
 #: batches of rows of PROMPTS, in the order given: 2, 4, 8 and 16 rows of mixed lengths
@@ -47,23 +47,25 @@ def spy(monkeypatch):
     """Records the logits ``[B, n_vocab]`` generate samples each step from; ``spy()`` returns
     them as ``[B, steps, n_vocab]`` and forgets them."""
     seen = []
-    real = generate_module.sample_next
+    real = Engine.sample
 
-    def sample_next(logits, **kw):
-        seen.append(logits.clone())
-        return real(logits, **kw)
-    monkeypatch.setattr(generate_module, "sample_next", sample_next)
+    def sample(self, slots, logits, rows):
+        seen.append(logits[list(rows)].clone())
+        return real(self, slots, logits, rows)
+    monkeypatch.setattr(Engine, "sample", sample)
 
     def take():
         out = torch.stack(seen, 1)
         seen.clear()
         return out
+    take.clear = seen.clear
     return take
 
 
 def run(model, prompts, spy, n=STEPS, **kw):
     """``generate``'s tokens ``[B, T + n]`` and per-step logits ``[B, n, n_vocab]`` (batch
     invariant also for float32 weights, where it is asked for)."""
+    spy.clear()                                  # what the server's engine sampled beside
     out = model.generate(prompts, n, batch_invariant=True, **kw)
     return out, spy()
 
@@ -239,13 +241,13 @@ def served_logits(model, tok, plan, monkeypatch, max_batch=4):
     """Drive a :class:`Scheduler` through ``plan``: a list of (steps to run first, prompt ids,
     max_tokens); returns each sequence's tokens and the logits its tokens were chosen from."""
     seen = {}
-    real = Runner._next_tokens
+    real = Engine.sample
 
     def next_tokens(self, slots, logits, rows):
         for slot, row in zip(slots, rows):
             seen.setdefault(id(sched.slots[slot]), []).append(logits[row].clone())
         return real(self, slots, logits, rows)
-    monkeypatch.setattr(Runner, "_next_tokens", next_tokens)
+    monkeypatch.setattr(Engine, "sample", next_tokens)
     sched = Scheduler(model, tok, max_batch=max_batch, max_queue=32, batch_invariant=True)
     seqs = []
     for steps, ids, n in plan:
@@ -253,7 +255,7 @@ def served_logits(model, tok, plan, monkeypatch, max_batch=4):
             sched.step()
         seqs += sched.submit([ids], SamplingParams(max_tokens=n, temperature=0), lambda *a: None)
     sched.run_until_idle()
-    monkeypatch.setattr(Runner, "_next_tokens", real)
+    monkeypatch.setattr(Engine, "sample", real)
     return [(s.tokens, torch.stack(seen[id(s)])) for s in seqs]
 
 

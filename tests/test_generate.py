@@ -378,7 +378,7 @@ def test_logit_bias_bans_and_forces_tokens_and_bad_values_are_named():
     assert torch.equal(*seeded)
     for kwargs, match in [(dict(presence_penalty=2.5), r"presence_penalty=2.5 must be a number in \[-2, 2\]"),
                           (dict(frequency_penalty=float("nan")), "frequency_penalty=nan"),
-                          (dict(logit_bias={"50": 1}), r"logit_bias key '50' is not a token id in \[0, 50\)"),
+                          (dict(logit_bias={"50": 1}), r"logit_bias key 50 is not a token id of this model's tokenizer \(ids 0 … 49\)"),
                           (dict(logit_bias={"x": 1}), "logit_bias key 'x' is not a token id"),
                           (dict(logit_bias={3: 101}), r"logit_bias\[3\]=101 must be a number in \[-100, 100\]"),
                           (dict(logit_bias=[3]), "logit_bias must be an object")]:
@@ -452,12 +452,13 @@ def test_a_cache_over_given_storage():
 def test_decode_loop_outside_inference_mode_after_generate():
     # the storage generate keeps was made in inference mode; a caller without it gets a new one
     import gpt2mha.inference.generate as G
-    from gpt2mha.inference.fast import for_decoding
+    from gpt2mha.inference.decoders import choose_decoder
+    from gpt2mha.inference.params import SamplingParams
     model = small_model(**ROBUST)
     want = model.generate(IDX, 4, temperature=0)
     with torch.no_grad():
-        got = G.decode_loop(for_decoding(model), IDX, 4, None, dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                                                                     generator=None), None, None, None)
+        got = G.decode_loop(model, choose_decoder(model), IDX, None, SamplingParams(max_tokens=4, temperature=0), None,
+                            None, None, None)
     assert torch.equal(got, want)
 
 

@@ -23,8 +23,10 @@ from conftest import assert_same_greedy
 from gpt2mha import GPT2, DEFAULT_MODEL, GPT2Config
 from gpt2mha.inference.sampling import row_seed
 from gpt2mha.io.tokenizer import ByteTokenizer, tokenizer_for
-from gpt2mha.serving.runner import Runner
-from gpt2mha.serving.scheduler import ExceedsCapacity, QueueFull, SamplingParams, Scheduler
+from gpt2mha.inference.engine import Engine
+from gpt2mha.inference.sampling import RowSampler
+from gpt2mha.inference.params import SamplingParams
+from gpt2mha.serving.scheduler import ExceedsCapacity, QueueFull, Scheduler
 from gpt2mha.serving.text_stream import LENGTH, STOP, TextStream
 
 pytest.importorskip("fastapi")                  # the 'serve' extra (the 'test' extra installs it)
@@ -77,8 +79,8 @@ def wait_for(pred, timeout=10.0):
 
 
 # ----------------------------------------------------------------------------- scheduler
-def test_runner_rows_of_different_lengths_decode_in_one_step_as_alone(one_thread, monkeypatch):
-    """Runner: prompts of 5 and 11 tokens prefilled (each alone, in place) into slots 0
+def test_engine_rows_of_different_lengths_decode_in_one_step_as_alone(one_thread, monkeypatch):
+    """Engine: prompts of 5 and 11 tokens prefilled (each alone, in place) into slots 0
     and 2 of a 3-slot cache, slot 1 free; then one decode step over rows 0-2. Each row's logits,
     at the prefill and at the step, equal the model's own uncached forward over that row's tokens
     alone (reference); the free row keeps length 0, a released row is emptied, and an occupied
@@ -89,27 +91,41 @@ def test_runner_rows_of_different_lengths_decode_in_one_step_as_alone(one_thread
     script = {0: [17, 3], 2: [99, 250]}                           # the "sampled" tokens of each slot
     seen = {0: [], 2: []}
 
-    def sample(self, slot, logits):                               # records each row's logits [1, n_vocab]
+    def draw(self, logits):                                       # records each row's logits [1, n_vocab]
+        slot = engine.samplers.index(self)
         seen[slot].append(logits.clone())
         return script[slot][len(seen[slot]) - 1]
 
-    monkeypatch.setattr(Runner, "sample", sample)
-    runner = Runner(model, slots=3)
+    monkeypatch.setattr(RowSampler, "draw", draw)
+    engine = Engine(model, 3)
     for slot in prompts:
-        runner.open(slot, seed=slot, temperature=1.0)
-    assert runner.prefill([0, 2], [prompts[0], prompts[2]]) == [17, 99]
-    assert runner.cache.lengths == [5, 0, 11]
-    assert runner.decode([0, 2]) == [3, 250]
-    assert runner.cache.lengths == [6, 0, 12]
+        engine.open(slot, SamplingParams(temperature=1.0), seed=slot)
+    assert engine.prefill([0, 2], [prompts[0], prompts[2]]) == [17, 99]
+    assert engine.cache.lengths == [5, 0, 11]
+    assert engine.decode([0, 2]) == [3, 250]
+    assert engine.cache.lengths == [6, 0, 12]
     for slot, ids in prompts.items():
         with torch.no_grad():
             ref = model(torch.tensor([ids + script[slot][:1]])).logits[0]     # [T + 1, n_vocab], uncached
         torch.testing.assert_close(seen[slot][0][0], ref[-2], rtol=1e-5, atol=1e-5)   # prefill
         torch.testing.assert_close(seen[slot][1][0], ref[-1], rtol=1e-5, atol=1e-5)   # the decode step
-    runner.release(2)
-    assert runner.cache.lengths == [6, 0, 0]
+    engine.release(2)
+    assert engine.cache.lengths == [6, 0, 0]
     with pytest.raises(ValueError, match="slot=0 is in use"):
-        runner.open(0, seed=1)
+        engine.open(0, SamplingParams(), seed=1)
+
+
+def draw_in(sched, script):
+    """A :meth:`RowSampler.draw` that, for ``sched``'s sequences, returns ``script(seq, logits)``
+    (or draws as usual where that returns None), and draws as usual for every other sampler
+    (offline ``generate``'s references)."""
+    real = RowSampler.draw
+
+    def draw(self, logits):
+        samplers = sched().engine.samplers
+        token = script(sched().slots[samplers.index(self)], logits) if self in samplers else None
+        return real(self, logits) if token is None else token
+    return draw
 
 
 def test_scheduler_sequences_joining_at_different_steps_equal_offline_generate(builtin):
@@ -142,7 +158,7 @@ def test_scheduler_sequences_joining_at_different_steps_equal_offline_generate(b
         else:
             assert seq.tokens == ids and seq.text == text
         assert "".join(texts[id(seq)]) == seq.text and seq.finish_reason == "length"
-    assert sched.slots == [None] * 3 and sched.runner.cache.lengths == [0] * 3 and not sched.waiting
+    assert sched.slots == [None] * 3 and sched.engine.cache.lengths == [0] * 3 and not sched.waiting
     assert sched.stats()["completed"] == 5 and sched.stats()["generated_tokens"] == sum(p.max_tokens for _, p in cases)
 
 
@@ -194,15 +210,11 @@ def test_scheduler_cancel_frees_the_slot_and_a_failing_sequence_fails_alone(buil
     model, tok = builtin
     sched = Scheduler(model, tok, max_batch=4)
     poison, poison_at_prefill = tok.encode("BOOM"), tok.encode("BANG!")
-    real = Runner.sample
-
-    def sample(self, slot, logits):
-        seq = sched.slots[slot]
+    def script(seq, logits):
         if seq.prompt_ids == poison and len(seq.tokens) == 5 or seq.prompt_ids == poison_at_prefill:
             raise RuntimeError("injected failure")
-        return real(self, slot, logits)
 
-    monkeypatch.setattr(Runner, "sample", sample)
+    monkeypatch.setattr(RowSampler, "draw", draw_in(lambda: sched, script))
     texts, on_event = collect_events()
     good = sched.submit([tok.encode("ROMEO:")], SamplingParams(max_tokens=20, temperature=0.7, seed=1), on_event)[0]
     bad = sched.submit([poison], SamplingParams(max_tokens=20, temperature=0.7, seed=2), on_event)[0]
@@ -227,7 +239,7 @@ def test_bpe_end_of_text_stops_with_finish_reason_stop(one_thread, monkeypatch):
     tok = tokenizer_for(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1))
     model = GPT2(GPT2Config(n_vocab=50257, n_ctx=32, n_embd=16, n_head=2, n_layer=1)).eval()
     script = tok.encode(" to be or not") + [tok.eot_token] + tok.encode(" never seen")
-    monkeypatch.setattr(Runner, "sample", lambda self, slot, logits: script[len(sched.slots[slot].tokens)])
+    monkeypatch.setattr(RowSampler, "draw", draw_in(lambda: sched, lambda seq, logits: script[len(seq.tokens)]))
     sched = Scheduler(model, tok, max_batch=2)
     seq = sched.submit([tok.encode("Hello")], SamplingParams(max_tokens=12, temperature=1.0), lambda *a: None)[0]
     sched.run_until_idle()
@@ -259,24 +271,14 @@ def test_scheduler_refuses_work_beyond_free_slots_plus_queue(builtin):
     ([[65], []], SamplingParams(), "prompt 1 is empty"),
     ([[65, 256]], SamplingParams(), r"outside \[0, n_vocab=256\)"),
     ([[65] * 250], SamplingParams(max_tokens=7), "250 tokens \\+ max_tokens=7 > n_ctx=256"),
-    ([[65]], SamplingParams(max_tokens=-1), "max_tokens=-1"),
-    ([[65]], SamplingParams(temperature=-1.0), "temperature"),
-    ([[65]], SamplingParams(top_p=0.0), "top_p"),
-    ([[65]], SamplingParams(seed=2**63), "seed"),
-    ([[65]], SamplingParams(stop=("x", "")), "stop"),
-    ([[65]], SamplingParams(stop="x"), "stop"),                                        # a string, not a tuple
-    ([[65]], SamplingParams(n=0), "n=0"),
-    ([[65]], SamplingParams(n=3, best_of=2), "best_of=2 must be >= n=3"),
-    ([[65]], SamplingParams(logprobs=6), r"logprobs=6 must be in \[0, 5\]"),
-    ([[65]], SamplingParams(presence_penalty=2.1), "presence_penalty=2.1"),
-    ([[65]], SamplingParams(frequency_penalty=float("inf")), "frequency_penalty=inf"),
     ([[65]], SamplingParams(logit_bias=((256, 1.0),)), "logit_bias key 256"),
-    ([[65]], SamplingParams(logit_bias=((5, -101.0),)), r"logit_bias\[5\]=-101.0"),
-], ids=["float-id", "empty", "vocab", "context", "max_tokens", "temperature", "top_p", "seed", "empty-stop",
-        "stop-str", "n", "best_of", "logprobs", "presence", "frequency", "bias-id", "bias-value"])
+    ([[65]], dict(max_tokens=3), "params must be a SamplingParams"),
+], ids=["float-id", "empty", "vocab", "context", "bias-id", "not-params"])
 def test_submit_refuses_bad_prompts_and_params_naming_them_and_queues_nothing(builtin, prompts, params, match):
-    """The scheduler's own guard (for callers other than the HTTP app): every bad value is a
-    ValueError naming it, raised before anything is queued."""
+    """The scheduler's own guard (for callers other than the HTTP app): every bad prompt, and what
+    depends on the model (a logit_bias id past the vocabulary; every other field was checked when
+    the SamplingParams was made: tests/test_params.py), is a ValueError naming it, raised before
+    anything is queued."""
     model, tok = builtin
     sched = Scheduler(model, tok, max_batch=2)
     with pytest.raises(ValueError, match=match):
@@ -437,7 +439,7 @@ def test_raw_sse_stream_is_utf8_safe_and_ends_with_done(builtin, monkeypatch):
     model, tok = builtin
     text = "é😀ü ok ß"
     script = list(text.encode())
-    monkeypatch.setattr(Runner, "sample", lambda self, slot, logits: script[len(sched.slots[slot].tokens)])
+    monkeypatch.setattr(RowSampler, "draw", draw_in(lambda: sched, lambda seq, logits: script[len(seq.tokens)]))
     sched = Scheduler(model, tok, max_batch=2)
     with serve_in_thread(sched, DEFAULT_MODEL) as url:
         body = {"prompt": "x", "max_tokens": len(script), "temperature": 0.5, "stream": True,
@@ -720,14 +722,12 @@ def test_an_exception_in_one_request_fails_only_that_request(server, builtin, mo
     client raises as APIError); a request running beside it and the next ones succeed."""
     url, sched = server
     model, tok = builtin
-    poison, real = tok.encode("BOOM"), Runner.sample
+    poison = tok.encode("BOOM")
 
-    def sample(self, slot, logits):
-        seq = sched.slots[slot]
+    def script(seq, logits):
         if seq.prompt_ids == poison and len(seq.tokens) >= 2:
             raise RuntimeError("injected failure")
-        return real(self, slot, logits)
-    monkeypatch.setattr(Runner, "sample", sample)
+    monkeypatch.setattr(RowSampler, "draw", draw_in(lambda: sched, script))
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     results = {}
     t = threading.Thread(target=lambda: results.update(ok=client.completions.create(
@@ -764,7 +764,7 @@ def test_short_load_nothing_lost_and_slots_free(builtin):
         res = load.load_test(url, model, tok, n_requests=32, clients=8, seed=3, max_tokens=(1, 24))
     assert res["problems"] == []
     assert res["cancelled"] > 0 and res["completed"] >= 20 and res["streamed"] > 0
-    assert res["finished_sequences"] == 32 and sched.runner.cache.lengths == [0] * 4
+    assert res["finished_sequences"] == 32 and sched.engine.cache.lengths == [0] * 4
 
 
 @pytest.mark.slow

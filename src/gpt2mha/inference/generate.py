@@ -1,8 +1,10 @@
-"""The decode loop (OpenAI's ``sample_sequence`` in ``src/sample.py``).
+"""``generate()``: the engine run to completion (OpenAI's ``sample_sequence`` in ``src/sample.py``).
 
 Each prompt is prefilled alone into its own row of a :class:`~gpt2mha.core.kv_cache.KVCache`;
-each later step feeds every row's newest token and reads the cache. The loop runs on a decode view of the
-model (:func:`gpt2mha.inference.fast.for_decoding`); sampling is :mod:`.sampling`'s.
+each later step feeds every row's newest token and reads the cache. The loop drives the
+:class:`~gpt2mha.inference.engine.Engine` the server's scheduler drives too, on the route
+:func:`~gpt2mha.inference.decoders.choose_decoder` picks; sampling is :mod:`.sampling`'s
+:class:`~gpt2mha.inference.sampling.RowSampler`, one per row.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import torch
 from ..core import checks
 from ..core.kv_cache import KVCache
 from ..train.distributed import shared_seed
-from .fast import for_decoding, invariant_by_default
+from .decoders import NATIVE, choose_decoder
+from .engine import Engine
 from .parallel import tp_group
-from .sampling import adjust_logits, bias_vector, check_logit_bias, check_penalty, row_generators, sample_next
+from .params import SamplingParams
+from .sampling import row_seed
 
 def as_prompts(idx) -> list[list[int]]:
     """Prompts given as a list of token lists, 1-D tensors, ``[1, T]`` tensors or numpy arrays →
@@ -209,15 +213,19 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             pads: each prompt is prefilled alone). A padded tensor needs
             ``attention_mask [B, T]`` marking real tokens 1 and pads 0 (bool or 0/1 values).
         max_new_tokens: number of tokens to add (>= 0).
-        temperature, top_k, top_p, min_p: sampling (see
-            :func:`~gpt2mha.inference.sampling.sample_next`); temperature 0 is greedy; min_p in
-            [0, 1] keeps the tokens at least min_p times as likely as the most likely one (0: off).
-        seed: seeds one private generator per row (:func:`~gpt2mha.inference.sampling.row_seed`):
-            the same call gives the same tokens, and row i samples exactly as its prompt alone
-            with ``row_seed(seed, i)`` (row 0: ``seed`` itself). None: torch's global generator;
-            for a model sharded over several ranks (:func:`gpt2mha.inference.parallel.shard_model`),
-            a seed drawn by the group's first rank and shared
-            (:func:`gpt2mha.train.distributed.shared_seed`), so that every rank draws the same tokens.
+        temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, logit_bias, seed:
+            the :class:`~gpt2mha.inference.params.SamplingParams` of every row (checked there):
+            temperature 0 is greedy; min_p in [0, 1] keeps the tokens at least min_p times as
+            likely as the most likely one (0: off); OpenAI's penalties in [-2, 2] subtracted
+            from the raw logits of the tokens the row has generated so far (the prompt does not
+            count; :func:`~gpt2mha.inference.sampling.adjust_logits`); ``logit_bias``
+            ``{token id: bias in [-100, 100]}`` added at every step (keys may be decimal
+            strings, as in a JSON request). ``seed`` seeds one private generator per row (row i:
+            :func:`~gpt2mha.inference.sampling.row_seed` ``(seed, i)``, row 0 ``seed`` itself),
+            so row i samples exactly as its prompt alone with that seed; None: torch's global
+            generator (for a model sharded over several ranks,
+            :func:`gpt2mha.inference.parallel.shard_model`, a seed drawn by the group's first
+            rank and shared, :func:`gpt2mha.train.distributed.shared_seed`).
         eos_token_id: once a row emits it, the row is finished and keeps emitting it; the loop
             stops early when every row is finished (the result is still padded to full length).
         sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)
@@ -226,30 +234,26 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         on_token: called with each step's new ids ``[B]`` as soon as they are sampled.
         vocab_size: sample only ids below it (for embeddings padded past the tokenizer's
             vocabulary, e.g. nanoGPT's 50304 rows for GPT-2's 50257 ids).
-        presence_penalty, frequency_penalty: OpenAI's penalties in [-2, 2], subtracted from the
-            raw logits of the tokens this row has generated so far (the prompt does not count):
-            ``frequency_penalty`` per occurrence, ``presence_penalty`` once
-            (:func:`~gpt2mha.inference.sampling.adjust_logits`); greedy rows take the argmax
-            of the adjusted logits.
-        logit_bias: ``{token id: bias in [-100, 100]}`` added to those logits at every step
-            (keys may be decimal strings, as in a JSON request).
-        batch_invariant: run the float32 matrix products on a multiple of 4 rows
+        batch_invariant: run the decode view's float32 matrix products on a multiple of 4 rows
             (:func:`~gpt2mha.inference.fast.for_decoding`), so that every row's logits are
             bitwise those of its prompt alone; None (default): for every model whose block
             weights are not float32 (:func:`~gpt2mha.inference.fast.invariant_by_default`).
         compile: run the decode steps as one compiled step
             (:func:`~gpt2mha.inference.compiled.compiled_decoder`, CPU only): the first call
-            compiles for 10–60 s, later steps of int8 models run faster (the small ops fused
-            around the same GEMV products, :mod:`~gpt2mha.inference.quant.gemv`; where that
-            kernel does not build, inductor's template with bf16 activations; W7A8 with
-            ``activations="per_row"``) and give up the batch-invariance guarantee. Prefill stays eager; prompts of one
-            length (no ``attention_mask``) are prefilled together in one forward.
+            compiles for 10–60 s; gives up the batch-invariance guarantee. Prefill stays eager.
+
+    The route (:func:`~gpt2mha.inference.decoders.choose_decoder`): the compiled step with
+    ``compile``, else the native forward for int8 per_row and int4 per_block models, else the
+    decode view; the same route ``gpt2mha serve`` takes for the model (one engine,
+    :mod:`~gpt2mha.inference.engine`). While a hook is attached (from ``on_token`` too) the
+    steps take the decode view, where hooks act.
 
     Batch invariance: each prompt is prefilled alone into its own row of the cache (no left
     padding: its keys from cache index 0), every decode step attends each row over exactly its
-    own keys, and no product rounds a row by the batch's size; so with ``batch_invariant``
-    every row's logits at every step are bitwise those of its prompt generated alone (and its
-    greedy or seeded tokens the same), whatever the other prompts, their lengths and order.
+    own keys, in a call of its own, and no product rounds a row by the batch's size; so with
+    ``batch_invariant`` every row's logits at every step are bitwise those of its prompt
+    generated alone (and its greedy or seeded tokens the same), whatever the other prompts,
+    their lengths and order.
 
     Returns:
         ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens (an
@@ -260,27 +264,39 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     put back in the mode it was in.
 
     Raises:
-        ValueError: naming the argument, before any work is done: bad sampling arguments, a
-            negative max_new_tokens, a bad seed, bad prompts (:func:`prompt_batch`: also a
-            tensor on another device than the model's), an eos_token_id or vocab_size that is
-            not an id / size of this model, an on_token that cannot be called, a sliding_window
-            that is not a bool, or a prompt plus new tokens longer than n_ctx without
-            ``sliding_window``; a penalty outside [-2, 2] or a logit_bias entry that is not
-            ``id below the vocabulary: number in [-100, 100]``; ``compile`` for a model with
+        ValueError: naming the argument, before any work is done: bad sampling arguments
+            (:class:`~gpt2mha.inference.params.ParamError`), a negative max_new_tokens, bad
+            prompts (:func:`prompt_batch`: also a tensor on another device than the model's),
+            an eos_token_id or vocab_size that is not an id / size of this model, an on_token
+            that cannot be called, a sliding_window that is not a bool, or a prompt plus new
+            tokens longer than n_ctx without ``sliding_window``; ``compile`` for a model with
             forward hooks or not on the CPU.
+        NonFiniteLogitsError: the model's logits hold NaN/inf at some step (naming it and the row).
     """
-    temperature, top_k, top_p, min_p = checks.sampling(temperature, top_k, top_p, min_p)
-    presence_penalty = check_penalty(presence_penalty, "presence_penalty")
-    frequency_penalty = check_penalty(frequency_penalty, "frequency_penalty")
     max_new_tokens = checks.as_int(max_new_tokens, "max_new_tokens")
-    seed = checks.seed(seed)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            logit_bias=logit_bias, seed=seed)
+    return generate_with(model, idx, params, eos_token_id=eos_token_id, attention_mask=attention_mask,
+                         sliding_window=sliding_window, on_token=on_token, vocab_size=vocab_size,
+                         batch_invariant=batch_invariant, compile=compile)
+
+
+def generate_with(model, idx, params: SamplingParams, *, eos_token_id: int | None = None,
+                  attention_mask: torch.Tensor | None = None, sliding_window: bool = False,
+                  on_token: Callable[[torch.Tensor], None] | None = None, vocab_size: int | None = None,
+                  batch_invariant: bool | None = None, compile: bool = False) -> torch.Tensor:
+    """:func:`generate` with its sampling given as one :class:`~gpt2mha.inference.params.SamplingParams`
+    (``params.max_tokens`` new tokens; the CLI builds one from its flags). ``n``, ``best_of``,
+    ``stop``, ``logprobs`` and ``echo`` are the text-level fields the server's scheduler acts on;
+    here each prompt is one row. Raises as :func:`generate`."""
     c = model.config
     idx, attention_mask = prompt_batch(idx, attention_mask, c.n_vocab, model.wte.weight.device)
     if vocab_size is not None:
         vocab_size = checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
             raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={c.n_vocab}]")
-    logit_bias = check_logit_bias(logit_bias, vocab_size or c.n_vocab)
+    params.check_vocab(vocab_size or c.n_vocab)
     if eos_token_id is not None:
         eos_token_id = checks.as_int(eos_token_id, "eos_token_id")
         if eos_token_id >= c.n_vocab:
@@ -289,34 +305,25 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         raise ValueError(f"on_token must be a function called with each step's ids [B]; got {type(on_token).__name__}")
     checks.flag(sliding_window, "sliding_window")
     checks.flag(compile, "compile")
-    batch_invariant = invariant_by_default(model) if batch_invariant is None else checks.flag(batch_invariant,
-                                                                                               "batch_invariant")
+    if batch_invariant is not None:
+        checks.flag(batch_invariant, "batch_invariant")
     B, T = idx.shape
-    check_fits(T, max_new_tokens, c.n_ctx, sliding_window)
-    if max_new_tokens == 0:
+    check_fits(T, params.max_tokens, c.n_ctx, sliding_window)
+    if params.max_tokens == 0:
         return idx.clone()
-    if seed is None and temperature > 0:
+    seed = params.seed
+    if seed is None and not params.greedy:
         sharded, group = tp_group(model)
         if sharded:                                            # its ranks must draw the same tokens
             seed = shared_seed(None, group)
-    generator = row_generators(seed, B, idx.device) if seed is not None else None
-    sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator)
-    adjust = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                  bias=bias_vector(logit_bias, vocab_size or c.n_vocab, idx.device))
     training = [m for m in model.modules() if m.training]     # restored exactly after (eval() walks ~1 ms for 124M)
     if training:
         model.eval()                                           # dropout off: a seed fixes the tokens
     try:
-        if compile:
-            from .compiled import compiled_decoder
-            step = compiled_decoder(model, batch_invariant)
-        else:                                                  # int4 per_block, int8 per_row: a C++ call a forward
-            from .native import native_step
-            step = native_step(model)
-        with torch.inference_mode():                           # (the native forward needs no decode view)
-            view = model if step is not None and not compile else for_decoding(model, batch_invariant=batch_invariant)
-            out = decode_loop(view, idx, max_new_tokens, attention_mask, sample, eos_token_id, on_token, vocab_size,
-                              adjust, step)
+        route = choose_decoder(model, compile=compile, batch_invariant=batch_invariant)
+        with torch.inference_mode():
+            out = decode_loop(model, route, idx, attention_mask, params, seed, eos_token_id, on_token, vocab_size,
+                              batch_invariant)
     finally:
         for m in training:
             m.training = True
@@ -332,80 +339,63 @@ def check_fits(T: int, max_new_tokens: int, n_ctx: int, sliding_window: bool = F
                          f"(CLI: --sliding-window)")
 
 
-def decode_loop(model, idx, max_new_tokens, attention_mask, sample: dict, eos_token_id, on_token,
-                vocab_size, adjust: dict | None = None, step_fn=None) -> torch.Tensor:
-    """The loop of :func:`generate` after its checks (the model's own checks are skipped: every
-    input here was checked once, by :func:`generate`).
+def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed, eos_token_id, on_token,
+                vocab_size, batch_invariant=None) -> torch.Tensor:
+    """The loop of :func:`generate` after its checks: an :class:`~gpt2mha.inference.engine.Engine`
+    of one slot per row, run to completion.
 
     Each prompt (row ``b``'s real tokens, its padding dropped) is prefilled alone into row ``b``
-    of one :class:`KVCache`, from cache index 0 (:meth:`KVCache.row`); then every step feeds all
-    rows' newest tokens at once, each row at its own position, attending to its own keys only.
-    Nothing a row computes depends on the other rows (see :func:`generate`, batch invariance).
-    A row whose window is full (``sliding_window``) is recomputed alone over its last n_ctx tokens.
-    ``adjust``: :func:`~gpt2mha.inference.sampling.adjust_logits`'s penalties and bias, the
-    counts of each row's generated tokens kept here. ``step_fn(token [B, 1], cache)`` → logits
-    ``[B, n_vocab]``: the decode step to use instead of the model's (a compiled one, or
-    :class:`~gpt2mha.inference.native.NativeStep`, whose ``prefill(ids [B, T], cache)`` then runs
-    the prompts too).
+    of one :class:`KVCache`, from cache index 0; then every step feeds all rows' newest tokens
+    at once, each row at its own position, attending to its own keys only, and samples each
+    unfinished row with its own :class:`~gpt2mha.inference.sampling.RowSampler`. A row whose
+    window is full (``sliding_window``) is recomputed alone over its last n_ctx tokens.
     """
     B, T = idx.shape
-    n_ctx = model.config.n_ctx
+    n_ctx, n_new = model.config.n_ctx, params.max_tokens
     keep = None if attention_mask is None else attention_mask.bool()
     prompts = [idx[b] if keep is None else idx[b][keep[b]] for b in range(B)]      # each [T_b]
-    out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=idx.device)
+    out = torch.empty(B, T + n_new, dtype=torch.long, device=idx.device)
     out[:, :T] = idx
-    finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
-    p = model.wte.weight
-    longest = max(len(ids) for ids in prompts)
-    max_len = min(n_ctx, longest + max_new_tokens)
-    from .native import NativeStep
-    native = isinstance(step_fn, NativeStep)                   # reads only the keys it wrote
-    if step_fn is not None and not native:                     # compiled: one shape for similar lengths
-        from .compiled import cache_len
-        max_len = cache_len(max_len, n_ctx)
-    storage, cache = new_cache((model.config.n_layer, B, model.config.n_head, max_len, model.config.head_dim),
-                               p.dtype, p.device, zero=not native)
-    try:
-        adjust = dict(adjust or {})
-        counts = None
-        if adjust.get("presence_penalty") or adjust.get("frequency_penalty"):
-            counts = torch.zeros(B, vocab_size or model.config.n_vocab, dtype=torch.float32, device=idx.device)
-        prefill = getattr(step_fn, "prefill", None) or \
-            (lambda ids, c: model(ids, cache=c, last_only=True, validate=False).logits[:, -1])
-        if step_fn is not None and keep is None and B > 1:      # compiled, prompts of one length: one prefill
-            logits = prefill(idx[:, -n_ctx:], cache)
-        else:
-            logits = torch.cat([prefill(ids[None, -n_ctx:], cache.row(b)) for b, ids in enumerate(prompts)])  # [B, n_vocab]
-        sliding = set()                                         # rows recomputed over their last n_ctx tokens
-        for step in range(max_new_tokens):
+    decoder = route.decoder
+    max_len = decoder.cache_len(min(n_ctx, max(len(ids) for ids in prompts) + n_new))
+    c = model.config
+    storage, cache = new_cache((c.n_layer, B, c.n_head, max_len, c.head_dim), model.wte.weight.dtype,
+                               model.wte.weight.device, zero=decoder.name != NATIVE)   # the native forward reads only
+    try:                                                                              # what it wrote
+        engine = Engine(model, cache, route, vocab_size, batch_invariant)
+        for b in range(B):
+            engine.open(b, params, None if seed is None else row_seed(seed, b), row=b)
+        tokens = engine.prefill(list(range(B)), [ids[-n_ctx:] for ids in prompts])
+        finished = [False] * B
+        sliding: set[int] = set()                               # rows recomputed over their last n_ctx tokens
+        for step in range(n_new):
             pos = T + step                                      # column of the token being chosen
-            step_logits = logits[:, :vocab_size]
-            if counts is not None or adjust.get("bias") is not None:
-                step_logits = adjust_logits(step_logits, counts, **adjust)
-            token = sample_next(step_logits, **sample, step=step)
-            if eos_token_id is not None:
-                token = torch.where(finished, eos_token_id, token)
-                finished |= token == eos_token_id
-            if counts is not None:
-                counts[torch.arange(B, device=idx.device), token] += 1
-            out[:, pos] = token
+            for b, t in enumerate(tokens):
+                if isinstance(t, Exception):
+                    raise t
+                if eos_token_id is not None:
+                    if finished[b]:
+                        tokens[b] = engine.last[b] = eos_token_id
+                    finished[b] = finished[b] or t == eos_token_id
+            out[:, pos] = torch.tensor(tokens)
             if on_token is not None:
-                on_token(token)
-            if step == max_new_tokens - 1:
+                on_token(out[:, pos])
+            if step == n_new - 1:
                 break
-            if eos_token_id is not None and bool(finished.all()):
+            if all(finished):
                 out[:, pos + 1:] = eos_token_id
                 break
             sliding.update(b for b, n in enumerate(cache.lengths) if n == cache.max_len)
             for b in sliding:                                   # its row of the cache is no longer read
                 cache.reset(b)
-            if step_fn is not None:
-                logits = step_fn(token[:, None], cache)
-            else:
-                logits = model(token[:, None], cache=cache, last_only=True, validate=False).logits[:, -1]
+            logits, rows = engine.forward(list(range(B)))
             for b in sorted(sliding):                           # positions restart at 0 for the window
                 window = torch.cat([prompts[b], out[b, T:pos + 1]])[-n_ctx:]
                 logits[b] = model(window[None], last_only=True, validate=False).logits[0, -1]
+            live = [b for b in range(B) if not finished[b]]
+            tokens = [eos_token_id] * B
+            for b, t in zip(live, engine.sample(live, logits, live)):
+                tokens[b] = t
         return out
     finally:
         keep_for_next_call(storage)                            # its memory, for the next call

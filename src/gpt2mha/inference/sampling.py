@@ -20,14 +20,7 @@ import numbers
 
 import torch
 
-#: OpenAI's range of ``presence_penalty`` / ``frequency_penalty``.
-MAX_PENALTY = 2.0
-#: OpenAI's range of a ``logit_bias`` value.
-MAX_LOGIT_BIAS = 100.0
-
-#: Temperatures below float32's smallest normal number sample as temperature 0 (greedy): the
-#: limit of ``softmax(logits / t)`` as t → 0 puts all the mass on the largest logit.
-MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+from .params import MAX_LOGIT_BIAS, MAX_PENALTY, MIN_TEMPERATURE, SamplingParams  # noqa: F401  (one home)
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -82,16 +75,19 @@ class NonFiniteLogitsError(RuntimeError):
     an arbitrary id, a draw has no distribution)."""
 
 
-def check_finite(top: torch.Tensor, step: int | None = None) -> None:
+def check_finite(top: torch.Tensor, step: int | None = None, rows: list[int] | None = None) -> None:
     """Raises :class:`NonFiniteLogitsError` naming ``step`` and the rows unless every row's
     largest logit ``top [B]`` (or ``[B, 1]``) is finite. NaN anywhere in a row makes its
     maximum NaN, +inf makes it +inf, so one reduction, which the sampler computes anyway,
-    checks the whole row."""
-    ok = torch.isfinite(top)
+    checks the whole row. ``rows``: the rows' names in the message (default their indices;
+    ``[]``: none)."""
+    ok = torch.isfinite(top).flatten()
     if not bool(ok.all()):
-        rows = (~ok).flatten().nonzero().flatten().tolist()
+        bad = (~ok).nonzero().flatten().tolist()
+        names = bad if rows is None else [rows[i] for i in bad] if rows else []
         at = "" if step is None else f" at step {step}"
-        raise NonFiniteLogitsError(f"the model produced NaN or infinite logits{at} (rows {rows}); its weights or "
+        where = f" (rows {names})" if names else ""
+        raise NonFiniteLogitsError(f"the model produced NaN or infinite logits{at}{where}; its weights or "
                                    f"inputs hold NaN/inf")
 
 
@@ -227,3 +223,97 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[
             pairs[row].append((token, logprob))
         top.append(pairs[row])
     return chosen, top
+
+
+class RowSampler:
+    """One sequence's sampler, the one ``generate()`` and the server both use: its
+    :class:`~gpt2mha.inference.params.SamplingParams`, its own generator, the counts of the
+    tokens it generated (for the penalties) and its ``logit_bias`` as a dense vector.
+
+    Args:
+        params: how to sample (checked; its logit_bias ids below ``vocab_size``).
+        seed: this row's seed (``row_seed(params.seed, index)``), or None for torch's global
+            generator.
+        vocab_size: ids below it are sampled (the logits given are cut to it).
+        device: the logits' device.
+        logprobs: None, or k: :meth:`sample` records each token's log-probability and the k most
+            likely ids in :attr:`last_logprob` (``(logprob, [(id, logprob), …])``).
+        row: the batch row an error names (``generate``'s), or None.
+
+    Attributes:
+        steps: tokens sampled so far (the step a :class:`NonFiniteLogitsError` names).
+    """
+
+    def __init__(self, params: SamplingParams, seed: int | None, vocab_size: int, device, logprobs: int | None = None,
+                 row: int | None = None):
+        self.params, self.vocab_size, self.logprobs = params, vocab_size, logprobs
+        self.label = [] if row is None else [row]               # the row an error names (generate's batch row)
+        self.generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+        self.bias = bias_vector(dict(params.logit_bias), vocab_size, device)
+        penalized = params.presence_penalty or params.frequency_penalty
+        self.counts = torch.zeros(1, vocab_size, dtype=torch.float32, device=device) if penalized else None
+        self.steps = 0
+        self.last_logprob = None
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """The row's logits ``[1, V]`` after its penalties and bias (:func:`adjust_logits`)."""
+        p = self.params
+        if not p.adjusted:
+            return logits
+        return adjust_logits(logits, self.counts, p.presence_penalty, p.frequency_penalty, self.bias)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token from this row's raw logits ``[1, V']`` (cut to ``vocab_size``):
+        :meth:`draw`, then :meth:`accept`.
+
+        Raises:
+            NonFiniteLogitsError: the logits hold NaN or inf.
+        """
+        logits = logits[:, :self.vocab_size]
+        token = self.draw(logits)
+        self.accept(logits, token)
+        return token
+
+    def draw(self, logits: torch.Tensor) -> int:
+        """A token drawn from raw logits ``[1, V]`` (penalties, bias, temperature, filters, this
+        row's generator), recording nothing.
+
+        Raises:
+            NonFiniteLogitsError: the logits hold NaN or inf.
+        """
+        p = self.params
+        check_finite(logits.amax(dim=-1), self.steps, self.label)
+        return int(sample_next(self.adjust(logits), p.temperature, p.top_k, p.top_p, self.generator, p.min_p)[0])
+
+    def accept(self, logits: torch.Tensor, token: int) -> None:
+        """Record ``token``, chosen from raw ``logits [1, V]``: its count, its logprobs, the step."""
+        if self.logprobs is not None:
+            chosen, top = token_logprobs(logits[:, :self.vocab_size], torch.tensor([token]), self.logprobs)
+            self.last_logprob = (chosen[0], top[0])
+        if self.counts is not None:
+            self.counts[0, token] += 1
+        self.steps += 1
+
+
+def sample_rows(samplers: list[RowSampler], logits: torch.Tensor, rows) -> list[int | Exception]:
+    """Each sampler's next token from its row of ``logits [R, V]`` (``rows[i]`` for
+    ``samplers[i]``): the token id, or the exception its sampling raised (that row alone fails).
+    Greedy rows without penalties or bias share one argmax over the batch (the same ids as
+    alone: an argmax reads only its row)."""
+    greedy = top = None
+    out: list[int | Exception] = []
+    for s, row in zip(samplers, rows):
+        try:
+            if s.params.greedy and not s.params.adjusted:
+                if greedy is None:
+                    ids = logits[:, :s.vocab_size].argmax(dim=-1)
+                    greedy, top = ids.tolist(), logits.gather(-1, ids[:, None])   # a NaN is argmax's maximum
+                check_finite(top[row], s.steps, s.label)
+                token = greedy[row]
+            else:
+                token = s.draw(logits[row:row + 1, :s.vocab_size])
+            s.accept(logits[row:row + 1], token)
+            out.append(token)
+        except Exception as e:                                  # this row fails; the others go on
+            out.append(e)
+    return out

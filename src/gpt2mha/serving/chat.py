@@ -327,7 +327,7 @@ def logprobs_content(tokenizer, seq: Sequence, start: int, end: int) -> dict:
     """OpenAI's chat ``logprobs`` for ``seq``'s generated tokens ``start … end-1``: ``{"content":
     [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}],
     "refusal": None}``, ``top_logprobs`` the ``seq.params.logprobs`` most probable tokens, most
-    probable first (all from the model's raw distribution, :mod:`.runner`)."""
+    probable first (all from the model's raw distribution, :mod:`~gpt2mha.inference.engine`)."""
     k = seq.params.logprobs
     content = [{**top_entry(tokenizer, t, lp), "top_logprobs": [top_entry(tokenizer, i, v) for i, v in top[:k]]}
                for t, (lp, top) in zip(seq.tokens[start:end], seq.logprobs[start:end])]

@@ -17,7 +17,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .protocol import (MAX_STOP, APIError, check_logit_bias_ids, check_prompt_count, check_request, check_stop,
+from .protocol import (MAX_STOP, APIError, check_prompt_count, check_request, check_stop,
                        check_stream_options, choice, choice_answer, completion_logprobs, encode_prompts, failure,
                        join_logprobs, parse_request, pick_choices, prompt_echo, sampling_params, sse, submit_error,
                        usage)
@@ -151,10 +151,9 @@ class Completions:
         """The checks of a parsed request (:mod:`.protocol`): model, values, stop strings (at
         most ``max_stop``), ``stream_options`` only with ``stream``, and the prompt count."""
         s = self.scheduler
-        check_request(body, self.model_name)
+        check_request(body, self.model_name, s.engine.vocab_size)
         check_stop(body, self.max_stop)
         check_stream_options(body)
-        check_logit_bias_ids(body, s.runner.vocab_size)
         check_prompt_count(body, s.capacity, s.max_batch, s.max_queue)
 
     def whole_choice(self, index: int, seq: Sequence) -> dict:

@@ -15,8 +15,9 @@ import math
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..inference.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
-from .scheduler import ExceedsCapacity, QueueFull, SamplingParams, Sequence, ShuttingDown
+from ..inference.params import FIELDS as SAMPLING_FIELDS
+from ..inference.params import MAX_LOGPROBS, ParamError, SamplingParams
+from .scheduler import ExceedsCapacity, QueueFull, Sequence, ShuttingDown
 from .text_stream import CANCELLED, ERROR, TextStream
 
 #: The default limit of stop strings per request (``gpt2mha serve --max-stop N``). OpenAI's API
@@ -43,11 +44,12 @@ class CompletionRequest(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # ---- choices, logprobs and logit adjustments (check_choices, logprobs_answer)
+    # ---- choices, logprobs and logit adjustments (SamplingParams, logprobs_answer)
     n: int = 1
     best_of: int | None = None
     echo: bool = False
@@ -64,7 +66,8 @@ class CompletionRequest(BaseModel):
 EXPECTED = {
     "model": "a string", "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "max_tokens": "an integer",
-    "temperature": "a number", "top_p": "a number", "top_k": "an integer", "seed": "an integer",
+    "temperature": "a number", "top_p": "a number", "top_k": "an integer", "min_p": "a number",
+    "seed": "an integer",
     "stop": "a string or a list of strings", "stream": "a boolean", "stream_options": "an object {include_usage: bool}",
     "n": "an integer", "best_of": "an integer", "echo": "a boolean", "logprobs": "an integer",
     "presence_penalty": "a number", "frequency_penalty": "a number", "logit_bias": "an object of numbers",
@@ -192,27 +195,32 @@ def check_model(name: str | None, model_name: str) -> None:
                        code="model_not_found")
 
 
-def check_request(body: CompletionRequest, model_name: str) -> None:
-    """Value checks OpenAI makes (and ours): raises :class:`APIError` 400/404 naming the field."""
+def check_request(body: CompletionRequest, model_name: str, vocab_size: int) -> SamplingParams:
+    """A parsed request's checks: the model (404), every sampling field's range through
+    :class:`~gpt2mha.inference.params.SamplingParams` (the one place ``generate()`` and the CLI
+    check them too), its ``logit_bias`` ids below ``vocab_size``, what this server takes only
+    at its default (``suffix``), best_of with stream, and a prompt list that is not empty.
+
+    Returns:
+        The request's :class:`~gpt2mha.inference.params.SamplingParams`.
+
+    Raises:
+        APIError: 400/404 naming the field.
+    """
     check_model(body.model, model_name)
-    if body.max_tokens < 0:
-        raise APIError(400, f"max_tokens={body.max_tokens} must be >= 0", "max_tokens")
-    if not (math.isfinite(body.temperature) and body.temperature >= 0):
-        raise APIError(400, f"temperature={body.temperature} must be a number >= 0 (0 means greedy)", "temperature")
-    if not (math.isfinite(body.top_p) and 0 < body.top_p <= 1):
-        raise APIError(400, f"top_p={body.top_p} must be in (0, 1]", "top_p")
-    if body.top_k < 0:
-        raise APIError(400, f"top_k={body.top_k} must be >= 0 (0: no top-k filtering)", "top_k")
-    if body.seed is not None and not 0 <= body.seed < 2**63:
-        raise APIError(400, f"seed={body.seed} must be in [0, 2**63)", "seed")
-    check_choices(body)
-    unsupported = dict(suffix=body.suffix is not None)
-    for name, bad in unsupported.items():
-        if bad:
-            raise APIError(400, f"{name}={getattr(body, name)!r} is not supported by this server "
-                                f"(only its default)", name)
+    params = sampling_params(body)
+    try:
+        params.check_vocab(vocab_size)
+    except ParamError as e:
+        raise APIError(400, str(e), e.param) from None
+    if body.stream and params.best_of is not None and params.best_of > 1:
+        raise APIError(400, f"best_of={body.best_of} cannot be used with stream: the best of several "
+                            f"completions is known only once all are done", "best_of")
+    if body.suffix is not None:
+        raise APIError(400, f"suffix={body.suffix!r} is not supported by this server (only its default)", "suffix")
     if isinstance(body.prompt, list) and not body.prompt:
         raise APIError(400, "prompt is an empty list; give at least one prompt", "prompt")
+    return params
 
 
 def prompt_list(body: CompletionRequest) -> list[tuple[str, str | list[int]]]:
@@ -322,9 +330,17 @@ def stop_strings(body: CompletionRequest) -> tuple[str, ...]:
 
 
 def sampling_params(body: CompletionRequest) -> SamplingParams:
-    """The scheduler's :class:`~gpt2mha.serving.scheduler.SamplingParams` of a checked request."""
-    return SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
-                          top_p=body.top_p, seed=body.seed, stop=stop_strings(body), **choice_params(body))
+    """The request's :class:`~gpt2mha.inference.params.SamplingParams`: every field of it taken
+    from the request's field of the same name (``stop`` as a tuple).
+
+    Raises:
+        APIError: 400 naming the field a :class:`~gpt2mha.inference.params.ParamError` names.
+    """
+    values = {name: getattr(body, name) for name in SAMPLING_FIELDS}      # every one: a request field
+    try:
+        return SamplingParams(**{**values, "stop": stop_strings(body), "logit_bias": body.logit_bias or {}})
+    except ParamError as e:
+        raise APIError(400, str(e), e.param) from None
 
 
 def submit_error(e: Exception) -> APIError:
@@ -379,64 +395,6 @@ def sse(data: dict | str) -> str:
 
 
 # ------------------------------------------------------ choices (n, best_of) and logprobs
-#: OpenAI's limits: ``logprobs`` up to 5, ``n`` and ``best_of`` up to 128 and 20.
-MAX_LOGPROBS, MAX_N, MAX_BEST_OF = 5, 128, 20
-
-
-def check_choices(body: CompletionRequest) -> None:
-    """OpenAI's rules for ``n``, ``best_of``, ``logprobs``, ``echo``, the penalties and
-    ``logit_bias`` (its token ids are checked against the vocabulary by
-    :func:`check_logit_bias_ids`). Raises :class:`APIError` 400 naming the field."""
-    if not 1 <= body.n <= MAX_N:
-        raise APIError(400, f"n={body.n} must be in [1, {MAX_N}]", "n")
-    if body.best_of is not None:
-        if not 1 <= body.best_of <= MAX_BEST_OF:
-            raise APIError(400, f"best_of={body.best_of} must be in [1, {MAX_BEST_OF}]", "best_of")
-        if body.best_of < body.n:
-            raise APIError(400, f"best_of={body.best_of} must be greater than or equal to n={body.n}", "best_of")
-        if body.stream and body.best_of > 1:
-            raise APIError(400, f"best_of={body.best_of} cannot be used with stream: the best of several "
-                                f"completions is known only once all are done", "best_of")
-    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"logprobs={body.logprobs} must be in [0, {MAX_LOGPROBS}]", "logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
-            raise APIError(400, f"{name}={value} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", name)
-    for key, value in (body.logit_bias or {}).items():
-        if not (key.isascii() and key.isdigit()):
-            raise APIError(400, f"logit_bias key {short(key)!r} is not a token id (a string of ASCII digits, e.g. "
-                                f"\"50256\")", "logit_bias")
-        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
-            raise APIError(400, f"logit_bias[{short(key)!r}]={value} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
-                           "logit_bias")
-
-
-def check_logit_bias_ids(body: CompletionRequest, vocab_size: int) -> None:
-    """Every ``logit_bias`` key is a token id below ``vocab_size``: 400 naming ``logit_bias``.
-    A key of more digits than ``vocab_size`` has (leading zeros aside) is refused without
-    ``int()``, whose 4300-digit limit would raise."""
-    for key in body.logit_bias or {}:
-        digits = key.lstrip("0") or "0"
-        if len(digits) > len(str(vocab_size)) or int(digits) >= vocab_size:
-            raise APIError(400, f"logit_bias key {short(key)!r} is not a token id of this model's tokenizer "
-                                f"(ids 0 … {vocab_size - 1})", "logit_bias")
-
-
-def short(key: str) -> str:
-    """A key as an error message shows it: whole up to 40 characters, else its start, its end
-    and its length."""
-    return key if len(key) <= 40 else f"{key[:20]}…{key[-10:]} ({len(key)} characters)"
-
-
-def choice_params(body: CompletionRequest) -> dict:
-    """:class:`~gpt2mha.serving.scheduler.SamplingParams`'s fields for choices, logprobs and logit
-    adjustments, from a checked request."""
-    return dict(n=body.n, best_of=body.best_of, echo=body.echo, logprobs=body.logprobs,
-                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                logit_bias=tuple((int(k.lstrip("0") or "0"), v) for k, v in (body.logit_bias or {}).items()))
-
-
 def token_text(tokenizer, token: int) -> str:
     """A token as ``logprobs.tokens`` shows it: its text, or, when its bytes are not whole UTF-8
     characters (part of a multi-byte character), ``"bytes:\\xe2\\x80"`` as OpenAI writes them."""
@@ -453,7 +411,7 @@ def logprobs_answer(tokenizer, ids: list[int], entries: list, offsets: list[int]
 
     Args:
         ids: the tokens (the echoed prompt's, then the completion's).
-        entries: one :data:`~gpt2mha.serving.runner.TokenLogprob` ``(logprob, [(id, logprob)])``
+        entries: one :data:`~gpt2mha.inference.engine.TokenLogprob` ``(logprob, [(id, logprob)])``
             per token, or None (the prompt's first token: no context, so ``null``).
         offsets: each token's character offset in the choice's text.
     """

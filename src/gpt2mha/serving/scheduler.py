@@ -4,10 +4,10 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
 
 1. free the slots of cancelled sequences;
 2. admit waiting sequences into free slots: each gets a slot and a seed, then each is
-   prefilled alone, in its slot, by the :class:`~gpt2mha.serving.runner.Runner`, which
-   samples its first token;
-3. one decode step for every running sequence at once (:meth:`Runner.decode
-   <gpt2mha.serving.runner.Runner.decode>`: each row at its own position, attending only to its
+   prefilled alone, in its slot, by the :class:`~gpt2mha.inference.engine.Engine` (the one
+   ``generate()`` runs, on the route it takes), which samples its first token;
+3. one decode step for every running sequence at once (:meth:`Engine.decode
+   <gpt2mha.inference.engine.Engine.decode>`: each row at its own position, attending only to its
    own keys);
 4. turn each new token into UTF-8-safe text (:class:`~gpt2mha.serving.text_stream.TextStream`),
    send it, and free the slot of every sequence that finished (length, end of text, a stop
@@ -15,7 +15,7 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
 
 A sequence's logits are, bit for bit, the ones ``generate`` computes for its prompt alone,
 whatever else runs beside it, in whichever slot, admitted whenever (batch invariance: the
-runner prefills it alone and computes nothing of a row from the other rows; float32 weights
+engine prefills it alone and computes nothing of a row from the other rows; float32 weights
 need ``batch_invariant=True``), and it is sampled with a generator seeded with its seed: its
 greedy or seeded text is ``generate``'s. A request of P prompts with ``n`` choices each
 (``best_of`` candidates when given) is P·m sequences, m = best_of or n; sequence ``i·m + j``
@@ -23,7 +23,7 @@ greedy or seeded text is ``generate``'s. A request of P prompts with ``n`` choic
 ``generate`` over the prompts each repeated m times (``gpt2mha generate P1 P2 …
 --num-samples m --seed S``).
 
-This module holds no tensor: the runner takes and returns slots and token ids.
+This module holds no tensor: the engine takes and returns slots and token ids.
 
 Sources: continuous ("iteration-level") batching as in Orca (Yu et al., OSDI 2022) and vLLM.
 """
@@ -39,15 +39,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core import checks
+from ..inference.decoders import Route
+from ..inference.engine import Engine
 from ..inference.generate import as_prompts
-from ..inference.sampling import check_logit_bias, check_penalty, row_seed
-from .runner import Runner
+from ..inference.params import SamplingParams
+from ..inference.sampling import row_seed
 from .text_stream import CANCELLED, ERROR, LENGTH, STOP, TextStream
 
 log = logging.getLogger("gpt2mha.serve")
 
-#: The most ``logprobs`` a request may ask for (OpenAI's limit).
-MAX_LOGPROBS = 5
 #: Seconds of recent steps that :meth:`Scheduler.stats`'s tokens per second is measured over.
 RATE_WINDOW_S = 10.0
 
@@ -66,51 +66,6 @@ class ShuttingDown(Exception):
     """The scheduler is stopping and takes no new work (HTTP 503)."""
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to continue one prompt (the fields of an OpenAI completions request).
-
-    Attributes:
-        max_tokens: tokens to generate at most (>= 0).
-        temperature, top_k, top_p: as :func:`~gpt2mha.inference.sampling.sample_next`
-            (temperature 0: greedy).
-        seed: seeds the sequence's own ``torch.Generator`` (None: a random seed); prompt i of a
-            request uses ``row_seed(seed, i)``, as row i of a batch in ``generate`` (prompt 0: seed).
-        stop: strings that end the text (cut before the first one; finish_reason ``"stop"``).
-        presence_penalty, frequency_penalty, logit_bias: OpenAI's adjustments of the logits
-            (:func:`~gpt2mha.inference.sampling.adjust_logits`; logit_bias as ``((id, bias), ...)``).
-        logprobs: None, or k in [0, 5]: record each generated token's log-probability and the k
-            most probable ids (:attr:`Sequence.logprobs`).
-        echo: with ``logprobs``, also score the prompt's own tokens (:attr:`Sequence.prompt_logprobs`).
-        n, best_of: sequences per prompt, ``best_of or n`` of them (the caller picks n of best_of);
-            with ``best_of > n`` every token's log-probability is recorded, to rank them.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    logprobs: int | None = None
-    echo: bool = False
-    n: int = 1
-    best_of: int | None = None
-
-    @property
-    def per_prompt(self) -> int:
-        """Sequences run for each prompt: ``best_of`` when given, else ``n``."""
-        return self.best_of or self.n
-
-    @property
-    def ranked(self) -> bool:
-        """Whether n of more candidates are picked (``best_of > n``): every token's logprob is kept."""
-        return self.per_prompt > self.n
-
-
 @dataclass(eq=False)
 class Sequence:
     """One prompt being continued, from submission to its finish.
@@ -123,7 +78,7 @@ class Sequence:
     k-th event covers ``tokens[marks[k-1]:marks[k]]`` (for streamed logprobs).
 
     ``index`` is its place among the request's sequences (``prompt_index · per_prompt + j``);
-    ``logprobs`` holds one :data:`~gpt2mha.serving.runner.TokenLogprob` per generated token when
+    ``logprobs`` holds one :data:`~gpt2mha.inference.engine.TokenLogprob` per generated token when
     asked (or ranked), ``prompt_logprobs`` one per prompt token after the first with ``echo``.
     """
 
@@ -153,9 +108,9 @@ class Sequence:
 
 
 class Scheduler:
-    """Owns the queue of waiting sequences and the slots of running ones, and a
-    :class:`~gpt2mha.serving.runner.Runner` (the model and its cache, one row per slot); one
-    thread runs :meth:`step` in a loop.
+    """Owns the queue of waiting sequences and the slots of running ones, and an
+    :class:`~gpt2mha.inference.engine.Engine` (the model, its route and its cache, one row per
+    slot: the engine ``generate()`` runs too); one thread runs :meth:`step` in a loop.
 
     Args:
         model: a :class:`~gpt2mha.core.model.GPT2` (put in eval mode; used only by this scheduler).
@@ -164,10 +119,12 @@ class Scheduler:
         max_batch: slots, i.e. sequences decoded together at most (>= 1).
         max_queue: sequences that may wait for a slot beyond the free ones (>= 0); more is
             refused with :class:`QueueFull`.
-        batch_invariant: as :class:`~gpt2mha.serving.runner.Runner` (None: on unless the block
+        batch_invariant: as :class:`~gpt2mha.inference.engine.Engine` (None: on unless the block
             weights are float32).
+        route: the decoder (:func:`~gpt2mha.inference.decoders.choose_decoder`; None: chosen for
+            the model as ``generate`` chooses it).
 
-    Memory: see :class:`~gpt2mha.serving.runner.Runner` (38 MB of cache for the built-in model
+    Memory: see :class:`~gpt2mha.inference.engine.Engine` (38 MB of cache for the built-in model
     with 16 slots, 1.2 GB for 124M in float32).
 
     Raises:
@@ -175,12 +132,12 @@ class Scheduler:
     """
 
     def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 256,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, route: Route | None = None):
         self.max_batch = checks.as_int(max_batch, "max_batch", minimum=1)
         self.max_queue = checks.as_int(max_queue, "max_queue")
         self.tokenizer = tokenizer
         self.n_ctx, self.n_vocab = model.config.n_ctx, model.config.n_vocab
-        self.runner = Runner(model, self.max_batch, vocab_size=min(tokenizer.n_vocab, self.n_vocab),
+        self.engine = Engine(model, self.max_batch, route, vocab_size=min(tokenizer.n_vocab, self.n_vocab),
                              batch_invariant=batch_invariant)
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -189,6 +146,7 @@ class Scheduler:
         self._stopping = False
         self.counts = collections.Counter()          # finished sequences by finish_reason, tokens, steps
         self._recent = collections.deque()           # times of the last tokens, for tokens/s
+        self._ready = threading.Event()              # set by warm_up
 
     # ------------------------------------------------------------------------- app side
     def submit(self, prompts: list[list[int]], params: SamplingParams,
@@ -198,10 +156,10 @@ class Scheduler:
         ``prompt_index = i``.
 
         Raises:
-            ValueError: an empty prompt, ids that are not integers or outside the vocabulary,
-                bad sampling values, seed or stop strings, n/best_of/logprobs/penalties/logit_bias
-                outside OpenAI's rules, or prompt + max_tokens longer than
-                n_ctx (the caller checks these first for clear HTTP errors; this is the last guard).
+            ValueError: ``params`` not a :class:`~gpt2mha.inference.params.SamplingParams` (which
+                checked its own fields), a logit_bias id outside the vocabulary, an empty prompt,
+                ids that are not integers or outside the vocabulary, or prompt + max_tokens
+                longer than n_ctx (the caller checks these first for clear HTTP errors).
             ExceedsCapacity: more prompts than :attr:`capacity`, i.e. never admissible.
             QueueFull: not enough free slots plus queue room for all of them now.
             ShuttingDown: after :meth:`stop`.
@@ -225,39 +183,25 @@ class Scheduler:
 
     def _check(self, prompts, params: SamplingParams) -> list[list[int]]:
         """:meth:`submit`'s checks; returns the prompts as lists of Python ints."""
-        checks.sampling(params.temperature, params.top_k, params.top_p)
-        checks.seed(params.seed)
-        m = self._check_choices(params)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
+        params.check_vocab(self.engine.vocab_size)
+        m = params.per_prompt
         if len(prompts) * m > self.capacity:
             each = f" x {m} sequences each (best_of/n)" if m > 1 else ""
             raise ExceedsCapacity(f"{len(prompts)} prompts{each} in one request; this server holds at most "
                                   f"{self.capacity} sequences at once (max_batch={self.max_batch} running + "
                                   f"max_queue={self.max_queue} waiting), so it can never admit them: send at most "
                                   f"{self.capacity} per request")
-        max_tokens = checks.as_int(params.max_tokens, "max_tokens")
-        if isinstance(params.stop, str) or any(not isinstance(s, str) or not s for s in params.stop):
-            raise ValueError(f"stop={params.stop!r} must be a tuple of non-empty strings")
         prompts = as_prompts(prompts)
         for i, ids in enumerate(prompts):
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
             if min(ids) < 0 or max(ids) >= self.n_vocab:
                 raise ValueError(f"prompt {i} has ids outside [0, n_vocab={self.n_vocab})")
-            if len(ids) + max_tokens > self.n_ctx:
-                raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens={max_tokens} > n_ctx={self.n_ctx}")
+            if len(ids) + params.max_tokens > self.n_ctx:
+                raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens={params.max_tokens} > n_ctx={self.n_ctx}")
         return prompts
-
-    def _check_choices(self, params: SamplingParams) -> int:
-        """The checks of n, best_of, logprobs, penalties and logit_bias; returns ``per_prompt``."""
-        n = checks.as_int(params.n, "n", minimum=1)
-        if params.best_of is not None and checks.as_int(params.best_of, "best_of", minimum=1) < n:
-            raise ValueError(f"best_of={params.best_of} must be >= n={n}")
-        if params.logprobs is not None and not 0 <= checks.as_int(params.logprobs, "logprobs") <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs={params.logprobs} must be in [0, {MAX_LOGPROBS}]")
-        check_penalty(params.presence_penalty, "presence_penalty")
-        check_penalty(params.frequency_penalty, "frequency_penalty")
-        check_logit_bias(dict(params.logit_bias), self.runner.vocab_size)
-        return params.per_prompt
 
     @property
     def capacity(self) -> int:
@@ -286,7 +230,8 @@ class Scheduler:
             queued = len(self.waiting)
             self._forget_old(time.monotonic())
             running = sum(s is not None for s in self.slots)
-            return dict(running=running, queued=queued, slots=self.max_batch, free_slots=self.max_batch - running,
+            return dict(ready=self.ready, route=self.engine.route.decoder.name, running=running, queued=queued,
+                        slots=self.max_batch, free_slots=self.max_batch - running,
                         max_queue=self.max_queue, tokens_per_second=round(len(self._recent) / RATE_WINDOW_S, 2),
                         completed=self.counts[STOP] + self.counts[LENGTH], cancelled=self.counts[CANCELLED],
                         failed=self.counts[ERROR], rejected=self.counts["rejected"],
@@ -297,8 +242,27 @@ class Scheduler:
             self._recent.popleft()
 
     # ----------------------------------------------------------------------- the thread
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`warm_up` has run (the server's ``/health`` says ``"loading"`` until then)."""
+        return self._ready.is_set()
+
+    def warm_up(self) -> None:
+        """Run the engine once (:meth:`~gpt2mha.inference.engine.Engine.warm_up`: its kernels
+        loaded, a compiled step compiled) so that no request pays for it, and log the route."""
+        if not self.ready:
+            t0 = time.monotonic()
+            self.engine.warm_up()
+            log.info("route: %s; warmed up in %.1f s", self.engine.route.describe(), time.monotonic() - t0)
+            self._ready.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until :meth:`warm_up` has run (at most ``timeout`` seconds); returns :attr:`ready`."""
+        return self._ready.wait(timeout)
+
     def start(self) -> None:
-        """Start the thread that runs :meth:`step` whenever there is work."""
+        """Start the thread that warms the engine up (:meth:`warm_up`), then runs :meth:`step`
+        whenever there is work (requests submitted meanwhile wait in the queue)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpt2mha-scheduler", daemon=True)
             self._thread.start()
@@ -343,6 +307,11 @@ class Scheduler:
             return not self.waiting and all(s is None for s in self.slots)
 
     def _run(self) -> None:
+        try:
+            self.warm_up()
+        except Exception:                             # served as it can be: each request then fails alone
+            log.exception("warming the engine up failed")
+            self._ready.set()
         while True:
             with self._cv:
                 while not self._stopping and not self.waiting and all(s is None for s in self.slots):
@@ -392,15 +361,13 @@ class Scheduler:
             try:
                 seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens)
                 if p.echo and p.logprobs is not None:
-                    seq.prompt_logprobs = self.runner.score(seq.prompt_ids, p.logprobs)
+                    seq.prompt_logprobs = self.engine.score(seq.prompt_ids, p.logprobs)
                 if p.max_tokens == 0:
                     self._finish(seq, LENGTH)
                     continue
                 seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
                 logprobs = p.logprobs if p.logprobs is not None else 0 if p.ranked else None
-                self.runner.open(seq.slot, seed, p.temperature, p.top_k, p.top_p, presence_penalty=p.presence_penalty,
-                                 frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias),
-                                 logprobs=logprobs)
+                self.engine.open(seq.slot, p, seed, logprobs=logprobs)
                 live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
@@ -411,8 +378,8 @@ class Scheduler:
                 self._fail(seq, e)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Prefill ``seqs`` into their slots (one runner call) and accept each first token."""
-        results = self.runner.prefill([s.slot for s in seqs], [s.prompt_ids for s in seqs])
+        """Prefill ``seqs`` into their slots (one engine call) and accept each first token."""
+        results = self.engine.prefill([s.slot for s in seqs], [s.prompt_ids for s in seqs])
         for seq, token in zip(seqs, results):
             self._take(seq, token)
 
@@ -420,7 +387,7 @@ class Scheduler:
         """One decode step over every running sequence."""
         running = [s for s in self.slots if s is not None]
         try:
-            results = self.runner.decode([s.slot for s in running])
+            results = self.engine.decode([s.slot for s in running])
         except Exception as e:                       # the batched step itself failed: all of its rows fail
             for seq in running:
                 self._fail(seq, e)
@@ -430,7 +397,7 @@ class Scheduler:
             self._take(seq, token)
 
     def _take(self, seq: Sequence, token: int | Exception) -> None:
-        """A runner's result for ``seq``: accept the token, or fail the sequence."""
+        """An engine's result for ``seq``: accept the token, or fail the sequence."""
         try:
             if isinstance(token, Exception):
                 raise token
@@ -445,8 +412,8 @@ class Scheduler:
         if seq.t_first is None:
             seq.t_first = now
         seq.tokens.append(token)
-        if self.runner.samplers[seq.slot].logprobs is not None:
-            seq.logprobs.append(self.runner.logprobs[seq.slot])
+        if self.engine.samplers[seq.slot].logprobs is not None:
+            seq.logprobs.append(self.engine.logprobs[seq.slot])
         with self._cv:
             self.counts["tokens"] += 1
             self._recent.append(now)
@@ -469,7 +436,7 @@ class Scheduler:
             seq.text = seq.stream.text
         with self._cv:
             if seq.slot is not None:
-                self.runner.release(seq.slot)
+                self.engine.release(seq.slot)
                 self.slots[seq.slot] = None
                 seq.slot = None
             if newly:

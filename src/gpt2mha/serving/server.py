@@ -48,6 +48,7 @@ import time
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..core import checks
@@ -148,8 +149,11 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
         return {"id": model_name, "object": "model", "created": int(started[0]), "owned_by": "gpt2mha",
                 "max_model_len": n_ctx}
 
-    async def health():
-        return {"status": "ok", "model": model_name, **scheduler.stats()}
+    async def health():                               # 503 "loading" until the engine is warmed up
+        stats = scheduler.stats()
+        if not stats["ready"]:
+            return JSONResponse({"status": "loading", "model": model_name, **stats}, status_code=503)
+        return {"status": "ok", "model": model_name, **stats}
 
     async def models():
         return {"object": "list", "data": [card()]}
@@ -326,6 +330,9 @@ def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.
     default ``timeout``, then are cancelled: :class:`GracefulServer`) and the scheduler is stopped.
     ``max_body_bytes``, ``chat_template``, ``max_stop``: as :func:`create_app`.
 
+    The block starts once the engine is warmed up (``/health`` answers ``"ok"``), or once
+    ``timeout`` has passed.
+
     Raises:
         RuntimeError: the server did not start within ``timeout`` seconds.
     """
@@ -342,6 +349,7 @@ def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.
             server.should_exit = True
             raise RuntimeError(f"the server did not start on {host}:{port}")
         time.sleep(0.01)
+    scheduler.wait_ready(max(0.0, deadline - time.monotonic()))     # /health "ok": the engine is warmed up
     bound = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://{host}:{bound}"

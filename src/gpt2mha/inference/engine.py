@@ -1,0 +1,238 @@
+"""The engine: one KV cache of slots, a decoder, one sampler per slot. ``generate()`` runs it to
+completion over its prompts; the server's scheduler (:mod:`gpt2mha.serving.scheduler`) runs it
+continuously, admitting and finishing sequences between steps. Both therefore take the same
+route for a model (:func:`~gpt2mha.inference.decoders.choose_decoder`), sample with the same
+:class:`~gpt2mha.inference.sampling.RowSampler` and compute the same logits.
+
+:class:`Engine` holds ONE :class:`~gpt2mha.core.kv_cache.KVCache` whose row ``s`` holds the
+sequence in slot ``s``, from cache index 0 at its own length, and answers:
+
+- :meth:`Engine.open`: the slot's sampler (its :class:`~gpt2mha.inference.params.SamplingParams`
+  and its own generator);
+- :meth:`Engine.prefill`: prompts into their slots, each alone, and each one's first token;
+- :meth:`Engine.forward` / :meth:`Engine.sample` (together :meth:`Engine.decode`): one step over
+  rows ``0 … n-1`` (n = highest slot asked + 1, or every slot for a decoder of one shape),
+  each row at its own position over exactly its own keys, then each asked slot's next token;
+- :meth:`Engine.release`: the slot's row emptied;
+- :meth:`Engine.score`: the model's log-probabilities of a prompt's own tokens (``echo``).
+
+Slots and token ids go in and out as Python ints. No row's numbers depend on the others on a
+batch-invariant decoder: a prompt is prefilled alone, a step attends each row over its own
+keys, and the products give a row the same bits in a batch of any size; a sequence's logits
+are then those of its prompt alone, bit for bit. A fault while sampling one row is that row's
+result, not raised. While a hook is attached to the model, a decoder that would skip it (the
+native or compiled one) gives way to the decode view for as long as it stays attached.
+
+Log-probabilities (``logprobs=k``) come from the model's raw logits (``log_softmax`` before
+penalties, bias, temperature and filtering: the model's distribution, as OpenAI reports it).
+
+Sources: continuous batching over a static cache (Orca, Yu et al., OSDI 2022; vLLM; gpt-fast).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import checks
+from ..core.kv_cache import KVCache
+from .decoders import Route, ViewDecoder, choose_decoder, hook_watch
+from .params import SamplingParams
+from .sampling import RowSampler, sample_rows, token_logprobs
+
+#: One token's log-probability and the most probable ids with theirs: ``(logprob, [(id, logprob), ...])``.
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+class Engine:
+    """Runs a model over one slotted KV cache.
+
+    Args:
+        model: a :class:`~gpt2mha.core.model.GPT2` (put in eval mode).
+        cache: the cache to run on (``generate`` sizes one per call), or a number of slots for a
+            new cache of ``n_ctx`` positions (the server).
+        route: the decoder to run (:func:`~gpt2mha.inference.decoders.choose_decoder`); None:
+            chosen for ``model`` with ``batch_invariant``.
+        vocab_size: sample only ids below it (the tokenizer's vocabulary; default the model's).
+        batch_invariant: for the decode view's products (None: its default; see
+            :func:`~gpt2mha.inference.fast.for_decoding`).
+
+    Attributes:
+        route: the :class:`~gpt2mha.inference.decoders.Route` (decoder and why not the others).
+        cache: ``[n_layer, slots, n_head, T_max, head_dim]`` in the model's dtype (a new one:
+            ``2 · n_layer · slots · n_ctx · n_embd`` values, 1.2 GB for 124M in float32 with 16
+            slots; 38 MB for the built-in model).
+        samplers: each slot's :class:`~gpt2mha.inference.sampling.RowSampler` (None: free).
+        logprobs: each slot's newest :data:`TokenLogprob` (when opened with ``logprobs``).
+
+    Raises:
+        ValueError: slots < 1, a vocab_size outside ``[1, n_vocab]``, a batch_invariant that is
+            not True, False or None.
+    """
+
+    def __init__(self, model, cache: KVCache | int, route: Route | None = None, vocab_size: int | None = None,
+                 batch_invariant: bool | None = None):
+        c = model.config
+        vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
+        if vocab_size > c.n_vocab:
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, n_vocab={c.n_vocab}]")
+        if batch_invariant is not None:
+            checks.flag(batch_invariant, "batch_invariant")
+        self.model = model.eval()
+        self.route = route or choose_decoder(self.model, batch_invariant=batch_invariant)
+        self.batch_invariant = batch_invariant
+        p = self.model.wte.weight
+        self.device = p.device
+        if not isinstance(cache, KVCache):
+            slots = checks.as_int(cache, "slots", minimum=1)
+            cache = KVCache(c.n_layer, slots, c.n_head, c.n_ctx, c.head_dim, dtype=p.dtype, device=p.device)
+        self.cache = cache
+        self.vocab_size = vocab_size
+        n = cache.batch_size
+        self.samplers: list[RowSampler | None] = [None] * n
+        self.last: list[int] = [0] * n                          # each slot's newest token: its next input
+        self._hooked = hook_watch(self.model)
+        self._view: ViewDecoder | None = None
+
+    @property
+    def slots(self) -> int:
+        """Rows of the cache (the most sequences decoded together)."""
+        return self.cache.batch_size
+
+    @property
+    def logprobs(self) -> list[TokenLogprob | None]:
+        """Each slot's newest token's :data:`TokenLogprob` (None unless opened with ``logprobs``)."""
+        return [None if s is None else s.last_logprob for s in self.samplers]
+
+    @property
+    def decoder(self):
+        """The decoder this step runs: the route's, or the decode view while a hook is attached
+        to the model and the route's decoder would skip it."""
+        d = self.route.decoder
+        if d.runs_hooks or not self._hooked():
+            return d
+        if self._view is None:
+            self._view = ViewDecoder(self.model, self.batch_invariant)
+        return self._view
+
+    def open(self, slot: int, params: SamplingParams, seed: int | None, logprobs: int | None = None,
+             row: int | None = None) -> None:
+        """Give ``slot`` its sampler: ``params`` (checked; logit_bias ids below ``vocab_size``)
+        and a generator seeded with ``seed`` (None: torch's global one). The row itself is
+        filled by :meth:`prefill`. ``logprobs``: k to record each token's logprob and the k
+        most likely ids (default ``params.logprobs``). ``row``: the row its errors name.
+
+        Raises:
+            ValueError: the slot is out of range or in use (not released since it was opened),
+                or a logit_bias id is outside the vocabulary.
+        """
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot={slot} is out of range [0, {self.slots})")
+        if self.samplers[slot] is not None:
+            raise ValueError(f"slot={slot} is in use; release it first")
+        params.check_vocab(self.vocab_size)
+        self.samplers[slot] = RowSampler(params, seed, self.vocab_size, self.device,
+                                         params.logprobs if logprobs is None else logprobs, row)
+
+    def release(self, slot: int) -> None:
+        """Empty ``slot``: its row's length is 0 again and its sampler is dropped."""
+        self.cache.reset(slot)
+        self.samplers[slot] = None
+        self.last[slot] = 0
+
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], prompts: list) -> list[int | Exception]:
+        """Prefill ``prompts[i]`` (token ids: a list or a 1-D tensor, non-empty, checked by the
+        caller) into slot ``slots[i]`` (each opened and empty), each alone, and sample each
+        one's first token from its prefill's logits.
+
+        Returns:
+            one result per slot: the token id, or the exception its sampling raised.
+
+        Raises:
+            Exception: whatever the forward raised (nothing stays written in the slots then).
+        """
+        return self.sample(slots, self.prefill_logits(slots, prompts), range(len(slots)))
+
+    @torch.inference_mode()
+    def prefill_logits(self, slots: list[int], prompts: list) -> torch.Tensor:
+        """:meth:`prefill`'s forward alone: each prompt into its slot, logits ``[len(slots), V]``."""
+        logits = []
+        decoder = self.decoder
+        try:
+            for slot, prompt in zip(slots, prompts):
+                ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)   # [1, T]
+                logits.append(decoder.prefill(ids, self.cache.row(slot)))
+        except Exception:
+            for slot in slots:                                  # nothing half-written stays in a slot
+                self.cache.reset(slot)
+            raise
+        return torch.cat(logits)
+
+    @torch.inference_mode()
+    def forward(self, slots: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """One decode step's forward for the sequences in ``slots`` (each prefilled, its last
+        token known): rows ``0 … max(slots)`` (every row for a decoder of one shape), each
+        with its newest token. Rows in between that were not asked (free: length 0, they read
+        only their own key) are computed and keep their length.
+
+        Returns:
+            ``(logits [n, V], rows)``: ``rows[i]`` is ``slots[i]``'s row of the logits.
+
+        Raises:
+            Exception: whatever the forward raised (then every asked slot has failed).
+        """
+        decoder = self.decoder
+        n = self.slots if decoder.fixed_batch else max(slots) + 1
+        rows = self.cache.rows(n)
+        before = rows.lengths
+        ids = torch.tensor(self.last[:n], dtype=torch.long, device=self.device)[:, None]    # [n, 1]
+        logits = decoder.step(ids, rows)                                                     # [n, V]
+        asked = set(slots)
+        if len(asked) < n:
+            rows.trim([m + 1 if row in asked else m for row, m in enumerate(before)])   # the others keep theirs
+        return logits, list(slots)
+
+    def sample(self, slots: list[int], logits: torch.Tensor, rows) -> list[int | Exception]:
+        """Slot ``slots[i]``'s next token from ``logits[rows[i]]``: the token id, or the
+        exception its sampling raised (that slot alone fails)."""
+        out = sample_rows([self.samplers[s] for s in slots], logits, rows)
+        for slot, token in zip(slots, out):
+            if not isinstance(token, Exception):
+                self.last[slot] = token
+        return out
+
+    def decode(self, slots: list[int]) -> list[int | Exception]:
+        """:meth:`forward` then :meth:`sample`: each asked slot's next token (or its exception)."""
+        logits, rows = self.forward(slots)
+        return self.sample(slots, logits, rows)
+
+    def warm_up(self) -> None:
+        """One greedy prefill of one token and one decode step in the first free slot, then the
+        slot emptied: loads what the route loads and compiles what it compiles (a compiled
+        step: 10–60 s), so that no request pays for it. Nothing stays in the cache."""
+        slot = self.samplers.index(None)
+        self.open(slot, SamplingParams(max_tokens=2, temperature=0), None)
+        try:
+            self.prefill([slot], [[0]])
+            self.decode([slot])
+        finally:
+            self.release(slot)
+
+    @torch.inference_mode()
+    def score(self, prompt: list[int], k: int) -> list[TokenLogprob]:
+        """The model's log-probability of each token of ``prompt`` after the ones before it, and
+        the ``k`` most probable ids there: ``len(prompt) - 1`` entries, for tokens 1 … T-1
+        (token 0 has no context). One forward of ``[1, T]`` through the decode view, without the
+        cache and apart from every slot, so a prompt scores the same whatever else is running.
+
+        Source: ``log_softmax`` of the logits at position t-1 read at token t, as the loss of
+        :class:`~gpt2mha.core.model.GPT2` (and lm-evaluation-harness's ``loglikelihood``).
+        """
+        if len(prompt) < 2:
+            return []
+        if self._view is None:
+            self._view = ViewDecoder(self.model, self.batch_invariant)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        logits = self._view.view(ids, validate=False).logits[0, :-1, :self.vocab_size]      # [T-1, V]
+        chosen, top = token_logprobs(logits, ids[0, 1:], k)
+        return list(zip(chosen, top))

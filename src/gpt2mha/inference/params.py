@@ -1,0 +1,215 @@
+"""How to continue a prompt: one validated :class:`SamplingParams`, built by ``generate()``, the
+CLI and the server alike, so an option and its range live in one place.
+
+The fields are OpenAI's completions fields (``max_tokens``, ``temperature``, ``top_p``,
+``stop``, ``n``, ``best_of``, ``logprobs``, ``echo``, the penalties, ``logit_bias``, ``seed``)
+plus ``top_k`` and ``min_p`` (as vLLM's ``SamplingParams`` and llama.cpp's server take them).
+Every range is checked once, in :meth:`SamplingParams.__post_init__`; a bad value raises
+:class:`ParamError` (a ValueError) naming the field, which the server answers as OpenAI's 400
+with that ``param``. What depends on the model (a ``logit_bias`` id below its vocabulary, a
+prompt that fits n_ctx) is checked by :meth:`SamplingParams.check_vocab` and by the engine.
+
+Imports no torch: the CLI checks its flags with it before torch loads.
+
+Source: OpenAI's API reference (completions), vLLM's ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from dataclasses import dataclass, fields
+
+#: OpenAI's range of ``presence_penalty`` / ``frequency_penalty``.
+MAX_PENALTY = 2.0
+#: OpenAI's range of a ``logit_bias`` value.
+MAX_LOGIT_BIAS = 100.0
+#: OpenAI's limits: ``logprobs`` up to 5, ``n`` up to 128, ``best_of`` up to 20.
+MAX_LOGPROBS, MAX_N, MAX_BEST_OF = 5, 128, 20
+#: Temperatures below float32's smallest normal number (2⁻¹²⁶) sample as temperature 0 (greedy):
+#: the limit of ``softmax(logits / t)`` as t → 0 puts all the mass on the largest logit.
+MIN_TEMPERATURE = 2.0 ** -126
+#: A ``logit_bias`` key longer than this many digits is refused unread (``int()`` of a
+#: 4300-digit string raises; no vocabulary has ids of 20 digits).
+MAX_ID_DIGITS = 20
+
+
+class ParamError(ValueError):
+    """A :class:`SamplingParams` field out of its range; :attr:`param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _int(name: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, (bool, float)):
+        raise ParamError(name, f"{name}={value!r} must be an integer >= {low}; got {type(value).__name__}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ParamError(name, f"{name}={value!r} must be an integer >= {low}; got {type(value).__name__}") from None
+    if value < low or (high is not None and value > high):
+        raise ParamError(name, f"{name}={value} must be an integer in [{low}, {high}]" if high is not None
+                         else f"{name}={value} must be an integer >= {low}")
+    return value
+
+
+def _real(name: str, value, ok, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        raise ParamError(name, f"{name}={value!r} must be {expected}")
+    return float(value)
+
+
+def _token_id(key) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of ASCII digits (JSON keys are strings)."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        digits = key.lstrip("0") or "0"
+        return int(digits) if len(digits) <= MAX_ID_DIGITS else None
+    return None
+
+
+def _show(key) -> str:
+    text = repr(key)
+    return text if len(text) <= 42 else f"{text[:20]}…{text[-10:]} ({len(text)} characters)"
+
+
+def logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (a mapping or pairs of token id → bias, ids as ints or decimal strings) as
+    sorted ``((id, bias), …)``.
+
+    Raises:
+        ParamError: not a mapping, a key that is not a token id, a value that is not a finite
+            number in ``[-100, 100]``.
+    """
+    if bias is None:
+        return ()
+    items = bias.items() if hasattr(bias, "items") else bias
+    try:
+        items = list(items)
+    except TypeError:
+        items = [bias]
+    out = {}
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise ParamError("logit_bias", f"logit_bias must be an object mapping token ids to biases; got "
+                                           f"{_show(bias)}")
+        key, value = item
+        token = _token_id(key)
+        if token is None:
+            raise ParamError("logit_bias", f"logit_bias key {_show(key)} is not a token id (an integer >= 0, or a "
+                                           f"string of ASCII digits such as \"50256\")")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or \
+                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ParamError("logit_bias", f"logit_bias[{_show(key)}]={value!r} must be a number in "
+                                           f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to continue one prompt: every field checked when it is made.
+
+    Attributes:
+        max_tokens: new tokens at most (>= 0).
+        temperature: softmax temperature, a finite number >= 0 (0: greedy, the argmax).
+        top_k: keep the k most likely tokens (0: all).
+        top_p: nucleus sampling, in (0, 1] (1: off); OpenAI's ``top_p_logits``.
+        min_p: keep tokens at least ``min_p`` times as likely as the most likely one, in [0, 1]
+            (0: off).
+        presence_penalty, frequency_penalty: OpenAI's penalties in [-2, 2], subtracted from the
+            logits of tokens already generated (once / per occurrence).
+        logit_bias: ``{token id: bias in [-100, 100]}`` added to those logits (a mapping or
+            pairs; ids as ints or decimal strings); kept as sorted ``((id, bias), …)``.
+        seed: None (a random draw) or an integer in ``[0, 2**63)``; prompt i's candidate j of a
+            request draws from ``row_seed(seed, i·m + j)`` (m = ``best_of or n``), as row
+            ``i·m + j`` of ``generate`` (:func:`~gpt2mha.inference.sampling.row_seed`).
+        stop: strings that end the text (cut before the first one); a string or a sequence of
+            non-empty strings, kept as a tuple.
+        logprobs: None, or k in [0, 5]: each new token's log-probability and the k most likely.
+        echo: with ``logprobs``, also the log-probabilities of the prompt's own tokens.
+        n: completions per prompt, in [1, 128].
+        best_of: None, or candidates per prompt in [1, 20] (>= n) of which the n of highest
+            mean log-probability are returned.
+
+    Raises:
+        ParamError: (a ValueError) naming the field and what it must be.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    echo: bool = False
+    n: int = 1
+    best_of: int | None = None
+
+    def __post_init__(self):
+        put = object.__setattr__
+        put(self, "max_tokens", _int("max_tokens", self.max_tokens, 0))
+        put(self, "temperature", _real("temperature", self.temperature, lambda v: v >= 0,
+                                       "a finite number >= 0 (0 means greedy)"))
+        put(self, "top_k", _int("top_k", self.top_k, 0))
+        put(self, "top_p", _real("top_p", self.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]"))
+        put(self, "min_p", _real("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1] (0 turns it off)"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(self, name, _real(name, getattr(self, name), lambda v: -MAX_PENALTY <= v <= MAX_PENALTY,
+                                  f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"))
+        put(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        if self.seed is not None:
+            put(self, "seed", _int("seed", self.seed, 0, 2**63 - 1))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is None or not isinstance(stop, (tuple, list)) or any(not isinstance(s, str) or not s for s in stop):
+            raise ParamError("stop", f"stop={_show(self.stop)} must be a non-empty string or a list of them")
+        put(self, "stop", tuple(stop))
+        if self.logprobs is not None:
+            put(self, "logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        if not isinstance(self.echo, bool):
+            raise ParamError("echo", f"echo={self.echo!r} must be true or false")
+        put(self, "n", _int("n", self.n, 1, MAX_N))
+        if self.best_of is not None:
+            put(self, "best_of", _int("best_of", self.best_of, 1, MAX_BEST_OF))
+            if self.best_of < self.n:
+                raise ParamError("best_of", f"best_of={self.best_of} must be greater than or equal to n={self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 (below :data:`MIN_TEMPERATURE`): the argmax."""
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether penalties or a logit bias change the logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    @property
+    def per_prompt(self) -> int:
+        """Sequences run for each prompt: ``best_of`` when given, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def ranked(self) -> bool:
+        """Whether n of more candidates are picked (``best_of > n``): every token's logprob is kept."""
+        return self.per_prompt > self.n
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises :class:`ParamError` naming ``logit_bias`` unless its ids are below ``vocab_size``."""
+        for token, _ in self.logit_bias:
+            if token >= vocab_size:
+                raise ParamError("logit_bias", f"logit_bias key {token} is not a token id of this model's "
+                                               f"tokenizer (ids 0 … {vocab_size - 1})")
+
+
+#: The names of :class:`SamplingParams`' fields, in order (what every entry point must accept).
+FIELDS = tuple(f.name for f in fields(SamplingParams))
