@@ -188,10 +188,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def perplexity(model, text: str, stride: int | None = None):
+def perplexity(model, text: str, stride: int | None = None, progress: bool = False):
     """:func:`gpt2mha.train.evaluate.perplexity` with the strided windows dealt round-robin over the
     ranks (rank r scores windows r, r+N, …); the summed nats and token counts are all-reduced in
     float64, so every rank returns the single-process figure (up to summation order, ~1e-15).
+    ``progress``: rank 0 shows a bar of its windows on stderr (when it is a terminal).
 
     Raises:
         ValueError: as :func:`gpt2mha.train.evaluate.perplexity`.
@@ -200,7 +201,7 @@ def perplexity(model, text: str, stride: int | None = None):
     ids = ids.to(next(model.parameters()).device)
     di = info()
     windows = strided_windows(ids.numel(), model.config.n_ctx, stride)[di.rank::di.world_size]
-    nats, tokens = score_windows(model, ids, windows)
+    nats, tokens = score_windows(model, ids, windows, progress and di.is_main)
     nats, tokens = all_reduce_sum([nats, tokens], device=di.device if di.backend == "nccl" else None)
     return result_from(nats, int(tokens), text)
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..io.tokenizer import tokenizer_for
+from ..progress import progress_bar
 
 
 @dataclass
@@ -33,13 +34,14 @@ class PerplexityResult:
 
 
 @torch.inference_mode()
-def perplexity(model, text: str, stride: int | None = None) -> PerplexityResult:
+def perplexity(model, text: str, stride: int | None = None, progress: bool = False) -> PerplexityResult:
     """Score ``text`` with ``model`` (its config's tokenizer).
 
     Args:
         model: a :class:`~gpt2mha.core.model.GPT2`.
         text: the text; must encode to at least 2 tokens.
         stride: window step in tokens, ``1 <= stride <= n_ctx`` (default n_ctx // 2).
+        progress: show a progress bar of the windows on stderr (when it is a terminal).
 
     Returns:
         :class:`PerplexityResult`. ``bytes`` counts the UTF-8 bytes of the whole text; the
@@ -51,7 +53,7 @@ def perplexity(model, text: str, stride: int | None = None) -> PerplexityResult:
     :func:`gpt2mha.train.distributed.perplexity` deals the same windows over ``torchrun``'s ranks.
     """
     ids, stride = encode_for_scoring(model, text, stride)
-    nats, tokens = score_windows(model, ids, strided_windows(ids.numel(), model.config.n_ctx, stride))
+    nats, tokens = score_windows(model, ids, strided_windows(ids.numel(), model.config.n_ctx, stride), progress)
     return result_from(nats, tokens, text)
 
 
@@ -84,11 +86,12 @@ def strided_windows(N: int, n_ctx: int, stride: int) -> list[tuple[int, int, int
 
 
 @torch.inference_mode()
-def score_windows(model, ids: torch.Tensor, windows) -> tuple[float, int]:
+def score_windows(model, ids: torch.Tensor, windows, progress: bool = False) -> tuple[float, int]:
     """Summed next-token loss (nats, float64 sum of per-window float32 sums) and number of
-    targets scored over ``windows`` (from :func:`strided_windows`) of ``ids [N]``."""
+    targets scored over ``windows`` (from :func:`strided_windows`) of ``ids [N]``; ``progress``:
+    a bar of the windows on stderr (when it is a terminal)."""
     total_nats, tokens = 0.0, 0
-    for begin, prev, end in windows:
+    for begin, prev, end in progress_bar(windows, desc="perplexity", unit="window", enabled=progress):
         logits = model(ids[None, begin:end - 1], last_only=False).logits[0]  # predicts begin+1 … end-1
         n = end - prev
         total_nats += F.cross_entropy(logits[-n:].float(), ids[end - n:end], reduction="sum").item()

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from ..api import GPT2
 from ..core.model import GPT2Config
 from ..io.checkpoints import CheckpointError, is_checkpoint_dir, save_pretrained
 from ..io.tokenizer import get_tokenizer, tokenizer_for
+from ..progress import progress_bar
 from . import distributed
 
 STATE_NAME, LOG_NAME = "trainer_state.pt", "training_log.json"
@@ -258,7 +258,7 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
             and prints one line on stderr per setting that differs from the checkpoint's.
         resume: continue from the checkpoint in ``out_dir``: the same settings, the optimizer,
             the step and every random state, so an interrupted run resumed continues bit for bit.
-        progress: show a tqdm bar with loss and tokens/s.
+        progress: show a tqdm bar with loss and tokens/s on stderr (when it is a terminal).
         init_from: fine-tune: start a new run (step 0, a fresh optimizer) from this model's
             weights; anything ``GPT2.from_pretrained`` takes (a built-in
             name, a directory, a hub id, nanoGPT's ckpt.pt, ...). The data is read with that
@@ -266,7 +266,9 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
 
     Returns:
         The training log: ``{"config", "train_config", "data", "evals": [{step, train_loss,
-        val_loss, seconds}], "seconds", "tokens_per_second"}`` (and ``"init_from"``).
+        val_loss, seconds}], "seconds", "tokens_per_second"}`` (and ``"init_from"``), with
+        ``"steps_run"``: the optimizer steps this call ran (0 when a resumed checkpoint had
+        already reached ``iters``; the log's times are then the earlier runs').
 
     Under ``torchrun`` (a process group initialised, :mod:`gpt2mha.train.distributed`) it trains with
     ``DistributedDataParallel``; ``batch_size`` is the global batch, split over the ranks.
@@ -297,9 +299,10 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
         loss_ema = state.get("loss_ema")
         _restore_rng(gen, state, di)
     if start >= tc.iters:
-        return log
+        return {**log, "steps_run": 0}
     log["world_size"] = di.world_size
-    return _loop(model, optimizer, gen, tc, log, (train_ids, val_ids), start, loss_ema, out_dir, progress, di)
+    log = _loop(model, optimizer, gen, tc, log, (train_ids, val_ids), start, loss_ema, out_dir, progress, di)
+    return {**log, "steps_run": tc.iters - start}
 
 
 def _check_out_dir(out_dir: str, resume: bool, init_from: str | None) -> None:
@@ -394,8 +397,8 @@ def _loop(model, optimizer, gen, tc: TrainConfig, log: dict, ids, start: int, lo
     if di.world_size > 1:
         ddp = DistributedDataParallel(model, device_ids=[di.local_rank] if di.backend == "nccl" else None)
     rows = distributed.shard_rows(tc.batch_size, di.rank, di.world_size)
-    bar = tqdm(range(start, tc.iters), initial=start, total=tc.iters, disable=not progress or not di.is_main,
-               desc="train", mininterval=2.0)
+    bar = progress_bar(range(start, tc.iters), initial=start, total=tc.iters, enabled=progress and di.is_main,
+                       desc="train", unit="step", mininterval=2.0, leave=True)
     t0, seconds0, tokens = time.perf_counter(), log["seconds"], 0
     step = start
     try:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ...core.hooks import record
+from ...progress import progress_bar
 
 from .linear import ACTIVATIONS, SCHEME_ACTIVATIONS, QuantizedHead, QuantizedLinear
 from .schemes import (ABNORMAL_ERROR, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, HEAD_SCHEME, METHODS, SCHEMES,
@@ -166,7 +167,7 @@ def _hessians(modules: dict[str, nn.Module], run) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def _gptq_layers(model, scheme: str, group_size: int | None, ids: torch.Tensor, weights: dict,
-                 head: str = HEAD_SCHEME) -> tuple[dict, dict]:
+                 head: str = HEAD_SCHEME, bar=None) -> tuple[dict, dict]:
     """GPTQ every layer of ``weights`` on the calibration ``ids``, block after block (GPTQ's
     sequential order: each block is calibrated on the outputs of the blocks already quantized).
     The quantized layers replace the Conv1Ds as they are made.
@@ -174,16 +175,22 @@ def _gptq_layers(model, scheme: str, group_size: int | None, ids: torch.Tensor, 
     The head comes first, from the float model's final LayerNorm outputs: a tied ``wte`` is then
     the dequantized head before the blocks are calibrated, so they see the embeddings they will
     get (on the built-in model this order agreed with float32 on more held-out bytes than the
-    head last). Returns ``(layers by path, hessians by path)``.
+    head last). Returns ``(layers by path, hessians by path)``; ``bar`` (a progress bar) advances
+    by one per layer.
     """
     rows = max(1, 2048 // ids.shape[1])                         # ~2048 tokens per forward
     chunks = ids.to(model.wte.weight.device).split(rows)
 
     def layer(path, w, b, scheme, group_size, hessian, cls=QuantizedLinear):
+        if bar is not None:
+            bar.set_postfix_str(path, refresh=False)
         try:
-            return cls.from_float(w, b, scheme, group_size, hessian=hessian)
+            out = cls.from_float(w, b, scheme, group_size, hessian=hessian)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+        if bar is not None:
+            bar.update()
+        return out
 
     def at(point):                                              # the activations at one capture point
         return [record(model, [point], lambda: model(idx), stop=True)[point] for idx in chunks]
@@ -205,6 +212,14 @@ def _gptq_layers(model, scheme: str, group_size: int | None, ids: torch.Tensor, 
             setattr(model.get_submodule(parent), name, layers[path])
         xs = [block(x)[0] for x in xs]
     return layers, hessians
+
+
+def _bar_over(bar, items):
+    """``items`` (``(path, …)`` pairs), advancing ``bar`` by one after each, named by its path."""
+    for item in items:
+        bar.set_postfix_str(item[0], refresh=False)
+        yield item
+        bar.update()
 
 
 def _state_before(model, sources: dict) -> dict:
@@ -276,7 +291,7 @@ def _plan(model, scheme, group_size, method, calibration, head=HEAD_SCHEME):
 
 @torch.no_grad()
 def quantize_model(model, scheme: str, group_size: int | None = None, method: str = "gptq", calibration=None,
-                   activations: str = "exact", head: str = HEAD_SCHEME):
+                   activations: str = "exact", head: str = HEAD_SCHEME, progress: bool = False):
     """Weight-only quantize ``model`` in place: every block Conv1D (``c_attn``, ``attn.c_proj``,
     ``c_fc``, ``mlp.c_proj``) becomes a :class:`QuantizedLinear` and the LM head a
     :class:`QuantizedHead`.
@@ -311,6 +326,8 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
         head: the LM head's scheme, ``"int8"`` (default) or ``"int4"`` (int4 models only:
             on 124M a 24 MB head instead of 38.6, ~1.5 points less top-1 agreement with
             float32 on the built-in model; README, "Quantized decode").
+        progress: show a progress bar on stderr (when it is a terminal): each tensor quantized,
+            then each tensor's error measured.
 
     Returns:
         ``model``.
@@ -324,15 +341,17 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
     tied = model.lm_head.weight is model.wte.weight
     before = _state_before(model, sources)
     model.eval()
+    bar = progress_bar(desc=f"quantize {scheme} ({method})", total=2 * len(weights), unit="tensor", enabled=progress)
     try:
         if ids is not None:
-            layers, hessians = _gptq_layers(model, scheme, group_size, ids, weights, head)
+            layers, hessians = _gptq_layers(model, scheme, group_size, ids, weights, head, bar)
         else:
             layers, hessians = {}, {}
-            for path, (w, b) in weights.items():
+            for path, (w, b) in _bar_over(bar, weights.items()):
                 layers[path] = (QuantizedHead if path == "lm_head" else QuantizedLinear).from_float(
                     w, b, *((head, head_group(head, group_size)) if path == "lm_head" else (scheme, group_size)))
-        report = [error_row(path, w, layers[path], hessians.get(path)) for path, (w, b) in weights.items()]
+        bar.set_description(f"measure {scheme} errors", refresh=False)
+        report = [error_row(path, w, layers[path], hessians.get(path)) for path, (w, b) in _bar_over(bar, weights.items())]
         install(model, layers, scheme, group_size, tied, head)
         if tied:                                                # a new tensor: never written in place
             model.wte.weight = nn.Parameter(layers["lm_head"].dequantized().to(before["wte"].dtype),
@@ -342,6 +361,8 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
     except BaseException:                                       # errors and Ctrl-C: the float model, as it was
         _restore(model, before)
         raise
+    finally:
+        bar.close()
     model.quantization_report = report
     abnormal = [r for r in report if r["abnormal"]]
     for r in abnormal:
