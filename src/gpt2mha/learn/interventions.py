@@ -109,6 +109,14 @@ def logit_diff(answer: int, wrong: int | None = None, pos: int = -1) -> Callable
     return metric
 
 
+#: Smallest ``|clean - corrupt|`` (the metric's units: a logit difference or a log-probability, both
+#: in nats) for which :meth:`Patching.normalized` is worth reading: a corruption that moves the
+#: answer's odds by less than a factor e leaves a gap that the incidental effect of patching
+#: almost anything is a sizeable share of, so shares far outside [0, 1] appear (clean 3.529,
+#: corrupt 3.642 gave 1.57).
+MIN_METRIC_GAP = 1.0
+
+
 class Patching(NamedTuple):
     """What :func:`patch` returns.
 
@@ -135,6 +143,16 @@ class Patching(NamedTuple):
         if self.clean == self.corrupt:
             raise ValueError(f"the clean and corrupted runs give the same metric ({self.clean}); nothing to normalise")
         return (self.values - self.corrupt) / (self.clean - self.corrupt)
+
+    def normalization_warning(self, min_gap: float = MIN_METRIC_GAP) -> str | None:
+        """Why :meth:`normalized` means little here, or None: the clean and corrupted metrics
+        differ by less than ``min_gap`` (:data:`MIN_METRIC_GAP`)."""
+        gap = abs(self.clean - self.corrupt)
+        if gap >= min_gap:
+            return None
+        return (f"the clean and corrupted metrics differ by only {gap:.3g} ({self.clean:.4g} vs {self.corrupt:.4g}; "
+                f"less than {min_gap:g}), so the restored share divides by a near-zero gap and means little: read "
+                f"the raw values, or choose a CORRUPT prompt that moves the answer more")
 
 
 def _kind(hook_name: str) -> tuple[str, list[int] | None]:
