@@ -1,5 +1,6 @@
 """The gpt2mha command, run as a new user would (subprocess, offline)."""
 
+import io
 import json
 import os
 import subprocess
@@ -41,8 +42,8 @@ def test_generate_subprocess_offline_is_reproducible(byte_model):
 
 def test_generate_greedy_and_bad_arguments(byte_model, capsys):
     assert main(["generate", "ab", "--model", byte_model, "--max-new-tokens", "5", "--temperature", "0"]) == 0
-    for bad, needle in [(["--top-p", "0"], "top_p=0.0"), (["--top-k", "-1"], "top_k=-1"),
-                        (["--temperature", "-1"], "temperature=-1.0"), (["--max-new-tokens", "100"], "n_ctx=64"),
+    for bad, needle in [(["--top-p", "0"], "--top-p=0.0"), (["--top-k", "-1"], "--top-k=-1"),
+                        (["--temperature", "-1"], "--temperature=-1.0"), (["--max-new-tokens", "100"], "n_ctx=64"),
                         (["--max-new-tokens", "-5"], "--max-new-tokens=-5 must be >= 0")]:
         assert main(["generate", "ab", "--model", byte_model, *bad]) == 2
         assert needle in capsys.readouterr().err
@@ -184,6 +185,162 @@ def test_flag_conflicts_are_found_before_torchrun_and_said_once(capsys, monkeypa
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--no-such-flag"])
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+#: One command line per cheap check of each command (ranges, files that must exist, empty
+#: prompts, flags that do not go together) and what its error says. {missing}: no such file;
+#: {file}: a text file; {dir}: a directory that does not exist yet; {full}: a non-empty one.
+BAD_LINES = [
+    (["generate", "hi", "--top-p", "2"], "--top-p=2.0 must be a number in (0, 1]"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature=-1.0 must be a number >= 0"),
+    (["generate", "hi", "--presence-penalty", "3"], "--presence-penalty=3.0 must be a number in [-2, 2]"),
+    (["generate", "hi", "--num-samples", "0"], "--num-samples=0 must be >= 1"),
+    (["generate", ""], "PROMPT is empty"),
+    (["generate", "-f", "{missing}"], "--prompt-file: FILE='{missing}': No such file or directory"),
+    (["generate", "hi", "--quantize", "int4", "--group-size", "48"], "--group-size: group_size=48: int4 needs one of"),
+    (["generate", "hi", "--quantize", "int8", "--calibration", "{missing}"], "--calibration: FILE='{missing}'"),
+    (["generate", "hi", "--quantize", "int8", "--activations", "per_block"], "does not apply to --quantize int8"),
+    (["perplexity", "{missing}"], "FILE='{missing}': No such file or directory"),
+    (["perplexity", "{file}", "--stride", "0"], "--stride=0 must be >= 1"),
+    (["train", "--data", "{missing}", "--out", "{dir}"], "--data '{missing}' does not exist"),
+    (["train", "--data", "{file}", "--out", "{dir}", "--lr", "0"], "--lr=0.0 must be > 0"),
+    (["train", "--data", "{file}", "--out", "{dir}", "--iters", "0"], "--iters=0 must be >= 1"),
+    (["train", "--data", "{file}", "--out", "{file}"], "--out '{file}' is a file"),
+    (["train", "--data", "{file}", "--out", "{dir}", "--resume"], "--resume: no checkpoint in '{dir}'"),
+    (["train", "--data", "{file}", "--out", "{dir}", "--resume", "--init-from", "x"], "use one of them"),
+    (["trace", "--tokens", "0"], "--tokens=0 must be >= 1"),
+    (["heads", "", "--out", "{dir}"], "PROMPT is empty"),
+    (["heads", "ab", "--top", "0", "--out", "{dir}"], "--top=0 must be >= 1"),
+    (["heads", "ab", "--out", "{file}"], "--out '{file}' is a file"),
+    (["ablate", "ab", "--heads", "0.1", "--top", "0"], "--top=0 must be >= 1"),
+    (["ablate", "", "--heads", "0.1"], "PROMPT is empty"),
+    (["ablate", "ab", "--heads", "0-1"], "--heads: head '0-1' is not layer.head"),
+    (["patch", "", "ab", "--answer", "x", "--wrong", "y", "--out", "{dir}"], "CLEAN is empty"),
+    (["patch", "ab", "ac", "--answer", "x", "--out", "{dir}"], "--metric logit-diff needs --wrong"),
+    (["patch", "ab", "ac", "--answer", "", "--metric", "logprob", "--out", "{dir}"], "--answer '' is empty"),
+    (["lens", "ab", "--columns", "0", "--out", "{dir}"], "--columns=0 must be >= 1"),
+    (["lens", "", "--out", "{dir}"], "PROMPT is empty"),
+    (["check", "x.py:A", "--tokens", "0"], "--tokens=0 must be >= 1\nresult: COULD NOT RUN (exit 2)"),
+    (["check-model", "x", "--atol", "-1"], "--atol=-1.0 must be a finite number >= 0"),
+    (["convert", "shakespeare-byte", "{full}"], "{full} is not empty; refusing to overwrite it"),
+    (["convert", "shakespeare-byte", "{dir}", "--group-size", "32"], "--group-size=32 applies only to --quantize int4"),
+    (["bench", "--only", "nope"], "--only: unknown section(s) ['nope']"),
+    (["bench", "--text", "{missing}"], "--text='{missing}': No such file or directory"),
+    (["serve", "--quantize", "int8", "--calibration", "{missing}"], "--calibration: FILE='{missing}'"),
+]
+
+#: Runs ``main`` on each command line given as JSON in argv[1] in this fresh interpreter and
+#: prints, as JSON, each exit code and stderr, and whether torch was imported.
+BAD_LINES_PROBE = """
+import contextlib, io, json, sys
+from gpt2mha.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except BaseException as e:
+            code = repr(e)
+    results.append([code, err.getvalue()])
+print(json.dumps({"results": results, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_every_commands_cheap_checks_come_before_torch_is_imported(tmp_path):
+    """A bad range, a missing file or an empty prompt is an error (exit 2, the flag named) found
+    from the command line alone: in a fresh interpreter, torch is never imported (importing it
+    takes 2 s on an idle machine, up to 20 on a busy one)."""
+    text, full = tmp_path / "t.txt", tmp_path / "full"
+    text.write_text("some text\n")
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    paths = {"missing": str(tmp_path / "missing.txt"), "file": str(text), "dir": str(tmp_path / "new"),
+             "full": str(full)}
+    lines = [[arg.format(**paths) for arg in argv] for argv, _ in BAD_LINES]
+    out = subprocess.run([sys.executable, "-c", BAD_LINES_PROBE, json.dumps(lines)], capture_output=True, text=True,
+                         env=OFFLINE, timeout=300)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for (argv, needle), (code, err) in zip(BAD_LINES, got["results"]):
+        assert code == 2 and needle.format(**paths) in err, (argv, code, err)
+        assert err.startswith("error: ") and "Traceback" not in err, (argv, err)
+    assert got["torch"] is False
+    assert not os.path.exists(paths["dir"]) and (full / "keep.txt").read_text() == "mine"
+
+
+COMPILE_PROBE = """
+import sys
+from gpt2mha.cli import main
+code = main(["generate", "hi", "--compile", "--max-new-tokens", "2"])
+print("torch" in sys.modules, code)
+"""
+
+
+def test_compile_without_a_compiler_is_one_line_before_any_work(tmp_path):
+    """``--compile`` where inductor would find no C++ compiler ($CXX unset and no g++ on PATH, or
+    $CXX not a program): one line naming it, exit 2, before torch is imported; a program
+    answering ``--version`` (inductor's own test) passes the check."""
+    from gpt2mha.cli.checks import cxx_compiler
+
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {k: v for k, v in OFFLINE.items() if k != "CXX"}
+    for extra in ({"PATH": str(empty)}, {"CXX": str(tmp_path / "no-such-g++")}):
+        out = subprocess.run([sys.executable, "-c", COMPILE_PROBE], capture_output=True, text=True,
+                             env={**env, **extra}, timeout=300)
+        assert out.stdout.split() == ["False", "2"], out
+        assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith("error: --compile needs a C++ compiler")
+    fake = tmp_path / "fake-cxx"
+    fake.write_text("#!/bin/sh\necho fake 1.0\n")
+    fake.chmod(0o755)
+    old = os.environ.get("CXX")
+    os.environ["CXX"] = str(fake)
+    try:
+        assert cxx_compiler() == str(fake)
+        os.environ["CXX"] = str(tmp_path / "no-such-g++")
+        assert cxx_compiler() is None
+    finally:
+        os.environ.pop("CXX") if old is None else os.environ.__setitem__("CXX", old)
+
+
+def test_the_clis_copies_of_library_constants_agree():
+    """The checks run without torch on copies of the library's ranges: they must stay equal."""
+    from gpt2mha.cli import checks, common
+    from gpt2mha.inference.quant import INT4_GROUP_SIZES
+    from gpt2mha.inference.quant.linear import SCHEME_ACTIVATIONS
+    from gpt2mha.inference.sampling import MAX_PENALTY
+
+    assert common.INT4_GROUP_SIZES == INT4_GROUP_SIZES and common.SCHEME_ACTIVATIONS == SCHEME_ACTIVATIONS
+    assert checks.MAX_PENALTY == MAX_PENALTY
+
+
+class FakeTerminal(io.StringIO):
+    """A stderr that says it is a terminal, so that progress bars draw on it."""
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_long_commands_show_a_progress_bar_on_a_terminal_unless_quiet(byte_model, tmp_path, capsys, monkeypatch,
+                                                                     quiet):
+    """perplexity (its windows), quantizing (each tensor, for generate and convert) draw a tqdm
+    bar on stderr when it is a terminal; --quiet and a stderr that is not a terminal get none."""
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 4)
+    runs = [(["perplexity", str(text), "--model", byte_model, "--stride", "16"], "perplexity:"),
+            (["generate", "ab", "--model", byte_model, "--max-new-tokens", "2", "--quantize", "int8",
+              "--quantize-method", "rtn"], "quantize int8 (rtn):"),
+            (["convert", byte_model, str(tmp_path / "q"), "--quantize", "int4", "--quantize-method", "rtn"],
+             "quantize int4 (rtn):")]
+    for argv, bar in runs:
+        terminal = FakeTerminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert main([*argv, *(["--quiet"] if quiet else [])]) == 0
+        monkeypatch.undo()
+        assert (bar in terminal.getvalue()) != quiet, (argv, terminal.getvalue())
+        assert main([*argv, "--overwrite"] if argv[0] == "convert" else argv) == 0
+        assert bar not in capsys.readouterr().err                            # not a terminal: no bar
 
 
 # ---------------------------------------------------------------------- messages for odd input

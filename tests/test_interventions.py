@@ -205,3 +205,87 @@ def test_patch_and_lens_commands_write_pictures_and_json(byte_model, tmp_path, c
     from gpt2mha.io.tokenizer import tokenizer_for
     from gpt2mha.learn.heads import token_labels
     assert [row[0] for row in saved["top"][-1]] == token_labels(tokenizer_for(model.config), top_final.tolist())
+
+
+def test_ablate_top_and_lens_columns_out_of_range_are_usage_errors(byte_model, tmp_path, capsys):
+    """``ablate --top 0``, ``--top`` beyond the vocabulary and ``lens --columns 0`` are errors
+    naming the flag (exit 2), as ``lens --top 0`` is, not a traceback or an empty table."""
+    for argv, says in [(["ablate", "To be", "--heads", "0.1", "--top", "0"], "--top=0 must be >= 1"),
+                       (["ablate", "To be", "--heads", "0.1", "--top", "100000"],
+                        "--top=100000 must be at most the model's vocabulary, n_vocab=256"),
+                       (["lens", "To be", "--columns", "0", "--out", str(tmp_path / "l")], "--columns=0 must be >= 1"),
+                       (["lens", "To be", "--columns", "-3", "--out", str(tmp_path / "l")], "--columns=-3 must be >= 1"),
+                       (["lens", "To be", "--top", "0", "--out", str(tmp_path / "l")], "--top=0 must be >= 1")]:
+        assert main([*argv, "--model", byte_model]) == 2, argv
+        captured = capsys.readouterr()
+        assert says in captured.err and captured.out == "", argv
+    assert main(["ablate", "To be", "--heads", "0.1", "--top", "256", "--model", byte_model]) == 0  # the whole vocabulary
+
+
+def test_patch_warns_when_clean_and_corrupt_metrics_are_too_close_to_normalise(byte_model, tmp_path, capsys):
+    """The restored share divides by clean - corrupt: below MIN_METRIC_GAP (1 nat) the command
+    says so on stderr, in patch.json and in the picture's title; a gap of 1 or more does not."""
+    p = iv.Patching(torch.tensor([[3.6]]), ("layer", "head"), clean=3.529, corrupt=3.642, hook="z")
+    assert p.normalized().item() == pytest.approx(0.372, abs=1e-3)
+    assert "differ by only 0.113" in p.normalization_warning()
+    assert iv.Patching(torch.tensor([[1.0]]), ("layer", "head"), 3.0, 2.0, "z").normalization_warning() is None
+    assert iv.MIN_METRIC_GAP == 1.0
+    out = tmp_path / "p"
+    assert main(["patch", "ab cd", "ab ce", "--answer", "x", "--wrong", "y", "--model", byte_model,
+                 "--out", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert abs(printed["clean"] - printed["corrupt"]) < 1                   # random weights: a small gap
+    assert printed["warning"] and "differ by only" in printed["warning"]
+    assert captured.err.startswith("warning: the clean and corrupted metrics differ by only")
+
+
+@pytest.mark.parametrize("layers,cols", [(6, 6), (12, 12), (48, 25)])
+def test_pictures_fit_their_titles_and_labels_at_a_readable_size(layers, cols):
+    """patch.png and lens.png at 6 x 6, 12 x 12 and 48 x 25: every text drawn (the two-line title,
+    tick labels, axis and colour-bar labels) lies inside the canvas and is at least MIN_FONT_PX
+    (11) pixels tall; the lens of a long prompt grows downwards, not into a wide strip."""
+    from matplotlib.text import Text
+
+    from gpt2mha.learn import intervention_plots as plots
+
+    title = ("patching z: logit-diff, answer 'x' vs 'y'\n1 = the patch restores the clean run, 0 = no effect\n"
+             "unreliable: clean and corrupt differ by 0.113")
+    heat = plots.heatmap_figure(torch.randn(layers, cols), [str(i) for i in range(layers)],
+                                [str(i) for i in range(cols)], title, "head", "layer", "restored share")
+    names = [f"{i}_pre" for i in range(layers)] + ["final_post"]
+    lens = plots.lens_figure(torch.rand(layers + 1, cols), [[f"tok{r}_{t}" for t in range(cols)] for r in names],
+                             names, [f"{t}:w{t}" for t in range(cols)],
+                             f"logit lens: top token of the residual stream through ln_f and the head ({cols} tokens)")
+    for fig, heading in ((heat, title), (lens, f"logit lens: top token of the residual stream through ln_f and the "
+                                                f"head ({cols} tokens)")):
+        fig.canvas.draw()
+        renderer, canvas = fig.canvas.get_renderer(), fig.bbox
+        tight = fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans)    # everything drawn, in pixels
+        assert tight.x0 >= 0 and tight.y0 >= 0 and tight.x1 <= canvas.x1 and tight.y1 <= canvas.y1, tight
+        main_axes = fig.axes[0]
+        [shown_title] = [t for t in fig.findobj(Text) if t.get_text() == heading]
+        texts = [shown_title, main_axes.xaxis.label, main_axes.yaxis.label, fig.axes[1].yaxis.label,
+                 *main_axes.get_xticklabels(), *main_axes.get_yticklabels()]
+        for t in texts:
+            box = t.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= canvas.x1 and box.y1 <= canvas.y1, t.get_text()
+        for t in fig.findobj(Text):
+            if t.get_visible() and t.get_text():
+                assert t.get_fontsize() * fig.dpi / 72 >= plots.MIN_FONT_PX, (t.get_text(), t.get_fontsize())
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+
+
+def test_lens_picture_of_a_long_prompt_runs_down_with_readable_cells(tmp_path):
+    """The built-in model's 6 layers over 47 tokens (lens.png was 2274 x 250 px): a row per
+    position, so the picture is taller than wide, every row at least 18 px."""
+    from PIL import Image
+
+    from gpt2mha.learn import intervention_plots as plots
+
+    names = [f"{i}_pre" for i in range(6)] + ["final_post"]
+    size = plots.lens_picture(str(tmp_path / "lens.png"), torch.rand(7, 47), [["e"] * 47 for _ in names], names,
+                              [f"{t}:e" for t in range(47)], "logit lens (47 tokens)")
+    assert Image.open(tmp_path / "lens.png").size == size
+    assert size[1] > size[0] and size[1] >= 47 * 18 and size[0] < 1000, size

@@ -1,8 +1,11 @@
 """The trainer on the-verdict.txt (copied into tests/data): loss goes down, checkpoints load in
 gpt2mha and in transformers with equal logits, --resume continues, bad input is refused."""
 
+import io
 import json
 import os
+import re
+import sys
 
 import pytest
 import torch
@@ -268,3 +271,42 @@ def test_val_split_of_a_multibyte_file_is_scored_and_matches_the_trainers(tmp_pa
     assert len(train) == 1802 and read_text(str(path), "val") == "é" * 100
     assert main(["perplexity", str(path), "--split", "val", "--json"]) == 0
     assert '"bytes": 200' in capsys.readouterr().out
+
+
+def test_resume_with_no_steps_left_says_there_is_nothing_to_do(tmp_path, capsys):
+    """``--resume`` of a run already at --iters trains nothing and says so, without the earlier
+    run's loss and seconds presented as this run's ("done: … 71 s")."""
+    out = str(tmp_path / "run")
+    assert main(tiny_args(out, 20)) == 0
+    assert "done: step 20" in capsys.readouterr().out
+    before = open(os.path.join(out, "model.safetensors"), "rb").read()
+    assert main(["train", "--data", VERDICT, "--out", out, "--resume"]) == 0
+    assert capsys.readouterr().out == (f"nothing to do: the checkpoint in {out} is at step 20 and --iters is 20; "
+                                       f"pass a larger --iters to train on\n")
+    assert open(os.path.join(out, "model.safetensors"), "rb").read() == before
+    log = train(VERDICT, out, tc={"iters": 20}, resume=True, progress=False)
+    assert log["steps_run"] == 0 and [e["step"] for e in log["evals"]] == [20]
+
+
+class FakeTerminal(io.StringIO):
+    """A stderr that says it is a terminal, so that progress bars draw on it."""
+
+    def isatty(self):
+        return True
+
+
+def test_train_bar_shows_on_a_terminal_unless_quiet(tmp_path, capsys, monkeypatch):
+    """The training bar is drawn on stderr when it is a terminal, not with --quiet, not in a pipe
+    or log (tqdm used to write it to any stderr); the evaluations are printed either way."""
+    runs = {}
+    for name, flags, stderr in (("tty", [], FakeTerminal()), ("quiet", ["--quiet"], FakeTerminal()),
+                                ("pipe", [], None)):
+        if stderr is not None:
+            monkeypatch.setattr(sys, "stderr", stderr)
+        assert main(tiny_args(str(tmp_path / name), 20) + flags) == 0
+        monkeypatch.undo()
+        captured = capsys.readouterr()
+        runs[name] = (stderr.getvalue() if stderr is not None else captured.err, captured.out)
+    assert re.search(r"train:.*\b20/20\b", runs["tty"][0]), runs["tty"][0]
+    assert "train:" not in runs["quiet"][0] and "train:" not in runs["pipe"][0]
+    assert all("step 20: train loss" in out for _, out in runs.values())

@@ -1,8 +1,9 @@
 """The ``gpt2mha`` command: a thin argparse layer over the Python API.
 
 Building the parser imports nothing heavy (no torch): each command imports what it uses when it
-runs. :mod:`.common` holds what the commands share, :mod:`.generation` the commands that run the
-model, :mod:`.tools` the others.
+runs. :mod:`.common` holds what the commands share, :mod:`.checks` what each command's line alone
+decides (checked before torch is imported), :mod:`.generation` the commands that run the model,
+:mod:`.tools` the others.
 """
 
 from __future__ import annotations
@@ -32,15 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``gpt2mha`` command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     args = build_parser().parse_args(argv)
-    from ..train.distributed import launched
-    try:                                      # what the command line alone decides: before torchrun's
-        if getattr(args, "check", None):      # process group, and said once (by rank 0), as argparse does
-            args.check(args)
+    try:                                      # what the command line alone decides: before torch is
+        if getattr(args, "check", None):      # imported and torchrun's process group joined, and said
+            args.check(args)                  # once (by rank 0), as argparse does (cli/checks.py)
     except ValueError as e:
         if is_rank0():
             print(f"error: {e}", file=sys.stderr)
         return 2
+    from ..train.distributed import launched
     try:
         with launched(args.command):          # joins torchrun's process group for generate/train/perplexity
             return args.func(args)

@@ -11,6 +11,11 @@ import sys
 #: ``gpt2mha serve --max-body-bytes`` default (:data:`gpt2mha.serving.server.DEFAULT_MAX_BODY_BYTES`,
 #: repeated here so the parser does not import FastAPI).
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+#: int4's group sizes (:data:`gpt2mha.inference.quant.INT4_GROUP_SIZES`) and the activations each
+#: scheme takes (:data:`gpt2mha.inference.quant.linear.SCHEME_ACTIVATIONS`), repeated here so that
+#: the flags are checked before torch is imported (tests/test_cli.py checks they agree).
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+SCHEME_ACTIVATIONS = {"int8": ("exact", "per_row", "auto"), "int4": ("exact", "per_block")}
 
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -80,6 +85,12 @@ def load_model(name: str | None, dtype: str = "float32"):
     return GPT2.from_pretrained(name, dtype=getattr(torch, DTYPES[dtype]))
 
 
+def quiet_arg(p: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress bar (one is shown on stderr only when it is a terminal)."""
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bar on stderr (shown only when stderr is a terminal)")
+
+
 def batch_invariant_arg(p: argparse.ArgumentParser) -> None:
     """``--batch-invariant`` / ``--no-batch-invariant`` (default: on unless the weights are float32)."""
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
@@ -118,24 +129,23 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_quantize_args(args) -> None:
-    """The quantization flags must go together (raises ValueError naming them)."""
+    """The quantization flags must go together, and ``--calibration`` must be a readable file
+    (raises ValueError naming them). Imports no torch: it runs before the command does."""
     if args.group_size is not None and args.quantize != "int4":
         raise ValueError(f"--group-size={args.group_size} applies only to --quantize int4")
-    if args.group_size is not None:                             # before the model loads (n_embd is checked then)
-        from ..inference.quant.schemes import check_scheme
-        try:
-            check_scheme("int4", args.group_size)
-        except ValueError as e:
-            raise ValueError(f"--group-size: {e}") from None
+    if args.group_size is not None and args.group_size not in INT4_GROUP_SIZES:   # n_embd is checked on loading
+        raise ValueError(f"--group-size: group_size={args.group_size}: int4 needs one of {INT4_GROUP_SIZES} (the "
+                         f"CPU kernel's sizes)")
     if args.calibration is not None and (args.quantize is None or args.quantize_method == "rtn"):
         raise ValueError(f"--calibration {args.calibration}: calibration text is read only by "
                          f"--quantize int8|int4 with --quantize-method gptq")
+    if args.calibration is not None:
+        readable_file(args.calibration, "--calibration: FILE")
     if args.quantize_head == "int4" and args.quantize not in (None, "int4"):
         raise ValueError(f"--quantize-head int4 needs --quantize int4 (the head takes the blocks' groups); got "
                          f"--quantize {args.quantize}")
     if args.quantize_method is not None and args.quantize is None:
         raise ValueError(f"--quantize-method {args.quantize_method} applies only with --quantize int8|int4")
-    from ..inference.quant.linear import SCHEME_ACTIVATIONS
     activations = getattr(args, "activations", None)
     if activations is not None and args.quantize is not None and activations not in SCHEME_ACTIVATIONS[args.quantize]:
         raise ValueError(f"--activations {activations} does not apply to --quantize {args.quantize}, which takes "
@@ -146,7 +156,8 @@ def quantized(model, args):
     """``model`` quantized as ``--quantize``/``--group-size``/``--quantize-method`` ask. A model
     loaded quantized is used as saved: each of those flags given must match what it was saved
     with, and ``--calibration`` is refused (nothing is re-quantized); the error names both sides.
-    Abnormal tensors are reported on stderr (a QuantizationWarning)."""
+    Abnormal tensors are reported on stderr (a QuantizationWarning); a progress bar shows there,
+    on a terminal, unless ``--quiet``."""
     check_quantize_args(args)
     activations = getattr(args, "activations", None)
     if args.quantize is None:
@@ -162,7 +173,6 @@ def quantized(model, args):
         if activations is None:
             return model
         if not getattr(model, "quantization", None):
-            from ..inference.quant.linear import SCHEME_ACTIVATIONS
             schemes = " or ".join(k for k, v in SCHEME_ACTIVATIONS.items() if activations in v)
             raise ValueError(f"--activations {activations} applies to quantized models: add --quantize {schemes}, "
                              f"or load a model saved {schemes}")
@@ -189,7 +199,8 @@ def quantized(model, args):
         except ValueError as e:
             raise ValueError(f"--calibration: {e}") from None
     method = args.quantize_method or "gptq"
-    if method == "gptq":
+    quiet = getattr(args, "quiet", False)
+    if method == "gptq" and not quiet:
         source = args.calibration or "the packaged calibration text"
         print(f"quantizing to {args.quantize} with GPTQ on {source} (seconds to minutes: int8 takes longer than "
               f"int4, and a busy CPU longer still; convert --quantize saves the result, --quantize-method rtn is "
@@ -198,7 +209,7 @@ def quantized(model, args):
 
     try:
         return quantize_model(model, args.quantize, args.group_size, method, calibration, activations or "exact",
-                              args.quantize_head or "int8")
+                              args.quantize_head or "int8", progress=not quiet)
     except ValueError as e:                                      # name the flag the value came from
         message = str(e)
         if message.startswith("calibration") and args.calibration is not None:
@@ -219,6 +230,16 @@ def _set_activations(model, activations: str):
     return model
 
 
+def readable_file(path: str, name: str = "FILE") -> None:
+    """Raises ValueError (``NAME='path': No such file or directory``, or why else it cannot be
+    read) unless ``path`` is a file this process can open; reads nothing."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{name}={path!r}: {e.strerror}") from None
+
+
 def read_text(path: str, split: str = "all") -> str:
     """A file's exact text (no newline translation), or the trainer's ``train``/``val`` part of
     it (first 90% / last 10% of the bytes). Raises ValueError naming FILE."""
@@ -227,9 +248,9 @@ def read_text(path: str, split: str = "all") -> str:
             data = f.read()
     except OSError as e:
         raise ValueError(f"FILE={path!r}: {e.strerror}") from None
-    from ..train.train import split_bytes
     raw = data
     if split != "all":
+        from ..train.train import split_bytes                   # (torch: not for a prompt file's checks)
         data = split_bytes(data)[split == "val"]
     try:
         return data.decode("utf-8")

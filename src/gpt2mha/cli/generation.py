@@ -6,22 +6,16 @@ import json
 import re
 import sys
 
+from .checks import check_compile, check_perplexity_args, check_sampling, check_train_args
 from .common import (batch_invariant_arg, DTYPES, DefaultsHelpFormatter, check_quantize_args, load_model, model_arg, quantize_args, quantized,
-                     read_text)
+                     quiet_arg, read_text)
 
 
 def check_generate_args(args) -> None:
     """What ``generate``'s command line alone decides (raises ValueError naming the flags); run
-    before any process group is joined, so under torchrun it is reported once, by rank 0."""
-    from ..core import checks
-
-    checks.sampling(args.temperature, args.top_k, args.top_p)
-    try:
-        checks.sampling(0.0, 0, 1.0, args.min_p)
-    except ValueError:
-        raise ValueError(f"--min-p={args.min_p} must be a number in [0, 1] (0: off)") from None
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    before torch is imported and before any process group is joined, so under torchrun it is
+    reported once, by rank 0."""
+    check_sampling(args)
     check_adjust_args(args)
     if args.prompt_file is not None:
         if args.prompt:
@@ -29,8 +23,6 @@ def check_generate_args(args) -> None:
                              f"or the flag")
         args.prompt = [read_prompt_file(args.prompt_file)]
     prompts = args.prompt
-    if args.num_samples < 1:
-        raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
     if args.unconditional and prompts:
         raise ValueError(f"--unconditional starts from <|endoftext|> alone; drop the PROMPT ({prompts[0]!r}) or "
                          f"the flag")
@@ -40,27 +32,17 @@ def check_generate_args(args) -> None:
         which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else \
             f"--prompt-file {args.prompt_file}" if args.prompt_file is not None else "PROMPT"
         raise ValueError(f"{which} is empty; give at least one character to continue")
-    if args.seed is not None and not 0 <= args.seed < 2**63:
-        raise ValueError(f"--seed={args.seed} must be an integer in [0, 2**63)")
-    if args.tp < 1:
-        raise ValueError(f"--tp {args.tp} must be a positive integer")
     if args.quantize and args.tp > 1:
         raise ValueError(f"--quantize {args.quantize} with --tp {args.tp}: tensor parallelism shards float weights; "
                          f"quantized models run in one process")
     check_quantize_args(args)
+    check_compile(args)
 
 
 def check_adjust_args(args) -> None:
-    """``--presence-penalty``, ``--frequency-penalty`` and ``--logit-bias`` (a JSON object, as a
-    request's ``logit_bias``): parsed into ``args.logit_bias`` as a dict; raises ValueError
-    naming the flag. Token ids are checked against the vocabulary by ``generate``."""
-    from ..inference.sampling import check_penalty
-
-    for flag in ("presence_penalty", "frequency_penalty"):
-        try:
-            check_penalty(getattr(args, flag), flag)
-        except ValueError as e:
-            raise ValueError(str(e).replace(flag, "--" + flag.replace("_", "-"), 1)) from None
+    """``--logit-bias`` (a JSON object, as a request's ``logit_bias``): parsed into
+    ``args.logit_bias`` as a dict; raises ValueError naming the flag. Token ids and biases are
+    checked against the vocabulary by ``generate`` (the penalties' ranges by :func:`check_sampling`)."""
     if isinstance(args.logit_bias, str):
         try:
             bias = json.loads(args.logit_bias)
@@ -187,7 +169,8 @@ def cmd_perplexity(args) -> int:
 
     text = read_text(args.file, args.split)
     model = quantized(load_model(args.model, args.dtype), args).to(distributed.info().device)
-    result = distributed.perplexity(model, text, stride=args.stride)   # windows split over torchrun's ranks
+    result = distributed.perplexity(model, text, stride=args.stride,   # windows split over torchrun's ranks
+                                    progress=not args.quiet)
     if not distributed.info().is_main:
         return 0
     if args.json:
@@ -215,14 +198,9 @@ def cmd_train(args) -> int:
     from it), ``--init-from`` from the model it loads."""
     from ..train.train import train
 
-    if args.resume and args.init_from is not None:
-        raise ValueError(f"--init-from {args.init_from} starts a new run from a model's weights; --resume continues "
-                         f"the checkpoint in --out: use one of them")
     model = {k: getattr(args, k) for k in TRAIN_MODEL_FLAGS if getattr(args, k) is not None}
     if model.get("resid_pdrop") is not None:
         model["embd_pdrop"] = model["resid_pdrop"]                   # --resid-pdrop covers the embeddings too
-    if args.init_from is not None and args.preset is not None:
-        raise ValueError(f"--preset {args.preset}: the model comes from --init-from {args.init_from}; drop --preset")
     if args.init_from is not None or (args.resume and args.preset is None):
         config = model or None                                       # checked against that model by train()
     else:                                                            # a new run; or --resume with the same preset
@@ -235,7 +213,7 @@ def cmd_train(args) -> int:
     settings = {k: getattr(args, k) for k in TRAIN_SETTINGS if getattr(args, k) is not None}
     try:
         log = train(args.data, args.out, config, settings, resume=args.resume,     # DDP under torchrun
-                    init_from=args.init_from)
+                    init_from=args.init_from, progress=not args.quiet)
     except ValueError as e:                                          # name the flags the fields came from
 
         flags = {**TRAIN_MODEL_FLAGS, **{k: "--" + k.replace("_", "-") for k in (*TRAIN_SETTINGS, "init_from")}}
@@ -243,7 +221,12 @@ def cmd_train(args) -> int:
         message = re.sub(r"\b(%s)=" % "|".join(flags), lambda m: flags[m.group(1)] + "=", str(e)) if flags else str(e)
         raise ValueError(f"--preset {args.preset}: {message}" if args.resume and args.preset else message) from None
     from ..train.distributed import info
-    if log["evals"] and info().is_main:
+    if not info().is_main:
+        return 0
+    if log["steps_run"] == 0:                                        # a resumed run already at --iters
+        print(f"nothing to do: the checkpoint in {args.out} is at step {log['evals'][-1]['step']} and --iters is "
+              f"{log['train_config']['iters']}; pass a larger --iters to train on")
+    elif log["evals"]:
         last = log["evals"][-1]
         print(f"done: step {last['step']}, val loss {last['val_loss']:.4f} nats/token, "
               f"{log['seconds']:.0f} s; checkpoint in {args.out}")
@@ -300,6 +283,7 @@ def add_commands(sub) -> None:
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: split the heads over this many processes "
                         "(torchrun --nproc-per-node N -m gpt2mha generate ... --tp N; README 'Scaling out')")
+    quiet_arg(g)
     quantize_args(g)
     g.set_defaults(func=cmd_generate, check=check_generate_args)
 
@@ -314,8 +298,9 @@ def add_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights' dtype, as for generate (the logits and the loss stay float32)")
+    quiet_arg(p)
     quantize_args(p)
-    p.set_defaults(func=cmd_perplexity, check=check_quantize_args)
+    p.set_defaults(func=cmd_perplexity, check=check_perplexity_args)
 
     t = sub.add_parser("train", help="train a GPT-2 on a text file (first 90%% train, last 10%% validation)")
     t.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file")
@@ -346,4 +331,5 @@ def add_commands(sub) -> None:
                    help="fine-tune: start a new run at step 0, with its own optimizer, from MODEL's weights (any "
                         "--model value: built-in name, directory, hub id, nanoGPT ckpt.pt, ...); the data is read "
                         "with MODEL's tokenizer; only dropout may differ from MODEL's config")
-    t.set_defaults(func=cmd_train)
+    quiet_arg(t)
+    t.set_defaults(func=cmd_train, check=check_train_args)

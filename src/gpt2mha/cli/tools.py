@@ -1,5 +1,5 @@
-"""The other commands: ``trace``, ``heads``, ``ablate``, ``patch``, ``lens``, ``check``, ``check-model``, ``convert``,
-``bench``, ``serve``."""
+"""The other commands: ``trace``, ``heads``, ``check``, ``check-model``, ``convert``, ``bench``, ``serve``
+(``ablate``, ``patch`` and ``lens`` are in :mod:`.interventions`)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,16 @@ import json
 import os
 import sys
 
+from .checks import (check_bench_args, check_check_args, check_check_model_args, check_convert_args,
+                     check_heads_args, check_trace_args)
 from .common import (batch_invariant_arg, DEFAULT_MAX_BODY_BYTES, DTYPES, DefaultsHelpFormatter, check_quantize_args, json_arg, load_model,
-                     model_arg, number, quantize_args, quantized)
-
-
-#: The largest size trace accepts for any one axis (it builds meta tensors, but their element
-#: counts must still fit in int64).
-TRACE_MAX_SIZE = 2**20
+                     model_arg, number, quantize_args, quantized, quiet_arg)
+from .interventions import add_intervene_commands
 
 
 def cmd_trace(args) -> int:
     from ..learn.trace import format_trace, trace
 
-    for flag in ("batch", "tokens", "d_in", "d_out", "num_heads", "context_length", "past"):
-        value = getattr(args, flag)
-        if value is not None and value > TRACE_MAX_SIZE:
-            raise ValueError(f"--{flag.replace('_', '-')}={value} is too large for a trace; expected at most "
-                             f"{TRACE_MAX_SIZE:,}")
     tr = trace(args.layout, b=args.batch, T=args.tokens, d_in=args.d_in, d_out=args.d_out, num_heads=args.num_heads,
                context_length=args.context_length, past=args.past)
     print(json.dumps(tr.to_dict()) if args.json else format_trace(tr))
@@ -36,12 +29,7 @@ def cmd_heads(args) -> int:
                               strongest_heads, top_heads)
     from ..learn.heads_html import write_heads
 
-    if args.top < 1:
-        raise ValueError(f"--top {args.top} must be at least 1")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out!r} is a file; expected a directory to write the maps into "
-                         f"(it is created if missing)")
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype)                    # (--top, --out: check_heads_args)
     c = model.config
     check_selection(c.n_layer, c.n_head, args.layer, args.head)   # before the (slower) forward pass
     result = analyse_heads(model, args.prompt)
@@ -73,231 +61,11 @@ def cmd_heads(args) -> int:
     return 0
 
 
-def _prompt_ids(model, text: str, name: str, at_least: int = 1):
-    """``(tokenizer, ids [1, T])`` of a command-line prompt, checked against the model's context."""
-    import torch
-
-    from ..io.tokenizer import tokenizer_for
-
-    tok = tokenizer_for(model.config)
-    ids = tok.encode(text) if text else []
-    if len(ids) < at_least:
-        raise ValueError(f"{name} is {len(ids)} tokens; expected at least {at_least}")
-    if len(ids) > model.config.n_ctx:
-        raise ValueError(f"{name} is {len(ids)} tokens but the model's context is n_ctx={model.config.n_ctx}")
-    return tok, torch.tensor([ids], dtype=torch.long, device=model.wte.weight.device)
-
-
-def _label(tok, i: int) -> str:
-    from ..learn.heads import token_labels
-    return token_labels(tok, [i])[0]
-
-
-def cmd_ablate(args) -> int:
-    import torch
-
-    from ..learn.interventions import ablate_heads, next_token_shift, parse_heads
-
-    model = load_model(args.model, args.dtype).eval()
-    c = model.config
-    heads = parse_heads(args.heads, c.n_layer, c.n_head)        # before the forward passes
-    tok, idx = _prompt_ids(model, args.prompt, "PROMPT")
-    with torch.no_grad():
-        before = model(idx).logits[0, -1]
-        after = ablate_heads(model, idx, heads, mean=args.mean)[0, -1]
-    shift = next_token_shift(before, after, args.top)
-    mode = "mean (each head's mean output over the prompt's positions)" if args.mean else "zero"
-    for row in shift["tokens"]:
-        row["token"] = _label(tok, row["id"])
-    if args.json:
-        print(json.dumps({"heads": heads, "mode": "mean" if args.mean else "zero", **shift}))
-        return 0
-    print(f"{idx.shape[1]} tokens; ablated ({mode}): " + ", ".join(f"layer {l} head {h}" for l, h in heads))
-    print(f"{'next token':<14} {'before':>8} {'after':>8} {'change':>8}")
-    for row in shift["tokens"]:
-        print(f"{row['token']:<14} {row['before']:8.4f} {row['after']:8.4f} {row['after'] - row['before']:+8.4f}")
-    b, a = _label(tok, shift["top_before"][0]), _label(tok, shift["top_after"][0])
-    print(f"KL(before || after) = {shift['kl']:.4g} nats; largest logit change {shift['max_logit_change']:.4g}; "
-          f"top token {b!r} -> {a!r}")
-    return 0
-
-
-def _patch_metric(args, tok):
-    from ..learn.interventions import logit_diff
-
-    def first(text, flag):
-        ids = tok.encode(text) if text else []
-        if not ids:
-            raise ValueError(f"{flag} {text!r} is empty; give the token text the model should (not) predict")
-        return ids[0], len(ids)
-    if args.answer is None:
-        raise ValueError("--answer is required: the token the clean prompt should predict next")
-    answer, n = first(args.answer, "--answer")
-    wrong = None
-    if args.metric == "logit-diff":
-        if args.wrong is None:
-            raise ValueError("--metric logit-diff needs --wrong (the token the corrupted prompt predicts); "
-                             "or use --metric logprob")
-        wrong, _ = first(args.wrong, "--wrong")
-        if wrong == answer:
-            raise ValueError(f"--answer and --wrong start with the same token {_label(tok, answer)!r}; "
-                             f"the logit difference would be 0")
-    return logit_diff(answer, wrong), answer, wrong, n
-
-
-def cmd_patch(args) -> int:
-    from ..learn.heads import token_labels
-    from ..learn.intervention_plots import heatmap
-    from ..learn.interventions import patch
-
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out!r} is a file; expected a directory (created if missing)")
-    model = load_model(args.model, args.dtype).eval()
-    tok, clean = _prompt_ids(model, args.clean, "CLEAN")
-    _, corrupt = _prompt_ids(model, args.corrupt, "CORRUPT")
-    if clean.shape != corrupt.shape:
-        raise ValueError(f"CLEAN is {clean.shape[1]} tokens and CORRUPT is {corrupt.shape[1]}: activation patching "
-                         f"needs prompts of the same length (reword one)")
-    metric, answer, wrong, n_answer = _patch_metric(args, tok)
-    res = patch(model, clean, corrupt, args.hook, metric, per_position=args.per_position or None, last_only=True)
-    try:
-        shown, what = res.normalized(), "restored share"
-    except ValueError:
-        shown, what = res.values, f"{args.metric} (clean and corrupt runs are equal)"
-    grid = shown if shown.dim() == 2 else shown.sum(-1) if shown.dim() == 3 else shown[:, None]
-    cols = res.axes[1] if shown.dim() == 2 else "pos" if shown.dim() == 3 else "layer"
-    labels = token_labels(tok, clean[0].tolist())
-    col_labels = [str(i) for i in range(grid.shape[1])] if cols == "head" else \
-        [f"{i}:{t}" for i, t in enumerate(labels)] if cols == "pos" else ["all"]
-    title = (f"patching {res.hook}: {args.metric}, answer {_label(tok, answer)!r}"
-             + (f" vs {_label(tok, wrong)!r}" if wrong is not None else "") + ("; summed over heads" if shown.dim() == 3 else "")
-             + ("\n1 = the patch restores the clean run, 0 = no effect" if shown is not res.values else ""))
-    png = os.path.join(args.out, "patch.png")
-    heatmap(png, grid, [str(l) for l in range(grid.shape[0])], col_labels, title, cols, "layer", what)
-    out = {"hook": res.hook, "axes": list(res.axes), "metric": args.metric, "answer": _label(tok, answer),
-           "answer_tokens": n_answer, "wrong": None if wrong is None else _label(tok, wrong), "clean": res.clean,
-           "corrupt": res.corrupt, "values": res.values.tolist(), "normalized": shown.tolist() if shown is not res.values
-           else None, "tokens": labels, "png": png}
-    with open(os.path.join(args.out, "patch.json"), "w") as f:
-        json.dump(out, f)
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(f"{args.metric}: clean {res.clean:.4g}, corrupt {res.corrupt:.4g} (answer {_label(tok, answer)!r}"
-          + (f", its first of {n_answer} tokens" if n_answer > 1 else "") + ")")
-    flat = shown.flatten().argsort(descending=True)[:5].tolist()
-    print(f"largest effects ({what}" + (": (patched - corrupt) / (clean - corrupt)" if shown is not res.values else "")
-          + "):")
-    for j in flat:
-        where = [int(v) for v in torch_unravel(j, tuple(shown.shape))]
-        print("  " + ", ".join(f"{a} {v}" for a, v in zip(res.axes, where)) + f": {float(shown.flatten()[j]):.4g}")
-    print(f"wrote {png}, {os.path.join(args.out, 'patch.json')}")
-    return 0
-
-
-def torch_unravel(j: int, shape: tuple) -> list[int]:
-    """Index ``j`` of a flattened tensor of ``shape`` as one index per axis."""
-    out = []
-    for n in reversed(shape):
-        out.append(j % n)
-        j //= n
-    return out[::-1]
-
-
-def cmd_lens(args) -> int:
-    from ..learn.heads import token_labels
-    from ..learn.intervention_plots import lens_picture
-    from ..learn.interventions import logit_lens
-
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out!r} is a file; expected a directory (created if missing)")
-    if args.top < 1:
-        raise ValueError(f"--top {args.top} must be at least 1")
-    model = load_model(args.model, args.dtype).eval()
-    tok, idx = _prompt_ids(model, args.prompt, "PROMPT")
-    lens = logit_lens(model, idx, top_k=min(args.top, model.config.n_vocab))
-    labels = token_labels(tok, idx[0].tolist())
-    top = [[token_labels(tok, lens.ids[r, 0, t].tolist()) for t in range(idx.shape[1])] for r in range(len(lens.labels))]
-    png = os.path.join(args.out, "lens.png")
-    lens_picture(png, lens.probs[:, 0, :, 0], [[cell[0] for cell in row] for row in top], lens.labels,
-                 [f"{i}:{t}" for i, t in enumerate(labels)], f"logit lens: top token of the residual stream "
-                 f"through ln_f and the head ({len(labels)} tokens)")
-    out = {"layers": lens.labels, "tokens": labels, "top": top, "probs": lens.probs[:, 0].tolist(),
-           "next_token_probs": lens.target_probs[:, 0].tolist(), "png": png}
-    with open(os.path.join(args.out, "lens.json"), "w") as f:
-        json.dump(out, f)
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    shown = range(max(0, len(labels) - args.columns), len(labels))
-    if len(shown) < len(labels):
-        print(f"(last {len(shown)} of {len(labels)} positions; all are in {png})")
-    print(f"{'':<11}" + "".join(f"{labels[t][:9]:>10}" for t in shown))
-    for r, name in enumerate(lens.labels):
-        print(f"{name:<11}" + "".join(f"{top[r][t][0][:9]:>10}" for t in shown))
-    print(f"wrote {png}, {os.path.join(args.out, 'lens.json')}")
-    return 0
-
-
-def _add_intervene_commands(sub) -> None:
-    """Parsers of ``ablate``, ``patch`` and ``lens`` (:mod:`gpt2mha.learn.interventions`)."""
-    ab = sub.add_parser("ablate", help="ablate attention heads and print how the next-token distribution moves",
-                        description="Run PROMPT with the given heads' outputs (hook_z) set to zero, or with --mean to "
-                                    "their mean over the prompt's positions, and compare the next-token distribution "
-                                    "with the plain run. Layers and heads are numbered from 0.")
-    ab.add_argument("prompt", metavar="PROMPT")
-    ab.add_argument("--heads", required=True, metavar="L.H,...", help="heads to ablate, e.g. 0.3,1.5 (layer.head)")
-    ab.add_argument("--mean", action="store_true", help="mean ablation instead of zero ablation")
-    ab.add_argument("--top", type=int, default=5, help="top tokens listed before and after (default 5)")
-    _model_dtype_json(ab)
-    ab.set_defaults(func=cmd_ablate)
-
-    pa = sub.add_parser("patch", help="activation patching: which layers/heads carry the clean answer",
-                        description="Run CORRUPT with one activation at a time copied from the CLEAN run (each head "
-                                    "of hook_z by default; resid_pre etc. per position) and measure --metric at the "
-                                    "last position. Writes OUT/patch.png (layer x head, or layer x position) and "
-                                    "OUT/patch.json. CLEAN and CORRUPT must be the same number of tokens; the "
-                                    "answers are scored by their first token.")
-    pa.add_argument("clean", metavar="CLEAN")
-    pa.add_argument("corrupt", metavar="CORRUPT")
-    pa.add_argument("--metric", choices=["logit-diff", "logprob"], default="logit-diff",
-                    help="logit[answer] - logit[wrong], or the answer's log-probability (default logit-diff)")
-    pa.add_argument("--answer", default=None, help="the clean prompt's next token (text)")
-    pa.add_argument("--wrong", default=None, help="the corrupted prompt's next token (text; for logit-diff)")
-    pa.add_argument("--hook", default="z", help="activation to patch: z (default), q, k, v, pattern, resid_pre, "
-                                                "resid_mid, resid_post, attn_out, mlp_out, or a full hook name")
-    pa.add_argument("--per-position", action="store_true", help="patch one position at a time (per-head hooks)")
-    pa.add_argument("--out", default="patch", metavar="DIR", help="output directory (default ./patch)")
-    ln = sub.add_parser("lens", help="logit lens: the top token of the residual stream before every layer",
-                        description="Decode the residual stream before each layer (and after the last) through ln_f "
-                                    "and the LM head at every position of PROMPT. Prints a layer x position table "
-                                    "of top tokens; writes OUT/lens.png (all positions) and OUT/lens.json.")
-    ln.add_argument("prompt", metavar="PROMPT")
-    ln.add_argument("--top", type=int, default=3, help="top tokens kept per cell in the JSON (default 3)")
-    ln.add_argument("--columns", type=int, default=8, help="positions shown in the printed table (default 8)")
-    ln.add_argument("--out", default="lens", metavar="DIR", help="output directory (default ./lens)")
-    _model_dtype_json(pa)
-    _model_dtype_json(ln)
-    pa.set_defaults(func=cmd_patch)
-    ln.set_defaults(func=cmd_lens)
-
-
-def _model_dtype_json(p) -> None:
-    """--model, --dtype and --json, as ablate, patch and lens take them."""
-    model_arg(p)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default float32)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
 def cmd_check(args) -> int:
     from ..learn.check import CheckError, check, format_report
     from ..learn.check_load import parse_args
 
-    if not 0 <= args.seed < 2**63:
-        print(f"error: --seed={args.seed} must be an integer in [0, 2**63)\nresult: COULD NOT RUN (exit 2)",
-              file=sys.stderr)
-        return 2
-    try:
+    try:                                                          # (--seed, the sizes: check_check_args)
         kwargs = parse_args(args.args)
     except CheckError as e:
         print(f"error: {e}\nresult: COULD NOT RUN (exit 2)", file=sys.stderr)
@@ -328,7 +96,7 @@ def _add_inspect_commands(sub) -> None:
     tr.add_argument("--context-length", type=int, default=1024)
     tr.add_argument("--past", type=int, default=0, help="cached tokens before the T new ones (default 0)")
     tr.add_argument("--json", action="store_true", help="print one JSON object")
-    tr.set_defaults(func=cmd_trace)
+    tr.set_defaults(func=cmd_trace, check=check_trace_args)
 
     hd = sub.add_parser("heads", help="attention maps of every layer and head, and head roles, for a prompt",
                         description="Run the model on PROMPT through the explicit attention path and write "
@@ -348,7 +116,7 @@ def _add_inspect_commands(sub) -> None:
     hd.add_argument("--json", action="store_true", help="print files, strongest heads and all scores as JSON")
     hd.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                     help="weights' dtype, as for generate (default float32)")
-    hd.set_defaults(func=cmd_heads)
+    hd.set_defaults(func=cmd_heads, check=check_heads_args)
 
     warning = ("WARNING: check imports FILE.py and runs its code (module body, constructor, forward) with your "
                "permissions. Only check files you trust.")
@@ -383,7 +151,7 @@ def _add_inspect_commands(sub) -> None:
                          "in --args caps it")
     ck.add_argument("--seed", type=int, default=0)
     ck.add_argument("--json", action="store_true", help="print one JSON object")
-    ck.set_defaults(func=cmd_check)
+    ck.set_defaults(func=cmd_check, check=check_check_args)
 
 
 def cmd_bench(args) -> int:
@@ -425,7 +193,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 def _add_bench_command(sub) -> None:
     b = sub.add_parser("bench", help="speed and memory against Hugging Face transformers on the same random weights")
     add_bench_arguments(b)
-    b.set_defaults(func=cmd_bench)
+    b.set_defaults(func=cmd_bench, check=check_bench_args)
 
 
 def cmd_convert(args) -> int:
@@ -471,7 +239,8 @@ def _add_formats_commands(sub) -> None:
                          "is needed, the other sizes are read off the tensors")
     cv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     quantize_args(cv)
-    cv.set_defaults(func=cmd_convert)
+    quiet_arg(cv)
+    cv.set_defaults(func=cmd_convert, check=check_convert_args)
 
     warning = "WARNING: with --class, FILE.py is imported and run with your permissions. Only use files you trust."
     cm = sub.add_parser("check-model", help="compare your whole model with gpt2mha on the same checkpoint, layer by layer",
@@ -495,7 +264,7 @@ def _add_formats_commands(sub) -> None:
     cm.add_argument("--seed", type=int, default=0, help="seed of the random ids (default 0)")
     cm.add_argument("--atol", type=float, default=1e-6, help="tolerance, times max(1, |activation|) (default 1e-6)")
     cm.add_argument("--json", action="store_true", help="print one JSON object")
-    cm.set_defaults(func=cmd_check_model)
+    cm.set_defaults(func=cmd_check_model, check=check_check_model_args)
 
 
 def cmd_serve(args) -> int:
@@ -593,7 +362,7 @@ def add_commands(sub) -> None:
     """The ``trace``, ``heads``, ``ablate``, ``patch``, ``lens``, ``check``, ``check-model``, ``convert``, ``bench``
     and ``serve`` subcommands."""
     _add_inspect_commands(sub)
-    _add_intervene_commands(sub)
+    add_intervene_commands(sub)
     _add_bench_command(sub)
     _add_formats_commands(sub)
     _add_serve_command(sub)

@@ -1,0 +1,257 @@
+"""What each command's line alone decides, checked before torch is imported (2 s on an idle
+machine, 20 on a busy one): ranges, files that must exist, empty prompts, flags that do not go
+together, a C++ compiler for ``--compile``. Each check raises ValueError naming the flag, the
+value and what was expected; ``main`` prints it as ``error: …`` and exits 2, as argparse does.
+What needs the model (a prompt longer than its context, a layer it does not have) is checked
+once it is loaded, before any work.
+
+Nothing here imports torch (tests/test_cli.py runs every command's bad arguments in a fresh
+interpreter and checks ``sys.modules``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+from .common import check_quantize_args, json_arg, readable_file
+
+#: The largest size trace accepts for any one axis (it builds meta tensors, but their element
+#: counts must still fit in int64).
+TRACE_MAX_SIZE = 2**20
+#: OpenAI's range of presence and frequency penalties (:data:`gpt2mha.inference.sampling.MAX_PENALTY`,
+#: repeated here so that no torch is imported to check them).
+MAX_PENALTY = 2.0
+#: Seeds are 63-bit (:func:`gpt2mha.core.checks.seed`).
+SEED_LIMIT = 2**63
+
+
+def at_least(args, low, *dests: str) -> None:
+    """Raises ValueError (``--flag=value must be >= low``) for the first of ``args``' ``dests``
+    that is given (not None) and below ``low``."""
+    for dest in dests:
+        value = getattr(args, dest)
+        if value is not None and not value >= low:
+            raise ValueError(f"--{dest.replace('_', '-')}={value} must be >= {low}")
+
+
+def in_range(value, low, high, flag: str, note: str = "", low_open: bool = False, high_open: bool = False) -> None:
+    """Raises ValueError (``flag=value must be a number in [low, high]``) unless ``value`` lies in
+    the interval (``low_open``/``high_open``: that end excluded); NaN never does."""
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{flag}={value} must be a number in {interval}{note}")
+
+
+def seed_in_range(seed: int | None, flag: str = "--seed") -> None:
+    """Raises ValueError unless ``seed`` is None or in ``[0, 2**63)``."""
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{flag}={seed} must be an integer in [0, 2**63)")
+
+
+def nonempty(text: str | None, name: str, what: str = "at least one character") -> None:
+    """Raises ValueError (``NAME is empty; give …``) for an empty command-line text."""
+    if text is not None and text == "":
+        raise ValueError(f"{name} is empty; give {what}")
+
+
+def output_dir(path: str, flag: str = "--out") -> None:
+    """Raises ValueError when ``path`` exists and is not a directory (pictures go into it)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a file; expected a directory (created if missing)")
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor's CPU backend would call (``torch._inductor.config.cpp.cxx``:
+    ``$CXX``, else ``g++``, ``clang++`` on macOS) as a path, when it is on PATH and answers
+    ``--version`` (inductor's own test); None otherwise."""
+    name = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    path = shutil.which(name) if name else None
+    if path is None:
+        return None
+    try:
+        subprocess.run([path, "--version"], capture_output=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path
+
+
+def check_compile(args) -> None:
+    """``--compile`` needs the C++ compiler inductor generates code for (raises ValueError naming it)."""
+    if getattr(args, "compile", False) and cxx_compiler() is None:
+        cxx = os.environ.get("CXX")
+        which = f"CXX={cxx!r} is not a working compiler" if cxx else "no g++ on PATH and CXX is not set"
+        raise ValueError(f"--compile needs a C++ compiler for inductor's CPU code ({which}); install one "
+                         f"(e.g. apt install g++) or set CXX, or drop --compile")
+
+
+def check_sampling(args) -> None:
+    """``generate``'s sampling flags: ``--temperature``, ``--top-k``, ``--top-p``, ``--min-p``,
+    the penalties and ``--max-new-tokens``/``--num-samples``/``--seed``/``--tp``."""
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature={args.temperature} must be a number >= 0 (0 means greedy)")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k={args.top_k} must be an integer >= 0 (0: all tokens)")
+    in_range(args.top_p, 0, 1, "--top-p", low_open=True)
+    in_range(args.min_p, 0, 1, "--min-p", " (0: off)")
+    for flag in ("presence_penalty", "frequency_penalty"):
+        in_range(getattr(args, flag), -MAX_PENALTY, MAX_PENALTY, "--" + flag.replace("_", "-"))
+    at_least(args, 0, "max_new_tokens")
+    at_least(args, 1, "num_samples")
+    seed_in_range(args.seed)
+    if args.tp < 1:
+        raise ValueError(f"--tp {args.tp} must be a positive integer")
+
+
+def check_perplexity_args(args) -> None:
+    """``perplexity``: the quantization flags, then FILE readable and ``--stride`` >= 1."""
+    check_quantize_args(args)
+    readable_file(args.file)
+    at_least(args, 1, "stride")
+
+
+def check_train_args(args) -> None:
+    """``train``: flags that do not go together, the sizes and settings' ranges, ``--data`` a
+    file, ``--out`` a directory (one that exists for ``--resume``)."""
+    if args.resume and args.init_from is not None:
+        raise ValueError(f"--init-from {args.init_from} starts a new run from a model's weights; --resume continues "
+                         f"the checkpoint in --out: use one of them")
+    if args.init_from is not None and args.preset is not None:
+        raise ValueError(f"--preset {args.preset}: the model comes from --init-from {args.init_from}; drop --preset")
+    at_least(args, 1, "n_layer", "n_head", "n_embd", "n_ctx", "iters", "batch_size", "eval_interval")
+    at_least(args, 0, "warmup", "min_lr")
+    if args.lr is not None and not args.lr > 0:
+        raise ValueError(f"--lr={args.lr} must be > 0")
+    for flag in ("attn_pdrop", "resid_pdrop"):
+        if getattr(args, flag) is not None:
+            in_range(getattr(args, flag), 0, 1, "--" + flag.replace("_", "-"), high_open=True)
+    seed_in_range(args.seed)
+    if not os.path.isfile(args.data):
+        raise ValueError(f"--data {args.data!r} does not exist or is not a file")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} is a file; expected a checkpoint directory")
+    if args.resume and not os.path.isdir(args.out):
+        raise ValueError(f"--resume: no checkpoint in {args.out!r}")
+
+
+def check_trace_args(args) -> None:
+    """``trace``: every size at least 1 (``--past`` at least 0) and at most :data:`TRACE_MAX_SIZE`."""
+    for dest in ("batch", "tokens", "d_in", "d_out", "num_heads", "context_length", "past"):
+        value = getattr(args, dest)
+        if value is not None and value > TRACE_MAX_SIZE:
+            raise ValueError(f"--{dest.replace('_', '-')}={value} is too large for a trace; expected at most "
+                             f"{TRACE_MAX_SIZE:,}")
+        at_least(args, 0 if dest == "past" else 1, dest)
+
+
+def check_heads_args(args) -> None:
+    """``heads``: a PROMPT, ``--top`` >= 1, ``--layer``/``--head`` >= 0, ``--out`` not a file."""
+    nonempty(args.prompt, "PROMPT")
+    at_least(args, 1, "top")
+    for dest in ("layer", "head"):
+        value = getattr(args, dest)
+        if value is not None and value < 0:
+            raise ValueError(f"--{dest} {value} is out of range: layers and heads are numbered from 0")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} is a file; expected a directory to write the maps into "
+                         f"(it is created if missing)")
+
+
+def check_heads_list(text: str) -> None:
+    """``ablate --heads``: comma-separated ``layer.head`` pairs of numbers from 0 (whether the model
+    has them is checked once it is loaded, by :func:`gpt2mha.learn.interventions.parse_heads`)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"--heads {text!r} names no head; expected layer.head pairs such as '0.3,1.5'")
+    for item in items:
+        parts = item.split(".")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"--heads: head {item!r} is not layer.head (e.g. '0.3' = layer 0, head 3)")
+
+
+def check_ablate_args(args) -> None:
+    """``ablate``: a PROMPT, ``--heads`` as layer.head pairs, ``--top`` >= 1 (at most the
+    vocabulary: checked once the model is loaded)."""
+    nonempty(args.prompt, "PROMPT")
+    check_heads_list(args.heads)
+    at_least(args, 1, "top")
+
+
+def check_patch_args(args) -> None:
+    """``patch``: CLEAN and CORRUPT, ``--answer`` (and ``--wrong`` for logit-diff), ``--out``."""
+    nonempty(args.clean, "CLEAN")
+    nonempty(args.corrupt, "CORRUPT")
+    if args.answer is None:
+        raise ValueError("--answer is required: the token the clean prompt should predict next")
+    nonempty(args.answer, "--answer ''", "the token text the model should predict")
+    if args.metric == "logit-diff" and args.wrong is None:
+        raise ValueError("--metric logit-diff needs --wrong (the token the corrupted prompt predicts); "
+                         "or use --metric logprob")
+    nonempty(args.wrong, "--wrong ''", "the token text the corrupted prompt predicts")
+    output_dir(args.out)
+
+
+def check_lens_args(args) -> None:
+    """``lens``: a PROMPT, ``--top`` and ``--columns`` >= 1, ``--out`` not a file."""
+    nonempty(args.prompt, "PROMPT")
+    at_least(args, 1, "top", "columns")
+    output_dir(args.out)
+
+
+def _could_not_run(check):
+    """``check``, its error followed by check's verdict line, ``result: COULD NOT RUN (exit 2)``."""
+    def run(args) -> None:
+        try:
+            check(args)
+        except ValueError as e:
+            raise ValueError(f"{e}\nresult: COULD NOT RUN (exit 2)") from None
+    run.__doc__ = check.__doc__
+    return run
+
+
+@_could_not_run
+def check_check_args(args) -> None:
+    """``check``: ``--seed`` in [0, 2**63), ``--batch``/``--tokens`` >= 1, ``--past``/``--long-tokens`` >= 0."""
+    seed_in_range(args.seed)
+    at_least(args, 1, "batch", "tokens")
+    at_least(args, 0, "past", "long_tokens")
+
+
+@_could_not_run
+def check_check_model_args(args) -> None:
+    """``check-model``: ``--batch``/``--tokens`` >= 1, ``--atol`` a finite number >= 0,
+    ``--seed`` in [0, 2**63), ``--book-config`` a JSON object."""
+    at_least(args, 1, "batch", "tokens")
+    if not (math.isfinite(args.atol) and args.atol >= 0):
+        raise ValueError(f"--atol={args.atol} must be a finite number >= 0")
+    seed_in_range(args.seed)
+    json_arg(args.book_config, "--book-config")
+
+
+def check_convert_args(args) -> None:
+    """``convert``: the quantization flags, ``--book-config`` a JSON object, and an ``hf`` DST
+    that is not a non-empty directory unless ``--overwrite``."""
+    check_quantize_args(args)
+    json_arg(args.book_config, "--book-config")
+    if args.to == "hf" and not args.overwrite and os.path.isdir(args.dst) and os.listdir(args.dst):
+        raise ValueError(f"{args.dst} is not empty; refusing to overwrite it (pass --overwrite)")
+
+
+def check_bench_args(args) -> None:
+    """``bench``: ``--only`` sections it has, ``--quantize`` schemes, ``--text`` readable."""
+    from .tools import BENCH_SECTIONS
+
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in sections if s not in BENCH_SECTIONS]
+    if bad or not sections:
+        raise ValueError(f"--only: unknown section(s) {bad}; expected some of {list(BENCH_SECTIONS)}")
+    schemes = [q.strip() for q in args.quantize.split(",") if q.strip()]
+    if not schemes or any(q not in ("int8", "int4") for q in schemes):
+        raise ValueError(f"--quantize={args.quantize!r}: expected int8, int4 or int8,int4")
+    if args.text is not None:
+        readable_file(args.text, "--text")
