@@ -86,9 +86,10 @@ def load_model(name: str | None, dtype: str = "float32"):
 
 
 def quiet_arg(p: argparse.ArgumentParser) -> None:
-    """``--quiet``: no progress bar (one is shown on stderr only when it is a terminal)."""
+    """``--quiet``: no progress on stderr (the bars, drawn only when it is a terminal, and GPTQ's notice)."""
     p.add_argument("--quiet", "-q", action="store_true",
-                   help="no progress bar on stderr (shown only when stderr is a terminal)")
+                   help="no progress on stderr: no progress bar (drawn only when stderr is a terminal) and no "
+                        "notice that GPTQ is running")
 
 
 def batch_invariant_arg(p: argparse.ArgumentParser) -> None:
