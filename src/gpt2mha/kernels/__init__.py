@@ -14,7 +14,7 @@ causal attention (``causal_attention.cpp``) and the quantized forward in one cal
 - ``build``: compile the sources beside this file into the cache (``$GPT2MHA_CACHE``, else
   ``$XDG_CACHE_HOME/gpt2mha`` or ``~/.cache/gpt2mha``) once, then load that (:mod:`.cache`):
   for source trees whose C++ was edited since the install;
-- a path: that library (``python -m gpt2mha.kernels.build``'s, e.g. CI's sanitizer build).
+- a path: that library (``python -m gpt2mha.kernels build``'s, e.g. CI's sanitizer build).
 
 Where no library loads, gpt2mha says so once (a :class:`KernelsUnavailable` warning naming the
 reason and the routes taken instead) and runs PyTorch's kernels. ``python -m gpt2mha.kernels``

@@ -1,5 +1,7 @@
 """``python -m gpt2mha.kernels``: which kernel library this process loads and how it was built
-(compiler, flags, seconds, torch), or why none loads. Exits 0 when one is loaded, 1 otherwise."""
+(compiler, flags, seconds, torch), or why none loads; exits 0 when one is loaded, 1 otherwise.
+``python -m gpt2mha.kernels build [--sanitize LIST] OUT``: compiles the library into OUT
+(:func:`.build.main`)."""
 
 import json
 import sys
@@ -32,4 +34,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(build.main(sys.argv[2:]) if sys.argv[1:2] == ["build"] else main())

@@ -1,7 +1,7 @@
 """How gpt2mha's C++ kernels are compiled: the sources, the flags, the compiler command and the
 record kept beside a built library. One place for every build: ``setup.py`` (the build at
 install, torch's ``CppExtension``), the opt-in build into the cache (``GPT2MHA_KERNELS=build``,
-:mod:`.cache`) and CI's sanitizer build (``python -m gpt2mha.kernels.build --sanitize
+:mod:`.cache`) and CI's sanitizer build (``python -m gpt2mha.kernels build --sanitize
 address,undefined OUT``).
 
 Standard library only at import (``setup.py`` loads this file by its path in the build
@@ -14,6 +14,7 @@ compiled for their own targets (``__attribute__((target(...)))``) and chosen at 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,15 +110,28 @@ def compiler_version(cxx: str) -> str:
     return (done.stdout.splitlines() or [""])[0].strip()
 
 
-def command(cxx: str, out: str, sanitize: str = "") -> list[str]:
-    """The command that compiles and links every source into the shared library ``out`` (the
-    opt-in cache build and the sanitizer build; setup.py passes the same flags to setuptools)."""
+def compile_command(cxx: str, source: str, obj: str, sanitize: str = "") -> list[str]:
+    """The command that compiles one source into the object file ``obj`` (the opt-in cache build
+    and the sanitizer build; setup.py passes the same flags to setuptools)."""
+    return [cxx, *CXX_FLAGS, *sanitize_flags(sanitize), *torch_include_flags(), "-c", source, "-o", obj]
+
+
+def link_command(cxx: str, objects: list[str], out: str, sanitize: str = "") -> list[str]:
+    """The command that links ``objects`` into the shared library ``out`` against torch's libraries."""
     from torch.utils import cpp_extension
     lib = cpp_extension.library_paths()[0]
-    extra = sanitize_flags(sanitize)
-    return [cxx, *CXX_FLAGS, *extra, "-shared", *torch_include_flags(),
-            *(str(HERE / s) for s in SOURCES if s.endswith(".cpp")),
-            f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", *LINK_FLAGS, "-o", out]
+    return [cxx, "-shared", *sanitize_flags(sanitize), *objects, f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10",
+            "-ltorch_cpu", *LINK_FLAGS, "-o", out]
+
+
+def _run(cmd: list[str], timeout: float) -> None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{cmd[0]} ran past {timeout:.0f} s building gpt2mha's kernels") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed building gpt2mha's kernels ({' '.join(cmd[-3:])}):\n"
+                           f"{(done.stdout + done.stderr).strip()[-3000:]}")
 
 
 def record_path(library: Path) -> Path:
@@ -146,8 +161,9 @@ def record(library: Path, cxx: str, seconds: float, sanitize: str = "", **extra:
 
 
 def compile_library(out: Path, sanitize: str = "", timeout: float = 900) -> float:
-    """Compiles the library into ``out`` (written whole or not at all: a temporary file beside
-    it, renamed) with :func:`command`, and returns the seconds it took. Writes nothing else.
+    """Compiles the sources (in parallel, ``$MAX_JOBS`` or a job per core) and links them into
+    ``out``, written whole or not at all (a temporary file beside it, renamed); returns the
+    seconds it took. Writes nothing else (the objects go to a temporary directory).
 
     Raises:
         FileNotFoundError: no compiler (:func:`compiler`).
@@ -156,14 +172,15 @@ def compile_library(out: Path, sanitize: str = "", timeout: float = 900) -> floa
     cxx = compiler()
     out = Path(out)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
     start = time.monotonic()
     try:
-        try:
-            done = subprocess.run(command(cxx, str(tmp), sanitize), capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{cxx} ran past {timeout:.0f} s compiling gpt2mha's kernels") from None
-        if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed compiling gpt2mha's kernels:\n{(done.stdout + done.stderr).strip()[-3000:]}")
+        with tempfile.TemporaryDirectory() as objects:
+            units = [(str(HERE / name), str(Path(objects) / f"{name}.o")) for name in SOURCES if name.endswith(".cpp")]
+            with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+                for done in [pool.submit(_run, compile_command(cxx, src, obj, sanitize), timeout) for src, obj in units]:
+                    done.result()
+            _run(link_command(cxx, [obj for _, obj in units], str(tmp), sanitize), timeout)
         os.chmod(tmp, 0o755)
         os.replace(tmp, out)
     finally:
@@ -173,9 +190,9 @@ def compile_library(out: Path, sanitize: str = "", timeout: float = 900) -> floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gpt2mha.kernels.build [--sanitize LIST] OUT``: compiles the library into OUT
+    """``python -m gpt2mha.kernels build [--sanitize LIST] OUT``: compiles the library into OUT
     (with its record beside it) and prints the time; load it with ``GPT2MHA_KERNELS=OUT``."""
-    p = argparse.ArgumentParser(prog="python -m gpt2mha.kernels.build", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m gpt2mha.kernels build", description=main.__doc__)
     p.add_argument("out", type=Path, help="the library to write (a .so path)")
     p.add_argument("--sanitize", default="", help=f"comma-separated sanitizers: {', '.join(SANITIZERS)}")
     args = p.parse_args(argv)
@@ -195,6 +212,3 @@ def main(argv: list[str] | None = None) -> int:
           + (f" (sanitizers: {args.sanitize})" if args.sanitize else ""))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
