@@ -241,8 +241,10 @@ def test_the_per_row_operator_names_bad_arguments():
         gemv.int8_per_row(x.double(), P, qsum, s7c, wsum)
     with pytest.raises(RuntimeError, match=r"qsum must be a contiguous int32 CPU tensor \[N\]"):
         gemv.int8_per_row(x, P, qsum[0], s7c, wsum)                         # 0-d: named, not an IndexError
-    with pytest.raises(RuntimeError, match="with K >= 1"):
+    with pytest.raises(ValueError, match=r"x is empty: \[M, K\] = \[2, 0\]"):
         gemv.int8_per_row(x[:, :0], P, qsum, s7c, wsum)
+    with pytest.raises(RuntimeError, match="with K >= 1"):
+        torch.ops.gpt2mha.int8_per_row(x[:, :0], P, qsum, s7c, wsum, None, False)
 
 
 @needs_kernel
@@ -376,7 +378,7 @@ def _per_block_reference(x, q, scale_zero, G):
     M, K = x.shape
     xg = x.view(M, K // G, G)
     amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))   # one division
     a = torch.round(xg * inv)
     xq = (a.double() * (amax / 127.0).double()).view(M, K)
     w, sz = _int4_dequantized(q, scale_zero, G)

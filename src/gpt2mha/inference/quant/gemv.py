@@ -74,7 +74,7 @@ _VNNI: dict = {"on": None}
 def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales7: torch.Tensor,
                  wsum: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
     """per_row's W7A8 layer (:func:`~.linear.int8_matmul_per_row`, plus the bias) at decode
-    sizes by ``gemv.cpp``: each row of x rounded to 8 bits with its own step ``a = (max − min) /
+    sizes by ``products.cpp``: each row of x rounded to 8 bits with its own step ``a = (max − min) /
     255`` and minimum ``lo``, ``u = round((x − lo) / a)``; the exact integer sums of u with the
     7-bit weights on their packed copy (``vpdpbusd`` on AVX-512 VNNI CPUs, ``vpmaddubsw``
     elsewhere: the same bits); then ``(Σ u·q − 128·qsum)·scales7·a + (128·a + lo)·wsum + bias``.
@@ -96,11 +96,15 @@ def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scal
         the same whatever the other rows and the threads are.
 
     Raises:
-        RuntimeError: the kernel is not available, or (from the operator) a tensor of the
-            wrong dtype or shape.
-        ValueError: ``x`` requires grad, or is not a float32 CPU matrix.
+        RuntimeError: the kernel is not available, or (from the operator, before it reads
+            anything) a tensor of the wrong dtype, shape or layout, named.
+        ValueError: ``x`` requires grad, is not a float32 CPU matrix or is empty, no output
+            channels (N = 0), or NaN or ±inf in ``scales7`` or ``wsum``.
     """
     _check_x(x, "per_row")
+    if qsum.dim() == 1 and qsum.shape[0] == 0:
+        raise ValueError("qsum is empty: N=0 output channels; expected at least one")
+    _check_finite(scales7=scales7, wsum=wsum)
     return torch.ops.gpt2mha.int8_per_row(x, packed, qsum, scales7, wsum, bias, gelu)
 
 
@@ -131,11 +135,21 @@ def _check_x(x: torch.Tensor, scheme: str) -> None:
                          f"call it under torch.no_grad() or torch.inference_mode()")
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a float32 CPU tensor [M, K]; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x.numel() == 0:
+        raise ValueError(f"x is empty: [M, K] = {list(x.shape)}; expected at least one row and one input")
+
+
+def _check_finite(**tensors: torch.Tensor) -> None:
+    # NaN or inf scales would turn every output they touch into NaN or inf: refused by name
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} holds NaN or ±inf ({int((~torch.isfinite(t)).sum())} of {t.numel()} values); "
+                             f"expected finite values")
 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (weight · scales)ᵀ + bias`` in float32 by ``gemv.cpp``: the float32 product with the
+    """``x @ (weight · scales)ᵀ + bias`` in float32 by ``products.cpp``: the float32 product with the
     dequantized weight (float32 accumulation; the activations are not rounded).
 
     Args:
@@ -150,11 +164,12 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     Raises:
         RuntimeError: the kernel is not available (:func:`unavailable_reason` says why).
         ValueError: a tensor of the wrong dtype, shape or device, a weight that is not
-            contiguous, or ``x`` requiring grad (no backward).
+            contiguous, an empty x or weight, NaN or ±inf scales, or ``x`` requiring grad (no
+            backward).
     """
     _check_x(x, "int8")
     if weight.dtype != torch.int8 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous() \
-            or weight.device.type != "cpu":
+            or weight.device.type != "cpu" or weight.shape[0] == 0:
         raise ValueError(f"weight must be a contiguous int8 CPU tensor [N, K={x.shape[1]}]; got {weight.dtype} "
                          f"{tuple(weight.shape)} (contiguous={weight.is_contiguous()}) on {weight.device}")
     for name, t in (("scales", scales), ("bias", bias)):
@@ -162,12 +177,13 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                               or not t.is_contiguous() or t.device.type != "cpu"):
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor [N={weight.shape[0]}]; "
                              f"got {t.dtype} {tuple(t.shape)}")
+    _check_finite(scales=scales)
     return torch.ops.gpt2mha.int8_gemv(x, weight, scales, bias)
 
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, activations: str = "exact") -> torch.Tensor:
-    """``x @ deq(W)ᵀ + bias`` in float32 by ``gemv.cpp`` for an int4 weight, ``deq(W) = (q − 8)·s + z``.
+    """``x @ deq(W)ᵀ + bias`` in float32 by ``products.cpp`` for an int4 weight, ``deq(W) = (q − 8)·s + z``.
 
     ``activations="exact"`` (``torch.ops.gpt2mha.int4_gemv``): the float32 product with the
     dequantized weight (float32 activations and accumulation). ``"per_block"``
@@ -196,8 +212,8 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     Raises:
         RuntimeError: the kernel is not available (:func:`unavailable_reason` says why).
         ValueError: a tensor of the wrong dtype, shape or device, a tensor that is not
-            contiguous, a group size the weight cannot have, an unknown ``activations``, or
-            ``x`` requiring grad.
+            contiguous, an empty x or weight, NaN or ±inf in ``scale_zero``, a group size the
+            weight cannot have, an unknown ``activations``, or ``x`` requiring grad.
     """
     if activations not in ("exact", "per_block"):
         raise ValueError(f"activations={activations!r}: expected 'exact' or 'per_block'")
@@ -210,7 +226,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     if activations == "per_block" and 128 % group_size and group_size % 128:   # the kernel's chunks of 128 weights
         raise ValueError(f"group_size={group_size}: per_block takes 32, 64 or a multiple of 128")
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] * 2 != K or not weight.is_contiguous() \
-            or weight.device.type != "cpu":
+            or weight.device.type != "cpu" or weight.shape[0] == 0:
         raise ValueError(f"weight must be a contiguous uint8 CPU tensor [N, K/2={K // 2}]; got {weight.dtype} "
                          f"{tuple(weight.shape)} (contiguous={weight.is_contiguous()}) on {weight.device}")
     N = weight.shape[0]
@@ -222,5 +238,6 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (N,)
                              or not bias.is_contiguous() or bias.device.type != "cpu"):
         raise ValueError(f"bias must be a contiguous float32 CPU tensor [N={N}]; got {bias.dtype} {tuple(bias.shape)}")
+    _check_finite(scale_zero=scale_zero)
     op = torch.ops.gpt2mha.int4_gemv if activations == "exact" else torch.ops.gpt2mha.int4_gemv_a8
     return op(x, weight, scale_zero, group_size, bias)
