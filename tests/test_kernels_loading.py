@@ -237,3 +237,16 @@ def test_sanitizer_flags_are_checked():
         build.sanitize_flags("address,memory")
     with pytest.raises(ValueError, match="ThreadSanitizer runs alone"):
         build.sanitize_flags("thread,address")
+
+
+def test_the_server_loads_the_kernels_before_it_answers(monkeypatch):
+    # create_app loads them (serve and serve_in_thread make their app with it before binding)
+    pytest.importorskip("fastapi")
+    from conftest import small_model
+    from gpt2mha.io.tokenizer import ByteTokenizer
+    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.serving.server import create_app
+    calls = []
+    monkeypatch.setattr(kernels, "load", lambda: calls.append("load") or "")
+    create_app(Scheduler(small_model(n_vocab=256), ByteTokenizer()), "tiny")
+    assert calls == ["load"]

@@ -51,6 +51,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from .. import kernels
 from ..core import checks
 from . import chat, tokens
 from .address import check_address
@@ -122,13 +123,15 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
 
     The app's lifespan starts the scheduler's thread and, at shutdown, stops it (queued and
     running sequences are cancelled; uvicorn first lets in-flight responses finish, see
-    :class:`GracefulServer`).
+    :class:`GracefulServer`). gpt2mha's C++ kernels are loaded here, before the server answers
+    (no request waits on them; where none load, the one warning says which routes run instead).
 
     Raises:
         ValueError: max_body_bytes < 1, max_stop < 1, or a chat template that is not valid Jinja.
     """
     max_body_bytes = checks.as_int(max_body_bytes, "max_body_bytes", minimum=1)
     max_stop = checks.as_int(max_stop, "max_stop", minimum=1)
+    kernels.load()
     started = [time.time()]
     tok, n_ctx = scheduler.tokenizer, scheduler.n_ctx
     n_vocab = min(tok.n_vocab, scheduler.n_vocab)
