@@ -82,7 +82,14 @@ class Explain:
         self.models: dict[str, ModelEntry] = {entry.name: entry}
         self.sessions: OrderedDict[str, Sequence] = OrderedDict()
         self.check_lock = threading.Lock()
-        self.first = self.new_session(prompt)[0]
+        self.pristine = Sequence(entry, entry.encode_prompt(prompt))     # each page load forks it
+
+    def warm(self) -> None:
+        """Compute what the page shows first (the pipeline, layer 0, head 0 of it, every head's
+        small multiple) before it is asked for."""
+        seq = self.pristine
+        for kind, layer, head in (("pipeline", None, None), ("layer", 0, None), ("head", 0, 0), ("heads", None, None)):
+            seq.unit(kind, layer, head)
 
     def model(self, name: str | None) -> ModelEntry:
         """The model named by the page (None or the launch's: the launch's); a new one is loaded
@@ -103,8 +110,16 @@ class Explain:
         return self.models[name]
 
     def new_session(self, prompt, model: str | None = None) -> tuple[str, Sequence]:
+        """A new sequence for ``prompt`` on the named model (:meth:`model`); returns ``(id, sequence)``.
+
+        Raises:
+            ValueError: an empty prompt, one longer than the context, a model that does not load.
+        """
         entry = self.model(model)
-        seq = Sequence(entry, entry.encode_prompt(prompt))
+        return self.add(Sequence(entry, entry.encode_prompt(prompt)))
+
+    def add(self, seq: Sequence) -> tuple[str, Sequence]:
+        """Register ``seq`` under a new id (the oldest beyond :data:`MAX_SESSIONS` is dropped)."""
         sid = secrets.token_urlsafe(12)
         self.sessions[sid] = seq
         while len(self.sessions) > MAX_SESSIONS:
@@ -120,9 +135,10 @@ class Explain:
         return seq
 
     def boot(self) -> dict:
-        """What the page starts from (embedded in its HTML)."""
-        seq = self.sessions.get(self.first) or next(reversed(self.sessions.values()))
-        return {"mode": "live", "token": self.token, "session": self.first, "prompt": self.prompt,
+        """What a page load starts from (embedded in its HTML): a session of its own, forked from
+        the launch's prompt (:meth:`~.session.Sequence.fork`: its answers already computed)."""
+        sid, seq = self.add(self.pristine.fork())
+        return {"mode": "live", "token": self.token, "session": sid, "prompt": self.prompt,
                 "model": self.entry.name, "T": len(seq.ids), "config": seq.unit("pipeline")["config"],
                 "checker": {"on": self.limits is not None, "note": self.checker_note,
                             "timeout_s": self.limits.timeout_s if self.limits else None,

@@ -83,6 +83,15 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self._reset_caches()
 
+    def fork(self) -> "Sequence":
+        """A new sequence of the same model and tokens that starts with this one's answers
+        (a page load starts from the launch's warmed prompt without sharing its state)."""
+        other = Sequence(self.entry, self.ids[:self.prompt_len])
+        if len(self.ids) == self.prompt_len:
+            other._layers, other._units = OrderedDict(self._layers), dict(self._units)
+            other._logits, other._past = self._logits, self._past
+        return other
+
     def _reset_caches(self) -> None:
         self._layers: OrderedDict = OrderedDict()
         self._units: dict = {}

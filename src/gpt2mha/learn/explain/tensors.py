@@ -108,11 +108,13 @@ def qkv_of(cap: dict) -> torch.Tensor:
 
 def layer_unit(cap: dict, layer: int) -> dict:
     """The layer-wide tensors of the step-by-step view: ``resid_pre`` (the block's input), ``x``
-    (after ln_1), ``qkv`` ``[T, 3·n_embd]``, ``concat`` (the heads' outputs side by side,
-    ``[T, n_embd]``: c_proj's input), ``attn_out`` (c_proj's output) and ``resid_mid`` (the
-    residual add), each :func:`encode` d."""
+    (after ln_1), ``qkv`` ``[T, 3·n_embd]``, ``mask`` = ``attention_mask(T, T)`` (1 = may
+    attend; every head's), ``concat`` (the heads' outputs side by side, ``[T, n_embd]``:
+    c_proj's input), ``attn_out`` (c_proj's output) and ``resid_mid`` (the residual add), each
+    :func:`encode` d."""
     T = cap["z"].shape[0]
     return {"layer": layer, "T": T, "resid_pre": encode(cap["resid_pre"]), "x": encode(cap["x"]),
+            "mask": encode(attention_mask(T, T).float()),
             "qkv": encode(qkv_of(cap)), "concat": encode(cap["z"].reshape(T, -1)),
             "attn_out": encode(cap["attn_out"]), "resid_mid": encode(cap["resid_mid"])}
 
@@ -127,7 +129,7 @@ def head_unit(cap: dict, layer: int, head: int) -> dict:
     """One head's steps: ``q, k, v`` ``[T, head_dim]`` (head h's columns of the three blocks),
     ``scores`` ``[T, T]`` = ``q kᵀ/√head_dim`` (``hook_attn_scores`` where the mask lets a
     query read the key; computed from q and k above it, where the capture holds the mask's fill),
-    ``mask`` = ``attention_mask(T, T)`` (1 = may attend), ``masked`` (``hook_attn_scores``),
+    ``masked`` (``hook_attn_scores``),
     ``pattern`` (``hook_pattern``, rows sum to 1), ``rowsum`` ``[T]`` and ``z`` ``[T, head_dim]``
     (``hook_z``: A·v)."""
     q, k, v = (cap[n][:, head] for n in "qkv")
@@ -136,7 +138,7 @@ def head_unit(cap: dict, layer: int, head: int) -> dict:
     masked, pattern = cap["masked"][head], cap["pattern"][head]
     scores = torch.where(mask, masked, raw_scores(q, k))
     return {"layer": layer, "head": head, "T": T, "q": encode(q), "k": encode(k), "v": encode(v),
-            "scores": encode(scores), "mask": encode(mask.float()), "masked": encode(masked),
+            "scores": encode(scores), "masked": encode(masked),
             "pattern": encode(pattern), "rowsum": encode(pattern.double().sum(-1)), "z": encode(cap["z"][:, head]),
             "scale": 1.0 / math.sqrt(q.shape[-1])}
 

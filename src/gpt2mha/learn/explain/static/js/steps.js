@@ -56,7 +56,7 @@ EX.views.steps = {
         `√${hd} = ${sqrt.toFixed(4)} (the scores are scaled, not q or k)`),
       EX.el("div", { class: "row" },
         m("scores", "scores", hu.scores, Object.assign({ caption: "every query · every key, before the mask" }, sq)),
-        m("mask", "mask", hu.mask, Object.assign({ kind: "mask",
+        m("mask", "mask", lu.mask, Object.assign({ kind: "mask",
           caption: [`attention_mask(nd=${T}, ns=${T}): m[i, j] = i >= j - ns + nd (1 = may attend)`] }, sq)),
         m("masked", "masked", hu.masked, Object.assign({ caption: "where(m, scores, -1e10): the future is masked (grey)" }, sq))),
       EX.arrow(`A = softmax(masked) over each row (the keys)   [T, T] = ${EX.shape([T, T])}; masked keys get exactly 0`),
