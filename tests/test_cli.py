@@ -371,3 +371,20 @@ def test_cli_absurd_values_are_errors_not_tracebacks(tmp_path, capsys):
     assert "--batch=100000000000000000000 is too large for a trace" in capsys.readouterr().err
     assert main(["check", "gpt2mha.learn.book:MultiHeadAttention", "--seed", str(10**20)]) == 2
     assert "--seed=100000000000000000000 must be an integer in [0, 2**63)" in capsys.readouterr().err
+
+
+def test_generate_with_nan_logits_says_so_in_one_line(byte_model, capsys, monkeypatch):
+    """A model whose position 8 embedding went NaN (loading refuses such a file, so it is made in
+    memory: fp16 overflow does the same): `generate` prints the text up to the step before, then
+    one line naming the step (not a traceback), exit code 1."""
+    import gpt2mha.cli.generation as generation
+
+    model = GPT2.from_pretrained(byte_model)
+    with torch.no_grad():
+        model.wpe.weight[8, 1] = float("nan")
+    monkeypatch.setattr(generation, "load_model", lambda name, dtype="float32": model)
+    assert main(["generate", "ab", "--model", byte_model, "--max-new-tokens", "20", "--temperature", "0"]) == 1
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == ("error: the model produced NaN or infinite logits at step 7 "
+                                            "(rows [0]); its weights or inputs hold NaN/inf")
+    assert out.startswith("ab") and len(out.encode("utf-8", "surrogateescape")) < 2 + 20

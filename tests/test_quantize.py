@@ -9,6 +9,8 @@ import os
 import threading
 import warnings
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -241,6 +243,41 @@ def test_gptq_refuses_a_hessian_of_the_wrong_shape_or_with_nan():
         gptq(w, bad, "int8")
     with pytest.raises(ValueError, match="hessian: not positive definite even in float64"):
         gptq(w, -torch.eye(32), "int8")                          # no damping makes a negative H usable
+
+
+@pytest.mark.parametrize("where", ["h.1.ln_1", "ln_f", "wpe"])
+def test_gptq_on_non_finite_activations_names_the_first_module_that_made_them(where):
+    """A NaN upstream of the linears (a LayerNorm's bias, a position embedding)
+    spoils the calibration inputs of every layer after it; GPTQ names the first module whose
+    output is not finite, not the layer (the head) whose hessian it met first. Nothing stays
+    quantized."""
+    model = float_model(seed=6)
+    with torch.no_grad():
+        target = model.get_submodule(where)
+        (target.bias if where != "wpe" else target.weight)[3] = float("nan")
+    with pytest.raises(ValueError, match=rf"calibration inputs hold NaN or inf; the first module whose output is "
+                                         rf"not finite is {re.escape(where)}$"):
+        model.quantize("int8", method="gptq", calibration=torch.randint(0, 64, (2, 16)))
+    assert not model.quantization
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_tied_quantized_heads_embedding_is_the_dequantized_head_in_the_models_dtype(scheme, dtype, tmp_path):
+    """What the README states of a tied quantized head: the embedding holds the dequantized head
+    rounded to the model's dtype (bitwise ``dequantized().to(dtype)``), so exactly the head's
+    numbers in float32 and within half a step of that dtype in bf16/fp16; the same after a save
+    and load."""
+    model = float_model(seed=2).to(dtype).quantize(scheme, method="rtn", group_size=32 if scheme == "int4" else None)
+    model.save_pretrained(str(tmp_path / "q"))
+    for m in (model, GPT2.from_pretrained(str(tmp_path / "q"), dtype=str(dtype).removeprefix("torch."))):
+        head = m.lm_head.dequantized().float()
+        assert m.wte.weight.dtype == dtype and torch.equal(m.wte.weight, head.to(dtype))
+        if dtype == torch.float32:
+            assert torch.equal(m.wte.weight, head)
+        else:
+            step = torch.finfo(dtype).eps * head.abs().clamp(min=torch.finfo(dtype).tiny)
+            assert ((m.wte.weight.float() - head).abs() <= step / 2 * (1 + 1e-6)).all()
 
 
 # ------------------------------------------------------------------ the model

@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:                 # a model whose logits went NaN: one line, not a traceback
+        from ..inference.sampling import NonFiniteLogitsError
+        if not isinstance(e, NonFiniteLogitsError):
+            raise
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
     except BrokenPipeError:                   # e.g. `gpt2mha generate ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -115,7 +115,7 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                                                                 "default 32)")
     p.add_argument("--quantize-method", choices=["gptq", "rtn"], default=None,
                    help="gptq (default): round so the layers' outputs on calibration text stay close (the built-in "
-                        "model: from seconds to minutes on 2 cores, int8 longer than int4, more on a busy CPU; README "
+                        "model: from seconds to minutes on 2 cores, more on a busy CPU; README "
                         "'Quantized decode'); rtn: round to nearest, instant")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="UTF-8 text file GPTQ calibrates on (default: a 16 KiB Shakespeare sample in the package)")
@@ -203,8 +203,8 @@ def quantized(model, args):
     quiet = getattr(args, "quiet", False)
     if method == "gptq" and not quiet:
         source = args.calibration or "the packaged calibration text"
-        print(f"quantizing to {args.quantize} with GPTQ on {source} (seconds to minutes: int8 takes longer than "
-              f"int4, and a busy CPU longer still; convert --quantize saves the result, --quantize-method rtn is "
+        print(f"quantizing to {args.quantize} with GPTQ on {source} (seconds to minutes, longer on a "
+              f"busy CPU; convert --quantize saves the result, --quantize-method rtn is "
               f"instant)", file=sys.stderr, flush=True)
     from ..inference.quant import quantize_model
 

@@ -11,7 +11,7 @@ import warnings
 import torch
 from torch import nn
 
-from ...core.hooks import record
+from ...core.hooks import HookPoint, record
 from ...progress import progress_bar
 
 from .linear import ACTIVATIONS, SCHEME_ACTIVATIONS, QuantizedHead, QuantizedLinear
@@ -166,6 +166,31 @@ def _hessians(modules: dict[str, nn.Module], run) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def first_non_finite(model: nn.Module, idx: torch.Tensor) -> str:
+    """The path of the first module (in the order the forward over ``idx [B, T]`` finishes
+    them: a layer before the block that holds it) whose output holds NaN or inf, or
+    ``"none (the logits are finite)"``. For naming where a calibration went wrong."""
+    found: list[str] = []
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, HookPoint):                            # capture points: the layers' own names say more
+            continue
+
+        def hook(mod, args, out, name=name or "the model"):
+            out = out[0] if isinstance(out, tuple) else getattr(out, "logits", out)
+            if not found and isinstance(out, torch.Tensor) and out.is_floating_point() and \
+                    not bool(torch.isfinite(out).all()):
+                found.append(name)
+        hooks.append(m.register_forward_hook(hook))
+    try:
+        model(idx)
+    finally:
+        for h in hooks:
+            h.remove()
+    return found[0] if found else "none (the logits are finite)"
+
+
+@torch.no_grad()
 def _gptq_layers(model, scheme: str, group_size: int | None, ids: torch.Tensor, weights: dict,
                  head: str = HEAD_SCHEME, bar=None) -> tuple[dict, dict]:
     """GPTQ every layer of ``weights`` on the calibration ``ids``, block after block (GPTQ's
@@ -187,6 +212,9 @@ def _gptq_layers(model, scheme: str, group_size: int | None, ids: torch.Tensor, 
         try:
             out = cls.from_float(w, b, scheme, group_size, hessian=hessian)
         except ValueError as e:
+            if not torch.isfinite(hessian).all():               # the cause lies upstream: name it
+                raise ValueError(f"{path}: its calibration inputs hold NaN or inf; the first module whose output "
+                                 f"is not finite is {first_non_finite(model, chunks[0])}") from None
             raise ValueError(f"{path}: {e}") from None
         if bar is not None:
             bar.update()
