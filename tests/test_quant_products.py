@@ -115,7 +115,9 @@ def test_int8_weights_of_minus_128_compute_as_their_dequantized_product(monkeypa
         x = torch.randn(rows, 64, generator=g)
         y = layer(x)
         err = rel_err(y, x.double() @ ref_w.t())
-        bound = 1e-4 if activations == "exact" or (activations == "auto" and rows == 1) else 3e-2
+        # exact: float32 on the GEMV kernel, integer pieces without it (FBGEMM's 7-bit pieces: ~1e-4)
+        exact = 3e-4 if kernel == "fbgemm" else 1e-4
+        bound = exact if activations == "exact" or (activations == "auto" and rows == 1) else 3e-2
         assert (err < bound).all(), (rows, float(err.max()))
 
 

@@ -663,8 +663,9 @@ class QuantizedHead(QuantizedLinear):
         return torch.promote_types(dtype, torch.float32)
 
     def dequantize_for(self, rows: int) -> bool:
-        """As :meth:`QuantizedLinear.dequantize_for`; an int4 head also from 2 rows on, where
-        the layer would take torch's bf16-activation kernel, whose bf16 *output* rounding left
-        ~78 distinct logits of 256 per row and ties for the top token (a break-it review): the
-        float32 product of the dequantized weight keeps logits float32 as the float head's."""
-        return (self.scheme == "int4" and rows >= 2) or super().dequantize_for(rows)
+        """As :meth:`QuantizedLinear.dequantize_for`; an int4 head also from 2 rows on, and at 1
+        where gpt2mha's kernels are not loaded, wherever the layer would take torch's
+        bf16-activation kernel, whose bf16 *output* rounding left ~78 distinct logits of 256 per
+        row and ties for the top token (a break-it review): the float32 product of the
+        dequantized weight keeps logits float32 as the float head's."""
+        return (self.scheme == "int4" and (rows >= 2 or not gemv.available())) or super().dequantize_for(rows)
