@@ -84,7 +84,8 @@ EX.views.generate = {
     EX.$("dist-summary").textContent = v.greedy ? "temperature 0: greedy, all the probability on the most probable token" :
       `top-k removes ${v.removed_k} of ${v.vocab} tokens (${EX.pct(v.removed_k_mass)} of the probability after temperature); ` +
       `top-p removes ${v.removed_p} more (${EX.pct(v.removed_p_mass)}); the draw is from ${v.kept} token(s), renormalised.`;
-    EX.$("dist").replaceChildren(EX.el("table", { class: "t", id: "dist-table" },
+    EX.$("dist").replaceChildren(EX.el("table", { class: "t", id: "dist-table", "data-temperature": v.temperature,
+      "data-top-k": v.top_k, "data-top-p": v.top_p },
       EX.el("tr", {}, ["token", "id", "model p", "after temperature", "", "filters", "sampled with p"].map((x) => EX.el("th", { text: x }))),
       v.tokens.map((r) => EX.el("tr", { "data-id": r.id }, EX.el("td", { class: "mono", text: JSON.stringify(r.label) }),
         EX.el("td", { class: "num", text: String(r.id) }), EX.el("td", { class: "num", text: r.p_model.toFixed(4) }),
