@@ -1,4 +1,4 @@
-"""The forward in one C++ call (gpt2mha.inference.native, quant/step.cpp) against the model's own
+"""The forward in one C++ call (gpt2mha.inference.native, kernels/cached_forward.cpp) against the model's own
 forward with a KVCache (the reference: the model is tested against transformers and
 openai/gpt-2's formulas elsewhere; both run the same W4A8, W7A8 and int8 product kernels, so
 what differs is LayerNorm, softmax and GELU in float32 summed in other orders)."""
@@ -14,7 +14,7 @@ from gpt2mha.inference import native
 from gpt2mha.inference.native import NativeStep, native_step
 from gpt2mha.inference.quant import gemv, set_activations
 
-needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"the kernels do not build here: {gemv.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"the kernels are not loaded: {gemv.unavailable_reason()}")
 
 
 def _model(seed=0, n_ctx=64, n_embd=64, n_head=4, n_layer=2, group_size=32, kind="per_block"):

@@ -2,7 +2,7 @@
 activations, int8 with per_row (W7A8) activations.
 
 :func:`~gpt2mha.inference.generate.generate` runs such a model (on the CPU, nothing hooked, the
-kernels built) through ``torch.ops.gpt2mha.cached_forward`` (``quant/step.cpp``): every decode
+kernels built) through ``torch.ops.gpt2mha.cached_forward`` (``kernels/cached_forward.cpp``): every decode
 step, and for per_row each prompt's prefill too (int4 per_block prompts take the exact products in
 the model's own forward), the embedding, every block (LayerNorm, the four products,
 attention over the row's own cached keys, GELU, the residual adds), ``ln_f`` and the head at
@@ -97,7 +97,7 @@ def why_not(model: nn.Module) -> str:
 
 
 def _product(layer: QuantizedLinear) -> list[torch.Tensor]:
-    # the layer's tensors in step.cpp's layouts: W4A8's and the exact int8 head's (weight, kernel
+    # the layer's tensors in cached_forward.cpp's layouts: W4A8's and the exact int8 head's (weight, kernel
     # scales), per_row's packed four
     if layer.activations == "per_row":
         return list(layer.per_row_packed())
