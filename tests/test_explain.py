@@ -77,7 +77,7 @@ def test_layer_and_head_units_are_the_capture_points(model, seq):
         assert torch.equal(scores[mask], captured[mask])
         q, k = cache["q", layer][0, :, head], cache["k", layer][0, :, head]
         torch.testing.assert_close(scores[~mask], (q @ k.T / hd ** 0.5)[~mask], atol=1e-5, rtol=1e-5)
-        assert torch.equal(decode(hu["masked"]), captured)
+        assert torch.equal(torch.where(decode(lu["mask"]).bool(), scores, torch.finfo(torch.float32).min), captured)
         pattern = decode(hu["pattern"])
         assert torch.equal(pattern, cache["pattern", layer][0, head])
         assert (pattern[~mask] == 0).all()

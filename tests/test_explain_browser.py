@@ -175,6 +175,7 @@ def test_offline_page_steps_and_pipeline_numbers(browser, server, model):
         ("m-q", 9, 1, float(q[9, 1])),
         ("m-scores", 6, 2, float(cache["attn_scores", L][0, h, 6, 2])),
         ("m-scores", 2, 6, float(q[2] @ k[6] / hd ** 0.5)),                        # above the diagonal: before the mask
+        ("m-masked", 6, 2, float(cache["attn_scores", L][0, h, 6, 2])),
         ("m-mask", 6, 2, 1.0), ("m-mask", 2, 6, 0.0),
         ("m-pattern", T - 1, j_max, float(pattern[T - 1, j_max])),
         ("m-pattern", 2, 6, 0.0),

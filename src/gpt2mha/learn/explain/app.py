@@ -138,8 +138,7 @@ class Explain:
         """What a page load starts from (embedded in its HTML): a session of its own, forked from
         the launch's prompt (:meth:`~.session.Sequence.fork`: its answers already computed)."""
         sid, seq = self.add(self.pristine.fork())
-        return {"mode": "live", "token": self.token, "session": sid, "prompt": self.prompt,
-                "model": self.entry.name, "T": len(seq.ids), "config": seq.unit("pipeline")["config"],
+        return {"mode": "live", "token": self.token, "session": sid, "prompt": self.prompt, **seq.summary(),
                 "checker": {"on": self.limits is not None, "note": self.checker_note,
                             "timeout_s": self.limits.timeout_s if self.limits else None,
                             "memory_mb": self.limits.memory_mb if self.limits else None}}
@@ -224,7 +223,7 @@ def create_app(state: Explain):
 
         def make():
             sid, seq = state.new_session(body.get("prompt"), body.get("model"))
-            return {"session": sid, "T": len(seq.ids), "model": seq.entry.name, "config": seq.unit("pipeline")["config"]}
+            return {"session": sid, **seq.summary()}
         return await answer(make)
 
     @app.get("/api/unit")

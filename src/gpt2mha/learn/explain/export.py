@@ -24,10 +24,10 @@ EXPORT_MAX_BYTES = 400 << 20
 def estimate_bytes(config, T: int) -> int:
     """About how many bytes an export of a ``T``-token prompt writes: float32 values in base64
     (4/3), per layer ``[T, n_embd]`` x5, ``[T, 3·n_embd]``, ``[T, T]`` and per head ``[T, head_dim]``
-    x4 and ``[T, T]`` x3, the small multiples (a byte per cell), the lens and the tokens."""
+    x4 and ``[T, T]`` x2, the small multiples (a byte per cell), the lens and the tokens."""
     c = config
     per_layer = T * c.n_embd * 8 + T * T
-    per_head = 4 * T * c.head_dim + 3 * T * T + T
+    per_head = 4 * T * c.head_dim + 2 * T * T + T
     floats = c.n_layer * per_layer + c.n_layer * c.n_head * per_head + 4 * T * c.n_embd + 4 * (c.n_layer + 1) * T
     thumbs = c.n_layer * c.n_head * min(T, 64) ** 2 // 4
     return (floats + thumbs) * 4 * 4 // 3 + 160 * T * 3 + 600 * c.n_layer * (c.n_head + 1)
@@ -67,7 +67,6 @@ def export(seq, out_dir: str, prompt: str, max_bytes: int = EXPORT_MAX_BYTES) ->
         ValueError: ``out_dir`` unusable (:func:`check_export_dir`), or the export too large.
     """
     from .app import STATIC, page_html
-    from .tensors import config_dict
 
     check_export_dir(out_dir)
     c, T = seq.entry.config, len(seq.ids)
@@ -89,8 +88,7 @@ def export(seq, out_dir: str, prompt: str, max_bytes: int = EXPORT_MAX_BYTES) ->
         key = kind if layer is None else f"layer_{layer}" if kind == "layer" else f"head_{layer}_{head}"
         total += write_unit(data, key, seq.unit(kind, layer, head))
         files += 1
-    boot = {"mode": "export", "token": "", "session": None, "prompt": prompt, "model": seq.entry.name, "T": T,
-            "config": config_dict(c), "checker": {"on": False, "note": "an exported page has no server", "timeout_s": None,
+    boot = {"mode": "export", "token": "", "session": None, "prompt": prompt, **seq.summary(), "checker": {"on": False, "note": "an exported page has no server", "timeout_s": None,
                                                   "memory_mb": None}}
     index = os.path.join(out_dir, "index.html")
     page = page_html(boot)

@@ -19,7 +19,7 @@ import torch
 from ...io.tokenizer import tokenizer_for
 from ..interventions import ablate_heads, logit_lens, next_token_shift, parse_heads
 from . import heads_view, kv_steps
-from .tensors import capture_layers, check_ids, encode, head_unit, layer_unit, pipeline_unit, token_pieces
+from .tensors import capture_layers, check_ids, config_dict, encode, head_unit, layer_unit, pipeline_unit, token_pieces
 
 #: Layer captures kept per sequence (each is ``[n_head, T, T]`` x2 plus a few ``[T, n_embd]``).
 KEEP_LAYERS = 4
@@ -101,6 +101,12 @@ class Sequence:
     def idx(self) -> torch.Tensor:
         """``[1, T]`` int64."""
         return torch.tensor([self.ids], dtype=torch.long)
+
+    def summary(self) -> dict:
+        """What a page needs to start on this sequence: ``{"T", "prompt_len", "tokens"
+        (:func:`~.tensors.token_pieces`), "config", "model"}``."""
+        return {"T": len(self.ids), "prompt_len": self.prompt_len, "tokens": token_pieces(self.entry.tok, self.ids),
+                "config": config_dict(self.entry.config), "model": self.entry.name}
 
     # ------------------------------------------------------------------ the views' data
     def layer_capture(self, layer: int) -> dict:

@@ -128,17 +128,16 @@ def raw_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def head_unit(cap: dict, layer: int, head: int) -> dict:
     """One head's steps: ``q, k, v`` ``[T, head_dim]`` (head h's columns of the three blocks),
     ``scores`` ``[T, T]`` = ``q kᵀ/√head_dim`` (``hook_attn_scores`` where the mask lets a
-    query read the key; computed from q and k above it, where the capture holds the mask's fill),
-    ``masked`` (``hook_attn_scores``),
-    ``pattern`` (``hook_pattern``, rows sum to 1), ``rowsum`` ``[T]`` and ``z`` ``[T, head_dim]``
-    (``hook_z``: A·v)."""
+    query read the key; computed from q and k above it, where the capture holds the mask's fill:
+    the page draws the masked scores from these and the layer's mask), ``pattern``
+    (``hook_pattern``, rows sum to 1), ``rowsum`` ``[T]`` and ``z`` ``[T, head_dim]`` (``hook_z``: A·v)."""
     q, k, v = (cap[n][:, head] for n in "qkv")
     T = q.shape[0]
     mask = attention_mask(T, T)
     masked, pattern = cap["masked"][head], cap["pattern"][head]
     scores = torch.where(mask, masked, raw_scores(q, k))
     return {"layer": layer, "head": head, "T": T, "q": encode(q), "k": encode(k), "v": encode(v),
-            "scores": encode(scores), "masked": encode(masked),
+            "scores": encode(scores),
             "pattern": encode(pattern), "rowsum": encode(pattern.double().sum(-1)), "z": encode(cap["z"][:, head]),
             "scale": 1.0 / math.sqrt(q.shape[-1])}
 

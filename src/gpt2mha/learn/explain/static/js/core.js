@@ -78,6 +78,7 @@ EX.unit = async function (kind, layer, head) {
 
 // Tensors arrive as {"shape": [...], "f32" | "u8": base64}; decoded once.
 EX.b64 = function (s) {
+  if (Uint8Array.fromBase64) return Uint8Array.fromBase64(s);          // native where the browser has it
   const bin = atob(s), n = bin.length, out = new Uint8Array(n);
   for (let i = 0; i < n; i++) out[i] = bin.charCodeAt(i);
   return out;

@@ -23,8 +23,11 @@ EX.summary = function () {
     (EX.state.T > EX.state.promptLen ? ` (${EX.state.T - EX.state.promptLen} generated)` : "");
 };
 
-EX.loadSequence = async function (session, config, model) {
-  Object.assign(EX.state, { session, config, model, version: 0 });
+// A sequence to show: {session, T, prompt_len, tokens, config, model} (the boot data, or a new prompt's).
+EX.loadSequence = function (seq) {
+  const config = seq.config;
+  Object.assign(EX.state, { session: seq.session, config, model: seq.model, version: 0, tokens: seq.tokens, T: seq.T,
+    promptLen: seq.prompt_len });
   EX.cache.clear();
   EX.rendered = {};
   EX.views.generate.built = false;
@@ -33,10 +36,6 @@ EX.loadSequence = async function (session, config, model) {
   EX.fillSelect(EX.$("layer"), c.n_layer, Math.min(EX.state.layer, c.n_layer - 1), "layer");
   EX.fillSelect(EX.$("head"), c.n_head, Math.min(EX.state.head, c.n_head - 1), "head");
   EX.select(+EX.$("layer").value, +EX.$("head").value);
-  const p = await EX.unit("pipeline");
-  EX.state.tokens = p.tokens;
-  EX.state.T = p.T;
-  EX.state.promptLen = p.prompt_len;
   EX.summary();
 };
 
@@ -64,7 +63,7 @@ EX.start = async function () {
     btn.disabled = true;
     try {
       const r = await EX.api("POST", "api/session", { prompt: EX.$("prompt").value, model: EX.$("model").value.trim() || null });
-      await EX.loadSequence(r.session, r.config, r.model);
+      EX.loadSequence(r);
       EX.showError(null);
       await EX.openTab(EX.state.tab);
     } catch (e) {
@@ -73,12 +72,7 @@ EX.start = async function () {
       btn.disabled = false;
     }
   });
-  try {
-    await EX.loadSequence(EX.live ? b.session : "export", b.config, b.model);
-  } catch (e) {
-    EX.showError(e.message);
-    return;
-  }
+  EX.loadSequence(Object.assign({}, b, { session: EX.live ? b.session : "export" }));
   window.addEventListener("hashchange", () => EX.openTab(location.hash.slice(1)));
   await EX.openTab((location.hash || "#steps").slice(1));
   document.body.dataset.ready = "1";

@@ -19,12 +19,20 @@ EX.pastMask = function (nd, ns) {
   return { shape: [nd, ns], data };
 };
 
+// The masked scores (hook_attn_scores): the scores where the mask is 1, float32's lowest value elsewhere.
+EX.masked = function (scores, mask) {
+  const data = new Float32Array(scores.data.length);
+  for (let k = 0; k < data.length; k++) data[k] = mask.data[k] > 0.5 ? scores.data[k] : -3.4028234663852886e38;
+  return { shape: scores.shape, data };
+};
+
 EX.views.steps = {
   async render() {
     const L = EX.state.layer, h = EX.state.head, c = EX.state.config;
     const box = EX.$("steps");
     const t0 = performance.now();
     const [lu, hu] = await Promise.all([EX.unit("layer", L), EX.unit("head", L, h)]);
+    const t1 = performance.now();
     const T = lu.T, C = c.n_embd, hd = c.head_dim, H = c.n_head;
     const tk = (enc) => EX.tensor(enc);
     const rowDesc = EX.tokenDescriber("rows"), pairDesc = EX.tokenDescriber("pairs");
@@ -58,7 +66,8 @@ EX.views.steps = {
         m("scores", "scores", hu.scores, Object.assign({ caption: "every query · every key, before the mask" }, sq)),
         m("mask", "mask", lu.mask, Object.assign({ kind: "mask",
           caption: [`attention_mask(nd=${T}, ns=${T}): m[i, j] = i >= j - ns + nd (1 = may attend)`] }, sq)),
-        m("masked", "masked", hu.masked, Object.assign({ caption: "where(m, scores, -1e10): the future is masked (grey)" }, sq))),
+        EX.matrix(Object.assign({ id: "m-masked", name: "masked", t: EX.masked(tk(hu.scores), tk(lu.mask)),
+          describe: pairDesc, caption: "where(m, scores, -1e10): the future is masked (grey)" }, sq))),
       EX.arrow(`A = softmax(masked) over each row (the keys)   [T, T] = ${EX.shape([T, T])}; masked keys get exactly 0`),
       EX.el("div", { class: "row" },
         m("pattern", "A", hu.pattern, Object.assign({ kind: "weights", caption: "the attention pattern (hook_pattern)" }, sq)),
@@ -77,8 +86,9 @@ EX.views.steps = {
       EX.views.steps.pastDemo(T),
     ];
     box.replaceChildren(...kids);
-    EX.$("steps-note").textContent = `drawn in ${(performance.now() - t0).toFixed(0)} ms`;
     EX.painted = performance.now();
+    EX.timing = { fetch: t1 - t0, draw: EX.painted - t1 };
+    EX.$("steps-note").textContent = `fetched in ${EX.timing.fetch.toFixed(0)} ms, drawn in ${EX.timing.draw.toFixed(0)} ms`;
   },
 
   // The mask with a cache: nd new queries after a past of P tokens read every cached key.
