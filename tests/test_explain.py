@@ -342,3 +342,18 @@ def test_cli_export(tmp_path):
     assert main(argv) == 0
     assert (out / "index.html").is_file() and (out / "data" / "pipeline.js").is_file()
     assert main(["explain", "x" * 100_000, "--export", str(tmp_path / "long")] + argv[4:]) == 2
+
+
+def test_heads_output_links_the_explainer(tmp_path, capsys):
+    import shlex
+
+    from gpt2mha.cli import build_parser, main
+
+    small_model(n_vocab=256, n_ctx=96, tokenizer="bytes").save_pretrained(str(tmp_path / "m"))
+    prompt = "ROMEO:\nBut soft"
+    assert main(["heads", prompt, "--model", str(tmp_path / "m"), "--out", str(tmp_path / "o")]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    command = line.split("interactive: ", 1)[1]
+    args = build_parser().parse_args(shlex.split(command)[1:])          # the printed line runs as it is
+    assert (args.command, args.prompt, args.model) == ("explain", prompt, str(tmp_path / "m"))
+    assert "<code>gpt2mha explain</code>" in (tmp_path / "o" / "heads.html").read_text()

@@ -58,7 +58,14 @@ def cmd_heads(args) -> int:
     for note in files["notes"]:
         print(f"note: {note}")
     print(f"wrote {files['grid']}, {files['html']}" + "".join(f", {p}" for p in files["heads"]))
+    print(f"every step of the attention with these numbers, interactive: {explain_command(args.prompt, args.model)}")
     return 0
+
+
+def explain_command(prompt: str, model: str | None) -> str:
+    """The ``gpt2mha explain`` line that opens PROMPT (and MODEL) in the interactive page."""
+    import shlex
+    return f"gpt2mha explain {shlex.quote(prompt)}" + (f" --model {shlex.quote(model)}" if model else "")
 
 
 def cmd_check(args) -> int:

@@ -274,6 +274,8 @@ table.s td {{ padding: 1px 8px; }} pre {{ background: #f4f4f4; padding: .5em; }}
 </style></head><body>
 <h1>{title}</h1>
 <p>Prompt ({T} tokens; space shown as &#9251;, newline as &#8629;): <code>{prompt}</code></p>
+<p id="explain">Every step of these heads' attention with the model's numbers (q, k, v, scores, mask, softmax, c_proj),
+the KV cache and your own attention module checked: <code>gpt2mha explain</code> with this prompt opens it interactively.</p>
 <p>{L} layers x {H} heads. In every map row = query token, column = key token; brighter = more weight.
 Click a small map to enlarge it.</p>
 <ul id="notes">{notes}</ul>
