@@ -352,8 +352,7 @@ def test_heads_output_links_the_explainer(tmp_path, capsys):
     small_model(n_vocab=256, n_ctx=96, tokenizer="bytes").save_pretrained(str(tmp_path / "m"))
     prompt = "ROMEO:\nBut soft"
     assert main(["heads", prompt, "--model", str(tmp_path / "m"), "--out", str(tmp_path / "o")]) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    command = line.split("interactive: ", 1)[1]
+    command = capsys.readouterr().out.split("interactive: ", 1)[1].rstrip("\n")    # a quoted newline spans lines
     args = build_parser().parse_args(shlex.split(command)[1:])          # the printed line runs as it is
     assert (args.command, args.prompt, args.model) == ("explain", prompt, str(tmp_path / "m"))
     assert "<code>gpt2mha explain</code>" in (tmp_path / "o" / "heads.html").read_text()
