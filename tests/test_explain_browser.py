@@ -51,7 +51,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def state(model):
-    state = Explain(ModelEntry(model, "test-model"), PROMPT, limits=CheckLimits(timeout_s=20), load=GPT2.from_pretrained)
+    name = DEFAULT_MODEL if DEFAULT_MODEL in builtin_models() else "random test model"
+    state = Explain(ModelEntry(model, name), PROMPT, limits=CheckLimits(timeout_s=20), load=GPT2.from_pretrained)
     state.warm()
     return state
 
@@ -119,11 +120,21 @@ def tab(driver, name: str):
     return wait(driver, f"return document.body.dataset.{name}")
 
 
-def shot(driver, name: str):
+def shot(driver, name: str, anchor: str | None = None):
+    """With GPT2MHA_SCREENSHOT_DIR set: the window as it is (scrolled to ``anchor``'s element, else
+    the top) saved there as ``explain_NAME.png`` in 256 colours."""
     directory = os.environ.get("GPT2MHA_SCREENSHOT_DIR")
-    if directory:
+    if not directory:
+        return
+    from PIL import Image
+
+    if anchor:
+        driver.execute_script("EX.$(arguments[0]).scrollIntoView({block: 'start'}); window.scrollBy(0, -90)", anchor)
+    else:
         driver.execute_script("window.scrollTo(0, 0)")
-        driver.save_screenshot(os.path.join(directory, f"explain_{name}.png"))
+    path = os.path.join(directory, f"explain_{name}.png")
+    driver.save_screenshot(path)
+    Image.open(path).convert("RGB").quantize(256).save(path, optimize=True)
 
 
 def hover(driver, canvas_id: str, i: int, j: int) -> str:
@@ -193,7 +204,8 @@ def test_offline_page_steps_and_pipeline_numbers(browser, server, model):
     assert any(f"qkv [{T}, {3 * C}]" in t for t in captions) and any(f"A [{T}, {T}]" in t for t in captions)
     arrows = browser.execute_script("return Array.from(document.querySelectorAll('#steps .arrow')).map(a => a.textContent)")
     assert any(f"[{T}, {C}] @ [{C}, {3 * C}] -> [{T}, {3 * C}]" in a for a in arrows)
-    shot(browser, "steps")
+    hover(browser, "m-pattern", T - 1, j_max)
+    shot(browser, "steps", "m-qkv-fig")
     # the pipeline: tokens and embeddings
     tab(browser, "pipeline")
     chips = browser.execute_script("return Array.from(document.querySelectorAll('#token-chips .tok small')).map(s => +s.textContent)")
@@ -342,7 +354,7 @@ def test_checker_on_a_correct_a_wrong_and_broken_modules(browser, server, state)
     wait(browser, "return EX.$('code').value.includes('wrong')")
     assert "MISMATCH" in _check(browser)
     assert browser.execute_script("return EX.$('check-stages').querySelector('tr.first').dataset.stage") == "weights"
-    shot(browser, "check")
+    shot(browser, "check", "check-verdict")
     # the tensors shown are the checker's: the reference's and the module's weights, batch 0, head 0
     path = os.path.join(EXAMPLES, "wrong_scale.py")
     report = check(f"{path}:MultiHeadAttention")

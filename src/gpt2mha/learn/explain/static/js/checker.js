@@ -63,7 +63,7 @@ EX.views.check = {
   show(r) {
     const box = EX.$("check-result");
     if (r.error) {
-      box.replaceChildren(EX.el("p", { class: "verdict error", id: "check-verdict", text: `could not check: ${r.error}` }),
+      EX.put(box, EX.el("p", { class: "verdict error", id: "check-verdict", text: `could not check: ${r.error}` }),
         r.output ? EX.el("pre", { class: "report", id: "check-output", text: r.output }) : null);
       return;
     }
@@ -82,7 +82,7 @@ EX.views.check = {
       EX.el("td", { text: s.stage === first ? "first differing stage" : same }), EX.el("td", { class: "mono", text: s.where || "" }));
       return tr;
     });
-    box.replaceChildren(
+    EX.put(box,
       EX.el("p", { class: "verdict " + (verdict.startsWith("match") ? "match" : verdict), id: "check-verdict", text: `${r.class}: ${words[verdict] || verdict}` }),
       rep.error ? EX.el("p", { class: "warn", id: "check-error", text: rep.error }) : null,
       rep.diagnosis_text.length ? EX.el("ul", { id: "check-diagnosis" }, rep.diagnosis_text.map((d) => EX.el("li", { text: d }))) : null,

@@ -26,6 +26,8 @@ EX.el = function (tag, attrs, ...children) {
   return e;
 };
 EX.$ = (id) => document.getElementById(id);
+// replaceChildren without the nulls (an optional part left out), which it would print as "null".
+EX.put = (box, ...children) => box.replaceChildren(...children.flat().filter((c) => c !== null && c !== undefined && c !== false));
 
 EX.showError = function (message) {
   const box = EX.$("error");

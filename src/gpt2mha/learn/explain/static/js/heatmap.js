@@ -46,6 +46,7 @@ EX.matrix = function (spec) {
   canvas.addEventListener("mouseleave", EX.hideTip);
   const cap = EX.el("figcaption", {}, EX.el("b", { text: spec.name }), " ",
     EX.el("span", { class: "shape", text: EX.shape(t.shape) }), spec.caption ? [" ", spec.caption].flat() : []);
+  cap.style.maxWidth = Math.max(cols * cw, 260) + "px";             // the caption wraps at the matrix's width
   return EX.el("figure", { class: "mx", id: spec.id + "-fig" }, cap, EX.el("div", { class: "scroll" }, canvas));
 };
 

@@ -38,7 +38,7 @@ EX.views.steps = {
     const rowDesc = EX.tokenDescriber("rows"), pairDesc = EX.tokenDescriber("pairs");
     const rowsOnly = (i) => rowDesc(i);
     const m = (id, name, enc, extra) => EX.matrix(Object.assign({ id: "m-" + id, name, t: tk(enc), describe: rowsOnly, maxH: 240 }, extra));
-    const sq = { square: true, maxW: 420, maxH: 420, describe: pairDesc };
+    const sq = { square: true, maxW: 400, maxH: 400, describe: pairDesc };
     const sqrt = Math.sqrt(hd);
     const sl = (base) => `${base + h * hd}:${base + (h + 1) * hd}`;
     const kids = [
@@ -71,7 +71,7 @@ EX.views.steps = {
       EX.arrow(`A = softmax(masked) over each row (the keys)   [T, T] = ${EX.shape([T, T])}; masked keys get exactly 0`),
       EX.el("div", { class: "row" },
         m("pattern", "A", hu.pattern, Object.assign({ kind: "weights", caption: "the attention pattern (hook_pattern)" }, sq)),
-        m("rowsum", "row sums", hu.rowsum, { column: true, maxH: 420, kind: "signed",
+        m("rowsum", "row sums", hu.rowsum, { column: true, maxH: 400, kind: "weights",
           caption: ["Σ_j A[i, j] = 1"], describe: rowsOnly })),
       EX.arrow(`z_h = A @ v_h   [T, T] @ [T, head_dim] -> [T, head_dim] = ${EX.shape([T, hd])}`),
       m("z", "z_h", hu.z, { maxW: 300, caption: "each query's weighted sum of the values (hook_z)" }),
