@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -356,3 +357,31 @@ def test_heads_output_links_the_explainer(tmp_path, capsys):
     args = build_parser().parse_args(shlex.split(command)[1:])          # the printed line runs as it is
     assert (args.command, args.prompt, args.model) == ("explain", prompt, str(tmp_path / "m"))
     assert "<code>gpt2mha explain</code>" in (tmp_path / "o" / "heads.html").read_text()
+
+
+@pytest.mark.slow
+def test_cli_serves_the_page_until_interrupted(tmp_path):
+    import signal
+
+    argv = [sys.executable, "-m", "gpt2mha", "explain", "JULIET: O Romeo", "--port", "0"]
+    if DEFAULT_MODEL not in builtin_models():
+        small_model(n_vocab=256, n_ctx=96, tokenizer="bytes").save_pretrained(str(tmp_path / "m"))
+        argv += ["--model", str(tmp_path / "m")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    watchdog = threading.Timer(180, proc.kill)               # every wait below is bounded: the process ends by then
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()
+        url = line.split("open ", 1)[1].split()[0]
+        assert url.startswith("http://127.0.0.1:") and "/?token=" in url
+        page = httpx.get(url, timeout=60)
+        assert page.status_code == 200 and "JULIET: O Romeo" in page.text
+        assert httpx.get(url.split("?")[0], timeout=60).status_code == 403
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode in (0, 130)

@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -47,7 +48,7 @@ log = logging.getLogger("gpt2mha.explain")
 #: The page's files (HTML template, JavaScript, CSS, example modules).
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 #: Sequences kept at once (the oldest is dropped; its page is told to reload).
-MAX_SESSIONS = 16
+MAX_SESSIONS = 8
 #: Largest request body, in bytes.
 MAX_BODY = 1 << 20
 #: Headers of every page and answer: no framing, no referrer, only this origin's resources.
@@ -323,6 +324,7 @@ def serve(state: Explain, host: str = "127.0.0.1", port: int = 8765, open_browse
     app = guarded_app(state, host, port)
     url = url_of(host, port, state.token)
     announce(f"gpt2mha explain: open {url}  (Ctrl-C stops it)")
+    sys.stdout.flush()                                                # a pipe or a log sees it at once
     if open_browser:
         import webbrowser
         threading.Timer(0.5, webbrowser.open, args=(url,)).start()

@@ -21,8 +21,10 @@ from ..interventions import ablate_heads, logit_lens, next_token_shift, parse_he
 from . import heads_view, kv_steps
 from .tensors import capture_layers, check_ids, config_dict, encode, head_unit, layer_unit, pipeline_unit, token_pieces
 
-#: Layer captures kept per sequence (each is ``[n_head, T, T]`` x2 plus a few ``[T, n_embd]``).
-KEEP_LAYERS = 4
+#: Layer captures kept per sequence (each is ``[n_head, T, T]`` x2 plus a few ``[T, n_embd]``), and
+#: the bytes they may hold together (the last one asked for is always kept): 124M at 1024 tokens
+#: is ~110 MB a layer.
+KEEP_LAYERS, KEEP_BYTES = 4, 256 << 20
 #: Tokens per lens answer: the top tokens of each decoded stream at each position.
 LENS_TOP = 3
 #: Tokens listed before and after an ablation.
@@ -110,12 +112,14 @@ class Sequence:
 
     # ------------------------------------------------------------------ the views' data
     def layer_capture(self, layer: int) -> dict:
-        """:func:`~.tensors.capture_layers` of ``layer`` (kept for the next :data:`KEEP_LAYERS` asks)."""
+        """:func:`~.tensors.capture_layers` of ``layer`` (the last :data:`KEEP_LAYERS` asked for are kept,
+        within :data:`KEEP_BYTES`)."""
         if layer not in self._layers:
             self._layers.update(capture_layers(self.entry.model, self.idx, [layer]))
-            while len(self._layers) > KEEP_LAYERS:
-                self._layers.popitem(last=False)
         self._layers.move_to_end(layer)
+        held = lambda: sum(t.numel() * t.element_size() for cap in self._layers.values() for t in cap.values())
+        while len(self._layers) > 1 and (len(self._layers) > KEEP_LAYERS or held() > KEEP_BYTES):
+            self._layers.popitem(last=False)
         return self._layers[layer]
 
     def logits(self) -> torch.Tensor:
