@@ -385,3 +385,38 @@ def test_cli_serves_the_page_until_interrupted(tmp_path):
             proc.kill()
             proc.wait(timeout=30)
     assert proc.returncode in (0, 130)
+
+
+def test_a_bpe_model_gets_its_pieces_and_every_view(tmp_path):
+    from gpt2mha.learn.explain.export import export
+
+    model = small_model(n_vocab=50257, n_ctx=64, n_layer=2, tokenizer="gpt2")
+    entry = ModelEntry(model, "random BPE")
+    s = Sequence(entry, entry.encode_prompt("Hello world, hello world"))
+    tokens = s.summary()["tokens"]
+    assert [t["label"] for t in tokens][:3] == ["Hello", "\u2423world", ","]
+    assert tokens[1]["bytes"] == "20 77 6f 72 6c 64"
+    for kind, layer, head in (("pipeline", None, None), ("layer", 1, None), ("head", 1, 3), ("heads", None, None),
+                              ("lens", None, None)):
+        assert s.unit(kind, layer, head)["version"] == 0
+    v = s.sampling(1.0, 40, 0.9)
+    assert v["vocab"] == 50257 and v["removed_k"] == 50257 - 40
+    assert s.step(1.0, 40, 0.9, seed=3)["past_after"][4] == len(s.ids)
+    assert export(s, str(tmp_path / "bpe"), "Hello world, hello world")["files"] == 4 + 2 * 5
+
+
+def test_the_page_files_ship_in_the_package():
+    """Every file of the page matches one of pyproject.toml's package-data patterns (a wheel
+    without them serves a blank page)."""
+    import fnmatch
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")                  # Python 3.11+
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["gpt2mha"]
+    package = root / "src" / "gpt2mha"
+    files = [p.relative_to(package).as_posix() for p in (package / "learn" / "explain" / "static").rglob("*") if p.is_file()
+             and "__pycache__" not in p.parts]
+    assert len(files) >= 14
+    assert [f for f in files if not any(fnmatch.fnmatch(f, pat) and f.count("/") == pat.count("/") for pat in patterns)] == []
