@@ -419,6 +419,27 @@ def test_export_opens_from_disk_offline(browser, state, model, tmp_path):
     for name in ("generate", "check"):
         tab(browser, name)
         assert "gpt2mha explain" in browser.find_element("css selector", f"#view-{name} .needs").text
+    # the sampling filters run in the exported page itself: the library's numbers all the same
+    from selenium.webdriver.common.keys import Keys
+
+    from gpt2mha.learn.explain.kv_steps import filtered
+
+    assert browser.find_element("id", "next").get_attribute("disabled") is not None
+    tab(browser, "generate")
+    for key, slider, presses in ((Keys.ARROW_LEFT, "temperature", 6), (Keys.ARROW_LEFT, "top_p", 10)):
+        for _ in range(presses):
+            browser.find_element("id", slider).send_keys(key)
+    wait(browser, "const t = EX.$('dist-table'); return t && t.dataset.temperature === '0.7' && t.dataset.topP === '0.9'")
+    with torch.no_grad():
+        logits = model(torch.tensor([list(PROMPT.encode())])).logits[0, -1]
+    p_temp, _, after_p, p_final = filtered(logits, 0.7, 0, 0.9)
+    rows = browser.execute_script("return Array.from(document.querySelectorAll('#dist-table tr')).slice(1).map(r => "
+                                  "[+r.dataset.id, r.children[3].textContent, r.children[5].textContent, r.children[6].textContent])")
+    assert len(rows) == 30
+    for tid, temp, status, final in rows:
+        assert abs(float(temp) - float(p_temp[tid])) <= 0.5e-4 + 1e-6
+        assert abs(float(final) - float(p_final[tid])) <= 0.5e-4 + 1e-6
+        assert status == ("kept" if torch.isfinite(after_p[tid]) else "removed by top-p")
     tab(browser, "intervene")
     wait(browser, "return EX.$('lens-table')")
     loaded = browser.execute_script("return Array.from(document.querySelectorAll('script[src], link[href]'))"

@@ -34,8 +34,9 @@ LAYER_POINTS = ("hook_resid_pre", "ln_1.hook_normalized", "attn.hook_q", "attn.h
 SHORT = {"hook_resid_pre": "resid_pre", "ln_1.hook_normalized": "x", "attn.hook_q": "q", "attn.hook_k": "k",
          "attn.hook_v": "v", "attn.hook_attn_scores": "masked", "attn.hook_pattern": "pattern", "attn.hook_z": "z",
          "hook_attn_out": "attn_out", "hook_resid_mid": "resid_mid"}
-#: How many of the most probable next tokens the pipeline view lists.
-TOP_NEXT = 20
+#: How many of the most probable next tokens the pipeline view lists (and an exported page's
+#: sampling view: the most probable after any temperature are the most probable before it).
+TOP_NEXT = 30
 
 
 def encode(t: torch.Tensor) -> dict:
@@ -164,7 +165,8 @@ def pipeline_unit(model, tok, idx: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """The pipeline at a glance for ``idx [1, T]``: tokens (:func:`token_pieces`), ``embed``
     (``hook_embed``: ``wte[ids]``), ``pos`` (``hook_pos_embed``: ``wpe[0..T-1]``), ``h0`` (their
     sum, block 0's input), ``ln_f`` (``ln_f.hook_normalized``), each ``[T, n_embd]``, and the
-    next-token distribution of the last position (:func:`top_tokens`).
+    next-token distribution of the last position (:func:`top_tokens`) and its logits
+    ``last_logits [n_vocab]`` (an exported page filters them itself).
 
     Returns:
         ``(unit, logits [T, n_vocab])``.
@@ -176,5 +178,5 @@ def pipeline_unit(model, tok, idx: torch.Tensor) -> tuple[dict, torch.Tensor]:
     unit = {"config": config_dict(model.config), "tokens": token_pieces(tok, ids), "T": len(ids),
             "embed": encode(cache["hook_embed"][0]), "pos": encode(cache["hook_pos_embed"][0]),
             "h0": encode(cache["h.0.hook_resid_pre"][0]), "ln_f": encode(cache["ln_f.hook_normalized"][0]),
-            "next": top_tokens(tok, logits[0, -1])}
+            "next": top_tokens(tok, logits[0, -1]), "last_logits": encode(logits[0, -1])}
     return unit, logits[0].float()

@@ -8,14 +8,9 @@ EX.views.generate = {
 
   async render() {
     const box = EX.$("generate");
-    if (!EX.live) {
-      const u = await EX.unit("pipeline");
-      box.replaceChildren(EX.needsServer("Sampling a new token"), EX.el("h3", { text: "The next-token distribution" }),
-        EX.distBars(u.next, "p", "next-dist"));
-      return;
-    }
     if (!this.built) this.build(box);
     EX.$("gen-tokens").replaceChildren(EX.tokenChips(EX.state.tokens, EX.state.promptLen));
+    if (!EX.live) { await this.preview(); return; }
     EX.$("past-now").textContent = `past: ${EX.shape(this.cacheShape())}  (B, n_layer, 2 = keys|values, n_head, T, head_dim)`;
     await this.preview();
     this.drawRow();
@@ -56,6 +51,12 @@ EX.views.generate = {
           EX.el("div", { class: "controls" }, EX.el("label", {}, "layer ", EX.el("select", { id: "kv-layer" })),
             EX.el("label", {}, "head ", EX.el("select", { id: "kv-head" }))),
           EX.el("div", { id: "kv-row" }))));
+    if (!EX.live) {                       // an exported page: the filters run here; a draw needs the model
+      EX.$("next").disabled = EX.$("reset").disabled = true;
+      EX.$("kv-row").parentNode.replaceChildren(EX.el("h3", { text: "The KV cache" }), EX.needsServer("Drawing a token and a decode step on the cache"));
+      this.built = true;
+      return;
+    }
     EX.fillSelect(EX.$("kv-layer"), c.n_layer, EX.state.layer, "layer");
     EX.fillSelect(EX.$("kv-head"), c.n_head, EX.state.head, "head");
     EX.$("kv-layer").addEventListener("change", () => this.drawRow());
@@ -74,8 +75,9 @@ EX.views.generate = {
   },
 
   async preview() {
-    const v = await EX.api("POST", "api/sample", this.fields());
-    this.drawDist(v);
+    if (EX.live) { this.drawDist(await EX.api("POST", "api/sample", this.fields())); return; }
+    const u = await EX.unit("pipeline"), f = this.fields();
+    this.drawDist(EX.samplingView(EX.tensor(u.last_logits).data, u.next, f.temperature, f.top_k, f.top_p));
   },
 
   drawDist(v) {
