@@ -49,6 +49,8 @@ def _load(name: str):
 
 
 def cmd_explain(args) -> int:
+    """``gpt2mha explain``: load the model, then write the export (``--export``) or serve the page
+    until Ctrl-C (the launch's prompt computed first, so the page paints at once)."""
     import sys
 
     from .. import DEFAULT_MODEL

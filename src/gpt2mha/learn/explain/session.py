@@ -42,6 +42,7 @@ class ModelEntry:
 
     @property
     def config(self):
+        """The model's :class:`~gpt2mha.core.model.GPT2Config`."""
         return self.model.config
 
     def induction(self):
