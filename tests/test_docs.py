@@ -1,0 +1,288 @@
+"""The documentation site (docs/, mkdocs.yml) cannot rot: its code runs, its CLI reference covers
+the parser, its links and pictures exist.
+
+- Every fenced ``python`` / ``bash`` block of the tutorials and how-to guides carries a marker
+  on the line before it: ``<!-- test: run -->`` (run here), ``<!-- test: write FILE -->`` (the
+  block is a file the next blocks use), or ``<!-- test: skip REASON -->`` (a server to keep
+  running, torchrun, a download, minutes of work: said why). A page's marked blocks run in
+  order, offline, on the built-in model, in a fresh directory holding a link to ``data/``:
+  Python blocks in one namespace (as a notebook), bash lines one by one (``gpt2mha ...`` lines
+  in this process through ``gpt2mha.cli.main``, which must return 0: no torch import per line;
+  anything else through ``bash``). ``<!-- test: run server -->`` runs a block against a live
+  ``gpt2mha serve`` of the built-in model (its ``http://127.0.0.1:8000`` replaced by the test
+  server's address).
+- The CLI reference page (docs/hooks/cli_reference.py, an MkDocs hook) names every subcommand and
+  every flag ``gpt2mha.cli.build_parser()`` has.
+- Every relative link and image of docs/ points at a file that exists (``mkdocs build --strict``
+  in CI checks the rest: anchors, the API reference's objects).
+
+Reference: the pages themselves; MkDocs' hook API (``on_page_markdown``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+RUNNABLE_DIRS = ("tutorials", "how-to")
+FENCE = re.compile(r"(?:^<!-- test: (?P<marker>[^>]*?) -->\n)?^```(?P<lang>[\w-]*)[^\n]*\n(?P<code>.*?)^```[ \t]*$",
+                   re.M | re.S)
+SERVER_URL = "http://127.0.0.1:8000"
+
+
+def blocks(page: pathlib.Path):
+    """``[(language, marker or None, code, line)]`` of every fenced block of ``page``."""
+    text = page.read_text(encoding="utf-8")
+    return [(m["lang"], m["marker"], m["code"], text.count("\n", 0, m.start("code")) + 1)
+            for m in FENCE.finditer(text)]
+
+
+def runnable_pages():
+    return sorted(p for d in RUNNABLE_DIRS for p in (DOCS / d).glob("*.md"))
+
+
+def load_hook():
+    spec = importlib.util.spec_from_file_location("cli_reference", DOCS / "hooks" / "cli_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------- markers
+@pytest.mark.parametrize("page", runnable_pages(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_code_block_of_the_guides_is_marked(page):
+    """A python or bash block without a marker would be neither run nor said to be skipped."""
+    for lang, marker, _, line in blocks(page):
+        if lang in ("python", "bash", "sh"):
+            assert marker, f"{page.relative_to(ROOT)}:{line}: a ```{lang} block without <!-- test: ... -->"
+            kind = marker.split()[0]
+            assert kind in ("run", "skip", "write"), f"{page.relative_to(ROOT)}:{line}: unknown marker {marker!r}"
+            if kind == "skip":
+                assert len(marker.split()) > 1, f"{page.relative_to(ROOT)}:{line}: say why the block is skipped"
+
+
+def test_the_guides_have_runnable_blocks():
+    """The collector finds what it should (a broken pattern would pass every page vacuously)."""
+    ran = {p.name: sum(1 for _, m, _, _ in blocks(p) if m and m.split()[0] == "run") for p in runnable_pages()}
+    assert ran["build-attention.md"] >= 5 and ran["look-inside.md"] >= 2 and ran["quantize.md"] >= 1
+    assert sum(ran.values()) >= 25
+
+
+# ------------------------------------------------------------------------------- running
+def bash_commands(code: str):
+    """The commands of a bash block: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    for line in joined.splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            yield line, words
+
+
+def run_bash(code: str, cwd: pathlib.Path, where: str) -> None:
+    from gpt2mha.cli import main
+
+    env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "HF_HUB_OFFLINE": "1"}
+    for line, words in bash_commands(code):
+        if words[0] == "gpt2mha" and not re.search(r"[|&;<>]", line.split("#")[0]):
+            try:
+                code_ = main(words[1:])
+            except SystemExit as e:                       # argparse's exit (usage errors, --help)
+                code_ = e.code
+            assert code_ == 0, f"{where}: `{line.strip()}` exited {code_}"
+        else:
+            done = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True,
+                                  timeout=120)
+            assert done.returncode == 0, f"{where}: `{line.strip()}` exited {done.returncode}:\n{done.stderr[-2000:]}"
+
+
+@pytest.fixture(scope="module")
+def docs_server():
+    """A live server of the built-in model (the address ``gpt2mha serve`` would print)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from gpt2mha import DEFAULT_MODEL, GPT2
+    from gpt2mha.io.tokenizer import get_tokenizer
+    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.serving.server import serve_in_thread
+
+    model = GPT2.from_pretrained(DEFAULT_MODEL).eval()
+    with serve_in_thread(Scheduler(model, get_tokenizer(model.config.tokenizer), max_batch=4), DEFAULT_MODEL) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def in_directory(path: pathlib.Path):
+    before = os.getcwd()
+    os.chdir(path)
+    sys.path.insert(0, str(path))
+    try:
+        yield
+    finally:
+        os.chdir(before)
+        sys.path.remove(str(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", runnable_pages(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_guides_code_runs(page, tmp_path, one_thread, request):
+    """Every block marked ``run`` runs without error (Python: no exception, its asserts hold;
+    bash: exit 0), in order, on the built-in model, offline."""
+    todo = [(lang, marker.split(), code, line) for lang, marker, code, line in blocks(page)
+            if marker and marker.split()[0] in ("run", "write")]
+    if not any(m[0] == "run" for _, m, _, _ in todo):
+        pytest.skip("no block of this page is marked runnable")
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    namespace = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+    with in_directory(tmp_path):
+        for lang, marker, code, line in todo:
+            where = f"{page.relative_to(ROOT)}:{line}"
+            if marker[0] == "write":
+                (tmp_path / marker[1]).write_text(code, encoding="utf-8")
+                continue
+            if marker[1:] == ["server"]:
+                code = code.replace(SERVER_URL, request.getfixturevalue("docs_server"))
+            if lang == "python":
+                exec(compile(code, where, "exec"), namespace)
+            elif lang in ("bash", "sh"):
+                run_bash(code, tmp_path, where)
+            else:
+                raise AssertionError(f"{where}: cannot run a ```{lang} block")
+        for name in [m for m in sys.modules if m in {p.stem for p in tmp_path.glob("*.py")}]:
+            del sys.modules[name]                         # a module the page wrote, gone with the directory
+
+
+# ------------------------------------------------------------------------------- CLI reference
+def test_the_cli_reference_names_every_subcommand_and_flag():
+    """The page is generated from the parser: every subcommand has its section and every
+    argument ``--help`` shows (each of its option strings, each positional) is in it."""
+    from gpt2mha.cli import build_parser
+
+    hook = load_hook()
+    page = (DOCS / "reference" / "cli.md").read_text(encoding="utf-8")
+    assert hook.MARKER in page, "docs/reference/cli.md lost its <!-- cli-reference --> marker"
+    assert "docs/hooks/cli_reference.py" in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    rendered = hook.on_page_markdown(page)
+    parser = build_parser()
+    subs = hook.subcommands(parser)
+    assert len(subs) >= 15 and {"generate", "serve", "info", "explain"} <= set(subs)
+    for name, (sub, _) in subs.items():
+        section = rendered.split(f"## gpt2mha {name} {{#{name}}}", 1)
+        assert len(section) == 2, f"no section for `gpt2mha {name}`"
+        body = section[1].split("\n## ", 1)[0]
+        for action in hook.arguments(sub):
+            for flag in action.option_strings:
+                assert f"`{flag}" in body, f"`gpt2mha {name} {flag}` is missing from the CLI reference"
+            if not action.option_strings:
+                assert f"`{action.metavar or action.dest}`" in body, f"`gpt2mha {name}`'s {action.dest} is missing"
+
+
+def test_the_cli_reference_sees_a_new_flag():
+    """A flag added to a parser appears on the page (the page is rendered, not copied)."""
+    from gpt2mha.cli import build_parser
+
+    hook = load_hook()
+    parser = build_parser()
+    sub = hook.subcommands(parser)["info"][0]
+    sub.add_argument("--a-flag-added-today", help="what it does | with a pipe")
+    sub.add_argument("--hidden", help=argparse.SUPPRESS)
+    text = hook.render(parser)
+    assert "`--a-flag-added-today A_FLAG_ADDED_TODAY` | what it does \\| with a pipe |" in text
+    assert "--hidden" not in text
+
+
+# ------------------------------------------------------------------------------- links
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.rglob("*.md")), ids=lambda p: str(p.relative_to(DOCS)))
+def test_relative_links_and_images_exist(page):
+    """A link to another page, a picture, or a file of the repository (``../../benchmarks/…``) resolves."""
+    for target in LINK.findall(page.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = (page.parent / target.split("#")[0]).resolve()
+        assert path.exists(), f"{page.relative_to(ROOT)}: broken link {target}"
+
+
+def test_the_nav_lists_every_page():
+    """Every page is reachable from the site's navigation (mkdocs.yml's nav)."""
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    for page in DOCS.rglob("*.md"):
+        rel = str(page.relative_to(DOCS))
+        assert rel in nav, f"docs/{rel} is not in mkdocs.yml's nav"
+
+
+# ------------------------------------------------------------------------------- figures
+FIXTURES = {
+    "peers.json": {"benchmark": "peers_isolated", "date": "2030-01-01", "host": "a test CPU", "machine": "a test CPU",
+                   "command": "python benchmarks/peers_isolated.py --json FILE", "source": "a test fixture",
+                   "reference": "transformers float32",
+                   "engines": {"transformers float32": {"b1": 10.0, "b8": 40.0, "p128": 100.0, "p512": 400.0},
+                               "gpt2mha int8 per_row": {"b1": 70.0, "b8": 300.0, "p128": 15.0, "p512": 60.0},
+                               "llama.cpp q4_0": {"b1": 75.0, "b8": 200.0, "p128": 30.0}}},
+    "quality.json": {"benchmark": "quality", "date": "2030-01-01", "command": "x", "source": "a test fixture",
+                     "schemes": [{"name": "float32", "engine": "gpt2mha", "top1": 100.0, "bits_per_byte": 2.71,
+                                  "mb_per_step": 495},
+                                 {"name": "int8", "engine": "gpt2mha", "top1": 99.6, "bits_per_byte": 2.7103,
+                                  "mb_per_step": 124},
+                                 {"name": "q4_0", "engine": "llama.cpp", "top1": 94.0, "bits_per_byte": 2.70,
+                                  "mb_per_step": 80},
+                                 {"name": "no bytes", "engine": "onnxruntime", "top1": 96.0, "bits_per_byte": None,
+                                  "mb_per_step": None}]},
+    "serve.json": {"benchmark": "serve_load", "date": "2030-01-01", "host": "a test CPU", "command": "x",
+                   "source": "a test fixture",
+                   "models": {"m": [{"clients": 1, "tok_s": 10.0}, {"clients": 4, "tok_s": 30.0},
+                                    {"clients": 16, "tok_s": 50.0}]}},
+}
+
+
+def test_plots_draws_every_figure_from_small_json(tmp_path):
+    """benchmarks/plots.py turns a results directory into the four PNGs, naming the run's host
+    and date; a missing JSON skips only its own figures."""
+    import json
+
+    from conftest import load_benchmark
+
+    plots = load_benchmark("plots")
+    results, out = tmp_path / "results", tmp_path / "images"
+    results.mkdir()
+    for name, data in FIXTURES.items():
+        (results / name).write_text(json.dumps(data), encoding="utf-8")
+    assert plots.main(["--results", str(results), "--out", str(out)]) == 0
+    for png in plots.FIGURES:
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, png
+    assert plots.where(FIXTURES["peers.json"]) == "a test CPU, 2030-01-01"
+    (results / "serve.json").unlink()
+    (out / "serve.png").unlink()
+    assert plots.main(["--results", str(results), "--out", str(out)]) == 0
+    assert not (out / "serve.png").exists() and (out / "decode.png").exists()
+
+
+def test_the_committed_results_say_where_they_come_from_and_their_figures_exist():
+    """Every JSON of benchmarks/results names its date, command and source (a transcription says
+    which archived section), and every figure the script draws from them is committed."""
+    import json
+
+    from conftest import load_benchmark
+
+    plots = load_benchmark("plots")
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        for field in ("benchmark", "date", "command", "source"):
+            assert data.get(field), f"{path.name} has no {field!r}"
+    for png, (source, _) in plots.FIGURES.items():
+        if (ROOT / "benchmarks" / "results" / source).exists():
+            assert (DOCS / "images" / png).exists(), f"docs/images/{png} not drawn: python benchmarks/plots.py"
