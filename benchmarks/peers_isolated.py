@@ -4,14 +4,15 @@
 ``benchmarks/peers.py`` times every contender in one process, in turns. There the engines'
 thread pools (torch's OpenMP, CTranslate2's, ONNX Runtime's spinning workers, llama.cpp's)
 compete with each other: on the 2-core AVX2 host transformers float32 decoded 16.0 tok/s in
-that process and 21.4 alone, gpt2mha int8 compiled 55.4 and 95.7 (benchmarks/RESULTS.md,
+that process and 21.4 alone, gpt2mha int8 compiled 55.4 and 95.7 (benchmarks/archive/RESULTS-2026-11-29-to-12-02.md,
 "Peers, third run"). This script runs each engine in a fresh process of its own, one after
 the other, on the files ``peers.py --workdir DIR`` converted (run that first), and prints
 decode tokens/s at batch 1 and 8 (a 4-token random prompt, ``--new`` greedy tokens, a warm-up
 call on the timed shapes, best of ``--repeats``; with ``--rounds N`` the whole list runs N times in
 turn and each engine keeps its best), the time to the first token after a random prompt of
 each ``--prefill`` length at batch 1 (ms, best of ``--repeats`` after a warm-up), and each as a
-ratio to transformers float32 (higher is faster).
+ratio to transformers float32 (higher is faster). ``--json FILE`` also writes the results in the
+form ``benchmarks/plots.py`` draws (``benchmarks/results/peers.json``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -85,6 +87,35 @@ def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: 
     return out
 
 
+DESCRIPTION = ("Decode tokens/s (batch 1 and 8, a 4-token random prompt, greedy) and time to the first token after "
+               "each prompt length (batch 1), each engine alone in a fresh process, random GPT-2 124M weights "
+               "converted for each engine; each engine's best over the rounds")
+
+
+def write_json(path: str, res: dict, args, argv) -> None:
+    """The run as ``benchmarks/results/peers.json`` holds it: what, where, when, how, and each
+    engine's best figures (``b1``/``b8`` tok/s, ``p<T>`` ms)."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    out = {"benchmark": "peers_isolated", "description": DESCRIPTION,
+           "date": time.strftime("%Y-%m-%d"), "host": f"{cpu}, {os.cpu_count()} CPUs",
+           "machine": f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}",
+           "software": f"torch {torch.__version__}, Python {platform.python_version()}; {args.threads} threads per engine",
+           "command": "python benchmarks/peers_isolated.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "source": "written by benchmarks/peers_isolated.py --json", "reference": "transformers float32",
+           "units": {"b1": "tok/s", "b8": "tok/s", **{f"p{T}": "ms" for T in args.prefill_lengths}},
+           "engines": {name: r for name, r in res.items() if r is not None}}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", required=True, metavar="DIR", help="what `peers.py --workdir DIR` converted")
@@ -97,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                         "then falls on every engine alike)")
     p.add_argument("--prefill", default="128,512", metavar="T,T",
                    help="prompt lengths whose time to the first token is measured (batch 1; '' for none)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the results as JSON to FILE (benchmarks/plots.py draws it)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)      # the child: one engine, JSON on stdout
     args = p.parse_args(argv)
     prefill = tuple(int(t) for t in args.prefill.split(",") if t.strip())
+    args.prefill_lengths = prefill
     if args.one:
         print(json.dumps(one(args.one, args.workdir, args.threads, args.new, args.repeats, prefill)))
         return 0
@@ -122,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             best = (lambda k, a, b: min(a, b) if k.startswith("p") else max(a, b))     # ms down, tok/s up
             res[name] = got if res[name] is None else {k: best(k, v, got[k]) for k, v in res[name].items()}
     print(f"load average at end: {os.getloadavg()}")
+    if args.json:
+        write_json(args.json, res, args, argv)
     ref = res.get("transformers float32")
     cols = ["b1", "b8", *(f"p{T}" for T in prefill)]
     heads = ["batch 1 tok/s", "batch 8 tok/s", *(f"prefill {T} ms" for T in prefill)]
