@@ -108,7 +108,7 @@ EX.views.check = {
       }
       diff = `max |reference - yours| on what is shown: ${EX.fmt(d)}`;
     }
-    const opts = { maxW: 440, maxH: 300 };
+    const opts = { maxW: 440, maxH: 300, kind: stage === "weights" ? "weights" : "signed" };
     pane.replaceChildren(EX.el("h3", { id: "check-pane-title", text: `stage: ${stage}` }), EX.el("p", { class: "hint", text: diff }),
       EX.el("div", { class: "row" },
         EX.matrix(Object.assign({ id: "m-check-expected", name: "reference", t: exp, caption: `of ${EX.shape(t.expected_shape)}` }, opts)),
