@@ -11,6 +11,7 @@ interpreter and checks ``sys.modules``).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -22,9 +23,6 @@ from .common import check_quantize_args, json_arg, readable_file
 #: The largest size trace accepts for any one axis (it builds meta tensors, but their element
 #: counts must still fit in int64).
 TRACE_MAX_SIZE = 2**20
-#: OpenAI's range of presence and frequency penalties (:data:`gpt2mha.inference.sampling.MAX_PENALTY`,
-#: repeated here so that no torch is imported to check them).
-MAX_PENALTY = 2.0
 #: Seeds are 63-bit (:func:`gpt2mha.core.checks.seed`).
 SEED_LIMIT = 2**63
 
@@ -90,20 +88,60 @@ def check_compile(args) -> None:
                          f"(e.g. apt install g++) or set CXX, or drop --compile")
 
 
+#: The flag of each :class:`~gpt2mha.inference.params.SamplingParams` field on ``generate``.
+PARAM_FLAGS = {"max_tokens": "--max-new-tokens", "n": "--num-samples"}
+
+
+def param_flag(name: str) -> str:
+    """The ``generate`` flag of a :class:`~gpt2mha.inference.params.SamplingParams` field."""
+    return PARAM_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def logit_bias_json(text: str) -> dict:
+    """``--logit-bias`` (a JSON object, as a request's ``logit_bias``) as a dict; its ids and
+    biases are checked by :class:`~gpt2mha.inference.params.SamplingParams`.
+
+    Raises:
+        ValueError: naming the flag, for text that is not a JSON object.
+    """
+    try:
+        bias = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--logit-bias {text!r} is not JSON ({e}); give an object such as "
+                         f"'{{\"50256\": -100}}'") from None
+    if not isinstance(bias, dict):
+        raise ValueError(f"--logit-bias {text!r} must be a JSON object of token id: bias")
+    return bias
+
+
+def sampling_params_of(args):
+    """``generate``'s sampling flags as one :class:`~gpt2mha.inference.params.SamplingParams`
+    (the object ``generate()`` and the server build; it imports no torch), a flag for each field.
+
+    Raises:
+        ValueError: the field's error, naming its flag (``--top-p=0.0 must be …``).
+    """
+    from ..inference.params import ParamError, SamplingParams
+
+    if isinstance(args.logit_bias, str):
+        args.logit_bias = logit_bias_json(args.logit_bias)
+    values = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                  logit_bias=args.logit_bias or {}, seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
+                  echo=args.echo, n=args.num_samples, best_of=args.best_of)
+    try:
+        return SamplingParams(**values)
+    except ParamError as e:
+        message = str(e)
+        if message.startswith(e.param):
+            message = param_flag(e.param) + message[len(e.param):]
+        raise ValueError(message if message.startswith("--") else f"{param_flag(e.param)}: {message}") from None
+
+
 def check_sampling(args) -> None:
-    """``generate``'s sampling flags: ``--temperature``, ``--top-k``, ``--top-p``, ``--min-p``,
-    the penalties and ``--max-new-tokens``/``--num-samples``/``--seed``/``--tp``."""
-    if not args.temperature >= 0:
-        raise ValueError(f"--temperature={args.temperature} must be a number >= 0 (0 means greedy)")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k={args.top_k} must be an integer >= 0 (0: all tokens)")
-    in_range(args.top_p, 0, 1, "--top-p", low_open=True)
-    in_range(args.min_p, 0, 1, "--min-p", " (0: off)")
-    for flag in ("presence_penalty", "frequency_penalty"):
-        in_range(getattr(args, flag), -MAX_PENALTY, MAX_PENALTY, "--" + flag.replace("_", "-"))
-    at_least(args, 0, "max_new_tokens")
-    at_least(args, 1, "num_samples")
-    seed_in_range(args.seed)
+    """``generate``'s sampling flags (:func:`sampling_params_of`: every field's range, once, where
+    the library checks it) and ``--tp``."""
+    sampling_params_of(args)
     if args.tp < 1:
         raise ValueError(f"--tp {args.tp} must be a positive integer")
 

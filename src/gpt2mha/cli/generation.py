@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
 
-from .checks import check_compile, check_perplexity_args, check_sampling, check_train_args
+from .checks import check_compile, check_perplexity_args, check_sampling, check_train_args, sampling_params_of
 from .common import (batch_invariant_arg, DTYPES, DefaultsHelpFormatter, check_quantize_args, load_model, model_arg, quantize_args, quantized,
                      quiet_arg, read_text)
 
@@ -16,7 +17,6 @@ def check_generate_args(args) -> None:
     before torch is imported and before any process group is joined, so under torchrun it is
     reported once, by rank 0."""
     check_sampling(args)
-    check_adjust_args(args)
     if args.prompt_file is not None:
         if args.prompt:
             raise ValueError(f"--prompt-file {args.prompt_file} is the prompt; drop the PROMPT ({args.prompt[0]!r}) "
@@ -32,6 +32,15 @@ def check_generate_args(args) -> None:
         which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else \
             f"--prompt-file {args.prompt_file}" if args.prompt_file is not None else "PROMPT"
         raise ValueError(f"{which} is empty; give at least one character to continue")
+    served = [flag for flag, on in (("--stop", args.stop), ("--logprobs", args.logprobs is not None),
+                                    ("--echo", args.echo), ("--best-of", args.best_of is not None)) if on]
+    for flag, on in (("--sliding-window", args.sliding_window), (f"--tp {args.tp}", args.tp > 1),
+                     ("--unconditional", args.unconditional)):
+        if served and on:
+            raise ValueError(f"{served[0]} runs on the serving scheduler (as gpt2mha serve), which does not take "
+                             f"{flag}; drop one of them")
+    if args.echo and args.logprobs is None:
+        raise ValueError("--echo prints the prompt's log-probabilities: give --logprobs K with it")
     if args.quantize and args.tp > 1:
         raise ValueError(f"--quantize {args.quantize} with --tp {args.tp}: tensor parallelism shards float weights; "
                          f"quantized models run in one process")
@@ -39,33 +48,11 @@ def check_generate_args(args) -> None:
     check_compile(args)
 
 
-def check_adjust_args(args) -> None:
-    """``--logit-bias`` (a JSON object, as a request's ``logit_bias``): parsed into
-    ``args.logit_bias`` as a dict; raises ValueError naming the flag. Token ids and biases are
-    checked against the vocabulary by ``generate`` (the penalties' ranges by :func:`check_sampling`)."""
-    if isinstance(args.logit_bias, str):
-        try:
-            bias = json.loads(args.logit_bias)
-        except ValueError as e:
-            raise ValueError(f"--logit-bias {args.logit_bias!r} is not JSON ({e}); give an object such as "
-                             f"'{{\"50256\": -100}}'") from None
-        if not isinstance(bias, dict):
-            raise ValueError(f"--logit-bias {args.logit_bias!r} must be a JSON object of token id: bias")
-        args.logit_bias = bias
-
-
-def _adjust_kwargs(args) -> dict:
-    """generate's keyword arguments for the penalties and the bias."""
-    return dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                logit_bias=args.logit_bias)
-
-
 def cmd_generate(args) -> int:
     import torch
 
     from ..inference import parallel
-    from ..inference.generate import check_fits
-    from ..inference.sampling import check_logit_bias
+    from ..inference.generate import check_fits, generate_with
     from ..io.tokenizer import StreamDecoder, tokenizer_for
     from ..train import distributed
 
@@ -75,7 +62,11 @@ def cmd_generate(args) -> int:
     weights = distributed.weights_fingerprint(model) if di.world_size > 1 else None
     model = parallel.tensor_parallel(model, args.tp)
     tok = tokenizer_for(model.config)
-    check_logit_bias(args.logit_bias, min(tok.n_vocab, model.config.n_vocab), "--logit-bias")
+    params = sampling_params_of(args)
+    try:
+        params.check_vocab(min(tok.n_vocab, model.config.n_vocab))
+    except ValueError as e:
+        raise ValueError(f"--logit-bias: {e}") from None
     if args.stop_at_eos and tok.eot_token is None:
         raise ValueError(f"--stop-at-eos: the {tok.name!r} tokenizer of this model has no <|endoftext|> token")
     if args.unconditional and tok.eot_token is None:
@@ -94,8 +85,12 @@ def cmd_generate(args) -> int:
                         "sliding_window", "unconditional", "presence_penalty", "frequency_penalty",
                         "logit_bias")}})
     seed = distributed.shared_seed(args.seed)
+    params = dataclasses.replace(params, seed=seed)
+    if params.stop or params.logprobs is not None or params.best_of is not None:
+        from .served import generate_served
+        return generate_served(args, model, tok, encoded, params)
     if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
-        return _generate_samples(args, model, tok, encoded, seed)
+        return _generate_samples(args, model, tok, encoded, params)
     args.prompt = prompts[0]
     idx = torch.tensor(encoded, dtype=torch.long, device=model.wte.weight.device)
     stream, out, started = StreamDecoder(tok), distributed.rank0_stdout(), []
@@ -108,10 +103,9 @@ def cmd_generate(args) -> int:
         out.flush()
 
     try:
-        ids = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, min_p=args.min_p, seed=seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
-                             sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab,
-                             batch_invariant=args.batch_invariant, compile=args.compile, **_adjust_kwargs(args))
+        ids = generate_with(model, idx, params, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                            sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab,
+                            batch_invariant=args.batch_invariant, compile=args.compile)
     except BaseException:                     # (e.g. another rank died): end the streamed line first
         if started:
             out.write("\n")
@@ -122,22 +116,21 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _generate_samples(args, model, tok, encoded: list[list[int]], seed: int | None) -> int:
+def _generate_samples(args, model, tok, encoded: list[list[int]], params) -> int:
     """``--num-samples`` / several PROMPTs / ``--unconditional``: every (prompt, sample) is one
     row of a left-padded batch (OpenAI's ``sample_sequence`` with ``batch_size``; unconditional
     rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
     line, its padding dropped by :func:`gpt2mha.inference.generate.decode_rows`; with ``--stop-at-eos`` a
     row ends at its first ``<|endoftext|>``."""
     from ..inference import parallel
-    from ..inference.generate import decode_rows, left_pad
+    from ..inference.generate import decode_rows, generate_with, left_pad
     from ..train import distributed
 
     rows = [ids for ids in encoded for _ in range(args.num_samples)]
     idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
-    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, min_p=args.min_p, seed=seed, eos_token_id=tok.eot_token if args.stop_at_eos else None,
-                         attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab,
-                         batch_invariant=args.batch_invariant, compile=args.compile, **_adjust_kwargs(args))
+    out = generate_with(model, idx, params, eos_token_id=tok.eot_token if args.stop_at_eos else None,
+                        attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab,
+                        batch_invariant=args.batch_invariant, compile=args.compile)
     parallel.check_same_tokens(out)
     texts = decode_rows(tok, out.cpu(), mask.cpu(), tok.eot_token if args.stop_at_eos else None)
     skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
@@ -270,6 +263,16 @@ def add_commands(sub) -> None:
                    help="weights' dtype; on CPU bfloat16/float16 halve the weights' memory but decode no "
                         "faster than float32 (benchmarks/RESULTS.md); logits stay float32")
     g.add_argument("--stop-at-eos", action="store_true", help="stop when <|endoftext|> is sampled")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text before the first TEXT (repeat for several); runs on the serving scheduler, "
+                        "as a request to gpt2mha serve with this stop (which also ends at <|endoftext|>)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each new token's log-probability and the K most likely tokens (0-5; the model's own "
+                        "distribution, as OpenAI's logprobs); runs on the serving scheduler")
+    g.add_argument("--echo", action="store_true", help="with --logprobs: the prompt's tokens' log-probabilities too")
+    g.add_argument("--best-of", type=int, default=None, metavar="N",
+                   help="sample N candidates per PROMPT and print the --num-samples of highest mean "
+                        "log-probability (OpenAI's best_of); runs on the serving scheduler")
     g.add_argument("--sliding-window", action="store_true",
                    help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
     batch_invariant_arg(g)

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from .checks import (check_bench_args, check_check_args, check_check_model_args, check_convert_args,
+from .checks import (check_bench_args, check_compile, check_check_args, check_check_model_args, check_convert_args,
                      check_heads_args, check_trace_args)
 from .common import (batch_invariant_arg, DEFAULT_MAX_BODY_BYTES, DTYPES, DefaultsHelpFormatter, check_quantize_args, json_arg, load_model,
                      model_arg, number, quantize_args, quantized, quiet_arg)
@@ -300,7 +300,8 @@ def cmd_serve(args) -> int:
     try:
         serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
               max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
-              chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant)
+              chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant,
+              compile=args.compile)
     except RuntimeError as e:                 # could not bind: uvicorn logged why
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -314,6 +315,7 @@ def check_serve_args(args) -> None:
     from ..serving.address import check_address
 
     check_quantize_args(args)
+    check_compile(args)
     check_address(args.host, args.port)
 
 
@@ -361,8 +363,41 @@ def _add_serve_command(sub) -> None:
                    help="stop strings a request may send; more get HTTP 400 (lm-evaluation-harness sends a task's "
                         "'until' strings plus the EOS string: 1 + len(until); OpenAI's API takes 4, vLLM and "
                         "llama.cpp's server have no limit)")
+    s.add_argument("--compile", action="store_true",
+                   help="serve on the compiled decode step (as generate --compile), compiled before /health says ok")
     quantize_args(s)
     s.set_defaults(func=cmd_serve, check=check_serve_args)
+
+    i = sub.add_parser("info", help="a model's shapes, weights and the route its prefill and decode take (and why)",
+                       formatter_class=DefaultsHelpFormatter)
+    model_arg(i)
+    i.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype")
+    i.add_argument("--compile", action="store_true", help="the route with generate --compile")
+    quantize_args(i)
+    i.set_defaults(func=cmd_info, check=check_quantize_args)
+
+
+def cmd_info(args) -> int:
+    """``gpt2mha info``: the model's config, its quantization and the route generate and serve
+    take for it (:func:`~gpt2mha.inference.decoders.choose_decoder`), with why not the others."""
+    from ..inference.decoders import choose_decoder
+
+    model = quantized(load_model(args.model, args.dtype), args)
+    c = model.config
+    q = getattr(model, "quantization", None) or {}
+    print(f"model        {args.model or 'the built-in model'}: n_layer {c.n_layer}, n_head {c.n_head}, n_embd "
+          f"{c.n_embd}, n_ctx {c.n_ctx}, n_vocab {c.n_vocab}, {sum(p.numel() for p in model.parameters()):,} "
+          f"float parameters")
+    print(f"weights      {model.wte.weight.dtype}" + (f", {q.get('scheme')} ({q.get('activations', 'exact')} "
+                                                     f"activations, {q.get('head', 'int8')} head)" if q else ""))
+    route = choose_decoder(model, compile=args.compile)
+    d = route.decoder
+    print(f"decode       the {d.name} ({'batch invariant' if d.batch_invariant else 'not batch invariant'}, "
+          f"{'hooks act' if d.runs_hooks else 'while a hook is attached: the decode view'})")
+    print("prefill      " + route.describe().split("prefill: ")[1].split(";")[0])
+    for name, why in route.why_not.items():
+        print(f"not the {name}: {why}")
+    return 0
 
 
 def add_commands(sub) -> None:

@@ -20,8 +20,9 @@ Slots and token ids go in and out as Python ints. No row's numbers depend on the
 batch-invariant decoder: a prompt is prefilled alone, a step attends each row over its own
 keys, and the products give a row the same bits in a batch of any size; a sequence's logits
 are then those of its prompt alone, bit for bit. A fault while sampling one row is that row's
-result, not raised. While a hook is attached to the model, a decoder that would skip it (the
-native or compiled one) gives way to the decode view for as long as it stays attached.
+result, not raised. When the hooks attached to the model change (a hook added from
+``generate``'s ``on_token``, say), the steps after run on a decode view made for them, where
+every hook acts, for as long as they stay as they are.
 
 Log-probabilities (``logprobs=k``) come from the model's raw logits (``log_softmax`` before
 penalties, bias, temperature and filtering: the model's distribution, as OpenAI reports it).
@@ -91,7 +92,10 @@ class Engine:
         self.samplers: list[RowSampler | None] = [None] * n
         self.last: list[int] = [0] * n                          # each slot's newest token: its next input
         self._hooked = hook_watch(self.model)
+        self._hooks_at_start = self._hooked()                   # what the route's decoder was made with
         self._view: ViewDecoder | None = None
+        self._view_hooks = None
+        self._score_view: ViewDecoder | None = None
 
     @property
     def slots(self) -> int:
@@ -105,13 +109,14 @@ class Engine:
 
     @property
     def decoder(self):
-        """The decoder this step runs: the route's, or the decode view while a hook is attached
-        to the model and the route's decoder would skip it."""
-        d = self.route.decoder
-        if d.runs_hooks or not self._hooked():
-            return d
-        if self._view is None:
-            self._view = ViewDecoder(self.model, self.batch_invariant)
+        """The decoder this step runs: the route's while the hooks attached to the model are the
+        ones it was made with; else a decode view made for the hooks now attached (the view keeps
+        a hooked module itself, where it would swap in a faster copy)."""
+        hooks = self._hooked()
+        if hooks == self._hooks_at_start:
+            return self.route.decoder
+        if self._view is None or self._view_hooks != hooks:
+            self._view, self._view_hooks = ViewDecoder(self.model, self.batch_invariant), hooks
         return self._view
 
     def open(self, slot: int, params: SamplingParams, seed: int | None, logprobs: int | None = None,
@@ -230,9 +235,12 @@ class Engine:
         """
         if len(prompt) < 2:
             return []
-        if self._view is None:
-            self._view = ViewDecoder(self.model, self.batch_invariant)
+        view = self.decoder
+        if not isinstance(view, ViewDecoder):                   # the native or compiled route: its view
+            if self._score_view is None:
+                self._score_view = ViewDecoder(self.model, self.batch_invariant)
+            view = self._score_view
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        logits = self._view.view(ids, validate=False).logits[0, :-1, :self.vocab_size]      # [T-1, V]
+        logits = view.view(ids, validate=False).logits[0, :-1, :self.vocab_size]      # [T-1, V]
         chosen, top = token_logprobs(logits, ids[0, 1:], k)
         return list(zip(chosen, top))

@@ -15,12 +15,9 @@ of these.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
-from .params import MAX_LOGIT_BIAS, MAX_PENALTY, MIN_TEMPERATURE, SamplingParams  # noqa: F401  (one home)
+from .params import MIN_TEMPERATURE, SamplingParams
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -31,11 +28,6 @@ def row_seed(seed: int, row: int) -> int:
     by the 64-bit golden-ratio constant, in ``[0, 2**63)``.
     """
     return seed if row == 0 else (seed + row * 0x9E3779B97F4A7C15) % 2**63
-
-
-def row_generators(seed: int, batch_size: int, device) -> list[torch.Generator]:
-    """One private generator per row, row i seeded with :func:`row_seed` ``(seed, i)``."""
-    return [torch.Generator(device=device).manual_seed(row_seed(seed, i)) for i in range(batch_size)]
 
 
 def top_k_logits(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -121,47 +113,6 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-
-
-def check_penalty(value, name: str) -> float:
-    """A presence or frequency penalty as a float in OpenAI's range ``[-2, 2]``.
-
-    Raises:
-        ValueError: naming ``name``, for a bool, a non-number, NaN/inf or a value outside the range.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-        raise ValueError(f"{name}={value!r} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
-    return float(value)
-
-
-def check_logit_bias(bias, vocab_size: int, name: str = "logit_bias") -> dict[int, float]:
-    """``logit_bias`` (OpenAI's: token id → bias added to its logit) as ``{id: float}``.
-
-    Keys may be ints or strings of decimal ints (JSON object keys are strings); values numbers in
-    ``[-100, 100]`` (-100 in effect bans a token, +100 forces it). None or empty: ``{}``.
-
-    Raises:
-        ValueError: naming ``name`` and the entry: not a mapping, a key that is not a token id
-            below ``vocab_size``, or a value that is not a finite number in ``[-100, 100]``.
-    """
-    if bias is None:
-        return {}
-    if not isinstance(bias, dict):
-        raise ValueError(f"{name} must be an object mapping token ids to biases; got {type(bias).__name__}")
-    out = {}
-    for key, value in bias.items():
-        token = None
-        if isinstance(key, int) and not isinstance(key, bool):
-            token = key
-        elif isinstance(key, str) and key.strip().isdigit() and key.isascii():
-            token = int(key)
-        if token is None or not 0 <= token < vocab_size:
-            raise ValueError(f"{name} key {key!r} is not a token id in [0, {vocab_size})")
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or \
-                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise ValueError(f"{name}[{key!r}]={value!r} must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        out[token] = float(value)
-    return out
 
 
 def bias_vector(bias: dict[int, float], vocab_size: int, device) -> torch.Tensor | None:

@@ -27,8 +27,9 @@ import os
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..inference.params import MAX_LOGPROBS
 from .completions import Completions
-from .protocol import (EXPECTED, MAX_LOGPROBS, APIError, CompletionRequest, StreamOptions, check_model, check_unicode,
+from .protocol import (EXPECTED, APIError, CompletionRequest, StreamOptions, check_model, check_unicode,
                        drop_nulls, encode_prompts, encode_text, parse_json, token_text, validation_error)
 from .scheduler import Sequence
 

@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .protocol import (MAX_STOP, APIError, check_prompt_count, check_request, check_stop,
                        check_stream_options, choice, choice_answer, completion_logprobs, encode_prompts, failure,
-                       join_logprobs, parse_request, pick_choices, prompt_echo, sampling_params, sse, submit_error,
+                       join_logprobs, parse_request, prompt_echo, sampling_params, sse, submit_error,
                        usage)
-from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown
+from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown, pick_choices
 from .text_stream import CANCELLED, ERROR
 
 log = logging.getLogger("gpt2mha.serve")

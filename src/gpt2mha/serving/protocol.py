@@ -10,13 +10,12 @@ the sequences.
 from __future__ import annotations
 
 import json
-import math
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..inference.params import FIELDS as SAMPLING_FIELDS
-from ..inference.params import MAX_LOGPROBS, ParamError, SamplingParams
+from ..inference.params import ParamError, SamplingParams
 from .scheduler import ExceedsCapacity, QueueFull, Sequence, ShuttingDown
 from .text_stream import CANCELLED, ERROR, TextStream
 
@@ -454,26 +453,6 @@ def join_logprobs(*parts: dict | None) -> dict:
     """Logprobs objects one after another as one."""
     keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     return {k: [x for p in parts if p is not None for x in p[k]] for k in keys}
-
-
-def mean_logprob(seq: Sequence) -> float:
-    """``best_of``'s ranking: the mean log-probability of the sequence's generated tokens (the
-    model's raw distribution; 0 for none)."""
-    return sum(e[0] for e in seq.logprobs) / len(seq.logprobs) if seq.logprobs else 0.0
-
-
-def pick_choices(seqs: list[Sequence]) -> list[tuple[int, Sequence]]:
-    """``(choice index, sequence)`` of a finished request: with ``best_of > n`` the n candidates
-    of each prompt with the highest :func:`mean_logprob` (ties: the earlier candidate), indexed
-    ``prompt_index · n + rank``; otherwise every sequence at its own index."""
-    params = seqs[0].params
-    if not params.ranked:
-        return [(s.index, s) for s in seqs]
-    out = []
-    for i in sorted({s.prompt_index for s in seqs}):
-        group = sorted((s for s in seqs if s.prompt_index == i), key=lambda s: (-mean_logprob(s), s.index))
-        out.extend((i * params.n + r, s) for r, s in enumerate(group[:params.n]))
-    return out
 
 
 def choice_answer(tokenizer, index: int, seq: Sequence) -> dict:

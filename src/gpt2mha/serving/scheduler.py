@@ -107,6 +107,27 @@ class Sequence:
         return self.finish_reason is not None
 
 
+def mean_logprob(seq: Sequence) -> float:
+    """``best_of``'s ranking: the mean log-probability of the sequence's generated tokens (the
+    model's raw distribution; 0 for none)."""
+    return sum(e[0] for e in seq.logprobs) / len(seq.logprobs) if seq.logprobs else 0.0
+
+
+def pick_choices(seqs: list[Sequence]) -> list[tuple[int, Sequence]]:
+    """``(choice index, sequence)`` of a finished request: with ``best_of > n`` the n candidates
+    of each prompt with the highest :func:`mean_logprob` (ties: the earlier candidate), indexed
+    ``prompt_index · n + rank``; otherwise every sequence at its own index."""
+    params = seqs[0].params
+    if not params.ranked:
+        return [(s.index, s) for s in seqs]
+    out = []
+    for i in sorted({s.prompt_index for s in seqs}):
+        group = sorted((s for s in seqs if s.prompt_index == i), key=lambda s: (-mean_logprob(s), s.index))
+        out.extend((i * params.n + r, s) for r, s in enumerate(group[:params.n]))
+    return out
+
+
+
 class Scheduler:
     """Owns the queue of waiting sequences and the slots of running ones, and an
     :class:`~gpt2mha.inference.engine.Engine` (the model, its route and its cache, one row per

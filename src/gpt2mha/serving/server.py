@@ -10,7 +10,7 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
   (only with ``stream``), ``logprobs`` and ``echo``
   (:func:`~gpt2mha.serving.protocol.choice_answer`; a stream's chunks carry their own tokens'
   logprobs, :meth:`Completions.chunk`), ``n`` and ``best_of``
-  (:func:`~gpt2mha.serving.protocol.pick_choices`), ``presence_penalty``,
+  (:func:`~gpt2mha.serving.scheduler.pick_choices`), ``presence_penalty``,
   ``frequency_penalty``, ``logit_bias``, and ``top_k`` as an extension; ``null`` for any
   optional field means its default. With ``temperature: 0`` or a ``seed``, each choice's text
   equals offline ``generate`` with the same arguments (sequence ``i·m + j`` of P prompts with
@@ -53,6 +53,7 @@ from starlette.exceptions import HTTPException
 
 from .. import kernels
 from ..core import checks
+from ..inference.decoders import choose_decoder
 from . import chat, tokens
 from .address import check_address
 from .completions import DRAIN_BYTES, Completions, Relay, read_body   # noqa: F401  (DRAIN_BYTES: the API as before)
@@ -286,12 +287,14 @@ def check_port(port: int) -> None:
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16,
           max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
-          batch_invariant: bool | None = None) -> None:
+          batch_invariant: bool | None = None, compile: bool = False) -> None:
     """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``). On SIGTERM uvicorn stops
     accepting connections and lets in-flight responses finish; past ``graceful_timeout``
     seconds what is left is cancelled (503 / a stream's error event, :class:`GracefulServer`);
     the scheduler is stopped and this returns normally. ``chat_template`` and ``max_stop``: as
-    :func:`create_app`; ``batch_invariant``: as :class:`~gpt2mha.serving.scheduler.Scheduler`.
+    :func:`create_app`; ``batch_invariant``: as :class:`~gpt2mha.serving.scheduler.Scheduler`;
+    ``compile``: decode on the compiled step (:func:`~gpt2mha.inference.decoders.choose_decoder`,
+    as ``generate(compile=True)``), compiled while ``/health`` says ``"loading"``.
 
     Raises:
         ValueError: a port outside [0, 65535] or one that cannot be listened on now (in use,
@@ -306,7 +309,9 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     check_port(port)
     check_graceful_timeout(graceful_timeout)
     check_address(host, port)                     # a port in use: ValueError now, not after the app starts
-    scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant)
+    route = choose_decoder(model.eval(), compile=compile, batch_invariant=batch_invariant)
+    scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
+                          route=route)
     app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
                      max_stop=max_stop)
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info")

@@ -1,0 +1,139 @@
+"""One engine: ``generate()``, the CLI and the server take the same route for a model and give the
+same tokens and log-probabilities, bit for bit, for the same prompt, SamplingParams and seed.
+
+References: ``generate()`` on the prompt alone (its per-step logits, through
+``token_logprobs``), compared with the serving scheduler in this process, the real server through
+the official ``openai`` client, and ``gpt2mha generate``'s printed text. Routes: the decode view
+(float32, batch invariant), the native forward (int8 per_row, int4 per_block) on the built-in model.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from gpt2mha import DEFAULT_MODEL, GPT2
+from gpt2mha.inference.decoders import NATIVE, VIEW, choose_decoder
+from gpt2mha.inference.engine import Engine
+from gpt2mha.inference.generate import generate_with
+from gpt2mha.inference.params import SamplingParams
+from gpt2mha.inference.sampling import row_seed, token_logprobs
+from gpt2mha.io.tokenizer import tokenizer_for
+from gpt2mha.serving.scheduler import Scheduler
+
+PROMPTS = ["ROMEO:", "JULIET:\nO Romeo"]
+PARAMS = [SamplingParams(max_tokens=24, temperature=0, logprobs=3),
+          SamplingParams(max_tokens=24, temperature=0.8, top_k=40, top_p=0.95, seed=7, logprobs=3,
+                         presence_penalty=0.3, logit_bias={"101": -2.0})]
+ROUTES = {"view": (None, None, VIEW), "per_row": ("int8", "per_row", NATIVE), "per_block": ("int4", "per_block", NATIVE)}
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return GPT2.from_pretrained(DEFAULT_MODEL).eval()
+
+
+def routed(builtin, name):
+    scheme, activations, _ = ROUTES[name]
+    if scheme is None:
+        return builtin
+    return copy.deepcopy(builtin).quantize(scheme, method="rtn", activations=activations)
+
+
+def generate_alone(model, ids, params, monkeypatch):
+    """``generate()`` of one prompt: its new tokens and each token's (logprob, top) from the
+    logits it sampled from (the model's raw distribution)."""
+    seen = []
+    real = Engine.sample
+
+    def sample(self, slots, logits, rows):
+        seen.append(logits[list(rows)].clone())
+        return real(self, slots, logits, rows)
+    monkeypatch.setattr(Engine, "sample", sample)
+    out = generate_with(model, [ids], params, batch_invariant=True)[0, len(ids):].tolist()
+    monkeypatch.setattr(Engine, "sample", real)
+    logits = torch.cat(seen)[:len(out)]
+    chosen, top = token_logprobs(logits, torch.tensor(out), params.logprobs)
+    return out, list(zip(chosen, top))
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_generate_and_the_scheduler_give_the_same_tokens_and_logprobs_on_every_route(builtin, route, monkeypatch,
+                                                                                     one_thread):
+    """Two prompts in one request to the serving scheduler (greedy, then seeded with penalties and
+    a bias): sequence i is bitwise generate() of prompt i alone with ``row_seed(seed, i)`` —
+    tokens and log-probabilities — and both took the route choose_decoder names."""
+    model = routed(builtin, route)
+    tok = tokenizer_for(model.config)
+    sched = Scheduler(model, tok, max_batch=4, batch_invariant=True)
+    assert sched.engine.route.decoder.name == choose_decoder(model).decoder.name == ROUTES[route][2]
+    encoded = [tok.encode(p) for p in PROMPTS]
+    for params in PARAMS:
+        seqs = sched.submit(encoded, params, lambda *a: None)
+        sched.run_until_idle()
+        for i, seq in enumerate(seqs):
+            alone = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": row_seed(7, i)})
+            tokens, logprobs = generate_alone(model, encoded[i], alone, monkeypatch)
+            assert seq.tokens == tokens, (route, i, params.temperature)
+            assert seq.logprobs == logprobs
+
+
+@pytest.mark.slow
+def test_the_server_and_the_cli_answer_as_generate_on_the_native_route(builtin, monkeypatch, capsys, one_thread):
+    """The native forward through the real server (official client): text and every token's
+    log-probability equal generate()'s; `gpt2mha generate` with the same flags prints the same
+    text (the route served is the route offline generate takes)."""
+    openai = pytest.importorskip("openai")
+    from gpt2mha.cli import main
+    from gpt2mha.serving.server import serve_in_thread
+
+    model = routed(builtin, "per_row")
+    tok = tokenizer_for(model.config)
+    sched = Scheduler(model, tok, max_batch=2)
+    ids = tok.encode(PROMPTS[1])
+    with serve_in_thread(sched, DEFAULT_MODEL) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model=DEFAULT_MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0.8, seed=7,
+                                      top_p=0.95, logprobs=3, extra_body={"top_k": 40})
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_k=40, top_p=0.95, seed=7, logprobs=3)
+    tokens, logprobs = generate_alone(model, ids, params, monkeypatch)
+    assert r.choices[0].text == tok.decode(tokens)
+    assert r.choices[0].logprobs.token_logprobs == [lp for lp, _ in logprobs]
+    assert main(["generate", PROMPTS[1], "--max-new-tokens", "24", "--temperature", "0.8", "--seed", "7",
+                 "--top-p", "0.95", "--top-k", "40", "--quantize", "int8", "--quantize-method", "rtn",
+                 "--activations", "per_row", "--quiet"]) == 0
+    assert capsys.readouterr().out == PROMPTS[1] + tok.decode(tokens) + "\n"
+
+
+@pytest.mark.parametrize("route", ["view", "per_row"])
+def test_a_hook_attached_during_generate_acts_on_the_steps_after(builtin, route):
+    """A hook attached from on_token after step 3 (one that forces token 65 'A' through the head)
+    acts on every later step, on the native route too (which then gives way to the decode view)."""
+    model = routed(builtin, route)
+    handles = []
+
+    def on_token(token):
+        if len(handles) == 0 and on_token.steps == 3:
+            handles.append(model.lm_head.register_forward_hook(lambda m, a, out: out.index_fill(-1, torch.tensor([65]),
+                                                                                                 1e4)))
+        on_token.steps += 1
+    on_token.steps = 0
+    try:
+        out = model.generate(torch.tensor([list(b"ROMEO:")]), 10, temperature=0, on_token=on_token)[0, 6:].tolist()
+    finally:
+        for h in handles:
+            h.remove()
+    free = model.generate(torch.tensor([list(b"ROMEO:")]), 10, temperature=0)[0, 6:].tolist()
+    assert out[:4] == free[:4] and out[4:] == [65] * 6 and free[4:] != [65] * 6
+
+
+def test_info_names_the_route_and_why_not_the_others(capsys):
+    from gpt2mha.cli import main
+
+    assert main(["info", "--quantize", "int8", "--quantize-method", "rtn", "--activations", "per_row"]) == 0
+    out = capsys.readouterr().out
+    assert "decode       the native forward (batch invariant" in out
+    assert "not the compiled step: compile was not asked for" in out
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "decode       the decode view" in out and "not the native forward: not an int8 per_row" in out

@@ -1,0 +1,88 @@
+"""SamplingParams: every field checked once, in one place, and every entry point accepts every field.
+
+References: OpenAI's documented ranges (completions API), and the fields of the dataclass itself
+(the enumeration test fails when a field is added without its CLI flag or server field).
+"""
+
+import pytest
+
+from gpt2mha.inference.params import FIELDS, ParamError, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs,param,match", [
+    (dict(max_tokens=-1), "max_tokens", "max_tokens=-1 must be an integer >= 0"),
+    (dict(max_tokens=2.0), "max_tokens", "max_tokens=2.0 must be an integer >= 0; got float"),
+    (dict(temperature=-1.0), "temperature", "temperature=-1.0 must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature", "temperature=nan"),
+    (dict(temperature="1"), "temperature", "temperature='1'"),
+    (dict(top_k=1.5), "top_k", "top_k=1.5 must be an integer"),
+    (dict(top_p=0.0), "top_p", r"top_p=0.0 must be a number in \(0, 1\]"),
+    (dict(min_p=2), "min_p", r"min_p=2 must be a number in \[0, 1\]"),
+    (dict(seed=2**63), "seed", r"seed=9223372036854775808 must be an integer in \[0, 9223372036854775807\]"),
+    (dict(seed=-1), "seed", "seed=-1"),
+    (dict(stop=("x", "")), "stop", "must be a non-empty string or a list of them"),
+    (dict(stop=3), "stop", "stop=3"),
+    (dict(n=0), "n", r"n=0 must be an integer in \[1, 128\]"),
+    (dict(n=3, best_of=2), "best_of", "best_of=2 must be greater than or equal to n=3"),
+    (dict(best_of=21), "best_of", r"best_of=21 must be an integer in \[1, 20\]"),
+    (dict(logprobs=6), "logprobs", r"logprobs=6 must be an integer in \[0, 5\]"),
+    (dict(echo=1), "echo", "echo=1 must be true or false"),
+    (dict(presence_penalty=2.1), "presence_penalty", r"presence_penalty=2.1 must be a number in \[-2, 2\]"),
+    (dict(frequency_penalty=float("inf")), "frequency_penalty", "frequency_penalty=inf"),
+    (dict(logit_bias={"x": 1}), "logit_bias", "logit_bias key 'x' is not a token id"),
+    (dict(logit_bias={"１": 1}), "logit_bias", "logit_bias key '１' is not a token id"),      # a non-ASCII digit
+    (dict(logit_bias={"9" * 5000: 1}), "logit_bias", r"key .99999.*\(5002 characters\) is not a token id"),  # int()'s limit
+    (dict(logit_bias={5: -101.0}), "logit_bias", r"logit_bias\[5\]=-101.0 must be a number in \[-100, 100\]"),
+    (dict(logit_bias=[3]), "logit_bias", "logit_bias must be an object mapping token ids to biases"),
+])
+def test_every_field_out_of_range_is_a_param_error_naming_it(kwargs, param, match):
+    with pytest.raises(ParamError, match=match) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param and isinstance(info.value, ValueError)
+
+
+def test_values_are_normalised_and_the_vocabulary_is_checked_separately():
+    """Ids given as decimal strings (JSON keys) become ints, a stop string a tuple; an id past a
+    vocabulary is refused by check_vocab, which names it."""
+    p = SamplingParams(logit_bias={"007": 2, 3: -1.5}, stop="\n\n", seed=5, temperature=0)
+    assert p.logit_bias == ((3, -1.5), (7, 2.0)) and p.stop == ("\n\n",) and p.greedy and p.adjusted
+    p.check_vocab(8)
+    with pytest.raises(ParamError, match=r"logit_bias key 7 is not a token id of this model's tokenizer \(ids 0 … 6\)"):
+        p.check_vocab(7)
+    assert SamplingParams(best_of=3, n=2).per_prompt == 3 and SamplingParams(best_of=3, n=2).ranked
+
+
+# ----------------------------------------------------------------- every entry point, every field
+#: A value other than the default for each field (what a client might send).
+NON_DEFAULT = dict(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, min_p=0.05, presence_penalty=0.25,
+                   frequency_penalty=-0.5, logit_bias={"5": 1.5}, seed=11, stop=["\n\n", "END"], logprobs=2,
+                   echo=True, n=2, best_of=3)
+
+
+def test_the_server_accepts_every_field_and_passes_it_on():
+    """A completions request carrying every SamplingParams field at a non-default value becomes
+    the SamplingParams of exactly those values (the server's parsing of each field)."""
+    pytest.importorskip("fastapi")
+    import json
+
+    from gpt2mha.serving.protocol import parse_request, sampling_params
+
+    assert set(NON_DEFAULT) == set(FIELDS), "NON_DEFAULT must hold every field"
+    body = parse_request(json.dumps({"prompt": "ROMEO:", **NON_DEFAULT}).encode())
+    want = SamplingParams(**{**NON_DEFAULT, "stop": tuple(NON_DEFAULT["stop"])})
+    assert sampling_params(body) == want
+
+
+def test_the_cli_accepts_every_field_and_passes_it_on():
+    """``gpt2mha generate`` has a flag for every SamplingParams field, and its parsed line
+    builds the SamplingParams of exactly those values (no torch needed to parse)."""
+    from gpt2mha.cli import build_parser
+    from gpt2mha.cli.generation import sampling_params_of
+
+    flags = ["--max-new-tokens", "7", "--temperature", "0.5", "--top-k", "3", "--top-p", "0.9", "--min-p", "0.05",
+             "--presence-penalty", "0.25", "--frequency-penalty", "-0.5", "--logit-bias", '{"5": 1.5}',
+             "--seed", "11", "--stop", "\n\n", "--stop", "END", "--logprobs", "2", "--echo",
+             "--num-samples", "2", "--best-of", "3"]
+    args = build_parser().parse_args(["generate", "ROMEO:", *flags])
+    want = SamplingParams(**{**NON_DEFAULT, "stop": tuple(NON_DEFAULT["stop"])})
+    assert sampling_params_of(args) == want
