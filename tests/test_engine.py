@@ -4,7 +4,8 @@ same tokens and log-probabilities, bit for bit, for the same prompt, SamplingPar
 References: ``generate()`` on the prompt alone (its per-step logits, through
 ``token_logprobs``), compared with the serving scheduler in this process, the real server through
 the official ``openai`` client, and ``gpt2mha generate``'s printed text. Routes: the decode view
-(float32, batch invariant), the native forward (int8 per_row, int4 per_block) on the built-in model.
+(int8 with exact products, batch invariant), the native forward (float32, int8 per_row, int4
+per_block) on the built-in model.
 """
 
 import copy
@@ -25,7 +26,8 @@ PROMPTS = ["ROMEO:", "JULIET:\nO Romeo"]
 PARAMS = [SamplingParams(max_tokens=24, temperature=0, logprobs=3),
           SamplingParams(max_tokens=24, temperature=0.8, top_k=40, top_p=0.95, seed=7, logprobs=3,
                          presence_penalty=0.3, logit_bias={"101": -2.0})]
-ROUTES = {"view": (None, None, VIEW), "per_row": ("int8", "per_row", NATIVE), "per_block": ("int4", "per_block", NATIVE)}
+ROUTES = {"float32": (None, None, NATIVE), "view": ("int8", "exact", VIEW), "per_row": ("int8", "per_row", NATIVE),
+          "per_block": ("int4", "per_block", NATIVE)}
 
 
 @pytest.fixture(scope="module")
@@ -136,4 +138,7 @@ def test_info_names_the_route_and_why_not_the_others(capsys):
     assert "not the compiled step: compile was not asked for" in out
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "decode       the decode view" in out and "not the native forward: not an int8 per_row" in out
+    assert "decode       the native forward (batch invariant" in out
+    assert main(["info", "--quantize", "int8", "--quantize-method", "rtn"]) == 0
+    out = capsys.readouterr().out
+    assert "decode       the decode view" in out and "not the native forward: not a float32, int8 per_row" in out

@@ -111,7 +111,9 @@ class CompiledDecoder(Decoder):
 
 class NativeDecoder(Decoder):
     """Steps (and per_row prompts) in one C++ call each (:class:`~gpt2mha.inference.native.NativeStep`);
-    an int4 per_block model's prompts take the exact products of its own forward."""
+    an int4 per_block model's prompts take the exact products of its own forward, and a float32
+    model's its own products (MKL's GEMMs), through a decode view that swaps nothing but the
+    attention (gpt2mha's causal prefill kernel: no weight copied)."""
 
     name = NATIVE
     batch_invariant = True
@@ -119,11 +121,12 @@ class NativeDecoder(Decoder):
     def __init__(self, model: nn.Module, native):
         super().__init__(model)
         self.native = native
+        self.view = None if native.prefill is not None else for_decoding(model, head=False, conv1d=False)
 
     def prefill(self, ids, cache):
         if self.native.prefill is not None:
             return self.native(ids, cache)
-        return self.model(ids, cache=cache, last_only=True, validate=False).logits[:, -1]
+        return self.view(ids, cache=cache, last_only=True, validate=False).logits[:, -1]
 
     def step(self, tokens, cache):
         return self.native(tokens, cache)
@@ -145,7 +148,7 @@ class Route:
         not the others."""
         d = self.decoder
         prefill = "the native forward" if d.name == NATIVE and d.native.prefill is not None else \
-            ("the model's forward (exact products)" if d.name == NATIVE else "the decode view")
+            ("the model's own products (its decode view's attention)" if d.name == NATIVE else "the decode view")
         others = "; ".join(f"not the {name}: {why}" for name, why in self.why_not.items())
         return (f"decode: the {d.name} ({'batch invariant' if d.batch_invariant else 'not batch invariant'}); "
                 f"prefill: {prefill}" + (f"; {others}" if others else ""))

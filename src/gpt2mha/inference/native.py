@@ -1,5 +1,6 @@
 """The forward in one C++ call, for quantized models on the CPU: int4 with per_block (W4A8)
-activations, int8 with per_row (W7A8) activations.
+activations, int8 with per_row (W7A8) activations; and for float32 models (float32 products of
+the model's own weights, ``kernels/float_products.cpp``).
 
 :func:`~gpt2mha.inference.generate.generate` runs such a model (on the CPU, nothing hooked, the
 kernels built) through ``torch.ops.gpt2mha.cached_forward`` (``kernels/cached_forward.cpp``): every decode
@@ -20,6 +21,16 @@ model's to ~1e-6 and a few differ by up to ~1e-2 relative (as the compiled step'
 tokens part from the model's only at near ties, and quality is the same (benchmarks/RESULTS.md;
 tests/test_native.py).
 
+A float32 model's steps take the same route with float32 products (``conv1d_f32`` over each
+Conv1D's ``[in, out]`` weight as the model holds it, ``linear_f32`` over the head's ``[n_vocab,
+n_embd]``: no copies), each output summed in one fixed order, so a row's logits never depend on
+the other rows or the threads (batch invariant, where the decode view's MKL products are not).
+Nothing rounds activations there: logits agree with the model's own forward to ~1e-6 relative
+(sums in another order) and greedy tokens are the model's but at exact near-ties. Its prompts
+take the model's own forward (MKL's GEMMs: compute-bound, where the one-call forward gains
+nothing). Why: MKL's GEMV, called from Python 49 times a step, read 124M's 497 MB at about half
+the memory's speed (benchmarks/RESULTS.md, "float32 at memory speed").
+
 Source: the loop of gpt-fast's ``decode_one_token`` and llama.cpp's graph for GPT-2, with the
 arithmetic of openai/gpt-2's ``model.py`` (``block``, ``attn``, ``norm``, ``gelu``).
 """
@@ -34,25 +45,34 @@ from torch import nn
 from ..core.kv_cache import KVCache
 from .fast import global_hooks, hooked
 from .quant import gemv
+from ..core.attention import Conv1D
+from ..core.model import LMHead
 from .quant.linear import QuantizedLinear
+
+#: cached_forward's group_size for float32 products (kernels/cached_forward.cpp)
+FLOAT32 = -1
 
 
 def _kind(model: nn.Module) -> str:
-    """"per_block", "per_row" or "" (no native forward) from the model's quantization record."""
+    """"per_block", "per_row", "float32" or "" (no native forward) from the model's quantization
+    record (float32: none, and float32 weights)."""
     q = getattr(model, "quantization", None) or {}
     if (q.get("scheme"), q.get("activations")) == ("int4", "per_block"):
         return "per_block"
     if (q.get("scheme"), q.get("activations")) == ("int8", "per_row"):
         return "per_row"
+    wte = getattr(getattr(model, "wte", None), "weight", None)
+    if not q and isinstance(wte, torch.Tensor) and wte.dtype == torch.float32:
+        return "float32"
     return ""
 
 
 def why_not(model: nn.Module) -> str:
     """Why ``generate`` does not run ``model`` on the native forward ("" when it does, without
-    ``compile``): not per_row/per_block, the kernels not built, hooks attached (global ones
-    too), not float32 on the CPU, blocks cut or mixed, a head_dim that is not a multiple of 8."""
+    ``compile``): not per_row/per_block/float32, the kernels not built, hooks attached (global
+    ones too), not float32 on the CPU, blocks cut or mixed, a head_dim that is not a multiple of 8."""
     if not _kind(model):
-        return "not an int8 per_row or int4 per_block model (model.quantization)"
+        return "not a float32, int8 per_row or int4 per_block model (model.quantization)"
     if not gemv.available():
         return f"the C++ kernels are not built ({gemv.unavailable_reason()})"
     if not all(hasattr(model, name) for name in ("wte", "wpe", "h", "ln_f", "lm_head", "config")):
@@ -68,6 +88,8 @@ def why_not(model: nn.Module) -> str:
     if head_dim % 8:
         return f"head_dim={head_dim} is not a multiple of 8 (the kernels' vectors)"
     kind = _kind(model)
+    if kind == "float32":
+        return _why_not_float32(model)
     scheme = {"per_block": "int4", "per_row": "int8"}.get(kind)
     groups = set()
     for block in model.h:
@@ -96,9 +118,31 @@ def why_not(model: nn.Module) -> str:
     return ""
 
 
-def _product(layer: QuantizedLinear) -> list[torch.Tensor]:
+def _why_not_float32(model: nn.Module) -> str:
+    # why_not's checks of a float32 model's layers (the common ones are done)
+    for block in model.h:
+        for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+            if not (type(layer) is Conv1D and layer.weight.dtype == torch.float32 and layer.bias is not None
+                    and layer.bias.dtype == torch.float32):
+                return "its blocks' layers are not all float32 Conv1Ds with biases"
+        for norm in (block.ln_1, block.ln_2):
+            if norm.weight is None or norm.bias is None:
+                return "a LayerNorm has no weight or bias"
+    head = model.lm_head
+    if not (isinstance(head, LMHead) and head.weight.dtype == torch.float32 and head.weight.dim() == 2):
+        return "its head is not a float32 LMHead"
+    if len({m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)}) != 1:
+        return "its LayerNorms differ in epsilon"
+    if any(t.device.type != "cpu" for t in (*model.parameters(), *model.buffers())):
+        return "a tensor is not on the CPU"
+    return ""
+
+
+def _product(layer: nn.Module) -> list[torch.Tensor]:
     # the layer's tensors in cached_forward.cpp's layouts: W4A8's and the exact int8 head's (weight, kernel
-    # scales), per_row's packed four
+    # scales), per_row's packed four, a float32 Conv1D's or head's weight as it is
+    if not isinstance(layer, QuantizedLinear):
+        return [layer.weight.detach().contiguous()]
     if layer.activations == "per_row":
         return list(layer.per_row_packed())
     return [layer.weight.detach().contiguous(), layer.gemv_scales()]
@@ -108,7 +152,7 @@ class NativeStep:
     """``model``'s forward as one call of ``torch.ops.gpt2mha.cached_forward`` (see the module's
     docstring). Holds the model's tensors (no copies but those the kernels' layouts need: the
     int4 layers' (scale, zero) pairs by output channel, per_row's packed 7-bit weights, as the
-    model's own layers keep them).
+    model's own layers keep them; a float32 model's weights as they are).
 
     Call with ``tokens [B, T]`` (int64; T > 1 runs int4 models' W4A8 products on every token,
     where their own forward takes the exact ones for prompts) and a :class:`KVCache` of ``B`` rows (each row's storage
@@ -139,14 +183,17 @@ class NativeStep:
         self.wte, self.wpe = model.wte.weight.detach(), model.wpe.weight.detach()
         self.ln_f = (model.ln_f.weight.detach(), model.ln_f.bias.detach())
         head = model.lm_head
-        bias = torch.empty(0) if head.bias is None else head.bias.detach().float()
+        bias = getattr(head, "bias", None)
+        bias = torch.empty(0) if bias is None else bias.detach().float()
         self.head = [*_product(head), bias]
         c = model.config
         self.sizes = (len(model.h), c.n_head, c.n_embd // c.n_head)
-        self.group_size = model.h[0].attn.c_attn.group_size if _kind(model) == "per_block" else 0
+        kind = _kind(model)
+        self.group_size = model.h[0].attn.c_attn.group_size if kind == "per_block" else FLOAT32 if kind == "float32" else 0
         self.eps = float(model.ln_f.eps)
         # what decode_loop runs the prompts on: per_row's prompts are W7A8 like its steps; an int4
-        # per_block model's prompts take the exact products (set_activations), in its own forward
+        # per_block model's prompts take the exact products (set_activations), and a float32 one's
+        # MKL's GEMMs, in its own forward
         self.prefill = self if self.group_size == 0 else None
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -165,8 +212,8 @@ _steps: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, NativeStep]]" = weakr
 
 
 def native_step(model: nn.Module) -> NativeStep | None:
-    """``model``'s :class:`NativeStep`, or None where it has none (not an int4 per_block or int8
-    per_row model, hooks attached, not float32 on the CPU, the kernels not built). Made on
+    """``model``'s :class:`NativeStep`, or None where it has none (not a float32, int4 per_block or
+    int8 per_row model, hooks attached, not float32 on the CPU, the kernels not built). Made on
     first use and kept while the model lives; made again when any parameter or buffer was
     replaced, written in place or given new data (``p.data = t``) since, or a LayerNorm's eps
     changed; made every call for a model holding tensors made in inference mode (they count no

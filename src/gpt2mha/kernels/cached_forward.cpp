@@ -3,7 +3,9 @@
  * is its Python side). T new tokens per row through every block and the head, as GPT2.forward
  * does with a KVCache and last_only (core/model.py), in one C++ function: no Python, dispatcher,
  * hook points or allocation between the 12 x 4 products of 124M. Products: int4 with per_block
- * activations (W4A8, products.cpp's w4a8) or int8 with per_row activations (W7A8, per_row).
+ * activations (W4A8, products.cpp's w4a8), int8 with per_row activations (W7A8, per_row), or
+ * float32 (float_products.cpp's conv1d_f32 over the model's own [in, out] weights, linear_f32
+ * over the head's [V, E]: no rounding the dtype does not imply, each sum in a fixed order).
  *
  * Why it exists (benchmarks/RESULTS.md, "The forward in one call"): at batch 1 an int4 124M
  * step reads ~92 MB, about 2.3 ms at this machine's memory speed, and the compiled step
@@ -159,12 +161,16 @@ static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t>
 
 /* One product y [M, N] = x [M, K] W^T + b of a layer given as its tensors t: three for W4A8
  * (nibbles [N, K/2], (scale, zero) pairs [N, K/G, 2] bf16, bias [N]), five for per_row (packed
- * [ceil(N/32), ceil(K/4), 32, 4] int8, qsum [N] int32, scales [N], wsum [N], bias [N]). */
+ * [ceil(N/32), ceil(K/4), 32, 4] int8, qsum [N] int32, scales [N], wsum [N], bias [N]), two for
+ * float32 (the Conv1D's weight [K, N] as the model holds it, bias [N]: float_products.cpp). */
+static const int64_t FLOAT32 = -1;
 struct Product {
-    int64_t G;               /* group size: W4A8; 0: per_row */
-    int count() const { return G ? 3 : 5; }
+    int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32 */
+    int count() const { return G == FLOAT32 ? 2 : G ? 3 : 5; }
     void check(const at::Tensor *t, int64_t N, int64_t K, const std::string &name, int64_t layer, bool bias = true) const {
-        if (G) {
+        if (G == FLOAT32) {
+            need(t[0], at::kFloat, {K, N}, name + " weight", layer);
+        } else if (G) {
             need(t[0], at::kByte, {N, K / 2}, name + " weight", layer);
             need(t[1], at::kBFloat16, {N, K / G, 2}, name + " scale_zero", layer);
         } else {
@@ -176,7 +182,9 @@ struct Product {
         if (bias) need(t[count() - 1], at::kFloat, {N}, name + " bias", layer);
     }
     void operator()(const at::Tensor *t, const float *x, int64_t M, int64_t K, int64_t N, float *y, bool gelu) const {
-        if (G) {
+        if (G == FLOAT32) {
+            conv1d_f32(x, M, K, t[0].data_ptr<float>(), N, t[1].data_ptr<float>(), gelu, y);
+        } else if (G) {
             w4a8(x, M, K, G, t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(t[1].data_ptr<at::BFloat16>()),
                  N, t[2].data_ptr<float>(), y);
             if (gelu)
@@ -231,10 +239,10 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     const int64_t n_vocab = wte.size(0), P = wpe.size(0);
     TORCH_CHECK(D % 8 == 0, "cached_forward: head_dim must be a multiple of 8; got ", D);
     const Product product{group_size};
-    TORCH_CHECK(group_size == 0 || (group_size >= 32 && E % group_size == 0 &&
-                                    (128 % group_size == 0 || group_size % 128 == 0)),
-                "cached_forward: group_size must be 0 (per_row) or 32, 64 or a multiple of 128 dividing n_embd=", E,
-                "; got ", group_size);
+    TORCH_CHECK(group_size == 0 || group_size == FLOAT32 ||
+                    (group_size >= 32 && E % group_size == 0 && (128 % group_size == 0 || group_size % 128 == 0)),
+                "cached_forward: group_size must be 0 (per_row), -1 (float32) or 32, 64 or a multiple of 128 dividing "
+                "n_embd=", E, "; got ", group_size);
     const int64_t per_layer = 4 + 4 * product.count();
     TORCH_CHECK((int64_t)layers.size() == per_layer * L, "cached_forward: layers must hold ", per_layer,
                 " tensors per layer (", per_layer * L, "); got ", layers.size());
@@ -258,14 +266,17 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     }
     const bool head_per_row = !head.empty() && head[0].dim() == 4;
     const bool head_w4a8 = !head_per_row && !head.empty() && head[0].scalar_type() == at::kByte;
-    TORCH_CHECK(head.size() == (head_per_row ? 5u : 3u) && head[head_per_row ? 1 : 0].dim() >= 1,
+    const bool head_f32 = head.size() == 2 && head[0].scalar_type() == at::kFloat;
+    TORCH_CHECK(head.size() == (head_per_row ? 5u : head_f32 ? 2u : 3u) && head[head_per_row ? 1 : 0].dim() >= 1,
                 "cached_forward: head must be int8_gemv's weight [V, E], scales and bias (or an empty tensor), "
-                "per_row's packed, qsum [V], scales, wsum and bias, or W4A8's nibbles [V, E/2], (scale, zero) "
-                "pairs and bias; got ", head.size(), " tensors");
+                "per_row's packed, qsum [V], scales, wsum and bias, W4A8's nibbles [V, E/2], (scale, zero) "
+                "pairs and bias, or a float32 weight [V, E] and bias; got ", head.size(), " tensors");
     TORCH_CHECK(!head_w4a8 || group_size > 0, "cached_forward: an int4 head (uint8 nibbles) needs the blocks' "
                 "group_size > 0 (W4A8); got group_size=", group_size);
     const int64_t V = head_per_row ? head[1].size(0) : head[0].size(0);
-    if (head_per_row || head_w4a8) {
+    if (head_f32) {
+        need(head[0], at::kFloat, {V, E}, "head weight");
+    } else if (head_per_row || head_w4a8) {
         Product{head_w4a8 ? group_size : 0}.check(head.data(), V, E, "head", -1, false);
     } else {
         need(head[0], at::kChar, {V, E}, "head weight");
@@ -348,7 +359,9 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     }
     at::Tensor logits = at::empty({B, V}, wte.options());
     const float *hb = head_bias.numel() > 0 ? head_bias.data_ptr<float>() : nullptr;
-    if (head_per_row)
+    if (head_f32)
+        linear_f32(h, B, E, head[0].data_ptr<float>(), V, hb, logits.data_ptr<float>());
+    else if (head_per_row)
         per_row(h, B, E, head[0].data_ptr<int8_t>(), V, head[1].data_ptr<int32_t>(), head[2].data_ptr<float>(),
                 head[3].data_ptr<float>(), hb, false, logits.data_ptr<float>());
     else if (head_w4a8)

@@ -1,5 +1,5 @@
-/* What cached_forward.cpp calls in products.cpp and causal_attention.cpp (one library: every .cpp here,
- * build.py's SOURCES). */
+/* What cached_forward.cpp calls in products.cpp, float_products.cpp and causal_attention.cpp (one
+ * library: every .cpp here, build.py's SOURCES). */
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,6 +22,15 @@ void w4a8(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *w, con
  * wsum [N], + bias (may be NULL), then GPT-2's GELU if gelu (int8_per_row). */
 void per_row(const float *x, int64_t M, int64_t K, const int8_t *packed, int64_t N, const int32_t *qsum,
              const float *scales, const float *wsum, const float *bias, bool gelu, float *y);
+
+/* y [M, N] = x [M, K] @ w [K, N] + bias [N] (bias may be NULL), then GPT-2's GELU if gelu: float32, each
+ * output summed in one fixed order (float_products.cpp, the operator conv1d_f32). */
+void conv1d_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, bool gelu,
+                float *y);
+
+/* y [M, N] = x [M, K] @ w [N, K]^T + bias [N] (bias may be NULL): float32, each output summed in one fixed
+ * order (float_products.cpp, the operator linear_f32). */
+void linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y);
 
 /* Causal attention of q [B, h, T, D] over k, v [B, h, S, D] (S >= T, OpenAI's bottom-right
  * mask), last dimensions contiguous; returns o [B, T, h, D] permuted to [B, h, T, D]

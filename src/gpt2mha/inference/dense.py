@@ -1,0 +1,90 @@
+"""The Python side of gpt2mha's float32 products (``src/gpt2mha/kernels/float_products.cpp``): the
+operators ``torch.ops.gpt2mha.conv1d_f32`` (GPT-2's Conv1D layout, ``x @ W + b``) and
+``linear_f32`` (``F.linear``'s, ``x @ Wᵀ + b``: the LM head over ``wte``) behind checked wrappers.
+The native forward (:mod:`.native`) calls the same kernels from C++ for float32 models.
+
+Each output is summed in one fixed order (see the C++ file), so a row's result is the same bits
+whatever the other rows, the number of threads or the instruction set (AVX2 or AVX-512); against
+torch's products (MKL's order) the results differ by float32 rounding only. Made for decode
+sizes (1–16 rows), where a product is a read of the weights: at one row they read 124M's
+weights near the memory's speed, where torch's GEMV from Python read them at about half of it
+(benchmarks/RESULTS.md, "float32 at memory speed").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant import gemv
+
+
+def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           gelu: bool = False) -> torch.Tensor:
+    """``x @ weight + bias`` (GPT-2's Conv1D), then GPT-2's GELU if ``gelu``, by ``conv1d_f32``.
+
+    Args:
+        x: float32 ``[M, K]`` on the CPU (any strides: made contiguous).
+        weight: float32 ``[K, N]``, contiguous (a :class:`~gpt2mha.core.attention.Conv1D`'s).
+        bias: float32 ``[N]`` or None.
+        gelu: apply ``0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))`` to each output (simd.h's gelu:
+            within a few float32 ulps of ``F.gelu(approximate="tanh")``).
+
+    Returns:
+        float32 ``[M, N]``: output ``(m, n)`` is ``bias[n]`` then ``+ x[m, k]·weight[k, n]`` fused
+        for k = 0, 1, … in order.
+
+    Raises:
+        RuntimeError: the kernels are not loaded.
+        ValueError: naming the argument: x requires grad or is not a non-empty float32 CPU
+            matrix; weight or bias of the wrong dtype, shape, device or layout.
+    """
+    _check(x, weight, bias, conv=True)
+    return torch.ops.gpt2mha.conv1d_f32(x, weight, bias, bool(gelu))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``F.linear``) by ``linear_f32``.
+
+    Args:
+        x: float32 ``[M, K]`` on the CPU.
+        weight: float32 ``[N, K]``, contiguous (an LM head's, or ``wte``).
+        bias: float32 ``[N]`` or None.
+
+    Returns:
+        float32 ``[M, N]``: output ``(m, n)`` sums ``x[m, k]·weight[n, k]`` in 16 lanes (lane l
+        takes k ≡ l mod 16, in order), then the lanes in a fixed tree, then ``+ bias[n]``.
+
+    Raises:
+        RuntimeError: the kernels are not loaded.
+        ValueError: as :func:`conv1d`.
+    """
+    _check(x, weight, bias, conv=False)
+    return torch.ops.gpt2mha.linear_f32(x, weight, bias)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv: bool) -> None:
+    # the operators check too (TORCH_CHECK, a RuntimeError); here the same checks raise ValueError
+    if not gemv.available():
+        raise RuntimeError(f"the float32 product kernels are not available: {gemv.unavailable_reason()}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor; got {type(t).__name__}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError("x requires grad: the float32 product kernels are for inference (no backward); call them "
+                         "under torch.no_grad() or torch.inference_mode()")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
+        raise ValueError(f"x must be a non-empty float32 CPU tensor [M, K]; got {x.dtype} {tuple(x.shape)} on "
+                         f"{x.device}")
+    K = x.shape[1]
+    layout = "[K, N]" if conv else "[N, K]"
+    k_dim = 0 if conv else 1
+    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or not weight.is_contiguous() or weight.shape[k_dim] != K or weight.shape[1 - k_dim] == 0):
+        raise ValueError(f"weight must be a contiguous float32 CPU tensor {layout} with K={K} (x's columns) and "
+                         f"N >= 1; got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
+                         + ("" if weight.is_contiguous() else " (not contiguous)"))
+    N = weight.shape[1 - k_dim]
+    if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or bias.shape[0] != N
+                             or bias.device.type != "cpu" or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 CPU tensor [N={N}] or None; got {bias.dtype} "
+                         f"{tuple(bias.shape)} on {bias.device}")

@@ -1,0 +1,384 @@
+/* gpt2mha's float32 products for decode-sized inputs (inference/dense.py wraps them; cached_forward.cpp
+ * calls them for float32 models): the operators torch.ops.gpt2mha.conv1d_f32 and linear_f32.
+ *
+ *   conv1d_f32:  y[m, n] = bias[n] + sum_k x[m, k] * w[k, n]    w [K, N]: GPT-2's Conv1D layout
+ *   linear_f32:  y[m, n] = bias[n] + sum_k x[m, k] * w[n, k]    w [N, K]: the LM head (wte), F.linear's
+ *
+ * float32 activations and weights, float32 sums: the model's own products, in an order of our own.
+ *
+ * Why they exist (benchmarks/RESULTS.md, "float32 at memory speed"): a float32 124M decode step reads
+ * 497 MB of weights, and torch's products (MKL's GEMV and small GEMMs, called 49 times from Python) read
+ * them at about half the memory's speed; at eight rows MKL's small GEMM ran slower than at one.
+ *
+ * Every output is summed in one fixed order whatever M, the threads or the instruction set, so a row's
+ * result never depends on the other rows (batch invariance) and the AVX2 and AVX-512 paths give the same
+ * bits:
+ *
+ * - conv1d_f32: each output lane is its own chain, acc = bias (or 0), then acc = fma(x[m, k], w[k, n],
+ *   acc) for k = 0, 1, ..., K-1; vectors hold 8 or 16 consecutive outputs, so no horizontal sum. The
+ *   threads share out chunks of output columns; within a chunk the weights are read KB rows at a time
+ *   across the chunk (KB runs of the chunk's width, each contiguous: the prefetcher follows them; a
+ *   whole strip of K rows by 48 columns at a time ran ~1.5x slower), the partial sums kept in y between
+ *   row blocks (float32 stores: exact), each weight tile used for every row of x while it is in L1.
+ * - linear_f32: for each output, 16 float32 lanes, lane l summing x[k] w[k] over k = l mod 16 in order
+ *   (fma), then lanes (l, l + 8) added, then (l, l + 4), (l, l + 2), (0, 1) (cached_forward.cpp's
+ *   hsum8 after one add of halves), then + bias. Threads share out chunks of weight rows (each a
+ *   sequential run).
+ *
+ * GELU (GPT-2's, simd.h's gelu8/gelu16) may be applied to conv1d_f32's outputs as they are written
+ * (the MLP's c_fc). Compiled with -ffp-contract=off: nothing is fused that this file does not say. */
+#include "simd.h" /* first: its note on immintrin.h says why */
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "kernels.h"
+
+/* the AVX-512 paths' target (float32 FMAs on 16 lanes, masked tails) */
+#define F512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+
+/* Rows of x per register tile (AVX-512: 8 rows x 3 vectors = 24 accumulators; AVX2: 4 x 3 = 12 of 16
+ * registers), weight rows per block (KB), and the output columns a thread takes at a time. Products of
+ * fewer than PARALLEL_MACS multiply-adds stay on one thread (an OpenMP region costs more). */
+static const int64_t KB = 16, CHUNK_COLS = 512, PARALLEL_MACS = 1 << 18, HEAD_CHUNK_BYTES = 1 << 17;
+
+static inline int64_t threads() { return omp_get_max_threads() > 0 ? omp_get_max_threads() : 1; }
+
+/* chunks of `units` for the threads: a multiple of the threads (they finish together on an idle
+ * machine), each about `per` units or more; returns units per chunk */
+static inline int64_t chunk_of(int64_t units, int64_t per) {
+    const int64_t T = threads(), chunks = T * ((units + T * per - 1) / (T * per));
+    return std::max<int64_t>(1, (units + chunks - 1) / chunks);
+}
+
+/* ---- conv1d_f32, AVX-512 ---- */
+
+/* the mask of vector r of a tile whose last vector holds `tail` lanes (1 .. 16) of nv */
+F512 static inline __mmask16 lane_mask(int r, int nv, int tail) {
+    return r < nv - 1 ? (__mmask16)0xFFFF : r == nv - 1 ? (__mmask16)((1u << tail) - 1) : (__mmask16)0;
+}
+
+/* 16 floats at p, or those of mask mk (zeros elsewhere) */
+template <bool FULL>
+F512 static inline __m512 ld16(__mmask16 mk, const float *p) {
+    return FULL ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mk, p);
+}
+
+/* rows [0, MR) of x (row stride ldx) times w's rows [k0, k1) at columns j .. j + 16 NR, accumulated into
+ * y (row stride N); `first`: start from bias (or 0), else from y; `last`: apply GELU if gelu. FULL: all
+ * NR vectors whole; else the tile holds nv vectors, the last `tail` lanes (masked loads and stores). */
+template <int MR, int NR, bool FULL>
+F512 static void tile16(const float *x, int64_t ldx, const float *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
+                        int nv, int tail, const float *bias, bool first, bool last, bool gelu, float *y) {
+    __m512 acc[MR][NR];
+    __mmask16 mk[NR];
+    for (int r = 0; r < NR; r++) mk[r] = FULL ? (__mmask16)0xFFFF : lane_mask(r, nv, tail);
+    for (int r = 0; r < NR; r++) {
+        const __m512 b = first && bias ? ld16<FULL>(mk[r], bias + j + 16 * r) : _mm512_setzero_ps();
+        for (int m = 0; m < MR; m++) acc[m][r] = first ? b : ld16<FULL>(mk[r], y + m * N + j + 16 * r);
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        const float *wk = w + k * N + j;
+        __m512 wv[NR];
+        if (NR <= 3)                                   /* the next tile's lines: ~1.4x at 8 rows (none helped 1 row) */
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(wk + 16 * (r + NR)), _MM_HINT_T0);
+        for (int r = 0; r < NR; r++) wv[r] = ld16<FULL>(mk[r], wk + 16 * r);
+        for (int m = 0; m < MR; m++) {
+            const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) {
+            const __m512 v = last && gelu ? gelu16(acc[m][r]) : acc[m][r];
+            if (FULL)
+                _mm512_storeu_ps(y + m * N + j + 16 * r, v);
+            else if (mk[r])
+                _mm512_mask_storeu_ps(y + m * N + j + 16 * r, mk[r], v);
+        }
+}
+
+/* tile16 for a whole tile or an edge one */
+template <int MR, int NR>
+F512 static inline void tile16_any(bool full, const float *x, int64_t ldx, const float *w, int64_t N, int64_t k0,
+                                   int64_t k1, int64_t j, int nv, int tail, const float *bias, bool first, bool last,
+                                   bool gelu, float *y) {
+    if (full)
+        tile16<MR, NR, true>(x, ldx, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
+    else
+        tile16<MR, NR, false>(x, ldx, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
+}
+
+/* every row of x over one block of w's rows [k0, k1) and the columns [c0, c1), tiles of NR vectors */
+template <int NR>
+F512 static void block16(const float *x, int64_t M, int64_t K, const float *w, int64_t N, int64_t k0, int64_t k1,
+                         int64_t c0, int64_t c1, const float *bias, bool gelu, float *y) {
+    const bool first = k0 == 0, last = k1 == K;
+    for (int64_t j = c0; j < c1; j += 16 * NR) {
+        const int64_t cols = std::min<int64_t>(16 * NR, c1 - j);
+        const int nv = (int)((cols + 15) / 16), tail = (int)(cols - 16 * (nv - 1));
+        const bool full = cols == 16 * NR;
+        if constexpr (NR > 3) {                        /* one row (conv1d16) */
+            tile16_any<1, NR>(full, x, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
+            continue;
+        }
+        int64_t m = 0;
+        for (; m + 8 <= M; m += 8)
+            tile16_any<8, NR>(full, x + m * K, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y + m * N);
+        const float *xm = x + m * K;
+        float *ym = y + m * N;
+        switch (M - m) {
+            case 7: tile16_any<7, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 6: tile16_any<6, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 5: tile16_any<5, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 4: tile16_any<4, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 3: tile16_any<3, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 2: tile16_any<2, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 1: tile16_any<1, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            default: break;
+        }
+    }
+}
+
+F512 static void conv1d16(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias,
+                          bool gelu, float *y) {
+    /* one row: tiles of 8 vectors (128 columns, 8 accumulators); more: 3 vectors (8 rows x 3) */
+    const int64_t width = M == 1 ? 128 : 48, tiles = (N + width - 1) / width;
+    const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
+    #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
+    for (int64_t c0 = 0; c0 < N; c0 += chunk) {
+        const int64_t c1 = std::min(N, c0 + chunk);
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+            const int64_t k1 = std::min(K, k0 + KB);
+            if (M == 1)
+                block16<8>(x, M, K, w, N, k0, k1, c0, c1, bias, gelu, y);
+            else
+                block16<3>(x, M, K, w, N, k0, k1, c0, c1, bias, gelu, y);
+        }
+    }
+}
+
+/* ---- conv1d_f32, AVX2: the same chains on 8 lanes ---- */
+
+static inline __m256i mask8(int64_t n) {            /* lanes [0, n) set, n in 0 .. 8 */
+    static const int32_t ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)n), _mm256_loadu_si256((const __m256i *)ramp));
+}
+
+template <int MR, int NR>
+static void tile8(const float *x, int64_t ldx, const float *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
+                  int64_t cols, const float *bias, bool first, bool last, bool gelu, float *y) {
+    __m256 acc[MR][NR];
+    __m256i mk[NR];
+    for (int r = 0; r < NR; r++) mk[r] = mask8(std::clamp<int64_t>(cols - 8 * r, 0, 8));
+    for (int r = 0; r < NR; r++) {
+        const __m256 b = first && bias ? _mm256_maskload_ps(bias + j + 8 * r, mk[r]) : _mm256_setzero_ps();
+        for (int m = 0; m < MR; m++) acc[m][r] = first ? b : _mm256_maskload_ps(y + m * N + j + 8 * r, mk[r]);
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        const float *wk = w + k * N + j;
+        __m256 wv[NR];
+        for (int r = 0; r < NR; r++) wv[r] = _mm256_maskload_ps(wk + 8 * r, mk[r]);
+        for (int m = 0; m < MR; m++) {
+            const __m256 xv = _mm256_set1_ps(x[m * ldx + k]);
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++)
+            if (cols > 8 * r) _mm256_maskstore_ps(y + m * N + j + 8 * r, mk[r], last && gelu ? gelu8(acc[m][r]) : acc[m][r]);
+}
+
+static void conv1d8(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, bool gelu,
+                    float *y) {
+    const int64_t width = 24, tiles = (N + width - 1) / width;
+    const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
+    #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
+    for (int64_t c0 = 0; c0 < N; c0 += chunk) {
+        const int64_t c1 = std::min(N, c0 + chunk);
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+            const int64_t k1 = std::min(K, k0 + KB);
+            const bool first = k0 == 0, last = k1 == K;
+            for (int64_t j = c0; j < c1; j += width) {
+                const int64_t cols = std::min(width, c1 - j);
+                int64_t m = 0;
+                for (; m + 4 <= M; m += 4) tile8<4, 3>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
+                for (; m < M; m++) tile8<1, 3>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
+            }
+        }
+    }
+}
+
+void conv1d_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, bool gelu,
+                float *y) {
+    if (avx512_paths())
+        conv1d16(x, M, K, w, N, bias, gelu, y);
+    else
+        conv1d8(x, M, K, w, N, bias, gelu, y);
+}
+
+/* ---- linear_f32: dot products over rows of w [N, K] ---- */
+
+static inline float hsum8(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* one 16-block of k (the lanes of mask mk) of dots16 */
+template <int MR, int R, bool FULL>
+F512 static inline void dot_step(const float *x, int64_t K, const float *wn, int64_t k, __mmask16 mk, __m512 (&acc)[MR][R]) {
+    __m512 xv[MR];
+    for (int m = 0; m < MR; m++) xv[m] = ld16<FULL>(mk, x + m * K + k);
+    for (int r = 0; r < R; r++) {
+        const __m512 wv = ld16<FULL>(mk, wn + r * K + k);
+        for (int m = 0; m < MR; m++) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
+    }
+}
+
+/* R rows of w (from wn, stride K) times MR rows of x (stride K): out[m * R + r] */
+template <int MR, int R>
+F512 static void dots16(const float *x, int64_t K, const float *wn, float *out) {
+    __m512 acc[MR][R];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) dot_step<MR, R, true>(x, K, wn, k, 0xFFFF, acc);
+    if (k < K) dot_step<MR, R, false>(x, K, wn, k, (__mmask16)((1u << (K - k)) - 1), acc);
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < R; r++)
+            out[m * R + r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[m][r]), _mm512_extractf32x8_ps(acc[m][r], 1)));
+}
+
+/* the same lanes as two 8-lane halves (lanes 0-7: k mod 16 < 8; 8-15: the rest), every 16-block done
+ * on both halves (masked: zeros past K) so each lane sees the same operations as on AVX-512 */
+template <int MR, int R>
+static void dots8(const float *x, int64_t K, const float *wn, float *out) {
+    __m256 lo[MR][R], hi[MR][R];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < R; r++) lo[m][r] = hi[m][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m256i ml = mask8(std::clamp<int64_t>(K - k, 0, 8)), mh = mask8(std::clamp<int64_t>(K - k - 8, 0, 8));
+        for (int r = 0; r < R; r++) {
+            const __m256 wl = _mm256_maskload_ps(wn + r * K + k, ml), wh = _mm256_maskload_ps(wn + r * K + k + 8, mh);
+            for (int m = 0; m < MR; m++) {
+                lo[m][r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * K + k, ml), wl, lo[m][r]);
+                hi[m][r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * K + k + 8, mh), wh, hi[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < R; r++) out[m * R + r] = hsum8(_mm256_add_ps(lo[m][r], hi[m][r]));
+}
+
+/* rows n .. n + R of y from the tile's out, + bias */
+template <int MR, int R>
+static inline void put(const float *out, int64_t n, int64_t N, const float *bias, float *y) {
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < R; r++) y[m * N + n + r] = bias ? out[m * R + r] + bias[n + r] : out[m * R + r];
+}
+
+/* rows [n0, n1) of w for every row of x: tiles of R weight rows x up to MR rows of x, then one weight
+ * row at a time */
+template <int MR, int R, bool W512>
+static void linear_rows(const float *x, int64_t M, int64_t K, const float *w, int64_t n0, int64_t n1, int64_t N,
+                        const float *bias, float *y) {
+    float out[MR * R];
+    auto dots = [&](auto mr, auto rr, int64_t m, int64_t n) {
+        constexpr int MT = decltype(mr)::value, RT = decltype(rr)::value;
+        if constexpr (W512)
+            dots16<MT, RT>(x + m * K, K, w + n * K, out);
+        else
+            dots8<MT, RT>(x + m * K, K, w + n * K, out);
+        put<MT, RT>(out, n, N, bias, y + m * N);
+    };
+    using one = std::integral_constant<int, 1>;
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) {
+        int64_t m = 0;
+        for (; m + MR <= M; m += MR) dots(std::integral_constant<int, MR>{}, std::integral_constant<int, R>{}, m, n);
+        for (; m < M; m++) dots(one{}, std::integral_constant<int, R>{}, m, n);
+    }
+    for (; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) dots(one{}, one{}, m, n);
+}
+
+F512 static void linear16(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias,
+                          float *y, int64_t chunk) {
+    #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+        const int64_t n1 = std::min(N, n0 + chunk);
+        if (M == 1)
+            linear_rows<1, 8, true>(x, M, K, w, n0, n1, N, bias, y);
+        else
+            linear_rows<2, 8, true>(x, M, K, w, n0, n1, N, bias, y);
+    }
+}
+
+void linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
+    const int64_t rows = std::max<int64_t>(8, HEAD_CHUNK_BYTES / std::max<int64_t>(1, K * 4));
+    const int64_t chunk = std::max<int64_t>(8, chunk_of(N, rows) / 8 * 8);
+    if (avx512_paths())
+        return linear16(x, M, K, w, N, bias, y, chunk);
+    #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
+    for (int64_t n0 = 0; n0 < N; n0 += chunk)
+        linear_rows<2, 3, false>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
+}
+
+/* ---- the operators ---- */
+
+/* x [M, K] float32, w float32 [K, N] (conv1d) or [N, K] (linear), bias [N] or None: checked, named */
+static const float *check(const char *name, const at::Tensor &x, const at::Tensor &w,
+                          const std::optional<at::Tensor> &bias, bool conv, int64_t &N) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.numel() > 0, name,
+                ": x must be a non-empty float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
+    const int64_t K = x.size(1);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu() && w.is_contiguous() &&
+                    w.size(conv ? 0 : 1) == K && w.size(conv ? 1 : 0) >= 1, name, ": weight must be a contiguous float32 CPU tensor ",
+                conv ? "[K=" : "[N, K=", K, conv ? ", N]" : "]", "; got ", w.scalar_type(), " ", w.sizes(),
+                w.is_contiguous() ? "" : " (not contiguous)");
+    N = w.size(conv ? 1 : 0);
+    if (!bias.has_value())
+        return nullptr;
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->device().is_cpu() &&
+                    bias->is_contiguous(), name, ": bias must be a contiguous float32 CPU tensor [N=", N, "]; got ",
+                bias->scalar_type(), " ", bias->sizes());
+    return bias->data_ptr<float>();
+}
+
+static at::Tensor conv1d_op(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
+                            bool gelu) {
+    int64_t N = 0;
+    const float *b = check("conv1d_f32", x, weight, bias, true, N);
+    const at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty({x.size(0), N}, x.options());
+    conv1d_f32(xc.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), N, b, gelu, y.data_ptr<float>());
+    return y;
+}
+
+static at::Tensor linear_op(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    int64_t N = 0;
+    const float *b = check("linear_f32", x, weight, bias, false, N);
+    const at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty({x.size(0), N}, x.options());
+    linear_f32(xc.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), N, b, y.data_ptr<float>());
+    return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
+    m.def("conv1d_f32(Tensor x, Tensor weight, Tensor? bias, bool gelu=False) -> Tensor");
+    m.def("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
+    m.impl("conv1d_f32", &conv1d_op);
+    m.impl("linear_f32", &linear_op);
+}

@@ -1,0 +1,231 @@
+"""float32 on the native forward (kernels/float_products.cpp, cached_forward.cpp's float32 products,
+inference/dense.py): the products against torch's (the same sums in another order), the one-call
+step against the model's own forward with a KVCache (the reference: tested against transformers and
+openai/gpt-2 elsewhere) on odd shapes (n_head 1, head_dim 8 to 128, vocabularies that are not a
+multiple of 8), batches of 1 to 17 rows, 1 to 3 threads; and bit-for-bit invariance: a row's logits
+alone equal its logits in any batch, on any number of threads, on the AVX2 and AVX-512 paths."""
+
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2mha import GPT2, GPT2Config, KVCache
+from gpt2mha.inference import dense, native
+from gpt2mha.inference.decoders import NATIVE, choose_decoder
+from gpt2mha.inference.native import NativeStep, native_step
+from gpt2mha.inference.quant import gemv
+
+pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"the kernels are not loaded: {gemv.unavailable_reason()}")
+
+
+@pytest.fixture
+def threads():
+    """``threads(n)`` sets torch's (and so the kernels') intra-op threads; restored after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def both_paths():
+    """``both_paths(fn)``: fn() on the AVX-512 paths (where the CPU has them) and on AVX2."""
+    def run(fn):
+        try:
+            gemv.use_vnni(True)
+            wide = fn()
+            gemv.use_vnni(False)
+            return wide, fn()
+        finally:
+            gemv.use_vnni(True)
+    return run
+
+
+def _model(n_embd=64, n_head=4, n_vocab=97, n_layer=2, n_ctx=64, seed=0):
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_vocab=n_vocab, n_ctx=n_ctx, n_embd=n_embd, n_head=n_head, n_layer=n_layer, tokenizer="bytes")
+    model = GPT2(cfg).eval()
+    with torch.no_grad():                               # larger LayerNorm gains and biases than init's
+        for name, p in model.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def _prefilled(model, lengths, max_len=40, seed=1):
+    """A cache whose row b holds lengths[b] tokens of a random prompt, prefilled by the model."""
+    c = model.config
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache(c.n_layer, len(lengths), c.n_head, max_len, c.n_embd // c.n_head)
+    with torch.inference_mode():
+        for b, n in enumerate(lengths):
+            model(torch.randint(0, c.n_vocab, (1, n), generator=gen), cache=cache.row(b), last_only=True)
+    return cache
+
+
+def _clone(cache, rows=None):
+    rows = range(cache.batch_size) if rows is None else rows
+    L, _, h, T, hd = cache.k.shape
+    copy = KVCache(L, len(rows), h, T, hd)
+    for i, b in enumerate(rows):
+        copy.load(i, cache, b)
+    return copy
+
+
+def _close(got, want):
+    # float32 sums in another order: within ~1e-6 of the logits' scale
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 2e-6 * scale, (got - want).abs().max().item() / scale
+
+
+# ---- the products ----
+
+@pytest.mark.parametrize("M,K,N", [(1, 768, 2304), (8, 768, 768), (3, 8, 7), (17, 24, 40), (5, 136, 1001),
+                                   (2, 3072, 768), (9, 13, 33), (16, 64, 129)])
+def test_the_products_are_torchs_to_float32_rounding_and_each_row_its_own(M, K, N, both_paths):
+    torch.manual_seed(M * K + N)
+    x, w, wt, b = torch.randn(M, K), torch.randn(K, N), torch.randn(N, K), torch.randn(N)
+    scale = (x.abs() @ w.abs()).max().item() + b.abs().max().item()      # |x| |w|: what rounding is relative to
+    for (conv, lin, gelu) in both_paths(lambda: (dense.conv1d(x, w, b), dense.linear(x, wt, b), dense.conv1d(x, w, b, gelu=True))):
+        assert (conv - torch.addmm(b, x, w)).abs().max() <= 1e-6 * scale
+        assert (lin - F.linear(x, wt, b)).abs().max() <= 1e-6 * ((x.abs() @ wt.abs().t()).max() + b.abs().max())
+        torch.testing.assert_close(gelu, F.gelu(torch.addmm(b, x, w), approximate="tanh"), rtol=1e-5, atol=1e-6 * scale)
+        for m in range(M):                         # the same bits alone as in the batch
+            assert torch.equal(dense.conv1d(x[m:m + 1], w, b)[0], conv[m])
+            assert torch.equal(dense.linear(x[m:m + 1], wt, b)[0], lin[m])
+    wide, narrow = both_paths(lambda: (dense.conv1d(x, w, b, gelu=True), dense.linear(x, wt)))
+    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])   # AVX-512 = AVX2, bit for bit
+
+
+def test_the_products_sum_in_order_bias_first():
+    # one output of conv1d_f32: bias, then + x[k] w[k] fused, k = 0, 1, ... (float64 holds each fused step exactly
+    # before its one rounding); linear_f32: 16 lanes, then the fixed tree
+    torch.manual_seed(3)
+    x, w, b = torch.randn(1, 40), torch.randn(40, 1), torch.randn(1)
+    acc = b[0]
+    for k in range(40):
+        acc = (acc.double() + x[0, k].double() * w[k, 0].double()).float()
+    assert dense.conv1d(x, w, b)[0, 0] == acc
+    lanes = torch.zeros(16)
+    for k in range(40):
+        lanes[k % 16] = (lanes[k % 16].double() + x[0, k].double() * w[k, 0].double()).float()
+    t = lanes[:8] + lanes[8:]
+    t = t[:4] + t[4:]
+    t = t[:2] + t[2:]
+    assert dense.linear(x, w.t().contiguous())[0, 0] == t[0] + t[1]
+
+
+def test_the_wrappers_name_what_does_not_fit():
+    x, w = torch.randn(2, 8), torch.randn(8, 5)
+    with pytest.raises(ValueError, match=r"x must be a non-empty float32 CPU tensor \[M, K\]; got torch.float64"):
+        dense.conv1d(x.double(), w)
+    with pytest.raises(ValueError, match=r"x must be a non-empty"):
+        dense.conv1d(torch.randn(0, 8), w)
+    with pytest.raises(ValueError, match=r"weight must be a contiguous float32 CPU tensor \[K, N\] with K=8"):
+        dense.conv1d(x, torch.randn(5, 8))
+    with pytest.raises(ValueError, match=r"\(not contiguous\)"):
+        dense.conv1d(x, torch.randn(5, 8).t())
+    with pytest.raises(ValueError, match=r"weight must be a contiguous float32 CPU tensor \[N, K\] with K=8"):
+        dense.linear(x, w)
+    with pytest.raises(ValueError, match=r"bias must be a contiguous float32 CPU tensor \[N=5\]"):
+        dense.conv1d(x, w, torch.randn(4))
+    with pytest.raises(ValueError, match="x requires grad"):
+        dense.linear(x.requires_grad_(), w.t().contiguous())
+    with pytest.raises(RuntimeError, match=r"conv1d_f32: weight must be a contiguous float32 CPU tensor \[K=8, N\]"):
+        torch.ops.gpt2mha.conv1d_f32(torch.randn(2, 8), torch.randn(7, 5), None)     # the operator checks too
+
+
+# ---- the step ----
+
+SHAPES = pytest.mark.parametrize("n_embd,n_head,n_vocab", [(64, 4, 97), (8, 1, 37), (128, 1, 50), (256, 2, 1001),
+                                                          (96, 12, 61)])
+
+
+@SHAPES
+def test_float32_steps_match_the_models_own_steps(n_embd, n_head, n_vocab):
+    # head_dim 16, 8, 128, 128, 8; n_head 1; vocabularies of 97, 37, 50, 1001, 61
+    model = _model(n_embd, n_head, n_vocab)
+    assert native.why_not(model) == "" and isinstance(native_step(model), NativeStep)
+    step = NativeStep(model)
+    ours = _prefilled(model, [5, 1, 12])
+    ref = _clone(ours)
+    gen = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for _ in range(5):
+            token = torch.randint(0, n_vocab, (3, 1), generator=gen)
+            want = model(token, cache=ref, last_only=True).logits[:, -1]
+            got = step(token, ours)
+            assert got.shape == want.shape == (3, n_vocab) and got.dtype == torch.float32
+            _close(got, want)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for b, n in enumerate(ref.lengths):                # the keys and values each step wrote
+        _close(ours.k[:, b, :, :n], ref.k[:, b, :, :n])
+        _close(ours.v[:, b, :, :n], ref.v[:, b, :, :n])
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_every_row_is_its_own_in_batches_of_1_to_17_on_any_number_of_threads(n_threads, threads):
+    model = _model(n_embd=128, n_head=2, n_vocab=203, seed=4)
+    step = NativeStep(model)
+    lengths = [1 + (7 * b) % 23 for b in range(17)]
+    together = _prefilled(model, lengths)
+    tokens = torch.randint(0, 203, (17, 1), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        threads(1)
+        alone = [step(tokens[b:b + 1], _clone(together, [b]))[0] for b in range(17)]
+        threads(n_threads)
+        for B in (1, 2, 8, 17):
+            batch = step(tokens[:B], _clone(together, range(B)))
+            for b in range(B):
+                assert torch.equal(batch[b], alone[b]), (B, b)       # the same bits
+        ref = _clone(together)
+        _close(torch.stack(alone), model(tokens, cache=ref, last_only=True).logits[:, -1])
+
+
+def test_the_avx2_path_gives_the_avx512_bits(both_paths):
+    model = _model(n_embd=96, n_head=3, n_vocab=77, seed=6)
+    cache = _prefilled(model, [4, 9])
+    token = torch.tensor([[3], [70]])
+    with torch.inference_mode():
+        wide, narrow = both_paths(lambda: NativeStep(model)(token, _clone(cache)))
+    assert torch.equal(wide, narrow)
+
+
+def test_generate_runs_float32_models_on_it_with_the_models_greedy_tokens():
+    model = GPT2.from_pretrained("shakespeare-byte").eval()
+    route = choose_decoder(model)
+    assert route.decoder.name == NATIVE and route.decoder.batch_invariant
+    assert "prefill: the model's own products" in route.describe()      # prompts: MKL's GEMMs
+    idx = torch.tensor([list(b"ROMEO:\nWhat light"), list(b"To be, or not to ")])
+    with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
+        out = model.generate(idx, 40, temperature=0)
+    assert op.call_count == 39
+    with mock.patch.object(native, "native_step", lambda m: None):   # the decode view, MKL's products
+        assert torch.equal(out, model.generate(idx, 40, temperature=0))
+
+
+def test_models_the_float32_route_does_not_take_decode_as_before():
+    model = _model()
+    handle = model.h[0].attn.register_forward_hook(lambda m, i, o: o)
+    assert native_step(model) is None and choose_decoder(model).decoder.name != NATIVE
+    handle.remove()
+    assert isinstance(native_step(model), NativeStep)
+    model.h[1].mlp.c_fc.bias = None
+    assert native.why_not(model) == "its blocks' layers are not all float32 Conv1Ds with biases"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert native_step(_model().to(torch.bfloat16)) is None
+    odd = _model(n_embd=36, n_head=3)                                # head_dim 12
+    assert native.why_not(odd) == "head_dim=12 is not a multiple of 8 (the kernels' vectors)"
+    with torch.no_grad():
+        model = _model()
+        kept = native_step(model)
+        model.h[0].attn.c_attn.weight.mul_(2)                        # written in place: made again, reads the new
+        fresh = native_step(model)
+    assert fresh is not kept
+    cache = _prefilled(model, [3])
+    ref = _clone(cache)
+    with torch.inference_mode():
+        _close(fresh(torch.tensor([[5]]), cache), model(torch.tensor([[5]]), cache=ref, last_only=True).logits[:, -1])
