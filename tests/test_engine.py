@@ -142,3 +142,75 @@ def test_info_names_the_route_and_why_not_the_others(capsys):
     assert main(["info", "--quantize", "int8", "--quantize-method", "rtn"]) == 0
     out = capsys.readouterr().out
     assert "decode       the decode view" in out and "not the native forward: not a float32, int8 per_row" in out
+
+
+@pytest.mark.parametrize("route", ["per_row", "per_block"])
+def test_a_pattern_hook_attached_mid_call_on_the_native_route_reads_no_stale_cache(builtin, route):
+    """The native forward leaves the kept cache storage as it was (it reads only what it wrote);
+    a hook on hook_pattern attached mid-call sends the steps to the decode view, whose hooked
+    pattern reads every row's span, masked: the storage past each row is zeroed first. With the
+    kept storage full of NaN, two prompts of different lengths give the tokens of the same hook
+    attached from the start (reference)."""
+    import gpt2mha.inference.generate as G
+
+    model = routed(builtin, route)
+    prompts = [list(b"ROMEO:"), list(b"JULIET: O Romeo, Romeo")]
+    noop = lambda *a: None                                          # noqa: E731
+    model.generate(prompts, 12, temperature=0)                       # leaves its storage for the next call
+    with torch.inference_mode():                                    # (the storage was made in it)
+        for buf in G._SPARE.values():
+            buf.fill_(float("nan"))
+    handles = []
+
+    def on_token(token):
+        if not handles:
+            handles.append(model.h[0].attn.hook_pattern.register_forward_hook(noop))
+    try:
+        got = model.generate(prompts, 12, temperature=0, on_token=on_token)
+    finally:
+        handles[0].remove()
+    handle = model.h[0].attn.hook_pattern.register_forward_hook(noop)
+    try:
+        want = model.generate(prompts, 12, temperature=0)
+    finally:
+        handle.remove()
+    assert torch.equal(got, want)
+
+
+def test_logprobs_of_banned_tokens_are_finite_and_nan_is_named():
+    """A token of probability 0 (logit -inf, e.g. banned by a hook) is reported at -9999.0, as
+    vLLM does (JSON has no -Infinity); NaN logits have no distribution: a named error."""
+    from gpt2mha.inference.sampling import MIN_LOGPROB, NonFiniteLogitsError
+
+    logits = torch.tensor([[0.0, float("-inf"), 1.0]])
+    chosen, top = token_logprobs(logits, torch.tensor([1]), 3)
+    assert chosen == [MIN_LOGPROB] == [-9999.0] and top[0][-1] == (1, -9999.0)
+    with pytest.raises(NonFiniteLogitsError, match="NaN or infinite logits"):
+        token_logprobs(torch.tensor([[0.0, float("nan")]]), torch.tensor([0]), 1)
+
+
+@pytest.mark.slow
+def test_a_failed_sequence_leaves_no_nan_in_its_compiled_slot(one_thread):
+    """The compiled step reads a fixed span of keys, masked: a sequence that wrote NaN keys (its
+    prompt reached a NaN position) and failed must not fail the next sequence in that slot."""
+    from gpt2mha import GPT2Config
+    from gpt2mha.io.tokenizer import get_tokenizer
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=256, n_ctx=32, n_embd=32, n_head=2, n_layer=1, tokenizer="bytes")).eval()
+    with torch.no_grad():
+        model.wpe.weight[8:] = float("nan")
+    route = choose_decoder(model, compile=True)
+    params = SamplingParams(max_tokens=2, temperature=0)
+
+    def run(sched, prompt):
+        seq = sched.submit([list(prompt)], params, lambda *a: None)[0]
+        sched.run_until_idle()
+        return seq
+    sched = Scheduler(model, get_tokenizer("bytes"), max_batch=1, route=route)
+    bad = run(sched, b"a prompt of 20 bytes")
+    good = run(sched, b"ROMEO:")
+    fresh = run(Scheduler(model, get_tokenizer("bytes"), max_batch=1, route=route), b"ROMEO:")   # reference
+    assert bad.finish_reason == "error" and "NonFiniteLogitsError" in bad.error
+    assert good.finish_reason == "length", good.error
+    assert good.tokens == fresh.tokens

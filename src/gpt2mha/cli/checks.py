@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,10 +132,8 @@ def sampling_params_of(args):
                   echo=args.echo, n=args.num_samples, best_of=args.best_of)
     try:
         return SamplingParams(**values)
-    except ParamError as e:
-        message = str(e)
-        if message.startswith(e.param):
-            message = param_flag(e.param) + message[len(e.param):]
+    except ParamError as e:                   # the fields it names, as their flags: "n=3" -> "--num-samples=3"
+        message = re.sub(r"\b(%s)=" % "|".join(values), lambda m: param_flag(m.group(1)) + "=", str(e))
         raise ValueError(message if message.startswith("--") else f"{param_flag(e.param)}: {message}") from None
 
 

@@ -42,11 +42,13 @@ def generate_served(args, model, tok, encoded: list[list[int]], params) -> int:
 
 def print_logprobs(tok, seq, echo: bool) -> None:
     """The sequence's per-token log-probabilities (``--echo``: the prompt's tokens after its
-    first, then the new ones), one token a line: ``text  logprob  |  top1 lp1  top2 lp2 …``."""
+    first, then the new ones its text holds: not a stop string's, as the server's answer), one
+    token a line: ``text  logprob  |  top1 lp1  top2 lp2 …``."""
     rows = []
     if echo and seq.prompt_logprobs:
         rows += list(zip(seq.prompt_ids[1:], seq.prompt_logprobs))
-    rows += list(zip(seq.tokens, seq.logprobs))
+    released = seq.stream.released if seq.stream is not None else len(seq.tokens)   # a stop string's tokens: not
+    rows += list(zip(seq.tokens[:released], seq.logprobs[:released]))              # the text's, as the server's
     print(f"-- log-probabilities ({'prompt and ' if echo else ''}new tokens; the model's own distribution) --")
     for token, (logprob, top) in rows:
         alternatives = "  ".join(f"{tok.decode([i])!r} {lp:.4f}" for i, lp in top)

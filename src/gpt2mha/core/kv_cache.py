@@ -256,6 +256,16 @@ class KVCache:
                              f"[0, its current {self.lengths}]")
         self._lengths[self._offset:self._offset + self.batch_size] = new
 
+    def clear_unwritten(self, rows=None) -> None:
+        """Zero each row's storage past its length (``rows``: those rows, default all): for a
+        cache whose storage was not zeroed (or held a failed sequence's NaN keys) before a
+        forward that reads masked keys (a fixed span, or one call over rows of several lengths),
+        where a masked NaN key would still reach the result (0 · NaN)."""
+        for row in range(self.batch_size) if rows is None else rows:
+            n = self.lengths[row]
+            self.k[:, row, :, n:].zero_()
+            self.v[:, row, :, n:].zero_()
+
     def reset(self, row: int) -> None:
         """Empty row ``row`` (its storage is overwritten by the next tokens written there).
 

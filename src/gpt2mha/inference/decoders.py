@@ -34,7 +34,9 @@ VIEW, COMPILED, NATIVE = "decode view", "compiled step", "native forward"
 class Decoder:
     """What the engine calls. Subclasses set :attr:`name`, :attr:`batch_invariant` (a row's
     logits are bitwise those of the row alone), :attr:`runs_hooks` (hooks attached to the model
-    act) and :attr:`fixed_batch` (each step runs every row of the cache: one shape).
+    act), :attr:`fixed_batch` (each step runs every row of the cache: one shape) and
+    :attr:`reads_masked_keys` (a step reads keys past a row's length, masked: they must hold
+    finite numbers).
 
     Args:
         model: a :class:`~gpt2mha.core.model.GPT2` in eval mode.
@@ -44,6 +46,7 @@ class Decoder:
     batch_invariant = False
     runs_hooks = False
     fixed_batch = False
+    reads_masked_keys = False
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -91,6 +94,7 @@ class CompiledDecoder(Decoder):
 
     name = COMPILED
     fixed_batch = True
+    reads_masked_keys = True
 
     def __init__(self, model: nn.Module, batch_invariant: bool | None = None):
         from .compiled import compiled_decoder

@@ -56,6 +56,9 @@ class Engine:
         vocab_size: sample only ids below it (the tokenizer's vocabulary; default the model's).
         batch_invariant: for the decode view's products (None: its default; see
             :func:`~gpt2mha.inference.fast.for_decoding`).
+        zeroed: whether ``cache``'s storage past each row's length holds zeros (False: a
+            reused storage the native forward, which reads only what it wrote, left as it was;
+            it is zeroed before a decoder that reads masked keys runs on it).
 
     Attributes:
         route: the :class:`~gpt2mha.inference.decoders.Route` (decoder and why not the others).
@@ -71,7 +74,7 @@ class Engine:
     """
 
     def __init__(self, model, cache: KVCache | int, route: Route | None = None, vocab_size: int | None = None,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, zeroed: bool = True):
         c = model.config
         vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
@@ -83,10 +86,12 @@ class Engine:
         self.batch_invariant = batch_invariant
         p = self.model.wte.weight
         self.device = p.device
-        if not isinstance(cache, KVCache):
+        if not isinstance(cache, KVCache):                      # a new cache: zeros
+            zeroed = True
             slots = checks.as_int(cache, "slots", minimum=1)
             cache = KVCache(c.n_layer, slots, c.n_head, c.n_ctx, c.head_dim, dtype=p.dtype, device=p.device)
         self.cache = cache
+        self._zeroed = zeroed
         self.vocab_size = vocab_size
         n = cache.batch_size
         self.samplers: list[RowSampler | None] = [None] * n
@@ -117,6 +122,9 @@ class Engine:
             return self.route.decoder
         if self._view is None or self._view_hooks != hooks:
             self._view, self._view_hooks = ViewDecoder(self.model, self.batch_invariant), hooks
+        if not self._zeroed:                                    # a hooked pattern reads every row's span
+            self.cache.clear_unwritten()
+            self._zeroed = True
         return self._view
 
     def open(self, slot: int, params: SamplingParams, seed: int | None, logprobs: int | None = None,
@@ -139,7 +147,13 @@ class Engine:
                                          params.logprobs if logprobs is None else logprobs, row)
 
     def release(self, slot: int) -> None:
-        """Empty ``slot``: its row's length is 0 again and its sampler is dropped."""
+        """Empty ``slot``: its row's length is 0 again and its sampler is dropped. For a decoder
+        that reads masked keys, what the row held is zeroed (a failed sequence's NaN keys would
+        reach the next one's results through its mask)."""
+        if self.route.decoder.reads_masked_keys:                # what it wrote, [0, length): the rest is zeros
+            n = self.cache.lengths[slot]
+            self.cache.k[:, slot, :, :n].zero_()
+            self.cache.v[:, slot, :, :n].zero_()
         self.cache.reset(slot)
         self.samplers[slot] = None
         self.last[slot] = 0

@@ -362,7 +362,7 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
     storage, cache = new_cache((c.n_layer, B, c.n_head, max_len, c.head_dim), model.wte.weight.dtype,
                                model.wte.weight.device, zero=decoder.name != NATIVE)   # the native forward reads only
     try:                                                                              # what it wrote
-        engine = Engine(model, cache, route, vocab_size, batch_invariant)
+        engine = Engine(model, cache, route, vocab_size, batch_invariant, zeroed=decoder.name != NATIVE)
         for b in range(B):
             engine.open(b, params, None if seed is None else row_seed(seed, b), row=b)
         tokens = engine.prefill(list(range(B)), [ids[-n_ctx:] for ids in prompts])

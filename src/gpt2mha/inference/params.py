@@ -56,15 +56,27 @@ def _int(name: str, value, low: int, high: int | None = None) -> int:
     return value
 
 
+def _finite(value) -> bool:
+    """Whether a real number is finite as a float (an int past float's range is not: 10**400)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _real(name: str, value, ok, expected: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
-        raise ParamError(name, f"{name}={value!r} must be {expected}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value) or not ok(value):
+        raise ParamError(name, f"{name}={_show(value)} must be {expected}")
     return float(value)
 
 
 def _token_id(key) -> int | None:
     """A logit_bias key as a token id: an int, or a string of ASCII digits (JSON keys are strings)."""
-    if isinstance(key, int) and not isinstance(key, bool):
+    if not isinstance(key, (bool, str, float)):
+        try:
+            key = operator.index(key)                           # ints, numpy and 0-d torch integers
+        except TypeError:
+            return None
         return key if key >= 0 else None
     if isinstance(key, str) and key.isascii() and key.isdigit():
         digits = key.lstrip("0") or "0"
@@ -73,7 +85,12 @@ def _token_id(key) -> int | None:
 
 
 def _show(key) -> str:
-    text = repr(key)
+    """A value as an error message shows it: whole up to 42 characters, else its start, its end
+    and its length (an int past Python's 4300-digit printing limit: its size in bits)."""
+    try:
+        text = repr(key)
+    except ValueError:
+        return f"an integer of {key.bit_length()} bits"
     return text if len(text) <= 42 else f"{text[:20]}…{text[-10:]} ({len(text)} characters)"
 
 
@@ -102,10 +119,12 @@ def logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
         if token is None:
             raise ParamError("logit_bias", f"logit_bias key {_show(key)} is not a token id (an integer >= 0, or a "
                                            f"string of ASCII digits such as \"50256\")")
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or \
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value) or \
                 not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise ParamError("logit_bias", f"logit_bias[{_show(key)}]={value!r} must be a number in "
+            raise ParamError("logit_bias", f"logit_bias[{_show(key)}]={_show(value)} must be a number in "
                                            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if token in out:
+            raise ParamError("logit_bias", f"logit_bias names token {token} twice ({_show(key)} and an earlier key)")
         out[token] = float(value)
     return tuple(sorted(out.items()))
 

@@ -85,7 +85,7 @@ def check_finite(top: torch.Tensor, step: int | None = None, rows: list[int] | N
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                 generator: torch.Generator | list[torch.Generator] | None = None, min_p: float = 0.0,
-                step: int | None = None) -> torch.Tensor:
+                step: int | None = None, rows: list[int] | None = None) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from last-position logits ``[B, V]``.
 
     Temperature 0 (or below :data:`MIN_TEMPERATURE`) is argmax. Logits are shifted by their row
@@ -93,7 +93,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     cannot overflow to inf. Then top-k, top-p and min-p filtering, in that order (transformers'
     order). ``generator`` is one generator for the whole batch, or a list with one per row (row
     i drawn from ``generator[i]``, as if sampled alone). ``step``: which new token this is
-    (0-based), for the error message.
+    (0-based), and ``rows``: the rows' names, for the error message (:func:`check_finite`).
 
     Raises:
         NonFiniteLogitsError: a row's logits hold NaN or +inf (:func:`check_finite`).
@@ -101,10 +101,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     logits = logits.float()
     if temperature < MIN_TEMPERATURE:
         ids = logits.argmax(dim=-1)                                          # a NaN is argmax's maximum
-        check_finite(logits.gather(-1, ids[:, None]), step)
+        check_finite(logits.gather(-1, ids[:, None]), step, rows)
         return ids
     top = logits.amax(dim=-1, keepdim=True)
-    check_finite(top, step)
+    check_finite(top, step, rows)
     logits = (logits - top) / temperature                                    # <= 0: no overflow
     logits = min_p_logits(top_p_logits(top_k_logits(logits, top_k), top_p), min_p)
     probs = torch.softmax(logits, dim=-1)
@@ -146,6 +146,11 @@ def adjust_logits(logits: torch.Tensor, counts: torch.Tensor | None = None, pres
     return logits
 
 
+#: The log-probability reported for a token of probability 0 (a logit of -inf): JSON has no
+#: -Infinity, and vLLM's server reports -9999.0 the same way.
+MIN_LOGPROB = -9999.0
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """The model's log-probabilities of ``tokens`` and the ``k`` most probable ids, per row.
 
@@ -159,9 +164,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[
         the ``(id, logprob)`` pairs of the ``k`` largest, most probable first, plus the chosen
         token when it is not among them (as OpenAI's ``logprobs``: "the API will always return
         the logprob of the sampled token"). All values come from one float32 ``log_softmax``, so
-        a chosen token that is the argmax has a logprob exactly equal to ``top[r][0]``'s.
+        a chosen token that is the argmax has a logprob exactly equal to ``top[r][0]``'s. A token
+        of probability 0 (logit -inf) is reported at :data:`MIN_LOGPROB`.
+
+    Raises:
+        NonFiniteLogitsError: a row's logits hold NaN or +inf.
     """
     lp = torch.log_softmax(logits.float(), dim=-1)                  # [R, V]
+    check_finite(lp.amax(dim=-1), rows=[])                          # NaN/+inf: no distribution to report
+    lp = lp.clamp_(min=MIN_LOGPROB)                                 # a banned (-inf) token: JSON has no -inf
     chosen = lp.gather(-1, tokens.view(-1, 1).to(lp.device)).squeeze(-1).tolist()
     top = []
     if k > 0:
@@ -233,8 +244,8 @@ class RowSampler:
             NonFiniteLogitsError: the logits hold NaN or inf.
         """
         p = self.params
-        check_finite(logits.amax(dim=-1), self.steps, self.label)
-        return int(sample_next(self.adjust(logits), p.temperature, p.top_k, p.top_p, self.generator, p.min_p)[0])
+        return int(sample_next(self.adjust(logits), p.temperature, p.top_k, p.top_p, self.generator, p.min_p,
+                               step=self.steps, rows=self.label)[0])
 
     def accept(self, logits: torch.Tensor, token: int) -> None:
         """Record ``token``, chosen from raw ``logits [1, V]``: its count, its logprobs, the step."""
