@@ -34,6 +34,9 @@ from gpt2mha.inference.params import FIELDS, ParamError, SamplingParams
     (dict(logit_bias={"9" * 5000: 1}), "logit_bias", r"key .99999.*\(5002 characters\) is not a token id"),  # int()'s limit
     (dict(logit_bias={5: -101.0}), "logit_bias", r"logit_bias\[5\]=-101.0 must be a number in \[-100, 100\]"),
     (dict(logit_bias=[3]), "logit_bias", "logit_bias must be an object mapping token ids to biases"),
+    (dict(logit_bias={"65": 1, "065": 2}), "logit_bias", "logit_bias names token 65 twice"),
+    (dict(temperature=10**400), "temperature", r"temperature=10000000000000000000….*\(401 characters\)"),  # no OverflowError
+    (dict(top_p=10**5000), "top_p", "top_p=an integer of 16610 bits"),           # past int's printing limit
 ])
 def test_every_field_out_of_range_is_a_param_error_naming_it(kwargs, param, match):
     with pytest.raises(ParamError, match=match) as info:
@@ -44,6 +47,9 @@ def test_every_field_out_of_range_is_a_param_error_naming_it(kwargs, param, matc
 def test_values_are_normalised_and_the_vocabulary_is_checked_separately():
     """Ids given as decimal strings (JSON keys) become ints, a stop string a tuple; an id past a
     vocabulary is refused by check_vocab, which names it."""
+    import numpy as np
+
+    assert SamplingParams(logit_bias={np.int64(5): 1}).logit_bias == ((5, 1.0),)     # integer kinds, as elsewhere
     p = SamplingParams(logit_bias={"007": 2, 3: -1.5}, stop="\n\n", seed=5, temperature=0)
     assert p.logit_bias == ((3, -1.5), (7, 2.0)) and p.stop == ("\n\n",) and p.greedy and p.adjusted
     p.check_vocab(8)
