@@ -373,6 +373,7 @@ def _add_serve_command(sub) -> None:
     model_arg(i)
     i.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype")
     i.add_argument("--compile", action="store_true", help="the route with generate --compile")
+    batch_invariant_arg(i)
     quantize_args(i)
     i.set_defaults(func=cmd_info, check=check_quantize_args)
 
@@ -390,7 +391,7 @@ def cmd_info(args) -> int:
           f"float parameters")
     print(f"weights      {model.wte.weight.dtype}" + (f", {q.get('scheme')} ({q.get('activations', 'exact')} "
                                                      f"activations, {q.get('head', 'int8')} head)" if q else ""))
-    route = choose_decoder(model, compile=args.compile)
+    route = choose_decoder(model, compile=args.compile, batch_invariant=args.batch_invariant)
     d = route.decoder
     print(f"decode       the {d.name} ({'batch invariant' if d.batch_invariant else 'not batch invariant'}, "
           f"{'hooks act' if d.runs_hooks else 'while a hook is attached: the decode view'})")
