@@ -37,10 +37,31 @@ def _cases():
         "int4_gemv_a8": (x, w4, sz, 32, None),
         "int8_per_row": (x, *_per_row(20, 64, g), b, True),
         "causal_attention": (q[..., 2:, :], k, v),
+        "conv1d_f32": (x, torch.randn(64, 20, generator=g), b, True),
+        "linear_f32": (x, torch.randn(20, 64, generator=g), None),
     }
 
 
-@pytest.mark.parametrize("name", ["int8_gemv", "int4_gemv", "int4_gemv_a8", "int8_per_row", "causal_attention"])
+#: The operators checked by a test below without a case in _cases, and the switches (no tensors).
+ELSEWHERE = {"cached_forward", "use_vnni", "has_vnni"}
+
+
+def test_every_operator_of_the_library_is_checked_here_and_has_a_fake():
+    # the operators the C++ sources define (m.def): a new one needs a case here and a fake
+    import re
+    from gpt2mha.kernels import build, fakes
+    defined = {name for source in build.SOURCES if source.endswith(".cpp")
+               for name in re.findall(r'm\.def\("(\w+)\(', (build.HERE / source).read_text())}
+    assert {"int8_gemv", "causal_attention", "cached_forward"} <= defined
+    unchecked = defined - set(_cases()) - ELSEWHERE
+    assert not unchecked, f"operators without an opcheck case in tests/test_kernel_ops.py: {sorted(unchecked)}"
+    takes_tensors = defined - {"use_vnni", "has_vnni"}
+    assert takes_tensors <= set(fakes.FAKES), f"operators without a fake in kernels/fakes.py: " \
+                                              f"{sorted(takes_tensors - set(fakes.FAKES))}"
+
+
+@pytest.mark.parametrize("name", ["int8_gemv", "int4_gemv", "int4_gemv_a8", "int8_per_row", "causal_attention",
+                                  "conv1d_f32", "linear_f32"])
 def test_each_operator_passes_opcheck(name):
     args = _cases()[name]
     torch.library.opcheck(getattr(torch.ops.gpt2mha, name).default, args)

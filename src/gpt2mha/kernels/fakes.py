@@ -9,8 +9,14 @@ import torch
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, *rest) -> torch.Tensor:
-    """int8_gemv, int4_gemv and int4_gemv_a8: float32 ``[M, N]`` for x ``[M, K]``, weight ``[N, ...]``."""
+    """int8_gemv, int4_gemv, int4_gemv_a8 and linear_f32: float32 ``[M, N]`` for x ``[M, K]``,
+    weight ``[N, ...]``."""
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def conv1d(x: torch.Tensor, weight: torch.Tensor, *rest) -> torch.Tensor:
+    """conv1d_f32 (GPT-2's Conv1D layout): float32 ``[M, N]`` for x ``[M, K]``, weight ``[K, N]``."""
+    return x.new_empty(x.shape[0], weight.shape[1])
 
 
 def per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, *rest) -> torch.Tensor:
@@ -30,8 +36,10 @@ def cached_forward(tokens, wte, wpe, layers, ln_f_weight, ln_f_bias, head, k, v,
     return wte.new_empty(k.shape[1], vocab)
 
 
+#: Every operator of the library that takes tensors (tests/test_kernel_ops.py holds new ones to it).
 FAKES = {"int8_gemv": product, "int4_gemv": product, "int4_gemv_a8": product, "int8_per_row": per_row,
-         "causal_attention": causal_attention, "cached_forward": cached_forward}
+         "causal_attention": causal_attention, "cached_forward": cached_forward, "conv1d_f32": conv1d,
+         "linear_f32": product}
 
 
 def register() -> None:
