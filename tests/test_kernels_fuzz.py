@@ -128,6 +128,31 @@ def test_int8_per_row_sweep():
         assert (fused - F.gelu(y, approximate="tanh")).abs().max() <= 1e-6 * max(y.abs().max().item(), 1.0), what
 
 
+@pytest.mark.parametrize("op", ["conv1d_f32", "linear_f32"])
+def test_float32_products_sweep(op):
+    # inference/dense.py's operators: x @ W + b in GPT-2's Conv1D layout ([K, N]) or F.linear's ([N, K])
+    from gpt2mha.inference import dense
+    for seed, r, g in _sweep(op):
+        M, K, N = r.randint(1, 17), r.randint(1, 300), r.randint(1, 80)
+        x = torch.randn(M, K, generator=g)
+        w = torch.randn(K, N, generator=g) * 0.1
+        b = torch.randn(N, generator=g) if r.random() < 0.5 else None
+        what = f"seed {seed}: M={M} K={K} N={N} bias={b is not None}"
+        if op == "conv1d_f32":
+            call = lambda v, gelu=False: dense.conv1d(v, w, b, gelu=gelu)          # noqa: E731
+        else:
+            wt = w.t().contiguous()
+            call = lambda v, gelu=False: dense.linear(v, wt, b)                     # noqa: E731
+        y = call(x)
+        ref = x.double() @ w.double() + (0 if b is None else b.double())
+        bound = (K + 8) * 2.0 ** -24 * (x.double().abs() @ w.double().abs() + (0 if b is None else b.double().abs()))
+        assert ((y.double() - ref).abs() <= bound + 1e-30).all(), what
+        _rows_alone(call, x, y, r, what)
+        if op == "conv1d_f32":
+            fused = call(x, gelu=True)
+            assert (fused - F.gelu(y, approximate="tanh")).abs().max() <= 1e-6 * max(y.abs().max().item(), 1.0), what
+
+
 def test_causal_attention_sweep():
     for seed, r, g in _sweep("causal_attention"):
         B, h, T, D = r.randint(1, 3), r.randint(1, 4), r.randint(2, 48), r.choice((8, 16, 24, 32, 40, 64))
