@@ -821,15 +821,18 @@ def test_a_quantize_that_stops_half_way_leaves_the_float_model_as_it_was(method,
 
 def test_gptq_errors_name_the_layer_and_leave_the_model_intact():
     """Activations that are not finite are a named error for the first layer that sees them
-    (the head comes first: the float model's final states), and the model stays float;
-    products of finite inputs that overflow float32 are redone in float64."""
+    (the head comes first: the float model's final states) naming the first module whose output
+    is not finite (ln_1's outputs of ~1e30 stay finite through c_attn; the attention scores
+    overflow, so c_proj's output is the first non-finite one), and the model
+    stays float; products of finite inputs that overflow float32 are redone in float64."""
     from gpt2mha.inference.quant.model import _hessians
 
     model = float_model(seed=27)
     with torch.no_grad():
         model.h[0].ln_1.weight.fill_(1e30)                          # the forward overflows to inf/NaN
     calibration = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(27))
-    with pytest.raises(ValueError, match=r"^lm_head: hessian: holds NaN or inf"):
+    with pytest.raises(ValueError, match=r"^lm_head: its calibration inputs hold NaN or inf; the first module whose "
+                                         r"output is not finite is h\.0\.attn\.c_proj$"):
         model.quantize("int8", calibration=calibration)
     assert model.quantization is None and not any(isinstance(m, QuantizedLinear) for m in model.modules())
     layer = torch.nn.Identity()
