@@ -39,6 +39,8 @@ def _cases():
         "causal_attention": (q[..., 2:, :], k, v),
         "conv1d_f32": (x, torch.randn(64, 20, generator=g), b, True),
         "linear_f32": (x, torch.randn(20, 64, generator=g), None),
+        "conv1d_bf16": (x, torch.randn(64, 20, generator=g).bfloat16(), b, True),
+        "linear_bf16": (x, torch.randn(20, 64, generator=g).bfloat16(), b),
     }
 
 
@@ -61,7 +63,7 @@ def test_every_operator_of_the_library_is_checked_here_and_has_a_fake():
 
 
 @pytest.mark.parametrize("name", ["int8_gemv", "int4_gemv", "int4_gemv_a8", "int8_per_row", "causal_attention",
-                                  "conv1d_f32", "linear_f32"])
+                                  "conv1d_f32", "linear_f32", "conv1d_bf16", "linear_bf16"])
 def test_each_operator_passes_opcheck(name):
     args = _cases()[name]
     torch.library.opcheck(getattr(torch.ops.gpt2mha, name).default, args)

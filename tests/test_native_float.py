@@ -1,5 +1,5 @@
-"""float32 on the native forward (kernels/float_products.cpp, cached_forward.cpp's float32 products,
-inference/dense.py): the products against torch's (the same sums in another order), the one-call
+"""float32 and bf16 on the native forward (kernels/float_products.cpp, bf16_products.cpp, cached_forward.cpp's
+float products, inference/dense.py): the products against torch's (the same sums in another order), the one-call
 step against the model's own forward with a KVCache (the reference: tested against transformers and
 openai/gpt-2 elsewhere) on odd shapes (n_head 1, head_dim 8 to 128, vocabularies that are not a
 multiple of 8), batches of 1 to 17 rows, 1 to 3 threads; and bit-for-bit invariance: a row's logits
@@ -123,11 +123,11 @@ def test_the_wrappers_name_what_does_not_fit():
         dense.conv1d(x.double(), w)
     with pytest.raises(ValueError, match=r"x must be a non-empty"):
         dense.conv1d(torch.randn(0, 8), w)
-    with pytest.raises(ValueError, match=r"weight must be a contiguous float32 CPU tensor \[K, N\] with K=8"):
+    with pytest.raises(ValueError, match=r"weight must be a contiguous float32 or bfloat16 CPU tensor \[K, N\] with K=8"):
         dense.conv1d(x, torch.randn(5, 8))
     with pytest.raises(ValueError, match=r"\(not contiguous\)"):
         dense.conv1d(x, torch.randn(5, 8).t())
-    with pytest.raises(ValueError, match=r"weight must be a contiguous float32 CPU tensor \[N, K\] with K=8"):
+    with pytest.raises(ValueError, match=r"weight must be a contiguous float32 or bfloat16 CPU tensor \[N, K\] with K=8"):
         dense.linear(x, w)
     with pytest.raises(ValueError, match=r"bias must be a contiguous float32 CPU tensor \[N=5\]"):
         dense.conv1d(x, w, torch.randn(4))
@@ -216,7 +216,7 @@ def test_models_the_float32_route_does_not_take_decode_as_before():
     assert native.why_not(model) == "its blocks' layers are not all float32 Conv1Ds with biases"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert native_step(_model().to(torch.bfloat16)) is None
+        assert native_step(_model().to(torch.float16)) is None
     odd = _model(n_embd=36, n_head=3)                                # head_dim 12
     assert native.why_not(odd) == "head_dim=12 is not a multiple of 8 (the kernels' vectors)"
     with torch.no_grad():
@@ -229,3 +229,109 @@ def test_models_the_float32_route_does_not_take_decode_as_before():
     ref = _clone(cache)
     with torch.inference_mode():
         _close(fresh(torch.tensor([[5]]), cache), model(torch.tensor([[5]]), cache=ref, last_only=True).logits[:, -1])
+
+
+# ---- bf16 ----
+
+def _bf16_reference(x, w, b):
+    """conv1d_bf16's order for every output: bias, then per pair (k, k+1) the odd product then the even one,
+    each a float32 add of an exact product (vdpbf16ps's order), then rounded to bf16."""
+    xf, wf = x.bfloat16().float(), w.float()
+    K = xf.shape[1]
+    acc = b.float().expand(xf.shape[0], -1).clone()
+    for k in range(0, K, 2):
+        if k + 1 < K:
+            acc = acc + xf[:, k + 1:k + 2] * wf[k + 1]
+        acc = acc + xf[:, k:k + 1] * wf[k]
+    return acc.bfloat16()
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 768, 2304), (8, 64, 96), (3, 24, 40), (17, 8, 7), (5, 137, 1001), (9, 13, 33)])
+def test_bf16_products_sum_in_vdpbf16ps_order_and_each_row_is_its_own(M, K, N, both_paths):
+    torch.manual_seed(M + K + N)
+    x, w, b = torch.randn(M, K).bfloat16().float(), torch.randn(K, N).bfloat16(), torch.randn(N).bfloat16().float()
+    wt = torch.randn(N, K).bfloat16()
+    for conv, gelu, lin in both_paths(lambda: (dense.conv1d(x, w, b), dense.conv1d(x, w, b, gelu=True), dense.linear(x, wt))):
+        assert torch.equal(conv.bfloat16().float(), conv)                # bf16 values
+        assert torch.equal(conv.bfloat16(), _bf16_reference(x, w, b))
+        assert (conv.bfloat16() == torch.addmm(b.bfloat16(), x.bfloat16(), w)).float().mean() > 0.99   # torch's GEMM
+        want = F.gelu(conv.bfloat16(), approximate="tanh").float()
+        torch.testing.assert_close(gelu, want, rtol=2 ** -7, atol=1e-6)  # torch's tanh form loses the far negative tail
+        exact = x.double() @ wt.double().t()
+        assert (lin.double() - exact).abs().max() <= 1e-6 * (x.double().abs() @ wt.double().abs().t()).max()
+        for m in range(M):
+            assert torch.equal(dense.conv1d(x[m:m + 1], w, b)[0], conv[m])
+            assert torch.equal(dense.linear(x[m:m + 1], wt)[0], lin[m])
+    wide, narrow = both_paths(lambda: (dense.conv1d(x, w, b, gelu=True), dense.linear(x, wt)))
+    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])   # vdpbf16ps = its adds on AVX2
+
+
+@pytest.mark.parametrize("n_embd,n_head,n_vocab", [(64, 4, 97), (8, 1, 37), (256, 2, 1001), (96, 12, 61)])
+def test_bf16_steps_keep_to_the_models_own_bf16_forward(n_embd, n_head, n_vocab):
+    # the same roundings at the same points; sums in other orders now and then round to the neighbouring bf16 value
+    model = _model(n_embd, n_head, n_vocab).to(torch.bfloat16)
+    assert native.why_not(model) == "" and isinstance(native_step(model), NativeStep)
+    c = model.config
+    gen = torch.Generator().manual_seed(1)
+    ours = KVCache(c.n_layer, 3, c.n_head, 40, c.n_embd // c.n_head, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for b, n in enumerate([5, 1, 12]):
+            model(torch.randint(0, n_vocab, (1, n), generator=gen), cache=ours.row(b), last_only=True)
+        ref = KVCache(c.n_layer, 3, c.n_head, 40, c.n_embd // c.n_head, dtype=torch.bfloat16)
+        for b in range(3):
+            ref.load(b, ours, b)
+        step = NativeStep(model)
+        for _ in range(4):
+            token = torch.randint(0, n_vocab, (3, 1), generator=gen)
+            want = model(token, cache=ref, last_only=True).logits[:, -1]
+            got = step(token, ours)
+            assert got.dtype == torch.float32
+            assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert ours.k.dtype == torch.bfloat16 and (ours.k == ref.k).float().mean() > 0.9
+
+
+def test_bf16_on_the_trained_model_is_as_close_to_float32_as_its_own_bf16_forward():
+    model32 = GPT2.from_pretrained("shakespeare-byte").eval()
+    model = GPT2.from_pretrained("shakespeare-byte").eval().to(torch.bfloat16)
+    assert choose_decoder(model).decoder.name == NATIVE
+    text = torch.tensor([list(b"ROMEO:\nWhat light through yonder window breaks? It is the east, and Juliet is the sun.")])
+    c, T = model.config, text.shape[1]
+    logits = {}
+    with torch.inference_mode():
+        for name, m, dtype in (("own", model, torch.bfloat16), ("native", model, torch.bfloat16), ("f32", model32, torch.float32)):
+            cache = KVCache(c.n_layer, 1, c.n_head, T, c.n_embd // c.n_head, dtype=dtype)
+            m(text[:, :4], cache=cache, last_only=True)
+            step = NativeStep(model) if name == "native" else (lambda t, cc, m=m: m(t, cache=cc, last_only=True).logits[:, -1])
+            logits[name] = torch.cat([step(text[:, t:t + 1], cache) for t in range(4, T)])
+    err = {k: ((logits[k] - logits["f32"]).abs().amax(-1) / logits["f32"].abs().amax(-1)).median() for k in ("own", "native")}
+    assert err["native"] <= 1.25 * err["own"] and err["own"] < 0.02
+    top1 = (logits["native"].argmax(-1) == logits["own"].argmax(-1)).float().mean()
+    assert top1 >= 0.95
+
+
+@pytest.mark.parametrize("n_threads", [1, 3])
+def test_bf16_rows_are_their_own_in_batches_of_1_to_17_on_any_number_of_threads(n_threads, threads, both_paths):
+    model = _model(n_embd=128, n_head=2, n_vocab=203, seed=4).to(torch.bfloat16)
+    step = NativeStep(model)
+    c = model.config
+    together = KVCache(c.n_layer, 17, c.n_head, 40, c.n_embd // c.n_head, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for b in range(17):
+            model(torch.randint(0, 203, (1, 1 + (7 * b) % 23), generator=gen), cache=together.row(b), last_only=True)
+
+    def rows(idx):
+        copy = KVCache(c.n_layer, len(idx), c.n_head, 40, c.n_embd // c.n_head, dtype=torch.bfloat16)
+        for i, b in enumerate(idx):
+            copy.load(i, together, b)
+        return copy
+    tokens = torch.randint(0, 203, (17, 1), generator=gen)
+    with torch.inference_mode():
+        threads(1)
+        alone = [step(tokens[b:b + 1], rows([b]))[0] for b in range(17)]
+        threads(n_threads)
+        for B in (2, 8, 17):
+            batch = step(tokens[:B], rows(range(B)))
+            assert all(torch.equal(batch[b], alone[b]) for b in range(B))
+        wide, narrow = both_paths(lambda: step(tokens, rows(range(17))))
+    assert torch.equal(wide, narrow)

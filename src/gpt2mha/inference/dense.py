@@ -1,7 +1,15 @@
-"""The Python side of gpt2mha's float32 products (``src/gpt2mha/kernels/float_products.cpp``): the
-operators ``torch.ops.gpt2mha.conv1d_f32`` (GPT-2's Conv1D layout, ``x @ W + b``) and
-``linear_f32`` (``F.linear``'s, ``x @ Wᵀ + b``: the LM head over ``wte``) behind checked wrappers.
-The native forward (:mod:`.native`) calls the same kernels from C++ for float32 models.
+"""The Python side of gpt2mha's float32 and bf16 products (``src/gpt2mha/kernels/float_products.cpp``,
+``bf16_products.cpp``): the operators ``torch.ops.gpt2mha.conv1d_f32`` and ``conv1d_bf16`` (GPT-2's
+Conv1D layout, ``x @ W + b``) and ``linear_f32`` and ``linear_bf16`` (``F.linear``'s, ``x @ Wᵀ + b``:
+the LM head over ``wte``) behind checked wrappers that pick by the weight's dtype. The native
+forward (:mod:`.native`) calls the same kernels from C++ for float32 and bf16 models.
+
+bf16 weights: the activations are rounded to bf16 (a bf16 model's already are), every product
+of two bf16 values is exact in float32, the sums are float32 in AVX-512 BF16's ``vdpbf16ps``
+order (the same adds on 8 float32 lanes on CPUs without it: the same bits, but where the
+instruction flushes a subnormal to zero), and ``conv1d`` rounds its output to bf16 (as a bf16
+model's GEMMs do), then GELU and bf16 again if asked; ``linear`` returns float32 (the head's
+logits).
 
 Each output is summed in one fixed order (see the C++ file), so a row's result is the same bits
 whatever the other rows, the number of threads or the instruction set (AVX2 or AVX-512); against
@@ -20,18 +28,19 @@ from .quant import gemv
 
 def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gelu: bool = False) -> torch.Tensor:
-    """``x @ weight + bias`` (GPT-2's Conv1D), then GPT-2's GELU if ``gelu``, by ``conv1d_f32``.
+    """``x @ weight + bias`` (GPT-2's Conv1D), then GPT-2's GELU if ``gelu``, by ``conv1d_f32``
+    (float32 weights) or ``conv1d_bf16`` (bf16 weights: see the module's docstring).
 
     Args:
         x: float32 ``[M, K]`` on the CPU (any strides: made contiguous).
-        weight: float32 ``[K, N]``, contiguous (a :class:`~gpt2mha.core.attention.Conv1D`'s).
+        weight: float32 or bfloat16 ``[K, N]``, contiguous (a :class:`~gpt2mha.core.attention.Conv1D`'s).
         bias: float32 ``[N]`` or None.
         gelu: apply ``0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))`` to each output (simd.h's gelu:
             within a few float32 ulps of ``F.gelu(approximate="tanh")``).
 
     Returns:
         float32 ``[M, N]``: output ``(m, n)`` is ``bias[n]`` then ``+ x[m, k]·weight[k, n]`` fused
-        for k = 0, 1, … in order.
+        for k = 0, 1, … in order (bf16: rounded to bf16 values).
 
     Raises:
         RuntimeError: the kernels are not loaded.
@@ -39,15 +48,16 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             matrix; weight or bias of the wrong dtype, shape, device or layout.
     """
     _check(x, weight, bias, conv=True)
-    return torch.ops.gpt2mha.conv1d_f32(x, weight, bias, bool(gelu))
+    op = torch.ops.gpt2mha.conv1d_bf16 if weight.dtype == torch.bfloat16 else torch.ops.gpt2mha.conv1d_f32
+    return op(x, weight, bias, bool(gelu))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` (``F.linear``) by ``linear_f32``.
+    """``x @ weight.T + bias`` (``F.linear``) by ``linear_f32`` or ``linear_bf16`` (bf16 weights).
 
     Args:
         x: float32 ``[M, K]`` on the CPU.
-        weight: float32 ``[N, K]``, contiguous (an LM head's, or ``wte``).
+        weight: float32 or bfloat16 ``[N, K]``, contiguous (an LM head's, or ``wte``).
         bias: float32 ``[N]`` or None.
 
     Returns:
@@ -59,7 +69,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ValueError: as :func:`conv1d`.
     """
     _check(x, weight, bias, conv=False)
-    return torch.ops.gpt2mha.linear_f32(x, weight, bias)
+    op = torch.ops.gpt2mha.linear_bf16 if weight.dtype == torch.bfloat16 else torch.ops.gpt2mha.linear_f32
+    return op(x, weight, bias)
+
+
+def has_bf16_dot() -> bool:
+    """Whether the bf16 products take AVX-512 BF16's ``vdpbf16ps`` now: the kernels take their
+    AVX-512 paths (:func:`~.quant.gemv.vnni`) and the CPU has AVX-512 BF16 (``/proc/cpuinfo``)."""
+    if not gemv.vnni():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+    except OSError:
+        return False
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv: bool) -> None:
@@ -78,10 +101,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
     K = x.shape[1]
     layout = "[K, N]" if conv else "[N, K]"
     k_dim = 0 if conv else 1
-    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+    if (weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu"
             or not weight.is_contiguous() or weight.shape[k_dim] != K or weight.shape[1 - k_dim] == 0):
-        raise ValueError(f"weight must be a contiguous float32 CPU tensor {layout} with K={K} (x's columns) and "
-                         f"N >= 1; got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        raise ValueError(f"weight must be a contiguous float32 or bfloat16 CPU tensor {layout} with K={K} (x's "
+                         f"columns) and N >= 1; got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
                          + ("" if weight.is_contiguous() else " (not contiguous)"))
     N = weight.shape[1 - k_dim]
     if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or bias.shape[0] != N

@@ -1,6 +1,7 @@
 """The forward in one C++ call, for quantized models on the CPU: int4 with per_block (W4A8)
 activations, int8 with per_row (W7A8) activations; and for float32 models (float32 products of
-the model's own weights, ``kernels/float_products.cpp``).
+the model's own weights, ``kernels/float_products.cpp``) and bf16 models (bf16 products,
+``kernels/bf16_products.cpp``).
 
 :func:`~gpt2mha.inference.generate.generate` runs such a model (on the CPU, nothing hooked, the
 kernels built) through ``torch.ops.gpt2mha.cached_forward`` (``kernels/cached_forward.cpp``): every decode
@@ -31,6 +32,13 @@ take the model's own forward (MKL's GEMMs: compute-bound, where the one-call for
 nothing). Why: MKL's GEMV, called from Python 49 times a step, read 124M's 497 MB at about half
 the memory's speed (benchmarks/RESULTS.md, "float32 at memory speed").
 
+A bf16 model's steps likewise: its products on AVX-512 BF16's ``vdpbf16ps`` where the CPU has it
+(the same adds on 8 float32 lanes where not), every value the model rounds to bf16 rounded at the
+same points (each product's, LayerNorm's, GELU's and attention's output, each residual add, the
+embedding sum), its KV cache in bf16; attention and the head in float32 as its own. Its logits
+agree with its own forward but where a sum in another order rounds to the neighbouring bf16
+value; batch invariant likewise.
+
 Source: the loop of gpt-fast's ``decode_one_token`` and llama.cpp's graph for GPT-2, with the
 arithmetic of openai/gpt-2's ``model.py`` (``block``, ``attn``, ``norm``, ``gelu``).
 """
@@ -49,36 +57,38 @@ from ..core.attention import Conv1D
 from ..core.model import LMHead
 from .quant.linear import QuantizedLinear
 
-#: cached_forward's group_size for float32 products (kernels/cached_forward.cpp)
-FLOAT32 = -1
+#: cached_forward's group_size for float32 and bf16 products (kernels/cached_forward.cpp)
+FLOAT32, BF16 = -1, -2
 
 
 def _kind(model: nn.Module) -> str:
-    """"per_block", "per_row", "float32" or "" (no native forward) from the model's quantization
-    record (float32: none, and float32 weights)."""
+    """"per_block", "per_row", "float32", "bf16" or "" (no native forward) from the model's
+    quantization record (float32, bf16: none, and weights of that dtype)."""
     q = getattr(model, "quantization", None) or {}
     if (q.get("scheme"), q.get("activations")) == ("int4", "per_block"):
         return "per_block"
     if (q.get("scheme"), q.get("activations")) == ("int8", "per_row"):
         return "per_row"
     wte = getattr(getattr(model, "wte", None), "weight", None)
-    if not q and isinstance(wte, torch.Tensor) and wte.dtype == torch.float32:
-        return "float32"
+    if not q and isinstance(wte, torch.Tensor) and wte.dtype in (torch.float32, torch.bfloat16):
+        return "float32" if wte.dtype == torch.float32 else "bf16"
     return ""
 
 
 def why_not(model: nn.Module) -> str:
     """Why ``generate`` does not run ``model`` on the native forward ("" when it does, without
-    ``compile``): not per_row/per_block/float32, the kernels not built, hooks attached (global
-    ones too), not float32 on the CPU, blocks cut or mixed, a head_dim that is not a multiple of 8."""
+    ``compile``): not per_row/per_block/float32/bf16, the kernels not built, hooks attached
+    (global ones too), not on the CPU, blocks cut or mixed, a head_dim that is not a multiple of 8."""
     if not _kind(model):
-        return "not a float32, int8 per_row or int4 per_block model (model.quantization)"
+        return "not a float32, bf16, int8 per_row or int4 per_block model (model.quantization)"
     if not gemv.available():
         return f"the C++ kernels are not built ({gemv.unavailable_reason()})"
     if not all(hasattr(model, name) for name in ("wte", "wpe", "h", "ln_f", "lm_head", "config")):
         return "not a GPT2"
-    if model.wte.weight.device.type != "cpu" or model.wte.weight.dtype != torch.float32:
-        return f"the model is {model.wte.weight.dtype} on {model.wte.weight.device}, not float32 on the CPU"
+    kind = _kind(model)
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    if model.wte.weight.device.type != "cpu" or model.wte.weight.dtype != dtype:
+        return f"the model is {model.wte.weight.dtype} on {model.wte.weight.device}, not {dtype} on the CPU"
     from .compiled import has_hooks
     if has_hooks(model):
         return "the model has hooks attached"
@@ -87,9 +97,8 @@ def why_not(model: nn.Module) -> str:
     head_dim = model.config.n_embd // model.config.n_head
     if head_dim % 8:
         return f"head_dim={head_dim} is not a multiple of 8 (the kernels' vectors)"
-    kind = _kind(model)
-    if kind == "float32":
-        return _why_not_float32(model)
+    if kind in ("float32", "bf16"):
+        return _why_not_float(model, dtype)
     scheme = {"per_block": "int4", "per_row": "int8"}.get(kind)
     groups = set()
     for block in model.h:
@@ -118,19 +127,21 @@ def why_not(model: nn.Module) -> str:
     return ""
 
 
-def _why_not_float32(model: nn.Module) -> str:
-    # why_not's checks of a float32 model's layers (the common ones are done)
+def _why_not_float(model: nn.Module, dtype: torch.dtype) -> str:
+    # why_not's checks of a float32 or bf16 model's layers (the common ones are done)
+    name = str(dtype).removeprefix("torch.")
     for block in model.h:
         for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-            if not (type(layer) is Conv1D and layer.weight.dtype == torch.float32 and layer.bias is not None
-                    and layer.bias.dtype == torch.float32):
-                return "its blocks' layers are not all float32 Conv1Ds with biases"
-        for norm in (block.ln_1, block.ln_2):
-            if norm.weight is None or norm.bias is None:
-                return "a LayerNorm has no weight or bias"
+            if not (type(layer) is Conv1D and layer.weight.dtype == dtype and layer.bias is not None
+                    and layer.bias.dtype == dtype):
+                return f"its blocks' layers are not all {name} Conv1Ds with biases"
+        for norm in (block.ln_1, block.ln_2, model.ln_f):
+            if norm.weight is None or norm.bias is None or norm.weight.dtype != dtype:
+                return f"a LayerNorm has no weight or bias, or is not {name}"
     head = model.lm_head
-    if not (isinstance(head, LMHead) and head.weight.dtype == torch.float32 and head.weight.dim() == 2):
-        return "its head is not a float32 LMHead"
+    if not (isinstance(head, LMHead) and head.weight.dtype == dtype and head.weight.dim() == 2
+            and model.wpe.weight.dtype == dtype):
+        return f"its head or position embedding is not {name}"
     if len({m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)}) != 1:
         return "its LayerNorms differ in epsilon"
     if any(t.device.type != "cpu" for t in (*model.parameters(), *model.buffers())):
@@ -140,7 +151,7 @@ def _why_not_float32(model: nn.Module) -> str:
 
 def _product(layer: nn.Module) -> list[torch.Tensor]:
     # the layer's tensors in cached_forward.cpp's layouts: W4A8's and the exact int8 head's (weight, kernel
-    # scales), per_row's packed four, a float32 Conv1D's or head's weight as it is
+    # scales), per_row's packed four, a float32 or bf16 Conv1D's or head's weight as it is
     if not isinstance(layer, QuantizedLinear):
         return [layer.weight.detach().contiguous()]
     if layer.activations == "per_row":
@@ -172,16 +183,18 @@ class NativeStep:
         why = why_not(model)
         if why:
             raise ValueError(f"no native forward for this model: {why}")
+        # LayerNorms and biases as float32 (a bf16 model's: copies, exact; the kernels read them so)
+        f32 = lambda t: t.detach().float()                     # noqa: E731
         layers = []
         for block in model.h:
-            layers += [block.ln_1.weight, block.ln_1.bias]
+            layers += [f32(block.ln_1.weight), f32(block.ln_1.bias)]
             for i, layer in enumerate((block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)):
                 if i == 2:
-                    layers += [block.ln_2.weight, block.ln_2.bias]
-                layers += [*_product(layer), layer.bias]
+                    layers += [f32(block.ln_2.weight), f32(block.ln_2.bias)]
+                layers += [*_product(layer), f32(layer.bias)]
         self.layers = [t.detach() for t in layers]
         self.wte, self.wpe = model.wte.weight.detach(), model.wpe.weight.detach()
-        self.ln_f = (model.ln_f.weight.detach(), model.ln_f.bias.detach())
+        self.ln_f = (f32(model.ln_f.weight), f32(model.ln_f.bias))
         head = model.lm_head
         bias = getattr(head, "bias", None)
         bias = torch.empty(0) if bias is None else bias.detach().float()
@@ -189,11 +202,12 @@ class NativeStep:
         c = model.config
         self.sizes = (len(model.h), c.n_head, c.n_embd // c.n_head)
         kind = _kind(model)
-        self.group_size = model.h[0].attn.c_attn.group_size if kind == "per_block" else FLOAT32 if kind == "float32" else 0
+        self.group_size = ({"float32": FLOAT32, "bf16": BF16}.get(kind, 0) if kind != "per_block"
+                           else model.h[0].attn.c_attn.group_size)
         self.eps = float(model.ln_f.eps)
         # what decode_loop runs the prompts on: per_row's prompts are W7A8 like its steps; an int4
         # per_block model's prompts take the exact products (set_activations), and a float32 one's
-        # MKL's GEMMs, in its own forward
+        # MKL's GEMMs (a bf16 one's oneDNN's), in its own forward
         self.prefill = self if self.group_size == 0 else None
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -83,33 +83,46 @@ static void layer_norm(const float *x, int64_t E, const float *w, const float *b
 }
 
 /* x += y (if y), then h = LayerNorm(x) for rows r of x, y, h [M, E]; rows on the threads from
- * ROWS_PARALLEL rows (a 128-token prompt's 25 LayerNorms took ~1 ms on one) */
+ * ROWS_PARALLEL rows (a 128-token prompt's 25 LayerNorms took ~1 ms on one). bf16: x and h rounded to
+ * bf16 after each (a bf16 model's add and LayerNorm round their outputs). */
 static const int64_t ROWS_PARALLEL = 16;
-static void add_norm(float *x, const float *y, int64_t M, int64_t E, const float *w, const float *b, float eps, float *h) {
+static void add_norm(float *x, const float *y, int64_t M, int64_t E, const float *w, const float *b, float eps, float *h,
+                     bool bf16 = false) {
     #pragma omp parallel for schedule(static) if (M >= ROWS_PARALLEL)
     for (int64_t r = 0; r < M; r++) {
-        if (y)
+        if (y) {
             for (int64_t i = 0; i < E; i += 8)
                 _mm256_storeu_ps(x + r * E + i, _mm256_add_ps(_mm256_loadu_ps(x + r * E + i), _mm256_loadu_ps(y + r * E + i)));
+            if (bf16) round_bf16(x + r * E, E);
+        }
         layer_norm(x + r * E, E, w, b, eps, h + r * E);
+        if (bf16) round_bf16(h + r * E, E);
     }
 }
 
-/* One query q [D] over keys kc [0 .. n) and values vc [n, D] (D a multiple of 8): out [D] =
- * softmax((q k_j) / sqrt(D)) v, the softmax written (s_j - max) / sqrt(D) as causal_attention.cpp's;
+/* 8 cached keys or values as float32: a float32 cache's, or a bf16 cache's (its bits widened) */
+static inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* One query q [D] over keys kc [0 .. n) and values vc [n, D] (D a multiple of 8; float32, or bf16 bits
+ * C = uint16_t): out [D] = softmax((q k_j) / sqrt(D)) v, the softmax written (s_j - max) / sqrt(D) as
+ * causal_attention.cpp's;
  * p [n] scratch. Four keys' dot products at a time, and p v as up to eight independent sums over
  * the keys (one chain of dependent FMAs per key and dimension ran at a quarter of the speed). */
-static void attend(const float *q, const float *kc, const float *vc, int64_t n, int64_t D, float *p, float *out) {
+template <typename C>
+static void attend(const float *q, const C *kc, const C *vc, int64_t n, int64_t D, float *p, float *out) {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-        const float *k0 = kc + j * D;
+        const C *k0 = kc + j * D;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t d = 0; d < D; d += 8) {
             const __m256 qd = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + D + d), a1);
-            a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 2 * D + d), a2);
-            a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 3 * D + d), a3);
+            a0 = _mm256_fmadd_ps(qd, load8(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qd, load8(k0 + D + d), a1);
+            a2 = _mm256_fmadd_ps(qd, load8(k0 + 2 * D + d), a2);
+            a3 = _mm256_fmadd_ps(qd, load8(k0 + 3 * D + d), a3);
         }
         p[j] = hsum8(a0);
         p[j + 1] = hsum8(a1);
@@ -118,10 +131,12 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t n, 
     }
     for (; j < n; j++) {
         __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kc + j * D + d), a);
+        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kc + j * D + d), a);
         p[j] = hsum8(a);
     }
     const float total = softmax_row(p, n, 1.0f / std::sqrt((float)D));   /* NaN: a NaN row, as SDPA's */
+    if (sizeof(C) == 2)        /* a bf16 model: its weights rounded to bf16 before p v, as SDPA's flash kernel does */
+        round_bf16(p, n);
     const __m256 tot = _mm256_set1_ps(total);
     for (int64_t d0 = 0; d0 < D; d0 += 64) {                 /* dims d0 .. d0 + 63: up to 8 sums */
         const int64_t nd = D - d0 < 64 ? (D - d0) / 8 : 8;
@@ -129,8 +144,8 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t n, 
         for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
         for (int64_t k = 0; k < n; k++) {
             const __m256 pk = _mm256_set1_ps(p[k]);
-            const float *vk = vc + k * D + d0;
-            for (int i = 0; i < nd; i++) a[i] = _mm256_fmadd_ps(pk, _mm256_loadu_ps(vk + 8 * i), a[i]);
+            const C *vk = vc + k * D + d0;
+            for (int i = 0; i < nd; i++) a[i] = _mm256_fmadd_ps(pk, load8(vk + 8 * i), a[i]);
         }
         for (int i = 0; i < nd; i++) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_div_ps(a[i], tot));
     }
@@ -162,14 +177,15 @@ static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t>
 /* One product y [M, N] = x [M, K] W^T + b of a layer given as its tensors t: three for W4A8
  * (nibbles [N, K/2], (scale, zero) pairs [N, K/G, 2] bf16, bias [N]), five for per_row (packed
  * [ceil(N/32), ceil(K/4), 32, 4] int8, qsum [N] int32, scales [N], wsum [N], bias [N]), two for
- * float32 (the Conv1D's weight [K, N] as the model holds it, bias [N]: float_products.cpp). */
-static const int64_t FLOAT32 = -1;
+ * float32 and bf16 (the Conv1D's weight [K, N] as the model holds it, its bias [N] as float32:
+ * float_products.cpp, bf16_products.cpp). */
+static const int64_t FLOAT32 = -1, BF16 = -2;
 struct Product {
-    int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32 */
-    int count() const { return G == FLOAT32 ? 2 : G ? 3 : 5; }
+    int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32; BF16 */
+    int count() const { return G < 0 ? 2 : G ? 3 : 5; }
     void check(const at::Tensor *t, int64_t N, int64_t K, const std::string &name, int64_t layer, bool bias = true) const {
-        if (G == FLOAT32) {
-            need(t[0], at::kFloat, {K, N}, name + " weight", layer);
+        if (G < 0) {
+            need(t[0], G == BF16 ? at::kBFloat16 : at::kFloat, {K, N}, name + " weight", layer);
         } else if (G) {
             need(t[0], at::kByte, {N, K / 2}, name + " weight", layer);
             need(t[1], at::kBFloat16, {N, K / G, 2}, name + " scale_zero", layer);
@@ -184,6 +200,9 @@ struct Product {
     void operator()(const at::Tensor *t, const float *x, int64_t M, int64_t K, int64_t N, float *y, bool gelu) const {
         if (G == FLOAT32) {
             conv1d_f32(x, M, K, t[0].data_ptr<float>(), N, t[1].data_ptr<float>(), gelu, y);
+        } else if (G == BF16) {
+            conv1d_bf16(x, M, K, reinterpret_cast<const uint16_t *>(t[0].data_ptr<at::BFloat16>()), N,
+                        t[1].data_ptr<float>(), gelu, y);
         } else if (G) {
             w4a8(x, M, K, G, t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(t[1].data_ptr<at::BFloat16>()),
                  N, t[2].data_ptr<float>(), y);
@@ -226,31 +245,36 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     TORCH_CHECK(!k.requires_grad() && !v.requires_grad(), "cached_forward: k and v are written in place and must not "
                 "require grad");
     TORCH_CHECK(std::isfinite(eps) && eps > 0, "cached_forward: eps must be a positive number; got ", eps);
+    /* a bf16 model (group_size BF16): its embeddings, products, head and cache in bf16, one token a row */
+    const bool bf = group_size == BF16;
+    const at::ScalarType act = bf ? at::kBFloat16 : at::kFloat;
     for (const at::Tensor *c : {&k, &v})
-        TORCH_CHECK(c->scalar_type() == at::kFloat && c->device().is_cpu() && c->stride(4) == 1 && c->stride(3) == D &&
+        TORCH_CHECK(c->scalar_type() == act && c->device().is_cpu() && c->stride(4) == 1 && c->stride(3) == D &&
                     c->stride(2) == Tm * D && (B == 1 || c->stride(1) >= H * Tm * D) && c->stride(0) >= B * H * Tm * D,
-                    "cached_forward: k and v must be float32 CPU caches whose rows [n_head, T_max, head_dim] are "
+                    "cached_forward: k and v must be ", act, " CPU caches whose rows [n_head, T_max, head_dim] are "
                     "each contiguous; got ", c->scalar_type(), " strides ", c->strides());
     TORCH_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1,
                 "cached_forward: tokens must be [B=", B, ", T >= 1]; got ", tokens.sizes());
     const int64_t T = tokens.size(1), M = B * T;
+    TORCH_CHECK(!bf || T == 1, "cached_forward: a bf16 model takes one new token a row (its prompts: its own "
+                "forward); got T=", T);
     TORCH_CHECK(wte.dim() == 2 && wpe.dim() == 2, "cached_forward: wte and wpe must be 2-D; got ", wte.sizes(), " and ",
                 wpe.sizes());
     const int64_t n_vocab = wte.size(0), P = wpe.size(0);
     TORCH_CHECK(D % 8 == 0, "cached_forward: head_dim must be a multiple of 8; got ", D);
     const Product product{group_size};
-    TORCH_CHECK(group_size == 0 || group_size == FLOAT32 ||
+    TORCH_CHECK(group_size == 0 || group_size == FLOAT32 || group_size == BF16 ||
                     (group_size >= 32 && E % group_size == 0 && (128 % group_size == 0 || group_size % 128 == 0)),
-                "cached_forward: group_size must be 0 (per_row), -1 (float32) or 32, 64 or a multiple of 128 dividing "
-                "n_embd=", E, "; got ", group_size);
+                "cached_forward: group_size must be 0 (per_row), -1 (float32), -2 (bf16) or 32, 64 or a multiple of "
+                "128 dividing n_embd=", E, "; got ", group_size);
     const int64_t per_layer = 4 + 4 * product.count();
     TORCH_CHECK((int64_t)layers.size() == per_layer * L, "cached_forward: layers must hold ", per_layer,
                 " tensors per layer (", per_layer * L, "); got ", layers.size());
     TORCH_CHECK((int64_t)lengths.size() == B, "cached_forward: lengths must hold one position per row (", B, "); got ",
                 lengths.size());
     need(tokens, at::kLong, {B, T}, "tokens");
-    need(wte, at::kFloat, {n_vocab, E}, "wte");
-    need(wpe, at::kFloat, {P, E}, "wpe");
+    need(wte, act, {n_vocab, E}, "wte");
+    need(wpe, act, {P, E}, "wpe");
     need(ln_f_weight, at::kFloat, {E}, "ln_f weight");
     need(ln_f_bias, at::kFloat, {E}, "ln_f bias");
     const int64_t *tok = tokens.data_ptr<int64_t>();
@@ -267,15 +291,16 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     const bool head_per_row = !head.empty() && head[0].dim() == 4;
     const bool head_w4a8 = !head_per_row && !head.empty() && head[0].scalar_type() == at::kByte;
     const bool head_f32 = head.size() == 2 && head[0].scalar_type() == at::kFloat;
-    TORCH_CHECK(head.size() == (head_per_row ? 5u : head_f32 ? 2u : 3u) && head[head_per_row ? 1 : 0].dim() >= 1,
+    const bool head_bf16 = head.size() == 2 && head[0].scalar_type() == at::kBFloat16;
+    TORCH_CHECK(head.size() == (head_per_row ? 5u : head_f32 || head_bf16 ? 2u : 3u) && head[head_per_row ? 1 : 0].dim() >= 1,
                 "cached_forward: head must be int8_gemv's weight [V, E], scales and bias (or an empty tensor), "
                 "per_row's packed, qsum [V], scales, wsum and bias, W4A8's nibbles [V, E/2], (scale, zero) "
-                "pairs and bias, or a float32 weight [V, E] and bias; got ", head.size(), " tensors");
+                "pairs and bias, or a float32 or bf16 weight [V, E] and bias; got ", head.size(), " tensors");
     TORCH_CHECK(!head_w4a8 || group_size > 0, "cached_forward: an int4 head (uint8 nibbles) needs the blocks' "
                 "group_size > 0 (W4A8); got group_size=", group_size);
     const int64_t V = head_per_row ? head[1].size(0) : head[0].size(0);
-    if (head_f32) {
-        need(head[0], at::kFloat, {V, E}, "head weight");
+    if (head_f32 || head_bf16) {
+        need(head[0], head[0].scalar_type(), {V, E}, "head weight");
     } else if (head_per_row || head_w4a8) {
         Product{head_w4a8 ? group_size : 0}.check(head.data(), V, E, "head", -1, false);
     } else {
@@ -300,20 +325,31 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     const std::unique_ptr<float[]> buf(new float[M * (E + E + 3 * E + E + 4 * E + E) + (T == 1 ? B * H * Tm : 0)]);
     float *x = buf.get(), *h = x + M * E, *qkv = h + M * E, *z = qkv + 3 * M * E, *f = z + M * E, *y = f + 4 * M * E,
           *p = y + M * E;
-    const float *wt = wte.data_ptr<float>(), *wp = wpe.data_ptr<float>();
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < E; i++)
-                x[(b * T + t) * E + i] = wt[tok[b * T + t] * E + i] + wp[(lengths[b] + t) * E + i];
+    if (bf) {                                           /* bf16 + bf16, rounded: the model's add */
+        const uint16_t *wt = reinterpret_cast<const uint16_t *>(wte.data_ptr<at::BFloat16>()),
+                       *wp = reinterpret_cast<const uint16_t *>(wpe.data_ptr<at::BFloat16>());
+        auto widen = [](uint16_t u) { const uint32_t w = (uint32_t)u << 16; float f; std::memcpy(&f, &w, 4); return f; };
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < E; i++) x[b * E + i] = widen(wt[tok[b] * E + i]) + widen(wp[lengths[b] * E + i]);
+        round_bf16(x, M * E);
+    } else {
+        const float *wt = wte.data_ptr<float>(), *wp = wpe.data_ptr<float>();
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < E; i++)
+                    x[(b * T + t) * E + i] = wt[tok[b * T + t] * E + i] + wp[(lengths[b] + t) * E + i];
+    }
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lengths[b] + 1 > longest ? lengths[b] + 1 : longest;
     const float e = (float)eps;
-    float *kd = k.data_ptr<float>(), *vd = v.data_ptr<float>();
+    float *kd = bf ? nullptr : k.data_ptr<float>(), *vd = bf ? nullptr : v.data_ptr<float>();
+    uint16_t *kh = bf ? reinterpret_cast<uint16_t *>(k.data_ptr<at::BFloat16>()) : nullptr,
+             *vh = bf ? reinterpret_cast<uint16_t *>(v.data_ptr<at::BFloat16>()) : nullptr;
     const int64_t kl = k.stride(0), kb = k.stride(1), vl = v.stride(0), vb = v.stride(1);
     for (int64_t l = 0; l < L; l++) {
         const at::Tensor *t = layers.data() + per_layer * l;
         /* x += the last block's MLP output (y), then ln_1 */
-        add_norm(x, l > 0 ? y : nullptr, M, E, t[0].data_ptr<float>(), t[1].data_ptr<float>(), e, h);
+        add_norm(x, l > 0 ? y : nullptr, M, E, t[0].data_ptr<float>(), t[1].data_ptr<float>(), e, h, bf);
         product(t + at_[0], h, M, E, 3 * E, qkv, false);
         /* the new keys and values into the cache (on the threads for a prompt: ~0.6 ms of a 128-token one's ~21 on one) */
         #pragma omp parallel for collapse(2) schedule(static) if (M >= ROWS_PARALLEL)
@@ -322,6 +358,16 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                 for (int64_t tt = 0; tt < T; tt++) {
                     const float *row = qkv + (b * T + tt) * 3 * E + hd * D;
                     const int64_t at_pos = (hd * Tm + lengths[b] + tt) * D;
+                    if (bf) {                  /* bf16 values: their top halves are their bits */
+                        for (int64_t d = 0; d < D; d++) {
+                            uint32_t uk, uv;
+                            std::memcpy(&uk, row + E + d, 4);
+                            std::memcpy(&uv, row + 2 * E + d, 4);
+                            kh[l * kl + b * kb + at_pos + d] = (uint16_t)(uk >> 16);
+                            vh[l * vl + b * vb + at_pos + d] = (uint16_t)(uv >> 16);
+                        }
+                        continue;
+                    }
                     std::memcpy(kd + l * kl + b * kb + at_pos, row + E, D * sizeof(float));
                     std::memcpy(vd + l * vl + b * vb + at_pos, row + 2 * E, D * sizeof(float));
                 }
@@ -330,15 +376,22 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
             #pragma omp parallel for collapse(2) schedule(static) if (B * H * longest * D >= PARALLEL_ATTENTION)
             for (int64_t b = 0; b < B; b++)
                 for (int64_t hd = 0; hd < H; hd++) {
-                    const float *kc = kd + l * kl + b * kb + hd * Tm * D, *vc = vd + l * vl + b * vb + hd * Tm * D;
-                    const int64_t n = lengths[b] + 1;
+                    const int64_t n = lengths[b] + 1, ko = l * kl + b * kb + hd * Tm * D, vo = l * vl + b * vb + hd * Tm * D;
+                    const size_t es = bf ? 2 : 4;
+                    const char *kc = bf ? (const char *)(kh + ko) : (const char *)(kd + ko),
+                               *vc = bf ? (const char *)(vh + vo) : (const char *)(vd + vo);
                     if (hd + 1 < H)            /* the next head's keys and values: latency, not bandwidth, bound */
-                        for (int64_t i = 0; i < n * D; i += 16) {
-                            _mm_prefetch((const char *)(kc + Tm * D + i), _MM_HINT_T0);
-                            _mm_prefetch((const char *)(vc + Tm * D + i), _MM_HINT_T0);
+                        for (int64_t i = 0; i < n * D * (int64_t)es; i += 64) {
+                            _mm_prefetch(kc + Tm * D * es + i, _MM_HINT_T0);
+                            _mm_prefetch(vc + Tm * D * es + i, _MM_HINT_T0);
                         }
-                    attend(qkv + b * 3 * E + hd * D, kc, vc, n, D, p + (b * H + hd) * Tm, z + b * E + hd * D);
+                    float *pp = p + (b * H + hd) * Tm, *out = z + b * E + hd * D;
+                    if (bf)
+                        attend(qkv + b * 3 * E + hd * D, kh + ko, vh + vo, n, D, pp, out);
+                    else
+                        attend(qkv + b * 3 * E + hd * D, kd + ko, vd + vo, n, D, pp, out);
                 }
+            if (bf) round_bf16(z, M * E);
         } else {                                        /* a prompt: causal_attention.cpp's kernel */
             const auto opts = at::TensorOptions().dtype(at::kFloat);
             const at::Tensor q = at::from_blob(qkv, {B, H, T, D}, {T * 3 * E, D, 3 * E, 1}, opts);
@@ -348,19 +401,24 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
         }
         const float *zz = T == 1 ? z : o.data_ptr<float>();
         product(t + at_[1], zz, M, E, E, y, false);
-        add_norm(x, y, M, E, t[ln2].data_ptr<float>(), t[ln2 + 1].data_ptr<float>(), e, h);
+        add_norm(x, y, M, E, t[ln2].data_ptr<float>(), t[ln2 + 1].data_ptr<float>(), e, h, bf);
         product(t + at_[2], h, M, E, 4 * E, f, true);
         product(t + at_[3], f, M, 4 * E, E, y, false);
     }
     for (int64_t b = 0; b < B; b++) {                   /* each row's last token: x += y, ln_f */
         const int64_t r = b * T + T - 1;
         for (int64_t i = 0; i < E; i++) x[r * E + i] += y[r * E + i];
+        if (bf) round_bf16(x + r * E, E);
         layer_norm(x + r * E, E, ln_f_weight.data_ptr<float>(), ln_f_bias.data_ptr<float>(), e, h + b * E);
+        if (bf) round_bf16(h + b * E, E);
     }
-    at::Tensor logits = at::empty({B, V}, wte.options());
+    at::Tensor logits = at::empty({B, V}, wte.options().dtype(at::kFloat));
     const float *hb = head_bias.numel() > 0 ? head_bias.data_ptr<float>() : nullptr;
     if (head_f32)
         linear_f32(h, B, E, head[0].data_ptr<float>(), V, hb, logits.data_ptr<float>());
+    else if (head_bf16)
+        linear_bf16(h, B, E, reinterpret_cast<const uint16_t *>(head[0].data_ptr<at::BFloat16>()), V, hb,
+                    logits.data_ptr<float>());
     else if (head_per_row)
         per_row(h, B, E, head[0].data_ptr<int8_t>(), V, head[1].data_ptr<int32_t>(), head[2].data_ptr<float>(),
                 head[3].data_ptr<float>(), hb, false, logits.data_ptr<float>());

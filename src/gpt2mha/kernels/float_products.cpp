@@ -239,6 +239,7 @@ F512 static inline void dot_step(const float *x, int64_t K, const float *wn, int
     __m512 xv[MR];
     for (int m = 0; m < MR; m++) xv[m] = ld16<FULL>(mk, x + m * K + k);
     for (int r = 0; r < R; r++) {
+        _mm_prefetch((const char *)(wn + (r + R) * K + k), _MM_HINT_T0);   /* the next R rows' line */
         const __m512 wv = ld16<FULL>(mk, wn + r * K + k);
         for (int m = 0; m < MR; m++) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
     }

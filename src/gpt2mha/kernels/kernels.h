@@ -1,5 +1,5 @@
-/* What cached_forward.cpp calls in products.cpp, float_products.cpp and causal_attention.cpp (one
- * library: every .cpp here, build.py's SOURCES). */
+/* What cached_forward.cpp calls in products.cpp, float_products.cpp, bf16_products.cpp and
+ * causal_attention.cpp (one library: every .cpp here, build.py's SOURCES). */
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,6 +31,19 @@ void conv1d_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
 /* y [M, N] = x [M, K] @ w [N, K]^T + bias [N] (bias may be NULL): float32, each output summed in one fixed
  * order (float_products.cpp, the operator linear_f32). */
 void linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y);
+
+/* y [M, N] = bf16(x [M, K] @ w [K, N] + bias [N]) (bias may be NULL), then bf16(GELU(y)) if gelu: w bf16
+ * bits, x float32 holding bf16 values (rounded to bf16 first), y float32 holding bf16 values; float32
+ * sums in vdpbf16ps's order (bf16_products.cpp, the operator conv1d_bf16). */
+void conv1d_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, bool gelu,
+                 float *y);
+
+/* y [M, N] = x [M, K] @ w [N, K]^T + bias [N] (bias may be NULL), float32: w bf16 bits, x rounded to bf16
+ * (bf16_products.cpp, the operator linear_bf16: a bf16 model's head). */
+void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, float *y);
+
+/* p[0 .. n) rounded to the nearest bf16 (ties to even), kept as float32 (bf16_products.cpp) */
+void round_bf16(float *p, int64_t n);
 
 /* Causal attention of q [B, h, T, D] over k, v [B, h, S, D] (S >= T, OpenAI's bottom-right
  * mask), last dimensions contiguous; returns o [B, T, h, D] permuted to [B, h, T, D]
