@@ -165,6 +165,27 @@ def test_float32_steps_match_the_models_own_steps(n_embd, n_head, n_vocab):
         _close(ours.v[:, b, :, :n], ref.v[:, b, :, :n])
 
 
+@pytest.mark.parametrize("start", [0, 9])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_a_float32_prompt_in_one_call_matches_the_models_prefill(start, n_threads, threads):
+    # start 9: a second chunk over cached keys (S > T); 23 and 40 rows: every tile of 8 rows and the rest
+    threads(n_threads)
+    model = _model(n_embd=96, n_head=3, n_vocab=61, seed=8)
+    step = NativeStep(model)
+    assert step.prefill is step
+    for T in (23, 40):
+        ours = _prefilled(model, [start], max_len=64) if start else KVCache(2, 1, 3, 64, 32)
+        ref = _clone(ours)
+        prompt = torch.randint(0, 61, (1, T), generator=torch.Generator().manual_seed(T))
+        with torch.inference_mode():
+            want = model(prompt, cache=ref, last_only=True).logits[:, -1]
+            got = step(prompt, ours)
+        _close(got, want)
+        assert ours.lengths == ref.lengths == [start + T]
+        _close(ours.k, ref.k)
+        _close(ours.v, ref.v)
+
+
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 def test_every_row_is_its_own_in_batches_of_1_to_17_on_any_number_of_threads(n_threads, threads):
     model = _model(n_embd=128, n_head=2, n_vocab=203, seed=4)
@@ -197,11 +218,13 @@ def test_generate_runs_float32_models_on_it_with_the_models_greedy_tokens():
     model = GPT2.from_pretrained("shakespeare-byte").eval()
     route = choose_decoder(model)
     assert route.decoder.name == NATIVE and route.decoder.batch_invariant
-    assert "prefill: the model's own products" in route.describe()      # prompts: MKL's GEMMs
+    assert "prefill: the native forward" in route.describe()
+    bf16 = GPT2.from_pretrained("shakespeare-byte").eval().to(torch.bfloat16)
+    assert "prefill: the model's own products" in choose_decoder(bf16).describe()
     idx = torch.tensor([list(b"ROMEO:\nWhat light"), list(b"To be, or not to ")])
     with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
         out = model.generate(idx, 40, temperature=0)
-    assert op.call_count == 39
+    assert op.call_count == 2 + 39                                  # each prompt, then the steps
     with mock.patch.object(native, "native_step", lambda m: None):   # the decode view, MKL's products
         assert torch.equal(out, model.generate(idx, 40, temperature=0))
 

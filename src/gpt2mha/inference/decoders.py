@@ -114,10 +114,10 @@ class CompiledDecoder(Decoder):
 
 
 class NativeDecoder(Decoder):
-    """Steps (and per_row prompts) in one C++ call each (:class:`~gpt2mha.inference.native.NativeStep`);
-    an int4 per_block model's prompts take the exact products of its own forward, and a float32
-    model's its own products (MKL's GEMMs), through a decode view that swaps nothing but the
-    attention (gpt2mha's causal prefill kernel: no weight copied)."""
+    """Steps (and per_row and float32 prompts) in one C++ call each
+    (:class:`~gpt2mha.inference.native.NativeStep`); an int4 per_block model's prompts take the
+    exact products of its own forward, and a bf16 model's its own products (oneDNN's GEMMs),
+    through a decode view that swaps nothing but the attention (no weight copied)."""
 
     name = NATIVE
     batch_invariant = True

@@ -28,9 +28,10 @@ n_embd]``: no copies), each output summed in one fixed order, so a row's logits 
 the other rows or the threads (batch invariant, where the decode view's MKL products are not).
 Nothing rounds activations there: logits agree with the model's own forward to ~1e-6 relative
 (sums in another order) and greedy tokens are the model's but at exact near-ties. Its prompts
-take the model's own forward (MKL's GEMMs: compute-bound, where the one-call forward gains
-nothing). Why: MKL's GEMV, called from Python 49 times a step, read 124M's 497 MB at about half
-the memory's speed (benchmarks/RESULTS.md, "float32 at memory speed").
+run on it too (the same products on every prompt row, GELU fused into ``c_fc``, gpt2mha's causal
+attention kernel): on 512 tokens ``conv1d_f32`` ran ~1.3x faster than MKL's ``addmm``. Why: MKL's
+GEMV, called from Python 49 times a step, read 124M's 497 MB at about half the memory's speed
+(benchmarks/RESULTS.md, "float32 at memory speed").
 
 A bf16 model's steps likewise: its products on AVX-512 BF16's ``vdpbf16ps`` where the CPU has it
 (the same adds on 8 float32 lanes where not), every value the model rounds to bf16 rounded at the
@@ -205,10 +206,11 @@ class NativeStep:
         self.group_size = ({"float32": FLOAT32, "bf16": BF16}.get(kind, 0) if kind != "per_block"
                            else model.h[0].attn.c_attn.group_size)
         self.eps = float(model.ln_f.eps)
-        # what decode_loop runs the prompts on: per_row's prompts are W7A8 like its steps; an int4
-        # per_block model's prompts take the exact products (set_activations), and a float32 one's
-        # MKL's GEMMs (a bf16 one's oneDNN's), in its own forward
-        self.prefill = self if self.group_size == 0 else None
+        # what decode_loop runs the prompts on: per_row's prompts are W7A8 like its steps, a float32
+        # model's float32 like its steps (conv1d_f32 at 512 rows outran MKL's addmm, ~1.3x); an
+        # int4 per_block model's prompts take the exact products (set_activations), a bf16 one's
+        # oneDNN's GEMMs, in its own forward
+        self.prefill = self if self.group_size in (0, FLOAT32) else None
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         L, _, h, _, hd = cache.k.shape
