@@ -1,0 +1,738 @@
+"""Served speed: ``gpt2mha serve`` against llama.cpp's own server (``llama-server``) on the same
+random GPT-2 124M weights (issue 41, item 6). An extra, never run in CI:
+
+    python benchmarks/serve_peers.py --llama-build /path/to/llama.cpp/build [--rounds 3] [--quick]
+    python benchmarks/serve_peers.py --llama-server PATH --llama-quantize PATH ...
+
+What runs (every server a subprocess on a free port of 127.0.0.1, ``--threads`` threads each,
+default 2; all of them stopped at the end, also on failure or Ctrl-C):
+
+* gpt2mha int4: ``gpt2mha serve --threads 2 --max-batch 16`` on a directory written once by
+  ``gpt2mha convert SRC DST --quantize int4 --activations per_block --quantize-head int4
+  --group-size 64`` (GPTQ, the default method): W4A8 decode steps on the native forward;
+* gpt2mha int8: the same on ``--quantize int8 --activations per_row`` (GPTQ): W7A8, native forward;
+* llama.cpp q4_0 and q8_0: ``llama-server -t 2 -tb 2 -np 16 -c 16384`` (16 slots of 1024
+  positions, continuous batching, its defaults otherwise) on GGUF files: float32 written by
+  ``peers.write_gguf`` (the ``gguf`` package), then ``llama-quantize`` to q8_0 / q4_0 (its
+  default recipe: q4_0 keeps the tied embedding/head in q6_K). The GGUF's end-of-text id is set
+  to 50256 (``--override-kv tokenizer.ggml.eos_token_id=int:50256``): without it llama.cpp's
+  GPT-2 vocabulary defaults to id 11 (",") and would stop at the first comma, where gpt2mha stops
+  at ``<|endoftext|>``.
+
+The clients: streamed ``POST /v1/completions`` (``temperature: 0``, ``max_tokens`` 128,
+``stream_options.include_usage``), prompts of 60-160 characters of Tiny Shakespeare, different
+in every round and level and the same for every engine within one; at 1, 4 and 16 concurrent
+clients (each sends its next request when its answer is complete: 3, 8 and 32 requests). Per
+cell: output tokens/s (completion tokens / wall time of the cell), time to first token (request
+sent to first chunk with text), inter-token latency (every gap between successive text chunks,
+pooled) and per-request decode rate ((tokens - 1) / (last chunk - first chunk)).
+
+Round-robin: every server is up for the whole run; each round takes the levels in turn and, at
+each level, every engine in turn (the order rotated each round), with ``--settle`` seconds of
+sleep before each cell. Every round's tok/s is printed; the table gives their median, and the
+latency percentiles pooled over the rounds.
+
+Also measured, in the same rounds:
+
+* offline ``generate`` in a worker process of its own (``torch.set_num_threads(--threads)``, as
+  ``gpt2mha generate --threads`` and ``gpt2mha serve --threads`` set it), batch 1, on the same
+  saved directories and the level-1 prompts, in its main thread (as ``gpt2mha generate`` runs)
+  and again in a thread of its own (as the server's scheduler thread runs the model): end-to-end
+  tok/s (new tokens / time of the call) and decode tok/s ((n - 1) / (t(n new) - t(1 new))),
+  against the served single-client figures (end to end: tokens / request time; decode: the
+  per-request decode rate); the served text is checked equal to offline generate's for each of
+  those prompts (same engine, same route);
+* the scheduler alone (``gpt2mha.serving.scheduler.Scheduler``, no HTTP), in a thread of that
+  worker, on each level's requests (``c`` in flight, the next submitted when one finishes): the
+  bound the served figure approaches; served / scheduler-alone is what HTTP, SSE and the event
+  loop cost;
+* top-1 agreement with float32 on held-out text (the last tokens of ``data/tinyshakespeare.txt``,
+  teacher forced): gpt2mha's quantized models offline (its served route is offline generate's),
+  llama.cpp's through its server: one ``/completion`` request per prefix (``n_predict`` 1,
+  greedy, ``return_tokens``, its prompt cache holding the prefix).
+
+Writes ``benchmarks/results/serve_peers-<date>.json`` (``--json`` to change) and prints the
+table with the ratios gpt2mha / llama-server (int4 / q4_0, int8 / q8_0). Needs ``httpx``,
+``transformers`` and ``gguf`` (``pip install gguf``), and a llama.cpp build: cmake
+``-DGGML_NATIVE=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF``, targets ``llama-server``
+and ``llama-quantize``. Without ``--llama-server`` (or with ``--skip-llama``) only gpt2mha's
+side runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import httpx  # noqa: E402
+
+from serve_load import Server as GptServer, free_port, percentile, prompts_from_text, uptime  # noqa: E402
+
+EOT = 50256                              # GPT-2's <|endoftext|>
+LEVELS = (1, 4, 16)
+INT4 = ("--quantize", "int4", "--activations", "per_block", "--quantize-head", "int4", "--group-size", "64")
+INT8 = ("--quantize", "int8", "--activations", "per_row")
+PAIRS = (("gpt2mha int4", "llama.cpp q4_0"), ("gpt2mha int8", "llama.cpp q8_0"))
+
+
+# ============================================================================ the servers
+class LlamaServer:
+    """``llama-server`` as a subprocess on a free port of 127.0.0.1; ready once /health is 200."""
+
+    def __init__(self, binary: str, gguf_path: str, threads: int, slots: int, ctx_per_slot: int, log_path: str,
+                 extra: tuple[str, ...] = ()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [binary, "-m", gguf_path, "--host", "127.0.0.1", "--port", str(self.port),
+                    "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+                    "--override-kv", f"tokenizer.ggml.eos_token_id=int:{EOT}", *extra]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"llama-server did not start (exit {self.proc.poll()}); see {log_path}")
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        rc = self.proc.wait()
+        self.log.close()
+        return rc
+
+
+class Engine:
+    """One contender: its server and how to talk to it."""
+
+    def __init__(self, name: str, server, extra_body: dict | None = None, model_dir: str | None = None):
+        self.name, self.server, self.extra, self.model_dir = name, server, extra_body or {}, model_dir
+        self.url = server.url
+
+
+# ============================================================================ the clients
+async def stream_one(client: httpx.AsyncClient, body: dict) -> dict:
+    """One streamed completion: text, completion tokens, the send time and every text chunk's time."""
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    texts, times, usage, finish, events = [], [], None, None, 0
+    t0 = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=payload) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line.strip() == "data: [DONE]":
+                break
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"error event: {event}")
+            now = time.perf_counter()
+            events += 1
+            for c in event.get("choices") or []:
+                if c.get("text"):
+                    times.append(now)
+                    texts.append(c["text"])
+                finish = c.get("finish_reason") or finish
+            usage = event.get("usage") or usage
+    t_end = time.perf_counter()
+    n = usage["completion_tokens"] if usage else len(times)
+    return dict(t0=t0, t_end=t_end, times=times, text="".join(texts), tokens=n, finish=finish, events=events,
+                chunks=len(times))
+
+
+async def run_cell(url: str, bodies: list[dict], clients: int, timeout: float = 900.0) -> tuple[list[dict], float]:
+    """``clients`` workers take the requests in order (each waits for its answer before the next)."""
+    results: list[dict | None] = [None] * len(bodies)
+    queue = list(enumerate(bodies))[::-1]
+    async with httpx.AsyncClient(base_url=url, timeout=timeout,
+                                 limits=httpx.Limits(max_connections=clients + 4)) as client:
+        async def worker():
+            while queue:
+                i, body = queue.pop()
+                results[i] = await stream_one(client, body)
+
+        t0 = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), timeout)
+        return results, time.perf_counter() - t0
+
+
+def cell_figures(results: list[dict], wall: float) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["times"][0] - r["t0"] for r in results if r["times"]]
+    itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+    decode = [(r["tokens"] - 1) / (r["times"][-1] - r["times"][0]) for r in results
+              if r["tokens"] > 1 and len(r["times"]) > 1 and r["times"][-1] > r["times"][0]]
+    e2e = [r["tokens"] / (r["t_end"] - r["t0"]) for r in results]
+    return dict(tokens=tokens, wall=wall, tokens_per_s=tokens / wall, ttft=ttft, itl=itl, decode_per_request=decode,
+                e2e_per_request=e2e, chunks=sum(r["chunks"] for r in results),
+                short=[r["tokens"] for r in results if r["finish"] != "length"])
+
+
+# ============================================================================ preparing the models
+def prepare(work: str, quantize_bin: str | None, threads: int, log) -> dict:
+    """The random 124M (Hugging Face dir), gpt2mha's int4/int8 dirs and the GGUF files; reused when present."""
+    from bench import random_checkpoint
+    from gpt2mha import GPT2Config
+    from peers import gpt2_vocab, write_gguf, write_tokenizer_files
+
+    os.makedirs(work, exist_ok=True)
+    paths = dict(hf=os.path.join(work, "random-124M"), int4=os.path.join(work, "gpt2mha-int4"),
+                 int8=os.path.join(work, "gpt2mha-int8"))
+    timings = {}
+    tokens, merges = gpt2_vocab()
+    if not os.path.isdir(paths["hf"]):
+        random_checkpoint(paths["hf"], GPT2Config.from_preset("124M"), seed=0)
+    write_tokenizer_files(paths["hf"], tokens, merges)
+    for key, flags in (("int4", INT4), ("int8", INT8)):
+        if not os.path.isdir(paths[key]):
+            t0 = time.perf_counter()
+            log(f"gpt2mha convert ... {' '.join(flags)} (GPTQ)")
+            subprocess.run([sys.executable, "-m", "gpt2mha", "convert", paths["hf"], paths[key], *flags, "--quiet"],
+                           check=True)
+            timings[f"convert {key}"] = time.perf_counter() - t0
+    if quantize_bin:
+        import transformers
+
+        f32 = os.path.join(work, "model-f32.gguf")
+        if not os.path.isfile(f32):
+            t0 = time.perf_counter()
+            hf = transformers.GPT2LMHeadModel.from_pretrained(paths["hf"]).eval()
+            write_gguf(hf, f32, tokens, merges)
+            timings["gguf f32"] = time.perf_counter() - t0
+        for kind in ("q8_0", "q4_0"):
+            paths[kind] = os.path.join(work, f"model-{kind}.gguf")
+            if not os.path.isfile(paths[kind]):
+                t0 = time.perf_counter()
+                done = subprocess.run([quantize_bin, "--override-kv", f"tokenizer.ggml.eos_token_id=int:{EOT}",
+                                       f32, paths[kind], kind, str(threads)], capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"llama-quantize {kind} failed:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+                timings[f"llama-quantize {kind}"] = time.perf_counter() - t0
+    return dict(paths=paths, timings=timings)
+
+
+def dir_mb(path: str) -> float:
+    if os.path.isfile(path):
+        return os.path.getsize(path) / 1e6
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / 1e6
+
+
+# ============================================================================ quality
+def top1_gpt2mha(ref_argmax, model, tokens) -> float:
+    import torch
+
+    with torch.inference_mode():
+        got = model(tokens[None]).logits[0].argmax(-1)
+    return float((got == ref_argmax).float().mean())
+
+
+def top1_llama(url: str, tokens: list[int], ref_argmax: list[int]) -> float:
+    """The server's greedy next token after every prefix (one request each), against float32's."""
+    same = 0
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for j in range(1, len(tokens) + 1):
+            r = c.post("/completion", json={"prompt": tokens[:j], "n_predict": 1, "temperature": 0,
+                                            "return_tokens": True, "cache_prompt": True})
+            r.raise_for_status()
+            got = r.json()["tokens"]
+            same += bool(got) and got[0] == ref_argmax[j - 1]
+    return same / len(tokens)
+
+
+# ============================================================================ offline and the scheduler alone
+def offline_cell(model, tok, prompts: list[str], new: int) -> dict:
+    """Offline ``generate`` (greedy, batch 1) on each prompt: tokens, end-to-end and decode tok/s, texts."""
+    import torch
+
+    e2e, decode, texts = [], [], []
+    for p in prompts:
+        idx = torch.tensor([tok.encode(p)])
+        t0 = time.perf_counter()
+        model.generate(idx, 1, temperature=0, eos_token_id=EOT, vocab_size=tok.n_vocab)
+        t1 = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(idx, new, temperature=0, eos_token_id=EOT, vocab_size=tok.n_vocab)
+        tn = time.perf_counter() - t0
+        ids = out[0, idx.shape[1]:].tolist()
+        n = ids.index(EOT) + 1 if EOT in ids else len(ids)
+        texts.append(tok.decode([t for t in ids[:n] if t != EOT]))
+        e2e.append(n / tn)
+        decode.append((n - 1) / (tn - t1) if n > 1 and tn > t1 else float("nan"))
+    return dict(e2e=e2e, decode=decode, texts=texts)
+
+
+def scheduler_cell(model, tok, prompts: list[str], new: int, clients: int) -> dict:
+    """The same requests through the scheduler alone in this process (no HTTP): ``clients`` in
+    flight, the next submitted as soon as one finishes (as serve_load.engine_workload)."""
+    from gpt2mha.inference.params import SamplingParams
+    from gpt2mha.serving.scheduler import Scheduler
+
+    params = SamplingParams(max_tokens=new, temperature=0)
+    sched = Scheduler(model, tok, max_batch=16)
+    todo, finished = [tok.encode(p) for p in prompts][::-1], []
+    total = len(todo)
+
+    def on_event(seq, text, done):
+        if done:
+            finished.append(seq)
+
+    t0 = time.perf_counter()
+    for _ in range(min(clients, len(todo))):
+        sched.submit([todo.pop()], params, on_event)
+    while not sched.idle():
+        sched.step()
+        while todo and len(finished) + clients > total - len(todo):
+            sched.submit([todo.pop()], params, on_event)
+    dt = time.perf_counter() - t0
+    sched.stop()
+    n = sum(len(s.tokens) for s in finished)
+    return dict(tokens=n, wall=dt, tokens_per_s=n / dt)
+
+
+def in_thread(fn, *a):
+    """``fn(*a)`` in a new thread, as ``gpt2mha serve`` runs the model in its scheduler's thread."""
+    import threading
+
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("r", fn(*a)))
+    th.start()
+    th.join()
+    return out["r"]
+
+
+def worker(dirs: dict, threads: int) -> int:
+    """``serve_peers.py --worker``: a process of its own for offline ``generate`` and the
+    scheduler alone (``torch.set_num_threads(threads)`` as ``gpt2mha serve --threads`` and
+    ``gpt2mha generate --threads`` set it). Reads one JSON command a line on stdin, answers one
+    JSON line on stdout: ``{"op": "offline" | "offline_thread" | "sched", "engine", "prompts",
+    "tokens", "clients"}``. Offline runs in the main thread (as ``gpt2mha generate``), or in a
+    thread of its own (``offline_thread``: as the server's scheduler thread runs the model);
+    the scheduler alone runs in a thread, as in the server."""
+    import torch
+
+    from gpt2mha import GPT2
+    from gpt2mha.io.tokenizer import tokenizer_for
+
+    torch.set_num_threads(threads)
+    models = {name: GPT2.from_pretrained(d) for name, d in dirs.items()}
+    tok = tokenizer_for(next(iter(models.values())).config)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        m = models[cmd["engine"]]
+        if cmd["op"] == "offline":
+            r = offline_cell(m, tok, cmd["prompts"], cmd["tokens"])
+        elif cmd["op"] == "offline_thread":
+            r = in_thread(offline_cell, m, tok, cmd["prompts"], cmd["tokens"])
+        else:
+            r = in_thread(scheduler_cell, m, tok, cmd["prompts"], cmd["tokens"], cmd["clients"])
+        print(json.dumps(r), flush=True)
+    return 0
+
+
+class Worker:
+    """The parent's side of :func:`worker`."""
+
+    def __init__(self, dirs: dict, threads: int, log_path: str):
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(dirs),
+                                      "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+        if not json.loads(self.proc.stdout.readline() or "{}").get("ready"):
+            self.stop()
+            raise RuntimeError(f"the offline worker did not start; see {log_path}")
+
+    def __call__(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the offline worker died")
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+# ============================================================================ the run
+def machine() -> dict:
+    cpu = "?"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        cpu = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        pass
+    import platform
+
+    import torch
+    return dict(cpu=cpu, cores=os.cpu_count(), python=platform.python_version(), torch=torch.__version__)
+
+
+def llama_version(binary: str) -> str:
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+        return (done.stdout + done.stderr).strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "?"
+
+
+def summarize(cells: list[dict]) -> dict:
+    """Rounds of one (engine, level): median tok/s, pooled percentiles."""
+    pool = lambda key: [x for c in cells for x in c[key]]  # noqa: E731
+    ttft, itl, dec, e2e = pool("ttft"), pool("itl"), pool("decode_per_request"), pool("e2e_per_request")
+    return dict(tokens_per_s=statistics.median(c["tokens_per_s"] for c in cells),
+                rounds=[c["tokens_per_s"] for c in cells], tokens=[c["tokens"] for c in cells],
+                ttft_p50=percentile(ttft, .5), ttft_p99=percentile(ttft, .99),
+                itl_p50=percentile(itl, .5), itl_p99=percentile(itl, .99),
+                decode_tok_s=statistics.median(dec) if dec else None, e2e_tok_s=statistics.median(e2e),
+                chunks=sum(c["chunks"] for c in cells), short=[c["short"] for c in cells if c["short"]])
+
+
+def run(args, log=print) -> dict:
+    import torch
+
+    from bench import real_text_tokens
+    from gpt2mha import GPT2, GPT2Config
+    from gpt2mha import kernels
+
+    torch.set_num_threads(args.threads)
+    t_start = time.time()
+    if not kernels.available() and not args.allow_fallback:
+        raise SystemExit("gpt2mha's C++ kernels are not loaded in this process (offline generate would not take the "
+                         "native forward): rebuild them (pip install -e .) or pass --allow-fallback")
+    res = dict(benchmark="serve_peers",
+               description=f"gpt2mha serve (int4 per_block head4 g64, int8 per_row; GPTQ) against llama-server "
+                           f"(q4_0, q8_0) on random GPT-2 124M weights, {args.threads} threads and {args.slots} slots "
+                           f"each; streamed greedy {args.tokens}-token requests from {', '.join(map(str, LEVELS))} "
+                           f"concurrent clients, round-robin over {args.rounds} round(s); output tok/s, TTFT and "
+                           "inter-token latency, offline generate and the scheduler alone, top-1 agreement",
+               source="measured by this run of benchmarks/serve_peers.py",
+               date=time.strftime("%Y-%m-%d %H:%M %Z"), machine=machine(), uptime_start=uptime(),
+               args={k: v for k, v in vars(args).items()}, command=" ".join([os.path.basename(sys.executable)]
+                                                                             + sys.argv))
+    import gpt2mha
+    src = os.path.dirname(os.path.abspath(gpt2mha.__file__))
+    commit = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", src, "status", "--porcelain", "--untracked-files=no", "."],
+                           capture_output=True, text=True)
+    res["gpt2mha"] = dict(path=src, commit=commit.stdout.strip() or "?", edited=bool(dirty.stdout.strip()))
+    log(f"gpt2mha from {src} at {res['gpt2mha']['commit']}{' (edited)' if res['gpt2mha']['edited'] else ''}")
+    log(f"load before: {res['uptime_start']}")
+    llama = args.llama_server is not None and not args.skip_llama
+    prep = prepare(args.workdir, args.llama_quantize if llama else None, args.threads, log)
+    paths = prep["paths"]
+    res["prepare_s"] = prep["timings"]
+    res["sizes_mb"] = {k: dir_mb(v) for k, v in paths.items() if k != "hf"}
+    if llama:
+        res["llama_version"] = llama_version(args.llama_server)
+
+    cfg = GPT2Config.from_preset("124M")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        models = {"gpt2mha int4": GPT2.from_pretrained(paths["int4"]), "gpt2mha int8": GPT2.from_pretrained(paths["int8"])}
+    log_dir = os.path.join(args.workdir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+
+    engines: list[Engine] = []
+    stack = contextlib.ExitStack()
+    with stack:
+        for name, key in (("gpt2mha int4", "int4"), ("gpt2mha int8", "int8")):
+            s = GptServer(paths[key], max_batch=args.slots, threads=args.threads,
+                          log_path=os.path.join(log_dir, f"{key}.log"))
+            stack.callback(s.stop)
+            engines.append(Engine(name, s, model_dir=paths[key]))
+        if llama:
+            for kind in ("q4_0", "q8_0"):
+                s = LlamaServer(args.llama_server, paths[kind], args.threads, args.slots, 1024,
+                                os.path.join(log_dir, f"llama-{kind}.log"), tuple(args.llama_arg))
+                stack.callback(s.stop)
+                engines.append(Engine(f"llama.cpp {kind}", s))
+            res["llama_cmd"] = " ".join(os.path.basename(x) if i == 0 else x for i, x in enumerate(engines[-1].server.cmd))
+        log("servers up: " + ", ".join(f"{e.name} ({e.url})" for e in engines))
+        res["routes"] = {}
+        for e in engines:                              # gpt2mha serve logs its route at start
+            if e.model_dir:
+                with open(os.path.join(log_dir, f"{e.name.split()[-1]}.log")) as f:
+                    route = next((line.split("route:", 1)[1].strip() for line in f if "route:" in line), "?")
+                res["routes"][e.name] = route
+                log(f"  {e.name} route: {route}")
+                if "the native forward" not in route.split(";")[0] and not args.allow_fallback:
+                    raise RuntimeError(f"{e.name} does not decode on the native forward ({route}); "
+                                       "rebuild the kernels (pip install -e .) or pass --allow-fallback")
+
+        # ---- quality (before the timed rounds; every server idle but the one asked)
+        held = real_text_tokens(cfg, args.agree_tokens, os.path.join(HERE, "..", "data", "tinyshakespeare.txt"),
+                                tail=True)
+        ref = GPT2.from_pretrained(paths["hf"])
+        with torch.inference_mode():
+            ref_argmax = ref(held[None]).logits[0].argmax(-1)
+        del ref
+        quality = {name: top1_gpt2mha(ref_argmax, m, held) for name, m in models.items()}
+        for e in engines:
+            if e.name.startswith("llama"):
+                t0 = time.perf_counter()
+                quality[e.name] = top1_llama(e.url, held.tolist(), ref_argmax.tolist())
+                log(f"  top-1 {e.name}: {time.perf_counter() - t0:.1f} s")
+        res["top1"] = quality
+        del models
+        work = Worker({"gpt2mha int4": paths["int4"], "gpt2mha int8": paths["int8"]}, args.threads,
+                      os.path.join(log_dir, "worker.log"))
+        stack.callback(work.stop)
+        models = ("gpt2mha int4", "gpt2mha int8")
+        log("top-1 agreement with float32 (%d held-out tokens): " % len(held)
+            + ", ".join(f"{k} {100 * v:.2f}%" for k, v in quality.items()))
+
+        # ---- warm-up: every engine, one request alone and a full batch of short ones
+        warm = prompts_from_text(args.slots + 1, 99, 60, 160)
+        for e in engines:
+            asyncio.run(run_cell(e.url, [{"prompt": warm[0], "max_tokens": args.tokens, "temperature": 0, **e.extra}], 1))
+            asyncio.run(run_cell(e.url, [{"prompt": p, "max_tokens": 16, "temperature": 0, **e.extra}
+                                         for p in warm[1:]], args.slots))
+        for name in models:                            # the worker too: offline and the scheduler alone
+            for op in ("offline", "offline_thread"):
+                work(op=op, engine=name, prompts=warm[:1], tokens=16)
+            if args.breakdown:
+                for c in (1, args.slots):
+                    work(op="sched", engine=name, prompts=warm[:c], tokens=16, clients=c)
+        log(f"warmed up; load {uptime()}")
+
+        # ---- the rounds
+        cells = {(e.name, c): [] for e in engines for c in args.levels}
+        offline = {name: [] for name in models}
+        offline_thread = {name: [] for name in models}
+        sched = {(name, c): [] for name in models for c in args.levels}
+        text_checks = {name: [0, 0] for name in models}
+        for rnd in range(args.rounds):
+            order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
+            for c in args.levels:
+                n_req = args.requests[c]
+                prompts = prompts_from_text(n_req, 1000 * rnd + c, 60, 160)
+                line = []
+                for e in order:
+                    time.sleep(args.settle)
+                    results, wall = asyncio.run(run_cell(
+                        e.url, [{"prompt": p, "max_tokens": args.tokens, "temperature": 0, **e.extra} for p in prompts], c))
+                    fig = cell_figures(results, wall)
+                    fig["texts"] = [r["text"] for r in results]
+                    cells[(e.name, c)].append(fig)
+                    line.append(f"{e.name} {fig['tokens_per_s']:.1f}")
+                    if c == 1 and e.name in models:
+                        time.sleep(args.settle)
+                        off = work(op="offline", engine=e.name, prompts=prompts, tokens=args.tokens)
+                        offline[e.name].append(off)
+                        same = sum(a == b for a, b in zip(off["texts"], fig["texts"]))
+                        text_checks[e.name][0] += same
+                        text_checks[e.name][1] += len(prompts)
+                        time.sleep(args.settle)
+                        off_t = work(op="offline_thread", engine=e.name, prompts=prompts, tokens=args.tokens)
+                        offline_thread[e.name].append(off_t)
+                        line.append(f"offline {statistics.median(off['e2e']):.1f} (in a thread "
+                                    f"{statistics.median(off_t['e2e']):.1f})")
+                    if args.breakdown and e.name in models:
+                        time.sleep(args.settle)
+                        s = work(op="sched", engine=e.name, prompts=prompts, tokens=args.tokens, clients=c)
+                        sched[(e.name, c)].append(s)
+                        line.append(f"sched-alone {s['tokens_per_s']:.1f}")
+                log(f"round {rnd + 1}, {c} client(s): " + "; ".join(line) + f"  [{os.getloadavg()[0]:.2f}]")
+
+        res["uptime_end"] = uptime()
+        log(f"load after: {res['uptime_end']}")
+        rows = {}
+        for e in engines:
+            for c in args.levels:
+                rows[f"{e.name}|{c}"] = summarize(cells[(e.name, c)])
+        res["rows"] = rows
+        res["rounds_raw"] = {f"{k[0]}|{k[1]}": [{kk: vv for kk, vv in f.items() if kk not in ("ttft", "itl", "texts",
+                                                                                           "decode_per_request",
+                                                                                           "e2e_per_request")}
+                                                for f in v] for k, v in cells.items()}
+        res["offline"] = {}
+        for name, offs in offline.items():
+            served = rows[f"{name}|1"]
+            off_e2e = statistics.median(x for o in offs for x in o["e2e"])
+            off_dec = statistics.median(x for o in offs for x in o["decode"])
+            thr = offline_thread[name]
+            res["offline"][name] = dict(offline_e2e=off_e2e, offline_decode=off_dec, served_e2e=served["e2e_tok_s"],
+                                        thread_e2e=statistics.median(x for o in thr for x in o["e2e"]),
+                                        thread_decode=statistics.median(x for o in thr for x in o["decode"]),
+                                        rounds_thread_e2e=[statistics.median(o["e2e"]) for o in thr],
+                                        served_decode=served["decode_tok_s"],
+                                        rounds_offline_e2e=[statistics.median(o["e2e"]) for o in offs],
+                                        rounds_offline_decode=[statistics.median(o["decode"]) for o in offs],
+                                        same_text=text_checks[name])
+        res["scheduler_alone"] = {f"{k[0]}|{k[1]}": dict(tokens_per_s=statistics.median(x["tokens_per_s"] for x in v),
+                                                        rounds=[x["tokens_per_s"] for x in v])
+                                  for k, v in sched.items() if v}
+    res["seconds"] = time.time() - t_start
+    return res
+
+
+# ============================================================================ the report
+def fmt_ms(x):
+    return "-" if x is None else f"{1000 * x:.1f}"
+
+
+def format_report(res: dict) -> str:
+    m = res["machine"]
+    out = [f"machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}, Python {m['python']}; "
+           f"{res['args']['threads']} threads per engine; {res.get('llama_version', 'no llama-server')}",
+           f"date: {res['date']}; load before: {res['uptime_start']}; after: {res.get('uptime_end')}",
+           f"gpt2mha: {res['gpt2mha']['path']} at {res['gpt2mha']['commit']}"
+           f"{' with uncommitted edits' if res['gpt2mha']['edited'] else ''}",
+           f"command: {res['command']}"]
+    if res.get("llama_cmd"):
+        out.append(f"llama-server: {res['llama_cmd']}")
+    out.append("")
+    out.append("| clients | engine | output tok/s (median) | every round | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
+               "ITL p99 ms | decode tok/s per request (median) | top-1 = float32 |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    rows = res["rows"]
+    names = sorted({k.split("|")[0] for k in rows}, key=lambda n: ("llama" in n, n))
+    levels = sorted({int(k.split("|")[1]) for k in rows})
+    for c in levels:
+        for n in names:
+            r = rows[f"{n}|{c}"]
+            out.append(f"| {c} | {n} | {r['tokens_per_s']:.1f} | {', '.join(f'{x:.1f}' for x in r['rounds'])} | "
+                       f"{fmt_ms(r['ttft_p50'])} | {fmt_ms(r['ttft_p99'])} | {fmt_ms(r['itl_p50'])} | "
+                       f"{fmt_ms(r['itl_p99'])} | {r['decode_tok_s']:.1f} | {100 * res['top1'][n]:.2f}% |")
+    ratio_lines = []
+    for a, b in PAIRS:
+        if f"{b}|1" not in rows:
+            continue
+        for c in levels:
+            ra, rb = rows[f"{a}|{c}"], rows[f"{b}|{c}"]
+            per_round = [x / y for x, y in zip(ra["rounds"], rb["rounds"])]
+            ratio_lines.append(
+                f"| {c} | {a} / {b} | {ra['tokens_per_s'] / rb['tokens_per_s']:.2f}x | "
+                f"{', '.join(f'{x:.2f}' for x in per_round)} | {ra['ttft_p50'] / rb['ttft_p50']:.2f} | "
+                f"{ra['ttft_p99'] / rb['ttft_p99']:.2f} | {ra['itl_p50'] / rb['itl_p50']:.2f} | "
+                f"{ra['itl_p99'] / rb['itl_p99']:.2f} | {ra['decode_tok_s'] / rb['decode_tok_s']:.2f}x | "
+                f"{100 * (res['top1'][a] - res['top1'][b]):+.2f} pt |")
+    if ratio_lines:
+        out += ["", "Ratios gpt2mha / llama-server (tok/s: higher is better for gpt2mha; TTFT and ITL: lower is "
+                    "better for gpt2mha):", "",
+                "| clients | pair | output tok/s | every round | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | "
+                "decode tok/s | top-1 |", "|---|---|---|---|---|---|---|---|---|---|"] + ratio_lines
+    out += ["", "Offline generate against served, one client (batch 1, greedy, same saved model, same route; offline "
+                "in a process of its own with the same threads, in its main thread as `gpt2mha generate`, and in a "
+                "thread of its own as the server's scheduler runs the model):", "",
+            "| engine | offline tok/s (end to end) | in a thread | served tok/s (end to end) | served / offline | "
+            "served / in a thread | offline decode tok/s | in a thread | served decode tok/s | served / offline | "
+            "served / in a thread | served text = offline |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n, o in res["offline"].items():
+        out.append(f"| {n} | {o['offline_e2e']:.1f} | {o['thread_e2e']:.1f} | {o['served_e2e']:.1f} | "
+                   f"{o['served_e2e'] / o['offline_e2e']:.2f} | {o['served_e2e'] / o['thread_e2e']:.2f} | "
+                   f"{o['offline_decode']:.1f} | {o['thread_decode']:.1f} | {o['served_decode']:.1f} | "
+                   f"{o['served_decode'] / o['offline_decode']:.2f} | {o['served_decode'] / o['thread_decode']:.2f} | "
+                   f"{o['same_text'][0]}/{o['same_text'][1]} |")
+        out.append(f"|  | rounds: {', '.join(f'{x:.1f}' for x in o['rounds_offline_e2e'])} | "
+                   f"{', '.join(f'{x:.1f}' for x in o['rounds_thread_e2e'])} |  |  |  | "
+                   f"{', '.join(f'{x:.1f}' for x in o['rounds_offline_decode'])} |  |  |  |  |  |")
+    if res.get("scheduler_alone"):
+        out += ["", "The scheduler alone in the worker process (no HTTP), the same requests; served / alone:", "",
+                "| clients | engine | scheduler alone tok/s (a thread of the worker) | every round | served tok/s | "
+                "served / alone |",
+                "|---|---|---|---|---|---|"]
+        for k, s in res["scheduler_alone"].items():
+            served = rows[k]["tokens_per_s"]
+            n, c = k.split("|")
+            out.append(f"| {c} | {n} | {s['tokens_per_s']:.1f} | {', '.join(f'{x:.1f}' for x in s['rounds'])} | "
+                       f"{served:.1f} | {served / s['tokens_per_s']:.2f} |")
+    shorts = {k: v["short"] for k, v in rows.items() if v["short"]}
+    if shorts:
+        out.append(f"\nrequests that ended before max_tokens (tokens): {shorts}")
+    out.append("\nsizes (MB): " + ", ".join(f"{k} {v:.1f}" for k, v in res["sizes_mb"].items()))
+    if res["prepare_s"]:
+        out.append("prepared: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["prepare_s"].items()))
+    out.append(f"run: {res['seconds'] / 60:.1f} min")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary")
+    ap.add_argument("--llama-quantize", default=None, metavar="PATH", help="llama.cpp's llama-quantize binary")
+    ap.add_argument("--llama-build", default=None, metavar="DIR",
+                    help="a llama.cpp cmake build directory (its bin/llama-server and bin/llama-quantize)")
+    ap.add_argument("--skip-llama", action="store_true", help="gpt2mha's side only")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over levels and engines (default 3)")
+    ap.add_argument("--quick", action="store_true", help="1 round, 32 tokens, fewer requests (a smoke test)")
+    ap.add_argument("--threads", type=int, default=2, help="threads of every engine (default 2)")
+    ap.add_argument("--slots", type=int, default=16, help="gpt2mha --max-batch and llama-server -np (default 16)")
+    ap.add_argument("--tokens", type=int, default=128, help="max_tokens of every request (default 128)")
+    ap.add_argument("--agree-tokens", type=int, default=256, help="held-out tokens for top-1 agreement (default 256)")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds of sleep before each timed cell (default 1)")
+    ap.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                    help="one more llama-server argument (repeat the flag for each, e.g. --llama-arg=--poll "
+                         "--llama-arg=0)")
+    ap.add_argument("--allow-fallback", action="store_true",
+                    help="run even when gpt2mha's kernels are not loaded (a slower route: not the figure to report)")
+    ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                    help="skip the scheduler-alone cells")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "gpt2mha-serve-peers"),
+                    help="where the models are written once and reused, and the servers' logs")
+    ap.add_argument("--json", default=None, help="result file (default benchmarks/results/serve_peers-<date>.json)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(json.loads(args.worker), args.threads)
+    if args.llama_build:
+        args.llama_server = args.llama_server or os.path.join(args.llama_build, "bin", "llama-server")
+        args.llama_quantize = args.llama_quantize or os.path.join(args.llama_build, "bin", "llama-quantize")
+    if args.llama_server and not args.skip_llama:
+        for p in (args.llama_server, args.llama_quantize):
+            if not p or not os.access(p, os.X_OK):
+                ap.error(f"not an executable: {p!r} (give --llama-server and --llama-quantize, or --llama-build)")
+    args.levels = LEVELS
+    args.requests = {1: 3, 4: 8, 16: 32}
+    if args.quick:
+        args.rounds, args.tokens, args.agree_tokens, args.requests = 1, 32, 48, {1: 1, 4: 4, 16: 16}
+
+    def on_signal(signum, frame):                       # SIGTERM: unwind, so every server is stopped
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_signal)
+
+    res = run(args)
+    report = format_report(res)
+    print("\n" + report)
+    path = args.json or os.path.join(HERE, "results", f"serve_peers-{time.strftime('%Y-%m-%d-%H%M')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**res, "report": report}, f, indent=1, default=str)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
