@@ -13,6 +13,7 @@ from gpt2mha import GPT2, GPT2Config, KVCache
 from gpt2mha.inference import native
 from gpt2mha.inference.native import NativeStep, native_step
 from gpt2mha.inference.quant import gemv, set_activations
+from gpt2mha.inference.quant.linear import QuantizedLinear
 
 needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"the kernels are not loaded: {gemv.unavailable_reason()}")
 
@@ -82,20 +83,25 @@ def test_native_steps_match_the_models_own_steps_on_rows_of_different_lengths(ki
 
 
 @needs_kernel
+@KINDS
 @pytest.mark.parametrize("start", [0, 9])
-def test_a_prompt_in_one_call_matches_the_models_prefill(start):
-    # per_row (its prompts are W7A8 as its steps); start 9: a second chunk over cached keys (S > T)
-    model = _model(seed=7, kind="per_row")
-    assert NativeStep(model).prefill is not None
-    assert NativeStep(_model(seed=7)).prefill is None      # int4 per_block prompts: exact products, the model's
-    ours = _prefilled(model, [start], max_len=40) if start else KVCache(2, 1, 4, 40, 16)
+def test_a_prompt_in_one_call_matches_the_models_prefill(start, kind):
+    # per_row (its prompts are W7A8 as its steps), per_block (its block products exact: float32 products of the
+    # dequantized weights, the model's own where it dequantizes (FBGEMM CPUs; on VNNI ones it takes torch's int4
+    # kernel, bf16 activations); the head W4A8 or exact int8 as at a step); start 9: over cached keys (S > T)
+    model = _model(seed=7, kind=kind)
+    step = NativeStep(model)
+    assert step.prefill is step and step.prefill_from == (1 if kind == "per_row" else 32)
+    T = 23 if kind == "per_row" else 33                # int4: 32 tokens or more, as the model's exact products
+    ours = _prefilled(model, [start], max_len=48) if start else KVCache(2, 1, 4, 48, 16)
     ref = _clone(ours)
-    prompt = torch.randint(0, 96, (1, 23))
-    with torch.inference_mode():
+    prompt = torch.randint(0, 96, (1, T))
+    dequantizes = lambda self, rows: self.scheme == "int4" and rows >= 32        # noqa: E731
+    with torch.inference_mode(), mock.patch.object(QuantizedLinear, "dequantize_for", dequantizes):
         want = model(prompt, cache=ref, last_only=True).logits[:, -1]
-        got = NativeStep(model)(prompt, ours)
+        got = step(prompt, ours)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    assert ours.lengths == ref.lengths == [start + 23]
+    assert ours.lengths == ref.lengths == [start + T]
     torch.testing.assert_close(ours.k, ref.k, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ours.v, ref.v, rtol=1e-4, atol=1e-4)
 
@@ -146,7 +152,7 @@ def test_generate_decodes_int4_per_block_models_on_it_with_the_models_greedy_tok
     idx = torch.tensor([list(b"ROMEO:\nWhat light"), list(b"To be, or not to ")])
     with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
         out = model.generate(idx, 40, temperature=0)
-    assert op.call_count == 39                           # the steps (the prompts: the model's exact products)
+    assert op.call_count == 39                           # the steps (prompts under 32 tokens: the model's forward)
     with mock.patch.object(native, "native_step", lambda m: None):
         want = model.generate(idx, 40, temperature=0)
     assert torch.equal(out, want)
@@ -158,6 +164,10 @@ def test_generate_decodes_int4_per_block_models_on_it_with_the_models_greedy_tok
     assert op.call_count == 11
     with mock.patch.object(native, "native_step", lambda m: None):
         assert torch.equal(out, model.generate(idx, 12, temperature=0, attention_mask=mask))
+    long = torch.tensor([list(b"ROMEO:\nWhat light through yonder window breaks? It")])     # 51 tokens: on it too
+    with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
+        model.generate(long, 4, temperature=0)
+    assert op.call_count == 1 + 3
 
 
 @needs_kernel

@@ -114,10 +114,10 @@ class CompiledDecoder(Decoder):
 
 
 class NativeDecoder(Decoder):
-    """Steps (and per_row and float32 prompts) in one C++ call each
-    (:class:`~gpt2mha.inference.native.NativeStep`); an int4 per_block model's prompts take the
-    exact products of its own forward, and a bf16 model's its own products (oneDNN's GEMMs),
-    through a decode view that swaps nothing but the attention (no weight copied)."""
+    """Steps (and per_row, float32 and int4 per_block prompts of ``native.prefill_from`` tokens
+    or more) in one C++ call each (:class:`~gpt2mha.inference.native.NativeStep`); shorter int4
+    prompts and a bf16 model's take its own products through a decode view that swaps nothing but
+    the attention (no weight copied)."""
 
     name = NATIVE
     batch_invariant = True
@@ -125,10 +125,10 @@ class NativeDecoder(Decoder):
     def __init__(self, model: nn.Module, native):
         super().__init__(model)
         self.native = native
-        self.view = None if native.prefill is not None else for_decoding(model, head=False, conv1d=False)
+        self.view = for_decoding(model, head=False, conv1d=False)     # shares every weight: no copy
 
     def prefill(self, ids, cache):
-        if self.native.prefill is not None:
+        if self.native.prefill is not None and ids.shape[1] >= self.native.prefill_from:
             return self.native(ids, cache)
         return self.view(ids, cache=cache, last_only=True, validate=False).logits[:, -1]
 

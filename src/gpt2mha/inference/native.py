@@ -5,8 +5,10 @@ the model's own weights, ``kernels/float_products.cpp``) and bf16 models (bf16 p
 
 :func:`~gpt2mha.inference.generate.generate` runs such a model (on the CPU, nothing hooked, the
 kernels built) through ``torch.ops.gpt2mha.cached_forward`` (``kernels/cached_forward.cpp``): every decode
-step, and for per_row each prompt's prefill too (int4 per_block prompts take the exact products in
-the model's own forward), the embedding, every block (LayerNorm, the four products,
+step, and each prompt's prefill too (int4 per_block prompts of 32 tokens or more with the exact
+products, as the model's own forward takes them: each layer's weights dequantized to float32 for
+the call and multiplied by ``conv1d_f32``, ~1.2x the model's at 512 tokens; shorter ones and bf16
+prompts: the model's own forward), the embedding, every block (LayerNorm, the four products,
 attention over the row's own cached keys, GELU, the residual adds), ``ln_f`` and the head at
 each row's last token, in one call.
 
@@ -56,7 +58,7 @@ from .fast import global_hooks, hooked
 from .quant import gemv
 from ..core.attention import Conv1D
 from ..core.model import LMHead
-from .quant.linear import QuantizedLinear
+from .quant.linear import DEQUANTIZE_FROM_ROWS, QuantizedLinear
 
 #: cached_forward's group_size for float32 and bf16 products (kernels/cached_forward.cpp)
 FLOAT32, BF16 = -1, -2
@@ -166,8 +168,9 @@ class NativeStep:
     int4 layers' (scale, zero) pairs by output channel, per_row's packed 7-bit weights, as the
     model's own layers keep them; a float32 model's weights as they are).
 
-    Call with ``tokens [B, T]`` (int64; T > 1 runs int4 models' W4A8 products on every token,
-    where their own forward takes the exact ones for prompts) and a :class:`KVCache` of ``B`` rows (each row's storage
+    Call with ``tokens [B, T]`` (int64; T > 1 runs int4 models' block products exact, their
+    weights dequantized, as their own forward does for prompts of :attr:`prefill_from` tokens or
+    more, and the head as at T = 1, W4A8) and a :class:`KVCache` of ``B`` rows (each row's storage
     ``[n_head, T_max, head_dim]`` contiguous: a cache, or rows of one): row ``b``'s tokens go
     at its cache indices ``lengths[b] …`` (its positions; with ``T > 1`` every row at the same
     length); writes every layer's keys and values there, advances the cache, returns float32
@@ -207,10 +210,12 @@ class NativeStep:
                            else model.h[0].attn.c_attn.group_size)
         self.eps = float(model.ln_f.eps)
         # what decode_loop runs the prompts on: per_row's prompts are W7A8 like its steps, a float32
-        # model's float32 like its steps (conv1d_f32 at 512 rows outran MKL's addmm, ~1.3x); an
-        # int4 per_block model's prompts take the exact products (set_activations), a bf16 one's
-        # oneDNN's GEMMs, in its own forward
-        self.prefill = self if self.group_size in (0, FLOAT32) else None
+        # model's float32 like its steps (conv1d_f32 at 512 rows outran MKL's addmm, ~1.3x), an int4
+        # per_block model's of prefill_from tokens or more the exact products (its weights
+        # dequantized for the call, as its own forward's: set_activations, DEQUANTIZE_FROM_ROWS;
+        # shorter ones and a bf16 model's: its own forward, the int4 kernel's bf16 activations)
+        self.prefill = None if self.group_size == BF16 else self
+        self.prefill_from = DEQUANTIZE_FROM_ROWS["int4"] if kind == "per_block" else 1
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         L, _, h, _, hd = cache.k.shape

@@ -174,6 +174,41 @@ static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t>
                 " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
+/* An int4 layer's weights (nibbles w [N, K/2], input 2i low, 2i + 1 high; bf16 (scale, zero) pairs sz
+ * [N, K/G, 2]) as float32 out [K, N] (Conv1D's layout, for conv1d_f32): (q - 8) * scale + zero, a float32
+ * multiply then add, the values the model's exact products read (schemes.dequantize_int4). Rows of w 16 at
+ * a time into buf [16, K] (8 lanes: nibbles split, widened), then written out 16 columns a row of out. */
+static void dequant_int4(const uint8_t *w, const uint16_t *sz, int64_t N, int64_t K, int64_t G, float *out) {
+    const int64_t ng = K / G;
+    #pragma omp parallel
+    {
+        const std::unique_ptr<float[]> buf(new float[16 * K]);
+        #pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += 16) {
+            const int64_t nn = N - n0 < 16 ? N - n0 : 16;
+            for (int64_t r = 0; r < nn; r++) {
+                const uint8_t *row = w + (n0 + r) * (K / 2);
+                const uint16_t *pair = sz + (n0 + r) * ng * 2;
+                for (int64_t k = 0; k < K; k += 8) {       /* G >= 32: one group for 8 inputs */
+                    uint32_t bs = (uint32_t)pair[2 * (k / G)] << 16, bz = (uint32_t)pair[2 * (k / G) + 1] << 16;
+                    float s, z;
+                    std::memcpy(&s, &bs, 4);
+                    std::memcpy(&z, &bz, 4);
+                    int32_t q[8];
+                    for (int i = 0; i < 4; i++) {
+                        q[2 * i] = (row[k / 2 + i] & 15) - 8;
+                        q[2 * i + 1] = (row[k / 2 + i] >> 4) - 8;
+                    }
+                    const __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)q));
+                    _mm256_storeu_ps(buf.get() + r * K + k, _mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(s)), _mm256_set1_ps(z)));
+                }
+            }
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t r = 0; r < nn; r++) out[k * N + n0 + r] = buf[r * K + k];
+        }
+    }
+}
+
 /* One product y [M, N] = x [M, K] W^T + b of a layer given as its tensors t: three for W4A8
  * (nibbles [N, K/2], (scale, zero) pairs [N, K/G, 2] bf16, bias [N]), five for per_row (packed
  * [ceil(N/32), ceil(K/4), 32, 4] int8, qsum [N] int32, scales [N], wsum [N], bias [N]), two for
@@ -182,6 +217,8 @@ static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t>
 static const int64_t FLOAT32 = -1, BF16 = -2;
 struct Product {
     int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32; BF16 */
+    bool prompt = false;     /* T > 1: int4 layers take their exact products (dequantized, conv1d_f32), as the
+                              * model's own forward takes prompts; steps W4A8 */
     int count() const { return G < 0 ? 2 : G ? 3 : 5; }
     void check(const at::Tensor *t, int64_t N, int64_t K, const std::string &name, int64_t layer, bool bias = true) const {
         if (G < 0) {
@@ -203,6 +240,11 @@ struct Product {
         } else if (G == BF16) {
             conv1d_bf16(x, M, K, reinterpret_cast<const uint16_t *>(t[0].data_ptr<at::BFloat16>()), N,
                         t[1].data_ptr<float>(), gelu, y);
+        } else if (G && prompt) {
+            const std::unique_ptr<float[]> wf(new float[K * N]);
+            dequant_int4(t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(t[1].data_ptr<at::BFloat16>()), N, K,
+                         G, wf.get());
+            conv1d_f32(x, M, K, wf.get(), N, t[2].data_ptr<float>(), gelu, y);
         } else if (G) {
             w4a8(x, M, K, G, t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(t[1].data_ptr<at::BFloat16>()),
                  N, t[2].data_ptr<float>(), y);
@@ -262,7 +304,7 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                 wpe.sizes());
     const int64_t n_vocab = wte.size(0), P = wpe.size(0);
     TORCH_CHECK(D % 8 == 0, "cached_forward: head_dim must be a multiple of 8; got ", D);
-    const Product product{group_size};
+    const Product product{group_size, tokens.dim() == 2 && tokens.size(1) > 1};
     TORCH_CHECK(group_size == 0 || group_size == FLOAT32 || group_size == BF16 ||
                     (group_size >= 32 && E % group_size == 0 && (128 % group_size == 0 || group_size % 128 == 0)),
                 "cached_forward: group_size must be 0 (per_row), -1 (float32), -2 (bf16) or 32, 64 or a multiple of "

@@ -48,6 +48,9 @@
  * registers), weight rows per block (KB), and the output columns a thread takes at a time. Products of
  * fewer than PARALLEL_MACS multiply-adds stay on one thread (an OpenMP region costs more). */
 static const int64_t KB = 16, CHUNK_COLS = 512, PARALLEL_MACS = 1 << 18, HEAD_CHUNK_BYTES = 1 << 17;
+/* From PROMPT_ROWS rows, blocks of PROMPT_KB weight rows: a 512-row product ran ~1.3x faster than with KB
+ * (its 8 x 48 sums reloaded a quarter as often; the 128 x 48 weight tile stays in L1 for every row) */
+static const int64_t PROMPT_ROWS = 64, PROMPT_KB = 128;
 
 static inline int64_t threads() { return omp_get_max_threads() > 0 ? omp_get_max_threads() : 1; }
 
@@ -155,8 +158,9 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const float *w, 
     #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
     for (int64_t c0 = 0; c0 < N; c0 += chunk) {
         const int64_t c1 = std::min(N, c0 + chunk);
-        for (int64_t k0 = 0; k0 < K; k0 += KB) {
-            const int64_t k1 = std::min(K, k0 + KB);
+        const int64_t kb = M >= PROMPT_ROWS ? PROMPT_KB : KB;     /* a prompt: fewer reloads of the sums */
+        for (int64_t k0 = 0; k0 < K; k0 += kb) {
+            const int64_t k1 = std::min(K, k0 + kb);
             if (M == 1)
                 block16<8>(x, M, K, w, N, k0, k1, c0, c1, bias, gelu, y);
             else
