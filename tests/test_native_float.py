@@ -220,7 +220,7 @@ def test_generate_runs_float32_models_on_it_with_the_models_greedy_tokens():
     assert route.decoder.name == NATIVE and route.decoder.batch_invariant
     assert "prefill: the native forward" in route.describe()
     bf16 = GPT2.from_pretrained("shakespeare-byte").eval().to(torch.bfloat16)
-    assert "prefill: the model's own products" in choose_decoder(bf16).describe()
+    assert "prefill: the native forward" in choose_decoder(bf16).describe()
     idx = torch.tensor([list(b"ROMEO:\nWhat light"), list(b"To be, or not to ")])
     with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
         out = model.generate(idx, 40, temperature=0)
@@ -330,6 +330,23 @@ def test_bf16_on_the_trained_model_is_as_close_to_float32_as_its_own_bf16_forwar
     assert err["native"] <= 1.25 * err["own"] and err["own"] < 0.02
     top1 = (logits["native"].argmax(-1) == logits["own"].argmax(-1)).float().mean()
     assert top1 >= 0.95
+
+
+@pytest.mark.parametrize("T", [7, 40])
+def test_a_bf16_prompt_in_one_call_keeps_to_the_models_prefill(T):
+    # 7 rows: conv1d_bf16; 40: oneDNN's GEMM (torch's addmm, the model's own); start 9: over cached keys
+    model = _model(n_embd=96, n_head=3, n_vocab=61, seed=9).to(torch.bfloat16)
+    c = model.config
+    gen = torch.Generator().manual_seed(T)
+    caches = [KVCache(c.n_layer, 1, c.n_head, 64, 32, dtype=torch.bfloat16) for _ in range(2)]
+    first, prompt = torch.randint(0, 61, (1, 9), generator=gen), torch.randint(0, 61, (1, T), generator=gen)
+    with torch.inference_mode():
+        for cache in caches:
+            model(first, cache=cache, last_only=True)
+        want = model(prompt, cache=caches[0], last_only=True).logits[:, -1]
+        got = NativeStep(model)(prompt, caches[1])
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert caches[1].lengths == [9 + T] and (caches[0].k == caches[1].k).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("n_threads", [1, 3])

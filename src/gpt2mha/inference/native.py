@@ -7,8 +7,8 @@ the model's own weights, ``kernels/float_products.cpp``) and bf16 models (bf16 p
 kernels built) through ``torch.ops.gpt2mha.cached_forward`` (``kernels/cached_forward.cpp``): every decode
 step, and each prompt's prefill too (int4 per_block prompts of 32 tokens or more with the exact
 products, as the model's own forward takes them: each layer's weights dequantized to float32 for
-the call and multiplied by ``conv1d_f32``, ~1.2x the model's at 512 tokens; shorter ones and bf16
-prompts: the model's own forward), the embedding, every block (LayerNorm, the four products,
+the call and multiplied by ``conv1d_f32``, ~1.2x the model's at 512 tokens; shorter ones: the
+model's own forward), the embedding, every block (LayerNorm, the four products,
 attention over the row's own cached keys, GELU, the residual adds), ``ln_f`` and the head at
 each row's last token, in one call.
 
@@ -210,11 +210,12 @@ class NativeStep:
                            else model.h[0].attn.c_attn.group_size)
         self.eps = float(model.ln_f.eps)
         # what decode_loop runs the prompts on: per_row's prompts are W7A8 like its steps, a float32
-        # model's float32 like its steps (conv1d_f32 at 512 rows outran MKL's addmm, ~1.3x), an int4
+        # or bf16 model's like its steps (conv1d_f32 at 512 rows outran MKL's addmm, ~1.3x; a bf16
+        # prompt's head on its own forward converted wte to float32 every prompt), an int4
         # per_block model's of prefill_from tokens or more the exact products (its weights
         # dequantized for the call, as its own forward's: set_activations, DEQUANTIZE_FROM_ROWS;
-        # shorter ones and a bf16 model's: its own forward, the int4 kernel's bf16 activations)
-        self.prefill = None if self.group_size == BF16 else self
+        # shorter ones: its own forward, the int4 kernel's bf16 activations)
+        self.prefill = self
         self.prefill_from = DEQUANTIZE_FROM_ROWS["int4"] if kind == "per_block" else 1
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:

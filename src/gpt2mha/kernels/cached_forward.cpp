@@ -25,6 +25,7 @@
 #include "simd.h" /* first: its note on immintrin.h says why */
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <torch/library.h>
@@ -165,6 +166,13 @@ static void gelu_all(float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, gelu8(_mm256_loadu_ps(y + i)));
 }
 
+/* y[0 .. n) (bf16 values) -> bf16(gelu(y)), as a bf16 model's GELU rounds */
+static void gelu_bf16(float *y, int64_t n) {
+    gelu_all(y, n / 8 * 8);
+    for (int64_t i = n / 8 * 8; i < n; i++) y[i] = gelu1(y[i]);
+    round_bf16(y, n);
+}
+
 /* A tensor argument's check (a clear message, never a read out of bounds): dtype, sizes, contiguous, CPU. */
 static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t> sizes, const std::string &name,
                  int64_t layer = -1) {
@@ -215,6 +223,8 @@ static void dequant_int4(const uint8_t *w, const uint16_t *sz, int64_t N, int64_
  * float32 and bf16 (the Conv1D's weight [K, N] as the model holds it, its bias [N] as float32:
  * float_products.cpp, bf16_products.cpp). */
 static const int64_t FLOAT32 = -1, BF16 = -2;
+/* a bf16 prompt of this many rows or more multiplies by torch's addmm (oneDNN) */
+static const int64_t ONEDNN_ROWS = 32;
 struct Product {
     int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32; BF16 */
     bool prompt = false;     /* T > 1: int4 layers take their exact products (dequantized, conv1d_f32), as the
@@ -237,6 +247,14 @@ struct Product {
     void operator()(const at::Tensor *t, const float *x, int64_t M, int64_t K, int64_t N, float *y, bool gelu) const {
         if (G == FLOAT32) {
             conv1d_f32(x, M, K, t[0].data_ptr<float>(), N, t[1].data_ptr<float>(), gelu, y);
+        } else if (G == BF16 && prompt && M >= ONEDNN_ROWS) {
+            /* a bf16 prompt: oneDNN's bf16 GEMM (torch's addmm, the model's own product: fp32 sums rounded to
+             * bf16 once; ~3x conv1d_bf16 at 512 rows), x's bf16 values and the bias exact in bf16 */
+            const auto f32 = at::TensorOptions().dtype(at::kFloat);
+            const at::Tensor xb = at::from_blob(const_cast<float *>(x), {M, K}, f32).to(at::kBFloat16);
+            const at::Tensor out = at::addmm(t[1].to(at::kBFloat16), xb, t[0]).to(at::kFloat);
+            std::memcpy(y, out.data_ptr<float>(), M * N * sizeof(float));
+            if (gelu) gelu_bf16(y, M * N);
         } else if (G == BF16) {
             conv1d_bf16(x, M, K, reinterpret_cast<const uint16_t *>(t[0].data_ptr<at::BFloat16>()), N,
                         t[1].data_ptr<float>(), gelu, y);
@@ -298,8 +316,6 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     TORCH_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1,
                 "cached_forward: tokens must be [B=", B, ", T >= 1]; got ", tokens.sizes());
     const int64_t T = tokens.size(1), M = B * T;
-    TORCH_CHECK(!bf || T == 1, "cached_forward: a bf16 model takes one new token a row (its prompts: its own "
-                "forward); got T=", T);
     TORCH_CHECK(wte.dim() == 2 && wpe.dim() == 2, "cached_forward: wte and wpe must be 2-D; got ", wte.sizes(), " and ",
                 wpe.sizes());
     const int64_t n_vocab = wte.size(0), P = wpe.size(0);
@@ -372,7 +388,9 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                        *wp = reinterpret_cast<const uint16_t *>(wpe.data_ptr<at::BFloat16>());
         auto widen = [](uint16_t u) { const uint32_t w = (uint32_t)u << 16; float f; std::memcpy(&f, &w, 4); return f; };
         for (int64_t b = 0; b < B; b++)
-            for (int64_t i = 0; i < E; i++) x[b * E + i] = widen(wt[tok[b] * E + i]) + widen(wp[lengths[b] * E + i]);
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < E; i++)
+                    x[(b * T + t) * E + i] = widen(wt[tok[b * T + t] * E + i]) + widen(wp[(lengths[b] + t) * E + i]);
         round_bf16(x, M * E);
     } else {
         const float *wt = wte.data_ptr<float>(), *wp = wpe.data_ptr<float>();
@@ -437,9 +455,26 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
         } else {                                        /* a prompt: causal_attention.cpp's kernel */
             const auto opts = at::TensorOptions().dtype(at::kFloat);
             const at::Tensor q = at::from_blob(qkv, {B, H, T, D}, {T * 3 * E, D, 3 * E, 1}, opts);
-            const at::Tensor kk = at::from_blob(kd + l * kl, {B, H, S, D}, {kb, Tm * D, D, 1}, opts);
-            const at::Tensor vv = at::from_blob(vd + l * vl, {B, H, S, D}, {vb, Tm * D, D, 1}, opts);
+            at::Tensor kk, vv;
+            if (bf) {                                   /* a bf16 cache's keys and values as float32 (exact) */
+                kk = at::empty({B, H, S, D}, opts);
+                vv = at::empty({B, H, S, D}, opts);
+                float *kf = kk.data_ptr<float>(), *vf = vv.data_ptr<float>();
+                #pragma omp parallel for collapse(2) schedule(static)
+                for (int64_t b = 0; b < B; b++)
+                    for (int64_t hd = 0; hd < H; hd++)
+                        for (int64_t i = 0; i < S * D; i++) {
+                            const uint32_t uk = (uint32_t)kh[l * kl + b * kb + hd * Tm * D + i] << 16,
+                                           uv = (uint32_t)vh[l * vl + b * vb + hd * Tm * D + i] << 16;
+                            std::memcpy(kf + (b * H + hd) * S * D + i, &uk, 4);
+                            std::memcpy(vf + (b * H + hd) * S * D + i, &uv, 4);
+                        }
+            } else {
+                kk = at::from_blob(kd + l * kl, {B, H, S, D}, {kb, Tm * D, D, 1}, opts);
+                vv = at::from_blob(vd + l * vl, {B, H, S, D}, {vb, Tm * D, D, 1}, opts);
+            }
             o = causal_attention(q, kk, vv);            /* [B, T, h, D] in memory: the rows of z */
+            if (bf) round_bf16(o.data_ptr<float>(), M * E);
         }
         const float *zz = T == 1 ? z : o.data_ptr<float>();
         product(t + at_[1], zz, M, E, E, y, false);
