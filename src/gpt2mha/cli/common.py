@@ -97,7 +97,7 @@ def batch_invariant_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="float32 matrix products on a multiple of 4 rows, so every sequence's logits are bitwise "
                         "those of its prompt alone, whatever runs beside it (default: on, except for float32 "
-                        "weights, where it costs up to 3x at batch 1; README 'Batch invariance')")
+                        "weights, where it costs up to 3x at batch 1; docs/explanation/batch-invariance.md)")
 
 
 def quantize_args(p: argparse.ArgumentParser) -> None:
@@ -115,8 +115,8 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                                                                 "default 32)")
     p.add_argument("--quantize-method", choices=["gptq", "rtn"], default=None,
                    help="gptq (default): round so the layers' outputs on calibration text stay close (the built-in "
-                        "model: from seconds to minutes on 2 cores, more on a busy CPU; README "
-                        "'Quantized decode'); rtn: round to nearest, instant")
+                        "model: from seconds to minutes on 2 cores, more on a busy CPU; docs/how-to/quantize.md); "
+                        "rtn: round to nearest, instant")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="UTF-8 text file GPTQ calibrates on (default: a 16 KiB Shakespeare sample in the package)")
     p.add_argument("--activations", choices=["exact", "per_row", "auto", "per_block"], default=None,
@@ -125,7 +125,7 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                         "pieces else); int8: per_row (each row rounded to 8 bits over 7-bit weights, W7A8: faster "
                         "prefill and batched decode, less exact) or auto (exact for decode, per_row for prompts of "
                         "64+ tokens on CPUs without VNNI); int4: per_block (decode steps with each row rounded to 8 "
-                        "bits per group, W4A8 as llama.cpp q4_0; README 'Quantized decode'); also sets it on a model "
+                        "bits per group, W4A8 as llama.cpp q4_0; docs/explanation/quantization.md); also sets it on a model "
                         "saved quantized")
 
 

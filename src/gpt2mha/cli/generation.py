@@ -281,11 +281,11 @@ def add_commands(sub) -> None:
                         "int4 models decode faster still (small ops fused around the same products: float32 "
                         "activations on gpt2mha's GEMV kernel, bf16 ones where it does not build); not for "
                         "--activations per_row or per_block, which decode faster without it (one C++ call a "
-                        "forward: README 'The forward in one call'); no batch-invariance guarantee for prompts of "
-                        "different lengths (README 'Compiled decode')")
+                        "forward: docs/explanation/routes.md); no batch-invariance guarantee for prompts of "
+                        "different lengths (docs/explanation/routes.md)")
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: split the heads over this many processes "
-                        "(torchrun --nproc-per-node N -m gpt2mha generate ... --tp N; README 'Scaling out')")
+                        "(torchrun --nproc-per-node N -m gpt2mha generate ... --tp N; docs/how-to/scale-out.md)")
     quiet_arg(g)
     quantize_args(g)
     g.set_defaults(func=cmd_generate, check=check_generate_args)

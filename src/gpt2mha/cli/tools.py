@@ -333,7 +333,7 @@ def _add_serve_command(sub) -> None:
                                    "--chat-template), GET /v1/models, GET /health, POST /tokenize, POST /detokenize, "
                                    "GET /tokenizer_info. Requests are "
                                    "batched continuously: every decode step advances all running sequences, new "
-                                   "ones join at the next step. Needs the 'serve' extra: pip install -e '.[serve]'.")
+                                   "ones join at the next step.")
     model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     s.add_argument("--port", type=number(int, 0, 65535, " (0: any free port)"), default=8000,
@@ -391,6 +391,9 @@ def cmd_info(args) -> int:
           f"float parameters")
     print(f"weights      {model.wte.weight.dtype}" + (f", {q.get('scheme')} ({q.get('activations', 'exact')} "
                                                      f"activations, {q.get('head', 'int8')} head)" if q else ""))
+    from .. import kernels
+    print("kernels      " + ("gpt2mha's C++ kernels loaded" if kernels.available() else
+                             f"not loaded: {kernels.unavailable_reason()}"))
     route = choose_decoder(model, compile=args.compile, batch_invariant=args.batch_invariant)
     d = route.decoder
     print(f"decode       the {d.name} ({'batch invariant' if d.batch_invariant else 'not batch invariant'}, "

@@ -20,7 +20,7 @@ only its heads, ``[B, h/N, T, head_dim]`` per layer (the cache is 1/N of the who
 
 PyTorch's own TP API (``torch.distributed.tensor.parallel.parallelize_module`` with
 ``ColwiseParallel``/``RowwiseParallel``) was measured on this fused layout and not used:
-see ``benchmarks/parallel.py --probe-dtensor`` and README "Scaling out". Sharding here is done
+see ``benchmarks/parallel.py --probe-dtensor`` and docs/how-to/scale-out.md. Sharding here is done
 once, with plain tensors and ``torch.distributed.all_reduce``.
 
 """
