@@ -1,5 +1,5 @@
-"""gpt2mha against the engines people pick for CPU inference (llama.cpp, CTranslate2, ONNX Runtime):
-``python benchmarks/peers.py [--quick] [--threads 2] [--engines NAMES] [--workdir DIR] [--json FILE]``.
+"""gpt2mha against the engines people pick for CPU inference (llama.cpp, CTranslate2, ONNX Runtime, OpenVINO):
+``python benchmarks/peers.py [--quick] [--threads 2] [--engines NAMES] [--workdir DIR] [--optimum-cli PATH] [--json FILE]``.
 
 One random GPT-2 124M checkpoint (transformers' ``save_pretrained``, fixed seed, through
 ``bench.random_checkpoint``) is converted for every engine that is installed, and the
@@ -37,6 +37,13 @@ The contenders:
   (``llama_model_quantize``, its default recipe: q4_0 keeps the tied embedding/head in q6_K);
 * CTranslate2: its transformers converter, float32 and int8 weights (int8 on a CPU computes as
   ``int8_float32``: the same thing, so it is not run twice);
+* gpt2mha bf16 (``model.to(torch.bfloat16)``: its native forward's bf16 route, vdpbf16ps where the
+  CPU has AVX-512 BF16);
+* OpenVINO (``benchmarks/peers_openvino.py``): GenAI's ``LLMPipeline`` on IRs exported by
+  optimum-intel (fp32, and int8 and int4 by NNCF's weight compression), prefix caching off, the
+  batch as one ``[B, T]`` input; "openvino f32" with ``INFERENCE_PRECISION_HINT`` forced to f32,
+  "openvino bf16" (the fp32 IR), int8 and int4 with the CPU plugin's default hint (bf16 on CPUs with
+  AVX-512 BF16), each contender's hint printed beside its name;
 * ONNX Runtime: a float32 ONNX graph of GPT-2 with its KV cache as inputs and outputs (one past
   key and value per layer, the layout of Optimum's decoder-with-past export; :class:`OnnxGPT2`,
   checked against transformers by ``tests/test_peers_bench.py``) and that graph after
@@ -96,10 +103,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # benchmarks/
 from bench import hf_greedy, memory_bandwidth, random_checkpoint, real_text_tokens, step_bytes, top1_agreement  # noqa: E402
 from gpt2mha import GPT2, DEFAULT_MODEL, GPT2Config  # noqa: E402
 from gpt2mha.io.tokenizer import bpe_data_files
+import peers_openvino  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "..", "data", "tinyshakespeare.txt")
-ENGINES = ("gpt2mha", "llama.cpp", "ctranslate2", "onnxruntime")
+ENGINES = ("gpt2mha", "llama.cpp", "ctranslate2", "onnxruntime", "openvino")
 REFERENCE = "transformers float32"
 #: Every contender besides the reference and gpt2mha float32 (``--skip`` takes these names; the
 #: reference always runs, gpt2mha float32 whenever the gpt2mha engine does).
@@ -109,7 +117,7 @@ VARIANTS = ("gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int8 per_row", "gp
             "gpt2mha int4 per_block head4 compiled", "gpt2mha int4 per_block head4 g64",
             "gpt2mha int4 per_block head4 g64 compiled", "llama.cpp f32",
             "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 float32", "ctranslate2 int8", "onnxruntime float32",
-            "onnxruntime int8")
+            "onnxruntime int8", "gpt2mha bf16", "openvino f32", "openvino bf16", "openvino int8", "openvino int4")
 
 
 @dataclass
@@ -620,7 +628,8 @@ def engine_versions() -> dict:
     import importlib.metadata as md
 
     out = {}
-    for dist in ("torch", "transformers", "llama_cpp_python", "gguf", "ctranslate2", "onnxruntime", "onnx"):
+    for dist in ("torch", "transformers", "llama_cpp_python", "gguf", "ctranslate2", "onnxruntime", "onnx", "openvino",
+                 "openvino-genai", "optimum-intel", "nncf"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -630,7 +639,8 @@ def engine_versions() -> dict:
 
 def missing_engines() -> dict:
     """Engine → why it is skipped (a package it needs is not importable)."""
-    need = {"llama.cpp": ("llama_cpp", "gguf"), "ctranslate2": ("ctranslate2",), "onnxruntime": ("onnxruntime", "onnx")}
+    need = {"llama.cpp": ("llama_cpp", "gguf"), "ctranslate2": ("ctranslate2",), "onnxruntime": ("onnxruntime", "onnx"),
+            "openvino": peers_openvino.MODULES}
     out = {}
     for engine, modules in need.items():
         for m in modules:
@@ -654,7 +664,7 @@ def timed(log, what):
 
 
 def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merges, log, gguf_converter=None,
-                     skip=()) -> tuple[list[Contender], dict]:
+                     skip=(), optimum_cli=None) -> tuple[list[Contender], dict]:
     """Convert ``hf_dir`` for each engine into ``work`` and load every contender; returns them
     (transformers float32 first) and ``{name: note}`` for those that could not run."""
     import transformers
@@ -669,6 +679,9 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
 
     if "gpt2mha" in engines:
         out.append(Torch("gpt2mha float32", GPT2.from_pretrained(hf_dir), float_bytes, float_read_bytes(cfg), hf=False))
+        if want("gpt2mha bf16"):                                  # the native forward's bf16 route (issue 43)
+            out.append(Torch("gpt2mha bf16", GPT2.from_pretrained(hf_dir).to(torch.bfloat16), float_bytes // 2,
+                             float_read_bytes(cfg, 2), hf=False))
         for scheme, activations, head, group_size in (
                 ("int8", "exact", "int8", None), ("int8", "per_row", "int8", None), ("int8", "auto", "int8", None),
                 ("int4", "exact", "int8", None), ("int4", "per_block", "int8", None),
@@ -752,6 +765,19 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
         for name, path in (("onnxruntime float32", fp32), ("onnxruntime int8", int8)):
             if want(name):
                 out.append(ORT(name, path, cfg, threads, onnx_read_bytes(path)))
+
+    if "openvino" in engines:
+        for name, (fmt, hint) in peers_openvino.VARIANTS.items():
+            if not want(name):
+                continue
+            path = os.path.join(work, f"ov-{fmt}")
+            try:
+                with timed(log, f"OpenVINO export ({fmt})") if not os.path.isdir(path) else contextlib.nullcontext():
+                    peers_openvino.export(hf_dir, path, fmt, optimum_cli, log)
+                out.append(peers_openvino.OpenVINO(name, path, hint, threads, dir_bytes(path),
+                                                   peers_openvino.ir_read_bytes(path, cfg)))
+            except Exception as e:
+                notes[name] = f"cannot run: {type(e).__name__}: {str(e)[-500:]}"
     return out, notes
 
 
@@ -895,7 +921,8 @@ def machine(threads: int) -> dict:
 
 
 # ============================================================================ the run
-def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, log=print, gguf_converter=None) -> dict:
+def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, log=print, gguf_converter=None,
+        optimum_cli=None) -> dict:
     """Build, measure, return everything (``format_report`` prints it)."""
     torch.set_num_threads(threads)
     load_start = os.getloadavg()
@@ -916,7 +943,7 @@ def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, log
         random_checkpoint(rand_dir, cfg, seed=0)
     write_tokenizer_files(rand_dir, tokens, merges)
     contenders, notes = build_contenders(rand_dir, os.path.join(work, "random-124M-engines"), engines, threads,
-                                         tokens, merges, log, gguf_converter, sizes.skip)
+                                         tokens, merges, log, gguf_converter, sizes.skip, optimum_cli)
     log("contenders: " + ", ".join(c.name for c in contenders))
     log(f"load average: {os.getloadavg()}")
     speed = measure_speed(contenders, cfg, sizes, settle, log)
@@ -941,7 +968,7 @@ def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, log
     try:
         log(f"{DEFAULT_MODEL}: converting and loading")
         byte_contenders, byte_notes = build_contenders(byte_dir, os.path.join(work, f"{DEFAULT_MODEL}-engines"), engines,
-                                                       threads, byte_vocab(), None, log, None, sizes.skip)
+                                                       threads, byte_vocab(), None, log, None, sizes.skip, optimum_cli)
         bcfg = GPT2.from_pretrained(byte_dir).config
         text = real_text_tokens(bcfg, sizes.byte_tokens, TEXT, tail=True)
         bq = measure_quality(byte_contenders, text, bcfg.n_ctx, bpb=True, log=log)
@@ -1036,6 +1063,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf-converter", default=None, metavar="convert_hf_to_gguf.py",
                    help="make the random model's f32 GGUF with llama.cpp's own script from its source tree instead of "
                         "the gguf-package writer")
+    p.add_argument("--optimum-cli", default=None, metavar="PATH",
+                   help="the optimum-cli that exports the OpenVINO IRs (default: the one on PATH; optimum-intel and "
+                        "NNCF may pin another transformers than this environment's: install them elsewhere)")
     p.add_argument("--settle", type=float, default=0.2, help="seconds of pause before each timed call (default 0.2)")
     p.add_argument("--slow", type=float, default=None,
                    help="seconds: a contender whose first call of a speed figure takes longer, and over twice the "
@@ -1076,10 +1106,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = dataclasses.replace(sizes, skip=sizes.skip + skip)
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
-        res = run(sizes, engines, args.threads, args.workdir, args.settle, log, args.gguf_converter)
+        res = run(sizes, engines, args.threads, args.workdir, args.settle, log, args.gguf_converter, args.optimum_cli)
     else:
         with tempfile.TemporaryDirectory(prefix="gpt2mha-peers-") as work:
-            res = run(sizes, engines, args.threads, work, args.settle, log, args.gguf_converter)
+            res = run(sizes, engines, args.threads, work, args.settle, log, args.gguf_converter, args.optimum_cli)
     print(format_report(res))
     if args.json:
         with open(args.json, "w") as f:
