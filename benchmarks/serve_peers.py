@@ -314,11 +314,23 @@ def scheduler_cell(model, tok, prompts: list[str], new: int, clients: int) -> di
 
 
 def in_thread(fn, *a):
-    """``fn(*a)`` in a new thread, as ``gpt2mha serve`` runs the model in its scheduler's thread."""
+    """``fn(*a)`` in a new thread, as ``gpt2mha serve`` runs the model in its scheduler's thread:
+    the calling thread's OpenMP workers released first and the new thread given its thread
+    count (``Scheduler.start``, :mod:`gpt2mha.inference.threads`)."""
     import threading
 
+    import torch
+
+    from gpt2mha.inference.threads import adopt_threads, release_openmp_workers
+
+    n = torch.get_num_threads()
+    release_openmp_workers()
     out = {}
-    th = threading.Thread(target=lambda: out.setdefault("r", fn(*a)))
+
+    def run():
+        adopt_threads(n)
+        out["r"] = fn(*a)
+    th = threading.Thread(target=run)
     th.start()
     th.join()
     return out["r"]
