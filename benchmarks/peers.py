@@ -777,7 +777,8 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
                 out.append(peers_openvino.OpenVINO(name, path, hint, threads, dir_bytes(path),
                                                    peers_openvino.ir_read_bytes(path, cfg)))
             except Exception as e:
-                notes[name] = f"cannot run: {type(e).__name__}: {str(e)[-500:]}"
+                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]    # a table cell: one line
+                notes[name] = f"cannot run: {type(e).__name__}: {' / '.join(lines[:3])[:300]}"
     return out, notes
 
 
@@ -1112,8 +1113,11 @@ def main(argv: list[str] | None = None) -> int:
             res = run(sizes, engines, args.threads, work, args.settle, log, args.gguf_converter, args.optimum_cli)
     print(format_report(res))
     if args.json:
+        meta = {"benchmark": "peers", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
+                "command": "python benchmarks/peers.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                "source": "written by benchmarks/peers.py --json (every contender in one process, in turns)"}
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump({**meta, **res}, f, indent=1)
     return 0
 
 

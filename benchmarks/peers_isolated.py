@@ -31,7 +31,9 @@ ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha i
            "gpt2mha int4 compiled", "gpt2mha int4 per_block", "gpt2mha int4 per_block compiled",
            "gpt2mha int4 per_block head4", "gpt2mha int4 per_block head4 compiled",
            "gpt2mha int4 per_block head4 g64", "gpt2mha int4 per_block head4 g64 compiled",
-           "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 int8", "onnxruntime int8")
+           "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 int8", "onnxruntime int8",
+           "gpt2mha bf16", "llama.cpp f32", "ctranslate2 float32", "openvino f32", "openvino bf16", "openvino int8",
+           "openvino int4")
 
 
 def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: tuple[int, ...] = ()) -> dict:
@@ -53,14 +55,21 @@ def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: 
                         0, 0, hf=True)
     elif name == "gpt2mha float32":
         c = peers.Torch(name, GPT2.from_pretrained(hf_dir), 0, 0, hf=False)
+    elif name == "gpt2mha bf16":
+        c = peers.Torch(name, GPT2.from_pretrained(hf_dir).to(torch.bfloat16), 0, 0, hf=False)
     elif name.startswith("gpt2mha"):
         variant = "-".join(w for w in name.split() if w != "compiled")          # as peers.py saves it
         c = peers.Torch(name, GPT2.from_pretrained(os.path.join(eng, variant)), 0, 0, hf=False,
                         compiled=name.endswith("compiled"))
     elif name.startswith("llama.cpp"):
         c = peers.LlamaCpp(name, os.path.join(eng, f"model-{name.split()[1]}.gguf"), cfg.n_ctx, threads, 0)
-    elif name == "ctranslate2 int8":
-        c = peers.CT2(name, os.path.join(eng, "ct2-int8"), "int8", threads, 0)
+    elif name.startswith("ctranslate2"):
+        kind = name.split()[1]
+        c = peers.CT2(name, os.path.join(eng, f"ct2-{kind}"), kind, threads, 0)
+    elif name.startswith("openvino"):
+        import peers_openvino
+        fmt, hint = peers_openvino.VARIANTS[name]
+        c = peers_openvino.OpenVINO(name, os.path.join(eng, f"ov-{fmt}"), hint, threads, 0, 0)
     elif name == "onnxruntime int8":
         c = peers.ORT(name, os.path.join(eng, "model-int8.onnx"), cfg, threads, 0)
     else:
