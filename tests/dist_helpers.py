@@ -81,7 +81,19 @@ def values(results):
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 120, env_extra: dict | None = None):
     """``torchrun --nproc-per-node nproc -m gpt2mha ARGS`` on 127.0.0.1 (a free port), in its own
     process group so that a timeout kills the agent and every worker it started. Returns the
-    CompletedProcess (text stdout/stderr)."""
+    CompletedProcess (text stdout/stderr).
+
+    Run again once when a worker aborted with "terminate called without an active exception":
+    a C++ thread of torch's c10d/gloo left joinable at the worker's exit (seen once in a clean-clone
+    CI run of 1111 tests, not reproduced in 4 reruns; gpt2mha's code has no C++ thread). A failure
+    of ours fails again on the rerun."""
+    result = _torchrun_once(args, nproc, timeout, env_extra)
+    if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
+        result = _torchrun_once(args, nproc, timeout, env_extra)
+    return result
+
+
+def _torchrun_once(args: list[str], nproc: int, timeout: float, env_extra: dict | None):
     import signal
     import subprocess
 
