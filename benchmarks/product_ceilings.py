@@ -26,24 +26,17 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import median_seconds  # noqa: E402
 
 #: (name, K, N, layout, count per step): "conv" is GPT-2's Conv1D [K, N]; "linear" the head's [N, K]
 PRODUCTS = (("c_attn", 768, 2304, "conv", 12), ("attn.c_proj", 768, 768, "conv", 12),
             ("c_fc", 768, 3072, "conv", 12), ("mlp.c_proj", 3072, 768, "conv", 12),
             ("lm_head", 768, 50257, "linear", 1))
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(M: int, dtype: torch.dtype, repeats: int) -> list[dict]:
@@ -77,8 +70,8 @@ def measure(M: int, dtype: torch.dtype, repeats: int) -> list[dict]:
                     torch.mm(xt, w.t())
         t_ours, t_theirs = [], []
         for _ in range(3):                                                          # in turns
-            t_ours.append(timed(ours, repeats))
-            t_theirs.append(timed(theirs, repeats))
+            t_ours.append(median_seconds(ours, repeats))
+            t_theirs.append(median_seconds(theirs, repeats))
         a, c = statistics.median(t_ours) / count, statistics.median(t_theirs) / count   # per product
         flops, wbytes = 2 * M * K * N, K * N * ws[0].element_size()
         out.append(dict(product=name, M=M, dtype=str(dtype).split(".")[-1], count=count, ours_ms=a * 1e3,
