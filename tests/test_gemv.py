@@ -387,7 +387,8 @@ def _per_block_reference(x, q, scale_zero, G):
 
 @needs_kernel
 @pytest.mark.parametrize("M,K,N,G", [(1, 768, 2304, 32), (3, 768, 768, 64), (5, 3072, 768, 128), (2, 512, 40, 256),
-                                     (6, 96, 17, 32), (4, 64, 9, 32), (2, 192, 11, 64), (3, 768, 20, 384)])
+                                     (6, 96, 17, 32), (4, 64, 9, 32), (2, 192, 11, 64), (3, 768, 20, 384),
+                                     (2, 384, 40, 96), (19, 768, 70, 64)])
 def test_the_per_block_kernel_gives_the_product_of_rounded_activations(M, K, N, G):
     x, q, packed, scale_zero, b = _int4_case(M, K, N, G)
     x[0, :G] = 0.0                                                       # an all-zero group: d = 0
@@ -406,9 +407,9 @@ def test_the_per_block_kernel_gives_the_product_of_rounded_activations(M, K, N, 
 
 @needs_kernel
 @pytest.mark.parametrize("M,K,N,G", [(1, 768, 2304, 32), (3, 768, 100, 64), (5, 3072, 70, 128), (2, 512, 40, 256),
-                                     (6, 96, 17, 32), (4, 64, 9, 32), (2, 192, 11, 64)])
+                                     (6, 96, 17, 32), (4, 64, 9, 32), (2, 192, 11, 64), (19, 384, 33, 96)])
 def test_the_per_block_kernels_vnni_and_avx2_paths_give_the_same_bits(both_paths, M, K, N, G):
-    # one order of float operations on both (K = 96, 64, 192: rows ending in 16- and 32-byte chunks)
+    # one order of float operations on both (tiles of 8 rows and of 2; 17, 33, 70 channels: part tiles)
     x, q, packed, scale_zero, b = _int4_case(M, K, N, G, seed=K)
     x[-1, -G:] = 0.0
     sz = scale_zero.transpose(0, 1).contiguous()
@@ -423,10 +424,10 @@ def test_the_per_block_kernels_vnni_and_avx2_paths_give_the_same_bits(both_paths
 
 @needs_kernel
 def test_each_rows_per_block_result_is_its_own():
-    x, q, packed, scale_zero, b = _int4_case(9, 768, 200, 32, seed=3)
+    x, q, packed, scale_zero, b = _int4_case(19, 768, 200, 32, seed=3)
     sz = scale_zero.transpose(0, 1).contiguous()
     together = gemv.int4_gemv(x, packed, sz, 32, b, activations="per_block")
-    for i in range(9):                                                  # tiles of 4, 3, 2 and 1 rows
+    for i in range(19):                                                 # tiles of 8, 8 and 3 rows (AVX2: 2)
         assert torch.equal(gemv.int4_gemv(x[i:i + 1], packed, sz, 32, b, activations="per_block")[0], together[i])
     threads = torch.get_num_threads()
     try:
@@ -436,7 +437,8 @@ def test_each_rows_per_block_result_is_its_own():
         torch.set_num_threads(threads)
     x[4, 100] = float("inf")
     y = gemv.int4_gemv(x, packed, sz, 32, b, activations="per_block")
-    assert y[4].isnan().all() and torch.equal(y[[0, 1, 2, 3, 5, 6, 7, 8]], together[[0, 1, 2, 3, 5, 6, 7, 8]])
+    others = [i for i in range(19) if i != 4]
+    assert y[4].isnan().all() and torch.equal(y[others], together[others])
     tiny = x[:2].clone()
     tiny[0, :32] *= 1e-38                                              # 127 / max|x| overflows: zeros
     y = gemv.int4_gemv(tiny, packed, sz, 32, b, activations="per_block")
@@ -448,19 +450,52 @@ def test_each_rows_per_block_result_is_its_own():
                        activations="per_block")
     with pytest.raises(ValueError, match="activations='rows': expected 'exact' or 'per_block'"):
         gemv.int4_gemv(x, packed, sz, 32, activations="rows")
-    # per_block reads rows in chunks of 128 weights: groups of 96 would straddle them
     x96, _, p96, sz96, _ = _int4_case(1, 384, 8, 96)
     sz96 = sz96.transpose(0, 1).contiguous()
-    with pytest.raises(ValueError, match="group_size=96: per_block takes 32, 64 or a multiple of 128"):
-        gemv.int4_gemv(x96, p96, sz96, 96, activations="per_block")
-    with pytest.raises(RuntimeError, match="int4_gemv_a8: group_size must be 32, 64 or a multiple of 128; got 96"):
-        torch.ops.gpt2mha.int4_gemv_a8(x96, p96, sz96, 96, None)
-    assert gemv.int4_gemv(x96, p96, sz96, 96).shape == (1, 8)                  # the exact route takes them
     with pytest.raises(RuntimeError, match="int4_gemv: weight must be a contiguous uint8 CPU tensor"):
         torch.ops.gpt2mha.int4_gemv(x96, p96[0, 0], sz96, 96, None)             # 0-d: named, not an IndexError
     with pytest.raises(RuntimeError, match="int4_gemv_a8: group_size must be a multiple of 32"):
         torch.ops.gpt2mha.int4_gemv_a8(x[:, :64], packed[:, :32].contiguous(),
                                        torch.ones(200, 4, 2, dtype=torch.bfloat16), 16, None)
+
+
+@needs_kernel
+def test_the_w4a8_packing_puts_four_inputs_of_32_channels_in_a_step():
+    # the layout written out (w4a8_products.cpp): byte 4c + j of step s of tile t holds
+    # q[32t + c, 4s + j] low and q[32t + 16 + c, 4s + j] high; params [t, g, 0/1, c] = s, z - 8s
+    x, q, nibbles, scale_zero, b = _int4_case(1, 128, 45, 32, seed=5)
+    sz = scale_zero.transpose(0, 1).contiguous()                           # [N, K/G, 2]
+    packed, params = torch.ops.gpt2mha.int4_pack_a8(nibbles, sz, 32)
+    assert packed.shape == (2, 32, 64) and params.shape == (2, 4, 2, 32)
+    qp = torch.cat([q, torch.zeros(64 - 45, 128, dtype=q.dtype)])          # channels past N: 0
+    for t, s, c, j in [(0, 0, 0, 0), (0, 5, 3, 2), (1, 31, 12, 3), (1, 7, 15, 1), (0, 31, 15, 3)]:
+        byte = int(packed[t, s, 4 * c + j])
+        assert byte & 15 == int(qp[32 * t + c, 4 * s + j]) and byte >> 4 == int(qp[32 * t + 16 + c, 4 * s + j])
+    szf = sz.float()
+    for t, g, c in [(0, 0, 0), (0, 3, 31), (1, 2, 12)]:
+        n = 32 * t + c
+        assert params[t, g, 0, c] == szf[n, g, 0]
+        assert params[t, g, 1, c] == szf[n, g, 1] - 8 * szf[n, g, 0]
+    assert (params[1, :, :, 13:] == 0).all()                               # 45 = 32 + 13
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 8, 19])
+def test_the_packed_w4a8_operator_is_the_per_call_one(M):
+    x, q, nibbles, scale_zero, b = _int4_case(M, 768, 100, 64, seed=M)
+    sz = scale_zero.transpose(0, 1).contiguous()
+    packed, params = torch.ops.gpt2mha.int4_pack_a8(nibbles, sz, 64)
+    assert torch.equal(torch.ops.gpt2mha.int4_a8_packed(x, packed, params, 64, 100, b),
+                       torch.ops.gpt2mha.int4_gemv_a8(x, nibbles, sz, 64, b))
+    with pytest.raises(RuntimeError, match=r"int4_a8_packed: packed must be a contiguous uint8 CPU tensor "
+                                           r"\[ceil\(n_out/32\)=7, K/4=192, 64\]"):
+        torch.ops.gpt2mha.int4_a8_packed(x, packed, params, 64, 200, b)
+    with pytest.raises(RuntimeError, match=r"int4_a8_packed: params must be a contiguous float32 CPU tensor"):
+        torch.ops.gpt2mha.int4_a8_packed(x, packed, params[:, :6], 64, 100, b)
+    with pytest.raises(RuntimeError, match=r"int4_a8_packed: bias must be a contiguous float32 CPU tensor \[N=100\]"):
+        torch.ops.gpt2mha.int4_a8_packed(x, packed, params, 64, 100, b[:99])
+    with pytest.raises(RuntimeError, match="int4_pack_a8: group_size must be a multiple of 32 dividing K=768; got 48"):
+        torch.ops.gpt2mha.int4_pack_a8(nibbles, sz, 48)
 
 
 @needs_kernel
@@ -481,10 +516,13 @@ def test_per_block_int4_models_decode_on_w4a8_and_keep_it_in_their_checkpoint(tm
     with torch.inference_mode():
         with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as step:
             out = model.generate(idx, 4, temperature=0)
-            assert step.call_count == 3          # 3 decode steps, each one call of W4A8 products (native.py)
-        with mock.patch.object(torch.ops.gpt2mha, "int4_gemv_a8", wraps=torch.ops.gpt2mha.int4_gemv_a8) as op:
+            # 3 prompts and 3 decode steps, each one call of W4A8 products (native.py)
+            assert step.call_count == 6
+        with mock.patch.object(torch.ops.gpt2mha, "int4_a8_packed", wraps=torch.ops.gpt2mha.int4_a8_packed) as op:
             model(idx[:, :1], last_only=True)
             assert op.call_count == 4 * cfg.n_layer                       # the layers' own one-token forward
+            model(idx, last_only=True)
+            assert op.call_count == 8 * cfg.n_layer                       # and prompts: W4A8 too
     model.save_pretrained(tmp_path / "q4")
     loaded = GPT2.from_pretrained(str(tmp_path / "q4"))
     assert loaded.quantization["activations"] == "per_block"

@@ -35,6 +35,8 @@ def _cases():
         "int8_gemv": (x, torch.randint(-127, 128, (20, 64), dtype=torch.int8, generator=g), torch.rand(20, generator=g), b),
         "int4_gemv": (x, w4, sz, 32, b),
         "int4_gemv_a8": (x, w4, sz, 32, None),
+        "int4_pack_a8": (w4, sz, 32),
+        "int4_a8_packed": (x, *torch.ops.gpt2mha.int4_pack_a8(w4, sz, 32), 32, 20, b),
         "int8_per_row": (x, *_per_row(20, 64, g), b, True),
         "causal_attention": (q[..., 2:, :], k, v),
         "conv1d_f32": (x, torch.randn(64, 20, generator=g), b, True),

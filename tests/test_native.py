@@ -86,18 +86,16 @@ def test_native_steps_match_the_models_own_steps_on_rows_of_different_lengths(ki
 @KINDS
 @pytest.mark.parametrize("start", [0, 9])
 def test_a_prompt_in_one_call_matches_the_models_prefill(start, kind):
-    # per_row (its prompts are W7A8 as its steps), per_block (its block products exact: float32 products of the
-    # dequantized weights, the model's own where it dequantizes (FBGEMM CPUs; on VNNI ones it takes torch's int4
-    # kernel, bf16 activations); the head W4A8 or exact int8 as at a step); start 9: over cached keys (S > T)
+    # per_row's prompts are W7A8 and per_block's W4A8, as their steps and the model's own layers'; the head W4A8
+    # or exact int8 as at a step; start 9: over cached keys (S > T)
     model = _model(seed=7, kind=kind)
     step = NativeStep(model)
-    assert step.prefill is step and step.prefill_from == (1 if kind == "per_row" else 32)
-    T = 23 if kind == "per_row" else 33                # int4: 32 tokens or more, as the model's exact products
+    assert step.prefill is step and step.prefill_from == 1
+    T = 23 if kind == "per_row" else 33
     ours = _prefilled(model, [start], max_len=48) if start else KVCache(2, 1, 4, 48, 16)
     ref = _clone(ours)
     prompt = torch.randint(0, 96, (1, T))
-    dequantizes = lambda self, rows: self.scheme == "int4" and rows >= 32        # noqa: E731
-    with torch.inference_mode(), mock.patch.object(QuantizedLinear, "dequantize_for", dequantizes):
+    with torch.inference_mode():
         want = model(prompt, cache=ref, last_only=True).logits[:, -1]
         got = step(prompt, ours)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
@@ -152,7 +150,7 @@ def test_generate_decodes_int4_per_block_models_on_it_with_the_models_greedy_tok
     idx = torch.tensor([list(b"ROMEO:\nWhat light"), list(b"To be, or not to ")])
     with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
         out = model.generate(idx, 40, temperature=0)
-    assert op.call_count == 39                           # the steps (prompts under 32 tokens: the model's forward)
+    assert op.call_count == 2 + 39                       # each prompt (W4A8, as the steps), then the steps
     with mock.patch.object(native, "native_step", lambda m: None):
         want = model.generate(idx, 40, temperature=0)
     assert torch.equal(out, want)
@@ -161,7 +159,7 @@ def test_generate_decodes_int4_per_block_models_on_it_with_the_models_greedy_tok
     mask[1, :5] = 0
     with mock.patch.object(torch.ops.gpt2mha, "cached_forward", wraps=torch.ops.gpt2mha.cached_forward) as op:
         out = model.generate(idx, 12, temperature=0, attention_mask=mask)
-    assert op.call_count == 11
+    assert op.call_count == 2 + 11
     with mock.patch.object(native, "native_step", lambda m: None):
         assert torch.equal(out, model.generate(idx, 12, temperature=0, attention_mask=mask))
     long = torch.tensor([list(b"ROMEO:\nWhat light through yonder window breaks? It")])     # 51 tokens: on it too
@@ -269,16 +267,16 @@ def test_the_operator_names_what_does_not_fit():
         call(step.layers[:-1])
     bad = list(step.layers)
     bad[2] = bad[2][:, :-1].contiguous()
-    with pytest.raises(RuntimeError, match=r"attn.c_attn weight of layer 0 must be a contiguous Byte CPU tensor \[192, 32\]"):
+    with pytest.raises(RuntimeError, match=r"attn.c_attn packed of layer 0 must be a contiguous Byte CPU tensor \[6, 16, 64\]"):
         call(bad)
     head4 = NativeStep(_model(seed=6, kind="per_block_head4"))
     head_call = lambda head: torch.ops.gpt2mha.cached_forward(
         torch.tensor([[1]]), head4.wte, head4.wpe, head4.layers, *head4.ln_f, head, cache.k, cache.v, cache.lengths,
         32, 1e-5)
-    with pytest.raises(RuntimeError, match=r"head scale_zero must be a contiguous BFloat16 CPU tensor \[96, 2, 2\]"):
+    with pytest.raises(RuntimeError, match=r"head params must be a contiguous Float CPU tensor \[3, 2, 2, 32\]"):
         head_call([head4.head[0], head4.head[1][:, :1].contiguous(), head4.head[2]])
     per_row = NativeStep(_model(seed=6, kind="per_row"))                # per_row blocks, an int4 head
-    with pytest.raises(RuntimeError, match="an int4 head \\(uint8 nibbles\\) needs the blocks' group_size > 0"):
+    with pytest.raises(RuntimeError, match="an int4 head \\(W4A8 packed uint8\\) needs the blocks' group_size > 0"):
         torch.ops.gpt2mha.cached_forward(torch.tensor([[1]]), per_row.wte, per_row.wpe, per_row.layers, *per_row.ln_f,
                                          head4.head, cache.k, cache.v, cache.lengths, 0, 1e-5)
     assert cache.lengths == [3] and two.lengths == [3, 5]           # nothing advanced

@@ -163,7 +163,9 @@ class GemvInt4Linear(nn.Module):
     bf16). A row's result does not depend on the other rows.
 
     With the layer's ``activations="per_block"``, the kernel's W4A8 product instead
-    (``torch.ops.gpt2mha.int4_gemv_a8``: each activation row rounded to 8 bits per group).
+    (``torch.ops.gpt2mha.int4_a8_packed`` on the layer's packed copy,
+    :meth:`~gpt2mha.inference.quant.linear.QuantizedLinear.a8_packed`: each activation row
+    rounded to 8 bits per group), the layer's own product.
 
     Shares the layer's packed nibbles ``[N, K/2]`` and bias; keeps the (scale, zero) pairs as
     bfloat16 ``[N, K/g, 2]`` (:meth:`~gpt2mha.inference.quant.linear.QuantizedLinear.gemv_scales`).
@@ -179,13 +181,21 @@ class GemvInt4Linear(nn.Module):
         self.scale_zero = nn.Parameter(layer.gemv_scales(), requires_grad=False)
         self.bias = layer.bias
         self.per_block = layer.activations == "per_block"
+        if self.per_block:
+            packed, params = layer.a8_packed()
+            self.a8 = nn.Parameter(packed, requires_grad=False)
+            self.a8_params = nn.Parameter(params, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.n_in).float()
         out = self.out_dtype(x.dtype)
         fused = self.bias is not None and out == torch.float32 and self.bias.dtype == torch.float32
-        op = torch.ops.gpt2mha.int4_gemv_a8 if self.per_block else torch.ops.gpt2mha.int4_gemv
-        y = op(x2, self.weight, self.scale_zero, self.group_size, self.bias if fused else None).to(out)
+        b = self.bias if fused else None
+        if self.per_block:
+            y = torch.ops.gpt2mha.int4_a8_packed(x2.contiguous(), self.a8, self.a8_params, self.group_size, self.n_out, b)
+        else:
+            y = torch.ops.gpt2mha.int4_gemv(x2, self.weight, self.scale_zero, self.group_size, b)
+        y = y.to(out)
         if self.bias is not None and not fused:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.n_out)

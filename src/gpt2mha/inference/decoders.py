@@ -114,10 +114,9 @@ class CompiledDecoder(Decoder):
 
 
 class NativeDecoder(Decoder):
-    """Steps (and per_row, float32 and int4 per_block prompts of ``native.prefill_from`` tokens
-    or more) in one C++ call each (:class:`~gpt2mha.inference.native.NativeStep`); shorter int4
-    prompts and a bf16 model's take its own products through a decode view that swaps nothing but
-    the attention (no weight copied)."""
+    """Steps and prompts of ``native.prefill_from`` tokens or more in one C++ call each
+    (:class:`~gpt2mha.inference.native.NativeStep`); shorter prompts take the model's own
+    products through a decode view that swaps nothing but the attention (no weight copied)."""
 
     name = NATIVE
     batch_invariant = True

@@ -5,10 +5,8 @@ the model's own weights, ``kernels/float_products.cpp``) and bf16 models (bf16 p
 
 :func:`~gpt2mha.inference.generate.generate` runs such a model (on the CPU, nothing hooked, the
 kernels built) through ``torch.ops.gpt2mha.cached_forward`` (``kernels/cached_forward.cpp``): every decode
-step, and each prompt's prefill too (int4 per_block prompts of 32 tokens or more with the exact
-products, as the model's own forward takes them: each layer's weights dequantized to float32 for
-the call and multiplied by ``conv1d_f32``, ~1.2x the model's at 512 tokens; shorter ones: the
-model's own forward), the embedding, every block (LayerNorm, the four products,
+step, and each prompt's prefill too (int4 per_block prompts on the same W4A8 products as its
+steps, as the model's own layers take them), the embedding, every block (LayerNorm, the four products,
 attention over the row's own cached keys, GELU, the residual adds), ``ln_f`` and the head at
 each row's last token, in one call.
 
@@ -58,7 +56,7 @@ from .fast import global_hooks, hooked
 from .quant import gemv
 from ..core.attention import Conv1D
 from ..core.model import LMHead
-from .quant.linear import DEQUANTIZE_FROM_ROWS, QuantizedLinear
+from .quant.linear import QuantizedLinear
 
 #: cached_forward's group_size for float32 and bf16 products (kernels/cached_forward.cpp)
 FLOAT32, BF16 = -1, -2
@@ -159,18 +157,18 @@ def _product(layer: nn.Module) -> list[torch.Tensor]:
         return [layer.weight.detach().contiguous()]
     if layer.activations == "per_row":
         return list(layer.per_row_packed())
+    if layer.scheme == "int4":
+        return list(layer.a8_packed())
     return [layer.weight.detach().contiguous(), layer.gemv_scales()]
 
 
 class NativeStep:
     """``model``'s forward as one call of ``torch.ops.gpt2mha.cached_forward`` (see the module's
     docstring). Holds the model's tensors (no copies but those the kernels' layouts need: the
-    int4 layers' (scale, zero) pairs by output channel, per_row's packed 7-bit weights, as the
-    model's own layers keep them; a float32 model's weights as they are).
+    int4 layers' W4A8 tiles and per_row's packed 7-bit weights, as the model's own layers keep
+    them; a float32 model's weights as they are).
 
-    Call with ``tokens [B, T]`` (int64; T > 1 runs int4 models' block products exact, their
-    weights dequantized, as their own forward does for prompts of :attr:`prefill_from` tokens or
-    more, and the head as at T = 1, W4A8) and a :class:`KVCache` of ``B`` rows (each row's storage
+    Call with ``tokens [B, T]`` (int64; T > 1: a prompt, every row at the same length) and a :class:`KVCache` of ``B`` rows (each row's storage
     ``[n_head, T_max, head_dim]`` contiguous: a cache, or rows of one): row ``b``'s tokens go
     at its cache indices ``lengths[b] …`` (its positions; with ``T > 1`` every row at the same
     length); writes every layer's keys and values there, advances the cache, returns float32
@@ -209,14 +207,12 @@ class NativeStep:
         self.group_size = ({"float32": FLOAT32, "bf16": BF16}.get(kind, 0) if kind != "per_block"
                            else model.h[0].attn.c_attn.group_size)
         self.eps = float(model.ln_f.eps)
-        # what decode_loop runs the prompts on: per_row's prompts are W7A8 like its steps, a float32
-        # or bf16 model's like its steps (conv1d_f32 at 512 rows outran MKL's addmm, ~1.3x; a bf16
-        # prompt's head on its own forward converted wte to float32 every prompt), an int4
-        # per_block model's of prefill_from tokens or more the exact products (its weights
-        # dequantized for the call, as its own forward's: set_activations, DEQUANTIZE_FROM_ROWS;
-        # shorter ones: its own forward, the int4 kernel's bf16 activations)
+        # what decode_loop runs the prompts on: every prompt, on the products of the steps (per_row's
+        # W7A8, per_block's W4A8, as the model's own layers take prompts), a float32 or bf16
+        # model's like its steps (conv1d_f32 at 512 rows outran MKL's addmm, ~1.3x; a bf16
+        # prompt's head on its own forward converted wte to float32 every prompt)
         self.prefill = self
-        self.prefill_from = DEQUANTIZE_FROM_ROWS["int4"] if kind == "per_block" else 1
+        self.prefill_from = 1
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         L, _, h, _, hd = cache.k.shape

@@ -3,7 +3,7 @@
  * is its Python side). T new tokens per row through every block and the head, as GPT2.forward
  * does with a KVCache and last_only (core/model.py), in one C++ function: no Python, dispatcher,
  * hook points or allocation between the 12 x 4 products of 124M. Products: int4 with per_block
- * activations (W4A8, products.cpp's w4a8), int8 with per_row activations (W7A8, per_row), or
+ * activations (W4A8, w4a8_products.cpp's w4a8, prompts too), int8 with per_row activations (W7A8, per_row), or
  * float32 (float_products.cpp's conv1d_f32 over the model's own [in, out] weights, linear_f32
  * over the head's [V, E]: no rounding the dtype does not imply, each sum in a fixed order).
  *
@@ -182,43 +182,9 @@ static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t>
                 " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
-/* An int4 layer's weights (nibbles w [N, K/2], input 2i low, 2i + 1 high; bf16 (scale, zero) pairs sz
- * [N, K/G, 2]) as float32 out [K, N] (Conv1D's layout, for conv1d_f32): (q - 8) * scale + zero, a float32
- * multiply then add, the values the model's exact products read (schemes.dequantize_int4). Rows of w 16 at
- * a time into buf [16, K] (8 lanes: nibbles split, widened), then written out 16 columns a row of out. */
-static void dequant_int4(const uint8_t *w, const uint16_t *sz, int64_t N, int64_t K, int64_t G, float *out) {
-    const int64_t ng = K / G;
-    #pragma omp parallel
-    {
-        const std::unique_ptr<float[]> buf(new float[16 * K]);
-        #pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += 16) {
-            const int64_t nn = N - n0 < 16 ? N - n0 : 16;
-            for (int64_t r = 0; r < nn; r++) {
-                const uint8_t *row = w + (n0 + r) * (K / 2);
-                const uint16_t *pair = sz + (n0 + r) * ng * 2;
-                for (int64_t k = 0; k < K; k += 8) {       /* G >= 32: one group for 8 inputs */
-                    uint32_t bs = (uint32_t)pair[2 * (k / G)] << 16, bz = (uint32_t)pair[2 * (k / G) + 1] << 16;
-                    float s, z;
-                    std::memcpy(&s, &bs, 4);
-                    std::memcpy(&z, &bz, 4);
-                    int32_t q[8];
-                    for (int i = 0; i < 4; i++) {
-                        q[2 * i] = (row[k / 2 + i] & 15) - 8;
-                        q[2 * i + 1] = (row[k / 2 + i] >> 4) - 8;
-                    }
-                    const __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)q));
-                    _mm256_storeu_ps(buf.get() + r * K + k, _mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(s)), _mm256_set1_ps(z)));
-                }
-            }
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t r = 0; r < nn; r++) out[k * N + n0 + r] = buf[r * K + k];
-        }
-    }
-}
-
 /* One product y [M, N] = x [M, K] W^T + b of a layer given as its tensors t: three for W4A8
- * (nibbles [N, K/2], (scale, zero) pairs [N, K/G, 2] bf16, bias [N]), five for per_row (packed
+ * (w4a8_products.cpp's packed [ceil(N/32), K/4, 64] uint8 and params [ceil(N/32), K/G, 2, 32] float32,
+ * bias [N]: every row, prompts as steps), five for per_row (packed
  * [ceil(N/32), ceil(K/4), 32, 4] int8, qsum [N] int32, scales [N], wsum [N], bias [N]), two for
  * float32 and bf16 (the Conv1D's weight [K, N] as the model holds it, its bias [N] as float32:
  * float_products.cpp, bf16_products.cpp). */
@@ -227,15 +193,14 @@ static const int64_t FLOAT32 = -1, BF16 = -2;
 static const int64_t ONEDNN_ROWS = 32;
 struct Product {
     int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32; BF16 */
-    bool prompt = false;     /* T > 1: int4 layers take their exact products (dequantized, conv1d_f32), as the
-                              * model's own forward takes prompts; steps W4A8 */
+    bool prompt = false;     /* T > 1: a bf16 model's prompts of ONEDNN_ROWS rows take oneDNN's GEMM */
     int count() const { return G < 0 ? 2 : G ? 3 : 5; }
     void check(const at::Tensor *t, int64_t N, int64_t K, const std::string &name, int64_t layer, bool bias = true) const {
         if (G < 0) {
             need(t[0], G == BF16 ? at::kBFloat16 : at::kFloat, {K, N}, name + " weight", layer);
         } else if (G) {
-            need(t[0], at::kByte, {N, K / 2}, name + " weight", layer);
-            need(t[1], at::kBFloat16, {N, K / G, 2}, name + " scale_zero", layer);
+            need(t[0], at::kByte, {(N + 31) / 32, K / 4, 64}, name + " packed", layer);
+            need(t[1], at::kFloat, {(N + 31) / 32, K / G, 2, 32}, name + " params", layer);
         } else {
             need(t[0], at::kChar, {(N + 31) / 32, (K + 3) / 4, 32, 4}, name + " packed", layer);
             need(t[1], at::kInt, {N}, name + " qsum", layer);
@@ -258,14 +223,8 @@ struct Product {
         } else if (G == BF16) {
             conv1d_bf16(x, M, K, reinterpret_cast<const uint16_t *>(t[0].data_ptr<at::BFloat16>()), N,
                         t[1].data_ptr<float>(), gelu, y);
-        } else if (G && prompt) {
-            const std::unique_ptr<float[]> wf(new float[K * N]);
-            dequant_int4(t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(t[1].data_ptr<at::BFloat16>()), N, K,
-                         G, wf.get());
-            conv1d_f32(x, M, K, wf.get(), N, t[2].data_ptr<float>(), gelu, y);
         } else if (G) {
-            w4a8(x, M, K, G, t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(t[1].data_ptr<at::BFloat16>()),
-                 N, t[2].data_ptr<float>(), y);
+            w4a8(x, M, K, G, t[0].data_ptr<uint8_t>(), t[1].data_ptr<float>(), N, t[2].data_ptr<float>(), y);
             if (gelu)
                 gelu_all(y, M * N);
         } else {
@@ -322,9 +281,9 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     TORCH_CHECK(D % 8 == 0, "cached_forward: head_dim must be a multiple of 8; got ", D);
     const Product product{group_size, tokens.dim() == 2 && tokens.size(1) > 1};
     TORCH_CHECK(group_size == 0 || group_size == FLOAT32 || group_size == BF16 ||
-                    (group_size >= 32 && E % group_size == 0 && (128 % group_size == 0 || group_size % 128 == 0)),
-                "cached_forward: group_size must be 0 (per_row), -1 (float32), -2 (bf16) or 32, 64 or a multiple of "
-                "128 dividing n_embd=", E, "; got ", group_size);
+                    (group_size >= 32 && group_size % 32 == 0 && E % group_size == 0),
+                "cached_forward: group_size must be 0 (per_row), -1 (float32), -2 (bf16) or a multiple of 32 dividing "
+                "n_embd=", E, "; got ", group_size);
     const int64_t per_layer = 4 + 4 * product.count();
     TORCH_CHECK((int64_t)layers.size() == per_layer * L, "cached_forward: layers must hold ", per_layer,
                 " tensors per layer (", per_layer * L, "); got ", layers.size());
@@ -352,11 +311,11 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     const bool head_bf16 = head.size() == 2 && head[0].scalar_type() == at::kBFloat16;
     TORCH_CHECK(head.size() == (head_per_row ? 5u : head_f32 || head_bf16 ? 2u : 3u) && head[head_per_row ? 1 : 0].dim() >= 1,
                 "cached_forward: head must be int8_gemv's weight [V, E], scales and bias (or an empty tensor), "
-                "per_row's packed, qsum [V], scales, wsum and bias, W4A8's nibbles [V, E/2], (scale, zero) "
-                "pairs and bias, or a float32 or bf16 weight [V, E] and bias; got ", head.size(), " tensors");
-    TORCH_CHECK(!head_w4a8 || group_size > 0, "cached_forward: an int4 head (uint8 nibbles) needs the blocks' "
+                "per_row's packed, qsum [V], scales, wsum and bias, W4A8's packed [ceil(V/32), E/4, 64], params "
+                "and bias, or a float32 or bf16 weight [V, E] and bias; got ", head.size(), " tensors");
+    TORCH_CHECK(!head_w4a8 || group_size > 0, "cached_forward: an int4 head (W4A8 packed uint8) needs the blocks' "
                 "group_size > 0 (W4A8); got group_size=", group_size);
-    const int64_t V = head_per_row ? head[1].size(0) : head[0].size(0);
+    const int64_t V = head_per_row ? head[1].size(0) : head_w4a8 ? n_vocab : head[0].size(0);   /* W4A8's: padded tiles */
     if (head_f32 || head_bf16) {
         need(head[0], head[0].scalar_type(), {V, E}, "head weight");
     } else if (head_per_row || head_w4a8) {
@@ -500,8 +459,7 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
         per_row(h, B, E, head[0].data_ptr<int8_t>(), V, head[1].data_ptr<int32_t>(), head[2].data_ptr<float>(),
                 head[3].data_ptr<float>(), hb, false, logits.data_ptr<float>());
     else if (head_w4a8)
-        w4a8(h, B, E, group_size, head[0].data_ptr<uint8_t>(),
-             reinterpret_cast<const uint16_t *>(head[1].data_ptr<at::BFloat16>()), V, hb, logits.data_ptr<float>());
+        w4a8(h, B, E, group_size, head[0].data_ptr<uint8_t>(), head[1].data_ptr<float>(), V, hb, logits.data_ptr<float>());
     else
         gemv(h, B, E, head[0].data_ptr<int8_t>(), V, head[1].data_ptr<float>(), hb, logits.data_ptr<float>());
     return logits;

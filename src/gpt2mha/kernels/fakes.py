@@ -24,6 +24,19 @@ def per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, *rest) ->
     return x.new_empty(x.shape[0], qsum.shape[0])
 
 
+def a8_packed(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, group_size: int, n_out: int,
+              bias=None) -> torch.Tensor:
+    """int4_a8_packed: float32 ``[M, n_out]`` (packed tiles are rounded up to 32 channels)."""
+    return x.new_empty(x.shape[0], n_out)
+
+
+def pack_a8(weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int):
+    """int4_pack_a8: uint8 ``[ceil(N/32), K/4, 64]`` and float32 ``[ceil(N/32), K/group_size, 2, 32]``."""
+    N, K = weight.shape[0], 2 * weight.shape[1]
+    T = (N + 31) // 32
+    return weight.new_empty(T, K // 4, 64), weight.new_empty(T, K // group_size, 2, 32, dtype=torch.float32)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``[B, h, T, D]`` laid out ``[B, T, h, D]`` (the heads merge with a free reshape)."""
     B, h, T, D = q.shape
@@ -32,12 +45,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 def cached_forward(tokens, wte, wpe, layers, ln_f_weight, ln_f_bias, head, k, v, lengths, group_size, eps):
     """Each row's last logits ``[B, V]`` (k and v are written in place: the schema says so)."""
-    vocab = head[1].shape[0] if head[0].dim() == 4 else head[0].shape[0]     # per_row's packed head: qsum [V]
+    # per_row's packed head: qsum [V]; W4A8's packed tiles: wte's rows
+    vocab = head[1].shape[0] if head[0].dim() == 4 else wte.shape[0] if head[0].dim() == 3 else head[0].shape[0]
     return wte.new_empty(k.shape[1], vocab, dtype=torch.float32)          # float32 for a bf16 model too
 
 
 #: Every operator of the library that takes tensors (tests/test_kernel_ops.py holds new ones to it).
 FAKES = {"int8_gemv": product, "int4_gemv": product, "int4_gemv_a8": product, "int8_per_row": per_row,
+         "int4_a8_packed": a8_packed, "int4_pack_a8": pack_a8,
          "causal_attention": causal_attention, "cached_forward": cached_forward, "conv1d_f32": conv1d,
          "linear_f32": product, "conv1d_bf16": conv1d, "linear_bf16": product}
 

@@ -11,11 +11,16 @@
 void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N, const float *scales, const float *bias,
           float *y);
 
-/* y [M, N] = W4A8 product of x [M, K] with int4 nibbles w [N, K/2] and bfloat16 (scale, zero)
- * pairs sz [N, K/G, 2] (as uint16 bits), x's rows rounded to 8 bits per group of G, + bias
- * (may be NULL) (int4_gemv_a8). */
-void w4a8(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *w, const uint16_t *sz, int64_t N,
+/* y [M, N] = W4A8 product of x [M, K], rows rounded to 8 bits per group of G, with int4 weights packed by
+ * pack_int4_a8 (packed [ceil(N/32), K/4, 64], params [ceil(N/32), K/G, 2, 32]), + bias (may be NULL)
+ * (w4a8_products.cpp, the operator int4_a8_packed). */
+void w4a8(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *packed, const float *params, int64_t N,
           const float *bias, float *y);
+
+/* int4 nibbles w [N, K/2] and bf16 (scale, zero) pairs sz [N, K/G, 2] (uint16 bits) -> w4a8's packed and
+ * params (w4a8_products.cpp, the operator int4_pack_a8). */
+void pack_int4_a8(const uint8_t *w, const uint16_t *sz, int64_t N, int64_t K, int64_t G, uint8_t *packed,
+                  float *params);
 
 /* y [M, N] = per_row's W7A8 product of x [M, K] (each row rounded to 8 bits with its own step
  * and minimum) with the packed 7-bit weights [ceil(N/32), ceil(K/4), 32, 4], qsum [N], scales [N],
@@ -53,6 +58,10 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
 /* s [0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is NaN or
  * the largest is not finite (causal_attention.cpp). */
 float softmax_row(float *s, int64_t n, float scale);
+
+/* rows of row_bytes each per chunk of about 128 KiB for N rows, the chunks a multiple of the threads
+ * (products.cpp's note on threads) */
+int64_t chunk_rows(int64_t row_bytes, int64_t N);
 
 /* whether the kernels take their AVX-512 paths now: the CPU has AVX-512 VNNI and use_vnni has not
  * turned them off (products.cpp) */

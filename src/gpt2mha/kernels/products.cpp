@@ -1,6 +1,6 @@
 /* gpt2mha's quantized products (inference/quant/gemv.py wraps them): int8_gemv and int4_gemv
  * (float32 activations), int4_gemv_a8 (W4A8) and int8_per_row (W7A8), each described where it is
- * defined, and the switch of the AVX-512 paths (use_vnni). First, the int8 weight-only product for
+ * defined (the W4A8 kernel itself is w4a8_products.cpp's), and the switch of the AVX-512 paths (use_vnni). First, the int8 weight-only product for
  * decode-sized inputs on AVX2 CPUs, the operator torch.ops.gpt2mha.int8_gemv:
  *
  *   y[m, n] = (sum_k x[m, k] * w[n, k]) * scales[n] + bias[n]
@@ -52,7 +52,7 @@
 static const int64_t CHUNK_BYTES = 1 << 17;
 static const int64_t PARALLEL_MACS = 1 << 18;
 
-static inline int64_t chunk_rows(int64_t row_bytes, int64_t N) {
+int64_t chunk_rows(int64_t row_bytes, int64_t N) {
     const int64_t per = CHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1), rows = per > 1 ? per : 1;
     const int64_t T = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;
     const int64_t chunks = T * ((N + T * rows - 1) / (T * rows));        /* a multiple of T */
@@ -414,199 +414,6 @@ static void gemv_int4(const float *xe, const float *xo, const float *xz, int64_t
     }
 }
 
-/* int4 weights times 8-bit activations (W4A8, as llama.cpp's q4_0 x q8_0): each activation
- * row is rounded to 8 bits per group of G inputs, a = round(x / d), d = max|x| / 127 over the
- * group, and the nibbles (unsigned, 0..15) multiply a in exact int32 sums, scaled per group by
- * s_g * d_g in float32. The zeros enter as sum_g (z_g - 8 s_g) * d_g * A_g, A_g = sum a over
- * the group: the row's (s, z) pairs times az = (-8 d A, d A) per group. a is stored as each
- * row's even inputs (ae) and odd ones (ao), so the low nibbles of a run of weight bytes meet ae
- * and the high ones ao at the same offsets.
- *
- * One order of operations on every CPU, so AVX2 and AVX-512 VNNI give the same bits: a weight
- * row is read in chunks of 64 bytes (128 weights); lane l (0..15) of a chunk holds the exact
- * int32 sum of its bytes 4l..4l+3 (low nibbles times ae, high times ao: VNNI's vpdpbusd twice,
- * or AVX2's vpmaddubsw, an int16 add and vpmaddwd against ones on each half of the chunk), and
- * 16 float32 lanes accumulate float(sum_l) * (s_g * d_g) with one FMA per chunk, g the lane's
- * group. The zero terms go into 8 more lanes, one FMA of four groups' (s, z) pairs by their az
- * pairs at each chunk that starts a run of four groups. At the end: (lanes 0-7 + lanes 8-15) +
- * the zero lanes, then reduce(). A last chunk of 16, 32 or 48 bytes reads zeros past the row
- * (its lanes add 0 * 0). Exact integer sums and a fixed float order: a row's result does not
- * depend on the other rows, the threads or the instructions. */
-struct A8 {
-    const int8_t *ae, *ao;   /* [M, half + 64]: even / odd inputs of each row, zero-padded */
-    const float *d;          /* [M, ng + 8]: d per group, zero-padded */
-    const float *az;         /* [M, 2 ng + 8]: (-8 d A, d A) per group, zero-padded */
-    int64_t stride, dstride, zstride;
-    int32_t lane[16];        /* lane l's group in its chunk, counted from the chunk's first: (8 l) / G */
-};
-
-/* four groups' (scale, zero) pairs from g0 as float32 (bf16 is float32's top half); zeros past ng,
- * read in fixed-size pieces (a pair is 4 bytes): a memcpy of variable length there, at the last
- * chunk of every row with groups of 64 or more, cost group 64 a fifth of its speed */
-static inline __m256 pairs8(const uint16_t *szn, int64_t g0, int64_t ng) {
-    const uint16_t *p = szn + 2 * g0;
-    __m128i h;
-    if (g0 + 4 <= ng) {
-        h = _mm_loadu_si128((const __m128i *)p);
-    } else {
-        const int64_t n = ng - g0;                    /* 1, 2 or 3 pairs */
-        int32_t one;
-        if (n >= 2) {
-            h = _mm_loadl_epi64((const __m128i *)p);
-        } else {
-            std::memcpy(&one, p, 4);
-            h = _mm_cvtsi32_si128(one);
-        }
-        if (n == 3) {
-            std::memcpy(&one, p + 4, 4);
-            h = _mm_insert_epi32(h, one, 2);
-        }
-    }
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-/* MT rows of a (from row m0) over one weight row wn with its pairs szn; GT the group size when
- * known at compile time (0: G at run time) */
-template <int MT, int GT>
-static inline void a8_tile(const A8 &A, int64_t m0, int64_t K, int64_t G_, const uint8_t *wn, const uint16_t *szn,
-                           float *out) {
-    const int64_t G = GT ? GT : G_, half = K / 2, ng = K / G;
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    const __m256i id0 = _mm256_loadu_si256((const __m256i *)A.lane), id1 = _mm256_loadu_si256((const __m256i *)(A.lane + 8));
-    const __m256i is0 = _mm256_add_epi32(id0, id0), is1 = _mm256_add_epi32(id1, id1);   /* (s, z) pairs: 2 g */
-    __m256 acc[MT][2], zacc[MT];
-    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = zacc[i] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < half; c += 64) {
-        const int64_t g0 = (2 * c) / G, left = half - c;
-        const bool run = (2 * c) % G == 0 && g0 % 4 == 0;         /* the chunk starts four groups */
-        const __m256 p8 = pairs8(szn, g0, ng);
-        const __m256 s0 = _mm256_permutevar8x32_ps(p8, is0), s1 = _mm256_permutevar8x32_ps(p8, is1);
-        __m256i v0, v1;
-        if (left >= 64) {
-            v0 = _mm256_loadu_si256((const __m256i *)(wn + c));
-            v1 = _mm256_loadu_si256((const __m256i *)(wn + c + 32));
-        } else {                                  /* a last chunk of 16, 32 or 48 bytes */
-            v0 = left >= 32 ? _mm256_loadu_si256((const __m256i *)(wn + c))
-                            : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(wn + c)));
-            v1 = left > 32 ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(wn + c + 32)))
-                           : _mm256_setzero_si256();
-        }
-        const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-        const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-        for (int i = 0; i < MT; i++) {
-            const int8_t *ae = A.ae + (m0 + i) * A.stride + c, *ao = A.ao + (m0 + i) * A.stride + c;
-            const __m256 d8 = _mm256_loadu_ps(A.d + (m0 + i) * A.dstride + g0);
-            const __m256i p0 = _mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_loadu_si256((const __m256i *)ae)),
-                                 _mm256_maddubs_epi16(hi0, _mm256_loadu_si256((const __m256i *)ao))), ones);
-            const __m256i p1 = _mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo1, _mm256_loadu_si256((const __m256i *)(ae + 32))),
-                                 _mm256_maddubs_epi16(hi1, _mm256_loadu_si256((const __m256i *)(ao + 32)))), ones);
-            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0),
-                                        _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d8, id0)), acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
-                                        _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(d8, id1)), acc[i][1]);
-            if (run)
-                zacc[i] = _mm256_fmadd_ps(p8, _mm256_loadu_ps(A.az + (m0 + i) * A.zstride + 2 * g0), zacc[i]);
-        }
-    }
-    const __m256 zero = _mm256_setzero_ps();
-    for (int i = 0; i < MT; i++)
-        out[i] = reduce(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), zacc[i]), zero, zero, zero);
-}
-
-/* The same arithmetic with AVX-512 VNNI: one 64-byte chunk per register, vpdpbusd. */
-template <int MT, int GT>
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline void a8_tile_vnni(const A8 &A, int64_t m0, int64_t K, int64_t G_, const uint8_t *wn,
-                                const uint16_t *szn, float *out) {
-    const int64_t G = GT ? GT : G_, half = K / 2, ng = K / G;
-    const __m512i low = _mm512_set1_epi8(15);
-    const __m512i id = _mm512_loadu_si512((const void *)A.lane), is = _mm512_add_epi32(id, id);
-    __m512 acc[MT];
-    __m256 zacc[MT];
-    for (int i = 0; i < MT; i++) {
-        acc[i] = _mm512_setzero_ps();
-        zacc[i] = _mm256_setzero_ps();
-    }
-    for (int64_t c = 0; c < half; c += 64) {
-        const int64_t g0 = (2 * c) / G, left = half - c;
-        const bool run = (2 * c) % G == 0 && g0 % 4 == 0;
-        const __m256 p8 = pairs8(szn, g0, ng);
-        const __m512 s = _mm512_permutexvar_ps(is, _mm512_castps256_ps512(p8));
-        /* a plain load where the chunk is whole: Zen 4's masked byte loads ran the kernel 3x slower */
-        const __m512i v = left >= 64 ? _mm512_loadu_si512((const void *)(wn + c))
-                                     : _mm512_maskz_loadu_epi8(((__mmask64)1 << left) - 1, wn + c);
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        for (int i = 0; i < MT; i++) {
-            const int8_t *ae = A.ae + (m0 + i) * A.stride + c, *ao = A.ao + (m0 + i) * A.stride + c;
-            const __m512 d = _mm512_permutexvar_ps(
-                id, _mm512_castps256_ps512(_mm256_loadu_ps(A.d + (m0 + i) * A.dstride + g0)));
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                                      _mm512_loadu_si512((const void *)ae)),
-                                                  hi, _mm512_loadu_si512((const void *)ao));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s, d), acc[i]);
-            if (run)
-                zacc[i] = _mm256_fmadd_ps(p8, _mm256_loadu_ps(A.az + (m0 + i) * A.zstride + 2 * g0), zacc[i]);
-        }
-    }
-    const __m256 zero = _mm256_setzero_ps();
-    for (int i = 0; i < MT; i++) {
-        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
-                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-        out[i] = reduce(_mm256_add_ps(h, zacc[i]), zero, zero, zero);
-    }
-}
-
-/* weight rows n0..n1-1 times every row of a: y[m, n], in tiles of up to four rows of a */
-#define A8_ROWS(TILE)                                                                  \
-    const int64_t G = GT ? GT : G_, half = K / 2, ng = K / G;                          \
-    float s[4];                                                                        \
-    for (int64_t n = n0; n < n1; n++) {                                                \
-        const uint8_t *wn = w + n * half;                                              \
-        const uint16_t *szn = sz + n * 2 * ng;                                         \
-        const float b = bias ? bias[n] : 0.0f;                                         \
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {                                        \
-            const int64_t mt = M - m0 < 4 ? M - m0 : 4;                                \
-            switch (mt) {                                                              \
-                case 4: TILE<4, GT>(A, m0, K, G, wn, szn, s); break;                   \
-                case 3: TILE<3, GT>(A, m0, K, G, wn, szn, s); break;                   \
-                case 2: TILE<2, GT>(A, m0, K, G, wn, szn, s); break;                   \
-                default: TILE<1, GT>(A, m0, K, G, wn, szn, s); break;                  \
-            }                                                                          \
-            for (int64_t i = 0; i < mt; i++) y[(m0 + i) * N + n] = s[i] + b;           \
-        }                                                                              \
-    }
-
-template <int GT>
-static void a8_rows(const A8 &A, int64_t M, int64_t K, int64_t G_, const uint8_t *w, const uint16_t *sz,
-                    const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
-    A8_ROWS(a8_tile)
-}
-
-template <int GT>
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void a8_rows_vnni(const A8 &A, int64_t M, int64_t K, int64_t G_, const uint8_t *w, const uint16_t *sz,
-                         const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
-    A8_ROWS(a8_tile_vnni)
-}
-#undef A8_ROWS
-
-static void gemv_int4_a8(const A8 &A, int64_t M, int64_t K, int64_t G, const uint8_t *w, int64_t N,
-                         const uint16_t *sz, const float *bias, float *y) {
-    /* the group size a template argument where it is one of the usual ones: g0 a shift, not a division */
-    using Rows = void (*)(const A8 &, int64_t, int64_t, int64_t, const uint8_t *, const uint16_t *, const float *,
-                          float *, int64_t, int64_t, int64_t);
-    const bool v = use_vnni && vnni();
-    const Rows rows = G == 32 ? (v ? a8_rows_vnni<32> : a8_rows<32>) : G == 64 ? (v ? a8_rows_vnni<64> : a8_rows<64>)
-                    : G == 128 ? (v ? a8_rows_vnni<128> : a8_rows<128>)
-                    : G == 256 ? (v ? a8_rows_vnni<256> : a8_rows<256>) : (v ? a8_rows_vnni<0> : a8_rows<0>);
-    const int64_t chunk = chunk_rows(K / 2, N), chunks = (N + chunk - 1) / chunk;
-    #pragma omp parallel for schedule(dynamic, 1) if (parallel_worth(M, K, N))
-    for (int64_t i = 0; i < chunks; i++)
-        rows(A, M, K, G, w, sz, bias, y, N, i * chunk, i * chunk + chunk < N ? i * chunk + chunk : N);
-}
-
 /* The operators' checks of a float32 vector argument [N] (a clear message, never a read out of
  * bounds): vec returns its data; bias_of returns NULL for None. */
 static const float *vec(const char *op, const char *name, const at::Tensor &t, int64_t N) {
@@ -802,9 +609,6 @@ static const float *check_int4(const char *name, int64_t unit, const at::Tensor 
     const int64_t K = x.size(1), N = weight.size(0);
     TORCH_CHECK(G >= unit && G % unit == 0 && K % G == 0,
                 name, ": group_size must be a multiple of ", unit, " dividing K=", K, "; got ", G);
-    /* per_block reads rows in chunks of 128 weights: a group must hold whole chunks or a chunk whole groups */
-    TORCH_CHECK(unit != 32 || 128 % G == 0 || G % 128 == 0,
-                name, ": group_size must be 32, 64 or a multiple of 128; got ", G);
     TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.size(1) == K / 2 &&
                 weight.is_contiguous() && weight.device().is_cpu(),
                 name, ": weight must be a contiguous uint8 CPU tensor [N, K/2=", K / 2, "]; got ",
@@ -853,85 +657,19 @@ static at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const
     return y;
 }
 
-/* per_block's rounding of one row x [K] (groups of G, a multiple of 32): per group
- * d = amax / 127 and e = round(x * 127 / amax) (round half to even, as torch.round), evens into
- * ae and odds into ao; d per group; az gets the zero terms (-8 d A, d A) with A the group's sum of
- * e; the padding (64 bytes of ae and ao, 8 values of d and az) zeroed. A group with a non-finite value gets
- * e = 0 and d = NaN; one too small for 127 / amax to be finite (amax < ~4e-37) counts as zeros. */
-static void round_groups(const float *x, int64_t K, int64_t G, int8_t *ae, int8_t *ao, float *d, float *az) {
-    const int64_t ng = K / G, half = K / 2;
-    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
-    const __m256i evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    for (int64_t g = 0; g < ng; g++) {
-        const float *xg = x + g * G;
-        __m256 amax8 = zero, bad8 = zero;
-        for (int64_t k = 0; k < G; k += 8) {
-            const __m256 v = _mm256_loadu_ps(xg + k);
-            amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v));
-            bad8 = _mm256_or_ps(bad8, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_NEQ_UQ));   /* inf - inf, NaN */
-        }
-        alignas(32) float a[8];
-        _mm256_store_ps(a, amax8);
-        float amax = a[0];
-        for (int j = 1; j < 8; j++) amax = std::fmax(amax, a[j]);
-        const bool finite = _mm256_movemask_ps(bad8) == 0;
-        const float dg = finite ? amax / 127.0f : NAN, r = 127.0f / amax;
-        const float inv = finite && amax > 0.0f && std::isfinite(r) ? r : 0.0f;
-        const __m256 invv = _mm256_set1_ps(inv);
-        __m256i sum8 = _mm256_setzero_si256();
-        int8_t *e = ae + g * G / 2, *o = ao + g * G / 2;
-        for (int64_t k = 0; k < G; k += 16) {
-            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + k), invv));       /* e0 o0 .. e3 o3 */
-            __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + k + 8), invv));   /* e4 o4 .. e7 o7 */
-            if (!finite) i0 = i1 = _mm256_setzero_si256();
-            sum8 = _mm256_add_epi32(sum8, _mm256_add_epi32(i0, i1));
-            i0 = _mm256_permutevar8x32_epi32(i0, evens_first);
-            i1 = _mm256_permutevar8x32_epi32(i1, evens_first);
-            const __m256i ev = _mm256_permute2x128_si256(i0, i1, 0x20), od = _mm256_permute2x128_si256(i0, i1, 0x31);
-            const __m256i p16 = _mm256_packs_epi32(ev, od);        /* e0-3 o0-3 e0-3 o0-3 | e4-7 o4-7 ... */
-            const __m256i p8 = _mm256_packs_epi16(p16, p16);
-            const uint64_t lo = (uint64_t)_mm_cvtsi128_si64(_mm256_castsi256_si128(p8)),
-                           hi = (uint64_t)_mm_cvtsi128_si64(_mm256_extracti128_si256(p8, 1));
-            const uint64_t evens = (lo & 0xffffffffu) | (hi << 32), odds = (lo >> 32) | (hi & 0xffffffff00000000u);
-            std::memcpy(e + k / 2, &evens, 8);
-            std::memcpy(o + k / 2, &odds, 8);
-        }
-        alignas(32) int32_t t[8];
-        _mm256_store_si256((__m256i *)t, sum8);
-        const int32_t sum = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-        d[g] = dg;
-        az[2 * g] = -8.0f * dg * (float)sum;
-        az[2 * g + 1] = dg * (float)sum;
-    }
-    std::memset(d + ng, 0, 8 * sizeof(float));
-    std::memset(az + 2 * ng, 0, 8 * sizeof(float));
-    std::memset(ae + half, 0, 64);
-    std::memset(ao + half, 0, 64);
-}
-
-void w4a8(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *w, const uint16_t *sz, int64_t N,
-          const float *bias, float *y) {
-    const int64_t half = K / 2, ng = K / G, stride = half + 64, dstride = ng + 8, zstride = 2 * ng + 8;
-    const std::unique_ptr<int8_t[]> a8(new int8_t[2 * M * stride]);      /* uninitialized: round_groups fills it */
-    const std::unique_ptr<float[]> dz(new float[M * (dstride + zstride)]);
-    int8_t *ae = a8.get(), *ao = ae + M * stride;
-    float *d = dz.get(), *az = d + M * dstride;
-    for (int64_t m = 0; m < M; m++)
-        round_groups(x + m * K, K, G, ae + m * stride, ao + m * stride, d + m * dstride, az + m * zstride);
-    A8 A{ae, ao, d, az, stride, dstride, zstride, {}};
-    for (int l = 0; l < 16; l++) A.lane[l] = (int32_t)((8 * l) / G);
-    gemv_int4_a8(A, M, K, G, w, N, sz, bias, y);
-}
-
-/* The W4A8 operator (w4a8): the same arguments as int4_gemv; x is rounded here. */
+/* The W4A8 operator: the same arguments as int4_gemv; the weight is packed for w4a8_products.cpp's
+ * kernel at every call (int4_pack_a8; a model's layers keep their packed copy: int4_a8_packed) */
 static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
                                int64_t group_size, const std::optional<at::Tensor> &bias) {
     const float *b = check_int4("int4_gemv_a8", 32, x, weight, scale_zero, group_size, bias);
-    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size, T = (N + 31) / 32;
     at::Tensor xc = x.contiguous();
+    const std::unique_ptr<uint8_t[]> packed(new uint8_t[T * (K / 4) * 64]);
+    const std::unique_ptr<float[]> params(new float[T * (K / G) * 64]);
+    pack_int4_a8(weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(scale_zero.data_ptr<at::BFloat16>()), N,
+                 K, G, packed.get(), params.get());
     at::Tensor y = at::empty({M, N}, x.options());
-    w4a8(xc.data_ptr<float>(), M, K, group_size, weight.data_ptr<uint8_t>(),
-         reinterpret_cast<const uint16_t *>(scale_zero.data_ptr<at::BFloat16>()), N, b, y.data_ptr<float>());
+    w4a8(xc.data_ptr<float>(), M, K, G, packed.get(), params.get(), N, b, y.data_ptr<float>());
     return y;
 }
 

@@ -201,8 +201,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
         scale_zero: bfloat16 ``[N, K / group_size, 2]``, contiguous: each row's groups'
             (scale, zero) (the layer's ``scale_zero [K/g, N, 2]`` transposed, see
             :meth:`~.linear.QuantizedLinear.gemv_params`).
-        group_size: inputs per group, a multiple of 16 dividing K (for ``"per_block"``: 32, 64
-            or a multiple of 128, dividing K).
+        group_size: inputs per group, a multiple of 16 dividing K (for ``"per_block"``: of 32).
         bias: float32 ``[N]`` or None.
         activations: ``"exact"`` or ``"per_block"``.
 
@@ -223,8 +222,6 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < unit or group_size % unit \
             or K % group_size:
         raise ValueError(f"group_size={group_size!r}: expected a multiple of {unit} dividing K={K}")
-    if activations == "per_block" and 128 % group_size and group_size % 128:   # the kernel's chunks of 128 weights
-        raise ValueError(f"group_size={group_size}: per_block takes 32, 64 or a multiple of 128")
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] * 2 != K or not weight.is_contiguous() \
             or weight.device.type != "cpu" or weight.shape[0] == 0:
         raise ValueError(f"weight must be a contiguous uint8 CPU tensor [N, K/2={K // 2}]; got {weight.dtype} "

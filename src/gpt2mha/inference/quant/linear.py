@@ -379,9 +379,10 @@ class QuantizedLinear(nn.Module):
         7-bit weights, :func:`int8_matmul_per_row`, at every size) or ``"auto"`` (per shape:
         ``"exact"``'s integer pieces where it runs them, ``"per_row"`` where it would run the
         dequantized weight). int4 layers take ``"exact"`` (float32 activations on the GEMV kernel
-        for decode steps) or ``"per_block"`` (decode steps on the kernel's W4A8 product, each
-        activation row rounded to 8 bits per group of ``group_size``, as llama.cpp's q8_0
-        activations; other products as ``"exact"``): :data:`SCHEME_ACTIVATIONS`.
+        for decode steps) or ``"per_block"`` (every product, decode steps and prompts, on the
+        kernel's W4A8 product, each activation row rounded to 8 bits per group of
+        ``group_size``, as llama.cpp's q8_0 activations; on the CPU where gpt2mha's kernels
+        load, else as ``"exact"``): :data:`SCHEME_ACTIVATIONS`.
 
         Raises:
             ValueError: (on setting) a value this layer's scheme does not take (:data:`SCHEME_ACTIVATIONS`).
@@ -460,6 +461,12 @@ class QuantizedLinear(nn.Module):
             else:
                 q7, scales7, packed, wsum = self.per_row_weights()
                 y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
+        elif self.activations == "per_block" and gemv.available():
+            # W4A8 on the packed copy, every row count (prompts as decode steps; RESULTS.md,
+            # "W4A8 on packed tiles")
+            y = torch.ops.gpt2mha.int4_a8_packed(x2.float().contiguous(), *self.a8_packed(), self.group_size,
+                                                 self.n_out, bias)
+            fused = True
         elif many:
             y = self.dequantized_product(x2.float())
         elif tokens == 1 and self.weight.is_contiguous() and gemv.available():
@@ -467,8 +474,7 @@ class QuantizedLinear(nn.Module):
             if self.scheme == "int8":
                 y = torch.ops.gpt2mha.int8_gemv(x2.float(), self.weight, self.gemv_scales(), bias)
             else:
-                op = torch.ops.gpt2mha.int4_gemv_a8 if self.activations == "per_block" else torch.ops.gpt2mha.int4_gemv
-                y = op(x2.float(), self.weight, self.gemv_scales(), self.group_size, bias)
+                y = torch.ops.gpt2mha.int4_gemv(x2.float(), self.weight, self.gemv_scales(), self.group_size, bias)
             fused = True
         elif self.scheme == "int8":
             kernel = int8_kernel()
@@ -588,6 +594,25 @@ class QuantizedLinear(nn.Module):
             self.__dict__["_per_row_packed"] = cached
         return cached[1]
 
+    def a8_packed(self):
+        """``(packed, params)`` for ``torch.ops.gpt2mha.int4_a8_packed`` (an int4 layer's W4A8
+        product, ``activations="per_block"``): the nibbles in tiles of 32 output channels by 4
+        inputs, uint8 ``[ceil(n_out/32), n_in/4, 64]``, and per tile and group the channels'
+        scales and offsets ``z − 8·s``, float32 ``[ceil(n_out/32), n_in/group_size, 2, 32]``
+        (``kernels/w4a8_products.cpp`` describes the layout). Made on first use and again whenever
+        ``weight`` or ``scale_zero`` change (as :meth:`per_row_packed`; every call for
+        inference-mode tensors, which count no writes). Not part of the state dict."""
+        key = (self.weight, self.scale_zero, _version(self.weight), _version(self.scale_zero))
+        cached = self.__dict__.get("_a8_packed")
+        if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:] \
+                or self.weight.is_inference() or self.scale_zero.is_inference():
+            with torch.inference_mode(False), torch.no_grad():
+                cached = (key, torch.ops.gpt2mha.int4_pack_a8(self.weight.contiguous(),
+                                                              self.scale_zero.transpose(0, 1).contiguous(),
+                                                              self.group_size))
+            self.__dict__["_a8_packed"] = cached
+        return cached[1]
+
     def fbgemm_packed(self):
         """FBGEMM's packed copy of the int8 weight (:func:`fbgemm_pack`), made on first use and
         made again whenever ``weight`` or ``scales`` is another tensor or was written in place
@@ -625,6 +650,7 @@ class QuantizedLinear(nn.Module):
         state.pop("_fbgemm", None)
         state.pop("_per_row", None)
         state.pop("_per_row_packed", None)
+        state.pop("_a8_packed", None)
         state.pop("_gemv", None)
         return state
 
