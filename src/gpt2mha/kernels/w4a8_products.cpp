@@ -123,42 +123,62 @@ struct Rows {
     int64_t K, G, ng;
 };
 
-/* MT rows of a (from m0) times tile pt [K/4, 64] with its params pp [ng, 2, 32]: out [MT, 32] */
+/* Groups g0..g1-1 of MT rows of e (row stride K, from the tile's first input) times a tile pt: the exact sums
+ * run on from acc [2 MT, 16] (int32, row i's channels 0-15 then 16-31), and after each group they are stored,
+ * cumulative, in sums [g1 - g0, 2 MT, 16]; acc keeps them for the next call. Cumulative, never zeroed between
+ * groups: with the accumulators zeroed at each group GCC copied every one at every step and spilled some. */
 template <int MT>
-VNNI_TARGET static inline void tile_vnni(const Rows &A, int64_t m0, const uint8_t *pt, const float *pp, float *out) {
-    const int64_t steps = A.G / 4;
+VNNI_TARGET static inline void sums_vnni(const int8_t *e, int64_t K, const uint8_t *pt, int64_t steps, int64_t g0,
+                                         int64_t g1, int32_t *state, int32_t *sums) {
     const __m512i low = _mm512_set1_epi8(15);
-    __m512 f[MT][2];
-    for (int i = 0; i < MT; i++) f[i][0] = f[i][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < A.ng; g++) {
-        __m512i acc[MT][2];
-        for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
-        const uint8_t *pg = pt + g * steps * 64;
-        const int8_t *eg = A.e + m0 * A.K + g * A.G;
-        for (int64_t s = 0; s < steps; s++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(pg + 64 * s));
+    __m512i acc[2 * MT];
+    for (int i = 0; i < 2 * MT; i++) acc[i] = _mm512_loadu_si512((const void *)(state + 16 * i));
+    for (int64_t g = g0; g < g1; g++) {
+        for (int64_t s = g * steps; s < (g + 1) * steps; s++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(pt + 64 * s));
             const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int i = 0; i < MT; i++) {
-                int32_t four;
-                std::memcpy(&four, eg + i * A.K + 4 * s, 4);
-                const __m512i b = _mm512_set1_epi32(four);
-                acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], lo, b);
-                acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], hi, b);
+                const __m512i b = _mm512_broadcastd_epi32(_mm_loadu_si32((const void *)(e + i * K + 4 * s)));
+                acc[2 * i] = _mm512_dpbusd_epi32(acc[2 * i], lo, b);
+                acc[2 * i + 1] = _mm512_dpbusd_epi32(acc[2 * i + 1], hi, b);
             }
         }
-        const float *pq = pp + g * 64;
-        const __m512 s0 = _mm512_loadu_ps(pq), s1 = _mm512_loadu_ps(pq + 16);
-        const __m512 o0 = _mm512_loadu_ps(pq + 32), o1 = _mm512_loadu_ps(pq + 48);
-        for (int i = 0; i < MT; i++) {
-            const __m512 dd = _mm512_set1_ps(A.d[(m0 + i) * A.ng + g]), da = _mm512_set1_ps(A.da[(m0 + i) * A.ng + g]);
-            f[i][0] = _mm512_fmadd_ps(o0, da, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][0]), _mm512_mul_ps(s0, dd), f[i][0]));
-            f[i][1] = _mm512_fmadd_ps(o1, da, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][1]), _mm512_mul_ps(s1, dd), f[i][1]));
+        for (int i = 0; i < 2 * MT; i++) _mm512_storeu_si512((void *)(sums + ((g - g0) * 2 * MT + i) * 16), acc[i]);
+    }
+    for (int i = 0; i < 2 * MT; i++) _mm512_storeu_si512((void *)(state + 16 * i), acc[i]);
+}
+
+/* MT rows of a (from m0) times tile pt [K/4, 64] with its params pp [ng, 2, 32]: out [MT, 32]. Groups in
+ * blocks of GROUPS: their cumulative sums (sums_vnni), then each group's (this one's less the last) scaled. */
+template <int MT>
+VNNI_TARGET static inline void tile_vnni(const Rows &A, int64_t m0, const uint8_t *pt, const float *pp, float *out) {
+    constexpr int64_t GROUPS = 8;
+    const int64_t steps = A.G / 4;
+    int32_t state[2 * MT * 16], sums[GROUPS * 2 * MT * 16], last[2 * MT * 16];
+    std::memset(state, 0, sizeof(state));
+    std::memset(last, 0, sizeof(last));
+    __m512 f[2 * MT];
+    for (int i = 0; i < 2 * MT; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < A.ng; g0 += GROUPS) {
+        const int64_t g1 = g0 + GROUPS < A.ng ? g0 + GROUPS : A.ng;
+        sums_vnni<MT>(A.e + m0 * A.K, A.K, pt, steps, g0, g1, state, sums);
+        for (int64_t g = g0; g < g1; g++) {
+            const float *pq = pp + g * 64;
+            const int32_t *now = sums + (g - g0) * 2 * MT * 16, *before = g == g0 ? last : now - 2 * MT * 16;
+            for (int i = 0; i < MT; i++) {
+                const __m512 dd = _mm512_set1_ps(A.d[(m0 + i) * A.ng + g]), da = _mm512_set1_ps(A.da[(m0 + i) * A.ng + g]);
+                for (int h = 0; h < 2; h++) {
+                    const int64_t j = 2 * i + h;
+                    const __m512i q = _mm512_sub_epi32(_mm512_loadu_si512((const void *)(now + 16 * j)),
+                                                       _mm512_loadu_si512((const void *)(before + 16 * j)));
+                    f[j] = _mm512_fmadd_ps(_mm512_loadu_ps(pq + 32 + 16 * h), da,
+                                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(_mm512_loadu_ps(pq + 16 * h), dd), f[j]));
+                }
+            }
         }
+        std::memcpy(last, state, sizeof(last));
     }
-    for (int i = 0; i < MT; i++) {
-        _mm512_storeu_ps(out + 32 * i, f[i][0]);
-        _mm512_storeu_ps(out + 32 * i + 16, f[i][1]);
-    }
+    for (int i = 0; i < 2 * MT; i++) _mm512_storeu_ps(out + 16 * i, f[i]);
 }
 
 /* The same on AVX2: a step's 64 bytes as two halves of 8 channels' low and high nibbles each,
