@@ -1,4 +1,4 @@
-"""Quantized prefill against float32, per product route: ``python benchmarks/quant_prefill.py kernels|prefill|quality``.
+"""Quantized prefill against float32, per product route: ``python benchmarks/quant_prefill.py kernels|prefill|quality|quality-int4``.
 
 The measurements behind ``QuantizedLinear``'s per-shape choice (``DEQUANTIZE_FROM_ROWS``) and
 its ``activations="per_row"`` option, on CPUs whose int8 kernel is FBGEMM (no VNNI/AMX):
@@ -19,6 +19,10 @@ its ``activations="per_row"`` option, on CPUs whose int8 kernel is FBGEMM (no VN
   dequantized, then ``x̂ @ deq(W)ᵀ``: the integer products' result up to float32 rounding).
   Every product runs on the quantized kernels here (the dequantized route is forbidden), so
   "exact" means the integer pieces.
+- ``quality-int4``: the same measure for the int4 configurations of the quality table
+  (docs/explanation/quantization.md): W4A8 (``activations="per_block"``, every product: the
+  scored windows are prompts) and the exact route beside each, groups of 32 and 64, the int8 or
+  the int4 head, GPTQ and RTN.
 
 Timing: one thread (``--threads``), CPU time (``time.process_time``, so time other processes
 take from the core is not counted), contenders round-robin in one process, median of
@@ -222,9 +226,34 @@ def quality(args) -> None:
         print(f"  {name:56} top-1 {top1:.2%} (decisive {decisive:.2%})  bits/byte {bpb:.4f}", flush=True)
 
 
+#: quality-int4's configurations: (name, quantize() keywords)
+INT4_CONFIGS = (("int4 g32 (GPTQ)", {}), ("int4 g32 (RTN)", {"method": "rtn"}),
+                ("int4 g64 (GPTQ)", {"group_size": 64}), ("int4 g32, int4 head (GPTQ)", {"head": "int4"}),
+                ("int4 g64, int4 head (GPTQ)", {"head": "int4", "group_size": 64}),
+                ("int4 g32, int4 head (RTN)", {"head": "int4", "method": "rtn"}))
+
+
+def quality_int4(args) -> None:
+    from gpt2mha.inference.quant import set_activations
+    ref = GPT2.from_pretrained("shakespeare-byte").eval()
+    text = real_text_tokens(ref.config, args.bytes, REPO_TEXT, tail=True)
+    n = ref.config.n_ctx
+    print(f"shakespeare-byte, {len(text)} held-out bytes; float32 bits/byte {bits_per_byte(ref, text, n):.4f}")
+    with torch.inference_mode():
+        for name, kw in INT4_CONFIGS:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = copy.deepcopy(ref).quantize("int4", activations="per_block", **kw)
+            for acts in ("per_block", "exact"):
+                set_activations(model, acts)
+                top1, decisive = top1_agreements(ref, model, text)
+                print(f"  {name:30} activations={acts:9} top-1 {top1:.2%} (decisive {decisive:.2%})  "
+                      f"bits/byte {bits_per_byte(model, text, n):.4f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("kernels", "prefill", "quality"))
+    p.add_argument("what", choices=("kernels", "prefill", "quality", "quality-int4"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (median taken)")
     p.add_argument("--rows", default="1,8,16,32,64,128,256,512", help="kernels: input rows")
@@ -239,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args.lengths = [int(r) for r in args.lengths.split(",")]
     torch.set_num_threads(args.threads)
     with torch.inference_mode():
-        {"kernels": kernels, "prefill": prefill, "quality": quality}[args.what](args)
+        {"kernels": kernels, "prefill": prefill, "quality": quality, "quality-int4": quality_int4}[args.what](args)
     return 0
 
 
