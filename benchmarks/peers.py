@@ -20,14 +20,14 @@ The contenders:
   the same W7A8 products inside the compiled step); int8 with ``activations="auto"`` (the
   exact products for decode, W7A8 for prompts of 64+ tokens; compiled, its decode step is
   int8 compiled's); int4 compiled (the block products on gpt2mha's int4 GEMV kernel, float32
-  activations; the int8 head on the int8 one); int4 with ``activations="per_block"`` (decode
-  steps W4A8: activations rounded to 8 bits per group of 32, as llama.cpp's q8_0), eager and compiled;
+  activations; the int8 head on the int8 one); int4 with ``activations="per_block"`` (every
+  product W4A8: activations rounded to 8 bits per group of 32, as llama.cpp's q8_0), eager and compiled;
   the same with ``head="int4"`` ("int4 per_block head4": the LM head int4 in groups of 32 too, 24 MB
   a step against the int8 head's 38.6, W4A8 like the blocks), quantized with GPTQ on the packaged
   text (round to nearest put an int4 head below q4_0's agreement), saved once and reused; and
   that in groups of 64 ("int4 per_block head4 g64": 69.5 MB a step against q4_0's 80).
   "Eager" per_row and per_block run on gpt2mha's forward in one C++ call
-  (``gpt2mha.inference.native``: per_row's prompts and steps, per_block's steps), which
+  (``gpt2mha.inference.native``: their prompts and steps), which
   ``generate`` uses for them without ``compile``;
 * transformers float32 (``GPT2LMHeadModel``, sdpa): the reference every ratio divides by;
 * llama.cpp (through llama-cpp-python): GGUF f32 written with the ``gguf`` package (llama.cpp's

@@ -94,7 +94,7 @@ def test_int4_exact_sweep():
 
 def test_int4_per_block_sweep():
     for seed, r, g in _sweep("int4_gemv_a8"):
-        M, K, N, G, x, packed, sz, b, w, terms = _int4_case(r, g, (32, 64, 128, 256, 384), 800)
+        M, K, N, G, x, packed, sz, b, w, terms = _int4_case(r, g, (32, 64, 96, 128, 256, 384), 800)
         what = f"seed {seed}: M={M} K={K} N={N} G={G} bias={b is not None}"
         if r.random() < 0.3:
             x[0, :G] = 0.0                                                  # an all-zero group: d = 0
