@@ -499,6 +499,28 @@ def test_the_packed_w4a8_operator_is_the_per_call_one(M):
 
 
 @needs_kernel
+def test_a_per_block_layer_follows_new_data_and_takes_empty_inputs():
+    # a break-it review: `weight.data = t` kept the old packed tiles (their identity and write count
+    # unchanged), and zero rows reached the operator, which wants M >= 1
+    from gpt2mha.inference.quant.linear import QuantizedLinear
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_float(torch.randn(45, 128), torch.randn(45), "int4", 32)
+    layer.activations = "per_block"
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        layer(x)
+        layer.weight.data = torch.randint(0, 256, layer.weight.shape, dtype=torch.uint8)
+        want = torch.ops.gpt2mha.int4_gemv_a8(x, layer.weight, layer.scale_zero.transpose(0, 1).contiguous(), 32,
+                                              layer.bias)
+        assert torch.equal(layer(x), want)
+        layer.scale_zero.data = layer.scale_zero * 2
+        want = torch.ops.gpt2mha.int4_gemv_a8(x, layer.weight, layer.scale_zero.transpose(0, 1).contiguous(), 32,
+                                              layer.bias)
+        assert torch.equal(layer(x), want)
+        assert layer(torch.empty(0, 128)).shape == (0, 45) and layer(torch.empty(2, 0, 128)).shape == (2, 0, 45)
+
+
+@needs_kernel
 def test_per_block_int4_models_decode_on_w4a8_and_keep_it_in_their_checkpoint(tmp_path):
     from unittest import mock
     import warnings

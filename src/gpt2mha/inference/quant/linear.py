@@ -66,7 +66,7 @@ DEQUANTIZE_CHUNK = 1 << 22
 #: dequantized float32 GEMM (:meth:`QuantizedLinear.dequantize_for`: prefill of many tokens on
 #: CPUs without VNNI).
 ACTIVATIONS = ("exact", "per_row", "auto", "per_block")
-#: The values each scheme's layers take: ``"per_block"`` is int4's W4A8 decode (:func:`~.gemv.int4_gemv`).
+#: The values each scheme's layers take: ``"per_block"`` is int4's W4A8 (:func:`~.gemv.int4_gemv`), every product.
 SCHEME_ACTIVATIONS = {"int8": ("exact", "per_row", "auto"), "int4": ("exact", "per_block")}
 
 
@@ -345,7 +345,9 @@ class QuantizedLinear(nn.Module):
     (:func:`~.gemv.int8_gemv`: the float32 product of the dequantized weight, closer to float32
     than the pieces; decided per sequence, never by the batch size, so batch invariance holds);
     int4 decode steps likewise run :func:`~.gemv.int4_gemv` (float32 activations), other int4
-    products hand torch's int4 kernel :data:`KERNEL_DTYPE` activations; on CPUs
+    products hand torch's int4 kernel :data:`KERNEL_DTYPE` activations; int4 with
+    ``activations="per_block"`` runs every product (steps and prompts) on the W4A8 kernel over
+    its packed copy (:meth:`a8_packed`) where it builds; on CPUs
     without VNNI/AMX, inputs of :data:`DEQUANTIZE_FROM_ROWS` rows or more run
     :meth:`dequantized_product` instead. The product comes back to x's dtype before the bias is
     added (float32 bias and residual stream for a float32 model). Elsewhere the weight is
@@ -461,7 +463,7 @@ class QuantizedLinear(nn.Module):
             else:
                 q7, scales7, packed, wsum = self.per_row_weights()
                 y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
-        elif self.activations == "per_block" and gemv.available():
+        elif self.activations == "per_block" and gemv.available() and x2.shape[0] > 0:
             # W4A8 on the packed copy, every row count (prompts as decode steps; RESULTS.md,
             # "W4A8 on packed tiles")
             y = torch.ops.gpt2mha.int4_a8_packed(x2.float().contiguous(), *self.a8_packed(), self.group_size,
@@ -565,7 +567,8 @@ class QuantizedLinear(nn.Module):
         FBGEMM's packed copy (None where the kernel is ``_int_mm``) and the row sums; made on
         first use and again whenever ``weight`` or ``scales`` change (as :meth:`fbgemm_packed`).
         Not part of the state dict."""
-        key = (self.weight, self.scales, _version(self.weight), _version(self.scales), int8_kernel())
+        key = (self.weight, self.scales, _version(self.weight), _version(self.scales), int8_kernel(),
+               self.weight.data_ptr(), self.scales.data_ptr())
         cached = self.__dict__.get("_per_row")
         if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
             with torch.inference_mode(False), torch.no_grad():
@@ -583,7 +586,8 @@ class QuantizedLinear(nn.Module):
         sums as int32, the 7-bit scales as float32 and the float row sums of ``q7 · scales7``;
         made on first use and again whenever ``weight`` or ``scales`` change (as
         :meth:`per_row_weights`). Not part of the state dict."""
-        key = (self.weight, self.scales, _version(self.weight), _version(self.scales))
+        key = (self.weight, self.scales, _version(self.weight), _version(self.scales), self.weight.data_ptr(),
+               self.scales.data_ptr())
         cached = self.__dict__.get("_per_row_packed")
         if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
             with torch.inference_mode(False), torch.no_grad():
@@ -600,9 +604,11 @@ class QuantizedLinear(nn.Module):
         inputs, uint8 ``[ceil(n_out/32), n_in/4, 64]``, and per tile and group the channels'
         scales and offsets ``z − 8·s``, float32 ``[ceil(n_out/32), n_in/group_size, 2, 32]``
         (``kernels/w4a8_products.cpp`` describes the layout). Made on first use and again whenever
-        ``weight`` or ``scale_zero`` change (as :meth:`per_row_packed`; every call for
-        inference-mode tensors, which count no writes). Not part of the state dict."""
-        key = (self.weight, self.scale_zero, _version(self.weight), _version(self.scale_zero))
+        ``weight`` or ``scale_zero`` change: another tensor, a write in place, new data
+        (``p.data = t``); every call for inference-mode tensors, which count no writes. Not part
+        of the state dict."""
+        key = (self.weight, self.scale_zero, _version(self.weight), _version(self.scale_zero), self.weight.data_ptr(),
+               self.scale_zero.data_ptr())
         cached = self.__dict__.get("_a8_packed")
         if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:] \
                 or self.weight.is_inference() or self.scale_zero.is_inference():
@@ -618,7 +624,8 @@ class QuantizedLinear(nn.Module):
         made again whenever ``weight`` or ``scales`` is another tensor or was written in place
         (a packed copy is never stale). Not part of the state dict; copies of the layer
         (``copy.deepcopy``, pickling) make their own."""
-        key = (self.weight, self.scales, _version(self.weight), _version(self.scales))
+        key = (self.weight, self.scales, _version(self.weight), _version(self.scales), self.weight.data_ptr(),
+               self.scales.data_ptr())
         cached = self.__dict__.get("_fbgemm")
         if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
             with torch.inference_mode(False), torch.no_grad():
@@ -637,9 +644,9 @@ class QuantizedLinear(nn.Module):
             (lambda t: t.transpose(0, 1).contiguous())
         if scales.is_inference():                # no version counter: a write in place would go unseen
             return convert(scales)
-        key = (scales, _version(scales))
+        key = (scales, _version(scales), scales.data_ptr())
         cached = self.__dict__.get("_gemv")
-        if cached is None or cached[0][0] is not key[0] or cached[0][1] != key[1]:
+        if cached is None or cached[0][0] is not key[0] or cached[0][1:] != key[1:]:
             cached = (key, convert(scales))
             self.__dict__["_gemv"] = cached
         return cached[1]

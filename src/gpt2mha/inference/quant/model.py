@@ -329,7 +329,7 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
     overwritten with the dequantized head, so the float embedding lookup and the head read the
     same numbers, and a checkpoint stores them once (quantized): the model reloads with
     identical logits. LayerNorms, biases and ``wpe`` stay float. An int4 head takes the blocks'
-    activations (``"per_block"``: W4A8 in decode steps, as the blocks).
+    activations (``"per_block"``: W4A8 in every product, as the blocks).
 
     ``method="gptq"`` (the default) rounds the weights by :func:`gptq`, block after block, so
     that the layers' outputs on the calibration text stay close to the float model's;
@@ -430,14 +430,14 @@ def set_activations(model, activations: str) -> None:
       float32 weight (:meth:`~.linear.QuantizedLinear.dequantize_for`: 64 tokens or more per
       sequence on CPUs without VNNI, where that GEMM is no faster than float32). Decode keeps
       the exact route's agreement; a prompt's forward (and a scored window) gets per_row's.
-    - ``"per_block"`` (int4 models; ``"exact"`` is their default): decode steps run the GEMV
-      kernel's W4A8 product, each activation row rounded to 8 bits per group of the weight's
-      ``group_size`` inputs (llama.cpp's q8_0 activations against its q4_0 weights), exact int32
-      sums (:func:`~.gemv.int4_gemv`), each step in one C++ call on the CPU
-      (:mod:`~gpt2mha.inference.native`); prompts as ``"exact"``; an int8 head stays exact, an
-      int4 one (``head="int4"``) takes W4A8 as the blocks. Where
-      the kernel does not build it changes nothing. Fewer instructions per weight than the float32
-      activations of ``"exact"`` (RESULTS.md, "int4 on the kernel").
+    - ``"per_block"`` (int4 models; ``"exact"`` is their default): every product, decode steps
+      and prompts, runs the W4A8 kernel (``kernels/w4a8_products.cpp``), each activation row
+      rounded to 8 bits per group of the weight's ``group_size`` inputs (llama.cpp's q8_0
+      activations against its q4_0 weights), exact int32 sums over weights packed for it
+      (:func:`~.gemv.int4_gemv`), each step and prompt in one C++ call on the CPU
+      (:mod:`~gpt2mha.inference.native`); an int8 head stays exact, an int4 one
+      (``head="int4"``) takes W4A8 as the blocks. Where the kernel does not build it changes
+      nothing (RESULTS.md, "W4A8 on packed tiles").
 
     Set on the layers of the model's scheme (an int4 model's int8 head keeps ``"exact"``; an int4
     head takes it).
