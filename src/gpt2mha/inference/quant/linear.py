@@ -567,8 +567,8 @@ class QuantizedLinear(nn.Module):
         FBGEMM's packed copy (None where the kernel is ``_int_mm``) and the row sums; made on
         first use and again whenever ``weight`` or ``scales`` change (as :meth:`fbgemm_packed`).
         Not part of the state dict."""
-        key = (self.weight, self.scales, _version(self.weight), _version(self.scales), int8_kernel(),
-               self.weight.data_ptr(), self.scales.data_ptr())
+        key = (self.weight, self.scales, _version(self.weight), _version(self.scales), self.weight.data_ptr(),
+               self.scales.data_ptr(), int8_kernel())                  # the kernel last: read below
         cached = self.__dict__.get("_per_row")
         if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
             with torch.inference_mode(False), torch.no_grad():
