@@ -153,6 +153,41 @@ def test_float32_products_sweep(op):
             assert (fused - F.gelu(y, approximate="tanh")).abs().max() <= 1e-6 * max(y.abs().max().item(), 1.0), what
 
 
+@pytest.mark.parametrize("op", ["conv1d_bf16", "linear_bf16"])
+def test_bf16_products_sweep(op):
+    # bf16 weights, up to 80 rows (conv1d_bf16's packed-strip prompt path from 64), odd K, part tiles;
+    # reference: conv1d_bf16's documented order (bias, then per pair k, k+1 the odd product then the
+    # even one, float32 adds of exact products), rounded to bf16; linear_bf16 within float32 rounding
+    from gpt2mha.inference import dense
+    for seed, r, g in _sweep(op):
+        M, K, N = r.randint(1, 80), r.randint(1, 200), r.randint(1, 80)
+        x = torch.randn(M, K, generator=g).bfloat16().float()
+        w = torch.randn(K, N, generator=g).bfloat16()
+        b = torch.randn(N, generator=g).bfloat16().float() if r.random() < 0.5 else None
+        what = f"seed {seed}: M={M} K={K} N={N} bias={b is not None}"
+        if op == "conv1d_bf16":
+            call = lambda v, gelu=False: dense.conv1d(v, w, b, gelu=gelu)          # noqa: E731
+            y = call(x)
+            xf, wf = x, w.float()
+            acc = (torch.zeros(N) if b is None else b).expand(M, -1).clone()
+            for k in range(0, K, 2):
+                if k + 1 < K:
+                    acc = acc + xf[:, k + 1:k + 2] * wf[k + 1]
+                acc = acc + xf[:, k:k + 1] * wf[k]
+            assert torch.equal(y, acc.bfloat16().float()), what
+            fused = call(x, gelu=True)
+            want = F.gelu(y.bfloat16(), approximate="tanh").float()
+            assert torch.allclose(fused, want, rtol=2 ** -7, atol=1e-6), what
+        else:
+            wt = w.t().contiguous()
+            call = lambda v, gelu=False: dense.linear(v, wt, b)                     # noqa: E731
+            y = call(x)
+            ref = x.double() @ w.double() + (0 if b is None else b.double())
+            bound = (K + 8) * 2.0 ** -24 * (x.double().abs() @ w.double().abs() + (0 if b is None else b.double().abs()))
+            assert ((y.double() - ref).abs() <= bound + 1e-30).all(), what
+        _rows_alone(call, x, y, r, what)
+
+
 def test_causal_attention_sweep():
     for seed, r, g in _sweep("causal_attention"):
         B, h, T, D = r.randint(1, 3), r.randint(1, 4), r.randint(2, 48), r.choice((8, 16, 24, 32, 40, 64))

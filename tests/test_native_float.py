@@ -269,7 +269,8 @@ def _bf16_reference(x, w, b):
     return acc.bfloat16()
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 768, 2304), (8, 64, 96), (3, 24, 40), (17, 8, 7), (5, 137, 1001), (9, 13, 33)])
+@pytest.mark.parametrize("M,K,N", [(1, 768, 2304), (8, 64, 96), (3, 24, 40), (17, 8, 7), (5, 137, 1001), (9, 13, 33),
+                                   (12, 40, 70), (70, 33, 65), (64, 96, 32)])   # tiles of 8+4; prompts: 8s+4+1+1, odd K
 def test_bf16_products_sum_in_vdpbf16ps_order_and_each_row_is_its_own(M, K, N, both_paths):
     torch.manual_seed(M + K + N)
     x, w, b = torch.randn(M, K).bfloat16().float(), torch.randn(K, N).bfloat16(), torch.randn(N).bfloat16().float()

@@ -189,11 +189,14 @@ static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t>
  * float32 and bf16 (the Conv1D's weight [K, N] as the model holds it, its bias [N] as float32:
  * float_products.cpp, bf16_products.cpp). */
 static const int64_t FLOAT32 = -1, BF16 = -2;
-/* a bf16 prompt of this many rows or more multiplies by torch's addmm (oneDNN) */
+/* a bf16 prompt of this many rows or more multiplies by torch's addmm (oneDNN) on CPUs without AVX-512
+ * BF16 (conv1d_bf16 adds on 8 float32 lanes there); with it, conv1d_bf16's packed strips are level with
+ * oneDNN (RESULTS.md, "bf16 products without stored accumulators") and give a row's products the bits it
+ * has alone */
 static const int64_t ONEDNN_ROWS = 32;
 struct Product {
     int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32; BF16 */
-    bool prompt = false;     /* T > 1: a bf16 model's prompts of ONEDNN_ROWS rows take oneDNN's GEMM */
+    bool prompt = false;     /* T > 1: without AVX-512 BF16, a bf16 prompt of ONEDNN_ROWS rows takes oneDNN's GEMM */
     int count() const { return G < 0 ? 2 : G ? 3 : 5; }
     void check(const at::Tensor *t, int64_t N, int64_t K, const std::string &name, int64_t layer, bool bias = true) const {
         if (G < 0) {
@@ -212,9 +215,9 @@ struct Product {
     void operator()(const at::Tensor *t, const float *x, int64_t M, int64_t K, int64_t N, float *y, bool gelu) const {
         if (G == FLOAT32) {
             conv1d_f32(x, M, K, t[0].data_ptr<float>(), N, t[1].data_ptr<float>(), gelu, y);
-        } else if (G == BF16 && prompt && M >= ONEDNN_ROWS) {
+        } else if (G == BF16 && prompt && M >= ONEDNN_ROWS && !bf16_dot_products()) {
             /* a bf16 prompt: oneDNN's bf16 GEMM (torch's addmm, the model's own product: fp32 sums rounded to
-             * bf16 once; ~3x conv1d_bf16 at 512 rows), x's bf16 values and the bias exact in bf16 */
+             * bf16 once), x's bf16 values and the bias exact in bf16 */
             const auto f32 = at::TensorOptions().dtype(at::kFloat);
             const at::Tensor xb = at::from_blob(const_cast<float *>(x), {M, K}, f32).to(at::kBFloat16);
             const at::Tensor out = at::addmm(t[1].to(at::kBFloat16), xb, t[0]).to(at::kFloat);

@@ -49,6 +49,9 @@ void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
 
 /* p[0 .. n) rounded to the nearest bf16 (ties to even), kept as float32 (bf16_products.cpp) */
 void round_bf16(float *p, int64_t n);
+/* whether conv1d_bf16 and linear_bf16 take AVX-512 BF16's vdpbf16ps now (the CPU has it and the AVX-512
+ * paths are on) */
+bool bf16_dot_products();
 
 /* Causal attention of q [B, h, T, D] over k, v [B, h, S, D] (S >= T, OpenAI's bottom-right
  * mask), last dimensions contiguous; returns o [B, T, h, D] permuted to [B, h, T, D]
