@@ -75,7 +75,8 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump(dict(benchmark="cuda_decode", device=torch.cuda.get_device_name(), torch=torch.__version__,
                            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           command="python benchmarks/cuda_decode.py --json FILE", rows=rows), f, indent=1)
+                           command="python benchmarks/cuda_decode.py --json FILE",
+                           source="written by benchmarks/cuda_decode.py --json", rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
