@@ -132,8 +132,8 @@ def test_int8_per_row_sweep():
 def test_float32_products_sweep(op):
     # inference/dense.py's operators: x @ W + b in GPT-2's Conv1D layout ([K, N]) or F.linear's ([N, K])
     from gpt2mha.inference import dense
-    for seed, r, g in _sweep(op):
-        M, K, N = r.randint(1, 17), r.randint(1, 300), r.randint(1, 80)
+    for seed, r, g in _sweep(op):                                # up to 80 rows: conv1d_f32's prompt path from 64
+        M, K, N = r.choice((r.randint(1, 17), r.randint(1, 80))), r.randint(1, 300), r.randint(1, 80)
         x = torch.randn(M, K, generator=g)
         w = torch.randn(K, N, generator=g) * 0.1
         b = torch.randn(N, generator=g) if r.random() < 0.5 else None

@@ -83,7 +83,8 @@ def _close(got, want):
 # ---- the products ----
 
 @pytest.mark.parametrize("M,K,N", [(1, 768, 2304), (8, 768, 768), (3, 8, 7), (17, 24, 40), (5, 136, 1001),
-                                   (2, 3072, 768), (9, 13, 33), (16, 64, 129)])
+                                   (2, 3072, 768), (9, 13, 33), (16, 64, 129),
+                                   (70, 37, 101), (64, 96, 50)])   # prompts (64+ rows): packed strips, part ones
 def test_the_products_are_torchs_to_float32_rounding_and_each_row_its_own(M, K, N, both_paths):
     torch.manual_seed(M * K + N)
     x, w, wt, b = torch.randn(M, K), torch.randn(K, N), torch.randn(N, K), torch.randn(N)
