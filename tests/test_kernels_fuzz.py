@@ -157,7 +157,7 @@ def test_float32_products_sweep(op):
 def test_bf16_products_sweep(op):
     # bf16 weights, up to 80 rows (conv1d_bf16's packed-strip prompt path from 64), odd K, part tiles;
     # reference: conv1d_bf16's documented order (bias, then per pair k, k+1 the odd product then the
-    # even one, float32 adds of exact products), rounded to bf16; linear_bf16 within float32 rounding
+    # even one, each a fused multiply-add), rounded to bf16; linear_bf16 within float32 rounding
     from gpt2mha.inference import dense
     for seed, r, g in _sweep(op):
         M, K, N = r.randint(1, 80), r.randint(1, 200), r.randint(1, 80)
@@ -168,12 +168,12 @@ def test_bf16_products_sweep(op):
         if op == "conv1d_bf16":
             call = lambda v, gelu=False: dense.conv1d(v, w, b, gelu=gelu)          # noqa: E731
             y = call(x)
-            xf, wf = x, w.float()
+            xf, wf = x.double(), w.double()                   # each step fused: exact in float64, rounded once
             acc = (torch.zeros(N) if b is None else b).expand(M, -1).clone()
             for k in range(0, K, 2):
                 if k + 1 < K:
-                    acc = acc + xf[:, k + 1:k + 2] * wf[k + 1]
-                acc = acc + xf[:, k:k + 1] * wf[k]
+                    acc = (acc.double() + xf[:, k + 1:k + 2] * wf[k + 1]).float()
+                acc = (acc.double() + xf[:, k:k + 1] * wf[k]).float()
             assert torch.equal(y, acc.bfloat16().float()), what
             fused = call(x, gelu=True)
             want = F.gelu(y.bfloat16(), approximate="tanh").float()

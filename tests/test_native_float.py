@@ -259,14 +259,15 @@ def test_models_the_float32_route_does_not_take_decode_as_before():
 
 def _bf16_reference(x, w, b):
     """conv1d_bf16's order for every output: bias, then per pair (k, k+1) the odd product then the even one,
-    each a float32 add of an exact product (vdpbf16ps's order), then rounded to bf16."""
-    xf, wf = x.bfloat16().float(), w.float()
+    each a fused multiply-add in float32 (vdpbf16ps's order: float64 holds each step exactly before its one
+    rounding), then rounded to bf16."""
+    xf, wf = x.bfloat16().double(), w.double()
     K = xf.shape[1]
     acc = b.float().expand(xf.shape[0], -1).clone()
     for k in range(0, K, 2):
         if k + 1 < K:
-            acc = acc + xf[:, k + 1:k + 2] * wf[k + 1]
-        acc = acc + xf[:, k:k + 1] * wf[k]
+            acc = (acc.double() + xf[:, k + 1:k + 2] * wf[k + 1]).float()
+        acc = (acc.double() + xf[:, k:k + 1] * wf[k]).float()
     return acc.bfloat16()
 
 
@@ -289,6 +290,17 @@ def test_bf16_products_sum_in_vdpbf16ps_order_and_each_row_is_its_own(M, K, N, b
             assert torch.equal(dense.linear(x[m:m + 1], wt)[0], lin[m])
     wide, narrow = both_paths(lambda: (dense.conv1d(x, w, b, gelu=True), dense.linear(x, wt)))
     assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])   # vdpbf16ps = its adds on AVX2
+
+
+def test_bf16_products_fuse_each_step_where_a_product_overflows(both_paths):
+    # 3e38 * 2 overflows float32 alone; fused with the bias it is 3e38: both paths fuse, as vdpbf16ps does
+    # (a break-it review found the AVX2 path rounding the product first: inf there, 3.0e38 here)
+    x, b = torch.tensor([[3e38, 3e38]]), torch.tensor([-3e38])
+    w = torch.tensor([[2.0], [0.0]]).bfloat16()
+    pair = torch.tensor([[2.0], [-2.0]]).bfloat16()
+    for conv, two, lin in both_paths(lambda: (dense.conv1d(x, w, b), dense.conv1d(x, pair), dense.linear(x, pair.t().contiguous()))):
+        assert torch.equal(conv, _bf16_reference(x, w, b).float()) and conv.isfinite().all()
+        assert two.item() == float("-inf") and lin.item() == float("-inf")    # fma(3e38, 2, -inf): -inf, not nan
 
 
 @pytest.mark.parametrize("n_embd,n_head,n_vocab", [(64, 4, 97), (8, 1, 37), (256, 2, 1001), (96, 12, 61)])

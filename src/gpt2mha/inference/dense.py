@@ -5,9 +5,9 @@ the LM head over ``wte``) behind checked wrappers that pick by the weight's dtyp
 forward (:mod:`.native`) calls the same kernels from C++ for float32 and bf16 models.
 
 bf16 weights: the activations are rounded to bf16 (a bf16 model's already are), every product
-of two bf16 values is exact in float32, the sums are float32 in AVX-512 BF16's ``vdpbf16ps``
-order (the same adds on 8 float32 lanes on CPUs without it: the same bits, but where the
-instruction flushes a subnormal to zero), and ``conv1d`` rounds its output to bf16 (as a bf16
+of two bf16 values is exact in float32, the sums are float32 fused multiply-adds in AVX-512
+BF16's ``vdpbf16ps`` order (the same on 8 float32 lanes on CPUs without it: the same bits, but
+where the instruction flushes a subnormal to zero), and ``conv1d`` rounds its output to bf16 (as a bf16
 model's GEMMs do), then GELU and bf16 again if asked; ``linear`` returns float32 (the head's
 logits).
 
@@ -61,8 +61,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         bias: float32 ``[N]`` or None.
 
     Returns:
-        float32 ``[M, N]``: output ``(m, n)`` sums ``x[m, k]·weight[n, k]`` in 16 lanes (lane l
-        takes k ≡ l mod 16, in order), then the lanes in a fixed tree, then ``+ bias[n]``.
+        float32 ``[M, N]``: output ``(m, n)`` sums ``x[m, k]·weight[n, k]`` in 16 lanes (float32
+        weights: lane l takes k ≡ l mod 16, in order; bf16: lane l takes the pairs k = 32j + 2l,
+        2l + 1, in ``vdpbf16ps``'s order), then the lanes in a fixed tree, then ``+ bias[n]``.
 
     Raises:
         RuntimeError: the kernels are not loaded.

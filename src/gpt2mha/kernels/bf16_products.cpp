@@ -10,10 +10,12 @@
  * order of our own.
  *
  * The order, per output lane, is that of AVX-512 BF16's vdpbf16ps over pairs of inputs (measured: the
- * instruction adds the odd product, then the even one, each rounded as a float32 add): acc = bias (or 0),
- * then for k = 0, 2, 4, ...: acc = (acc + x[k+1] w[k+1]) + x[k] w[k]. CPUs without AVX-512 BF16 take
- * the same adds on 8 float32 lanes (the same bits, but where the instruction flushes a subnormal input
- * or sum to zero). conv1d_bf16's lanes are output columns (no horizontal sum): the two rows k, k+1 of w
+ * instruction takes the odd product, then the even one, each a fused multiply-add): acc = bias (or 0),
+ * then for k = 0, 2, 4, ...: acc = fma(x[k], w[k], fma(x[k+1], w[k+1], acc)). (A product of two bf16
+ * values is exact in float32, so fused or not differs only where a product overflows or falls below
+ * float32's normal range; a break-it review found the instruction fused there, and the other path
+ * rounding the product first.) CPUs without AVX-512 BF16 take the same fmas on 8 float32 lanes (the
+ * same bits, but where the instruction flushes a subnormal input or sum to zero). conv1d_bf16's lanes are output columns (no horizontal sum): the two rows k, k+1 of w
  * are interleaved in registers (vpunpck{l,h}wd) into the pairs vdpbf16ps multiplies, so the weights
  * are read as the model lays them out, no copy; a prompt (PROMPT_ROWS rows or more) packs each 32-column
  * strip so interleaved once per call and runs every row on it. Rows go in tiles of 8, 4, 1: the sums
@@ -34,6 +36,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -365,7 +368,7 @@ static void tile8(const uint16_t *xb, int64_t Kp, const uint16_t *w, int64_t K, 
                 float acc = first ? (bias ? bias[c] : 0.0f) : y[m * N + c];
                 for (int64_t k = k0; k < k1; k += 2) {
                     const float x1 = widen1(xb[m * Kp + k + 1]), w1 = k + 1 < K ? widen1(w[(k + 1) * N + c]) : 0.0f;
-                    acc = (acc + x1 * w1) + widen1(xb[m * Kp + k]) * widen1(w[k * N + c]);
+                    acc = std::fmaf(widen1(xb[m * Kp + k]), widen1(w[k * N + c]), std::fmaf(x1, w1, acc));
                 }
                 y[m * N + c] = acc;
             }
@@ -384,7 +387,7 @@ static void tile8(const uint16_t *xb, int64_t Kp, const uint16_t *w, int64_t K, 
         for (int m = 0; m < MR; m++) {
             const __m256 x0 = _mm256_set1_ps(widen1(xb[m * Kp + k])), x1 = _mm256_set1_ps(widen1(xb[m * Kp + k + 1]));
             for (int q = 0; q < 3; q++)
-                acc[m][q] = _mm256_add_ps(_mm256_add_ps(acc[m][q], _mm256_mul_ps(x1, w1[q])), _mm256_mul_ps(x0, w0[q]));
+                acc[m][q] = _mm256_fmadd_ps(x0, w0[q], _mm256_fmadd_ps(x1, w1[q], acc[m][q]));
         }
     }
     for (int m = 0; m < MR; m++)
@@ -481,7 +484,7 @@ static float dot8(const uint16_t *xb, const uint16_t *wn, int64_t K) {
             const __m256 x0 = _mm256_castsi256_ps(_mm256_slli_epi32(xp, 16)), x1 = _mm256_castsi256_ps(_mm256_and_si256(xp, odd));
             const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(wp, 16)), w1 = _mm256_castsi256_ps(_mm256_and_si256(wp, odd));
             __m256 &a = half ? hi : lo;
-            a = _mm256_add_ps(_mm256_add_ps(a, _mm256_mul_ps(x1, w1)), _mm256_mul_ps(x0, w0));
+            a = _mm256_fmadd_ps(x0, w0, _mm256_fmadd_ps(x1, w1, a));
         }
     }
     return hsum8(_mm256_add_ps(lo, hi));
