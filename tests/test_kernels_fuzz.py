@@ -128,6 +128,14 @@ def test_int8_per_row_sweep():
         assert (fused - F.gelu(y, approximate="tanh")).abs().max() <= 1e-6 * max(y.abs().max().item(), 1.0), what
 
 
+def _within_float32(y, x, w, b, what):
+    """y = x @ w + b (w [K, N]) within float32 summation's rounding of the float64 product: (K + 8) units
+    of 2^-24 relative to |x| @ |w| + |b|, whatever the order."""
+    ref = x.double() @ w.double() + (0 if b is None else b.double())
+    bound = (x.shape[1] + 8) * 2.0 ** -24 * (x.double().abs() @ w.double().abs() + (0 if b is None else b.double().abs()))
+    assert ((y.double() - ref).abs() <= bound + 1e-30).all(), what
+
+
 @pytest.mark.parametrize("op", ["conv1d_f32", "linear_f32"])
 def test_float32_products_sweep(op):
     # inference/dense.py's operators: x @ W + b in GPT-2's Conv1D layout ([K, N]) or F.linear's ([N, K])
@@ -144,9 +152,7 @@ def test_float32_products_sweep(op):
             wt = w.t().contiguous()
             call = lambda v, gelu=False: dense.linear(v, wt, b)                     # noqa: E731
         y = call(x)
-        ref = x.double() @ w.double() + (0 if b is None else b.double())
-        bound = (K + 8) * 2.0 ** -24 * (x.double().abs() @ w.double().abs() + (0 if b is None else b.double().abs()))
-        assert ((y.double() - ref).abs() <= bound + 1e-30).all(), what
+        _within_float32(y, x, w, b, what)
         _rows_alone(call, x, y, r, what)
         if op == "conv1d_f32":
             fused = call(x, gelu=True)
@@ -182,9 +188,7 @@ def test_bf16_products_sweep(op):
             wt = w.t().contiguous()
             call = lambda v, gelu=False: dense.linear(v, wt, b)                     # noqa: E731
             y = call(x)
-            ref = x.double() @ w.double() + (0 if b is None else b.double())
-            bound = (K + 8) * 2.0 ** -24 * (x.double().abs() @ w.double().abs() + (0 if b is None else b.double().abs()))
-            assert ((y.double() - ref).abs() <= bound + 1e-30).all(), what
+            _within_float32(y, x, w, b, what)
         _rows_alone(call, x, y, r, what)
 
 

@@ -66,11 +66,11 @@ bool bf16_dot_products() { return bf16_dot(); }
 /* ---- rounding to bf16 ---- */
 
 /* float32 -> the nearest bf16 (ties to even) as its 16 bits; NaN stays a (quiet) NaN */
-static inline uint16_t bits1(float f) {
+static inline uint16_t bits1(float f) {                /* without a branch: GCC vectorizes its loops */
     uint32_t u;
     std::memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, q = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? q : r);
 }
 
 static inline __m256i bits8(__m256 f) {              /* 8 lanes of bits1, in the low halves of 32-bit lanes */
@@ -148,14 +148,6 @@ alignas(64) static const int32_t NAT1[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 1
  * stored every one at every step, ~2x slower.) For MR = 1 this is x_bits' layout. */
 static inline int tile_rows(int64_t M, int64_t m0) { return M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : 1; }
 
-/* bits1 without a branch (GCC vectorizes it) */
-static inline uint16_t bits1v(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, q = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? q : r);
-}
-
 static std::unique_ptr<uint32_t[]> x_pairs(const float *x, int64_t M, int64_t K, int64_t Kp) {
     std::unique_ptr<uint32_t[]> p(new uint32_t[M * Kp / 2]());
     const int64_t M8 = M / 8 * 8, M4 = M - M8 >= 4 ? M8 + 4 : M8;
@@ -166,7 +158,7 @@ static std::unique_ptr<uint32_t[]> x_pairs(const float *x, int64_t M, int64_t K,
         for (int64_t m = 0; m < M; m++) {             /* row m's group: [g0, g0 + MR), as tile_rows makes them */
             const int64_t g0 = m < M8 ? m / 8 * 8 : m < M4 ? M8 : m;
             const int MR = m < M8 ? 8 : m < M4 ? 4 : 1;
-            for (int64_t k = 0; k < K; k++) bits[k] = bits1v(x[m * K + k]);
+            for (int64_t k = 0; k < K; k++) bits[k] = bits1(x[m * K + k]);
             uint32_t *t = p.get() + g0 * Kp / 2 + (m - g0);
             for (int64_t q = 0; q < Kp / 2; q++) {
                 uint32_t pair;
