@@ -15,9 +15,10 @@
  * values is exact in float32, so fused or not differs only where a product overflows or falls below
  * float32's normal range; a break-it review found the instruction fused there, and the other path
  * rounding the product first.) CPUs without AVX-512 BF16 take the same fmas on 8 float32 lanes (the
- * same bits, but where the instruction flushes a subnormal input or sum to zero). conv1d_bf16's lanes are output columns (no horizontal sum): the two rows k, k+1 of w
- * are interleaved in registers (vpunpck{l,h}wd) into the pairs vdpbf16ps multiplies, so the weights
- * are read as the model lays them out, no copy; a prompt (PROMPT_ROWS rows or more) packs each 32-column
+ * same bits, but where the instruction flushes a subnormal input or sum to zero). conv1d_bf16's lanes
+ * are output columns (no horizontal sum): the two rows k, k+1 of w are interleaved in registers
+ * (vpunpck{l,h}wd) into the pairs vdpbf16ps multiplies, so the weights are read as the model lays them
+ * out, no copy; a prompt (PROMPT_ROWS rows or more) packs each 32-column
  * strip so interleaved once per call and runs every row on it. Rows go in tiles of 8, 4, 1: the sums
  * of a row are the same whichever tile holds it. linear_bf16's 16 lanes each take the pairs at k = 32j +
  * 2l, then (l, l + 8), (l, l + 4), (l, l + 2), (0, 1) are added (float_products.cpp's tree), + bias.
