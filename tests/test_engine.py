@@ -141,7 +141,7 @@ def test_info_names_the_route_and_why_not_the_others(capsys):
     assert "decode       the native forward (batch invariant" in out
     assert main(["info", "--quantize", "int8", "--quantize-method", "rtn"]) == 0
     out = capsys.readouterr().out
-    assert "decode       the decode view" in out and "not the native forward: not a float32, bf16, int8 per_row" in out
+    assert "decode       the decode view" in out and "not the native forward: not a float32, bf16, fp16, int8 per_row" in out
 
 
 @pytest.mark.parametrize("route", ["per_row", "per_block"])

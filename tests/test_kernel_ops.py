@@ -43,6 +43,8 @@ def _cases():
         "linear_f32": (x, torch.randn(20, 64, generator=g), None),
         "conv1d_bf16": (x, torch.randn(64, 20, generator=g).bfloat16(), b, True),
         "linear_bf16": (x, torch.randn(20, 64, generator=g).bfloat16(), b),
+        "conv1d_f16": (x, torch.randn(64, 20, generator=g).half(), b, True),
+        "linear_f16": (x, torch.randn(20, 64, generator=g).half(), b),
     }
 
 

@@ -192,6 +192,38 @@ def test_bf16_products_sweep(op):
         _rows_alone(call, x, y, r, what)
 
 
+@pytest.mark.parametrize("op", ["conv1d_f16", "linear_f16"])
+def test_fp16_products_sweep(op):
+    # fp16 weights, up to 80 rows (the packed-strip prompt path from 64), odd K, part tiles; x rounded to fp16
+    # by the operator. Reference: float64's exact sums of the fp16 values; conv1d_f16 rounds its float32 sum
+    # (within float32's rounding of them) to fp16 once, so it is one of the two fp16 values around that sum
+    from gpt2mha.inference import dense
+    for seed, r, g in _sweep(op):
+        M, K, N = r.randint(1, 80), r.randint(1, 200), r.randint(1, 80)
+        x = torch.randn(M, K, generator=g)
+        w = (torch.randn(K, N, generator=g) * 0.3).half()
+        b = torch.randn(N, generator=g).half().float() if r.random() < 0.5 else None
+        what = f"seed {seed}: M={M} K={K} N={N} bias={b is not None}"
+        x16 = x.half().float()
+        if op == "conv1d_f16":
+            call = lambda v, gelu=False: dense.conv1d(v, w, b, gelu=gelu)          # noqa: E731
+            y = call(x)
+            assert torch.equal(y.half().float(), y), what
+            ref = x16.double() @ w.double() + (0 if b is None else b.double())
+            bound = (K + 8) * 2.0 ** -24 * (x16.double().abs() @ w.double().abs() + (0 if b is None else b.double().abs()))
+            step = 2.0 ** -10 * ref.abs() + 2.0 ** -24               # one fp16 step (subnormals: 2^-24)
+            assert ((y.double() - ref).abs() <= bound + step).all(), what
+            fused = call(x, gelu=True)
+            want = F.gelu(y.half(), approximate="tanh").float()
+            assert torch.allclose(fused, want, rtol=2 ** -9, atol=1e-6), what
+        else:
+            wt = w.t().contiguous()
+            call = lambda v, gelu=False: dense.linear(v, wt, b)                     # noqa: E731
+            y = call(x)
+            _within_float32(y, x16, w, b, what)
+        _rows_alone(call, x, y, r, what)
+
+
 def test_causal_attention_sweep():
     for seed, r, g in _sweep("causal_attention"):
         B, h, T, D = r.randint(1, 3), r.randint(1, 4), r.randint(2, 48), r.choice((8, 16, 24, 32, 40, 64))

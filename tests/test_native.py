@@ -204,7 +204,7 @@ def test_models_it_does_not_fit_decode_as_before():
     assert fresh is not kept and torch.equal(fresh.ln_f[1], model.ln_f.bias)
     set_activations(model, "exact")
     assert native_step(model) is None                                # int4 with float32 activations
-    with pytest.raises(ValueError, match="no native forward for this model: not a float32, bf16, int8 per_row or int4 per_block"):
+    with pytest.raises(ValueError, match="no native forward for this model: not a float32, bf16, fp16, int8 per_row or int4 per_block"):
         NativeStep(model)
     model.quantization["activations"] = "per_block"                  # the record says per_block, the layers do not
     assert native.why_not(model) == "its blocks are not all int4 with per_block activations or int8 with per_row ones"

@@ -124,11 +124,11 @@ def test_the_wrappers_name_what_does_not_fit():
         dense.conv1d(x.double(), w)
     with pytest.raises(ValueError, match=r"x must be a non-empty"):
         dense.conv1d(torch.randn(0, 8), w)
-    with pytest.raises(ValueError, match=r"weight must be a contiguous float32 or bfloat16 CPU tensor \[K, N\] with K=8"):
+    with pytest.raises(ValueError, match=r"weight must be a contiguous float32, bfloat16 or float16 CPU tensor \[K, N\] with K=8"):
         dense.conv1d(x, torch.randn(5, 8))
     with pytest.raises(ValueError, match=r"\(not contiguous\)"):
         dense.conv1d(x, torch.randn(5, 8).t())
-    with pytest.raises(ValueError, match=r"weight must be a contiguous float32 or bfloat16 CPU tensor \[N, K\] with K=8"):
+    with pytest.raises(ValueError, match=r"weight must be a contiguous float32, bfloat16 or float16 CPU tensor \[N, K\] with K=8"):
         dense.linear(x, w)
     with pytest.raises(ValueError, match=r"bias must be a contiguous float32 CPU tensor \[N=5\]"):
         dense.conv1d(x, w, torch.randn(4))
@@ -240,7 +240,7 @@ def test_models_the_float32_route_does_not_take_decode_as_before():
     assert native.why_not(model) == "its blocks' layers are not all float32 Conv1Ds with biases"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert native_step(_model().to(torch.float16)) is None
+        assert native_step(_model().to(torch.float64)) is None
     odd = _model(n_embd=36, n_head=3)                                # head_dim 12
     assert native.why_not(odd) == "head_dim=12 is not a multiple of 8 (the kernels' vectors)"
     with torch.no_grad():

@@ -1,8 +1,9 @@
-"""The Python side of gpt2mha's float32 and bf16 products (``src/gpt2mha/kernels/float_products.cpp``,
-``bf16_products.cpp``): the operators ``torch.ops.gpt2mha.conv1d_f32`` and ``conv1d_bf16`` (GPT-2's
-Conv1D layout, ``x @ W + b``) and ``linear_f32`` and ``linear_bf16`` (``F.linear``'s, ``x @ Wᵀ + b``:
-the LM head over ``wte``) behind checked wrappers that pick by the weight's dtype. The native
-forward (:mod:`.native`) calls the same kernels from C++ for float32 and bf16 models.
+"""The Python side of gpt2mha's float32, bf16 and fp16 products (``src/gpt2mha/kernels/float_products.cpp``,
+``bf16_products.cpp``): the operators ``torch.ops.gpt2mha.conv1d_f32``, ``conv1d_bf16`` and
+``conv1d_f16`` (GPT-2's Conv1D layout, ``x @ W + b``) and ``linear_f32``, ``linear_bf16`` and
+``linear_f16`` (``F.linear``'s, ``x @ Wᵀ + b``: the LM head over ``wte``) behind checked wrappers
+that pick by the weight's dtype. The native forward (:mod:`.native`) calls the same kernels from
+C++ for float32, bf16 and fp16 models.
 
 bf16 weights: the activations are rounded to bf16 (a bf16 model's already are), every product
 of two bf16 values is exact in float32, the sums are float32 fused multiply-adds in AVX-512
@@ -10,6 +11,13 @@ BF16's ``vdpbf16ps`` order (the same on 8 float32 lanes on CPUs without it: the 
 where the instruction flushes a subnormal to zero), and ``conv1d`` rounds its output to bf16 (as a bf16
 model's GEMMs do), then GELU and bf16 again if asked; ``linear`` returns float32 (the head's
 logits).
+
+fp16 weights: the activations are rounded to fp16 (a fp16 model's already are), each weight
+converted to float32 (exact; F16C's ``vcvtph2ps``) and summed exactly as the float32 products
+sum (float32 fused multiply-adds in their order: the same bits as ``conv1d_f32`` over
+``weight.float()``), ``conv1d`` rounds its output to fp16 once (as torch's fp16 GEMM on the CPU
+does: float32 sums, bias included, rounded once), then GELU and fp16 again if asked; ``linear``
+returns float32.
 
 Each output is summed in one fixed order (see the C++ file), so a row's result is the same bits
 whatever the other rows, the number of threads or the instruction set (AVX2 or AVX-512); against
@@ -29,18 +37,19 @@ from .quant import gemv
 def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gelu: bool = False) -> torch.Tensor:
     """``x @ weight + bias`` (GPT-2's Conv1D), then GPT-2's GELU if ``gelu``, by ``conv1d_f32``
-    (float32 weights) or ``conv1d_bf16`` (bf16 weights: see the module's docstring).
+    (float32 weights), ``conv1d_bf16`` or ``conv1d_f16`` (bf16, fp16 weights: see the module's
+    docstring).
 
     Args:
         x: float32 ``[M, K]`` on the CPU (any strides: made contiguous).
-        weight: float32 or bfloat16 ``[K, N]``, contiguous (a :class:`~gpt2mha.core.attention.Conv1D`'s).
+        weight: float32, bfloat16 or float16 ``[K, N]``, contiguous (a :class:`~gpt2mha.core.attention.Conv1D`'s).
         bias: float32 ``[N]`` or None.
         gelu: apply ``0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))`` to each output (simd.h's gelu:
             within a few float32 ulps of ``F.gelu(approximate="tanh")``).
 
     Returns:
         float32 ``[M, N]``: output ``(m, n)`` is ``bias[n]`` then ``+ x[m, k]·weight[k, n]`` fused
-        for k = 0, 1, … in order (bf16: rounded to bf16 values).
+        for k = 0, 1, … in order (bf16: in pairs, rounded to bf16 values; fp16: rounded to fp16 values).
 
     Raises:
         RuntimeError: the kernels are not loaded.
@@ -48,21 +57,21 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             matrix; weight or bias of the wrong dtype, shape, device or layout.
     """
     _check(x, weight, bias, conv=True)
-    op = torch.ops.gpt2mha.conv1d_bf16 if weight.dtype == torch.bfloat16 else torch.ops.gpt2mha.conv1d_f32
-    return op(x, weight, bias, bool(gelu))
+    return getattr(torch.ops.gpt2mha, f"conv1d_{_OPS[weight.dtype]}")(x, weight, bias, bool(gelu))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` (``F.linear``) by ``linear_f32`` or ``linear_bf16`` (bf16 weights).
+    """``x @ weight.T + bias`` (``F.linear``) by ``linear_f32``, ``linear_bf16`` or ``linear_f16``
+    (bf16, fp16 weights).
 
     Args:
         x: float32 ``[M, K]`` on the CPU.
-        weight: float32 or bfloat16 ``[N, K]``, contiguous (an LM head's, or ``wte``).
+        weight: float32, bfloat16 or float16 ``[N, K]``, contiguous (an LM head's, or ``wte``).
         bias: float32 ``[N]`` or None.
 
     Returns:
         float32 ``[M, N]``: output ``(m, n)`` sums ``x[m, k]·weight[n, k]`` in 16 lanes (float32
-        weights: lane l takes k ≡ l mod 16, in order; bf16: lane l takes the pairs k = 32j + 2l,
+        and fp16 weights: lane l takes k ≡ l mod 16, in order; bf16: lane l takes the pairs k = 32j + 2l,
         2l + 1, in ``vdpbf16ps``'s order), then the lanes in a fixed tree, then ``+ bias[n]``.
 
     Raises:
@@ -70,8 +79,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ValueError: as :func:`conv1d`.
     """
     _check(x, weight, bias, conv=False)
-    op = torch.ops.gpt2mha.linear_bf16 if weight.dtype == torch.bfloat16 else torch.ops.gpt2mha.linear_f32
-    return op(x, weight, bias)
+    return getattr(torch.ops.gpt2mha, f"linear_{_OPS[weight.dtype]}")(x, weight, bias)
+
+
+#: the operators' suffix by the weight's dtype: ``conv1d_f32``, ``linear_bf16``, …
+_OPS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 def has_bf16_dot() -> bool:
@@ -89,12 +101,12 @@ def has_bf16_dot() -> bool:
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv: bool) -> None:
     # the operators check too (TORCH_CHECK, a RuntimeError); here the same checks raise ValueError
     if not gemv.available():
-        raise RuntimeError(f"the float32 product kernels are not available: {gemv.unavailable_reason()}")
+        raise RuntimeError(f"the float product kernels are not available: {gemv.unavailable_reason()}")
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor; got {type(t).__name__}")
     if x.requires_grad and torch.is_grad_enabled():
-        raise ValueError("x requires grad: the float32 product kernels are for inference (no backward); call them "
+        raise ValueError("x requires grad: the float product kernels are for inference (no backward); call them "
                          "under torch.no_grad() or torch.inference_mode()")
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
         raise ValueError(f"x must be a non-empty float32 CPU tensor [M, K]; got {x.dtype} {tuple(x.shape)} on "
@@ -102,9 +114,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
     K = x.shape[1]
     layout = "[K, N]" if conv else "[N, K]"
     k_dim = 0 if conv else 1
-    if (weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu"
+    if (weight.dim() != 2 or weight.dtype not in _OPS or weight.device.type != "cpu"
             or not weight.is_contiguous() or weight.shape[k_dim] != K or weight.shape[1 - k_dim] == 0):
-        raise ValueError(f"weight must be a contiguous float32 or bfloat16 CPU tensor {layout} with K={K} (x's "
+        raise ValueError(f"weight must be a contiguous float32, bfloat16 or float16 CPU tensor {layout} with K={K} (x's "
                          f"columns) and N >= 1; got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
                          + ("" if weight.is_contiguous() else " (not contiguous)"))
     N = weight.shape[1 - k_dim]

@@ -58,36 +58,38 @@ from ..core.attention import Conv1D
 from ..core.model import LMHead
 from .quant.linear import QuantizedLinear
 
-#: cached_forward's group_size for float32 and bf16 products (kernels/cached_forward.cpp)
-FLOAT32, BF16 = -1, -2
+#: cached_forward's group_size for float32, bf16 and fp16 products (kernels/cached_forward.cpp)
+FLOAT32, BF16, FP16 = -1, -2, -3
+#: the float kinds of :func:`_kind` and their dtypes
+FLOAT_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _kind(model: nn.Module) -> str:
-    """"per_block", "per_row", "float32", "bf16" or "" (no native forward) from the model's
-    quantization record (float32, bf16: none, and weights of that dtype)."""
+    """"per_block", "per_row", "float32", "bf16", "fp16" or "" (no native forward) from the model's
+    quantization record (float32, bf16, fp16: none, and weights of that dtype)."""
     q = getattr(model, "quantization", None) or {}
     if (q.get("scheme"), q.get("activations")) == ("int4", "per_block"):
         return "per_block"
     if (q.get("scheme"), q.get("activations")) == ("int8", "per_row"):
         return "per_row"
     wte = getattr(getattr(model, "wte", None), "weight", None)
-    if not q and isinstance(wte, torch.Tensor) and wte.dtype in (torch.float32, torch.bfloat16):
-        return "float32" if wte.dtype == torch.float32 else "bf16"
+    if not q and isinstance(wte, torch.Tensor):
+        return {dtype: kind for kind, dtype in FLOAT_DTYPES.items()}.get(wte.dtype, "")
     return ""
 
 
 def why_not(model: nn.Module) -> str:
     """Why ``generate`` does not run ``model`` on the native forward ("" when it does, without
-    ``compile``): not per_row/per_block/float32/bf16, the kernels not built, hooks attached
+    ``compile``): not per_row/per_block/float32/bf16/fp16, the kernels not built, hooks attached
     (global ones too), not on the CPU, blocks cut or mixed, a head_dim that is not a multiple of 8."""
     if not _kind(model):
-        return "not a float32, bf16, int8 per_row or int4 per_block model (model.quantization)"
+        return "not a float32, bf16, fp16, int8 per_row or int4 per_block model (model.quantization)"
     if not gemv.available():
         return f"the C++ kernels are not built ({gemv.unavailable_reason()})"
     if not all(hasattr(model, name) for name in ("wte", "wpe", "h", "ln_f", "lm_head", "config")):
         return "not a GPT2"
     kind = _kind(model)
-    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    dtype = FLOAT_DTYPES.get(kind, torch.float32)
     if model.wte.weight.device.type != "cpu" or model.wte.weight.dtype != dtype:
         return f"the model is {model.wte.weight.dtype} on {model.wte.weight.device}, not {dtype} on the CPU"
     from .compiled import has_hooks
@@ -98,7 +100,7 @@ def why_not(model: nn.Module) -> str:
     head_dim = model.config.n_embd // model.config.n_head
     if head_dim % 8:
         return f"head_dim={head_dim} is not a multiple of 8 (the kernels' vectors)"
-    if kind in ("float32", "bf16"):
+    if kind in FLOAT_DTYPES:
         return _why_not_float(model, dtype)
     scheme = {"per_block": "int4", "per_row": "int8"}.get(kind)
     groups = set()
@@ -204,7 +206,7 @@ class NativeStep:
         c = model.config
         self.sizes = (len(model.h), c.n_head, c.n_embd // c.n_head)
         kind = _kind(model)
-        self.group_size = ({"float32": FLOAT32, "bf16": BF16}.get(kind, 0) if kind != "per_block"
+        self.group_size = ({"float32": FLOAT32, "bf16": BF16, "fp16": FP16}.get(kind, 0) if kind != "per_block"
                            else model.h[0].attn.c_attn.group_size)
         self.eps = float(model.ln_f.eps)
         # what decode_loop runs the prompts on: every prompt, on the products of the steps (per_row's

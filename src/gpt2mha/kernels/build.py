@@ -7,7 +7,7 @@ address,undefined OUT``).
 Standard library only at import (``setup.py`` loads this file by its path in the build
 environment, before gpt2mha is installed); torch is imported where its headers are needed.
 
-The library needs AVX2 and FMA (``-mavx2 -mfma``, checked at load); the AVX-512 VNNI paths are
+The library needs AVX2, FMA and F16C (``-mavx2 -mfma -mf16c``; every AVX2 CPU has F16C); the AVX-512 VNNI paths are
 compiled for their own targets (``__attribute__((target(...)))``) and chosen at run time.
 """
 
@@ -40,7 +40,7 @@ RECORD_SUFFIX = ".json"
 #: (``-isystem``), outside these rules. ``-ffp-contract=off``: the compiler fuses no multiply-add
 #: the sources do not write (the AVX2 and AVX-512 paths give the same bits). ``-g0``: no debug
 #: information (Python's own flags ask for it: 7.8 MB against ~0.5).
-CXX_FLAGS = ("-O3", "-g0", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC",
+CXX_FLAGS = ("-O3", "-g0", "-std=c++20", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC",
              "-Wall", "-Wextra", "-Werror")
 #: Linked against libgomp.so.1: at run time the one torch has loaded (its OpenMP threads are ours).
 LINK_FLAGS = ("-fopenmp",)

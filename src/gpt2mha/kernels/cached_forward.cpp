@@ -1,11 +1,14 @@
-/* gpt2mha's forward in one call for quantized models on the CPU: the operator
+/* gpt2mha's forward in one call for quantized, float32, bf16 and fp16 models on the CPU: the operator
  * torch.ops.gpt2mha.cached_forward (in the library build.py compiles; inference/native.py
  * is its Python side). T new tokens per row through every block and the head, as GPT2.forward
  * does with a KVCache and last_only (core/model.py), in one C++ function: no Python, dispatcher,
  * hook points or allocation between the 12 x 4 products of 124M. Products: int4 with per_block
  * activations (W4A8, w4a8_products.cpp's w4a8, prompts too), int8 with per_row activations (W7A8, per_row), or
  * float32 (float_products.cpp's conv1d_f32 over the model's own [in, out] weights, linear_f32
- * over the head's [V, E]: no rounding the dtype does not imply, each sum in a fixed order).
+ * over the head's [V, E]: no rounding the dtype does not imply, each sum in a fixed order), bf16
+ * (bf16_products.cpp) or fp16 (float_products.cpp's conv1d_f16: conv1d_f32's sums over the fp16
+ * weights' exact float32 values, each output rounded to fp16 as a fp16 model's GEMM rounds it); a
+ * 16-bit model's activations, embeddings and cache rounded where its own forward rounds them.
  *
  * Why it exists (benchmarks/RESULTS.md, "The forward in one call"): at batch 1 an int4 124M
  * step reads ~92 MB, about 2.3 ms at this machine's memory speed, and the compiled step
@@ -37,6 +40,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -83,32 +87,59 @@ static void layer_norm(const float *x, int64_t E, const float *w, const float *b
     }
 }
 
+/* A model's 16-bit dtype (its activations, weights and cache), or none (float32, quantized) */
+enum class Half { none, bf16, fp16 };
+
+/* p[0 .. n) rounded to the model's 16-bit dtype (nothing for none) */
+static inline void round_half(Half hf, float *p, int64_t n) {
+    if (hf == Half::bf16)
+        round_bf16(p, n);
+    else if (hf == Half::fp16)
+        round_fp16(p, n);
+}
+
+/* one 16-bit value (its bits) as float32, exact */
+static inline float widen(Half hf, uint16_t u) {
+    if (hf == Half::fp16)
+        return _cvtsh_ss(u);
+    const uint32_t w = (uint32_t)u << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+}
+
 /* x += y (if y), then h = LayerNorm(x) for rows r of x, y, h [M, E]; rows on the threads from
- * ROWS_PARALLEL rows (a 128-token prompt's 25 LayerNorms took ~1 ms on one). bf16: x and h rounded to
- * bf16 after each (a bf16 model's add and LayerNorm round their outputs). */
+ * ROWS_PARALLEL rows (a 128-token prompt's 25 LayerNorms took ~1 ms on one). bf16, fp16: x and h rounded
+ * after each (a 16-bit model's add and LayerNorm round their outputs). */
 static const int64_t ROWS_PARALLEL = 16;
 static void add_norm(float *x, const float *y, int64_t M, int64_t E, const float *w, const float *b, float eps, float *h,
-                     bool bf16 = false) {
+                     Half hf = Half::none) {
     #pragma omp parallel for schedule(static) if (M >= ROWS_PARALLEL)
     for (int64_t r = 0; r < M; r++) {
         if (y) {
             for (int64_t i = 0; i < E; i += 8)
                 _mm256_storeu_ps(x + r * E + i, _mm256_add_ps(_mm256_loadu_ps(x + r * E + i), _mm256_loadu_ps(y + r * E + i)));
-            if (bf16) round_bf16(x + r * E, E);
+            round_half(hf, x + r * E, E);
         }
         layer_norm(x + r * E, E, w, b, eps, h + r * E);
-        if (bf16) round_bf16(h + r * E, E);
+        round_half(hf, h + r * E, E);
     }
 }
 
-/* 8 cached keys or values as float32: a float32 cache's, or a bf16 cache's (its bits widened) */
+/* a fp16 cache's element (its bits), a type of its own beside bf16's uint16_t */
+struct fp16_bits {
+    uint16_t bits;
+};
+
+/* 8 cached keys or values as float32: a float32 cache's, a bf16 cache's (its bits widened), a fp16 cache's */
 static inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+static inline __m256 load8(const fp16_bits *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* One query q [D] over keys kc [0 .. n) and values vc [n, D] (D a multiple of 8; float32, or bf16 bits
- * C = uint16_t): out [D] = softmax((q k_j) / sqrt(D)) v, the softmax written (s_j - max) / sqrt(D) as
+/* One query q [D] over keys kc [0 .. n) and values vc [n, D] (D a multiple of 8; float32, bf16 bits
+ * C = uint16_t or fp16 bits C = fp16_bits): out [D] = softmax((q k_j) / sqrt(D)) v, the softmax written (s_j - max) / sqrt(D) as
  * causal_attention.cpp's;
  * p [n] scratch. Four keys' dot products at a time, and p v as up to eight independent sums over
  * the keys (one chain of dependent FMAs per key and dimension ran at a quarter of the speed). */
@@ -136,8 +167,8 @@ static void attend(const float *q, const C *kc, const C *vc, int64_t n, int64_t 
         p[j] = hsum8(a);
     }
     const float total = softmax_row(p, n, 1.0f / std::sqrt((float)D));   /* NaN: a NaN row, as SDPA's */
-    if (sizeof(C) == 2)        /* a bf16 model: its weights rounded to bf16 before p v, as SDPA's flash kernel does */
-        round_bf16(p, n);
+    if (sizeof(C) == 2)        /* a 16-bit model: its weights rounded to its dtype before p v, as SDPA's flash kernel does */
+        round_half(std::is_same_v<C, fp16_bits> ? Half::fp16 : Half::bf16, p, n);
     const __m256 tot = _mm256_set1_ps(total);
     for (int64_t d0 = 0; d0 < D; d0 += 64) {                 /* dims d0 .. d0 + 63: up to 8 sums */
         const int64_t nd = D - d0 < 64 ? (D - d0) / 8 : 8;
@@ -186,21 +217,21 @@ static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t>
  * (w4a8_products.cpp's packed [ceil(N/32), K/4, 64] uint8 and params [ceil(N/32), K/G, 2, 32] float32,
  * bias [N]: every row, prompts as steps), five for per_row (packed
  * [ceil(N/32), ceil(K/4), 32, 4] int8, qsum [N] int32, scales [N], wsum [N], bias [N]), two for
- * float32 and bf16 (the Conv1D's weight [K, N] as the model holds it, its bias [N] as float32:
+ * float32, bf16 and fp16 (the Conv1D's weight [K, N] as the model holds it, its bias [N] as float32:
  * float_products.cpp, bf16_products.cpp). */
-static const int64_t FLOAT32 = -1, BF16 = -2;
+static const int64_t FLOAT32 = -1, BF16 = -2, FP16 = -3;
 /* a bf16 prompt of this many rows or more multiplies by torch's addmm (oneDNN) on CPUs without AVX-512
  * BF16 (conv1d_bf16 adds on 8 float32 lanes there); with it, conv1d_bf16's packed strips are level with
  * oneDNN (RESULTS.md, "bf16 products without stored accumulators") and give a row's products the bits it
  * has alone */
 static const int64_t ONEDNN_ROWS = 32;
 struct Product {
-    int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32; BF16 */
+    int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32; BF16; FP16 */
     bool prompt = false;     /* T > 1: without AVX-512 BF16, a bf16 prompt of ONEDNN_ROWS rows takes oneDNN's GEMM */
     int count() const { return G < 0 ? 2 : G ? 3 : 5; }
     void check(const at::Tensor *t, int64_t N, int64_t K, const std::string &name, int64_t layer, bool bias = true) const {
         if (G < 0) {
-            need(t[0], G == BF16 ? at::kBFloat16 : at::kFloat, {K, N}, name + " weight", layer);
+            need(t[0], G == BF16 ? at::kBFloat16 : G == FP16 ? at::kHalf : at::kFloat, {K, N}, name + " weight", layer);
         } else if (G) {
             need(t[0], at::kByte, {(N + 31) / 32, K / 4, 64}, name + " packed", layer);
             need(t[1], at::kFloat, {(N + 31) / 32, K / G, 2, 32}, name + " params", layer);
@@ -223,6 +254,9 @@ struct Product {
             const at::Tensor out = at::addmm(t[1].to(at::kBFloat16), xb, t[0]).to(at::kFloat);
             std::memcpy(y, out.data_ptr<float>(), M * N * sizeof(float));
             if (gelu) gelu_bf16(y, M * N);
+        } else if (G == FP16) {
+            conv1d_f16(x, M, K, reinterpret_cast<const uint16_t *>(t[0].data_ptr<at::Half>()), N, t[1].data_ptr<float>(),
+                       gelu, y);
         } else if (G == BF16) {
             conv1d_bf16(x, M, K, reinterpret_cast<const uint16_t *>(t[0].data_ptr<at::BFloat16>()), N,
                         t[1].data_ptr<float>(), gelu, y);
@@ -267,9 +301,10 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     TORCH_CHECK(!k.requires_grad() && !v.requires_grad(), "cached_forward: k and v are written in place and must not "
                 "require grad");
     TORCH_CHECK(std::isfinite(eps) && eps > 0, "cached_forward: eps must be a positive number; got ", eps);
-    /* a bf16 model (group_size BF16): its embeddings, products, head and cache in bf16, one token a row */
-    const bool bf = group_size == BF16;
-    const at::ScalarType act = bf ? at::kBFloat16 : at::kFloat;
+    /* a bf16 or fp16 model (group_size BF16, FP16): its embeddings, products, head and cache in that dtype */
+    const Half hf = group_size == BF16 ? Half::bf16 : group_size == FP16 ? Half::fp16 : Half::none;
+    const bool bf = hf != Half::none;                   /* 16-bit activations, cache and embeddings */
+    const at::ScalarType act = hf == Half::bf16 ? at::kBFloat16 : hf == Half::fp16 ? at::kHalf : at::kFloat;
     for (const at::Tensor *c : {&k, &v})
         TORCH_CHECK(c->scalar_type() == act && c->device().is_cpu() && c->stride(4) == 1 && c->stride(3) == D &&
                     c->stride(2) == Tm * D && (B == 1 || c->stride(1) >= H * Tm * D) && c->stride(0) >= B * H * Tm * D,
@@ -283,9 +318,9 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     const int64_t n_vocab = wte.size(0), P = wpe.size(0);
     TORCH_CHECK(D % 8 == 0, "cached_forward: head_dim must be a multiple of 8; got ", D);
     const Product product{group_size, tokens.dim() == 2 && tokens.size(1) > 1};
-    TORCH_CHECK(group_size == 0 || group_size == FLOAT32 || group_size == BF16 ||
+    TORCH_CHECK(group_size == 0 || group_size == FLOAT32 || group_size == BF16 || group_size == FP16 ||
                     (group_size >= 32 && group_size % 32 == 0 && E % group_size == 0),
-                "cached_forward: group_size must be 0 (per_row), -1 (float32), -2 (bf16) or a multiple of 32 dividing "
+                "cached_forward: group_size must be 0 (per_row), -1 (float32), -2 (bf16), -3 (fp16) or a multiple of 32 dividing "
                 "n_embd=", E, "; got ", group_size);
     const int64_t per_layer = 4 + 4 * product.count();
     TORCH_CHECK((int64_t)layers.size() == per_layer * L, "cached_forward: layers must hold ", per_layer,
@@ -312,14 +347,15 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     const bool head_w4a8 = !head_per_row && !head.empty() && head[0].scalar_type() == at::kByte;
     const bool head_f32 = head.size() == 2 && head[0].scalar_type() == at::kFloat;
     const bool head_bf16 = head.size() == 2 && head[0].scalar_type() == at::kBFloat16;
-    TORCH_CHECK(head.size() == (head_per_row ? 5u : head_f32 || head_bf16 ? 2u : 3u) && head[head_per_row ? 1 : 0].dim() >= 1,
+    const bool head_f16 = head.size() == 2 && head[0].scalar_type() == at::kHalf;
+    TORCH_CHECK(head.size() == (head_per_row ? 5u : head_f32 || head_bf16 || head_f16 ? 2u : 3u) && head[head_per_row ? 1 : 0].dim() >= 1,
                 "cached_forward: head must be int8_gemv's weight [V, E], scales and bias (or an empty tensor), "
                 "per_row's packed, qsum [V], scales, wsum and bias, W4A8's packed [ceil(V/32), E/4, 64], params "
-                "and bias, or a float32 or bf16 weight [V, E] and bias; got ", head.size(), " tensors");
+                "and bias, or a float32, bf16 or fp16 weight [V, E] and bias; got ", head.size(), " tensors");
     TORCH_CHECK(!head_w4a8 || group_size > 0, "cached_forward: an int4 head (W4A8 packed uint8) needs the blocks' "
                 "group_size > 0 (W4A8); got group_size=", group_size);
     const int64_t V = head_per_row ? head[1].size(0) : head_w4a8 ? n_vocab : head[0].size(0);   /* W4A8's: padded tiles */
-    if (head_f32 || head_bf16) {
+    if (head_f32 || head_bf16 || head_f16) {
         need(head[0], head[0].scalar_type(), {V, E}, "head weight");
     } else if (head_per_row || head_w4a8) {
         Product{head_w4a8 ? group_size : 0}.check(head.data(), V, E, "head", -1, false);
@@ -345,15 +381,13 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     const std::unique_ptr<float[]> buf(new float[M * (E + E + 3 * E + E + 4 * E + E) + (T == 1 ? B * H * Tm : 0)]);
     float *x = buf.get(), *h = x + M * E, *qkv = h + M * E, *z = qkv + 3 * M * E, *f = z + M * E, *y = f + 4 * M * E,
           *p = y + M * E;
-    if (bf) {                                           /* bf16 + bf16, rounded: the model's add */
-        const uint16_t *wt = reinterpret_cast<const uint16_t *>(wte.data_ptr<at::BFloat16>()),
-                       *wp = reinterpret_cast<const uint16_t *>(wpe.data_ptr<at::BFloat16>());
-        auto widen = [](uint16_t u) { const uint32_t w = (uint32_t)u << 16; float f; std::memcpy(&f, &w, 4); return f; };
+    if (bf) {                                           /* 16-bit + 16-bit, rounded: the model's add */
+        const uint16_t *wt = static_cast<const uint16_t *>(wte.data_ptr()), *wp = static_cast<const uint16_t *>(wpe.data_ptr());
         for (int64_t b = 0; b < B; b++)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t i = 0; i < E; i++)
-                    x[(b * T + t) * E + i] = widen(wt[tok[b * T + t] * E + i]) + widen(wp[(lengths[b] + t) * E + i]);
-        round_bf16(x, M * E);
+                    x[(b * T + t) * E + i] = widen(hf, wt[tok[b * T + t] * E + i]) + widen(hf, wp[(lengths[b] + t) * E + i]);
+        round_half(hf, x, M * E);
     } else {
         const float *wt = wte.data_ptr<float>(), *wp = wpe.data_ptr<float>();
         for (int64_t b = 0; b < B; b++)
@@ -365,13 +399,12 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
     for (int64_t b = 0; b < B; b++) longest = lengths[b] + 1 > longest ? lengths[b] + 1 : longest;
     const float e = (float)eps;
     float *kd = bf ? nullptr : k.data_ptr<float>(), *vd = bf ? nullptr : v.data_ptr<float>();
-    uint16_t *kh = bf ? reinterpret_cast<uint16_t *>(k.data_ptr<at::BFloat16>()) : nullptr,
-             *vh = bf ? reinterpret_cast<uint16_t *>(v.data_ptr<at::BFloat16>()) : nullptr;
+    uint16_t *kh = bf ? static_cast<uint16_t *>(k.data_ptr()) : nullptr, *vh = bf ? static_cast<uint16_t *>(v.data_ptr()) : nullptr;
     const int64_t kl = k.stride(0), kb = k.stride(1), vl = v.stride(0), vb = v.stride(1);
     for (int64_t l = 0; l < L; l++) {
         const at::Tensor *t = layers.data() + per_layer * l;
         /* x += the last block's MLP output (y), then ln_1 */
-        add_norm(x, l > 0 ? y : nullptr, M, E, t[0].data_ptr<float>(), t[1].data_ptr<float>(), e, h, bf);
+        add_norm(x, l > 0 ? y : nullptr, M, E, t[0].data_ptr<float>(), t[1].data_ptr<float>(), e, h, hf);
         product(t + at_[0], h, M, E, 3 * E, qkv, false);
         /* the new keys and values into the cache (on the threads for a prompt: ~0.6 ms of a 128-token one's ~21 on one) */
         #pragma omp parallel for collapse(2) schedule(static) if (M >= ROWS_PARALLEL)
@@ -380,6 +413,13 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                 for (int64_t tt = 0; tt < T; tt++) {
                     const float *row = qkv + (b * T + tt) * 3 * E + hd * D;
                     const int64_t at_pos = (hd * Tm + lengths[b] + tt) * D;
+                    if (hf == Half::fp16) {     /* fp16 values: converted exactly */
+                        for (int64_t d = 0; d < D; d++) {
+                            kh[l * kl + b * kb + at_pos + d] = _cvtss_sh(row[E + d], _MM_FROUND_TO_NEAREST_INT);
+                            vh[l * vl + b * vb + at_pos + d] = _cvtss_sh(row[2 * E + d], _MM_FROUND_TO_NEAREST_INT);
+                        }
+                        continue;
+                    }
                     if (bf) {                  /* bf16 values: their top halves are their bits */
                         for (int64_t d = 0; d < D; d++) {
                             uint32_t uk, uv;
@@ -408,17 +448,20 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                             _mm_prefetch(vc + Tm * D * es + i, _MM_HINT_T0);
                         }
                     float *pp = p + (b * H + hd) * Tm, *out = z + b * E + hd * D;
-                    if (bf)
+                    if (hf == Half::fp16)
+                        attend(qkv + b * 3 * E + hd * D, reinterpret_cast<const fp16_bits *>(kh + ko),
+                               reinterpret_cast<const fp16_bits *>(vh + vo), n, D, pp, out);
+                    else if (bf)
                         attend(qkv + b * 3 * E + hd * D, kh + ko, vh + vo, n, D, pp, out);
                     else
                         attend(qkv + b * 3 * E + hd * D, kd + ko, vd + vo, n, D, pp, out);
                 }
-            if (bf) round_bf16(z, M * E);
+            round_half(hf, z, M * E);
         } else {                                        /* a prompt: causal_attention.cpp's kernel */
             const auto opts = at::TensorOptions().dtype(at::kFloat);
             const at::Tensor q = at::from_blob(qkv, {B, H, T, D}, {T * 3 * E, D, 3 * E, 1}, opts);
             at::Tensor kk, vv;
-            if (bf) {                                   /* a bf16 cache's keys and values as float32 (exact) */
+            if (bf) {                                   /* a 16-bit cache's keys and values as float32 (exact) */
                 kk = at::empty({B, H, S, D}, opts);
                 vv = at::empty({B, H, S, D}, opts);
                 float *kf = kk.data_ptr<float>(), *vf = vv.data_ptr<float>();
@@ -426,35 +469,35 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                 for (int64_t b = 0; b < B; b++)
                     for (int64_t hd = 0; hd < H; hd++)
                         for (int64_t i = 0; i < S * D; i++) {
-                            const uint32_t uk = (uint32_t)kh[l * kl + b * kb + hd * Tm * D + i] << 16,
-                                           uv = (uint32_t)vh[l * vl + b * vb + hd * Tm * D + i] << 16;
-                            std::memcpy(kf + (b * H + hd) * S * D + i, &uk, 4);
-                            std::memcpy(vf + (b * H + hd) * S * D + i, &uv, 4);
+                            kf[(b * H + hd) * S * D + i] = widen(hf, kh[l * kl + b * kb + hd * Tm * D + i]);
+                            vf[(b * H + hd) * S * D + i] = widen(hf, vh[l * vl + b * vb + hd * Tm * D + i]);
                         }
             } else {
                 kk = at::from_blob(kd + l * kl, {B, H, S, D}, {kb, Tm * D, D, 1}, opts);
                 vv = at::from_blob(vd + l * vl, {B, H, S, D}, {vb, Tm * D, D, 1}, opts);
             }
             o = causal_attention(q, kk, vv);            /* [B, T, h, D] in memory: the rows of z */
-            if (bf) round_bf16(o.data_ptr<float>(), M * E);
+            round_half(hf, o.data_ptr<float>(), M * E);
         }
         const float *zz = T == 1 ? z : o.data_ptr<float>();
         product(t + at_[1], zz, M, E, E, y, false);
-        add_norm(x, y, M, E, t[ln2].data_ptr<float>(), t[ln2 + 1].data_ptr<float>(), e, h, bf);
+        add_norm(x, y, M, E, t[ln2].data_ptr<float>(), t[ln2 + 1].data_ptr<float>(), e, h, hf);
         product(t + at_[2], h, M, E, 4 * E, f, true);
         product(t + at_[3], f, M, 4 * E, E, y, false);
     }
     for (int64_t b = 0; b < B; b++) {                   /* each row's last token: x += y, ln_f */
         const int64_t r = b * T + T - 1;
         for (int64_t i = 0; i < E; i++) x[r * E + i] += y[r * E + i];
-        if (bf) round_bf16(x + r * E, E);
+        round_half(hf, x + r * E, E);
         layer_norm(x + r * E, E, ln_f_weight.data_ptr<float>(), ln_f_bias.data_ptr<float>(), e, h + b * E);
-        if (bf) round_bf16(h + b * E, E);
+        round_half(hf, h + b * E, E);
     }
     at::Tensor logits = at::empty({B, V}, wte.options().dtype(at::kFloat));
     const float *hb = head_bias.numel() > 0 ? head_bias.data_ptr<float>() : nullptr;
     if (head_f32)
         linear_f32(h, B, E, head[0].data_ptr<float>(), V, hb, logits.data_ptr<float>());
+    else if (head_f16)
+        linear_f16(h, B, E, reinterpret_cast<const uint16_t *>(head[0].data_ptr<at::Half>()), V, hb, logits.data_ptr<float>());
     else if (head_bf16)
         linear_bf16(h, B, E, reinterpret_cast<const uint16_t *>(head[0].data_ptr<at::BFloat16>()), V, hb,
                     logits.data_ptr<float>());

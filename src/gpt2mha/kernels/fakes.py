@@ -9,13 +9,13 @@ import torch
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, *rest) -> torch.Tensor:
-    """int8_gemv, int4_gemv, int4_gemv_a8, linear_f32 and linear_bf16: float32 ``[M, N]`` for x ``[M, K]``,
+    """int8_gemv, int4_gemv, int4_gemv_a8, linear_f32, linear_bf16 and linear_f16: float32 ``[M, N]`` for x ``[M, K]``,
     weight ``[N, ...]``."""
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def conv1d(x: torch.Tensor, weight: torch.Tensor, *rest) -> torch.Tensor:
-    """conv1d_f32 and conv1d_bf16 (GPT-2's Conv1D layout): float32 ``[M, N]`` for x ``[M, K]``, weight ``[K, N]``."""
+    """conv1d_f32, conv1d_bf16 and conv1d_f16 (GPT-2's Conv1D layout): float32 ``[M, N]`` for x ``[M, K]``, weight ``[K, N]``."""
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
@@ -47,14 +47,15 @@ def cached_forward(tokens, wte, wpe, layers, ln_f_weight, ln_f_bias, head, k, v,
     """Each row's last logits ``[B, V]`` (k and v are written in place: the schema says so)."""
     # per_row's packed head: qsum [V]; W4A8's packed tiles: wte's rows
     vocab = head[1].shape[0] if head[0].dim() == 4 else wte.shape[0] if head[0].dim() == 3 else head[0].shape[0]
-    return wte.new_empty(k.shape[1], vocab, dtype=torch.float32)          # float32 for a bf16 model too
+    return wte.new_empty(k.shape[1], vocab, dtype=torch.float32)          # float32 for a bf16 or fp16 model too
 
 
 #: Every operator of the library that takes tensors (tests/test_kernel_ops.py holds new ones to it).
 FAKES = {"int8_gemv": product, "int4_gemv": product, "int4_gemv_a8": product, "int8_per_row": per_row,
          "int4_a8_packed": a8_packed, "int4_pack_a8": pack_a8,
          "causal_attention": causal_attention, "cached_forward": cached_forward, "conv1d_f32": conv1d,
-         "linear_f32": product, "conv1d_bf16": conv1d, "linear_bf16": product}
+         "linear_f32": product, "conv1d_bf16": conv1d, "linear_bf16": product,
+         "conv1d_f16": conv1d, "linear_f16": product}
 
 
 def register() -> None:

@@ -76,12 +76,17 @@ template <bool FULL>
 F512 static inline __m512 ld16(__mmask16 mk, const float *p) {
     return FULL ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mk, p);
 }
+/* 16 fp16 weights at p (their bits) as float32 (exact), or those of mask mk (zeros elsewhere) */
+template <bool FULL>
+F512 static inline __m512 ld16(__mmask16 mk, const uint16_t *p) {
+    return _mm512_cvtph_ps(FULL ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(mk, p));
+}
 
 /* rows [0, MR) of x (row stride ldx) times w's rows [k0, k1) at columns j .. j + 16 NR, accumulated into
  * y (row stride N); `first`: start from bias (or 0), else from y; `last`: apply GELU if gelu. FULL: all
  * NR vectors whole; else the tile holds nv vectors, the last `tail` lanes (masked loads and stores). */
-template <int MR, int NR, bool FULL>
-F512 static void tile16(const float *x, int64_t ldx, const float *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
+template <int MR, int NR, bool FULL, typename W>
+F512 static void tile16(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
                         int nv, int tail, const float *bias, bool first, bool last, bool gelu, float *y) {
     __m512 acc[MR][NR];
     __mmask16 mk[NR];
@@ -91,7 +96,7 @@ F512 static void tile16(const float *x, int64_t ldx, const float *w, int64_t N, 
         for (int m = 0; m < MR; m++) acc[m][r] = first ? b : ld16<FULL>(mk[r], y + m * N + j + 16 * r);
     }
     for (int64_t k = k0; k < k1; k++) {
-        const float *wk = w + k * N + j;
+        const W *wk = w + k * N + j;
         __m512 wv[NR];
         if (NR <= 3)                                   /* the next tile's lines: ~1.4x at 8 rows (none helped 1 row) */
             for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(wk + 16 * (r + NR)), _MM_HINT_T0);
@@ -112,19 +117,19 @@ F512 static void tile16(const float *x, int64_t ldx, const float *w, int64_t N, 
 }
 
 /* tile16 for a whole tile or an edge one */
-template <int MR, int NR>
-F512 static inline void tile16_any(bool full, const float *x, int64_t ldx, const float *w, int64_t N, int64_t k0,
+template <int MR, int NR, typename W>
+F512 static inline void tile16_any(bool full, const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0,
                                    int64_t k1, int64_t j, int nv, int tail, const float *bias, bool first, bool last,
                                    bool gelu, float *y) {
     if (full)
-        tile16<MR, NR, true>(x, ldx, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
+        tile16<MR, NR, true, W>(x, ldx, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
     else
-        tile16<MR, NR, false>(x, ldx, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
+        tile16<MR, NR, false, W>(x, ldx, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
 }
 
 /* every row of x over one block of w's rows [k0, k1) and the columns [c0, c1), tiles of NR vectors */
-template <int NR>
-F512 static void block16(const float *x, int64_t M, int64_t K, const float *w, int64_t N, int64_t k0, int64_t k1,
+template <int NR, typename W>
+F512 static void block16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, int64_t k0, int64_t k1,
                          int64_t c0, int64_t c1, const float *bias, bool gelu, float *y) {
     const bool first = k0 == 0, last = k1 == K;
     for (int64_t j = c0; j < c1; j += 16 * NR) {
@@ -132,22 +137,22 @@ F512 static void block16(const float *x, int64_t M, int64_t K, const float *w, i
         const int nv = (int)((cols + 15) / 16), tail = (int)(cols - 16 * (nv - 1));
         const bool full = cols == 16 * NR;
         if constexpr (NR > 3) {                        /* one row (conv1d16) */
-            tile16_any<1, NR>(full, x, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
+            tile16_any<1, NR, W>(full, x, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
             continue;
         }
         int64_t m = 0;
         for (; m + 8 <= M; m += 8)
-            tile16_any<8, NR>(full, x + m * K, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y + m * N);
+            tile16_any<8, NR, W>(full, x + m * K, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y + m * N);
         const float *xm = x + m * K;
         float *ym = y + m * N;
         switch (M - m) {
-            case 7: tile16_any<7, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 6: tile16_any<6, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 5: tile16_any<5, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 4: tile16_any<4, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 3: tile16_any<3, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 2: tile16_any<2, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 1: tile16_any<1, NR>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 7: tile16_any<7, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 6: tile16_any<6, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 5: tile16_any<5, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 4: tile16_any<4, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 3: tile16_any<3, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 2: tile16_any<2, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
+            case 1: tile16_any<1, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
             default: break;
         }
     }
@@ -156,11 +161,12 @@ F512 static void block16(const float *x, int64_t M, int64_t K, const float *w, i
 /* ---- conv1d_f32 over many rows (a prompt), AVX-512: packed strips ---- */
 
 /* w's columns [j, j + cols) (cols <= 48) as a contiguous strip [K][48], zeros past cols */
-F512 static void pack_strip(const float *w, int64_t K, int64_t N, int64_t j, int64_t cols, float *out) {
+template <typename W>
+F512 static void pack_strip(const W *w, int64_t K, int64_t N, int64_t j, int64_t cols, float *out) {
     __mmask16 mk[3];
     for (int r = 0; r < 3; r++) mk[r] = (__mmask16)((1u << std::clamp<int64_t>(cols - 16 * r, 0, 16)) - 1);
     for (int64_t k = 0; k < K; k++)
-        for (int r = 0; r < 3; r++) _mm512_storeu_ps(out + 48 * k + 16 * r, _mm512_maskz_loadu_ps(mk[r], w + k * N + j + 16 * r));
+        for (int r = 0; r < 3; r++) _mm512_storeu_ps(out + 48 * k + 16 * r, ld16<false>(mk[r], w + k * N + j + 16 * r));
 }
 
 /* MR rows of x times a packed strip over all of K: tile16's chains (bias, then one fma per k in order),
@@ -191,7 +197,8 @@ F512 static void tile_packed(const float *x, int64_t ldx, const float *strip, in
 
 /* The strips over the threads; each packs its strip once (then in L2 for every row group; read in place,
  * a strip's lines lie 4N bytes apart and fall in few cache sets), then runs all rows on it, 8 at a time. */
-F512 static void prompt16(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias,
+template <typename W>
+F512 static void prompt16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
                           bool gelu, float *y) {
     const int64_t strips = (N + 47) / 48;
     #pragma omp parallel
@@ -219,7 +226,8 @@ F512 static void prompt16(const float *x, int64_t M, int64_t K, const float *w, 
     }
 }
 
-F512 static void conv1d16(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias,
+template <typename W>
+F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
                           bool gelu, float *y) {
     if (M >= PROMPT_ROWS) {                            /* a prompt: packed strips (~1.06x the blocks below) */
         prompt16(x, M, K, w, N, bias, gelu, y);
@@ -248,8 +256,18 @@ static inline __m256i mask8(int64_t n) {            /* lanes [0, n) set, n in 0 
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)n), _mm256_loadu_si256((const __m256i *)ramp));
 }
 
-template <int MR, int NR>
-static void tile8(const float *x, int64_t ldx, const float *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
+/* 8 weights at p as float32: lanes [0, n) (mask mk: those lanes set), zeros past them; fp16 bits
+ * converted exactly (a whole 8 loaded at once, a tail through a zeroed copy: AVX2 has no 16-bit masked load) */
+static inline __m256 ld8(const float *p, __m256i mk, int64_t) { return _mm256_maskload_ps(p, mk); }
+static inline __m256 ld8(const uint16_t *p, __m256i, int64_t n) {
+    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    uint16_t tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < n; i++) tail[i] = p[i];
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tail));
+}
+
+template <int MR, int NR, typename W>
+static void tile8(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
                   int64_t cols, const float *bias, bool first, bool last, bool gelu, float *y) {
     __m256 acc[MR][NR];
     __m256i mk[NR];
@@ -259,9 +277,9 @@ static void tile8(const float *x, int64_t ldx, const float *w, int64_t N, int64_
         for (int m = 0; m < MR; m++) acc[m][r] = first ? b : _mm256_maskload_ps(y + m * N + j + 8 * r, mk[r]);
     }
     for (int64_t k = k0; k < k1; k++) {
-        const float *wk = w + k * N + j;
+        const W *wk = w + k * N + j;
         __m256 wv[NR];
-        for (int r = 0; r < NR; r++) wv[r] = _mm256_maskload_ps(wk + 8 * r, mk[r]);
+        for (int r = 0; r < NR; r++) wv[r] = ld8(wk + 8 * r, mk[r], cols - 8 * r);
         for (int m = 0; m < MR; m++) {
             const __m256 xv = _mm256_set1_ps(x[m * ldx + k]);
             for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
@@ -272,7 +290,8 @@ static void tile8(const float *x, int64_t ldx, const float *w, int64_t N, int64_
             if (cols > 8 * r) _mm256_maskstore_ps(y + m * N + j + 8 * r, mk[r], last && gelu ? gelu8(acc[m][r]) : acc[m][r]);
 }
 
-static void conv1d8(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, bool gelu,
+template <typename W>
+static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, bool gelu,
                     float *y) {
     const int64_t width = 24, tiles = (N + width - 1) / width;
     const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
@@ -285,8 +304,8 @@ static void conv1d8(const float *x, int64_t M, int64_t K, const float *w, int64_
             for (int64_t j = c0; j < c1; j += width) {
                 const int64_t cols = std::min(width, c1 - j);
                 int64_t m = 0;
-                for (; m + 4 <= M; m += 4) tile8<4, 3>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
-                for (; m < M; m++) tile8<1, 3>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
+                for (; m + 4 <= M; m += 4) tile8<4, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
+                for (; m < M; m++) tile8<1, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
             }
         }
     }
@@ -300,6 +319,39 @@ void conv1d_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
         conv1d8(x, M, K, w, N, bias, gelu, y);
 }
 
+void round_fp16(float *p, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(p + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(p + i), _MM_FROUND_TO_NEAREST_INT)));
+    for (; i < n; i++) p[i] = _cvtsh_ss(_cvtss_sh(p[i], _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* y[0 .. n) = gelu(y): gelu16 where the AVX-512 paths are on (the same bits as gelu8 and gelu1) */
+F512 static void gelu_rows16(float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, gelu16(_mm512_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] = gelu1(y[i]);
+}
+
+void conv1d_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, bool gelu,
+                float *y) {
+    if (avx512_paths())
+        conv1d16(x, M, K, w, N, bias, false, y);
+    else
+        conv1d8(x, M, K, w, N, bias, false, y);
+    round_fp16(y, M * N);                              /* a fp16 model's GEMM: float32 sums rounded once */
+    if (!gelu)
+        return;
+    if (avx512_paths()) {
+        gelu_rows16(y, M * N);
+    } else {
+        int64_t i = 0;
+        for (; i + 8 <= M * N; i += 8) _mm256_storeu_ps(y + i, gelu8(_mm256_loadu_ps(y + i)));
+        for (; i < M * N; i++) y[i] = gelu1(y[i]);
+    }
+    round_fp16(y, M * N);                              /* and its GELU's output */
+}
+
 /* ---- linear_f32: dot products over rows of w [N, K] ---- */
 
 static inline float hsum8(__m256 a) {
@@ -310,8 +362,8 @@ static inline float hsum8(__m256 a) {
 }
 
 /* one 16-block of k (the lanes of mask mk) of dots16 */
-template <int MR, int R, bool FULL>
-F512 static inline void dot_step(const float *x, int64_t K, const float *wn, int64_t k, __mmask16 mk, __m512 (&acc)[MR][R]) {
+template <int MR, int R, bool FULL, typename W>
+F512 static inline void dot_step(const float *x, int64_t K, const W *wn, int64_t k, __mmask16 mk, __m512 (&acc)[MR][R]) {
     __m512 xv[MR];
     for (int m = 0; m < MR; m++) xv[m] = ld16<FULL>(mk, x + m * K + k);
     for (int r = 0; r < R; r++) {
@@ -322,14 +374,14 @@ F512 static inline void dot_step(const float *x, int64_t K, const float *wn, int
 }
 
 /* R rows of w (from wn, stride K) times MR rows of x (stride K): out[m * R + r] */
-template <int MR, int R>
-F512 static void dots16(const float *x, int64_t K, const float *wn, float *out) {
+template <int MR, int R, typename W>
+F512 static void dots16(const float *x, int64_t K, const W *wn, float *out) {
     __m512 acc[MR][R];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) dot_step<MR, R, true>(x, K, wn, k, 0xFFFF, acc);
-    if (k < K) dot_step<MR, R, false>(x, K, wn, k, (__mmask16)((1u << (K - k)) - 1), acc);
+    for (; k + 16 <= K; k += 16) dot_step<MR, R, true, W>(x, K, wn, k, 0xFFFF, acc);
+    if (k < K) dot_step<MR, R, false, W>(x, K, wn, k, (__mmask16)((1u << (K - k)) - 1), acc);
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < R; r++)
             out[m * R + r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[m][r]), _mm512_extractf32x8_ps(acc[m][r], 1)));
@@ -337,15 +389,16 @@ F512 static void dots16(const float *x, int64_t K, const float *wn, float *out) 
 
 /* the same lanes as two 8-lane halves (lanes 0-7: k mod 16 < 8; 8-15: the rest), every 16-block done
  * on both halves (masked: zeros past K) so each lane sees the same operations as on AVX-512 */
-template <int MR, int R>
-static void dots8(const float *x, int64_t K, const float *wn, float *out) {
+template <int MR, int R, typename W>
+static void dots8(const float *x, int64_t K, const W *wn, float *out) {
     __m256 lo[MR][R], hi[MR][R];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < R; r++) lo[m][r] = hi[m][r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
-        const __m256i ml = mask8(std::clamp<int64_t>(K - k, 0, 8)), mh = mask8(std::clamp<int64_t>(K - k - 8, 0, 8));
+        const int64_t nl = std::clamp<int64_t>(K - k, 0, 8), nh = std::clamp<int64_t>(K - k - 8, 0, 8);
+        const __m256i ml = mask8(nl), mh = mask8(nh);
         for (int r = 0; r < R; r++) {
-            const __m256 wl = _mm256_maskload_ps(wn + r * K + k, ml), wh = _mm256_maskload_ps(wn + r * K + k + 8, mh);
+            const __m256 wl = ld8(wn + r * K + k, ml, nl), wh = ld8(wn + r * K + k + 8, mh, nh);
             for (int m = 0; m < MR; m++) {
                 lo[m][r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * K + k, ml), wl, lo[m][r]);
                 hi[m][r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * K + k + 8, mh), wh, hi[m][r]);
@@ -365,16 +418,16 @@ static inline void put(const float *out, int64_t n, int64_t N, const float *bias
 
 /* rows [n0, n1) of w for every row of x: tiles of R weight rows x up to MR rows of x, then one weight
  * row at a time */
-template <int MR, int R, bool W512>
-static void linear_rows(const float *x, int64_t M, int64_t K, const float *w, int64_t n0, int64_t n1, int64_t N,
+template <int MR, int R, bool W512, typename W>
+static void linear_rows(const float *x, int64_t M, int64_t K, const W *w, int64_t n0, int64_t n1, int64_t N,
                         const float *bias, float *y) {
     float out[MR * R];
     auto dots = [&](auto mr, auto rr, int64_t m, int64_t n) {
         constexpr int MT = decltype(mr)::value, RT = decltype(rr)::value;
         if constexpr (W512)
-            dots16<MT, RT>(x + m * K, K, w + n * K, out);
+            dots16<MT, RT, W>(x + m * K, K, w + n * K, out);
         else
-            dots8<MT, RT>(x + m * K, K, w + n * K, out);
+            dots8<MT, RT, W>(x + m * K, K, w + n * K, out);
         put<MT, RT>(out, n, N, bias, y + m * N);
     };
     using one = std::integral_constant<int, 1>;
@@ -388,40 +441,51 @@ static void linear_rows(const float *x, int64_t M, int64_t K, const float *w, in
         for (int64_t m = 0; m < M; m++) dots(one{}, one{}, m, n);
 }
 
-F512 static void linear16(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias,
+template <typename W>
+F512 static void linear16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
                           float *y, int64_t chunk) {
     #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t n1 = std::min(N, n0 + chunk);
         if (M == 1)
-            linear_rows<1, 8, true>(x, M, K, w, n0, n1, N, bias, y);
+            linear_rows<1, 8, true, W>(x, M, K, w, n0, n1, N, bias, y);
         else
-            linear_rows<2, 8, true>(x, M, K, w, n0, n1, N, bias, y);
+            linear_rows<2, 8, true, W>(x, M, K, w, n0, n1, N, bias, y);
     }
 }
 
-void linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
-    const int64_t rows = std::max<int64_t>(8, HEAD_CHUNK_BYTES / std::max<int64_t>(1, K * 4));
+template <typename W>
+static void linear_any(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, float *y) {
+    const int64_t rows = std::max<int64_t>(8, HEAD_CHUNK_BYTES / std::max<int64_t>(1, K * (int64_t)sizeof(W)));
     const int64_t chunk = std::max<int64_t>(8, chunk_of(N, rows) / 8 * 8);
     if (avx512_paths())
         return linear16(x, M, K, w, N, bias, y, chunk);
     #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
     for (int64_t n0 = 0; n0 < N; n0 += chunk)
-        linear_rows<2, 3, false>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
+        linear_rows<2, 3, false, W>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
+}
+
+void linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
+    linear_any(x, M, K, w, N, bias, y);
+}
+
+void linear_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, float *y) {
+    linear_any(x, M, K, w, N, bias, y);
 }
 
 /* ---- the operators ---- */
 
-/* x [M, K] float32, w float32 [K, N] (conv1d) or [N, K] (linear), bias [N] or None: checked, named */
+/* x [M, K] float32, w float32 or float16 (wdt) [K, N] (conv1d) or [N, K] (linear), bias [N] or None:
+ * checked, named */
 static const float *check(const char *name, const at::Tensor &x, const at::Tensor &w,
-                          const std::optional<at::Tensor> &bias, bool conv, int64_t &N) {
+                          const std::optional<at::Tensor> &bias, bool conv, at::ScalarType wdt, int64_t &N) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.numel() > 0, name,
                 ": x must be a non-empty float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
     const int64_t K = x.size(1);
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu() && w.is_contiguous() &&
-                    w.size(conv ? 0 : 1) == K && w.size(conv ? 1 : 0) >= 1, name, ": weight must be a contiguous float32 CPU tensor ",
-                conv ? "[K=" : "[N, K=", K, conv ? ", N]" : "]", "; got ", w.scalar_type(), " ", w.sizes(),
-                w.is_contiguous() ? "" : " (not contiguous)");
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == wdt && w.device().is_cpu() && w.is_contiguous() &&
+                    w.size(conv ? 0 : 1) == K && w.size(conv ? 1 : 0) >= 1, name, ": weight must be a contiguous ",
+                wdt == at::kHalf ? "float16" : "float32", " CPU tensor ", conv ? "[K=" : "[N, K=", K, conv ? ", N]" : "]",
+                "; got ", w.scalar_type(), " ", w.sizes(), w.is_contiguous() ? "" : " (not contiguous)");
     N = w.size(conv ? 1 : 0);
     if (!bias.has_value())
         return nullptr;
@@ -431,31 +495,61 @@ static const float *check(const char *name, const at::Tensor &x, const at::Tenso
     return bias->data_ptr<float>();
 }
 
+/* x as a contiguous float32 copy holding fp16 values (a fp16 model's activations), or x itself */
+static at::Tensor activations(const at::Tensor &x, bool fp16) {
+    if (!fp16)
+        return x.contiguous();
+    at::Tensor xc = x.contiguous().clone();
+    round_fp16(xc.data_ptr<float>(), xc.numel());
+    return xc;
+}
+
 static at::Tensor conv1d_op(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
-                            bool gelu) {
+                            bool gelu, bool fp16) {
     int64_t N = 0;
-    const float *b = check("conv1d_f32", x, weight, bias, true, N);
-    const at::Tensor xc = x.contiguous();
+    const float *b = check(fp16 ? "conv1d_f16" : "conv1d_f32", x, weight, bias, true, fp16 ? at::kHalf : at::kFloat, N);
+    const at::Tensor xc = activations(x, fp16);
     at::Tensor y = at::empty({x.size(0), N}, x.options());
-    conv1d_f32(xc.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), N, b, gelu, y.data_ptr<float>());
+    if (fp16)
+        conv1d_f16(xc.data_ptr<float>(), x.size(0), x.size(1), reinterpret_cast<const uint16_t *>(weight.data_ptr<at::Half>()),
+                   N, b, gelu, y.data_ptr<float>());
+    else
+        conv1d_f32(xc.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), N, b, gelu, y.data_ptr<float>());
     return y;
 }
 
-static at::Tensor linear_op(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+static at::Tensor linear_op(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
+                            bool fp16) {
     int64_t N = 0;
-    const float *b = check("linear_f32", x, weight, bias, false, N);
-    const at::Tensor xc = x.contiguous();
+    const float *b = check(fp16 ? "linear_f16" : "linear_f32", x, weight, bias, false, fp16 ? at::kHalf : at::kFloat, N);
+    const at::Tensor xc = activations(x, fp16);
     at::Tensor y = at::empty({x.size(0), N}, x.options());
-    linear_f32(xc.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), N, b, y.data_ptr<float>());
+    if (fp16)
+        linear_f16(xc.data_ptr<float>(), x.size(0), x.size(1), reinterpret_cast<const uint16_t *>(weight.data_ptr<at::Half>()),
+                   N, b, y.data_ptr<float>());
+    else
+        linear_f32(xc.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), N, b, y.data_ptr<float>());
     return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("conv1d_f32(Tensor x, Tensor weight, Tensor? bias, bool gelu=False) -> Tensor");
     m.def("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+    m.def("conv1d_f16(Tensor x, Tensor weight, Tensor? bias, bool gelu=False) -> Tensor");
+    m.def("linear_f16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
-    m.impl("conv1d_f32", &conv1d_op);
-    m.impl("linear_f32", &linear_op);
+    m.impl("conv1d_f32", [](const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &b, bool gelu) {
+        return conv1d_op(x, w, b, gelu, false);
+    });
+    m.impl("linear_f32", [](const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &b) {
+        return linear_op(x, w, b, false);
+    });
+    m.impl("conv1d_f16", [](const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &b, bool gelu) {
+        return conv1d_op(x, w, b, gelu, true);
+    });
+    m.impl("linear_f16", [](const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &b) {
+        return linear_op(x, w, b, true);
+    });
 }

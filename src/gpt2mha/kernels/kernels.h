@@ -37,6 +37,19 @@ void conv1d_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
  * order (float_products.cpp, the operator linear_f32). */
 void linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y);
 
+/* y [M, N] = fp16(x [M, K] @ w [K, N] + bias [N]) (bias may be NULL), then fp16(GELU(y)) if gelu: w fp16
+ * bits, x float32 holding fp16 values, y float32 holding fp16 values; conv1d_f32's sums over the weights'
+ * exact float32 values (float_products.cpp, the operator conv1d_f16). */
+void conv1d_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, bool gelu,
+                float *y);
+
+/* y [M, N] = x [M, K] @ w [N, K]^T + bias [N] (bias may be NULL), float32: w fp16 bits, x float32 holding
+ * fp16 values; linear_f32's sums (float_products.cpp, the operator linear_f16: a fp16 model's head). */
+void linear_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, float *y);
+
+/* p[0 .. n) rounded to the nearest fp16 (ties to even; inf past 65504), kept as float32 (float_products.cpp) */
+void round_fp16(float *p, int64_t n);
+
 /* y [M, N] = bf16(x [M, K] @ w [K, N] + bias [N]) (bias may be NULL), then bf16(GELU(y)) if gelu: w bf16
  * bits, x float32 holding bf16 values (rounded to bf16 first), y float32 holding bf16 values; float32
  * sums in vdpbf16ps's order (bf16_products.cpp, the operator conv1d_bf16). */
