@@ -1,7 +1,7 @@
 """The native forward's float routes against the decode view, side by side (issue 43):
-``python benchmarks/float_routes.py [--threads 2] [--rounds 5] [--new 64] [--json FILE]``.
+``python benchmarks/float_routes.py [--threads 2] [--rounds 5] [--new 64] [--models float32,bf16,fp16,...] [--json FILE]``.
 
-GPT-2 124M with random weights (``init_weights(0)``) in float32, bf16 and int4 per_block
+GPT-2 124M with random weights (``init_weights(0)``) in float32, bf16, fp16 and int4 per_block
 (round to nearest, groups of 32, the int4 head): each one through ``generate`` on its native
 route (what ``generate`` and the server take now: :func:`~gpt2mha.inference.decoders.choose_decoder`)
 and on the decode view (the route before: ``native_step`` patched to None), the routes taking
@@ -11,7 +11,7 @@ tokens/s at batch 1 and 8 (a 4-token prompt, ``--new`` greedy tokens, the prompt
 logits), the best and the median of ``--rounds``, and the GB/s the batch-1 steps' weight reads
 imply beside ``torch.sum``'s over 340 MB (the machine's memory speed, ``bench.memory_bandwidth``).
 Whether each pair of routes gave the same greedy tokens is printed too (float32: yes but at
-exact near-ties; bf16 and int4: two roundings of the same model, which part at near-ties).
+exact near-ties; bf16, fp16 and int4: two roundings of the same model, which part at near-ties).
 """
 
 from __future__ import annotations
@@ -36,16 +36,22 @@ from gpt2mha.inference.decoders import choose_decoder  # noqa: E402
 ROUTES = ("native", "view")
 
 
-def models() -> dict:
-    """``{name: model}``: float32, bf16 and int4 per_block with the int4 head, from one seed."""
+MODELS = ("float32", "bf16", "fp16", "int4 per_block")
+
+
+def models(names=MODELS) -> dict:
+    """``{name: model}`` of ``names``: float32, bf16, fp16 and int4 per_block with the int4 head, from one seed."""
     def base():
         m = GPT2(GPT2Config.from_preset("124M")).eval()
         m.init_weights(0)
         return m
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        int4 = base().quantize("int4", method="rtn", activations="per_block", head="int4")
-    return {"float32": base(), "bf16": base().to(torch.bfloat16), "int4 per_block": int4}
+    def int4():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return base().quantize("int4", method="rtn", activations="per_block", head="int4")
+    make = {"float32": base, "bf16": lambda: base().to(torch.bfloat16), "fp16": lambda: base().to(torch.float16),
+            "int4 per_block": int4}
+    return {name: make[name]() for name in names}
 
 
 def step_bytes(model) -> int:
@@ -80,10 +86,10 @@ def prefill(model, route: str, T: int = 512) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def run(threads: int, rounds: int, new: int, log=print) -> dict:
+def run(threads: int, rounds: int, new: int, log=print, names=MODELS) -> dict:
     from bench import memory_bandwidth
     torch.set_num_threads(threads)
-    ms = models()
+    ms = models(names)
     res: dict = {"threads": threads, "rounds": rounds, "new_tokens": new, "figures": {}}
     outs: dict = {}
     for name, model in ms.items():
@@ -127,9 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--new", type=int, default=64, help="greedy tokens per decode run (default 64)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON to FILE")
     args = p.parse_args(argv)
-    res = run(args.threads, args.rounds, args.new, log=lambda m: print(m, file=sys.stderr, flush=True))
+    names = tuple(n.strip() for n in args.models.split(",") if n.strip())
+    unknown = [n for n in names if n not in MODELS]
+    if unknown or not names:
+        p.error(f"--models: {unknown or args.models!r} not among {', '.join(MODELS)}")
+    res = run(args.threads, args.rounds, args.new, log=lambda m: print(m, file=sys.stderr, flush=True), names=names)
     print(report(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")

@@ -38,7 +38,9 @@ The contenders:
 * CTranslate2: its transformers converter, float32 and int8 weights (int8 on a CPU computes as
   ``int8_float32``: the same thing, so it is not run twice);
 * gpt2mha bf16 (``model.to(torch.bfloat16)``: its native forward's bf16 route, vdpbf16ps where the
-  CPU has AVX-512 BF16);
+  CPU has AVX-512 BF16) and fp16 (``model.to(torch.float16)``: float32 sums of the fp16 weights,
+  converted by F16C, each product's output rounded to fp16), against llama.cpp f16 (the f32 GGUF
+  through ``llama_model_quantize`` to F16);
 * OpenVINO (``benchmarks/peers_openvino.py``): GenAI's ``LLMPipeline`` on IRs exported by
   optimum-intel (fp32, and int8 and int4 by NNCF's weight compression), prefix caching off, the
   batch as one ``[B, T]`` input; "openvino f32" with ``INFERENCE_PRECISION_HINT`` forced to f32,
@@ -117,7 +119,7 @@ VARIANTS = ("gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int8 per_row", "gp
             "gpt2mha int4 per_block head4 compiled", "gpt2mha int4 per_block head4 g64",
             "gpt2mha int4 per_block head4 g64 compiled", "llama.cpp f32",
             "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 float32", "ctranslate2 int8", "onnxruntime float32",
-            "onnxruntime int8", "gpt2mha bf16", "openvino f32", "openvino bf16", "openvino int8", "openvino int4")
+            "onnxruntime int8", "gpt2mha bf16", "gpt2mha fp16", "llama.cpp f16", "openvino f32", "openvino bf16", "openvino int8", "openvino int4")
 
 
 @dataclass
@@ -138,7 +140,7 @@ class Sizes:
 
 FULL = Sizes()
 QUICK = Sizes(new_tokens=16, prefill=(128,), repeats=1, agree_tokens=256, byte_tokens=8 * 256, slow=4.0,
-              skip=("llama.cpp f32", "ctranslate2 float32", "onnxruntime float32"))
+              skip=("llama.cpp f32", "llama.cpp f16", "ctranslate2 float32", "onnxruntime float32"))
 
 
 # ============================================================================ conversions
@@ -502,11 +504,12 @@ class quiet_fds:
 
 
 def llama_quantize(src: str, dst: str, kind: str, threads: int) -> None:
-    """llama.cpp's quantizer (``llama_model_quantize``, default parameters) to ``q8_0``/``q4_0``."""
+    """llama.cpp's quantizer (``llama_model_quantize``, default parameters) to ``f16``/``q8_0``/``q4_0``."""
     import llama_cpp as L
 
     params = L.llama_model_quantize_default_params()
-    params.ftype = {"q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": L.LLAMA_FTYPE_MOSTLY_Q4_0}[kind]
+    params.ftype = {"f16": L.LLAMA_FTYPE_MOSTLY_F16, "q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0,
+                    "q4_0": L.LLAMA_FTYPE_MOSTLY_Q4_0}[kind]
     params.nthread = threads
     with quiet_fds():
         rc = L.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
@@ -679,9 +682,10 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
 
     if "gpt2mha" in engines:
         out.append(Torch("gpt2mha float32", GPT2.from_pretrained(hf_dir), float_bytes, float_read_bytes(cfg), hf=False))
-        if want("gpt2mha bf16"):                                  # the native forward's bf16 route (issue 43)
-            out.append(Torch("gpt2mha bf16", GPT2.from_pretrained(hf_dir).to(torch.bfloat16), float_bytes // 2,
-                             float_read_bytes(cfg, 2), hf=False))
+        for half, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):   # the native forward's 16-bit routes
+            if want(f"gpt2mha {half}"):
+                out.append(Torch(f"gpt2mha {half}", GPT2.from_pretrained(hf_dir).to(dtype), float_bytes // 2,
+                                 float_read_bytes(cfg, 2), hf=False))
         for scheme, activations, head, group_size in (
                 ("int8", "exact", "int8", None), ("int8", "per_row", "int8", None), ("int8", "auto", "int8", None),
                 ("int4", "exact", "int8", None), ("int4", "per_block", "int8", None),
@@ -724,7 +728,7 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
                         raise RuntimeError(f"--gguf-converter {gguf_converter} failed:\n{done.stderr[-2000:]}")
                 else:
                     write_gguf(hf, f32, tokens, merges)
-        for kind in ("f32", "q8_0", "q4_0"):
+        for kind in ("f32", "f16", "q8_0", "q4_0"):
             path = os.path.join(work, f"model-{kind}.gguf")
             if not os.path.isfile(path):
                 with timed(log, f"GGUF {kind} (llama_model_quantize)"):

@@ -32,7 +32,7 @@ ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha i
            "gpt2mha int4 per_block head4", "gpt2mha int4 per_block head4 compiled",
            "gpt2mha int4 per_block head4 g64", "gpt2mha int4 per_block head4 g64 compiled",
            "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 int8", "onnxruntime int8",
-           "gpt2mha bf16", "llama.cpp f32", "ctranslate2 float32", "openvino f32", "openvino bf16", "openvino int8",
+           "gpt2mha bf16", "gpt2mha fp16", "llama.cpp f32", "llama.cpp f16", "ctranslate2 float32", "openvino f32", "openvino bf16", "openvino int8",
            "openvino int4")
 
 
@@ -55,8 +55,9 @@ def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: 
                         0, 0, hf=True)
     elif name == "gpt2mha float32":
         c = peers.Torch(name, GPT2.from_pretrained(hf_dir), 0, 0, hf=False)
-    elif name == "gpt2mha bf16":
-        c = peers.Torch(name, GPT2.from_pretrained(hf_dir).to(torch.bfloat16), 0, 0, hf=False)
+    elif name in ("gpt2mha bf16", "gpt2mha fp16"):
+        dtype = torch.bfloat16 if name.endswith("bf16") else torch.float16
+        c = peers.Torch(name, GPT2.from_pretrained(hf_dir).to(dtype), 0, 0, hf=False)
     elif name.startswith("gpt2mha"):
         variant = "-".join(w for w in name.split() if w != "compiled")          # as peers.py saves it
         c = peers.Torch(name, GPT2.from_pretrained(os.path.join(eng, variant)), 0, 0, hf=False,

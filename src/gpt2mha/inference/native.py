@@ -1,7 +1,8 @@
 """The forward in one C++ call, for quantized models on the CPU: int4 with per_block (W4A8)
 activations, int8 with per_row (W7A8) activations; and for float32 models (float32 products of
-the model's own weights, ``kernels/float_products.cpp``) and bf16 models (bf16 products,
-``kernels/bf16_products.cpp``).
+the model's own weights, ``kernels/float_products.cpp``), bf16 models (bf16 products,
+``kernels/bf16_products.cpp``) and fp16 models (float32 sums of the fp16 weights,
+``kernels/float_products.cpp``).
 
 :func:`~gpt2mha.inference.generate.generate` runs such a model (on the CPU, nothing hooked, the
 kernels built) through ``torch.ops.gpt2mha.cached_forward`` (``kernels/cached_forward.cpp``): every decode
@@ -39,6 +40,13 @@ same points (each product's, LayerNorm's, GELU's and attention's output, each re
 embedding sum), its KV cache in bf16; attention and the head in float32 as its own. Its logits
 agree with its own forward but where a sum in another order rounds to the neighbouring bf16
 value; batch invariant likewise.
+
+A fp16 model's steps and prompts the same way at fp16's rounding points: its products are the
+float32 products' sums over each fp16 weight converted exactly (F16C's ``vcvtph2ps``; no CPU here
+multiplies fp16 natively), each output rounded to fp16 once, as torch's fp16 GEMM on the CPU
+rounds its float32 sums; its KV cache in fp16. Before this route a fp16 model decoded through
+torch's fp16 products at ~0.4x float32's speed; on it, at bf16's (benchmarks/RESULTS.md, "fp16
+on the native forward").
 
 Source: the loop of gpt-fast's ``decode_one_token`` and llama.cpp's graph for GPT-2, with the
 arithmetic of openai/gpt-2's ``model.py`` (``block``, ``attn``, ``norm``, ``gelu``).
