@@ -100,6 +100,8 @@ F512 static void tile16(const float *x, int64_t ldx, const W *w, int64_t N, int6
         __m512 wv[NR];
         if (NR <= 3)                                   /* the next tile's lines: ~1.4x at 8 rows (none helped 1 row) */
             for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(wk + 16 * (r + NR)), _MM_HINT_T0);
+        else if (sizeof(W) == 2)                       /* fp16, 1 row: this tile's lines KB rows on, as bf16's tiles */
+            for (int r = 0; r < NR; r += 2) _mm_prefetch((const char *)(wk + KB * N + 16 * r), _MM_HINT_T0);
         for (int r = 0; r < NR; r++) wv[r] = ld16<FULL>(mk[r], wk + 16 * r);
         for (int m = 0; m < MR; m++) {
             const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
