@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in MODELS]
     if unknown or not names:
         p.error(f"--models: {unknown or args.models!r} not among {', '.join(MODELS)}")
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())   # "date": when the run began
     res = run(args.threads, args.rounds, args.new, log=lambda m: print(m, file=sys.stderr, flush=True), names=names)
+    res = {"benchmark": "float_routes", "command": " ".join(["python benchmarks/float_routes.py", *(sys.argv[1:] if argv is None else argv)]),
+           "date": started, "source": "written by benchmarks/float_routes.py --json", **res}
     print(report(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
