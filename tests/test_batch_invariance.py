@@ -259,7 +259,7 @@ def served_logits(model, tok, plan, monkeypatch, max_batch=4):
     return [(s.tokens, torch.stack(seen[id(s)])) for s in seqs]
 
 
-@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "float"), (torch.bfloat16, "float"),
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "float"), (torch.bfloat16, "float"), (torch.float16, "float"),
                                        (torch.float16, "int4"), (torch.bfloat16, "int8")], ids=str)
 def test_served_sequences_have_the_logits_of_generate_alone(dtype, fmt, spy, monkeypatch):
     """Sequences admitted at different steps into 4 slots (some wait, slots are reused, rows of

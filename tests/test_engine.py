@@ -27,7 +27,7 @@ PARAMS = [SamplingParams(max_tokens=24, temperature=0, logprobs=3),
           SamplingParams(max_tokens=24, temperature=0.8, top_k=40, top_p=0.95, seed=7, logprobs=3,
                          presence_penalty=0.3, logit_bias={"101": -2.0})]
 ROUTES = {"float32": (None, None, NATIVE), "view": ("int8", "exact", VIEW), "per_row": ("int8", "per_row", NATIVE),
-          "per_block": ("int4", "per_block", NATIVE)}
+          "per_block": ("int4", "per_block", NATIVE), "bf16": ("bf16", None, NATIVE), "fp16": ("fp16", None, NATIVE)}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,8 @@ def routed(builtin, name):
     scheme, activations, _ = ROUTES[name]
     if scheme is None:
         return builtin
+    if scheme in ("bf16", "fp16"):                                  # the 16-bit native routes
+        return copy.deepcopy(builtin).to(torch.bfloat16 if scheme == "bf16" else torch.float16)
     return copy.deepcopy(builtin).quantize(scheme, method="rtn", activations=activations)
 
 

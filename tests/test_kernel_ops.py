@@ -48,6 +48,16 @@ def _cases():
     }
 
 
+@pytest.mark.parametrize("name", ["conv1d_f16", "linear_f32", "int8_per_row", "causal_attention"])
+def test_a_tensor_on_the_meta_device_beside_cpu_ones_is_refused_not_answered(name):
+    # a meta argument sends the call to the fake implementation: it refuses (a break-it review found the
+    # fakes returning an uninitialized CPU output there, where the CPU kernel would have named the argument)
+    args = list(_cases()[name])
+    args[1] = args[1].to("meta")
+    with pytest.raises(RuntimeError, match=f"{name}: every tensor must be on one device \\(the CPU\\); got cpu, meta"):
+        getattr(torch.ops.gpt2mha, name)(*args)
+
+
 #: The operators checked by a test below without a case in _cases, and the switches (no tensors).
 ELSEWHERE = {"cached_forward", "use_vnni", "has_vnni"}
 
@@ -67,7 +77,7 @@ def test_every_operator_of_the_library_is_checked_here_and_has_a_fake():
 
 
 @pytest.mark.parametrize("name", ["int8_gemv", "int4_gemv", "int4_gemv_a8", "int8_per_row", "causal_attention",
-                                  "conv1d_f32", "linear_f32", "conv1d_bf16", "linear_bf16"])
+                                  "conv1d_f32", "linear_f32", "conv1d_bf16", "linear_bf16", "conv1d_f16", "linear_f16"])
 def test_each_operator_passes_opcheck(name):
     args = _cases()[name]
     torch.library.opcheck(getattr(torch.ops.gpt2mha, name).default, args)

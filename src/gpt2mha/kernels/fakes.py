@@ -58,7 +58,21 @@ FAKES = {"int8_gemv": product, "int4_gemv": product, "int4_gemv_a8": product, "i
          "conv1d_f16": conv1d, "linear_f16": product}
 
 
+def _one_device(name: str, fn):
+    """fn, refusing tensors on different devices: a real CPU tensor beside one on the meta device
+    dispatches here, not to the CPU kernel, and would get an uninitialized output, not an error
+    (under ``torch.compile``'s fake tensors every argument reports the same device)."""
+    def fake(*args):
+        flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+        devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
+        if len(devices) > 1:
+            raise RuntimeError(f"{name}: every tensor must be on one device (the CPU); got "
+                               f"{', '.join(sorted(str(d) for d in devices))}")
+        return fn(*args)
+    return fake
+
+
 def register() -> None:
     """Registers :data:`FAKES` for the loaded library's operators (``gpt2mha::NAME``)."""
     for name, fn in FAKES.items():
-        torch.library.register_fake(f"gpt2mha::{name}")(fn)
+        torch.library.register_fake(f"gpt2mha::{name}")(_one_device(name, fn))
