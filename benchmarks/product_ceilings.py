@@ -1,5 +1,6 @@
-"""Where a float32 or bf16 step's products spend their time, against torch's own GEMMs on the
-same shapes (issue 43, item 2): ``python benchmarks/product_ceilings.py [--threads 2] [--rows 1,8,512] [--json FILE]``.
+"""Where a float32, bf16 or fp16 step's products spend their time, against torch's own GEMMs on the
+same shapes (issue 43, item 2): ``python benchmarks/product_ceilings.py [--threads 2] [--rows 1,8,512]
+[--dtypes float32,bf16,fp16] [--json FILE]``.
 
 The five products of a GPT-2 124M step (per block: ``c_attn`` 768→2304, ``attn.c_proj`` 768→768,
 ``c_fc`` 768→3072 with GELU, ``mlp.c_proj`` 3072→768; then the LM head 768→50257 over ``wte``),
@@ -8,10 +9,12 @@ over as many distinct weights as a step holds (12 per block product, 1 head), so
 from memory as in a step, not from cache. For each dtype:
 
 * gpt2mha's kernel (:func:`gpt2mha.inference.dense.conv1d` / ``linear``: ``conv1d_f32``,
-  ``conv1d_bf16``, ``linear_f32``, ``linear_bf16``; fixed summation order, batch invariant);
+  ``conv1d_bf16``, ``conv1d_f16``, ``linear_f32``, ``linear_bf16``, ``linear_f16``; fixed summation
+  order, batch invariant);
 * torch's product on the same tensors (``torch.addmm``: MKL's SGEMM for float32, oneDNN's bf16
-  GEMM for bf16, with bf16 activations), GELU apart: the ceiling the issue names ("the peak
-  oneDNN/MKL reach").
+  GEMM for bf16, with bf16 activations; for fp16 torch's CPU fp16 GEMM, oneDNN's where the CPU
+  has AVX-512 FP16 or AMX-FP16, else its own fallback), GELU apart: the ceiling the issue names
+  ("the peak oneDNN/MKL reach").
 
 Printed per product and for a whole step (12 blocks + the head): ms (median of ``--repeats``
 after a warm-up, the two taking turns), GFLOP/s (2·M·K·N per product) and GB/s of weights
@@ -85,11 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,8,512", help="row counts M, comma-separated (default 1,8,512)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtypes", default="float32,bf16,fp16", help="comma-separated, of float32, bf16, fp16 (default: all)")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     if any(r < 1 for r in rows) or args.threads < 1 or args.repeats < 1:
         p.error("--rows, --threads and --repeats must be positive")
+    names = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    picked = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not picked or any(d not in names for d in picked):
+        p.error(f"--dtypes: {args.dtypes!r}: expected some of {', '.join(names)}")
     torch.set_num_threads(args.threads)
     from gpt2mha.kernels import loader
     loader.load()
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {args.threads} threads; ours / torch > 1: ours faster")
     print("| dtype | M | product | ours ms | torch ms | ours GFLOP/s | torch GFLOP/s | ours GB/s | torch GB/s | ours / torch |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (names[d] for d in picked):
         for M in rows:
             rs = measure(M, dtype, args.repeats)
             res += rs
