@@ -35,6 +35,31 @@ def small_model(seed=0, *, noise="ln_bias", scale=0.2, **config):
     return model
 
 
+@pytest.fixture
+def threads():
+    """``threads(n)`` sets torch's (and so the kernels') intra-op threads; restored after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def both_paths():
+    """``both_paths(fn)``: ``(fn() on the kernels' AVX-512 paths (where the CPU has them), fn() on
+    their AVX2 paths)``; the AVX-512 paths restored after."""
+    from gpt2mha.inference.quant import gemv
+
+    def run(fn):
+        try:
+            gemv.use_vnni(True)
+            wide = fn()
+            gemv.use_vnni(False)
+            return wide, fn()
+        finally:
+            gemv.use_vnni(True)
+    return run
+
+
 #: :func:`small_model` as the padding, argument-check and generation tests use it: a 40-token
 #: context, 2 layers, every parameter moved by noise of std 0.05
 ROBUST = dict(n_ctx=40, n_layer=2, noise="all", scale=0.05)

@@ -21,28 +21,6 @@ from gpt2mha.inference.quant import gemv
 pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"the kernels are not loaded: {gemv.unavailable_reason()}")
 
 
-@pytest.fixture
-def threads():
-    """``threads(n)`` sets torch's (and so the kernels') intra-op threads; restored after."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def both_paths():
-    """``both_paths(fn)``: fn() on the AVX-512 paths (where the CPU has them) and on AVX2."""
-    def run(fn):
-        try:
-            gemv.use_vnni(True)
-            wide = fn()
-            gemv.use_vnni(False)
-            return wide, fn()
-        finally:
-            gemv.use_vnni(True)
-    return run
-
-
 def _model(n_embd=64, n_head=4, n_vocab=97, n_layer=2, n_ctx=64, seed=0):
     torch.manual_seed(seed)
     cfg = GPT2Config(n_vocab=n_vocab, n_ctx=n_ctx, n_embd=n_embd, n_head=n_head, n_layer=n_layer, tokenizer="bytes")

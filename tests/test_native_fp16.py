@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2mha import GPT2, GPT2Config, KVCache
+from conftest import small_model
+
+from gpt2mha import GPT2, KVCache
 from gpt2mha.inference import dense, native
 from gpt2mha.inference.decoders import NATIVE, choose_decoder
 from gpt2mha.inference.native import NativeStep, native_step
@@ -20,36 +22,10 @@ pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"the kernels are n
 FP16_ULP = 2.0 ** -10                                   # fp16's relative step (11-bit significand)
 
 
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def both_paths():
-    """``both_paths(fn)``: fn() on the AVX-512 paths (where the CPU has them), then on AVX2."""
-    def run(fn):
-        try:
-            gemv.use_vnni(True)
-            wide = fn()
-            gemv.use_vnni(False)
-            return wide, fn()
-        finally:
-            gemv.use_vnni(True)
-    return run
-
-
 def _model(n_embd=64, n_head=4, n_vocab=97, n_layer=2, n_ctx=64, seed=0):
-    torch.manual_seed(seed)
-    cfg = GPT2Config(n_vocab=n_vocab, n_ctx=n_ctx, n_embd=n_embd, n_head=n_head, n_layer=n_layer, tokenizer="bytes")
-    model = GPT2(cfg).eval()
-    with torch.no_grad():                               # larger LayerNorm gains and biases than init's
-        for name, p in model.named_parameters():
-            if "ln" in name or name.endswith("bias"):
-                p.add_(0.3 * torch.randn_like(p))
-    return model.to(torch.float16)
+    # LayerNorm gains and biases moved further than init's (conftest.small_model), in fp16
+    return small_model(seed, scale=0.3, n_embd=n_embd, n_head=n_head, n_vocab=n_vocab, n_layer=n_layer,
+                       n_ctx=n_ctx).to(torch.float16)
 
 
 def _cache(model, B, T_max=40):

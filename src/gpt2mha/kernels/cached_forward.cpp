@@ -183,24 +183,9 @@ static void attend(const float *q, const C *kc, const C *vc, int64_t n, int64_t 
     }
 }
 
-/* y[0 .. n) = gelu(y) (n a multiple of 8): on 16 lanes where the kernels take their AVX-512 paths
- * (gelu16: the same bits as gelu8) */
-AVX512_TARGET static void gelu_all16(float *y, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, gelu16(_mm512_loadu_ps(y + i)));
-    for (; i < n; i += 8) _mm256_storeu_ps(y + i, gelu8(_mm256_loadu_ps(y + i)));
-}
-
-static void gelu_all(float *y, int64_t n) {
-    if (avx512_paths())
-        return gelu_all16(y, n);
-    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, gelu8(_mm256_loadu_ps(y + i)));
-}
-
 /* y[0 .. n) (bf16 values) -> bf16(gelu(y)), as a bf16 model's GELU rounds */
 static void gelu_bf16(float *y, int64_t n) {
-    gelu_all(y, n / 8 * 8);
-    for (int64_t i = n / 8 * 8; i < n; i++) y[i] = gelu1(y[i]);
+    gelu_all(y, n);
     round_bf16(y, n);
 }
 

@@ -328,10 +328,17 @@ void round_fp16(float *p, int64_t n) {
     for (; i < n; i++) p[i] = _cvtsh_ss(_cvtss_sh(p[i], _MM_FROUND_TO_NEAREST_INT));
 }
 
-/* y[0 .. n) = gelu(y): gelu16 where the AVX-512 paths are on (the same bits as gelu8 and gelu1) */
-F512 static void gelu_rows16(float *y, int64_t n) {
+F512 static void gelu_all16(float *y, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, gelu16(_mm512_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] = gelu1(y[i]);
+}
+
+void gelu_all(float *y, int64_t n) {
+    if (avx512_paths())
+        return gelu_all16(y, n);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, gelu8(_mm256_loadu_ps(y + i)));
     for (; i < n; i++) y[i] = gelu1(y[i]);
 }
 
@@ -344,13 +351,7 @@ void conv1d_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t
     round_fp16(y, M * N);                              /* a fp16 model's GEMM: float32 sums rounded once */
     if (!gelu)
         return;
-    if (avx512_paths()) {
-        gelu_rows16(y, M * N);
-    } else {
-        int64_t i = 0;
-        for (; i + 8 <= M * N; i += 8) _mm256_storeu_ps(y + i, gelu8(_mm256_loadu_ps(y + i)));
-        for (; i < M * N; i++) y[i] = gelu1(y[i]);
-    }
+    gelu_all(y, M * N);
     round_fp16(y, M * N);                              /* and its GELU's output */
 }
 

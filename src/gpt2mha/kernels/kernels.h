@@ -47,6 +47,10 @@ void conv1d_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t
  * fp16 values; linear_f32's sums (float_products.cpp, the operator linear_f16: a fp16 model's head). */
 void linear_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, float *y);
 
+/* y[0 .. n) = GPT-2's GELU of y (simd.h's): on 16 lanes where the AVX-512 paths are on, else 8, the rest one
+ * at a time, the same bits every way (float_products.cpp) */
+void gelu_all(float *y, int64_t n);
+
 /* p[0 .. n) rounded to the nearest fp16 (ties to even; inf past 65504), kept as float32 (float_products.cpp) */
 void round_fp16(float *p, int64_t n);
 
