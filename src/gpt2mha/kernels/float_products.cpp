@@ -48,9 +48,9 @@
 #define F512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 
 /* Rows of x per register tile (AVX-512: 8 rows x 3 vectors = 24 accumulators; AVX2: 4 x 3 = 12 of 16
- * registers), weight rows per block (KB), and the output columns a thread takes at a time. Products of
+ * registers), weight rows per block (KB; KB_HALF for fp16 weights at 2+ rows), and the output columns a thread takes at a time. Products of
  * fewer than PARALLEL_MACS multiply-adds stay on one thread (an OpenMP region costs more). */
-static const int64_t KB = 16, CHUNK_COLS = 512, PARALLEL_MACS = 1 << 18, HEAD_CHUNK_BYTES = 1 << 17;
+static const int64_t KB = 16, KB_HALF = 64, CHUNK_COLS = 512, PARALLEL_MACS = 1 << 18, HEAD_CHUNK_BYTES = 1 << 17;
 /* From PROMPT_ROWS rows, AVX-512 takes packed strips (prompt16; before them, blocks of 128 weight rows,
  * ~1.3x faster than KB's there, and the strips ~1.06x faster again) */
 static const int64_t PROMPT_ROWS = 64;
@@ -238,11 +238,15 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
     /* one row: tiles of 8 vectors (128 columns, 8 accumulators); more: 3 vectors (8 rows x 3) */
     const int64_t width = M == 1 ? 128 : 48, tiles = (N + width - 1) / width;
     const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
+    /* fp16 weights, 2+ rows: the tiles bound by their arithmetic (conversions and FMAs), not the memory,
+     * longer blocks spread each tile's entry and exit over more steps (a step's 8-row blocks 11.5-11.9 ->
+     * 7.5-8.6 ms at 32-128 rows, interleaved A/B) */
+    const int64_t kb = sizeof(W) == 2 && M > 1 ? KB_HALF : KB;
     #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
     for (int64_t c0 = 0; c0 < N; c0 += chunk) {
         const int64_t c1 = std::min(N, c0 + chunk);
-        for (int64_t k0 = 0; k0 < K; k0 += KB) {
-            const int64_t k1 = std::min(K, k0 + KB);
+        for (int64_t k0 = 0; k0 < K; k0 += kb) {
+            const int64_t k1 = std::min(K, k0 + kb);
             if (M == 1)
                 block16<8>(x, M, K, w, N, k0, k1, c0, c1, bias, gelu, y);
             else
