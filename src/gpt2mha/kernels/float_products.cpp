@@ -1,10 +1,15 @@
 /* gpt2mha's float32 products for decode-sized inputs (inference/dense.py wraps them; cached_forward.cpp
- * calls them for float32 models): the operators torch.ops.gpt2mha.conv1d_f32 and linear_f32.
+ * calls them for float32 and fp16 models): the operators torch.ops.gpt2mha.conv1d_f32 and linear_f32,
+ * and conv1d_f16 and linear_f16.
  *
  *   conv1d_f32:  y[m, n] = bias[n] + sum_k x[m, k] * w[k, n]    w [K, N]: GPT-2's Conv1D layout
  *   linear_f32:  y[m, n] = bias[n] + sum_k x[m, k] * w[n, k]    w [N, K]: the LM head (wte), F.linear's
  *
  * float32 activations and weights, float32 sums: the model's own products, in an order of our own.
+ * fp16 weights: the same code (templates over the weight's type W), each weight converted to float32 as
+ * it is loaded (F16C's vcvtph2ps: exact), so the same sums bit for bit as over w.float(); conv1d_f16 then
+ * rounds each output to fp16 once (a fp16 model's GEMM), GELU after it, rounded again. The operators
+ * round x to fp16 first; cached_forward's activations already are.
  *
  * Why they exist (benchmarks/RESULTS.md, "float32 at memory speed"): a float32 124M decode step reads
  * 497 MB of weights, and torch's products (MKL's GEMV and small GEMMs, called 49 times from Python) read
@@ -48,8 +53,9 @@
 #define F512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 
 /* Rows of x per register tile (AVX-512: 8 rows x 3 vectors = 24 accumulators; AVX2: 4 x 3 = 12 of 16
- * registers), weight rows per block (KB; KB_HALF for fp16 weights at 2+ rows), and the output columns a thread takes at a time. Products of
- * fewer than PARALLEL_MACS multiply-adds stay on one thread (an OpenMP region costs more). */
+ * registers), weight rows per block (KB; KB_HALF for fp16 weights at 2+ rows), and the output columns a
+ * thread takes at a time. Products of fewer than PARALLEL_MACS multiply-adds stay on one thread (an OpenMP
+ * region costs more). */
 static const int64_t KB = 16, KB_HALF = 64, CHUNK_COLS = 512, PARALLEL_MACS = 1 << 18, HEAD_CHUNK_BYTES = 1 << 17;
 /* From PROMPT_ROWS rows, AVX-512 takes packed strips (prompt16; before them, blocks of 128 weight rows,
  * ~1.3x faster than KB's there, and the strips ~1.06x faster again) */
