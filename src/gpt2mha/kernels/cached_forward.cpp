@@ -139,10 +139,10 @@ static inline __m256 load8(const uint16_t *p) {
 static inline __m256 load8(const fp16_bits *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 /* One query q [D] over keys kc [0 .. n) and values vc [n, D] (D a multiple of 8; float32, bf16 bits
- * C = uint16_t or fp16 bits C = fp16_bits): out [D] = softmax((q k_j) / sqrt(D)) v, the softmax written (s_j - max) / sqrt(D) as
- * causal_attention.cpp's;
- * p [n] scratch. Four keys' dot products at a time, and p v as up to eight independent sums over
- * the keys (one chain of dependent FMAs per key and dimension ran at a quarter of the speed). */
+ * C = uint16_t or fp16 bits C = fp16_bits): out [D] = softmax((q k_j) / sqrt(D)) v, the softmax
+ * written (s_j - max) / sqrt(D) as causal_attention.cpp's; p [n] scratch. Four keys' dot products at a
+ * time, and p v as up to eight independent sums over the keys (one chain of dependent FMAs per key and
+ * dimension ran at a quarter of the speed). */
 template <typename C>
 static void attend(const float *q, const C *kc, const C *vc, int64_t n, int64_t D, float *p, float *out) {
     int64_t j = 0;
@@ -167,7 +167,7 @@ static void attend(const float *q, const C *kc, const C *vc, int64_t n, int64_t 
         p[j] = hsum8(a);
     }
     const float total = softmax_row(p, n, 1.0f / std::sqrt((float)D));   /* NaN: a NaN row, as SDPA's */
-    if (sizeof(C) == 2)        /* a 16-bit model: its weights rounded to its dtype before p v, as SDPA's flash kernel does */
+    if (sizeof(C) == 2)        /* a 16-bit model: its weights rounded to its dtype before p v (SDPA's flash kernel) */
         round_half(std::is_same_v<C, fp16_bits> ? Half::fp16 : Half::bf16, p, n);
     const __m256 tot = _mm256_set1_ps(total);
     for (int64_t d0 = 0; d0 < D; d0 += 64) {                 /* dims d0 .. d0 + 63: up to 8 sums */
