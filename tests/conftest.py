@@ -60,6 +60,25 @@ def both_paths():
     return run
 
 
+def stepwise_logits(model, model32, native_step, text=b"ROMEO:\nWhat light through yonder window breaks? It is "
+                                                         b"the east, and Juliet is the sun."):
+    """Logits ``[T - 4, n_vocab]`` of each token of ``text`` after its first 4 (prefilled), one step at a
+    time with a KVCache: ``{"own": model's forward, "native": native_step's, "f32": model32's}``."""
+    from gpt2mha import KVCache
+
+    ids = torch.tensor([list(text)])
+    c, T = model.config, ids.shape[1]
+    dtype = model.wte.weight.dtype
+    logits = {}
+    with torch.inference_mode():
+        for name, m, dt in (("own", model, dtype), ("native", model, dtype), ("f32", model32, torch.float32)):
+            cache = KVCache(c.n_layer, 1, c.n_head, T, c.n_embd // c.n_head, dtype=dt)
+            m(ids[:, :4], cache=cache, last_only=True)
+            step = native_step if name == "native" else (lambda t, cc, m=m: m(t, cache=cc, last_only=True).logits[:, -1])
+            logits[name] = torch.cat([step(ids[:, t:t + 1], cache) for t in range(4, T)])
+    return logits
+
+
 #: :func:`small_model` as the padding, argument-check and generation tests use it: a 40-token
 #: context, 2 layers, every parameter moved by noise of std 0.05
 ROBUST = dict(n_ctx=40, n_layer=2, noise="all", scale=0.05)

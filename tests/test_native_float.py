@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import stepwise_logits
+
 from gpt2mha import GPT2, GPT2Config, KVCache
 from gpt2mha.inference import dense, native
 from gpt2mha.inference.decoders import NATIVE, choose_decoder
@@ -309,15 +311,7 @@ def test_bf16_on_the_trained_model_is_as_close_to_float32_as_its_own_bf16_forwar
     model32 = GPT2.from_pretrained("shakespeare-byte").eval()
     model = GPT2.from_pretrained("shakespeare-byte").eval().to(torch.bfloat16)
     assert choose_decoder(model).decoder.name == NATIVE
-    text = torch.tensor([list(b"ROMEO:\nWhat light through yonder window breaks? It is the east, and Juliet is the sun.")])
-    c, T = model.config, text.shape[1]
-    logits = {}
-    with torch.inference_mode():
-        for name, m, dtype in (("own", model, torch.bfloat16), ("native", model, torch.bfloat16), ("f32", model32, torch.float32)):
-            cache = KVCache(c.n_layer, 1, c.n_head, T, c.n_embd // c.n_head, dtype=dtype)
-            m(text[:, :4], cache=cache, last_only=True)
-            step = NativeStep(model) if name == "native" else (lambda t, cc, m=m: m(t, cache=cc, last_only=True).logits[:, -1])
-            logits[name] = torch.cat([step(text[:, t:t + 1], cache) for t in range(4, T)])
+    logits = stepwise_logits(model, model32, NativeStep(model))
     err = {k: ((logits[k] - logits["f32"]).abs().amax(-1) / logits["f32"].abs().amax(-1)).median() for k in ("own", "native")}
     assert err["native"] <= 1.25 * err["own"] and err["own"] < 0.02
     top1 = (logits["native"].argmax(-1) == logits["own"].argmax(-1)).float().mean()
