@@ -119,3 +119,33 @@ def test_training_step_on_cuda_matches_the_cpu():
         weights.append(model.h[0].attn.c_attn.weight.detach().cpu())
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     torch.testing.assert_close(weights[1], weights[0], atol=1e-6, rtol=1e-5)
+
+
+def test_the_serving_scheduler_on_cuda_answers_as_generate_on_cuda():
+    """The one engine on the GPU: two prompts in one request to the serving scheduler (greedy, then
+    seeded with a penalty) give, sequence by sequence, ``generate()``'s tokens for that prompt
+    alone on the GPU with ``row_seed(seed, i)`` (reference: ``generate_with`` on the same model),
+    and the route is the decode view (the native forward and the compiled step are CPU routes)."""
+    from gpt2mha import DEFAULT_MODEL
+    from gpt2mha.inference.decoders import VIEW
+    from gpt2mha.inference.generate import generate_with
+    from gpt2mha.inference.params import SamplingParams
+    from gpt2mha.inference.sampling import row_seed
+    from gpt2mha.io.tokenizer import tokenizer_for
+    from gpt2mha.serving.scheduler import Scheduler
+
+    model = GPT2.from_pretrained(DEFAULT_MODEL).to(CUDA).eval()
+    tok = tokenizer_for(model.config)
+    sched = Scheduler(model, tok, max_batch=4, batch_invariant=True)
+    assert sched.engine.route.decoder.name == VIEW
+    assert sched.engine.cache.k.device.type == "cuda"
+    encoded = [tok.encode(p) for p in ("ROMEO:", "JULIET:\nO Romeo")]
+    for params in (SamplingParams(max_tokens=24, temperature=0),
+                   SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=7, presence_penalty=0.3)):
+        seqs = sched.submit(encoded, params, lambda *a: None)
+        sched.run_until_idle()
+        for i, seq in enumerate(seqs):
+            alone = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": row_seed(7, i)})
+            out = generate_with(model, [encoded[i]], alone, batch_invariant=True)
+            assert out.device.type == "cuda"
+            assert seq.tokens == out[0, len(encoded[i]):].tolist(), (i, params.temperature)
