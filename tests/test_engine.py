@@ -131,6 +131,26 @@ def test_a_hook_attached_during_generate_acts_on_the_steps_after(builtin, route)
     assert out[:4] == free[:4] and out[4:] == [65] * 6 and free[4:] != [65] * 6
 
 
+def test_hook_watch_sees_every_kind_of_hook_attached_after_it_was_made(builtin):
+    """hook_watch lists the modules' hook dicts once; hooks registered later (forward, pre,
+    with kwargs, on any module) show up at their module's position, and removing them gives ()
+    again (reference: the positions of the modules whose hook dicts are non-empty, listed anew)."""
+    from gpt2mha.inference.decoders import hook_watch
+
+    model = copy.deepcopy(builtin)
+    watch = hook_watch(model)
+    modules = list(model.modules())
+    assert watch() == ()
+    handles = [model.h[1].mlp.register_forward_pre_hook(lambda m, a: None),
+               model.h[0].attn.register_forward_hook(lambda m, a, k, out: None, with_kwargs=True),
+               model.ln_f.register_forward_hook(lambda m, a, out: None)]
+    expected = tuple(i for i, m in enumerate(modules) if m._forward_hooks or m._forward_pre_hooks)
+    assert len(expected) == 3 and watch() == expected
+    for h in handles:
+        h.remove()
+    assert watch() == ()
+
+
 def test_info_names_the_route_and_why_not_the_others(capsys):
     from gpt2mha.cli import main
 

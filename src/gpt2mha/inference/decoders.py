@@ -180,11 +180,17 @@ def choose_decoder(model: nn.Module, compile: bool = False, batch_invariant: boo
 def hook_watch(model: nn.Module):
     """A function giving which of ``model``'s modules have hooks attached now: a tuple of their
     positions (``(-1,)`` for hooks registered for every module), empty when none. Its modules
-    are listed once: ~20 µs a call for 124M, cheap enough to ask before every step."""
+    and their hook dicts (each module keeps the same ``_forward_hooks`` and
+    ``_forward_pre_hooks`` objects for its life; registering a hook adds to them) are listed
+    once, so the common answer, no hooks, is one ``any`` over those dicts in C: ~4 µs a call
+    for an int4 124M of 359 modules (the loop over the modules in Python: ~26 µs)."""
     modules = list(model.modules())
+    dicts = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
 
     def hooked_now() -> tuple[int, ...]:
         if global_hooks():
             return (-1,)
+        if not any(dicts):
+            return ()
         return tuple(i for i, m in enumerate(modules) if m._forward_hooks or m._forward_pre_hooks)
     return hooked_now
