@@ -19,7 +19,9 @@ default 2; all of them stopped at the end, also on failure or Ctrl-C):
   GPT-2 vocabulary defaults to id 11 (",") and would stop at the first comma, where gpt2mha stops
   at ``<|endoftext|>``.
 
-The clients: streamed ``POST /v1/completions`` (``temperature: 0``, ``max_tokens`` 128,
+The clients (``sse_client.py``: one thread and one keep-alive HTTP/1.1 connection each, the same
+lean client for every server; httpx's streaming cost twice its CPU a token, taken from the server
+measured): streamed ``POST /v1/completions`` (``temperature: 0``, ``max_tokens`` 128,
 ``stream_options.include_usage``), prompts of 60-160 characters of Tiny Shakespeare, different
 in every round and level and the same for every engine within one; at 1, 4 and 16 concurrent
 clients (each sends its next request when its answer is complete: 3, 8 and 32 requests). Per
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -78,6 +81,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import httpx  # noqa: E402
+import sse_client  # noqa: E402
 
 from serve_load import Server as GptServer, free_port, percentile, prompts_from_text, uptime  # noqa: E402
 
@@ -134,30 +138,23 @@ class Engine:
 
 
 # ============================================================================ the clients
-async def stream_one(client: httpx.AsyncClient, body: dict) -> dict:
+def stream_one(conn: sse_client.Connection, body: dict) -> dict:
     """One streamed completion: text, completion tokens, the send time and every text chunk's time."""
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
     texts, times, usage, finish, events = [], [], None, None, 0
     t0 = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=payload) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line.strip() == "data: [DONE]":
-                break
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"error event: {event}")
-            now = time.perf_counter()
-            events += 1
-            for c in event.get("choices") or []:
-                if c.get("text"):
-                    times.append(now)
-                    texts.append(c["text"])
-                finish = c.get("finish_reason") or finish
-            usage = event.get("usage") or usage
+    for now, event in sse_client.stream(conn, "/v1/completions", payload):
+        if event == "[DONE]":
+            continue                                  # read on to the body's end: the connection is reused
+        if "error" in event:
+            raise RuntimeError(f"error event: {event}")
+        events += 1
+        for c in event.get("choices") or []:
+            if c.get("text"):
+                times.append(now)
+                texts.append(c["text"])
+            finish = c.get("finish_reason") or finish
+        usage = event.get("usage") or usage
     t_end = time.perf_counter()
     n = usage["completion_tokens"] if usage else len(times)
     return dict(t0=t0, t_end=t_end, times=times, text="".join(texts), tokens=n, finish=finish, events=events,
@@ -165,18 +162,28 @@ async def stream_one(client: httpx.AsyncClient, body: dict) -> dict:
 
 
 async def run_cell(url: str, bodies: list[dict], clients: int, timeout: float = 900.0) -> tuple[list[dict], float]:
-    """``clients`` workers take the requests in order (each waits for its answer before the next)."""
+    """``clients`` workers take the requests in order (each waits for its answer before the next),
+    each a thread with a keep-alive connection of its own (:mod:`sse_client`: the same lean
+    client for every server)."""
     results: list[dict | None] = [None] * len(bodies)
     queue = list(enumerate(bodies))[::-1]
-    async with httpx.AsyncClient(base_url=url, timeout=timeout,
-                                 limits=httpx.Limits(max_connections=clients + 4)) as client:
-        async def worker():
-            while queue:
-                i, body = queue.pop()
-                results[i] = await stream_one(client, body)
 
+    def worker():
+        conn = sse_client.Connection(url, timeout)
+        try:
+            while queue:
+                try:
+                    i, body = queue.pop()
+                except IndexError:                    # another worker took the last one
+                    return
+                results[i] = stream_one(conn, body)
+        finally:
+            conn.close()
+
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=clients) as pool:   # one thread per client
         t0 = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), timeout)
+        await asyncio.wait_for(asyncio.gather(*(loop.run_in_executor(pool, worker) for _ in range(clients))), timeout)
         return results, time.perf_counter() - t0
 
 
