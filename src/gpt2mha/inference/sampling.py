@@ -15,6 +15,9 @@ of these.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from .params import MIN_TEMPERATURE, SamplingParams
@@ -247,14 +250,29 @@ class RowSampler:
         return int(sample_next(self.adjust(logits), p.temperature, p.top_k, p.top_p, self.generator, p.min_p,
                                step=self.steps, rows=self.label)[0])
 
-    def accept(self, logits: torch.Tensor, token: int) -> None:
-        """Record ``token``, chosen from raw ``logits [1, V]``: its count, its logprobs, the step."""
+    def accept(self, logits: torch.Tensor | None, token: int) -> None:
+        """Record ``token``, chosen from raw ``logits [1, V]``: its count, its logprobs, the step
+        (``logits`` is read only for the logprobs: None without them)."""
         if self.logprobs is not None:
             chosen, top = token_logprobs(logits[:, :self.vocab_size], torch.tensor([token]), self.logprobs)
             self.last_logprob = (chosen[0], top[0])
         if self.counts is not None:
             self.counts[0, token] += 1
         self.steps += 1
+
+
+def argmax_rows(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Each row's argmax of ``logits [R, V]`` and the logit there, as Python lists: the first
+    maximal index, a NaN counting as the maximum (``torch.argmax`` and ``numpy.argmax`` agree on
+    both). On the CPU in float32, NumPy's argmax over a view of the same memory: ~6 µs for
+    50,257 logits against ~58 µs for ``torch.argmax`` with 2 threads (its reduction starts the
+    OpenMP team), 1-2% of an int4 124M step; elsewhere torch's."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        a = logits.numpy()                                      # no copy: a strided view
+        ids = a.argmax(axis=-1)
+        return ids.tolist(), a[np.arange(a.shape[0]), ids].tolist()
+    ids = logits.argmax(dim=-1)
+    return ids.tolist(), logits.gather(-1, ids[:, None])[:, 0].tolist()
 
 
 def sample_rows(samplers: list[RowSampler], logits: torch.Tensor, rows) -> list[int | Exception]:
@@ -268,13 +286,13 @@ def sample_rows(samplers: list[RowSampler], logits: torch.Tensor, rows) -> list[
         try:
             if s.params.greedy and not s.params.adjusted:
                 if greedy is None:
-                    ids = logits[:, :s.vocab_size].argmax(dim=-1)
-                    greedy, top = ids.tolist(), logits.gather(-1, ids[:, None])   # a NaN is argmax's maximum
-                check_finite(top[row], s.steps, s.label)
+                    greedy, top = argmax_rows(logits[:, :s.vocab_size])
+                if not math.isfinite(top[row]):                 # a NaN is argmax's maximum
+                    check_finite(torch.tensor([top[row]]), s.steps, s.label)
                 token = greedy[row]
             else:
                 token = s.draw(logits[row:row + 1, :s.vocab_size])
-            s.accept(logits[row:row + 1], token)
+            s.accept(logits[row:row + 1] if s.logprobs is not None else None, token)
             out.append(token)
         except Exception as e:                                  # this row fails; the others go on
             out.append(e)
