@@ -74,6 +74,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -164,27 +165,33 @@ def stream_one(conn: sse_client.Connection, body: dict) -> dict:
 async def run_cell(url: str, bodies: list[dict], clients: int, timeout: float = 900.0) -> tuple[list[dict], float]:
     """``clients`` workers take the requests in order (each waits for its answer before the next),
     each a thread with a keep-alive connection of its own (:mod:`sse_client`: the same lean
-    client for every server)."""
+    client for every server). The first failure or the ``timeout`` raises at once; the other
+    workers then take no new request."""
     results: list[dict | None] = [None] * len(bodies)
     queue = list(enumerate(bodies))[::-1]
+    stop = threading.Event()
 
     def worker():
         conn = sse_client.Connection(url, timeout)
         try:
-            while queue:
+            while not stop.is_set():
                 try:
                     i, body = queue.pop()
-                except IndexError:                    # another worker took the last one
+                except IndexError:                    # no request left
                     return
                 results[i] = stream_one(conn, body)
         finally:
             conn.close()
 
     loop = asyncio.get_running_loop()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=clients) as pool:   # one thread per client
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=clients)             # one thread per client
+    try:
         t0 = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(loop.run_in_executor(pool, worker) for _ in range(clients))), timeout)
         return results, time.perf_counter() - t0
+    finally:
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def cell_figures(results: list[dict], wall: float) -> dict:

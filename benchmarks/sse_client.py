@@ -29,8 +29,10 @@ class HTTPError(RuntimeError):
 
 
 class Connection:
-    """One keep-alive HTTP/1.1 connection to ``url`` (``http://host:port``), opened on first use
-    and again after the server closes it (``timeout``: seconds a ``recv`` may wait)."""
+    """One keep-alive HTTP/1.1 connection to ``url`` (``http://host:port``), opened on first use,
+    again after an answer that closes it (``Connection: close``, an error), and once more when a
+    reused connection turns out closed by the server before answering (``timeout``: seconds a
+    ``recv`` may wait)."""
 
     def __init__(self, url: str, timeout: float = 900.0):
         u = urlsplit(url)
@@ -63,22 +65,36 @@ class Connection:
 
     def post(self, path: str, body: dict):
         """Send ``POST path`` with a JSON body; returns (status, headers: {lower name: value})."""
-        if self.sock is None:
-            self.sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         data = json.dumps(body).encode()
-        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                          f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        status = int(self._line().split(b" ", 2)[1])
+        request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                   f"Accept: text/event-stream\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
+        reused = self.sock is not None
+        try:
+            status = self._send(request)
+        except (ConnectionError, BrokenPipeError):
+            if not reused:
+                raise
+            self.close()                              # the server closed the idle connection: once more
+            status = self._send(request)
         headers = {}
         while line := self._line():
             k, _, v = line.decode("latin-1").partition(":")
             headers[k.strip().lower()] = v.strip()
+        if status in (204, 304) or 100 <= status < 200:
+            headers["content-length"] = "0"           # no body, whatever the headers say
         return status, headers
 
+    def _send(self, request: bytes) -> int:
+        """Send ``request`` (opening the connection if needed); returns the answer's status."""
+        if self.sock is None:
+            self.sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(request)
+        return int(self._line().split(b" ", 2)[1])
+
     def body_pieces(self, headers: dict):
-        """The response body as it arrives: chunked, sized or up to the connection's close."""
+        """The response body as it arrives: chunked (each chunk as it comes), sized, or up to the
+        connection's close (then in one piece at the close: its events all get that time)."""
         if headers.get("transfer-encoding", "").lower() == "chunked":
             while size := int(self._line().split(b";", 1)[0], 16):
                 piece = self._exactly(size + 2)[:-2]
@@ -110,11 +126,11 @@ def stream(conn: Connection, path: str, body: dict):
             now = time.perf_counter()
             buf = (buf + piece).replace(b"\r\n", b"\n")
             *events, buf = buf.split(b"\n\n")
-            for ev in events:
-                for line in ev.split(b"\n"):
-                    if line.startswith(b"data:"):
-                        data = line[5:].strip()
-                        yield now, ("[DONE]" if data == b"[DONE]" else json.loads(data))
+            for ev in events:                         # an event's data lines joined by newlines (SSE)
+                lines = [line[5:].strip() for line in ev.split(b"\n") if line.startswith(b"data:")]
+                if lines:
+                    data = b"\n".join(lines)
+                    yield now, ("[DONE]" if data == b"[DONE]" else json.loads(data))
         clean = True
     finally:
         if not clean:                                 # left mid-body: the connection cannot be reused

@@ -169,3 +169,20 @@ def test_forward_with_cache_still_checks_inputs():
         model(torch.tensor([[97]]), cache=cache)
     with pytest.raises(ValueError, match="position_ids"):
         model(torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 48]]))
+
+
+def test_a_cache_filled_under_no_grad_takes_run_with_cache_in_grad_mode():
+    """A cache made in grad mode and filled under no_grad, then extended by ``run_with_cache`` in
+    grad mode, gives the uncached logits (reference: the model's forward over all the tokens); its
+    per-layer views must not be made under the no_grad of the first forward."""
+    from gpt2mha.learn.activations import run_with_cache
+
+    model = small_model(**ROBUST)
+    c = model.config
+    idx = torch.randint(0, 97, (1, 9))
+    cache = KVCache(c.n_layer, 1, c.n_head, 32, c.head_dim)
+    with torch.no_grad():
+        model(idx[:, :6], cache=cache)
+        ref = model(idx).logits[:, 6:]
+    logits, _ = run_with_cache(model, idx[:, 6:], cache=cache)
+    torch.testing.assert_close(logits.detach(), ref, atol=1e-5, rtol=1e-5)

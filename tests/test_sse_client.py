@@ -17,11 +17,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def url():
+def served():
     model = GPT2.from_pretrained(DEFAULT_MODEL).eval()
     sched = Scheduler(model, tokenizer_for(model.config), max_batch=2)
     with serve_in_thread(sched, DEFAULT_MODEL) as base:
-        yield base
+        yield base, sched
+
+
+@pytest.fixture
+def url(served):
+    return served[0]
 
 
 def test_streamed_events_text_and_usage_equal_the_openai_clients(url):
@@ -62,3 +67,18 @@ def test_run_cell_answers_every_request_once_with_one_thread_per_client(url):
     assert wall > 0
     assert [r["tokens"] for r in results] == [5 + i for i in range(7)]
     assert all(r["finish"] == "length" and r["chunks"] >= 1 for r in results)
+
+
+def test_run_cell_stops_at_the_first_failed_request(served):
+    """A request the server refuses (400) ends run_cell with that error at once: with one client,
+    none of the requests after it reaches the scheduler (reference: its own counts)."""
+    import asyncio
+
+    url, sched = served
+    peers = load_benchmark("serve_peers")
+    sse = load_benchmark("sse_client")
+    before = sched.stats()["completed"]
+    bodies = [dict(prompt="x", max_tokens=-1, temperature=0)] + [dict(prompt="y", max_tokens=4, temperature=0)] * 5
+    with pytest.raises(sse.HTTPError, match="HTTP 400"):
+        asyncio.run(peers.run_cell(url, bodies, 1))
+    assert sched.stats()["completed"] == before

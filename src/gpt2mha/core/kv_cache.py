@@ -119,17 +119,9 @@ class KVCache:
         self.k, self.v = k, v
         self._lengths = lengths                                 # shared with the views of :meth:`rows`, :meth:`row`
         self._offset = offset                                   # this view's row 0 in ``_lengths``
-        self._layers = None                                     # :attr:`layers`, made when first read
-
-    @property
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, the views ``(k[i], v[i])``, each ``[B, h, T_max, head_dim]``: made on first
-        use (2 · n_layer indexing ops, ~0.1 ms for 124M: a native step, which takes k and v
-        whole, never reads them), by indexing, not unbind(), whose views refuse in-place writes
-        of tensors that require grad (a forward with past in grad mode)."""
-        if self._layers is None:
-            self._layers = [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
-        return self._layers
+        # per layer: views [B, h, T_max, head_dim]; by indexing, not unbind(), whose views refuse
+        # in-place writes of tensors that require grad (a forward with past in grad mode)
+        self.layers = [(k[i], v[i]) for i in range(k.shape[0])]
 
     @property
     def lengths(self) -> list[int]:

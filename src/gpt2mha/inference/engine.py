@@ -101,6 +101,7 @@ class Engine:
         self._view: ViewDecoder | None = None
         self._view_hooks = None
         self._score_view: ViewDecoder | None = None
+        self._rows: dict[int, KVCache] = {}                     # cache.rows(n) by n (2 · n_layer views each)
 
     @property
     def slots(self) -> int:
@@ -202,7 +203,9 @@ class Engine:
         """
         decoder = self.decoder
         n = self.slots if decoder.fixed_batch else max(slots) + 1
-        rows = self.cache.rows(n)
+        rows = self._rows.get(n)
+        if rows is None:                                        # views of rows 0 … n-1, made once for each n
+            rows = self._rows[n] = self.cache if n == self.slots else self.cache.rows(n)
         before = rows.lengths
         ids = torch.tensor(self.last[:n], dtype=torch.long, device=self.device)[:, None]    # [n, 1]
         logits = decoder.step(ids, rows)                                                     # [n, V]

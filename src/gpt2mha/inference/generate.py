@@ -368,7 +368,7 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
         tokens = engine.prefill(list(range(B)), [ids[-n_ctx:] for ids in prompts])
         finished = [False] * B
         sliding: set[int] = set()                               # rows recomputed over their last n_ctx tokens
-        chosen: list[list[int]] = []                            # each step's tokens, into ``out`` once at the end
+        chosen: list[list[int]] = []                            # each step's tokens, into ``out`` at the end
         for step in range(n_new):
             pos = T + step                                      # column of the token being chosen
             for b, t in enumerate(tokens):
@@ -392,14 +392,16 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
                 cache.reset(b)
             logits, rows = engine.forward(list(range(B)))
             for b in sorted(sliding):                           # positions restart at 0 for the window
-                new = torch.tensor([c[b] for c in chosen], dtype=torch.long, device=out.device)
+                new = out[b, T:pos + 1] if on_token is not None else \
+                    torch.tensor([c[b] for c in chosen], dtype=torch.long, device=out.device)
                 window = torch.cat([prompts[b], new])[-n_ctx:]
                 logits[b] = model(window[None], last_only=True, validate=False).logits[0, -1]
             live = [b for b in range(B) if not finished[b]]
             tokens = [eos_token_id] * B
             for b, t in zip(live, engine.sample(live, logits, live)):
                 tokens[b] = t
-        out[:, T:T + len(chosen)] = torch.tensor(chosen, dtype=torch.long).T      # one write, not one a step
+        if on_token is None:                                    # (with it, each step's column was written then)
+            out[:, T:T + len(chosen)] = torch.tensor(chosen, dtype=torch.long).T  # one write, not one a step
         return out
     finally:
         keep_for_next_call(storage)                            # its memory, for the next call
