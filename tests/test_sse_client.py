@@ -35,7 +35,7 @@ def test_streamed_events_text_and_usage_equal_the_openai_clients(url):
     back; a 400 answer raises HTTPError naming the status, and the connection then works again."""
     sse = load_benchmark("sse_client")
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    conn = sse.Connection(url)
+    conn = sse.Connection(url, timeout=60)                # a hung server fails the test in a minute
     for prompt in ("ROMEO:", "JULIET:\nO Romeo, Romeo"):
         body = dict(model=DEFAULT_MODEL, prompt=prompt, max_tokens=30, temperature=0)
         ref = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
@@ -63,7 +63,7 @@ def test_run_cell_answers_every_request_once_with_one_thread_per_client(url):
 
     peers = load_benchmark("serve_peers")
     bodies = [dict(prompt=f"LINE {i}:", max_tokens=5 + i, temperature=0) for i in range(7)]
-    results, wall = asyncio.run(peers.run_cell(url, bodies, 3))
+    results, wall = asyncio.run(peers.run_cell(url, bodies, 3, timeout=60))
     assert wall > 0
     assert [r["tokens"] for r in results] == [5 + i for i in range(7)]
     assert all(r["finish"] == "length" and r["chunks"] >= 1 for r in results)
@@ -80,5 +80,5 @@ def test_run_cell_stops_at_the_first_failed_request(served):
     before = sched.stats()["completed"]
     bodies = [dict(prompt="x", max_tokens=-1, temperature=0)] + [dict(prompt="y", max_tokens=4, temperature=0)] * 5
     with pytest.raises(sse.HTTPError, match="HTTP 400"):
-        asyncio.run(peers.run_cell(url, bodies, 1))
+        asyncio.run(peers.run_cell(url, bodies, 1, timeout=60))
     assert sched.stats()["completed"] == before

@@ -400,7 +400,7 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
             tokens = [eos_token_id] * B
             for b, t in zip(live, engine.sample(live, logits, live)):
                 tokens[b] = t
-        if on_token is None:                                    # (with it, each step's column was written then)
+        if chosen and on_token is None:                         # (with on_token each step's column was written then)
             out[:, T:T + len(chosen)] = torch.tensor(chosen, dtype=torch.long).T  # one write, not one a step
         return out
     finally:
