@@ -143,7 +143,7 @@ def per_row_model(int8_model):
 
 @pytest.mark.parametrize("kernel", ["fbgemm", "int_mm"])
 def test_per_row_layers_give_the_eager_per_row_product_compiled(per_row_model, kernel, monkeypatch):
-    # reference: the eager layer's int8_matmul_per_row (quant/linear.py), which the quant tests check
+    # reference: the eager layer's int8_matmul_per_row (quant/int8_products.py), which the quant tests check
     # against float64 products of the dequantized weights
     from gpt2mha.inference.quant.linear import fbgemm_available
     if kernel == "fbgemm" and not fbgemm_available():

@@ -1,4 +1,4 @@
-"""gpt2mha's C++ products (src/gpt2mha/kernels/products.cpp) through their wrappers
+"""gpt2mha's C++ products (src/gpt2mha/kernels/products.cpp, int4_products.cpp) through their wrappers
 (gpt2mha.inference.quant.gemv); how the library is found and loaded: test_kernels_loading.py.
 
 Reference: float64 products of the dequantized weight, ``x @ (q · s)ᵀ + b`` (NumPy-free: torch

@@ -226,7 +226,7 @@ def _(u: torch.Tensor, key: int, n_out: int) -> torch.Tensor:
 def fbgemm_rows(u: torch.Tensor, key: int, n_out: int) -> torch.Tensor:
     """``(u + 128) @ q7ᵀ · scales7`` → float32 ``[M, n_out]`` for float32 ``u [M, K]`` holding
     integers in ``[-128, 127]``, by FBGEMM's uint8 × int8 GEMM over the packed weight
-    ``_FBGEMM_PACKED[key]`` (exact int32 sums: :func:`~.quant.linear.int8_matmul_per_row`): the
+    ``_FBGEMM_PACKED[key]`` (exact int32 sums: :func:`~.quant.int8_products.int8_matmul_per_row`): the
     operator ``torch.ops.gpt2mha.fbgemm_rows``, an opaque call inside the compiled step; the row
     rounding before it and the rescale after it are ordinary ops that inductor fuses with their
     neighbours."""
@@ -236,7 +236,7 @@ def fbgemm_rows(u: torch.Tensor, key: int, n_out: int) -> torch.Tensor:
 class PerRowInt8Linear(nn.Module):
     """An int8 :class:`~gpt2mha.inference.quant.linear.QuantizedLinear` with
     ``activations="per_row"`` for the compiled step: the same W7A8 product as the eager layer
-    (:func:`~gpt2mha.inference.quant.linear.int8_matmul_per_row`: each activation row rounded to
+    (:func:`~gpt2mha.inference.quant.int8_products.int8_matmul_per_row`: each activation row rounded to
     8 bits with its own scale and zero point, 7-bit weights), written as ops inductor fuses
     (the row's min/max, the rounding, the rescale and the bias) around one integer GEMM:
     FBGEMM's (:func:`fbgemm_rows`, CPUs without VNNI/AMX) or ``torch._int_mm``, which inductor

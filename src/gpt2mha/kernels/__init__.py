@@ -2,9 +2,9 @@
 
 One library, ``_kernels.abi3.so`` beside this file, compiled at install (``setup.py``, with
 :mod:`.build`'s flags) on Linux x86-64 against the installed torch, holds the operators
-``torch.ops.gpt2mha.*``: the int8/int4 GEMV, W4A8 and W7A8 products (``products.cpp``), prefill's
-causal attention (``causal_attention.cpp``) and the quantized forward in one call
-(``cached_forward.cpp``). Nothing is compiled while a program runs unless asked for
+``torch.ops.gpt2mha.*``: the int8 GEMV and W7A8 products (``products.cpp``), the int4 GEMV
+and W4A8 (``int4_products.cpp``), prefill's causal attention (``causal_attention.cpp``) and the
+forward in one call (``cached_forward.cpp``). Nothing is compiled while a program runs unless asked for
 (``GPT2MHA_KERNELS=build``).
 
 ``GPT2MHA_KERNELS`` chooses what :func:`load` loads:

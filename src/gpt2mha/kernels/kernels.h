@@ -1,10 +1,11 @@
-/* What cached_forward.cpp calls in products.cpp, float_products.cpp, bf16_products.cpp and
+/* What cached_forward.cpp calls in products.cpp, int4_products.cpp, float_products.cpp, bf16_products.cpp and
  * causal_attention.cpp (one library: every .cpp here, build.py's SOURCES). */
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 
 /* y [M, N] = x [M, K] @ (w [N, K] int8 * scales [N])^T + bias [N] (bias may be NULL): float32
  * activations, each weight converted to float32 (int8_gemv). */
@@ -82,6 +83,13 @@ float softmax_row(float *s, int64_t n, float scale);
 /* rows of row_bytes each per chunk of about 128 KiB for N rows, the chunks a multiple of the threads
  * (products.cpp's note on threads) */
 int64_t chunk_rows(int64_t row_bytes, int64_t N);
+
+/* whether a product of M x K x N multiply-adds is worth an OpenMP region (products.cpp's note on threads) */
+bool parallel_worth(int64_t M, int64_t K, int64_t N);
+
+/* an operator's check of its optional float32 bias [N] (a clear message naming op, never a read out of
+ * bounds): its data, or NULL for None (products.cpp) */
+const float *bias_of(const char *op, const std::optional<at::Tensor> &bias, int64_t N);
 
 /* whether the kernels take their AVX-512 paths now: the CPU has AVX-512 VNNI and use_vnni has not
  * turned them off (products.cpp) */

@@ -1,6 +1,7 @@
-/* gpt2mha's quantized products (inference/quant/gemv.py wraps them): int8_gemv and int4_gemv
- * (float32 activations), int4_gemv_a8 (W4A8) and int8_per_row (W7A8), each described where it is
- * defined (the W4A8 kernel itself is w4a8_products.cpp's), and the switch of the AVX-512 paths (use_vnni). First, the int8 weight-only product for
+/* gpt2mha's int8 products (inference/quant/gemv.py wraps them): int8_gemv (float32 activations) and
+ * int8_per_row (W7A8), each described where it is defined, the threads' note the other products
+ * follow, and the switch of the AVX-512 paths (use_vnni). The int4 operators are int4_products.cpp's,
+ * the W4A8 kernel w4a8_products.cpp's. First, the int8 weight-only product for
  * decode-sized inputs on AVX2 CPUs, the operator torch.ops.gpt2mha.int8_gemv:
  *
  *   y[m, n] = (sum_k x[m, k] * w[n, k]) * scales[n] + bias[n]
@@ -59,20 +60,12 @@ int64_t chunk_rows(int64_t row_bytes, int64_t N) {
     return chunks > 0 ? (N + chunks - 1) / chunks : 1;
 }
 
-static inline bool parallel_worth(int64_t M, int64_t K, int64_t N) { return M * K * N >= PARALLEL_MACS; }
+bool parallel_worth(int64_t M, int64_t K, int64_t N) { return M * K * N >= PARALLEL_MACS; }
 /* inputs of at least this many values are rounded (round_rows) on the threads */
 static const int64_t PARALLEL_ROUND = 1 << 16;
 
 static inline __m256 w8(const int8_t *p) {          /* 8 int8 weights -> 8 float32 */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-
-static inline float reduce(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    __m256 f = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* sum_k x[k] * w[k] for one row of x */
@@ -85,7 +78,7 @@ static float dot1(const float *x, const int8_t *w, int64_t K) {
         a2 = _mm256_fmadd_ps(w8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
         a3 = _mm256_fmadd_ps(w8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
     }
-    float s = reduce(a0, a1, a2, a3);
+    float s = sum4x8(a0, a1, a2, a3);
     for (; k < K; k++) s = std::fmaf(x[k], (float)w[k], s);
     return s;
 }
@@ -106,7 +99,7 @@ static void dot2(const float *x0, const float *x1, const int8_t *w, int64_t K, f
         a3 = _mm256_fmadd_ps(v3, _mm256_loadu_ps(x0 + k + 24), a3);
         b3 = _mm256_fmadd_ps(v3, _mm256_loadu_ps(x1 + k + 24), b3);
     }
-    float s = reduce(a0, a1, a2, a3), t = reduce(b0, b1, b2, b3);
+    float s = sum4x8(a0, a1, a2, a3), t = sum4x8(b0, b1, b2, b3);
     for (; k < K; k++) {
         s = std::fmaf(x0[k], (float)w[k], s);
         t = std::fmaf(x1[k], (float)w[k], t);
@@ -316,104 +309,6 @@ static void gemv_packed(const uint8_t *u8, int64_t M, int64_t ustride, int64_t K
     }
 }
 
-/* int4 (QuantizedLinear's int4 scheme, PyTorch's int4pack convention): weight uint8 [N, K/2]
- * holding input 2i in the low nibble of byte i and input 2i + 1 in the high one (pack_int4),
- * q in 0..15; per group of G inputs a bf16 scale s and zero z, w = (q - 8) * s + z. Written as
- *
- *   sum_k x[k] * w[k] = sum_g ( s_g * sum_{k in g} q[k] x[k]  +  (z_g - 8 s_g) * X_g ),
- *
- * X_g = sum_{k in g} x[k] (once per call), the float32 product with the dequantized weight up to
- * float32 rounding. x is split once per call into its even and odd inputs, so 8 bytes of a row
- * give 16 weights in two 8-lane registers (low nibbles times even inputs, high times odd). The
- * order of every sum is fixed by K and G alone (two accumulators, groups alternating), so a
- * row's result does not depend on the other rows or the threads. */
-static inline float bf16_value(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* one weight row's (scale, zero) pairs as float32 into sf [2 * ng] */
-static inline void params_f32(const uint16_t *szn, int64_t ng, float *sf) {
-    int64_t i = 0;
-    for (; i + 8 <= 2 * ng; i += 8) {
-        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(szn + i)));
-        _mm256_storeu_ps(sf + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
-    }
-    for (; i < 2 * ng; i++) sf[i] = bf16_value(szn[i]);
-}
-
-/* sum_i a[i] * b[i] over n floats, in a fixed order */
-static inline float dotf(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    const __m256 zero = _mm256_setzero_ps();
-    float s = reduce(acc, zero, zero, zero);
-    for (; i < n; i++) s = std::fmaf(a[i], b[i], s);
-    return s;
-}
-
-/* MT rows (1 or 2) of x over one weight row; GT the group size when known at compile time
- * (0: G at run time). xz [M, 2 * ng] holds (-8 X_g, X_g) per group, so that the zero terms
- * sum_g (z_g - 8 s_g) X_g are one dot product with the row's (s, z) pairs. */
-template <int MT, int GT>
-static inline void int4_tile(const float *xe, const float *xo, const float *xz, int64_t K, int64_t G,
-                             const uint8_t *wn, const float *sf, float *out) {
-    const __m256i low = _mm256_set1_epi32(15);
-    const int64_t half = K / 2, gh = GT ? GT / 2 : G / 2, ng = K / (2 * gh);
-    __m256 acc[MT][2];
-    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        __m256 ga[MT][2];
-        for (int i = 0; i < MT; i++) ga[i][0] = ga[i][1] = _mm256_setzero_ps();
-        const uint8_t *wg = wn + g * gh;
-        for (int64_t c = 0; c < gh; c += 8) {
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wg + c)));
-            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
-            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-            for (int i = 0; i < MT; i++) {
-                ga[i][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xe + i * half + g * gh + c), ga[i][0]);
-                ga[i][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xo + i * half + g * gh + c), ga[i][1]);
-            }
-        }
-        const __m256 sv = _mm256_broadcast_ss(sf + 2 * g);
-        for (int i = 0; i < MT; i++)
-            acc[i][g & 1] = _mm256_fmadd_ps(_mm256_add_ps(ga[i][0], ga[i][1]), sv, acc[i][g & 1]);
-    }
-    const __m256 zero = _mm256_setzero_ps();
-    for (int i = 0; i < MT; i++)
-        out[i] = reduce(acc[i][0], acc[i][1], zero, zero) + dotf(sf, xz + i * 2 * ng, 2 * ng);
-}
-
-template <int GT>
-static void gemv_int4(const float *xe, const float *xo, const float *xz, int64_t M, int64_t K, int64_t G,
-                      const uint8_t *w, int64_t N, const uint16_t *sz, const float *bias, float *y) {
-    const int64_t half = K / 2, ng = K / G, chunk = chunk_rows(half, N);
-    #pragma omp parallel if (parallel_worth(M, K, N))
-    {
-        std::vector<float> sf(2 * ng);
-        #pragma omp for schedule(dynamic, chunk)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *wn = w + n * half;
-            params_f32(sz + n * ng * 2, ng, sf.data());
-            const float b = bias ? bias[n] : 0.0f;
-            float s[2];
-            int64_t m = 0;
-            for (; m + 2 <= M; m += 2) {
-                int4_tile<2, GT>(xe + m * half, xo + m * half, xz + m * 2 * ng, K, G, wn, sf.data(), s);
-                y[m * N + n] = s[0] + b;
-                y[(m + 1) * N + n] = s[1] + b;
-            }
-            if (m < M) {
-                int4_tile<1, GT>(xe + m * half, xo + m * half, xz + m * 2 * ng, K, G, wn, sf.data(), s);
-                y[m * N + n] = s[0] + b;
-            }
-        }
-    }
-}
-
 /* The operators' checks of a float32 vector argument [N] (a clear message, never a read out of
  * bounds): vec returns its data; bias_of returns NULL for None. */
 static const float *vec(const char *op, const char *name, const at::Tensor &t, int64_t N) {
@@ -424,7 +319,7 @@ static const float *vec(const char *op, const char *name, const at::Tensor &t, i
     return t.data_ptr<float>();
 }
 
-static const float *bias_of(const char *op, const std::optional<at::Tensor> &bias, int64_t N) {
+const float *bias_of(const char *op, const std::optional<at::Tensor> &bias, int64_t N) {
     if (!bias.has_value())
         return nullptr;
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat &&
@@ -547,7 +442,7 @@ AVX512_TARGET static void round_row16(const float *xr, int64_t K, uint8_t *ur, i
     for (; k < K; k++) ur[k] = (uint8_t)std::nearbyint((xr[k] - lo) / step);
 }
 
-/* per_row's rounding of the rows of x [M, K] (compiled.py's PerRowInt8Linear, linear.py's
+/* per_row's rounding of the rows of x [M, K] (compiled.py's PerRowInt8Linear, int8_products.py's
  * int8_matmul_per_row): lo = min, a = (max - min) / 255, u = round((x - lo) / max(a, 1e-30)) in
  * 0..255 (round half to even, as torch.round), into rows of ustride bytes; a[m] and c[m] = a * 128
  * + lo for the rescale; a row with a non-finite value gets u = 0 and a = c = NaN. */
@@ -598,81 +493,6 @@ static at::Tensor int8_per_row(const at::Tensor &x, const at::Tensor &packed, co
     return y;
 }
 
-/* The int4 operators' argument checks (a clear message, never a read out of bounds); returns
- * the bias pointer (NULL for None). `unit`: what the group size must be a multiple of. */
-static const float *check_int4(const char *name, int64_t unit, const at::Tensor &x, const at::Tensor &weight,
-                               const at::Tensor &scale_zero, int64_t G, const std::optional<at::Tensor> &bias) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-                name, ": x must be a float32 CPU tensor [M, K]; got ", x.scalar_type(), " ", x.sizes());
-    TORCH_CHECK(weight.dim() == 2, name, ": weight must be a contiguous uint8 CPU tensor [N, K/2]; got ",
-                weight.scalar_type(), " ", weight.sizes());
-    const int64_t K = x.size(1), N = weight.size(0);
-    TORCH_CHECK(G >= unit && G % unit == 0 && K % G == 0,
-                name, ": group_size must be a multiple of ", unit, " dividing K=", K, "; got ", G);
-    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.size(1) == K / 2 &&
-                weight.is_contiguous() && weight.device().is_cpu(),
-                name, ": weight must be a contiguous uint8 CPU tensor [N, K/2=", K / 2, "]; got ",
-                weight.scalar_type(), " ", weight.sizes());
-    TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == N && scale_zero.size(1) == K / G &&
-                scale_zero.size(2) == 2 && scale_zero.scalar_type() == at::kBFloat16 &&
-                scale_zero.is_contiguous() && scale_zero.device().is_cpu(),
-                name, ": scale_zero must be a contiguous bfloat16 CPU tensor [N=", N, ", K/group_size=",
-                K / G, ", 2]; got ", scale_zero.scalar_type(), " ", scale_zero.sizes());
-    return bias_of(name, bias, N);
-}
-
-/* The int4 operator (gemv_int4). */
-static at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
-                            int64_t group_size, const std::optional<at::Tensor> &bias) {
-    const float *b = check_int4("int4_gemv", 16, x, weight, scale_zero, group_size, bias);
-    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size;
-    at::Tensor xc = x.contiguous();
-    /* the even and the odd inputs of each row, and each group's sum, in a fixed order */
-    const int64_t half = K / 2, ng = K / G;
-    at::Tensor parts = at::empty({2 * M * half + 2 * M * ng}, x.options());
-    const float *src = xc.data_ptr<float>();
-    float *xe = parts.data_ptr<float>(), *xo = xe + M * half, *xz = xo + M * half;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < ng; g++) {
-            float t = 0.0f;
-            for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
-                xe[m * half + k / 2] = src[m * K + k];
-                xo[m * half + k / 2] = src[m * K + k + 1];
-                t += src[m * K + k];
-                t += src[m * K + k + 1];
-            }
-            xz[m * 2 * ng + 2 * g] = -8.0f * t;
-            xz[m * 2 * ng + 2 * g + 1] = t;
-        }
-    at::Tensor y = at::empty({M, N}, x.options());
-    const uint8_t *w = weight.data_ptr<uint8_t>();
-    const uint16_t *sz = reinterpret_cast<const uint16_t *>(scale_zero.data_ptr<at::BFloat16>());
-    float *out = y.data_ptr<float>();
-    switch (G) {
-        case 32: gemv_int4<32>(xe, xo, xz, M, K, G, w, N, sz, b, out); break;
-        case 64: gemv_int4<64>(xe, xo, xz, M, K, G, w, N, sz, b, out); break;
-        case 128: gemv_int4<128>(xe, xo, xz, M, K, G, w, N, sz, b, out); break;
-        default: gemv_int4<0>(xe, xo, xz, M, K, G, w, N, sz, b, out); break;
-    }
-    return y;
-}
-
-/* The W4A8 operator: the same arguments as int4_gemv; the weight is packed for w4a8_products.cpp's
- * kernel at every call (int4_pack_a8; a model's layers keep their packed copy: int4_a8_packed) */
-static at::Tensor int4_gemv_a8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_zero,
-                               int64_t group_size, const std::optional<at::Tensor> &bias) {
-    const float *b = check_int4("int4_gemv_a8", 32, x, weight, scale_zero, group_size, bias);
-    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = group_size, T = (N + 31) / 32;
-    at::Tensor xc = x.contiguous();
-    const std::unique_ptr<uint8_t[]> packed(new uint8_t[T * (K / 4) * 64]);
-    const std::unique_ptr<float[]> params(new float[T * (K / G) * 64]);
-    pack_int4_a8(weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(scale_zero.data_ptr<at::BFloat16>()), N,
-                 K, G, packed.get(), params.get());
-    at::Tensor y = at::empty({M, N}, x.options());
-    w4a8(xc.data_ptr<float>(), M, K, G, packed.get(), params.get(), N, b, y.data_ptr<float>());
-    return y;
-}
-
 /* has_vnni(): whether the kernels now take their AVX-512 VNNI paths (the CPU has them and
  * use_vnni has not turned them off) */
 static bool has_vnni() { return use_vnni && vnni(); }
@@ -689,8 +509,6 @@ static bool set_use_vnni(bool on) {
 
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
-    m.def("int4_gemv(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
-    m.def("int4_gemv_a8(Tensor x, Tensor weight, Tensor scale_zero, int group_size, Tensor? bias) -> Tensor");
     m.def("int8_per_row(Tensor x, Tensor packed, Tensor qsum, Tensor scales, Tensor wsum, Tensor? bias, bool gelu=False) -> Tensor");
     m.def("use_vnni(bool on) -> bool");
     m.def("has_vnni() -> bool");
@@ -698,8 +516,6 @@ TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
 
 TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
     m.impl("int8_gemv", &int8_gemv);
-    m.impl("int4_gemv", &int4_gemv);
-    m.impl("int4_gemv_a8", &int4_gemv_a8);
     m.impl("int8_per_row", &int8_per_row);
 }
 

@@ -64,6 +64,16 @@ static inline float exp1(float x) {
     return p * two_n;
 }
 
+/* a0 + a1 + a2 + a3 summed over their 8 lanes, in one fixed order (the int8 and int4 products'
+ * reduction of their accumulators) */
+static inline float sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 f = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 /* GPT-2's GELU (openai/gpt-2's gelu: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), written
  * as x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3) (the same function: 1 + tanh(u) =
  * 2 / (1 + exp(-2u)), with no cancellation near u = 0), exp8/exp1 above (inf past 88.4, so

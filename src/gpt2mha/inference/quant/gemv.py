@@ -51,7 +51,7 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"q must be a 2-D int8 CPU tensor [N, K]; got {q.dtype} {tuple(q.shape)} on {q.device}")
     if q.numel() and (int(q.min()) < -63 or int(q.max()) > 63):   # 8-bit weights would saturate the AVX2 path
         raise ValueError(f"q: weights from {int(q.min())} to {int(q.max())}; expected 7-bit weights in [-63, 63] "
-                         f"(linear.weight_7bit)")
+                         f"(int8_products.weight_7bit)")
     N, K = q.shape
     Np, Kp = -(-N // 32) * 32, -(-K // 4) * 4
     padded = torch.zeros(Np, Kp, dtype=torch.int8)
@@ -73,7 +73,7 @@ _VNNI: dict = {"on": None}
 
 def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales7: torch.Tensor,
                  wsum: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
-    """per_row's W7A8 layer (:func:`~.linear.int8_matmul_per_row`, plus the bias) at decode
+    """per_row's W7A8 layer (:func:`~.int8_products.int8_matmul_per_row`, plus the bias) at decode
     sizes by ``products.cpp``: each row of x rounded to 8 bits with its own step ``a = (max − min) /
     255`` and minimum ``lo``, ``u = round((x − lo) / a)``; the exact integer sums of u with the
     7-bit weights on their packed copy (``vpdpbusd`` on AVX-512 VNNI CPUs, ``vpmaddubsw``
@@ -82,7 +82,7 @@ def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scal
     Args:
         x: float32 ``[M, K]`` (made for 1–16 rows).
         packed: :func:`pack_rows` of the 7-bit weights ``q7 [N, K]`` (values in [-63, 63],
-            :func:`~.linear.weight_7bit`: 8-bit weights would saturate the AVX2 path).
+            :func:`~.int8_products.weight_7bit`: 8-bit weights would saturate the AVX2 path).
         qsum: int32 ``[N]``, ``q7.sum(1)``.
         scales7: float32 ``[N]``; wsum: float32 ``[N]``, ``(q7 · scales7).sum(1)``.
         bias: float32 ``[N]`` or None.
@@ -183,7 +183,7 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, activations: str = "exact") -> torch.Tensor:
-    """``x @ deq(W)ᵀ + bias`` in float32 by ``products.cpp`` for an int4 weight, ``deq(W) = (q − 8)·s + z``.
+    """``x @ deq(W)ᵀ + bias`` in float32 by ``int4_products.cpp`` for an int4 weight, ``deq(W) = (q − 8)·s + z``.
 
     ``activations="exact"`` (``torch.ops.gpt2mha.int4_gemv``): the float32 product with the
     dequantized weight (float32 activations and accumulation). ``"per_block"``

@@ -415,10 +415,10 @@ def set_activations(model, activations: str) -> None:
     :class:`QuantizedLinear` (:attr:`QuantizedLinear.activations`), and record it in
     ``model.quantization["activations"]`` (saved with the checkpoint):
 
-    - ``"exact"``: integer pieces exact to ~1e-4 (:func:`~.linear.int8_matmul`), or float32
+    - ``"exact"``: integer pieces exact to ~1e-4 (:func:`~.int8_products.int8_matmul`), or float32
       products of the dequantized weight for many rows (:data:`~.linear.DEQUANTIZE_FROM_ROWS`).
     - ``"per_row"``: each activation row rounded to 8 bits with its own scale and zero point,
-      over the weights re-rounded to 7 bits per output channel (:func:`~.linear.int8_matmul_per_row`;
+      over the weights re-rounded to 7 bits per output channel (:func:`~.int8_products.int8_matmul_per_row`;
       W7A8, in the spirit of CTranslate2's per-row int8), for every product: decode steps as
       well as prefill. One integer product instead of two: on an AVX2 CPU ~1.3–1.7x float32
       in prefill of 64–512 tokens, where the exact route is ~0.9x; less close to float32:
