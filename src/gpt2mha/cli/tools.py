@@ -320,7 +320,7 @@ def check_serve_args(args) -> None:
 
 
 #: ``gpt2mha serve --max-stop`` default (:data:`gpt2mha.serving.protocol.MAX_STOP`, repeated so that
-#: parsing arguments needs no FastAPI; tests/test_serve.py checks that the two agree)
+#: parsing arguments needs no FastAPI; tests/test_serve_lifecycle.py checks that the two agree)
 DEFAULT_MAX_STOP = 64
 
 
