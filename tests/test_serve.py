@@ -429,3 +429,26 @@ def test_relay_wakes_the_loop_once_per_batch_and_delivers_in_order():
 
     got, wakes = asyncio.run(main())
     assert got == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9]] and wakes == 2
+
+
+def test_a_whole_answer_wakes_the_loop_once_per_sequence_a_stream_at_each_event(server, monkeypatch):
+    """A whole (not streamed) answer has only each sequence's last event relayed to the event
+    loop (the sequences keep their own text: no wake-up a token), a stream every event; the two
+    answers carry the same texts (seeded sampling, n=2)."""
+    from gpt2mha.serving.completions import Relay
+
+    url, _ = server
+    sent, send = [], Relay.send
+    monkeypatch.setattr(Relay, "send", lambda self, queue, item: (sent.append(item[2]), send(self, queue, item))[1])
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    body = dict(model=DEFAULT_MODEL, prompt="ROMEO:", max_tokens=24, temperature=0.9, seed=5, n=2)
+    whole = client.completions.create(**body)
+    assert sent == [True, True]
+    sent.clear()
+    streamed = ["", ""]
+    for chunk in client.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert sent.count(True) == 2 and len(sent) >= 24
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == streamed
+    assert all(c.finish_reason == "length" for c in whole.choices)

@@ -98,7 +98,9 @@ class Completions:
     parsed, checked and tokenized in a worker thread (:meth:`prepare`), submits the prompts and
     answers with the whole completion (:meth:`collect`) or a server-sent event stream
     (:meth:`stream`). The scheduler thread's events reach the request through one
-    :class:`Relay`. Every request is cancelled in the scheduler when its answer ends, however
+    :class:`Relay`: every event of a stream, only each sequence's last for a whole answer (the
+    sequences keep their own text), so that a whole answer wakes the loop once per sequence,
+    not once per token. Every request is cancelled in the scheduler when its answer ends, however
     it ends (a client that hangs up frees its slots at once), and logged in one line.
     """
 
@@ -121,8 +123,11 @@ class Completions:
         events = asyncio.Queue()
         self.relay.loop = loop                        # the server's one loop
 
+        stream = body.stream
+
         def on_event(seq, text, done):                # scheduler thread → this request's queue
-            self.relay.send(events, (seq, text, done))
+            if stream or done:                        # a whole answer waits only for the ends: no wake-up a token
+                self.relay.send(events, (seq, text, done))
 
         try:
             seqs = self.scheduler.submit(prompts, sampling_params(body), on_event)
