@@ -24,6 +24,13 @@ How things are measured:
 transformers is a benchmark/test dependency only; it is imported inside the functions here.
 Run ``gpt2mha bench --quick`` for scaled-down sizes (:data:`QUICK`: every section's work bounded,
 2–3 minutes on 2 idle cores), ``--json`` for one JSON object.
+
+Its code is in modules beside it: ``bench_common.py`` (the random checkpoint and its loaders, the
+timing, greedy decoding, real text with the top-1 agreement, the bytes a decode step reads, the
+table's rows; the other benchmarks import these from here, ``from bench import ...``),
+``bench_float.py`` (the float32 sections: decode, cache, positions, prefill, attention) and
+``bench_memory.py`` (the prefill variants and the peak-memory children, ``bench.py
+--memory-child``); the low-precision and quantized sections are here.
 """
 
 from __future__ import annotations
@@ -34,32 +41,33 @@ import gc
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from gpt2mha import DEFAULT_MODEL
 from gpt2mha.api import GPT2
 from gpt2mha.cli import BENCH_SECTIONS as SECTIONS
 from gpt2mha.cli import add_bench_arguments as add_arguments
-from gpt2mha.core.attention import CausalSelfAttention
-from gpt2mha.core.kv_cache import KVCache
-from gpt2mha.core.model import GPT2Config, logits_dtype
-from gpt2mha.inference.fast import for_decoding
-from gpt2mha.inference.quant import QuantizationWarning, QuantizedLinear, default_calibration
+from gpt2mha.core.model import GPT2Config
+from gpt2mha.inference.quant import QuantizationWarning, default_calibration
 from gpt2mha.io.checkpoints import builtin_models
-from gpt2mha.io.convert import fused_to_mha
-from gpt2mha.io.tokenizer import get_tokenizer
 
-MMAP_THRESHOLD = 1 << 20   # bytes: allocations this large bypass glibc's heap in the memory children
-DECISIVE = 0.05          # top-2 probability margin that makes a position "decisive" for agreement
-REPO_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "tinyshakespeare.txt")
+# the modules beside this file (also when ``gpt2mha bench`` loads it by its path); some names are
+# imported here only for the scripts and tests that take them from bench (``from bench import ...``)
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.append(HERE)
+from bench_common import (DECISIVE, REPO_TEXT, _prompt, _ratio_row, _require_transformers,  # noqa: E402, F401
+                          greedy_without_cache, hf_greedy, interleaved_medians, load_hf, load_ours, logits_cosine,
+                          median_seconds, memory_bandwidth, ours_greedy, random_checkpoint, real_text_tokens, row,
+                          step_bytes, top1_agreement, top1_agreements)
+from bench_float import (bench_attention, bench_cache, bench_decode, bench_positions, bench_prefill,  # noqa: E402
+                         ceiling_row)
+from bench_memory import _memory_child, _resident_child, prefill_peak_mb, resident_mb  # noqa: E402, F401
 
 
 @dataclass
@@ -102,444 +110,7 @@ QUICK = Sizes(new_tokens=16, nocache_tokens=16, positions=(64, 512), position_st
               slow_decode_tokens=8)
 
 
-def _require_transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise SystemExit("error: gpt2mha bench compares against Hugging Face transformers, which is not "
-                         "installed; pip install -e \".[test]\" in a checkout, or pip install transformers (a "
-                         "benchmark/test dependency only)") from None
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()           # no load/save bars among the figures
-    return transformers
-
-
-# ------------------------------------------------------------------------------ the weights
-def random_checkpoint(directory: str, config: GPT2Config, seed: int = 0) -> str:
-    """Save a random ``GPT2LMHeadModel`` of ``config``'s sizes with transformers; returns the dir.
-
-    No bos/eos token is set, so greedy generation never stops early on either side.
-    """
-    transformers = _require_transformers()
-    torch.manual_seed(seed)
-    hf_config = transformers.GPT2Config(vocab_size=config.n_vocab, n_positions=config.n_ctx, n_embd=config.n_embd,
-                                        n_head=config.n_head, n_layer=config.n_layer, bos_token_id=None,
-                                        eos_token_id=None, pad_token_id=None)
-    model = transformers.GPT2LMHeadModel(hf_config).eval()
-    model.save_pretrained(directory)
-    with open(os.path.join(directory, "config.json")) as f:      # tell our loader which tokenizer
-        cfg = json.load(f)
-    cfg["gpt2mha"] = {"tokenizer": config.tokenizer}
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return directory
-
-
-def load_ours(directory: str, dtype: torch.dtype = torch.float32) -> GPT2:
-    return GPT2.from_pretrained(directory, dtype=dtype)
-
-
-def load_hf(directory: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
-    transformers = _require_transformers()
-    return transformers.GPT2LMHeadModel.from_pretrained(directory, attn_implementation=attn, dtype=dtype).eval()
-
-
-# ------------------------------------------------------------------------------ timing
-def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def interleaved_medians(fns: dict, repeats: int, warmup: int = 1) -> dict:
-    """Median wall time (s) of each callable, run round-robin (a, b, a, b, ...) so that a slow
-    spell of the machine hits every contender alike; ``warmup`` untimed rounds first."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _prompt(batch: int, length: int, n_vocab: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, n_vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def hf_greedy(hf, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """transformers ``generate``: greedy, KV cache on (``use_cache``), exactly ``new_tokens``."""
-    with torch.inference_mode():
-        return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
-
-
-def ours_greedy(model: GPT2, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    return model.generate(idx, new_tokens, temperature=0)
-
-
-@torch.inference_mode()
-def greedy_without_cache(model: GPT2, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy decoding that recomputes the whole sequence every step (no cache at all)."""
-    seq = idx
-    for _ in range(new_tokens):
-        logits = model(seq, last_only=True).logits[:, -1]                 # [B, n_vocab]
-        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
-    return seq
-
-
-# ------------------------------------------------------------------------------ figures
-def row(figure, value, vs, unit, ratio=None, target=None, met=None, note=""):
-    """One table row: ``figure`` reads "A / B"; ``value`` is A, ``vs`` is B, ``ratio`` A / B."""
-    return dict(figure=figure, value=value, vs=vs, unit=unit, ratio=ratio, target=target, met=met, note=note)
-
-
-def _ratio_row(figure, value, vs, unit, target_min=None, target_max=None, note=""):
-    ratio = value / vs if value and vs else None
-    target, met = None, None
-    if target_min is not None:
-        target, met = f">= {target_min}", ratio is not None and ratio >= target_min
-    if target_max is not None:
-        target, met = f"<= {target_max}", ratio is not None and ratio <= target_max
-    return row(figure, value, vs, unit, ratio, target, met, note)
-
-
-def decode_speeds(ours: GPT2, hf, batch: int, sizes: Sizes) -> tuple[float, float, bool]:
-    """(gpt2mha tok/s, transformers tok/s, same greedy tokens) for one batch size. The first
-    call of each side (whose tokens are compared) is the warm-up."""
-    idx = _prompt(batch, sizes.prompt, ours.config.n_vocab, seed=batch)
-    same = torch.equal(ours_greedy(ours, idx, sizes.new_tokens), hf_greedy(hf, idx, sizes.new_tokens))
-    t = interleaved_medians({"ours": lambda: ours_greedy(ours, idx, sizes.new_tokens),
-                             "hf": lambda: hf_greedy(hf, idx, sizes.new_tokens)}, sizes.repeats, warmup=0)
-    return batch * sizes.new_tokens / t["ours"], batch * sizes.new_tokens / t["hf"], same
-
-
-def bench_decode(ours: GPT2, hf, sizes: Sizes, log=print) -> list[dict]:
-    """Decode tokens/s at each batch size, gpt2mha vs transformers ``generate`` (sdpa, use_cache),
-    and the ceiling the weight matmuls alone set (:func:`matmul_floor`)."""
-    rows = []
-    for B in sizes.batches:
-        *speeds, same = decode_speeds(ours, hf, B, sizes)
-        rows.append(_ratio_row(f"decode tok/s, batch {B}, prompt {sizes.prompt}, {sizes.new_tokens} new: "
-                               f"gpt2mha / transformers generate (sdpa, use_cache)", *speeds, "tok/s",
-                               target_min=1.5,
-                               note=f"same greedy tokens: {'yes' if same else 'NO'}"))
-        log(rows[-1])
-        rows.append(ceiling_row(ours, B, speeds, sizes, "float32"))
-        log(rows[-1])
-    return rows
-
-
-@torch.inference_mode()
-def matmul_floor(model: GPT2, batch: int, repeats: int = 20) -> float:
-    """Median time (s) of one decode step's weight matmuls and nothing else: each block's four
-    Conv1Ds and the LM head on ``[batch, n_embd]`` rows, with the same modules and kernels as a
-    step of ``generate``'s decode view (:func:`~gpt2mha.inference.fast.for_decoding`) but no
-    attention, norms, residuals or sampling between them.
-
-    At batch 1 every matmul streams its weight from memory once, so this is the floor for a
-    step on this machine, set by its memory bandwidth (``weight bytes / floor``); at batch 8 it
-    is the floor the matmul library allows for 8 rows.
-    """
-    c = model.config
-    dtype = next(model.parameters()).dtype
-    x = torch.randn(batch, c.n_embd, dtype=dtype)
-    h = torch.randn(batch, 4 * c.n_embd, dtype=dtype)
-
-    view = for_decoding(model)
-
-    def once():
-        for block in view.h:
-            block.attn.c_attn(x), block.attn.c_proj(x), block.mlp.c_fc(x), block.mlp.c_proj(h)
-        view.lm_head(x[:, None])
-
-    return median_seconds(once, repeats, warmup=2)
-
-
-def ceiling_row(model: GPT2, batch: int, speeds: tuple[float, float], sizes: Sizes, name: str) -> dict:
-    """The ceiling tok/s that :func:`matmul_floor` allows at ``batch``, against transformers."""
-    ours_tok_s, hf_tok_s = speeds
-    floor = matmul_floor(model, batch, repeats=max(10, 5 * sizes.repeats))
-    ceiling = batch / floor
-    wte, wpe = model.wte.weight, model.wpe.weight                        # the head reads wte in float32
-    head_bytes = wte.numel() * torch.empty(0, dtype=logits_dtype(wte.dtype)).element_size()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + head_bytes - \
-        (wte.numel() * wte.element_size() + wpe.numel() * wpe.element_size())
-    return _ratio_row(f"decode tok/s ceiling, batch {batch}, gpt2mha {name}: weight matmuls alone "
-                      f"(no attention, no overhead) / transformers float32", ceiling, hf_tok_s, "tok/s",
-                      note=f"floor {floor * 1e3:.1f} ms/step ({weight_bytes / floor / 1e9:.1f} GB/s of weights); "
-                           f"gpt2mha decode reaches {ours_tok_s / ceiling:.0%} of it; 1.5x transformers "
-                           f"would need {1.5 * hf_tok_s:.1f} tok/s")
-
-
-def bench_cache(ours: GPT2, sizes: Sizes, log=print) -> list[dict]:
-    """Greedy decode with the static KV cache vs recomputing the whole sequence each step, whole
-    runs taken in turn (cached, uncached, cached, …) so a slow spell hits both alike."""
-    idx = _prompt(1, sizes.prompt, ours.config.n_vocab)
-    n = sizes.nocache_tokens
-    same = torch.equal(ours_greedy(ours, idx, n), greedy_without_cache(ours, idx, n))   # also the warm-up
-    t = interleaved_medians({"cache": lambda: ours_greedy(ours, idx, n),
-                             "none": lambda: greedy_without_cache(ours, idx, n)}, sizes.repeats, warmup=0)
-    t_cache, t_none = t["cache"], t["none"]
-    r = _ratio_row(f"decode tok/s, batch 1, {n} new: static KV cache / no cache (recompute all)",
-                   n / t_cache, n / t_none, "tok/s",
-                   target_min=5, note=f"same greedy tokens: {'yes' if same else 'NO'}")
-    log(r)
-    return [r]
-
-
-@torch.inference_mode()
-def step_times(model: GPT2, positions: tuple[int, ...], steps: int, batch: int = 1) -> list[float]:
-    """Median time (s) of one single-token decode step with each of ``positions`` tokens already
-    cached (on the decode view, as in ``generate``). One cache per position; the steps
-    are taken in turn across them (round-robin), so a slow spell of the machine hits all alike.
-    """
-    c = model.config
-    dtype = next(model.parameters()).dtype
-    idx = _prompt(batch, max(positions) + steps + 1, c.n_vocab)
-    times = [[] for _ in positions]
-    view = for_decoding(model)
-    caches = []
-    for p in positions:
-        cache = KVCache(c.n_layer, batch, c.n_head, p + steps + 1, c.head_dim, dtype=dtype)
-        view(idx[:, :p], cache=cache, last_only=True, validate=False)      # prefill
-        caches.append(cache)
-    for s in range(steps + 1):                                             # the first round warms up
-        for j, (p, cache) in enumerate(zip(positions, caches)):
-            t0 = time.perf_counter()
-            view(idx[:, p + s:p + s + 1], cache=cache, last_only=True, validate=False)
-            times[j].append(time.perf_counter() - t0)
-    return [statistics.median(t[1:]) for t in times]
-
-
-def bench_positions(ours: GPT2, sizes: Sizes, log=print) -> list[dict]:
-    """Decode step time near position ~900 vs near ~100 (the step should cost ~the same)."""
-    n_ctx = ours.config.n_ctx
-    early, late = (min(p, n_ctx - sizes.position_steps - 2) for p in sizes.positions)
-    t_early, t_late = step_times(ours, (early, late), sizes.position_steps)
-    r = _ratio_row(f"decode step time, batch 1: at position ~{late} / at ~{early}", t_late * 1e3,
-                   t_early * 1e3, "ms", target_max=1.3, note="steps taken in turn at the two positions")
-    log(r)
-    return [r]
-
-
-# ---- prefill: time in this process, peak memory in a fresh child per variant
-PREFILL_VARIANTS = ("gpt2mha fused", "gpt2mha explicit", "transformers sdpa", "transformers eager")
-
-
-def _load_variant(variant: str, directory: str):
-    if variant.startswith("gpt2mha"):
-        model = load_ours(directory)
-        model.attn_impl = "sdpa" if variant.endswith("fused") else "explicit"
-    else:
-        model = load_hf(directory, attn=variant.split()[-1])
-    return model
-
-
-@torch.inference_mode()
-def prefill(model, idx: torch.Tensor):
-    """Fill a KV cache with the whole prompt and return the last position's logits."""
-    if isinstance(model, GPT2):
-        c = model.config
-        cache = KVCache(c.n_layer, idx.shape[0], c.n_head, idx.shape[1], c.head_dim,
-                        dtype=next(model.parameters()).dtype)
-        return model(idx, cache=cache, last_only=True, validate=False).logits   # [B, 1, n_vocab]
-    return model(idx, use_cache=True, logits_to_keep=1).logits
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"{field} not in /proc/self/status")
-
-
-def prefill_peak_mb(variant: str, directory: str, tokens: int) -> float | None:
-    """Peak resident memory (MB) a prefill of ``tokens`` adds, measured in a fresh subprocess.
-
-    The child runs with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 1 MiB: every block of 1 MiB
-    or more is mapped on allocation and unmapped on free, so the RSS peak is the peak of live
-    tensors. With glibc's default (a threshold that rises to 32 MiB as blocks are freed, the
-    freed ones then kept in the heap) the same prefill read 123–152 MB from run to run.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--checkpoint", directory,
-           "--tokens", str(tokens)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"memory child for {variant!r} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
-
-
-def _memory_child(variant: str, directory: str, tokens: int) -> None:
-    model = _load_variant(variant, directory)
-    idx = _prompt(1, tokens, model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.n_vocab)
-    prefill(model, idx[:, :8])                                             # warm up: lazy buffers, kernels
-    gc.collect()
-    before = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:                          # reset VmHWM to VmRSS
-        f.write("5")
-    prefill(model, idx)
-    print(json.dumps({"peak_mb": (_status_kb("VmHWM") - before) / 1024}))
-
-
-def bench_prefill(directory: str, sizes: Sizes, log=print, memory: bool = True) -> list[dict]:
-    """Prefill of ``prefill_tokens`` (batch 1, last logits only): time and peak memory per variant."""
-    T = sizes.prefill_tokens
-    models = {variant: _load_variant(variant, directory) for variant in PREFILL_VARIANTS}
-    idx = _prompt(1, T, models["gpt2mha fused"].config.n_vocab)
-    times = interleaved_medians({v: (lambda m=m: prefill(m, idx)) for v, m in models.items()}, sizes.repeats)
-    del models
-    gc.collect()
-    peaks = {v: prefill_peak_mb(v, directory, T) if memory and v in sizes.memory_variants else None
-             for v in PREFILL_VARIANTS}
-    for v in PREFILL_VARIANTS:
-        log(f"prefill {v}: {times[v] * 1e3:.0f} ms, peak {peaks[v]} MB")
-    f, e, hs = times["gpt2mha fused"], times["gpt2mha explicit"], times["transformers sdpa"]
-    rows = [
-        _ratio_row(f"prefill T={T} time: transformers sdpa / gpt2mha fused", hs * 1e3, f * 1e3, "ms",
-                   note=f"transformers eager {times['transformers eager'] * 1e3:.0f} ms"),
-        _ratio_row(f"prefill T={T} time: gpt2mha explicit / gpt2mha fused", e * 1e3, f * 1e3, "ms"),
-    ]
-    if memory:
-        pf, pe, ph = peaks["gpt2mha fused"], peaks["gpt2mha explicit"], peaks["transformers sdpa"]
-        hf_peaks = (f"transformers sdpa {ph:.0f} MB, eager {peaks['transformers eager']:.0f} MB; "
-                    if ph is not None and peaks["transformers eager"] is not None else "")
-        rows.append(_ratio_row(f"prefill T={T} peak memory (RSS added): fused / explicit", pf, pe, "MB",
-                               target_max=0.6, note=f"{hf_peaks}KV cache included; live-tensor peak "
-                                                    f"(MALLOC_MMAP_THRESHOLD_=1 MiB)"))
-    for r in rows:
-        log(r)
-    return rows
-
-
-# ---- the attention sublayer alone
-def bare_core(attn, x: torch.Tensor) -> torch.Tensor:
-    """``c_attn`` + SDPA (causal) + ``c_proj`` and nothing else: the floor for the sublayer."""
-    B, T, C = x.shape
-    h, hd = attn.n_head, C // attn.n_head
-    qkv = torch.addmm(attn.c_attn.bias, x.view(B * T, C), attn.c_attn.weight)      # [B·T, 3C]
-    q, k, v = qkv.view(B, T, 3, h, hd).permute(2, 0, 3, 1, 4)                     # 3 × [B, h, T, hd]
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)                   # [B, h, T, hd]
-    y = torch.addmm(attn.c_proj.bias, a.transpose(1, 2).reshape(B * T, C), attn.c_proj.weight)
-    return y.view(B, T, C)
-
-
-def attention_variants(n_embd: int, n_head: int, T: int, seed: int = 0) -> dict:
-    """Same-weights attention sublayers: name → callable ``x [B, T, n_embd] → y``."""
-
-    transformers = _require_transformers()
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
-
-    torch.manual_seed(seed)
-    ours = CausalSelfAttention(n_embd, n_head).eval()
-    with torch.no_grad():
-        ours.c_attn.bias.normal_(std=0.02)
-        ours.c_proj.bias.normal_(std=0.02)
-    fns = {"gpt2mha CausalSelfAttention (fused)": lambda x: ours(x)[0],
-           "bare c_attn + SDPA + c_proj": lambda x: bare_core(ours, x)}
-    book = fused_to_mha(ours, context_length=T, qkv_bias=True).eval()
-    book.attn_impl = "explicit"                              # the book's own core (its default)
-    fns["book MultiHeadAttention"] = lambda x: book(x)
-    mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None]   # additive causal mask
-    for impl in ("eager", "sdpa"):
-        cfg = transformers.GPT2Config(n_embd=n_embd, n_head=n_head, n_positions=T, attn_implementation=impl)
-        hf = GPT2Attention(cfg, layer_idx=0).eval()
-        with torch.no_grad():
-            for name in ("c_attn", "c_proj"):
-                getattr(hf, name).weight.copy_(getattr(ours, name).weight)
-                getattr(hf, name).bias.copy_(getattr(ours, name).bias)
-        fns[f"transformers GPT2Attention {impl}"] = (
-            (lambda x, hf=hf: hf(x, attention_mask=mask[..., :x.shape[1], :x.shape[1]])[0]) if impl == "eager"
-            else (lambda x, hf=hf: hf(x)[0]))
-    return fns
-
-
-def bench_attention(sizes: Sizes, n_embd: int = 768, n_head: int = 12, log=print) -> list[dict]:
-    B, T = sizes.attn_batch, sizes.attn_tokens
-    fns = attention_variants(n_embd, n_head, T)
-    x = torch.randn(B, T, n_embd, generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        ref = fns["bare c_attn + SDPA + c_proj"](x)
-        agree = {name: bool(torch.allclose(fn(x), ref, atol=1e-4, rtol=1e-4)) for name, fn in fns.items()}
-        times = interleaved_medians({name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}, sizes.attn_repeats)
-    for name in fns:
-        log(f"attention {name}: {times[name] * 1e3:.1f} ms, same output {agree[name]}")
-    ours, core = times["gpt2mha CausalSelfAttention (fused)"], times["bare c_attn + SDPA + c_proj"]
-    shape = f"B={B}, T={T}, {n_head}x{n_embd // n_head}"
-    rows = [_ratio_row(f"attention sublayer {shape}: gpt2mha / bare fused core", ours * 1e3, core * 1e3, "ms",
-                       target_max=1.05)]
-    for name in fns:
-        if name.startswith(("book", "transformers")):
-            r = _ratio_row(f"attention sublayer {shape}: {name} / gpt2mha", times[name] * 1e3, ours * 1e3, "ms",
-                           target_min=2 if name.startswith("book") else None,
-                           note="" if agree[name] else "OUTPUT DIFFERS")
-            rows.append(r)
-    for r in rows:
-        log(r)
-    return rows
-
-
 # ---- low precision
-def real_text_tokens(config: GPT2Config, n_tokens: int, path: str | None = None,
-                     tail: bool = False) -> torch.Tensor | None:
-    """``n_tokens`` tokens of real text (tinyshakespeare by default) in the model's tokenizer:
-    the first ones, or with ``tail`` the last ones (the part a model trained on the first 90%
-    never saw)."""
-
-    path = path or REPO_TEXT
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    text = text[-n_tokens * 8:] if tail else text[:n_tokens * 8]
-    ids = get_tokenizer(config.tokenizer).encode(text)
-    return torch.tensor(ids[-n_tokens:] if tail else ids[:n_tokens], dtype=torch.long)
-
-
-@torch.inference_mode()
-def top1_agreements(reference: GPT2, other: GPT2, tokens: torch.Tensor,
-                    min_margin: float = DECISIVE) -> tuple[float, float]:
-    """``(all, decisive)``: the fraction of positions where ``other``'s argmax equals
-    ``reference``'s (teacher forcing, windows of n_ctx tokens), over every position and over the
-    positions where the reference is decisive: its two most likely tokens differ in probability
-    by at least ``min_margin`` (near-ties flip under any rounding, so these measure the
-    precision, not the coin toss). One forward of each model per window; nan where no position
-    counts."""
-    n_ctx = reference.config.n_ctx
-    same = [0, 0]
-    total = [0, 0]
-    for start in range(0, len(tokens), n_ctx):
-        window = tokens[start:start + n_ctx][None]
-        ref = reference(window).logits.float()                             # [1, T, n_vocab]
-        top2 = ref.softmax(-1).topk(2, dim=-1).values
-        agree = ref.argmax(-1) == other(window).logits.argmax(-1)
-        for i, keep in enumerate((torch.ones_like(agree), (top2[..., 0] - top2[..., 1]) >= min_margin)):
-            same[i] += int((agree & keep).sum())
-            total[i] += int(keep.sum())
-    a, d = (s_ / t_ if t_ else float("nan") for s_, t_ in zip(same, total))
-    return a, d
-
-
-def top1_agreement(reference: GPT2, other: GPT2, tokens: torch.Tensor, min_margin: float = 0.0) -> float:
-    """Fraction of positions where ``other``'s argmax equals ``reference``'s; with ``min_margin``
-    > 0 only over the positions where the reference is decisive (:func:`top1_agreements`)."""
-    agree, decisive = top1_agreements(reference, other, tokens, min_margin)
-    return decisive if min_margin > 0 else agree
-
-
 def _decisive_note(decisive: float) -> str:
     if decisive != decisive:                                               # nan: no such position
         return f"no position where float32's top-2 probability margin >= {DECISIVE}"
@@ -614,58 +185,6 @@ def builtin_agreement(text: str | None = None, log=print, n_tokens: int = FULL.b
 #: Issue 13's targets: decode tok/s vs transformers float32 at (scheme, batch), and checkpoint size.
 QUANT_SPEED_TARGETS = {("int8", 1): 2.5, ("int4", 1): 3.5, ("int8", 8): 2.0}
 QUANT_SIZE_TARGETS = {"int8": 0.30, "int4": 0.20}
-
-
-def memory_bandwidth(mb: int = 340, repeats: int = 5) -> float:
-    """Bytes/s ``torch.sum`` reads from a float32 tensor of ``mb`` MB (larger than any cache):
-    the rate a decode step's weight reads can hope for on this machine."""
-    x = torch.ones(mb * 250_000)
-    t = median_seconds(lambda: x.sum(), repeats, warmup=1)
-    return x.numel() * 4 / t
-
-
-def step_bytes(model: GPT2) -> int:
-    """Bytes of weights one decode step reads at batch 1: every block matrix and the LM head as
-    stored for the kernels (int8/int4 with their scales, or float), with their biases."""
-
-    total = 0
-    for m in model.modules():
-        if isinstance(m, QuantizedLinear):
-            names = ("weight", "scales") if m.scheme == "int8" else ("packed", "scale_zero")
-            total += sum(getattr(m, n).nbytes for n in names) + (m.bias.nbytes if m.bias is not None else 0)
-    return total
-
-
-def resident_mb(directory: str) -> float | None:
-    """Peak resident memory (MB) that loading ``directory`` and greedily decoding 8 tokens adds to
-    a fresh process (weights, decode-time copies, cache), measured like :func:`prefill_peak_mb`."""
-    if not sys.platform.startswith("linux"):
-        return None
-    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", "resident", "--checkpoint", directory]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"resident-memory child failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
-
-
-def _resident_child(directory: str) -> None:
-    gc.collect()
-    before = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    model = load_ours(directory)
-    ours_greedy(model, _prompt(1, 4, model.config.n_vocab), 8)
-    print(json.dumps({"peak_mb": (_status_kb("VmHWM") - before) / 1024}))
-
-
-def logits_cosine(reference: GPT2, other: GPT2, tokens: torch.Tensor) -> float:
-    """Cosine similarity of ``other``'s logits to ``reference``'s over real text (all positions
-    of the first n_ctx-token window, flattened)."""
-    window = tokens[:reference.config.n_ctx][None]
-    with torch.inference_mode():
-        a, b = reference(window).logits.double(), other(window).logits.double()
-    return float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0))
 
 
 def bench_quantized(directory: str, ours32: GPT2, hf, sizes: Sizes, schemes=("int8", "int4"), text: str | None = None,

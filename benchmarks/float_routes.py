@@ -9,7 +9,7 @@ turns round by round (a, b, a, b, ...), so that a busy machine slows both alike.
 tokens/s at batch 1 and 8 (a 4-token prompt, ``--new`` greedy tokens, the prompt included, as
 ``benchmarks/peers.py`` counts them), prefill of 512 tokens (ms, the time to the first token's
 logits), the best and the median of ``--rounds``, and the GB/s the batch-1 steps' weight reads
-imply beside ``torch.sum``'s over 340 MB (the machine's memory speed, ``bench.memory_bandwidth``).
+imply beside ``torch.sum``'s over 340 MB (the machine's memory speed, ``bench_common.memory_bandwidth``).
 Whether each pair of routes gave the same greedy tokens is printed too (float32: yes but at
 exact near-ties; bf16, fp16 and int4: two roundings of the same model, which part at near-ties).
 """

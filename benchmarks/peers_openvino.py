@@ -56,7 +56,7 @@ def export(hf_dir: str, out: str, weight_format: str, optimum_cli: str | None = 
 
 
 class OpenVINO:
-    """One IR under GenAI's ``LLMPipeline`` (see the module's docstring); peers.py's Contender
+    """One IR under GenAI's ``LLMPipeline`` (see the module's docstring); peers_engines.py's Contender
     interface: ``greedy``, ``first_token``, ``logits``, ``close``."""
 
     engine = "openvino"

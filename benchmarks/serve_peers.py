@@ -13,7 +13,7 @@ default 2; all of them stopped at the end, also on failure or Ctrl-C):
 * gpt2mha int8: the same on ``--quantize int8 --activations per_row`` (GPTQ): W7A8, native forward;
 * llama.cpp q4_0 and q8_0: ``llama-server -t 2 -tb 2 -np 16 -c 16384`` (16 slots of 1024
   positions, continuous batching, its defaults otherwise) on GGUF files: float32 written by
-  ``peers.write_gguf`` (the ``gguf`` package), then ``llama-quantize`` to q8_0 / q4_0 (its
+  ``peers_convert.write_gguf`` (the ``gguf`` package), then ``llama-quantize`` to q8_0 / q4_0 (its
   default recipe: q4_0 keeps the tied embedding/head in q6_K). The GGUF's end-of-text id is set
   to 50256 (``--override-kv tokenizer.ggml.eos_token_id=int:50256``): without it llama.cpp's
   GPT-2 vocabulary defaults to id 11 (",") and would stop at the first comma, where gpt2mha stops
@@ -59,6 +59,10 @@ table with the ratios gpt2mha / llama-server (int4 / q4_0, int8 / q8_0). Needs `
 ``-DGGML_NATIVE=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF``, targets ``llama-server``
 and ``llama-quantize``. Without ``--llama-server`` (or with ``--skip-llama``) only gpt2mha's
 side runs.
+
+The code beside it: ``serve_peers_servers.py`` (llama-server, the engines, the models and GGUF files
+written once) and ``serve_peers_offline.py`` (the worker process: offline generate and the scheduler
+alone).
 """
 
 from __future__ import annotations
@@ -84,58 +88,13 @@ sys.path.insert(0, HERE)
 import httpx  # noqa: E402
 import sse_client  # noqa: E402
 
-from serve_load import Server as GptServer, free_port, percentile, prompts_from_text, uptime  # noqa: E402
+from serve_load import Server as GptServer, percentile, prompts_from_text, uptime  # noqa: E402
+# the servers and the files they serve, and the offline worker (beside this file)
+from serve_peers_offline import Worker, worker  # noqa: E402
+from serve_peers_servers import Engine, LlamaServer, dir_mb, llama_version, prepare  # noqa: E402
 
-EOT = 50256                              # GPT-2's <|endoftext|>
 LEVELS = (1, 4, 16)
-INT4 = ("--quantize", "int4", "--activations", "per_block", "--quantize-head", "int4", "--group-size", "64")
-INT8 = ("--quantize", "int8", "--activations", "per_row")
 PAIRS = (("gpt2mha int4", "llama.cpp q4_0"), ("gpt2mha int8", "llama.cpp q8_0"))
-
-
-# ============================================================================ the servers
-class LlamaServer:
-    """``llama-server`` as a subprocess on a free port of 127.0.0.1; ready once /health is 200."""
-
-    def __init__(self, binary: str, gguf_path: str, threads: int, slots: int, ctx_per_slot: int, log_path: str,
-                 extra: tuple[str, ...] = ()):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [binary, "-m", gguf_path, "--host", "127.0.0.1", "--port", str(self.port),
-                    "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
-                    "--override-kv", f"tokenizer.ggml.eos_token_id=int:{EOT}", *extra]
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"llama-server did not start (exit {self.proc.poll()}); see {log_path}")
-            time.sleep(0.2)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        rc = self.proc.wait()
-        self.log.close()
-        return rc
-
-
-class Engine:
-    """One contender: its server and how to talk to it."""
-
-    def __init__(self, name: str, server, extra_body: dict | None = None, model_dir: str | None = None):
-        self.name, self.server, self.extra, self.model_dir = name, server, extra_body or {}, model_dir
-        self.url = server.url
 
 
 # ============================================================================ the clients
@@ -206,55 +165,6 @@ def cell_figures(results: list[dict], wall: float) -> dict:
                 short=[r["tokens"] for r in results if r["finish"] != "length"])
 
 
-# ============================================================================ preparing the models
-def prepare(work: str, quantize_bin: str | None, threads: int, log) -> dict:
-    """The random 124M (Hugging Face dir), gpt2mha's int4/int8 dirs and the GGUF files; reused when present."""
-    from bench import random_checkpoint
-    from gpt2mha import GPT2Config
-    from peers import gpt2_vocab, write_gguf, write_tokenizer_files
-
-    os.makedirs(work, exist_ok=True)
-    paths = dict(hf=os.path.join(work, "random-124M"), int4=os.path.join(work, "gpt2mha-int4"),
-                 int8=os.path.join(work, "gpt2mha-int8"))
-    timings = {}
-    tokens, merges = gpt2_vocab()
-    if not os.path.isdir(paths["hf"]):
-        random_checkpoint(paths["hf"], GPT2Config.from_preset("124M"), seed=0)
-    write_tokenizer_files(paths["hf"], tokens, merges)
-    for key, flags in (("int4", INT4), ("int8", INT8)):
-        if not os.path.isdir(paths[key]):
-            t0 = time.perf_counter()
-            log(f"gpt2mha convert ... {' '.join(flags)} (GPTQ)")
-            subprocess.run([sys.executable, "-m", "gpt2mha", "convert", paths["hf"], paths[key], *flags, "--quiet"],
-                           check=True)
-            timings[f"convert {key}"] = time.perf_counter() - t0
-    if quantize_bin:
-        import transformers
-
-        f32 = os.path.join(work, "model-f32.gguf")
-        if not os.path.isfile(f32):
-            t0 = time.perf_counter()
-            hf = transformers.GPT2LMHeadModel.from_pretrained(paths["hf"]).eval()
-            write_gguf(hf, f32, tokens, merges)
-            timings["gguf f32"] = time.perf_counter() - t0
-        for kind in ("q8_0", "q4_0"):
-            paths[kind] = os.path.join(work, f"model-{kind}.gguf")
-            if not os.path.isfile(paths[kind]):
-                t0 = time.perf_counter()
-                done = subprocess.run([quantize_bin, "--override-kv", f"tokenizer.ggml.eos_token_id=int:{EOT}",
-                                       f32, paths[kind], kind, str(threads)], capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise RuntimeError(f"llama-quantize {kind} failed:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
-                timings[f"llama-quantize {kind}"] = time.perf_counter() - t0
-    return dict(paths=paths, timings=timings)
-
-
-def dir_mb(path: str) -> float:
-    if os.path.isfile(path):
-        return os.path.getsize(path) / 1e6
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / 1e6
-
-
 # ============================================================================ quality
 def top1_gpt2mha(ref_argmax, model, tokens) -> float:
     import torch
@@ -277,140 +187,6 @@ def top1_llama(url: str, tokens: list[int], ref_argmax: list[int]) -> float:
     return same / len(tokens)
 
 
-# ============================================================================ offline and the scheduler alone
-def offline_cell(model, tok, prompts: list[str], new: int) -> dict:
-    """Offline ``generate`` (greedy, batch 1) on each prompt: tokens, end-to-end and decode tok/s, texts."""
-    import torch
-
-    e2e, decode, texts = [], [], []
-    for p in prompts:
-        idx = torch.tensor([tok.encode(p)])
-        t0 = time.perf_counter()
-        model.generate(idx, 1, temperature=0, eos_token_id=EOT, vocab_size=tok.n_vocab)
-        t1 = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(idx, new, temperature=0, eos_token_id=EOT, vocab_size=tok.n_vocab)
-        tn = time.perf_counter() - t0
-        ids = out[0, idx.shape[1]:].tolist()
-        n = ids.index(EOT) + 1 if EOT in ids else len(ids)
-        texts.append(tok.decode([t for t in ids[:n] if t != EOT]))
-        e2e.append(n / tn)
-        decode.append((n - 1) / (tn - t1) if n > 1 and tn > t1 else float("nan"))
-    return dict(e2e=e2e, decode=decode, texts=texts)
-
-
-def scheduler_cell(model, tok, prompts: list[str], new: int, clients: int) -> dict:
-    """The same requests through the scheduler alone in this process (no HTTP): ``clients`` in
-    flight, the next submitted as soon as one finishes (as serve_load.engine_workload)."""
-    from gpt2mha.inference.params import SamplingParams
-    from gpt2mha.serving.scheduler import Scheduler
-
-    params = SamplingParams(max_tokens=new, temperature=0)
-    sched = Scheduler(model, tok, max_batch=16)
-    todo, finished = [tok.encode(p) for p in prompts][::-1], []
-    total = len(todo)
-
-    def on_event(seq, text, done):
-        if done:
-            finished.append(seq)
-
-    t0 = time.perf_counter()
-    for _ in range(min(clients, len(todo))):
-        sched.submit([todo.pop()], params, on_event)
-    while not sched.idle():
-        sched.step()
-        while todo and len(finished) + clients > total - len(todo):
-            sched.submit([todo.pop()], params, on_event)
-    dt = time.perf_counter() - t0
-    sched.stop()
-    n = sum(len(s.tokens) for s in finished)
-    return dict(tokens=n, wall=dt, tokens_per_s=n / dt)
-
-
-def in_thread(fn, *a):
-    """``fn(*a)`` in a new thread, as ``gpt2mha serve`` runs the model in its scheduler's thread:
-    the calling thread's OpenMP workers released first and the new thread given its thread
-    count (``Scheduler.start``, :mod:`gpt2mha.inference.threads`)."""
-    import threading
-
-    import torch
-
-    from gpt2mha.inference.threads import adopt_threads, release_openmp_workers
-
-    n = torch.get_num_threads()
-    release_openmp_workers()
-    out = {}
-
-    def run():
-        adopt_threads(n)
-        out["r"] = fn(*a)
-    th = threading.Thread(target=run)
-    th.start()
-    th.join()
-    return out["r"]
-
-
-def worker(dirs: dict, threads: int) -> int:
-    """``serve_peers.py --worker``: a process of its own for offline ``generate`` and the
-    scheduler alone (``torch.set_num_threads(threads)`` as ``gpt2mha serve --threads`` and
-    ``gpt2mha generate --threads`` set it). Reads one JSON command a line on stdin, answers one
-    JSON line on stdout: ``{"op": "offline" | "offline_thread" | "sched", "engine", "prompts",
-    "tokens", "clients"}``. Offline runs in the main thread (as ``gpt2mha generate``), or in a
-    thread of its own (``offline_thread``: as the server's scheduler thread runs the model);
-    the scheduler alone runs in a thread, as in the server."""
-    import torch
-
-    from gpt2mha import GPT2
-    from gpt2mha.io.tokenizer import tokenizer_for
-
-    torch.set_num_threads(threads)
-    models = {name: GPT2.from_pretrained(d) for name, d in dirs.items()}
-    tok = tokenizer_for(next(iter(models.values())).config)
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        m = models[cmd["engine"]]
-        if cmd["op"] == "offline":
-            r = offline_cell(m, tok, cmd["prompts"], cmd["tokens"])
-        elif cmd["op"] == "offline_thread":
-            r = in_thread(offline_cell, m, tok, cmd["prompts"], cmd["tokens"])
-        else:
-            r = in_thread(scheduler_cell, m, tok, cmd["prompts"], cmd["tokens"], cmd["clients"])
-        print(json.dumps(r), flush=True)
-    return 0
-
-
-class Worker:
-    """The parent's side of :func:`worker`."""
-
-    def __init__(self, dirs: dict, threads: int, log_path: str):
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(dirs),
-                                      "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
-        if not json.loads(self.proc.stdout.readline() or "{}").get("ready"):
-            self.stop()
-            raise RuntimeError(f"the offline worker did not start; see {log_path}")
-
-    def __call__(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the offline worker died")
-        return json.loads(line)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
 # ============================================================================ the run
 def machine() -> dict:
     cpu = "?"
@@ -423,14 +199,6 @@ def machine() -> dict:
 
     import torch
     return dict(cpu=cpu, cores=os.cpu_count(), python=platform.python_version(), torch=torch.__version__)
-
-
-def llama_version(binary: str) -> str:
-    try:
-        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
-        return (done.stdout + done.stderr).strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        return "?"
 
 
 def summarize(cells: list[dict]) -> dict:
