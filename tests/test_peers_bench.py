@@ -1,4 +1,5 @@
-"""The conversion helpers of ``benchmarks/peers.py`` (``peers_convert.py``, ``peers_engines.py``), on which its engine figures rest.
+"""The conversion helpers of ``benchmarks/peers.py`` (in ``peers_convert.py`` and
+``peers_engines.py``), on which its engine figures rest.
 
 Each engine in that benchmark runs weights that one of these helpers wrote, so a wrong helper
 would give a wrong figure rather than an error. References: transformers' ``GPT2LMHeadModel``
