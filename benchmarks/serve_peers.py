@@ -121,10 +121,21 @@ def stream_one(conn: sse_client.Connection, body: dict) -> dict:
                 chunks=len(times))
 
 
-async def run_cell(url: str, bodies: list[dict], clients: int, timeout: float = 900.0) -> tuple[list[dict], float]:
+def whole_one(conn: sse_client.Connection, body: dict) -> dict:
+    """One completion answered whole (not streamed): text, completion tokens, the send and end times."""
+    t0 = time.perf_counter()
+    t_end, ans = sse_client.answer(conn, "/v1/completions", {**body, "stream": False})
+    c = ans["choices"][0]
+    return dict(t0=t0, t_end=t_end, times=[], text=c["text"], tokens=ans["usage"]["completion_tokens"],
+                finish=c["finish_reason"], events=0, chunks=0)
+
+
+async def run_cell(url: str, bodies: list[dict], clients: int, timeout: float = 900.0,
+                   one=stream_one) -> tuple[list[dict], float]:
     """``clients`` workers take the requests in order (each waits for its answer before the next),
     each a thread with a keep-alive connection of its own (:mod:`sse_client`: the same lean
-    client for every server). The first failure or the ``timeout`` raises at once; the other
+    client for every server; ``one``: :func:`stream_one`, or :func:`whole_one` for answers
+    not streamed). The first failure or the ``timeout`` raises at once; the other
     workers then take no new request."""
     results: list[dict | None] = [None] * len(bodies)
     queue = list(enumerate(bodies))[::-1]
@@ -138,7 +149,7 @@ async def run_cell(url: str, bodies: list[dict], clients: int, timeout: float = 
                     i, body = queue.pop()
                 except IndexError:                    # no request left
                     return
-                results[i] = stream_one(conn, body)
+                results[i] = one(conn, body)
         finally:
             conn.close()
 
@@ -325,6 +336,7 @@ def run(args, log=print) -> dict:
         cells = {(e.name, c): [] for e in engines for c in args.levels}
         offline = {name: [] for name in models}
         offline_thread = {name: [] for name in models}
+        whole = {name: [] for name in models}           # served, one client, answers not streamed: e2e tok/s
         sched = {(name, c): [] for name in models for c in args.levels}
         text_checks = {name: [0, 0] for name in models}
         for rnd in range(args.rounds):
@@ -351,8 +363,15 @@ def run(args, log=print) -> dict:
                         time.sleep(args.settle)
                         off_t = work(op="offline_thread", engine=e.name, prompts=prompts, tokens=args.tokens)
                         offline_thread[e.name].append(off_t)
+                        time.sleep(args.settle)
+                        got, _ = asyncio.run(run_cell(e.url, [{"prompt": p, "max_tokens": args.tokens, "temperature": 0}
+                                                              for p in prompts], 1, one=whole_one))
+                        whole[e.name].append([r["tokens"] / (r["t_end"] - r["t0"]) for r in got])
+                        text_checks[e.name][0] += sum(a == r["text"] for a, r in zip(off["texts"], got))
+                        text_checks[e.name][1] += len(prompts)
                         line.append(f"offline {statistics.median(off['e2e']):.1f} (in a thread "
-                                    f"{statistics.median(off_t['e2e']):.1f})")
+                                    f"{statistics.median(off_t['e2e']):.1f}); served whole "
+                                    f"{statistics.median(whole[e.name][-1]):.1f}")
                     if args.breakdown and e.name in models:
                         time.sleep(args.settle)
                         s = work(op="sched", engine=e.name, prompts=prompts, tokens=args.tokens, clients=c)
@@ -382,6 +401,8 @@ def run(args, log=print) -> dict:
                                         thread_decode=statistics.median(x for o in thr for x in o["decode"]),
                                         rounds_thread_e2e=[statistics.median(o["e2e"]) for o in thr],
                                         served_decode=served["decode_tok_s"],
+                                        whole_e2e=statistics.median(x for r in whole[name] for x in r),
+                                        rounds_whole_e2e=[statistics.median(r) for r in whole[name]],
                                         rounds_offline_e2e=[statistics.median(o["e2e"]) for o in offs],
                                         rounds_offline_decode=[statistics.median(o["decode"]) for o in offs],
                                         same_text=text_checks[name])
@@ -443,7 +464,7 @@ def format_report(res: dict) -> str:
                 "thread of its own as the server's scheduler runs the model):", "",
             "| engine | offline tok/s (end to end) | in a thread | served tok/s (end to end) | served / offline | "
             "served / in a thread | offline decode tok/s | in a thread | served decode tok/s | served / offline | "
-            "served / in a thread | served text = offline |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "served / in a thread | served text = offline (streamed and whole) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, o in res["offline"].items():
         out.append(f"| {n} | {o['offline_e2e']:.1f} | {o['thread_e2e']:.1f} | {o['served_e2e']:.1f} | "
                    f"{o['served_e2e'] / o['offline_e2e']:.2f} | {o['served_e2e'] / o['thread_e2e']:.2f} | "
@@ -453,6 +474,13 @@ def format_report(res: dict) -> str:
         out.append(f"|  | rounds: {', '.join(f'{x:.1f}' for x in o['rounds_offline_e2e'])} | "
                    f"{', '.join(f'{x:.1f}' for x in o['rounds_thread_e2e'])} |  |  |  | "
                    f"{', '.join(f'{x:.1f}' for x in o['rounds_offline_decode'])} |  |  |  |  |  |")
+    if any("whole_e2e" in o for o in res["offline"].values()):
+        out += ["", "The same requests served as whole answers (not streamed: the event loop wakes once a request, "
+                "not once a token), one client, end to end:", "",
+                "| engine | served whole tok/s | every round | / offline | / in a thread |", "|---|---|---|---|---|"]
+        for n, o in res["offline"].items():
+            out.append(f"| {n} | {o['whole_e2e']:.1f} | {', '.join(f'{x:.1f}' for x in o['rounds_whole_e2e'])} | "
+                       f"{o['whole_e2e'] / o['offline_e2e']:.2f} | {o['whole_e2e'] / o['thread_e2e']:.2f} |")
     if res.get("scheduler_alone"):
         out += ["", "The scheduler alone in the worker process (no HTTP), the same requests; served / alone:", "",
                 "| clients | engine | scheduler alone tok/s (a thread of the worker) | every round | served tok/s | "

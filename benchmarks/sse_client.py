@@ -10,6 +10,7 @@ server was being measured. This client does the same protocol work (one ``POST``
 sized body, one JSON document per ``data:`` line) with a ``recv`` and a few splits a chunk, and
 every server gets the same client.
 
+``answer(conn, path, body)`` returns a whole (not streamed) JSON answer and the time it arrived.
 ``stream(conn, path, body)`` yields ``(time, event)`` for each ``data:`` event as it arrives
 (``event`` the parsed JSON, or the string ``"[DONE]"``) until the body ends (read it to the end
 to reuse the connection; one left early is closed); an HTTP status other than 200 raises
@@ -135,3 +136,13 @@ def stream(conn: Connection, path: str, body: dict):
     finally:
         if not clean:                                 # left mid-body: the connection cannot be reused
             conn.close()
+
+
+def answer(conn: Connection, path: str, body: dict) -> tuple[float, dict]:
+    """``POST path`` with ``body`` answered whole; returns ``(perf_counter time at its end, the parsed JSON)``."""
+    status, headers = conn.post(path, body)
+    data = b"".join(conn.body_pieces(headers))
+    if status != 200:
+        conn.close()
+        raise HTTPError(f"HTTP {status}: {data[:500]!r}")
+    return time.perf_counter(), json.loads(data)

@@ -82,3 +82,21 @@ def test_run_cell_stops_at_the_first_failed_request(served):
     with pytest.raises(sse.HTTPError, match="HTTP 400"):
         asyncio.run(peers.run_cell(url, bodies, 1, timeout=60))
     assert sched.stats()["completed"] == before
+
+
+def test_whole_answers_equal_the_streamed_ones_on_one_connection(url):
+    """serve_peers.run_cell with ``one=whole_one`` (answers not streamed, the lean client's
+    ``answer``): the same texts and token counts as the streamed requests (greedy), two
+    requests on one keep-alive connection, end times after send times; a 400 raises HTTPError."""
+    import asyncio
+
+    peers = load_benchmark("serve_peers")
+    sse = load_benchmark("sse_client")
+    bodies = [dict(prompt=p, max_tokens=12, temperature=0) for p in ("ROMEO:", "JULIET:")]
+    whole, _ = asyncio.run(peers.run_cell(url, bodies, 1, timeout=60, one=peers.whole_one))
+    streamed, _ = asyncio.run(peers.run_cell(url, bodies, 1, timeout=60))
+    assert [r["text"] for r in whole] == [r["text"] for r in streamed] and all(r["text"] for r in whole)
+    assert [r["tokens"] for r in whole] == [12, 12] and all(r["t_end"] > r["t0"] for r in whole)
+    conn = sse.Connection(url, timeout=60)
+    with pytest.raises(sse.HTTPError, match="HTTP 400"):
+        sse.answer(conn, "/v1/completions", dict(model=DEFAULT_MODEL, prompt="x", max_tokens=-1))
