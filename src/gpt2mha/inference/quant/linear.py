@@ -18,10 +18,11 @@ from torch import nn
 from . import gemv
 from .gptq import gptq
 # The int8 products, imported by name: QuantizedLinear looks them up here (benchmarks swap
-# ``linear.int8_matmul`` for a variant), and older imports from this module keep working.
-from .int8_products import (INT8_KERNEL_ENV, INT8_KERNELS, fbgemm_available, fbgemm_pack,  # noqa: F401
-                            int8_kernel, int8_matmul, int8_matmul_per_row, pieces_for,
-                            split_activations, weight_7bit)
+# ``linear.int8_matmul`` for a variant: what QuantizedLinear calls, not what int8_matmul calls
+# inside), and imports of the public names from this module keep working.
+from .int8_products import (INT8_KERNEL_ENV, INT8_KERNELS, MAX_PIECES, PIECE_LEVELS, WIDE_ROW,  # noqa: F401
+                            fbgemm_available, fbgemm_pack, int8_kernel, int8_matmul, int8_matmul_per_row,
+                            pieces_for, split_activations, weight_7bit)
 from .schemes import (KERNEL_DTYPE, check_scheme, dequantize_int4, pack_int4, quantize_int4,
                       quantize_int8, unpack_int4)
 
