@@ -477,3 +477,19 @@ def test_two_threads_generating_with_one_model_match_single_threaded_output(kind
         assert torch.equal(got, want)
     assert module_tree(model) == tree                               # the model's modules and tensors as they were
     assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+
+
+def test_the_python_api_shows_the_progress_bar_when_asked(monkeypatch):
+    """``GPT2.quantize(..., progress=True)`` turns on the same progress bar as the command line
+    (off by default); the bar counts every tensor quantized and then measured (2 per weight)."""
+    import gpt2mha.inference.quant.model as qmodel
+
+    seen = []
+    bar = qmodel.progress_bar
+    monkeypatch.setattr(qmodel, "progress_bar", lambda **kw: (seen.append(kw), bar(**kw))[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QuantizationWarning)
+        float_model().quantize("int8", method="rtn")
+        float_model().quantize("int8", method="rtn", progress=True)
+    n = 4 * 2 + 1                                         # 4 Conv1D per block, 2 blocks, the head
+    assert [(k["enabled"], k["total"]) for k in seen] == [(False, 2 * n), (True, 2 * n)]

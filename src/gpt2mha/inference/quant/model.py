@@ -334,8 +334,8 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
     ``method="gptq"`` (the default) rounds the weights by :func:`gptq`, block after block, so
     that the layers' outputs on the calibration text stay close to the float model's;
     ``"rtn"`` rounds each weight to nearest (gpt-fast's and llama.cpp's default: instant, no
-    data). GPTQ takes seconds to minutes (README, "Quantized decode", gives measured times and
-    their conditions) and reaches the top-1 agreement with float32 that README states there.
+    data). GPTQ takes seconds to minutes (docs/how-to/quantize.md) and reaches the top-1
+    agreement with float32 that docs/explanation/quantization.md, "Quality", states.
 
     Each tensor's error is measured (:func:`error_row`) into ``model.quantization_report``;
     tensors with an abnormal error (e.g. an outlier channel stretching a scale) are listed in a
@@ -353,7 +353,7 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
             ``"exact"`` (default), ``"per_row"`` or ``"auto"`` (int8), ``"per_block"`` (int4).
         head: the LM head's scheme, ``"int8"`` (default) or ``"int4"`` (int4 models only:
             on 124M a 24 MB head instead of 38.6, ~1.5 points less top-1 agreement with
-            float32 on the built-in model; README, "Quantized decode").
+            float32 on the built-in model; docs/explanation/quantization.md, "Quality").
         progress: show a progress bar on stderr (when it is a terminal): each tensor quantized,
             then each tensor's error measured.
 
