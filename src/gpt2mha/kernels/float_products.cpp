@@ -278,34 +278,60 @@ static inline __m256 ld8(const uint16_t *p, __m256i, int64_t n) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tail));
 }
 
-template <int MR, int NR, typename W>
+/* 8 weights at p, all of them (FULL tiles: a plain load the compiler folds into the FMA) */
+static inline __m256 ld8_all(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8_all(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* tile16's chains on 8 lanes: rows [0, MR) of x over w's rows [k0, k1) at columns j .. j + cols (cols <=
+ * 8 NR), accumulated into y. FULL (cols == 8 NR): plain loads and stores; else masked (AMD's masked
+ * stores are slow: the edge tiles only). */
+template <int MR, int NR, bool FULL, typename W>
 static void tile8(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
                   int64_t cols, const float *bias, bool first, bool last, bool gelu, float *y) {
     __m256 acc[MR][NR];
     __m256i mk[NR];
-    for (int r = 0; r < NR; r++) mk[r] = mask8(std::clamp<int64_t>(cols - 8 * r, 0, 8));
+    for (int r = 0; r < NR; r++) mk[r] = FULL ? _mm256_set1_epi32(-1) : mask8(std::clamp<int64_t>(cols - 8 * r, 0, 8));
     for (int r = 0; r < NR; r++) {
-        const __m256 b = first && bias ? _mm256_maskload_ps(bias + j + 8 * r, mk[r]) : _mm256_setzero_ps();
-        for (int m = 0; m < MR; m++) acc[m][r] = first ? b : _mm256_maskload_ps(y + m * N + j + 8 * r, mk[r]);
+        const __m256 b = !(first && bias) ? _mm256_setzero_ps()
+                         : FULL ? _mm256_loadu_ps(bias + j + 8 * r) : _mm256_maskload_ps(bias + j + 8 * r, mk[r]);
+        for (int m = 0; m < MR; m++)
+            acc[m][r] = first ? b : FULL ? _mm256_loadu_ps(y + m * N + j + 8 * r)
+                                         : _mm256_maskload_ps(y + m * N + j + 8 * r, mk[r]);
     }
     for (int64_t k = k0; k < k1; k++) {
         const W *wk = w + k * N + j;
         __m256 wv[NR];
-        for (int r = 0; r < NR; r++) wv[r] = ld8(wk + 8 * r, mk[r], cols - 8 * r);
+        for (int r = 0; r < NR; r++) wv[r] = FULL ? ld8_all(wk + 8 * r) : ld8(wk + 8 * r, mk[r], cols - 8 * r);
         for (int m = 0; m < MR; m++) {
             const __m256 xv = _mm256_set1_ps(x[m * ldx + k]);
             for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
         }
     }
     for (int m = 0; m < MR; m++)
-        for (int r = 0; r < NR; r++)
-            if (cols > 8 * r) _mm256_maskstore_ps(y + m * N + j + 8 * r, mk[r], last && gelu ? gelu8(acc[m][r]) : acc[m][r]);
+        for (int r = 0; r < NR; r++) {
+            const __m256 v = last && gelu ? gelu8(acc[m][r]) : acc[m][r];
+            if (FULL)
+                _mm256_storeu_ps(y + m * N + j + 8 * r, v);
+            else if (cols > 8 * r)
+                _mm256_maskstore_ps(y + m * N + j + 8 * r, mk[r], v);
+        }
 }
 
+template <int MR, int NR, typename W>
+static inline void tile8_any(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
+                             int64_t cols, const float *bias, bool first, bool last, bool gelu, float *y) {
+    if (cols == 8 * NR)
+        tile8<MR, NR, true, W>(x, ldx, w, N, k0, k1, j, cols, bias, first, last, gelu, y);
+    else
+        tile8<MR, NR, false, W>(x, ldx, w, N, k0, k1, j, cols, bias, first, last, gelu, y);
+}
+
+/* One row: tiles of 8 vectors (64 columns, 8 accumulators: FMAs in flight enough to stream the weights;
+ * 3 vectors left each core at ~4 GB/s on an AVX2 Zen 3, RESULTS.md); more rows: 4 rows x 3 vectors. */
 template <typename W>
 static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, bool gelu,
                     float *y) {
-    const int64_t width = 24, tiles = (N + width - 1) / width;
+    const int64_t width = M == 1 ? 64 : 24, tiles = (N + width - 1) / width;
     const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
     #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
     for (int64_t c0 = 0; c0 < N; c0 += chunk) {
@@ -315,9 +341,13 @@ static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N,
             const bool first = k0 == 0, last = k1 == K;
             for (int64_t j = c0; j < c1; j += width) {
                 const int64_t cols = std::min(width, c1 - j);
+                if (M == 1) {
+                    tile8_any<1, 8, W>(x, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y);
+                    continue;
+                }
                 int64_t m = 0;
-                for (; m + 4 <= M; m += 4) tile8<4, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
-                for (; m < M; m++) tile8<1, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
+                for (; m + 4 <= M; m += 4) tile8_any<4, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
+                for (; m < M; m++) tile8_any<1, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
             }
         }
     }
@@ -407,7 +437,16 @@ static void dots8(const float *x, int64_t K, const W *wn, float *out) {
     __m256 lo[MR][R], hi[MR][R];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < R; r++) lo[m][r] = hi[m][r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)                       /* whole 16-blocks: plain loads */
+        for (int r = 0; r < R; r++) {
+            const __m256 wl = ld8_all(wn + r * K + k), wh = ld8_all(wn + r * K + k + 8);
+            for (int m = 0; m < MR; m++) {
+                lo[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wl, lo[m][r]);
+                hi[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), wh, hi[m][r]);
+            }
+        }
+    if (k < K) {                                       /* the last, partial one: masked, zeros past K */
         const int64_t nl = std::clamp<int64_t>(K - k, 0, 8), nh = std::clamp<int64_t>(K - k - 8, 0, 8);
         const __m256i ml = mask8(nl), mh = mask8(nh);
         for (int r = 0; r < R; r++) {
@@ -474,8 +513,12 @@ static void linear_any(const float *x, int64_t M, int64_t K, const W *w, int64_t
     if (avx512_paths())
         return linear16(x, M, K, w, N, bias, y, chunk);
     #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
-    for (int64_t n0 = 0; n0 < N; n0 += chunk)
-        linear_rows<2, 3, false, W>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+        if (M == 1)                                    /* 6 weight rows: 12 chains in flight */
+            linear_rows<1, 6, false, W>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
+        else
+            linear_rows<2, 3, false, W>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
+    }
 }
 
 void linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
