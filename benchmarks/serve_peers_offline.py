@@ -125,9 +125,10 @@ class Worker:
 
     def __init__(self, dirs: dict, threads: int, log_path: str):
         self.log = open(log_path, "w")
+        env = {**os.environ, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}  # as the command
         self.proc = subprocess.Popen([sys.executable, SERVE_PEERS, "--worker", json.dumps(dirs),
                                       "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
+                                     stderr=self.log, text=True, env=env)
         if not json.loads(self.proc.stdout.readline() or "{}").get("ready"):
             self.stop()
             raise RuntimeError(f"the offline worker did not start; see {log_path}")

@@ -387,3 +387,33 @@ def test_generate_with_nan_logits_says_so_in_one_line(byte_model, capsys, monkey
     assert err.strip().splitlines()[-1] == ("error: the model produced NaN or infinite logits at step 7 "
                                             "(rows [0]); its weights or inputs hold NaN/inf")
     assert out.startswith("ab") and len(out.encode("utf-8", "surrogateescape")) < 2 + 20
+
+
+def _thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="2 MiB pages are asked for with madvise: the kernel's "
+                    "transparent huge pages must be in 'madvise' mode for the two cases to differ")
+@pytest.mark.parametrize("env,huge", [(None, True), ("0", False)])
+def test_the_command_asks_torch_for_2mib_pages_unless_told_not_to(byte_model, env, huge):
+    """``gpt2mha`` sets THP_MEM_ALLOC_ENABLE=1 before torch is imported (unless the environment
+    sets it): torch then madvises its allocations of 2 MiB and more to huge pages, so a 64 MiB
+    tensor written in that process adds AnonHugePages (/proc/self/smaps_rollup); with ``=0``
+    none."""
+    code = ("import sys\nfrom gpt2mha.cli import main\nassert main(['info', '--model', sys.argv[1]]) == 0\n"
+            "import torch\n"
+            "def huge():\n"
+            "    return int([l for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')][0].split()[1])\n"
+            "before = huge(); x = torch.ones(16 << 20); print('HUGE_KB', huge() - before)")
+    e = {k: v for k, v in OFFLINE.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if env is not None:
+        e["THP_MEM_ALLOC_ENABLE"] = env
+    r = subprocess.run([sys.executable, "-c", code, byte_model], capture_output=True, text=True, env=e, timeout=300)
+    assert r.returncode == 0, r.stderr
+    kb = int(r.stdout.split("HUGE_KB", 1)[1])
+    assert kb >= 2048 if huge else kb == 0
