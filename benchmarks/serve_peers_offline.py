@@ -125,7 +125,8 @@ class Worker:
 
     def __init__(self, dirs: dict, threads: int, log_path: str):
         self.log = open(log_path, "w")
-        env = {**os.environ, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}  # as the command
+        from gpt2mha.cli import HUGE_PAGES_ENV                    # 2 MiB pages, as the command asks for them
+        env = {**os.environ, HUGE_PAGES_ENV: os.environ.get(HUGE_PAGES_ENV, "1")}
         self.proc = subprocess.Popen([sys.executable, SERVE_PEERS, "--worker", json.dumps(dirs),
                                       "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env)
