@@ -21,16 +21,16 @@
  *
  * - conv1d_f32: each output lane is its own chain, acc = bias (or 0), then acc = fma(x[m, k], w[k, n],
  *   acc) for k = 0, 1, ..., K-1; vectors hold 8 or 16 consecutive outputs, so no horizontal sum. The
- *   threads share out chunks of output columns; within a chunk the weights are read KB rows at a time
- *   across the chunk (KB runs of the chunk's width, each contiguous: the prefetcher follows them; a
- *   whole strip of K rows by 48 columns at a time ran ~1.5x slower), the partial sums kept in y between
- *   row blocks (float32 stores: exact), each weight tile used for every row of x while it is in L1.
- *   A prompt (PROMPT_ROWS rows or more, AVX-512) copies each 48-column strip once into a contiguous
- *   buffer and runs every row down the whole of K on it: the same chains.
- * - linear_f32: for each output, 16 float32 lanes, lane l summing x[k] w[k] over k = l mod 16 in order
- *   (fma), then lanes (l, l + 8) added, then (l, l + 4), (l, l + 2), (0, 1) (cached_forward.cpp's
- *   hsum8 after one add of halves), then + bias. Threads share out chunks of weight rows (each a
- *   sequential run).
+ *   partial sums are kept in y between blocks of KB weight rows (float32 stores: exact).
+ *   One row (a decode step: bound by the weights' reads): each thread takes one contiguous span of the
+ *   columns and reads KB rows at a time along the whole span, one vector of each row in turn (row16,
+ *   row8: KB long sequential streams; x's KB values in registers). Tiles of 8 vectors by KB rows over
+ *   chunks of 512 columns read 1.3-1.4x slower on a Zen 4 (RESULTS.md, "One row as KB streams").
+ *   2 to 63 rows: the threads share out chunks of output columns; within a chunk the weights are read
+ *   KB rows at a time across the chunk in tiles of 8 rows x 3 vectors (4 x 3 on AVX2), each weight tile
+ *   used for every row of x while it is in L1. A prompt (PROMPT_ROWS rows or more, AVX-512) copies each
+ *   48-column strip once into a contiguous buffer and runs every row down the whole of K on it.
+ * - linear_f32 and linear_f16 (the head): head_products.cpp says their order.
  *
  * GELU (GPT-2's, simd.h's gelu8/gelu16) may be applied to conv1d_f32's outputs as they are written
  * (the MLP's c_fc). Compiled with -ffp-contract=off: nothing is fused that this file does not say. */
@@ -56,7 +56,7 @@
  * registers), weight rows per block (KB; KB_HALF for fp16 weights at 2+ rows), and the output columns a
  * thread takes at a time. Products of fewer than PARALLEL_MACS multiply-adds stay on one thread (an OpenMP
  * region costs more). */
-static const int64_t KB = 16, KB_HALF = 64, CHUNK_COLS = 512, PARALLEL_MACS = 1 << 18, HEAD_CHUNK_BYTES = 1 << 17;
+static const int64_t KB = 16, KB_HALF = 64, CHUNK_COLS = 512, PARALLEL_MACS = 1 << 18;
 /* From PROMPT_ROWS rows, AVX-512 takes packed strips (prompt16; before them, blocks of 128 weight rows,
  * ~1.3x faster than KB's there, and the strips ~1.06x faster again) */
 static const int64_t PROMPT_ROWS = 64;
@@ -77,16 +77,6 @@ F512 static inline __mmask16 lane_mask(int r, int nv, int tail) {
     return r < nv - 1 ? (__mmask16)0xFFFF : r == nv - 1 ? (__mmask16)((1u << tail) - 1) : (__mmask16)0;
 }
 
-/* 16 floats at p, or those of mask mk (zeros elsewhere) */
-template <bool FULL>
-F512 static inline __m512 ld16(__mmask16 mk, const float *p) {
-    return FULL ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mk, p);
-}
-/* 16 fp16 weights at p (their bits) as float32 (exact), or those of mask mk (zeros elsewhere) */
-template <bool FULL>
-F512 static inline __m512 ld16(__mmask16 mk, const uint16_t *p) {
-    return _mm512_cvtph_ps(FULL ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(mk, p));
-}
 
 /* rows [0, MR) of x (row stride ldx) times w's rows [k0, k1) at columns j .. j + 16 NR, accumulated into
  * y (row stride N); `first`: start from bias (or 0), else from y; `last`: apply GELU if gelu. FULL: all
@@ -104,10 +94,8 @@ F512 static void tile16(const float *x, int64_t ldx, const W *w, int64_t N, int6
     for (int64_t k = k0; k < k1; k++) {
         const W *wk = w + k * N + j;
         __m512 wv[NR];
-        if (NR <= 3)                                   /* the next tile's lines: ~1.4x at 8 rows (none helped 1 row) */
-            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(wk + 16 * (r + NR)), _MM_HINT_T0);
-        else if (sizeof(W) == 2)                       /* fp16, 1 row: this tile's lines KB rows on, as bf16's tiles */
-            for (int r = 0; r < NR; r += 2) _mm_prefetch((const char *)(wk + KB * N + 16 * r), _MM_HINT_T0);
+        for (int r = 0; r < NR; r++)                   /* the next tile's lines: ~1.4x at 8 rows */
+            _mm_prefetch((const char *)(wk + 16 * (r + NR)), _MM_HINT_T0);
         for (int r = 0; r < NR; r++) wv[r] = ld16<FULL>(mk[r], wk + 16 * r);
         for (int m = 0; m < MR; m++) {
             const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
@@ -144,10 +132,6 @@ F512 static void block16(const float *x, int64_t M, int64_t K, const W *w, int64
         const int64_t cols = std::min<int64_t>(16 * NR, c1 - j);
         const int nv = (int)((cols + 15) / 16), tail = (int)(cols - 16 * (nv - 1));
         const bool full = cols == 16 * NR;
-        if constexpr (NR > 3) {                        /* one row (conv1d16) */
-            tile16_any<1, NR, W>(full, x, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
-            continue;
-        }
         int64_t m = 0;
         for (; m + 8 <= M; m += 8)
             tile16_any<8, NR, W>(full, x + m * K, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y + m * N);
@@ -234,6 +218,33 @@ F512 static void prompt16(const float *x, int64_t M, int64_t K, const W *w, int6
     }
 }
 
+/* One row (AVX-512): each thread one contiguous span of the columns, the weights read KB rows at a time
+ * along the whole span, one vector of each row in turn (KB sequential streams; the partial sums in y, in
+ * L1), x's KB values held in registers: tile16's chains. */
+template <typename W>
+F512 static void row16(const float *x, int64_t K, const W *w, int64_t N, int64_t c0, int64_t c1, const float *bias,
+                       bool gelu, float *y) {
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t kn = std::min(KB, K - k0);
+        const bool first = k0 == 0, last = k0 + kn == K;
+        __m512 xv[KB];
+        for (int64_t r = 0; r < kn; r++) xv[r] = _mm512_set1_ps(x[k0 + r]);
+        const W *wk = w + k0 * N;
+        for (int64_t j = c0; j < c1; j += 16) {
+            const __mmask16 mk = c1 - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (c1 - j)) - 1);
+            __m512 a = first ? (bias ? _mm512_maskz_loadu_ps(mk, bias + j) : _mm512_setzero_ps())
+                             : _mm512_maskz_loadu_ps(mk, y + j);
+            if (kn == KB && mk == 0xFFFF) {
+                for (int r = 0; r < KB; r++) a = _mm512_fmadd_ps(xv[r], ld16<true>(mk, wk + r * N + j), a);
+                _mm512_storeu_ps(y + j, last && gelu ? gelu16(a) : a);
+                continue;
+            }
+            for (int64_t r = 0; r < kn; r++) a = _mm512_fmadd_ps(xv[r], ld16<false>(mk, wk + r * N + j), a);
+            _mm512_mask_storeu_ps(y + j, mk, last && gelu ? gelu16(a) : a);
+        }
+    }
+}
+
 template <typename W>
 F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
                           bool gelu, float *y) {
@@ -241,8 +252,15 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
         prompt16(x, M, K, w, N, bias, gelu, y);
         return;
     }
-    /* one row: tiles of 8 vectors (128 columns, 8 accumulators); more: 3 vectors (8 rows x 3) */
-    const int64_t width = M == 1 ? 128 : 48, tiles = (N + width - 1) / width;
+    if (M == 1) {
+        const int64_t T = M * K * N >= PARALLEL_MACS ? threads() : 1, span = 16 * ((N + 16 * T - 1) / (16 * T));
+        #pragma omp parallel for schedule(static, 1) num_threads(T)
+        for (int64_t t = 0; t < T; t++)
+            if (t * span < N) row16(x, K, w, N, t * span, std::min(N, (t + 1) * span), bias, gelu, y);
+        return;
+    }
+    /* 2 to 63 rows: tiles of 8 rows x 3 vectors */
+    const int64_t width = 48, tiles = (N + width - 1) / width;
     const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
     /* fp16 weights, 2+ rows: the tiles bound by their arithmetic (conversions and FMAs), not the memory,
      * longer blocks spread each tile's entry and exit over more steps (a step's 8-row blocks 11.5-11.9 ->
@@ -253,34 +271,13 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
         const int64_t c1 = std::min(N, c0 + chunk);
         for (int64_t k0 = 0; k0 < K; k0 += kb) {
             const int64_t k1 = std::min(K, k0 + kb);
-            if (M == 1)
-                block16<8>(x, M, K, w, N, k0, k1, c0, c1, bias, gelu, y);
-            else
-                block16<3>(x, M, K, w, N, k0, k1, c0, c1, bias, gelu, y);
+            block16<3>(x, M, K, w, N, k0, k1, c0, c1, bias, gelu, y);
         }
     }
 }
 
 /* ---- conv1d_f32, AVX2: the same chains on 8 lanes ---- */
 
-static inline __m256i mask8(int64_t n) {            /* lanes [0, n) set, n in 0 .. 8 */
-    static const int32_t ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)n), _mm256_loadu_si256((const __m256i *)ramp));
-}
-
-/* 8 weights at p as float32: lanes [0, n) (mask mk: those lanes set), zeros past them; fp16 bits
- * converted exactly (a whole 8 loaded at once, a tail through a zeroed copy: AVX2 has no 16-bit masked load) */
-static inline __m256 ld8(const float *p, __m256i mk, int64_t) { return _mm256_maskload_ps(p, mk); }
-static inline __m256 ld8(const uint16_t *p, __m256i, int64_t n) {
-    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    uint16_t tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = 0; i < n; i++) tail[i] = p[i];
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tail));
-}
-
-/* 8 weights at p, all of them (FULL tiles: a plain load the compiler folds into the FMA) */
-static inline __m256 ld8_all(const float *p) { return _mm256_loadu_ps(p); }
-static inline __m256 ld8_all(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 /* tile16's chains on 8 lanes: rows [0, MR) of x over w's rows [k0, k1) at columns j .. j + cols (cols <=
  * 8 NR), accumulated into y. FULL (cols == 8 NR): plain loads and stores; else masked (AMD's masked
@@ -326,12 +323,46 @@ static inline void tile8_any(const float *x, int64_t ldx, const W *w, int64_t N,
         tile8<MR, NR, false, W>(x, ldx, w, N, k0, k1, j, cols, bias, first, last, gelu, y);
 }
 
-/* One row: tiles of 8 vectors (64 columns, 8 accumulators: FMAs in flight enough to stream the weights;
- * 3 vectors left each core at ~4 GB/s on an AVX2 Zen 3, RESULTS.md); more rows: 4 rows x 3 vectors. */
+/* row16 on 8 lanes (AVX2) */
+template <typename W>
+static void row8(const float *x, int64_t K, const W *w, int64_t N, int64_t c0, int64_t c1, const float *bias,
+                 bool gelu, float *y) {
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t kn = std::min(KB, K - k0);
+        const bool first = k0 == 0, last = k0 + kn == K;
+        const float *xk = x + k0;
+        const W *wk = w + k0 * N;
+        for (int64_t j = c0; j < c1; j += 8) {
+            const int64_t n = std::min<int64_t>(8, c1 - j);
+            if (n == 8) {
+                __m256 a = first ? (bias ? _mm256_loadu_ps(bias + j) : _mm256_setzero_ps()) : _mm256_loadu_ps(y + j);
+                if (kn == KB)
+                    for (int r = 0; r < KB; r++) a = _mm256_fmadd_ps(_mm256_set1_ps(xk[r]), ld8_all(wk + r * N + j), a);
+                else
+                    for (int64_t r = 0; r < kn; r++) a = _mm256_fmadd_ps(_mm256_set1_ps(xk[r]), ld8_all(wk + r * N + j), a);
+                _mm256_storeu_ps(y + j, last && gelu ? gelu8(a) : a);
+                continue;
+            }
+            const __m256i mk = mask8(n);
+            __m256 a = first ? (bias ? _mm256_maskload_ps(bias + j, mk) : _mm256_setzero_ps()) : _mm256_maskload_ps(y + j, mk);
+            for (int64_t r = 0; r < kn; r++) a = _mm256_fmadd_ps(_mm256_set1_ps(xk[r]), ld8(wk + r * N + j, mk, n), a);
+            _mm256_maskstore_ps(y + j, mk, last && gelu ? gelu8(a) : a);
+        }
+    }
+}
+
 template <typename W>
 static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, bool gelu,
                     float *y) {
-    const int64_t width = M == 1 ? 64 : 24, tiles = (N + width - 1) / width;
+    if (M == 1) {
+        const int64_t T = M * K * N >= PARALLEL_MACS ? threads() : 1, span = 8 * ((N + 8 * T - 1) / (8 * T));
+        #pragma omp parallel for schedule(static, 1) num_threads(T)
+        for (int64_t t = 0; t < T; t++)
+            if (t * span < N) row8(x, K, w, N, t * span, std::min(N, (t + 1) * span), bias, gelu, y);
+        return;
+    }
+    /* 2+ rows: tiles of 4 rows x 3 vectors */
+    const int64_t width = 24, tiles = (N + width - 1) / width;
     const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
     #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
     for (int64_t c0 = 0; c0 < N; c0 += chunk) {
@@ -341,10 +372,6 @@ static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N,
             const bool first = k0 == 0, last = k1 == K;
             for (int64_t j = c0; j < c1; j += width) {
                 const int64_t cols = std::min(width, c1 - j);
-                if (M == 1) {
-                    tile8_any<1, 8, W>(x, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y);
-                    continue;
-                }
                 int64_t m = 0;
                 for (; m + 4 <= M; m += 4) tile8_any<4, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
                 for (; m < M; m++) tile8_any<1, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
@@ -393,140 +420,6 @@ void conv1d_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t
         return;
     gelu_all(y, M * N);
     round_fp16(y, M * N);                              /* and its GELU's output */
-}
-
-/* ---- linear_f32: dot products over rows of w [N, K] ---- */
-
-static inline float hsum8(__m256 a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* one 16-block of k (the lanes of mask mk) of dots16 */
-template <int MR, int R, bool FULL, typename W>
-F512 static inline void dot_step(const float *x, int64_t K, const W *wn, int64_t k, __mmask16 mk, __m512 (&acc)[MR][R]) {
-    __m512 xv[MR];
-    for (int m = 0; m < MR; m++) xv[m] = ld16<FULL>(mk, x + m * K + k);
-    for (int r = 0; r < R; r++) {
-        _mm_prefetch((const char *)(wn + (r + R) * K + k), _MM_HINT_T0);   /* the next R rows' line */
-        const __m512 wv = ld16<FULL>(mk, wn + r * K + k);
-        for (int m = 0; m < MR; m++) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
-    }
-}
-
-/* R rows of w (from wn, stride K) times MR rows of x (stride K): out[m * R + r] */
-template <int MR, int R, typename W>
-F512 static void dots16(const float *x, int64_t K, const W *wn, float *out) {
-    __m512 acc[MR][R];
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) dot_step<MR, R, true, W>(x, K, wn, k, 0xFFFF, acc);
-    if (k < K) dot_step<MR, R, false, W>(x, K, wn, k, (__mmask16)((1u << (K - k)) - 1), acc);
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < R; r++)
-            out[m * R + r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[m][r]), _mm512_extractf32x8_ps(acc[m][r], 1)));
-}
-
-/* the same lanes as two 8-lane halves (lanes 0-7: k mod 16 < 8; 8-15: the rest), every 16-block done
- * on both halves (masked: zeros past K) so each lane sees the same operations as on AVX-512 */
-template <int MR, int R, typename W>
-static void dots8(const float *x, int64_t K, const W *wn, float *out) {
-    __m256 lo[MR][R], hi[MR][R];
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < R; r++) lo[m][r] = hi[m][r] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16)                       /* whole 16-blocks: plain loads */
-        for (int r = 0; r < R; r++) {
-            const __m256 wl = ld8_all(wn + r * K + k), wh = ld8_all(wn + r * K + k + 8);
-            for (int m = 0; m < MR; m++) {
-                lo[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wl, lo[m][r]);
-                hi[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), wh, hi[m][r]);
-            }
-        }
-    if (k < K) {                                       /* the last, partial one: masked, zeros past K */
-        const int64_t nl = std::clamp<int64_t>(K - k, 0, 8), nh = std::clamp<int64_t>(K - k - 8, 0, 8);
-        const __m256i ml = mask8(nl), mh = mask8(nh);
-        for (int r = 0; r < R; r++) {
-            const __m256 wl = ld8(wn + r * K + k, ml, nl), wh = ld8(wn + r * K + k + 8, mh, nh);
-            for (int m = 0; m < MR; m++) {
-                lo[m][r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * K + k, ml), wl, lo[m][r]);
-                hi[m][r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * K + k + 8, mh), wh, hi[m][r]);
-            }
-        }
-    }
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < R; r++) out[m * R + r] = hsum8(_mm256_add_ps(lo[m][r], hi[m][r]));
-}
-
-/* rows n .. n + R of y from the tile's out, + bias */
-template <int MR, int R>
-static inline void put(const float *out, int64_t n, int64_t N, const float *bias, float *y) {
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < R; r++) y[m * N + n + r] = bias ? out[m * R + r] + bias[n + r] : out[m * R + r];
-}
-
-/* rows [n0, n1) of w for every row of x: tiles of R weight rows x up to MR rows of x, then one weight
- * row at a time */
-template <int MR, int R, bool W512, typename W>
-static void linear_rows(const float *x, int64_t M, int64_t K, const W *w, int64_t n0, int64_t n1, int64_t N,
-                        const float *bias, float *y) {
-    float out[MR * R];
-    auto dots = [&](auto mr, auto rr, int64_t m, int64_t n) {
-        constexpr int MT = decltype(mr)::value, RT = decltype(rr)::value;
-        if constexpr (W512)
-            dots16<MT, RT, W>(x + m * K, K, w + n * K, out);
-        else
-            dots8<MT, RT, W>(x + m * K, K, w + n * K, out);
-        put<MT, RT>(out, n, N, bias, y + m * N);
-    };
-    using one = std::integral_constant<int, 1>;
-    int64_t n = n0;
-    for (; n + R <= n1; n += R) {
-        int64_t m = 0;
-        for (; m + MR <= M; m += MR) dots(std::integral_constant<int, MR>{}, std::integral_constant<int, R>{}, m, n);
-        for (; m < M; m++) dots(one{}, std::integral_constant<int, R>{}, m, n);
-    }
-    for (; n < n1; n++)
-        for (int64_t m = 0; m < M; m++) dots(one{}, one{}, m, n);
-}
-
-template <typename W>
-F512 static void linear16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
-                          float *y, int64_t chunk) {
-    #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
-    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-        const int64_t n1 = std::min(N, n0 + chunk);
-        if (M == 1)
-            linear_rows<1, 8, true, W>(x, M, K, w, n0, n1, N, bias, y);
-        else
-            linear_rows<2, 8, true, W>(x, M, K, w, n0, n1, N, bias, y);
-    }
-}
-
-template <typename W>
-static void linear_any(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, float *y) {
-    const int64_t rows = std::max<int64_t>(8, HEAD_CHUNK_BYTES / std::max<int64_t>(1, K * (int64_t)sizeof(W)));
-    const int64_t chunk = std::max<int64_t>(8, chunk_of(N, rows) / 8 * 8);
-    if (avx512_paths())
-        return linear16(x, M, K, w, N, bias, y, chunk);
-    #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
-    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-        if (M == 1)                                    /* 6 weight rows: 12 chains in flight */
-            linear_rows<1, 6, false, W>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
-        else
-            linear_rows<2, 3, false, W>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
-    }
-}
-
-void linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
-    linear_any(x, M, K, w, N, bias, y);
-}
-
-void linear_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, float *y) {
-    linear_any(x, M, K, w, N, bias, y);
 }
 
 /* ---- the operators ---- */

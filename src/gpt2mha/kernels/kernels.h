@@ -1,5 +1,5 @@
-/* What cached_forward.cpp calls in products.cpp, int4_products.cpp, float_products.cpp, bf16_products.cpp and
- * causal_attention.cpp (one library: every .cpp here, build.py's SOURCES). */
+/* What cached_forward.cpp calls in products.cpp, int4_products.cpp, float_products.cpp, head_products.cpp,
+ * bf16_products.cpp and causal_attention.cpp (one library: every .cpp here, build.py's SOURCES). */
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -35,7 +35,7 @@ void conv1d_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                 float *y);
 
 /* y [M, N] = x [M, K] @ w [N, K]^T + bias [N] (bias may be NULL): float32, each output summed in one fixed
- * order (float_products.cpp, the operator linear_f32). */
+ * order (head_products.cpp, the operator linear_f32). */
 void linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y);
 
 /* y [M, N] = fp16(x [M, K] @ w [K, N] + bias [N]) (bias may be NULL), then fp16(GELU(y)) if gelu: w fp16
@@ -45,7 +45,7 @@ void conv1d_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t
                 float *y);
 
 /* y [M, N] = x [M, K] @ w [N, K]^T + bias [N] (bias may be NULL), float32: w fp16 bits, x float32 holding
- * fp16 values; linear_f32's sums (float_products.cpp, the operator linear_f16: a fp16 model's head). */
+ * fp16 values; linear_f32's sums (head_products.cpp, the operator linear_f16: a fp16 model's head). */
 void linear_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, float *y);
 
 /* y[0 .. n) = GPT-2's GELU of y (simd.h's): on 16 lanes where the AVX-512 paths are on, else 8, the rest one

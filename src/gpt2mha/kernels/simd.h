@@ -97,3 +97,36 @@ static inline float gelu1(float x) {
     const float inner = std::fmaf(GELU_K, (x * x) * x, x);
     return x / (1.0f + exp1(GELU_2C * inner));
 }
+
+/* ---- weight loads of the float products (float_products.cpp, head_products.cpp) ---- */
+
+/* 16 floats at p, or those of mask mk (zeros elsewhere) */
+template <bool FULL>
+AVX512_TARGET static inline __m512 ld16(__mmask16 mk, const float *p) {
+    return FULL ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mk, p);
+}
+/* 16 fp16 weights at p (their bits) as float32 (exact), or those of mask mk (zeros elsewhere) */
+template <bool FULL>
+AVX512_TARGET static inline __m512 ld16(__mmask16 mk, const uint16_t *p) {
+    return _mm512_cvtph_ps(FULL ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(mk, p));
+}
+
+/* the same on 8 lanes (AVX2) */
+static inline __m256i mask8(int64_t n) {            /* lanes [0, n) set, n in 0 .. 8 */
+    static const int32_t ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)n), _mm256_loadu_si256((const __m256i *)ramp));
+}
+
+/* 8 weights at p as float32: lanes [0, n) (mask mk: those lanes set), zeros past them; fp16 bits
+ * converted exactly (a whole 8 loaded at once, a tail through a zeroed copy: AVX2 has no 16-bit masked load) */
+static inline __m256 ld8(const float *p, __m256i mk, int64_t) { return _mm256_maskload_ps(p, mk); }
+static inline __m256 ld8(const uint16_t *p, __m256i, int64_t n) {
+    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    uint16_t tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < n; i++) tail[i] = p[i];
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tail));
+}
+
+/* 8 weights at p, all of them (FULL tiles: a plain load the compiler folds into the FMA) */
+static inline __m256 ld8_all(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8_all(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
