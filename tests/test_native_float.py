@@ -80,6 +80,31 @@ def test_the_products_are_torchs_to_float32_rounding_and_each_row_its_own(M, K, 
     assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])   # AVX-512 = AVX2, bit for bit
 
 
+@pytest.mark.parametrize("op", ["conv1d_f32", "conv1d_f16", "conv1d_bf16"])
+def test_one_row_on_1_to_3_threads_is_the_batched_rows_bits(op, threads, both_paths):
+    # one row (a decode step) takes its own route: each thread a contiguous span of the columns read as
+    # row streams (float32, fp16) or as the batched rows' tiles (bf16). Large enough for the threads
+    # (K N >= 2^18 multiply-adds), K not a multiple of 16, N = 1001: the spans end inside a vector.
+    torch.manual_seed(11)
+    K, N = 700, 1001
+    dt = {"conv1d_f32": torch.float32, "conv1d_f16": torch.float16, "conv1d_bf16": torch.bfloat16}[op]
+    x, w, b = torch.randn(9, K).to(dt).float(), (torch.randn(K, N) * 0.05).to(dt), torch.randn(N).to(dt).float()
+    call = getattr(torch.ops.gpt2mha, op)
+    def rows():
+        threads(1)
+        batch = call(x, w, b, True)                    # 9 rows: the tiles
+        outs = []
+        for n in (1, 2, 3):
+            threads(n)
+            outs.append(torch.stack([call(x[m:m + 1], w, b, True)[0] for m in range(9)]))
+        return batch, outs
+    for batch, outs in both_paths(rows):
+        for alone in outs:
+            assert torch.equal(alone, batch)           # the same bits on any number of threads
+    ref = F.gelu(torch.addmm(b, x, w.float()), approximate="tanh")
+    assert (batch - ref).abs().max() <= 0.02 * ref.abs().max()   # dtype's roundings of the same products
+
+
 def test_the_products_sum_in_order_bias_first():
     # one output of conv1d_f32: bias, then + x[k] w[k] fused, k = 0, 1, ... (float64 holds each fused step exactly
     # before its one rounding); linear_f32: 16 lanes, then the fixed tree
