@@ -49,6 +49,11 @@ def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: 
     hf_dir = os.path.join(workdir, "random-124M")
     eng = os.path.join(workdir, "random-124M-engines")
     cfg = GPT2.from_pretrained(hf_dir).config
+    if name.startswith("gpt2mha"):                             # never time the fallback as if it were gpt2mha's route
+        from gpt2mha.inference.quant import gemv
+        if not gemv.available():
+            raise RuntimeError(f"{name}: gpt2mha's C++ kernels are not loaded ({gemv.unavailable_reason()}); "
+                               "its figures would be the pure-torch fallback's")
     if name == "transformers float32":
         import transformers
         c = peers.Torch(name, transformers.GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="sdpa").eval(),
