@@ -70,6 +70,16 @@ static inline int64_t chunk_of(int64_t units, int64_t per) {
     return std::max<int64_t>(1, (units + chunks - 1) / chunks);
 }
 
+/* one row's columns over the threads: each one contiguous span [c0, c1), a multiple of `lanes` long but
+ * the last, for row(c0, c1) (row16, row8) */
+template <typename F>
+static void spans(int64_t K, int64_t N, int64_t lanes, F &&row) {
+    const int64_t T = K * N >= PARALLEL_MACS ? threads() : 1, span = lanes * ((N + lanes * T - 1) / (lanes * T));
+    #pragma omp parallel for schedule(static, 1) num_threads(T)
+    for (int64_t t = 0; t < T; t++)
+        if (t * span < N) row(t * span, std::min(N, (t + 1) * span));
+}
+
 /* ---- conv1d_f32, AVX-512 ---- */
 
 /* the mask of vector r of a tile whose last vector holds `tail` lanes (1 .. 16) of nv */
@@ -252,13 +262,8 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
         prompt16(x, M, K, w, N, bias, gelu, y);
         return;
     }
-    if (M == 1) {
-        const int64_t T = M * K * N >= PARALLEL_MACS ? threads() : 1, span = 16 * ((N + 16 * T - 1) / (16 * T));
-        #pragma omp parallel for schedule(static, 1) num_threads(T)
-        for (int64_t t = 0; t < T; t++)
-            if (t * span < N) row16(x, K, w, N, t * span, std::min(N, (t + 1) * span), bias, gelu, y);
-        return;
-    }
+    if (M == 1)
+        return spans(K, N, 16, [&](int64_t c0, int64_t c1) { row16(x, K, w, N, c0, c1, bias, gelu, y); });
     /* 2 to 63 rows: tiles of 8 rows x 3 vectors */
     const int64_t width = 48, tiles = (N + width - 1) / width;
     const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
@@ -354,13 +359,8 @@ static void row8(const float *x, int64_t K, const W *w, int64_t N, int64_t c0, i
 template <typename W>
 static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, bool gelu,
                     float *y) {
-    if (M == 1) {
-        const int64_t T = M * K * N >= PARALLEL_MACS ? threads() : 1, span = 8 * ((N + 8 * T - 1) / (8 * T));
-        #pragma omp parallel for schedule(static, 1) num_threads(T)
-        for (int64_t t = 0; t < T; t++)
-            if (t * span < N) row8(x, K, w, N, t * span, std::min(N, (t + 1) * span), bias, gelu, y);
-        return;
-    }
+    if (M == 1)
+        return spans(K, N, 8, [&](int64_t c0, int64_t c1) { row8(x, K, w, N, c0, c1, bias, gelu, y); });
     /* 2+ rows: tiles of 4 rows x 3 vectors */
     const int64_t width = 24, tiles = (N + width - 1) / width;
     const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
