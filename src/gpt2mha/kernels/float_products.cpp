@@ -87,7 +87,6 @@ F512 static inline __mmask16 lane_mask(int r, int nv, int tail) {
     return r < nv - 1 ? (__mmask16)0xFFFF : r == nv - 1 ? (__mmask16)((1u << tail) - 1) : (__mmask16)0;
 }
 
-
 /* rows [0, MR) of x (row stride ldx) times w's rows [k0, k1) at columns j .. j + 16 NR, accumulated into
  * y (row stride N); `first`: start from bias (or 0), else from y; `last`: apply GELU if gelu. FULL: all
  * NR vectors whole; else the tile holds nv vectors, the last `tail` lanes (masked loads and stores). */
