@@ -32,6 +32,11 @@
  *   48-column strip once into a contiguous buffer and runs every row down the whole of K on it.
  * - linear_f32 and linear_f16 (the head): head_products.cpp says their order.
  *
+ * One exception to "the same bits": a NaN made from NaNs of both signs (x[k] and w[k, n] both NaN, or a
+ * NaN sum meeting a NaN product) may come out with either sign, alone or in a batch, on either path: x86
+ * keeps its first NaN operand, and the compiler picks the operands' order of each fma (vfmadd132ps or
+ * 231ps). NaN logits are an error upstream (the model's sampling refuses them) whatever their sign.
+ *
  * GELU (GPT-2's, simd.h's gelu8/gelu16) may be applied to conv1d_f32's outputs as they are written
  * (the MLP's c_fc). Compiled with -ffp-contract=off: nothing is fused that this file does not say. */
 #include "simd.h" /* first: its note on immintrin.h says why */
@@ -229,7 +234,7 @@ F512 static void prompt16(const float *x, int64_t M, int64_t K, const W *w, int6
 
 /* One row (AVX-512): each thread one contiguous span of the columns, the weights read KB rows at a time
  * along the whole span, one vector of each row in turn (KB sequential streams; the partial sums in y, in
- * L1), x's KB values held in registers: tile16's chains. */
+ * L1), x's KB values broadcast once a block: tile16's chains. */
 template <typename W>
 F512 static void row16(const float *x, int64_t K, const W *w, int64_t N, int64_t c0, int64_t c1, const float *bias,
                        bool gelu, float *y) {
