@@ -394,7 +394,8 @@ void conv1d_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
         return;
     }
     /* one row (vdpbf16ps): each thread one contiguous span of the columns, read KB rows at a time along
-     * the whole span (KB long streams; 1.04x the decode of 128-column tiles over chunks of 512, a Zen 4) */
+     * the whole span (KB long streams, as
+     * float_products.cpp's row16; RESULTS.md, "One row as KB streams") */
     const int64_t width = dot ? 32 : 24, tiles = (N + width - 1) / width;
     const int64_t chunk = dot && M == 1 ? width * chunk_of(tiles, tiles) : width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
     #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
