@@ -36,7 +36,8 @@ F512 static inline void dot_step(const float *x, int64_t K, const W *wn, int64_t
     __m512 xv[MR];
     for (int m = 0; m < MR; m++) xv[m] = ld16<FULL>(mk, x + m * K + k);
     for (int r = 0; r < R; r++) {
-        _mm_prefetch((const char *)(wn + (r + R) * K + k), _MM_HINT_T0);   /* the next R rows' line */
+        if constexpr (R > 1)                           /* the next R rows' line (one row: its own stream) */
+            _mm_prefetch((const char *)(wn + (r + R) * K + k), _MM_HINT_T0);
         const __m512 wv = ld16<FULL>(mk, wn + r * K + k);
         for (int m = 0; m < MR; m++) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
     }
@@ -125,13 +126,20 @@ F512 static void linear16(const float *x, int64_t M, int64_t K, const W *w, int6
     #pragma omp parallel for schedule(dynamic, 1) if (parallel_worth(M, K, N))
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t n1 = std::min(N, n0 + chunk);
-        if (M == 1)
-            linear_rows<1, 8, true, W>(x, M, K, w, n0, n1, N, bias, y);
-        else
+        if (M == 1)                                    /* one weight row at a time: see linear_any */
+            linear_rows<1, 1, true, W>(x, M, K, w, n0, n1, N, bias, y);
+        else if (M < 8)
             linear_rows<2, 8, true, W>(x, M, K, w, n0, n1, N, bias, y);
+        else                                           /* 8+ rows: each weight tile read for 4 rows, not 2 */
+            linear_rows<4, 4, true, W>(x, M, K, w, n0, n1, N, bias, y);
     }
 }
 
+/* One row of x (a decode step) walks the weight rows one at a time, each thread one sequential stream
+ * through its chunk: its 1-2 chains per row are not the limit there (K / 16 fmas a row, ~4 cycles each),
+ * the memory is. Interleaving R rows (R chains in flight, R streams 2K or 4K bytes apart) read slower
+ * cold on a Zen 4: the head alone 1.08x (float32) and 1.4x (fp16) faster one row at a time, the AVX2
+ * path 1.17x and 1.75x (benchmarks/RESULTS.md, "The head one row at a time"). */
 template <typename W>
 static void linear_any(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, float *y) {
     const int64_t chunk = std::max<int64_t>(8, chunk_rows(K * (int64_t)sizeof(W), N) / 8 * 8);   /* ~128 KiB */
@@ -139,8 +147,8 @@ static void linear_any(const float *x, int64_t M, int64_t K, const W *w, int64_t
         return linear16(x, M, K, w, N, bias, y, chunk);
     #pragma omp parallel for schedule(dynamic, 1) if (parallel_worth(M, K, N))
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-        if (M == 1)                                    /* 6 weight rows: 12 chains in flight */
-            linear_rows<1, 6, false, W>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
+        if (M == 1)
+            linear_rows<1, 1, false, W>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
         else
             linear_rows<2, 3, false, W>(x, M, K, w, n0, std::min(N, n0 + chunk), N, bias, y);
     }
