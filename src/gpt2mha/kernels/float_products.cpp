@@ -26,9 +26,11 @@
  *   columns and reads KB rows at a time along the whole span, one vector of each row in turn (row16,
  *   row8: KB long sequential streams; x's KB values in registers). Tiles of 8 vectors by KB rows over
  *   chunks of 512 columns read 1.3-1.4x slower on a Zen 4 (RESULTS.md, "One row as KB streams").
- *   2 to 63 rows: the threads share out chunks of output columns; within a chunk the weights are read
- *   KB rows at a time across the chunk in tiles of 8 rows x 3 vectors (4 x 3 on AVX2), each weight tile
- *   used for every row of x while it is in L1. A prompt (PROMPT_ROWS rows or more, AVX-512) copies each
+ *   2 to 63 rows (walk): each thread one contiguous span of the columns, walked KB_ROWS weight rows at a
+ *   time in tiles of 8 rows x 3 vectors (4 x 3 on AVX2), each weight tile used for every row of x while
+ *   it is in L1; every tile prefetches into L2 the weights of the tile PREFETCH_TILES ahead in its
+ *   thread's walk (the memory's latency then overlaps the arithmetic: 1.4-2x at 8 rows over tiles that
+ *   did not, RESULTS.md, "Prefetch into L2"). A prompt (PROMPT_ROWS rows or more, AVX-512) copies each
  *   48-column strip once into a contiguous buffer and runs every row down the whole of K on it.
  * - linear_f32 and linear_f16 (the head): head_products.cpp says their order.
  *
@@ -57,32 +59,41 @@
 /* the AVX-512 paths' target (float32 FMAs on 16 lanes, masked tails) */
 #define F512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 
-/* Rows of x per register tile (AVX-512: 8 rows x 3 vectors = 24 accumulators; AVX2: 4 x 3 = 12 of 16
- * registers), weight rows per block (KB; KB_HALF for fp16 weights at 2+ rows), and the output columns a
- * thread takes at a time. Products of fewer than PARALLEL_MACS multiply-adds stay on one thread (an OpenMP
- * region costs more). */
-static const int64_t KB = 16, KB_HALF = 64, CHUNK_COLS = 512, PARALLEL_MACS = 1 << 18;
+/* Weight rows per block: KB for one row (row16, row8: x's KB values in registers), KB_ROWS for 2 to 63 rows
+ * (tiles of 8 rows x 3 vectors on AVX-512, 24 accumulators; 4 x 3 on AVX2, 12 of 16 registers): long
+ * blocks keep each tile's entry and exit (its partial sums loaded and stored) rare. PREFETCH_TILES: how far
+ * ahead along its walk a tile prefetches the weights, into L2. Products of fewer than PARALLEL_MACS
+ * multiply-adds stay on one thread (an OpenMP region costs more). */
+static const int64_t KB = 16, KB_ROWS = 256, PREFETCH_TILES = 2, PARALLEL_MACS = 1 << 18;
 /* From PROMPT_ROWS rows, AVX-512 takes packed strips (prompt16; before them, blocks of 128 weight rows,
  * ~1.3x faster than KB's there, and the strips ~1.06x faster again) */
 static const int64_t PROMPT_ROWS = 64;
 
 static inline int64_t threads() { return omp_get_max_threads() > 0 ? omp_get_max_threads() : 1; }
 
-/* chunks of `units` for the threads: a multiple of the threads (they finish together on an idle
- * machine), each about `per` units or more; returns units per chunk */
-static inline int64_t chunk_of(int64_t units, int64_t per) {
-    const int64_t T = threads(), chunks = T * ((units + T * per - 1) / (T * per));
-    return std::max<int64_t>(1, (units + chunks - 1) / chunks);
-}
-
-/* one row's columns over the threads: each one contiguous span [c0, c1), a multiple of `lanes` long but
- * the last, for row(c0, c1) (row16, row8) */
+/* the columns over the threads: each one contiguous span [c0, c1), a multiple of `lanes` long but the
+ * last, for row(c0, c1); `macs`: the product's multiply-adds */
 template <typename F>
-static void spans(int64_t K, int64_t N, int64_t lanes, F &&row) {
-    const int64_t T = K * N >= PARALLEL_MACS ? threads() : 1, span = lanes * ((N + lanes * T - 1) / (lanes * T));
+static void spans(int64_t macs, int64_t N, int64_t lanes, F &&row) {
+    const int64_t T = macs >= PARALLEL_MACS ? threads() : 1, span = lanes * ((N + lanes * T - 1) / (lanes * T));
     #pragma omp parallel for schedule(static, 1) num_threads(T)
     for (int64_t t = 0; t < T; t++)
         if (t * span < N) row(t * span, std::min(N, (t + 1) * span));
+}
+
+/* 2 to 63 rows: each thread walks its span of the columns KB_ROWS weight rows at a time, in tiles of
+ * `width` columns: tile(k0, k1, j, pfo), pfo the offset (elements, from w[k, j]) of the weights of the tile
+ * PREFETCH_TILES further along this thread's walk (past a block's end: the next block's first tiles) */
+template <typename F>
+static void walk(int64_t M, int64_t K, int64_t N, int64_t width, F &&tile) {
+    spans(M * K * N, N, width, [&](int64_t c0, int64_t c1) {
+        const int64_t nt = (c1 - c0 + width - 1) / width;
+        for (int64_t k0 = 0; k0 < K; k0 += KB_ROWS)
+            for (int64_t i = 0; i < nt; i++) {
+                const int64_t t = i + PREFETCH_TILES;
+                tile(k0, std::min(K, k0 + KB_ROWS), c0 + width * i, t / nt * KB_ROWS * N + width * (t % nt - i));
+            }
+    });
 }
 
 /* ---- conv1d_f32, AVX-512 ---- */
@@ -94,10 +105,11 @@ F512 static inline __mmask16 lane_mask(int r, int nv, int tail) {
 
 /* rows [0, MR) of x (row stride ldx) times w's rows [k0, k1) at columns j .. j + 16 NR, accumulated into
  * y (row stride N); `first`: start from bias (or 0), else from y; `last`: apply GELU if gelu. FULL: all
- * NR vectors whole; else the tile holds nv vectors, the last `tail` lanes (masked loads and stores). */
+ * NR vectors whole; else the tile holds nv vectors, the last `tail` lanes (masked loads and stores).
+ * pfo (not 0): each weight row's lines at pfo elements on are prefetched into L2 (walk's tile ahead). */
 template <int MR, int NR, bool FULL, typename W>
 F512 static void tile16(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
-                        int nv, int tail, const float *bias, bool first, bool last, bool gelu, float *y) {
+                        int nv, int tail, const float *bias, bool first, bool last, bool gelu, float *y, int64_t pfo) {
     __m512 acc[MR][NR];
     __mmask16 mk[NR];
     for (int r = 0; r < NR; r++) mk[r] = FULL ? (__mmask16)0xFFFF : lane_mask(r, nv, tail);
@@ -108,8 +120,8 @@ F512 static void tile16(const float *x, int64_t ldx, const W *w, int64_t N, int6
     for (int64_t k = k0; k < k1; k++) {
         const W *wk = w + k * N + j;
         __m512 wv[NR];
-        for (int r = 0; r < NR; r++)                   /* the next tile's lines: ~1.4x at 8 rows */
-            _mm_prefetch((const char *)(wk + 16 * (r + NR)), _MM_HINT_T0);
+        if (pfo)                                       /* 8 rows: 1.4-1.9x (RESULTS.md, "Prefetch into L2") */
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(wk + pfo + 16 * r), _MM_HINT_T1);
         for (int r = 0; r < NR; r++) wv[r] = ld16<FULL>(mk[r], wk + 16 * r);
         for (int m = 0; m < MR; m++) {
             const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
@@ -130,37 +142,36 @@ F512 static void tile16(const float *x, int64_t ldx, const W *w, int64_t N, int6
 template <int MR, int NR, typename W>
 F512 static inline void tile16_any(bool full, const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0,
                                    int64_t k1, int64_t j, int nv, int tail, const float *bias, bool first, bool last,
-                                   bool gelu, float *y) {
+                                   bool gelu, float *y, int64_t pfo) {
     if (full)
-        tile16<MR, NR, true, W>(x, ldx, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
+        tile16<MR, NR, true, W>(x, ldx, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y, pfo);
     else
-        tile16<MR, NR, false, W>(x, ldx, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y);
+        tile16<MR, NR, false, W>(x, ldx, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y, pfo);
 }
 
-/* every row of x over one block of w's rows [k0, k1) and the columns [c0, c1), tiles of NR vectors */
-template <int NR, typename W>
-F512 static void block16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, int64_t k0, int64_t k1,
-                         int64_t c0, int64_t c1, const float *bias, bool gelu, float *y) {
+/* every row of x over w's rows [k0, k1) at columns j .. j + 48 (fewer at N), 8 rows at a time; the
+ * first 8 prefetch (pfo: walk's) */
+template <typename W>
+F512 static void rows16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, int64_t k0, int64_t k1,
+                        int64_t j, int64_t pfo, const float *bias, bool gelu, float *y) {
     const bool first = k0 == 0, last = k1 == K;
-    for (int64_t j = c0; j < c1; j += 16 * NR) {
-        const int64_t cols = std::min<int64_t>(16 * NR, c1 - j);
-        const int nv = (int)((cols + 15) / 16), tail = (int)(cols - 16 * (nv - 1));
-        const bool full = cols == 16 * NR;
-        int64_t m = 0;
-        for (; m + 8 <= M; m += 8)
-            tile16_any<8, NR, W>(full, x + m * K, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y + m * N);
-        const float *xm = x + m * K;
-        float *ym = y + m * N;
-        switch (M - m) {
-            case 7: tile16_any<7, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 6: tile16_any<6, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 5: tile16_any<5, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 4: tile16_any<4, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 3: tile16_any<3, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 2: tile16_any<2, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            case 1: tile16_any<1, NR, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym); break;
-            default: break;
-        }
+    const int64_t cols = std::min<int64_t>(48, N - j);
+    const int nv = (int)((cols + 15) / 16), tail = (int)(cols - 16 * (nv - 1));
+    const bool full = cols == 48;
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8, pfo = 0)
+        tile16_any<8, 3, W>(full, x + m * K, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, y + m * N, pfo);
+    const float *xm = x + m * K;
+    float *ym = y + m * N;
+    switch (M - m) {
+        case 7: tile16_any<7, 3, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym, pfo); break;
+        case 6: tile16_any<6, 3, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym, pfo); break;
+        case 5: tile16_any<5, 3, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym, pfo); break;
+        case 4: tile16_any<4, 3, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym, pfo); break;
+        case 3: tile16_any<3, 3, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym, pfo); break;
+        case 2: tile16_any<2, 3, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym, pfo); break;
+        case 1: tile16_any<1, 3, W>(full, xm, K, w, N, k0, k1, j, nv, tail, bias, first, last, gelu, ym, pfo); break;
+        default: break;
     }
 }
 
@@ -267,22 +278,9 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
         return;
     }
     if (M == 1)
-        return spans(K, N, 16, [&](int64_t c0, int64_t c1) { row16(x, K, w, N, c0, c1, bias, gelu, y); });
-    /* 2 to 63 rows: tiles of 8 rows x 3 vectors */
-    const int64_t width = 48, tiles = (N + width - 1) / width;
-    const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
-    /* fp16 weights, 2+ rows: the tiles bound by their arithmetic (conversions and FMAs), not the memory,
-     * longer blocks spread each tile's entry and exit over more steps (a step's 8-row blocks 11.5-11.9 ->
-     * 7.5-8.6 ms at 32-128 rows, interleaved A/B) */
-    const int64_t kb = sizeof(W) == 2 && M > 1 ? KB_HALF : KB;
-    #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
-    for (int64_t c0 = 0; c0 < N; c0 += chunk) {
-        const int64_t c1 = std::min(N, c0 + chunk);
-        for (int64_t k0 = 0; k0 < K; k0 += kb) {
-            const int64_t k1 = std::min(K, k0 + kb);
-            block16<3>(x, M, K, w, N, k0, k1, c0, c1, bias, gelu, y);
-        }
-    }
+        return spans(K * N, N, 16, [&](int64_t c0, int64_t c1) { row16(x, K, w, N, c0, c1, bias, gelu, y); });
+    /* 2 to 63 rows: tiles of 8 rows x 3 vectors along each thread's span */
+    walk(M, K, N, 48, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) { rows16(x, M, K, w, N, k0, k1, j, pfo, bias, gelu, y); });
 }
 
 /* ---- conv1d_f32, AVX2: the same chains on 8 lanes ---- */
@@ -293,7 +291,7 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
  * stores are slow: the edge tiles only). */
 template <int MR, int NR, bool FULL, typename W>
 static void tile8(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
-                  int64_t cols, const float *bias, bool first, bool last, bool gelu, float *y) {
+                  int64_t cols, const float *bias, bool first, bool last, bool gelu, float *y, int64_t pfo) {
     __m256 acc[MR][NR];
     __m256i mk[NR];
     for (int r = 0; r < NR; r++) mk[r] = FULL ? _mm256_set1_epi32(-1) : mask8(std::clamp<int64_t>(cols - 8 * r, 0, 8));
@@ -306,6 +304,8 @@ static void tile8(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0
     }
     for (int64_t k = k0; k < k1; k++) {
         const W *wk = w + k * N + j;
+        if (pfo)                                       /* tile16's prefetch: each line of the row */
+            for (int r = 0; r < NR; r += 2) _mm_prefetch((const char *)(wk + pfo + 8 * r), _MM_HINT_T1);
         __m256 wv[NR];
         for (int r = 0; r < NR; r++) wv[r] = FULL ? ld8_all(wk + 8 * r) : ld8(wk + 8 * r, mk[r], cols - 8 * r);
         for (int m = 0; m < MR; m++) {
@@ -325,11 +325,11 @@ static void tile8(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0
 
 template <int MR, int NR, typename W>
 static inline void tile8_any(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
-                             int64_t cols, const float *bias, bool first, bool last, bool gelu, float *y) {
+                             int64_t cols, const float *bias, bool first, bool last, bool gelu, float *y, int64_t pfo) {
     if (cols == 8 * NR)
-        tile8<MR, NR, true, W>(x, ldx, w, N, k0, k1, j, cols, bias, first, last, gelu, y);
+        tile8<MR, NR, true, W>(x, ldx, w, N, k0, k1, j, cols, bias, first, last, gelu, y, pfo);
     else
-        tile8<MR, NR, false, W>(x, ldx, w, N, k0, k1, j, cols, bias, first, last, gelu, y);
+        tile8<MR, NR, false, W>(x, ldx, w, N, k0, k1, j, cols, bias, first, last, gelu, y, pfo);
 }
 
 /* row16 on 8 lanes (AVX2) */
@@ -364,24 +364,17 @@ template <typename W>
 static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, bool gelu,
                     float *y) {
     if (M == 1)
-        return spans(K, N, 8, [&](int64_t c0, int64_t c1) { row8(x, K, w, N, c0, c1, bias, gelu, y); });
-    /* 2+ rows: tiles of 4 rows x 3 vectors */
-    const int64_t width = 24, tiles = (N + width - 1) / width;
-    const int64_t chunk = width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
-    #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
-    for (int64_t c0 = 0; c0 < N; c0 += chunk) {
-        const int64_t c1 = std::min(N, c0 + chunk);
-        for (int64_t k0 = 0; k0 < K; k0 += KB) {
-            const int64_t k1 = std::min(K, k0 + KB);
-            const bool first = k0 == 0, last = k1 == K;
-            for (int64_t j = c0; j < c1; j += width) {
-                const int64_t cols = std::min(width, c1 - j);
-                int64_t m = 0;
-                for (; m + 4 <= M; m += 4) tile8_any<4, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
-                for (; m < M; m++) tile8_any<1, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N);
-            }
-        }
-    }
+        return spans(K * N, N, 8, [&](int64_t c0, int64_t c1) { row8(x, K, w, N, c0, c1, bias, gelu, y); });
+    /* 2 to 63 rows: tiles of 4 rows x 3 vectors along each thread's span */
+    walk(M, K, N, 24, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
+        const bool first = k0 == 0, last = k1 == K;
+        const int64_t cols = std::min<int64_t>(24, N - j);
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4, pfo = 0)
+            tile8_any<4, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N, pfo);
+        for (; m < M; m++, pfo = 0)
+            tile8_any<1, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N, pfo);
+    });
 }
 
 void conv1d_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, bool gelu,
