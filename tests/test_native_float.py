@@ -63,7 +63,7 @@ def _close(got, want):
 # ---- the products ----
 
 @pytest.mark.parametrize("M,K,N", [(1, 768, 2304), (8, 768, 768), (3, 8, 7), (17, 24, 40), (5, 136, 1001),
-                                   (2, 3072, 768), (9, 13, 33), (16, 64, 129),
+                                   (2, 3072, 768), (9, 13, 33), (16, 64, 129), (8, 517, 100), (1, 517, 100),
                                    (70, 37, 101), (64, 96, 50)])   # prompts (64+ rows): packed strips, part ones
 def test_the_products_are_torchs_to_float32_rounding_and_each_row_its_own(M, K, N, both_paths):
     torch.manual_seed(M * K + N)
@@ -82,18 +82,20 @@ def test_the_products_are_torchs_to_float32_rounding_and_each_row_its_own(M, K, 
 
 @pytest.mark.parametrize("op", ["conv1d_f32", "conv1d_f16", "conv1d_bf16"])
 def test_one_row_on_1_to_3_threads_is_the_batched_rows_bits(op, threads, both_paths):
-    # one row (a decode step) takes its own route: each thread a contiguous span of the columns read as
-    # row streams (float32, fp16) or as the batched rows' tiles (bf16). Large enough for the threads
-    # (K N >= 2^18 multiply-adds), K not a multiple of 16, N = 1001: the spans end inside a vector.
+    # one row (a decode step) takes its own route where it is float32 on AVX-512 (each thread a contiguous
+    # span of the columns read as row streams), else walk.h's tiles at one row. Large enough for the
+    # threads (K N >= 2^18 multiply-adds), K odd and past two of walk.h's 256-row blocks, N = 1001: the
+    # spans end inside a vector; the batch of 9 rows on 1 and 3 threads too.
     torch.manual_seed(11)
-    K, N = 700, 1001
+    K, N = 701, 1001
     dt = {"conv1d_f32": torch.float32, "conv1d_f16": torch.float16, "conv1d_bf16": torch.bfloat16}[op]
     x, w, b = torch.randn(9, K).to(dt).float(), (torch.randn(K, N) * 0.05).to(dt), torch.randn(N).to(dt).float()
     call = getattr(torch.ops.gpt2mha, op)
     def rows():
+        threads(3)
+        outs = [call(x, w, b, True)]                   # 9 rows: the tiles
         threads(1)
-        batch = call(x, w, b, True)                    # 9 rows: the tiles
-        outs = []
+        batch = call(x, w, b, True)
         for n in (1, 2, 3):
             threads(n)
             outs.append(torch.stack([call(x[m:m + 1], w, b, True)[0] for m in range(9)]))
@@ -277,6 +279,7 @@ def _bf16_reference(x, w, b):
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 768, 2304), (8, 64, 96), (3, 24, 40), (17, 8, 7), (5, 137, 1001), (9, 13, 33),
+                                   (8, 517, 100), (1, 517, 100),   # K odd over walk.h's 256-row blocks
                                    (12, 40, 70), (70, 33, 65), (64, 96, 32)])   # tiles of 8+4; prompts: 8s+4+1+1, odd K
 def test_bf16_products_sum_in_vdpbf16ps_order_and_each_row_is_its_own(M, K, N, both_paths):
     torch.manual_seed(M + K + N)

@@ -43,13 +43,14 @@
 #include <optional>
 
 #include "kernels.h"
+#include "walk.h"
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
 
-static const int64_t KB = 16, CHUNK_COLS = 512, PARALLEL_MACS = 1 << 18, HEAD_CHUNK_BYTES = 1 << 16;
-/* from PROMPT_ROWS rows: prompt_bf16 (packed strips) with AVX-512 BF16; blocks of PROMPT_KB weight rows on
- * 8 lanes without it (cached_forward.cpp then multiplies prompts by oneDNN's GEMM) */
-static const int64_t PROMPT_ROWS = 64, PROMPT_KB = 128;
+static const int64_t PARALLEL_MACS = 1 << 18, HEAD_CHUNK_BYTES = 1 << 16;
+/* from PROMPT_ROWS rows: prompt_bf16 (packed strips) with AVX-512 BF16; walk.h's walk on 8 lanes without
+ * it (cached_forward.cpp then multiplies prompts by oneDNN's GEMM) */
+static const int64_t PROMPT_ROWS = 64;
 
 static inline int64_t chunk_of(int64_t units, int64_t per) {
     const int64_t T = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1, chunks = T * ((units + T * per - 1) / (T * per));
@@ -178,16 +179,17 @@ static std::unique_ptr<uint32_t[]> x_pairs(const float *x, int64_t M, int64_t K,
 template <int MR, int NB, bool FULL>
 BF16_TARGET __attribute__((always_inline)) static inline void pair_step(__m512 (&lo)[MR][NB], __m512 (&hi)[MR][NB],
                                                                        const uint16_t *wk, int64_t N, bool second,
-                                                                       const __mmask32 *m32, const uint32_t *xk) {
+                                                                       const __mmask32 *m32, const uint32_t *xk,
+                                                                       int64_t pfo) {
     __m512i il[NB], ih[NB];
     for (int q = 0; q < NB; q++) {
         const __m512i r0 = FULL ? _mm512_loadu_si512(wk + 32 * q) : _mm512_maskz_loadu_epi16(m32[q], wk + 32 * q);
         const __m512i r1 = !second ? _mm512_setzero_si512()
                            : FULL  ? _mm512_loadu_si512(wk + N + 32 * q) : _mm512_maskz_loadu_epi16(m32[q], wk + N + 32 * q);
-        /* this tile's lines KB rows on (1 row: 6 against 14 ms over 141 MB of 768 x 3072; 8 rows: ~1.3x
-         * faster than the next tile's lines) */
-        _mm_prefetch((const char *)(wk + 32 * q + KB * N), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wk + 32 * q + (KB + 1) * N), _MM_HINT_T0);
+        if (pfo) {                                     /* walk.h's tile ahead, into L2 */
+            _mm_prefetch((const char *)(wk + pfo + 32 * q), _MM_HINT_T1);
+            _mm_prefetch((const char *)(wk + pfo + N + 32 * q), _MM_HINT_T1);
+        }
         il[q] = _mm512_unpacklo_epi16(r0, r1);
         ih[q] = _mm512_unpackhi_epi16(r0, r1);
     }
@@ -202,10 +204,11 @@ BF16_TARGET __attribute__((always_inline)) static inline void pair_step(__m512 (
 
 /* MR rows of x (their pairs xp, tile_rows' layout) over w's rows [k0, k1) (k0 even) at columns
  * j .. j + 32 NB (cols of them real; FULL: cols = 32 NB); acc kept in y (stride N) between blocks in
- * natural order */
+ * natural order; pfo (not 0): walk.h's prefetch */
 template <int MR, int NB, bool FULL>
 BF16_TARGET static void tile_bf16(const uint32_t *xp, const uint16_t *w, int64_t K, int64_t N, int64_t k0,
-                                  int64_t k1, int64_t j, int64_t cols, const float *bias, bool first, float *y) {
+                                  int64_t k1, int64_t j, int64_t cols, const float *bias, bool first, float *y,
+                                  int64_t pfo) {
     __m512 lo[MR][NB], hi[MR][NB];
     __mmask16 m16[2 * NB];
     __mmask32 m32[NB];
@@ -230,8 +233,8 @@ BF16_TARGET static void tile_bf16(const uint32_t *xp, const uint16_t *w, int64_t
     const int64_t pairs_end = k1 == K && K % 2 ? k1 - 1 : k1;
     const uint16_t *wk = w + k0 * N + j;
     const uint32_t *xk = xp + (k0 / 2) * MR;
-    for (int64_t k = k0; k < pairs_end; k += 2, wk += 2 * N, xk += MR) pair_step<MR, NB, FULL>(lo, hi, wk, N, true, m32, xk);
-    if (pairs_end < k1) pair_step<MR, NB, FULL>(lo, hi, wk, N, false, m32, xk);
+    for (int64_t k = k0; k < pairs_end; k += 2, wk += 2 * N, xk += MR) pair_step<MR, NB, FULL>(lo, hi, wk, N, true, m32, xk, pfo);
+    if (pairs_end < k1) pair_step<MR, NB, FULL>(lo, hi, wk, N, false, m32, xk, pfo);
     const __m512i n0 = _mm512_load_si512(NAT0), n1 = _mm512_load_si512(NAT1);
     for (int m = 0; m < MR; m++)
         for (int q = 0; q < NB; q++) {
@@ -241,25 +244,22 @@ BF16_TARGET static void tile_bf16(const uint32_t *xp, const uint16_t *w, int64_t
         }
 }
 
-template <int NB>
-BF16_TARGET static void block_bf16(const uint32_t *xp, int64_t Kp, int64_t M, const uint16_t *w, int64_t K,
-                                   int64_t N, int64_t k0, int64_t k1, int64_t c0, int64_t c1, const float *bias,
-                                   float *y) {
-    const bool first = k0 == 0;
-    for (int64_t j = c0; j < c1; j += 32 * NB) {
-        const int64_t cols = std::min<int64_t>(32 * NB, c1 - j);
-        const bool full = cols == 32 * NB;
-        for (int64_t m = 0; m < M;) {
-            const int MR = tile_rows(M, m);
-            const uint32_t *t = xp + m * Kp / 2;
-            if (MR == 8)
-                (full ? tile_bf16<8, NB, true> : tile_bf16<8, NB, false>)(t, w, K, N, k0, k1, j, cols, bias, first, y + m * N);
-            else if (MR == 4)
-                (full ? tile_bf16<4, NB, true> : tile_bf16<4, NB, false>)(t, w, K, N, k0, k1, j, cols, bias, first, y + m * N);
-            else
-                (full ? tile_bf16<1, NB, true> : tile_bf16<1, NB, false>)(t, w, K, N, k0, k1, j, cols, bias, first, y + m * N);
-            m += MR;
-        }
+/* every row of x over w's rows [k0, k1) at columns j .. j + 32 (fewer at N), in tiles of 8, 4, 1 rows;
+ * the first prefetches (pfo: walk.h's) */
+BF16_TARGET static void rows_bf16(const uint32_t *xp, int64_t Kp, int64_t M, const uint16_t *w, int64_t K, int64_t N,
+                                  int64_t k0, int64_t k1, int64_t j, int64_t pfo, const float *bias, float *y) {
+    const int64_t cols = std::min<int64_t>(32, N - j);
+    const bool full = cols == 32, first = k0 == 0;
+    for (int64_t m = 0; m < M; pfo = 0) {
+        const int MR = tile_rows(M, m);
+        const uint32_t *t = xp + m * Kp / 2;
+        if (MR == 8)
+            (full ? tile_bf16<8, 1, true> : tile_bf16<8, 1, false>)(t, w, K, N, k0, k1, j, cols, bias, first, y + m * N, pfo);
+        else if (MR == 4)
+            (full ? tile_bf16<4, 1, true> : tile_bf16<4, 1, false>)(t, w, K, N, k0, k1, j, cols, bias, first, y + m * N, pfo);
+        else
+            (full ? tile_bf16<1, 1, true> : tile_bf16<1, 1, false>)(t, w, K, N, k0, k1, j, cols, bias, first, y + m * N, pfo);
+        m += MR;
     }
 }
 
@@ -347,10 +347,10 @@ static inline float widen1(uint16_t h) {
     return f;
 }
 
-/* MR rows over w's rows [k0, k1) at columns [j, j + cols), cols <= 24 */
+/* MR rows over w's rows [k0, k1) at columns [j, j + cols), cols <= 24; pfo (not 0): walk.h's prefetch */
 template <int MR>
 static void tile8(const uint16_t *xb, int64_t Kp, const uint16_t *w, int64_t K, int64_t N, int64_t k0, int64_t k1,
-                  int64_t j, int64_t cols, const float *bias, bool first, float *y) {
+                  int64_t j, int64_t cols, const float *bias, bool first, float *y, int64_t pfo) {
     if (cols < 24) {                                   /* an edge: one column at a time, the same adds */
         for (int64_t c = j; c < j + cols; c++)
             for (int m = 0; m < MR; m++) {
@@ -368,6 +368,10 @@ static void tile8(const uint16_t *xb, int64_t Kp, const uint16_t *w, int64_t K, 
         for (int q = 0; q < 3; q++)
             acc[m][q] = first ? (bias ? _mm256_loadu_ps(bias + j + 8 * q) : _mm256_setzero_ps()) : _mm256_loadu_ps(y + m * N + j + 8 * q);
     for (int64_t k = k0; k < k1; k += 2) {
+        if (pfo) {
+            _mm_prefetch((const char *)(w + k * N + j + pfo), _MM_HINT_T1);
+            _mm_prefetch((const char *)(w + (k + 1) * N + j + pfo), _MM_HINT_T1);
+        }
         __m256 w0[3], w1[3];
         for (int q = 0; q < 3; q++) {
             w0[q] = widen8(w + k * N + j + 8 * q);
@@ -393,33 +397,22 @@ void conv1d_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
         prompt_bf16(xp.get(), Kp, M, w, K, N, bias, gelu, y);
         return;
     }
-    /* one row (vdpbf16ps): each thread one contiguous span of the columns, read KB rows at a time along
-     * the whole span (KB long streams, as
-     * float_products.cpp's row16; RESULTS.md, "One row as KB streams") */
-    const int64_t width = dot ? 32 : 24, tiles = (N + width - 1) / width;
-    const int64_t chunk = dot && M == 1 ? width * chunk_of(tiles, tiles) : width * chunk_of(tiles, std::max<int64_t>(1, CHUNK_COLS / width));
-    #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
-    for (int64_t c0 = 0; c0 < N; c0 += chunk) {
-        const int64_t c1 = std::min(N, c0 + chunk);
-        const int64_t kb = M >= PROMPT_ROWS ? PROMPT_KB : KB;    /* many rows: their sums permuted an 8th as often */
-        for (int64_t k0 = 0; k0 < K; k0 += kb) {
-            const int64_t k1 = std::min(K, k0 + kb);
-            if (dot) {
-                block_bf16<1>(xp.get(), Kp, M, w, K, N, k0, k1, c0, c1, bias, y);
-            } else {
-                for (int64_t j = c0; j < c1; j += width) {
-                    const int64_t cols = std::min(width, c1 - j);
-                    int64_t m = 0;
-                    for (; m + 4 <= M; m += 4) tile8<4>(xb.get() + m * Kp, Kp, w, K, N, k0, k1, j, cols, bias, k0 == 0, y + m * N);
-                    for (; m < M; m++) tile8<1>(xb.get() + m * Kp, Kp, w, K, N, k0, k1, j, cols, bias, k0 == 0, y + m * N);
-                }
-            }
-        }
-        for (int64_t m = 0; m < M; m++) {              /* the chunk's outputs, whole: bf16, GELU */
+    /* below a prompt, and every M without AVX-512 BF16: walk.h's walk, tiles of 32 columns (vdpbf16ps) or
+     * 24 (RESULTS.md, "Prefetch into L2": 2.8x at 8 rows, 1.76x at one over the 16-row blocks before);
+     * each span's outputs, once whole: bf16, GELU */
+    walk(M, K, N, dot ? 32 : 24, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
+        if (dot)
+            return rows_bf16(xp.get(), Kp, M, w, K, N, k0, k1, j, pfo, bias, y);
+        const int64_t cols = std::min<int64_t>(24, N - j);
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4, pfo = 0) tile8<4>(xb.get() + m * Kp, Kp, w, K, N, k0, k1, j, cols, bias, k0 == 0, y + m * N, pfo);
+        for (; m < M; m++, pfo = 0) tile8<1>(xb.get() + m * Kp, Kp, w, K, N, k0, k1, j, cols, bias, k0 == 0, y + m * N, pfo);
+    }, [&](int64_t c0, int64_t c1) {
+        for (int64_t m = 0; m < M; m++) {
             round_bf16(y + m * N + c0, c1 - c0);
             if (gelu) gelu_round(y + m * N + c0, c1 - c0);
         }
-    }
+    });
 }
 
 /* ---- linear_bf16: dot products over rows of w [N, K] ---- */

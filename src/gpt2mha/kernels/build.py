@@ -30,8 +30,8 @@ HERE = Path(__file__).resolve().parent
 #: The library's sources, all compiled into one library (products.cpp: int8 GEMV and
 #: W7A8 products; int4_products.cpp: int4 GEMV and W4A8 operators; w4a8_products.cpp: W4A8 on packed tiles; causal_attention.cpp: prefill attention; cached_forward.cpp: the forward in one
 #: call) and the headers they share (kernels.h: what cached_forward.cpp calls in the others;
-#: simd.h: exp, GELU and sums on vectors).
-SOURCES = ("products.cpp", "int4_products.cpp", "w4a8_products.cpp", "causal_attention.cpp", "cached_forward.cpp", "float_products.cpp", "head_products.cpp", "bf16_products.cpp", "kernels.h", "simd.h")
+#: simd.h: exp, GELU and sums on vectors; walk.h: how the threads walk a product's weights).
+SOURCES = ("products.cpp", "int4_products.cpp", "w4a8_products.cpp", "causal_attention.cpp", "cached_forward.cpp", "float_products.cpp", "head_products.cpp", "bf16_products.cpp", "kernels.h", "simd.h", "walk.h")
 #: The extension's module name (setup.py) and so its file: ``_kernels.abi3.so`` beside this file.
 MODULE = "gpt2mha.kernels._kernels"
 #: What a build writes beside its library, named after it (:func:`record_path`).

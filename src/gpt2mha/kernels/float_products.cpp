@@ -21,17 +21,17 @@
  *
  * - conv1d_f32: each output lane is its own chain, acc = bias (or 0), then acc = fma(x[m, k], w[k, n],
  *   acc) for k = 0, 1, ..., K-1; vectors hold 8 or 16 consecutive outputs, so no horizontal sum. The
- *   partial sums are kept in y between blocks of KB weight rows (float32 stores: exact).
- *   One row (a decode step: bound by the weights' reads): each thread takes one contiguous span of the
- *   columns and reads KB rows at a time along the whole span, one vector of each row in turn (row16,
- *   row8: KB long sequential streams; x's KB values in registers). Tiles of 8 vectors by KB rows over
- *   chunks of 512 columns read 1.3-1.4x slower on a Zen 4 (RESULTS.md, "One row as KB streams").
- *   2 to 63 rows (walk): each thread one contiguous span of the columns, walked KB_ROWS weight rows at a
- *   time in tiles of 8 rows x 3 vectors (4 x 3 on AVX2), each weight tile used for every row of x while
- *   it is in L1; every tile prefetches into L2 the weights of the tile PREFETCH_TILES ahead in its
- *   thread's walk (the memory's latency then overlaps the arithmetic: 1.4-2x at 8 rows over tiles that
- *   did not, RESULTS.md, "Prefetch into L2"). A prompt (PROMPT_ROWS rows or more, AVX-512) copies each
- *   48-column strip once into a contiguous buffer and runs every row down the whole of K on it.
+ *   partial sums are kept in y between blocks of weight rows (float32 stores: exact).
+ *   One row of float32 on AVX-512 (a decode step: bound by the weights' reads): each thread takes one
+ *   contiguous span of the columns and reads KB rows at a time along the whole span, one vector of each
+ *   row in turn (row16: KB long sequential streams; x's KB values in registers; RESULTS.md, "One row as
+ *   KB streams"). Everything else below a prompt (walk.h): each thread one contiguous span of the
+ *   columns, walked KB_ROWS weight rows at a time in tiles of 8 rows x 3 vectors (4 x 3 on AVX2), each
+ *   weight tile used for every row of x while it is in L1, every tile prefetching into L2 the weights of
+ *   the tile PREFETCH_TILES ahead in its thread's walk (RESULTS.md, "Prefetch into L2": 8 rows 1.4-2x over
+ *   tiles that did not; one row of fp16 1.24x and on AVX2 1.26x (float32) and 1.78x (fp16) over KB
+ *   streams, float32 on AVX-512 0.94x). A prompt (PROMPT_ROWS rows or more, AVX-512) copies each 48-column
+ *   strip once into a contiguous buffer and runs every row down the whole of K on it.
  * - linear_f32 and linear_f16 (the head): head_products.cpp says their order.
  *
  * One exception to "the same bits": a NaN made from NaNs of both signs (x[k] and w[k, n] both NaN, or a
@@ -55,46 +55,17 @@
 #include <optional>
 
 #include "kernels.h"
+#include "walk.h"
 
 /* the AVX-512 paths' target (float32 FMAs on 16 lanes, masked tails) */
 #define F512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 
-/* Weight rows per block: KB for one row (row16, row8: x's KB values in registers), KB_ROWS for 2 to 63 rows
- * (tiles of 8 rows x 3 vectors on AVX-512, 24 accumulators; 4 x 3 on AVX2, 12 of 16 registers): long
- * blocks keep each tile's entry and exit (its partial sums loaded and stored) rare. PREFETCH_TILES: how far
- * ahead along its walk a tile prefetches the weights, into L2. Products of fewer than PARALLEL_MACS
- * multiply-adds stay on one thread (an OpenMP region costs more). */
-static const int64_t KB = 16, KB_ROWS = 256, PREFETCH_TILES = 2, PARALLEL_MACS = 1 << 18;
+/* Weight rows per block of row16 (x's KB values in registers); the tiles' blocks are walk.h's KB_ROWS
+ * (tiles of 8 rows x 3 vectors on AVX-512, 24 accumulators; 4 x 3 on AVX2, 12 of 16 registers) */
+static const int64_t KB = 16;
 /* From PROMPT_ROWS rows, AVX-512 takes packed strips (prompt16; before them, blocks of 128 weight rows,
  * ~1.3x faster than KB's there, and the strips ~1.06x faster again) */
 static const int64_t PROMPT_ROWS = 64;
-
-static inline int64_t threads() { return omp_get_max_threads() > 0 ? omp_get_max_threads() : 1; }
-
-/* the columns over the threads: each one contiguous span [c0, c1), a multiple of `lanes` long but the
- * last, for row(c0, c1); `macs`: the product's multiply-adds */
-template <typename F>
-static void spans(int64_t macs, int64_t N, int64_t lanes, F &&row) {
-    const int64_t T = macs >= PARALLEL_MACS ? threads() : 1, span = lanes * ((N + lanes * T - 1) / (lanes * T));
-    #pragma omp parallel for schedule(static, 1) num_threads(T)
-    for (int64_t t = 0; t < T; t++)
-        if (t * span < N) row(t * span, std::min(N, (t + 1) * span));
-}
-
-/* 2 to 63 rows: each thread walks its span of the columns KB_ROWS weight rows at a time, in tiles of
- * `width` columns: tile(k0, k1, j, pfo), pfo the offset (elements, from w[k, j]) of the weights of the tile
- * PREFETCH_TILES further along this thread's walk (past a block's end: the next block's first tiles) */
-template <typename F>
-static void walk(int64_t M, int64_t K, int64_t N, int64_t width, F &&tile) {
-    spans(M * K * N, N, width, [&](int64_t c0, int64_t c1) {
-        const int64_t nt = (c1 - c0 + width - 1) / width;
-        for (int64_t k0 = 0; k0 < K; k0 += KB_ROWS)
-            for (int64_t i = 0; i < nt; i++) {
-                const int64_t t = i + PREFETCH_TILES;
-                tile(k0, std::min(K, k0 + KB_ROWS), c0 + width * i, t / nt * KB_ROWS * N + width * (t % nt - i));
-            }
-    });
-}
 
 /* ---- conv1d_f32, AVX-512 ---- */
 
@@ -277,10 +248,11 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
         prompt16(x, M, K, w, N, bias, gelu, y);
         return;
     }
-    if (M == 1)
-        return spans(K * N, N, 16, [&](int64_t c0, int64_t c1) { row16(x, K, w, N, c0, c1, bias, gelu, y); });
+    if (M == 1 && sizeof(W) == 4)                      /* float32: KB streams (fp16 1.24x faster walked) */
+        return spans(1, K, N, 16, [&](int64_t c0, int64_t c1) { row16(x, K, w, N, c0, c1, bias, gelu, y); });
     /* 2 to 63 rows: tiles of 8 rows x 3 vectors along each thread's span */
-    walk(M, K, N, 48, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) { rows16(x, M, K, w, N, k0, k1, j, pfo, bias, gelu, y); });
+    walk(M, K, N, 48, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) { rows16(x, M, K, w, N, k0, k1, j, pfo, bias, gelu, y); },
+         [](int64_t, int64_t) {});
 }
 
 /* ---- conv1d_f32, AVX2: the same chains on 8 lanes ---- */
@@ -332,40 +304,10 @@ static inline void tile8_any(const float *x, int64_t ldx, const W *w, int64_t N,
         tile8<MR, NR, false, W>(x, ldx, w, N, k0, k1, j, cols, bias, first, last, gelu, y, pfo);
 }
 
-/* row16 on 8 lanes (AVX2) */
-template <typename W>
-static void row8(const float *x, int64_t K, const W *w, int64_t N, int64_t c0, int64_t c1, const float *bias,
-                 bool gelu, float *y) {
-    for (int64_t k0 = 0; k0 < K; k0 += KB) {
-        const int64_t kn = std::min(KB, K - k0);
-        const bool first = k0 == 0, last = k0 + kn == K;
-        const float *xk = x + k0;
-        const W *wk = w + k0 * N;
-        for (int64_t j = c0; j < c1; j += 8) {
-            const int64_t n = std::min<int64_t>(8, c1 - j);
-            if (n == 8) {
-                __m256 a = first ? (bias ? _mm256_loadu_ps(bias + j) : _mm256_setzero_ps()) : _mm256_loadu_ps(y + j);
-                if (kn == KB)
-                    for (int r = 0; r < KB; r++) a = _mm256_fmadd_ps(_mm256_set1_ps(xk[r]), ld8_all(wk + r * N + j), a);
-                else
-                    for (int64_t r = 0; r < kn; r++) a = _mm256_fmadd_ps(_mm256_set1_ps(xk[r]), ld8_all(wk + r * N + j), a);
-                _mm256_storeu_ps(y + j, last && gelu ? gelu8(a) : a);
-                continue;
-            }
-            const __m256i mk = mask8(n);
-            __m256 a = first ? (bias ? _mm256_maskload_ps(bias + j, mk) : _mm256_setzero_ps()) : _mm256_maskload_ps(y + j, mk);
-            for (int64_t r = 0; r < kn; r++) a = _mm256_fmadd_ps(_mm256_set1_ps(xk[r]), ld8(wk + r * N + j, mk, n), a);
-            _mm256_maskstore_ps(y + j, mk, last && gelu ? gelu8(a) : a);
-        }
-    }
-}
-
 template <typename W>
 static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, bool gelu,
                     float *y) {
-    if (M == 1)
-        return spans(K * N, N, 8, [&](int64_t c0, int64_t c1) { row8(x, K, w, N, c0, c1, bias, gelu, y); });
-    /* 2 to 63 rows: tiles of 4 rows x 3 vectors along each thread's span */
+    /* every M: tiles of 4 rows x 3 vectors (1 x 3 for the rest) along each thread's span */
     walk(M, K, N, 24, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
         const bool first = k0 == 0, last = k1 == K;
         const int64_t cols = std::min<int64_t>(24, N - j);
@@ -374,7 +316,7 @@ static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N,
             tile8_any<4, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N, pfo);
         for (; m < M; m++, pfo = 0)
             tile8_any<1, 3, W>(x + m * K, K, w, N, k0, k1, j, cols, bias, first, last, gelu, y + m * N, pfo);
-    });
+    }, [](int64_t, int64_t) {});
 }
 
 void conv1d_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, bool gelu,
