@@ -434,8 +434,8 @@ BF16_TARGET __attribute__((always_inline)) static inline void dots_step(__m512 (
     __m512bh xv[MR];
     for (int m = 0; m < MR; m++) xv[m] = (__m512bh)_mm512_loadu_si512(xb + m * Kp + k);
     for (int r = 0; r < R; r++) {
-        if constexpr (R > 1)                           /* the next R rows: ~2x (one row: its own stream) */
-            _mm_prefetch((const char *)(wn + (r + R) * K + k), _MM_HINT_T0);
+        if constexpr (R > 1)                           /* the next R rows into L2 (one row: its own stream) */
+            _mm_prefetch((const char *)(wn + (r + R) * K + k), _MM_HINT_T1);
         const __m512bh wv = (__m512bh)(n >= 32 ? _mm512_loadu_si512(wn + r * K + k) : _mm512_maskz_loadu_epi16(mk, wn + r * K + k));
         for (int m = 0; m < MR; m++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv[m], wv);
     }
