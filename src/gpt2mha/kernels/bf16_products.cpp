@@ -398,7 +398,7 @@ void conv1d_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
         return;
     }
     /* below a prompt, and every M without AVX-512 BF16: walk.h's walk, tiles of 32 columns (vdpbf16ps) or
-     * 24 (RESULTS.md, "Prefetch into L2": 2.8x at 8 rows, 1.76x at one over the 16-row blocks before);
+     * 24 (faster than 16-row blocks at 1 and 8 rows: RESULTS.md, "Prefetch into L2");
      * each span's outputs, once whole: bf16, GELU */
     walk(M, K, N, dot ? 32 : 24, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
         if (dot)
@@ -507,7 +507,7 @@ void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
     #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t n1 = std::min(N, n0 + chunk);
-        if (dot && M == 1)                             /* one weight row at a time: 1.4x over 8 (head_products.cpp) */
+        if (dot && M == 1)                             /* one weight row at a time (head_products.cpp's note) */
             linear_rows<1, 1>(xb.get(), Kp, M, K, w, n0, n1, N, bias, y);
         else if (dot)
             linear_rows<4, 4>(xb.get(), Kp, M, K, w, n0, n1, N, bias, y);

@@ -28,9 +28,9 @@
  *   KB streams"). Everything else below a prompt (walk.h): each thread one contiguous span of the
  *   columns, walked KB_ROWS weight rows at a time in tiles of 8 rows x 3 vectors (4 x 3 on AVX2), each
  *   weight tile used for every row of x while it is in L1, every tile prefetching into L2 the weights of
- *   the tile PREFETCH_TILES ahead in its thread's walk (RESULTS.md, "Prefetch into L2": 8 rows 1.4-2x over
- *   tiles that did not; one row of fp16 1.24x and on AVX2 1.26x (float32) and 1.78x (fp16) over KB
- *   streams, float32 on AVX-512 0.94x). A prompt (PROMPT_ROWS rows or more, AVX-512) copies each 48-column
+ *   the tile PREFETCH_TILES ahead in its thread's walk (RESULTS.md, "Prefetch into L2": faster than tiles
+ *   that did not at 2-63 rows, and at one row than KB streams for fp16 and on AVX2, not for float32 on
+ *   AVX-512). A prompt (PROMPT_ROWS rows or more, AVX-512) copies each 48-column
  *   strip once into a contiguous buffer and runs every row down the whole of K on it.
  * - linear_f32 and linear_f16 (the head): head_products.cpp says their order.
  *
@@ -92,7 +92,7 @@ F512 static void tile16(const float *x, int64_t ldx, const W *w, int64_t N, int6
     for (int64_t k = k0; k < k1; k++) {
         const W *wk = w + k * N + j;
         __m512 wv[NR];
-        if (pfo)                                       /* 8 rows: 1.4-1.9x (RESULTS.md, "Prefetch into L2") */
+        if (pfo)                                       /* walk.h's note says why */
             for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(wk + pfo + 16 * r), _MM_HINT_T1);
         for (int r = 0; r < NR; r++) wv[r] = ld16<FULL>(mk[r], wk + 16 * r);
         for (int m = 0; m < MR; m++) {
@@ -231,7 +231,7 @@ F512 static void row16(const float *x, int64_t K, const float *w, int64_t N, int
             __m512 a = first ? (bias ? _mm512_maskz_loadu_ps(mk, bias + j) : _mm512_setzero_ps())
                              : _mm512_maskz_loadu_ps(mk, y + j);
             if (kn == KB && mk == 0xFFFF) {
-                for (int r = 0; r < KB; r++)            /* the next block's line into L2: 1.10-1.14x */
+                for (int r = 0; r < KB; r++)            /* the next block's line, into L2 ("Prefetch into L2") */
                     _mm_prefetch((const char *)(wk + (r + KB) * N + j), _MM_HINT_T1);
                 for (int r = 0; r < KB; r++) a = _mm512_fmadd_ps(xv[r], _mm512_loadu_ps(wk + r * N + j), a);
                 _mm512_storeu_ps(y + j, last && gelu ? gelu16(a) : a);
@@ -250,7 +250,7 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
         prompt16(x, M, K, w, N, bias, gelu, y);
         return;
     }
-    if constexpr (std::is_same_v<W, float>)            /* one row of float32: KB streams (fp16 1.24x faster walked) */
+    if constexpr (std::is_same_v<W, float>)            /* one row of float32: KB streams (fp16: walked, faster) */
         if (M == 1)
             return spans(1, K, N, 16, [&](int64_t c0, int64_t c1) { row16(x, K, w, N, c0, c1, bias, gelu, y); });
     /* 2 to 63 rows: tiles of 8 rows x 3 vectors along each thread's span */

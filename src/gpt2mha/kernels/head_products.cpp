@@ -67,7 +67,7 @@ static void dots8(const float *x, int64_t K, const W *wn, float *out) {
     int64_t k = 0;
     for (; k + 16 <= K; k += 16)                       /* whole 16-blocks: plain loads */
         for (int r = 0; r < R; r++) {
-            if constexpr (R > 1)                       /* dots16's prefetch (2+ rows: 1.5-1.9x) */
+            if constexpr (R > 1)                       /* dots16's prefetch */
                 _mm_prefetch((const char *)(wn + (r + R) * K + k), _MM_HINT_T1);
             const __m256 wl = ld8_all(wn + r * K + k), wh = ld8_all(wn + r * K + k + 8);
             for (int m = 0; m < MR; m++) {
@@ -139,10 +139,9 @@ F512 static void linear16(const float *x, int64_t M, int64_t K, const W *w, int6
 
 /* One row of x (a decode step) walks the weight rows one at a time, each thread one sequential stream
  * through its chunk: its 1-2 chains per row are not the limit there (K / 16 fmas a row, ~4 cycles each),
- * the memory is. Interleaving R rows (R chains in flight, R streams 2K or 4K bytes apart) read slower
- * cold on a Zen 4: the head alone 1.08x (float32) and 1.4x (fp16) faster one row at a time, the AVX2
- * path 1.17x and 1.75x. 2+ rows of x: tiles of R weight rows, each prefetching the next R rows into L2
- * (into L1 before: 1.1-1.9x slower) (benchmarks/RESULTS.md, "Prefetch into L2"). */
+ * the memory is: interleaving R rows (R chains in flight, R streams 2K or 4K bytes apart) read slower
+ * cold on a Zen 4, on both paths. 2+ rows of x: tiles of R weight rows, each prefetching the next R rows
+ * into L2 (into L1, slower) (benchmarks/RESULTS.md, "Prefetch into L2"). */
 template <typename W>
 static void linear_any(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, float *y) {
     const int64_t chunk = std::max<int64_t>(8, chunk_rows(K * (int64_t)sizeof(W), N) / 8 * 8);   /* ~128 KiB */

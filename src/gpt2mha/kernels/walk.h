@@ -5,10 +5,10 @@
  * at a time, in tiles of `width` columns (walk). A tile is given, besides its place, the offset of the
  * weights of the tile PREFETCH_TILES further along its thread's walk (past the end of a block: the next
  * block's first tiles), and prefetches those into L2 row by row as it goes: the memory's latency then
- * overlaps the tile's arithmetic. Over cold weights on a Zen 4 this took 8-row products 1.4-2x faster
- * and bf16's 2.8x (benchmarks/RESULTS.md, "Prefetch into L2"); long blocks keep each tile's entry and exit
- * (its partial sums loaded from y and stored back) rare. Where each output lands is unchanged: every
- * output is still its own chain over k in order, so the bits are the same whatever the walk. */
+ * overlaps the tile's arithmetic (over cold weights, tiles without it read at about half the speed, and
+ * prefetching into L1 gained nothing: benchmarks/RESULTS.md, "Prefetch into L2"); long blocks keep each
+ * tile's entry and exit (its partial sums loaded from y and stored back) rare. The walk changes no sum:
+ * every output is one chain over k in order whatever the walk, so its bits do not depend on it. */
 #pragma once
 
 #include <omp.h>
