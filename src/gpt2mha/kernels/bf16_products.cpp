@@ -150,16 +150,53 @@ alignas(64) static const int32_t NAT1[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 1
  * stored every one at every step, ~2x slower.) For MR = 1 this is x_bits' layout. */
 static inline int tile_rows(int64_t M, int64_t m0) { return M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : 1; }
 
+/* 16 lanes of bits1 (in the low halves of 32-bit lanes), as 16 bf16: 8 pairs */
+BF16_TARGET static inline __m256i bits16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                                         _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40)));
+}
+
+/* an 8-row group's pairs: 8 pairs of each row (16 inputs from k), transposed 8 x 8 so that each pair
+ * index's 8 rows are one store */
+BF16_TARGET static void pairs8(const float *x, int64_t K, int64_t Kp, uint32_t *t) {
+    for (int64_t k = 0; k < Kp; k += 16, t += 64) {
+        const __mmask16 mk = K - k >= 16 ? (__mmask16)0xFFFF : K > k ? (__mmask16)((1u << (K - k)) - 1) : 0;
+        __m256i r[8], a[8], b[8];
+        for (int m = 0; m < 8; m++) r[m] = bits16(_mm512_maskz_loadu_ps(mk, x + m * K + k));
+        for (int m = 0; m < 8; m += 2) {
+            a[m] = _mm256_unpacklo_epi32(r[m], r[m + 1]);
+            a[m + 1] = _mm256_unpackhi_epi32(r[m], r[m + 1]);
+        }
+        for (int m = 0; m < 8; m += 4) {
+            b[m] = _mm256_unpacklo_epi64(a[m], a[m + 2]);
+            b[m + 1] = _mm256_unpackhi_epi64(a[m], a[m + 2]);
+            b[m + 2] = _mm256_unpacklo_epi64(a[m + 1], a[m + 3]);
+            b[m + 3] = _mm256_unpackhi_epi64(a[m + 1], a[m + 3]);
+        }
+        for (int c = 0; c < 4; c++) {
+            _mm256_storeu_si256((__m256i *)(t + 8 * c), _mm256_permute2x128_si256(b[c], b[c + 4], 0x20));
+            _mm256_storeu_si256((__m256i *)(t + 8 * (c + 4)), _mm256_permute2x128_si256(b[c], b[c + 4], 0x31));
+        }
+    }
+}
+
+/* x_pairs' layout; its 8-row groups (all but the last few rows) by pairs8 */
 static std::unique_ptr<uint32_t[]> x_pairs(const float *x, int64_t M, int64_t K, int64_t Kp) {
-    std::unique_ptr<uint32_t[]> p(new uint32_t[M * Kp / 2]());
+    std::unique_ptr<uint32_t[]> p(new uint32_t[M * Kp / 2]);   /* every entry written below: no zero fill */
     const int64_t M8 = M / 8 * 8, M4 = M - M8 >= 4 ? M8 + 4 : M8;
     #pragma omp parallel if (M * K >= PARALLEL_MACS / 4)
     {
+        #pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < M8; g += 8) pairs8(x + g * K, K, Kp, p.get() + g * Kp / 2);
         std::unique_ptr<uint16_t[]> bits(new uint16_t[Kp]());
         #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {             /* row m's group: [g0, g0 + MR), as tile_rows makes them */
-            const int64_t g0 = m < M8 ? m / 8 * 8 : m < M4 ? M8 : m;
-            const int MR = m < M8 ? 8 : m < M4 ? 4 : 1;
+        for (int64_t m = M8; m < M; m++) {            /* row m's group: [g0, g0 + MR), as tile_rows makes them */
+            const int64_t g0 = m < M4 ? M8 : m;
+            const int MR = m < M4 ? 4 : 1;
             for (int64_t k = 0; k < K; k++) bits[k] = bits1(x[m * K + k]);
             uint32_t *t = p.get() + g0 * Kp / 2 + (m - g0);
             for (int64_t q = 0; q < Kp / 2; q++) {
@@ -308,20 +345,26 @@ BF16_TARGET static void tile_packed(const uint32_t *xp, const uint16_t *strip, i
     }
 }
 
-/* The strips over the threads; each packs its strip (once a strip, in L1/L2 for all the row groups after;
- * read from w in place, a strip's lines 2 N bytes apart fall in few cache sets: 768 x 3072 ran at ~2/3
- * of 768 x 2304's speed), then runs every row group on it. */
+/* The strips over the threads, each a contiguous run of them; each packs its strip (once a strip, in L1/L2
+ * for all the row groups after; read from w in place, a strip's lines 2 N bytes apart fall in few cache
+ * sets: 768 x 3072 ran at ~2/3 of 768 x 2304's speed), then runs every row group on it, each group
+ * prefetching into L2 its share of the next strip's rows (the packing's reads were cold, strided). */
 BF16_TARGET static void prompt_bf16(const uint32_t *xp, int64_t Kp, int64_t M, const uint16_t *w, int64_t K,
                                     int64_t N, const float *bias, bool gelu, float *y) {
     const int64_t pairs = (K + 1) / 2, strips = (N + 31) / 32;
+    const int64_t groups = M / 8 + (M % 8 >= 4) + M % 4, per_group = (K + groups - 1) / groups;
     #pragma omp parallel
     {
         std::unique_ptr<uint16_t[]> strip(new uint16_t[pairs * 64]);
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < strips; s++) {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t s0 = strips * id / nt, s1 = strips * (id + 1) / nt;
+        for (int64_t s = s0; s < s1; s++) {
             const int64_t j = 32 * s, cols = std::min<int64_t>(32, N - j);
             pack_strip(w, K, N, j, cols, strip.get());
-            for (int64_t m = 0; m < M;) {
+            const uint16_t *next = s + 1 < s1 ? w + j + 32 : nullptr;
+            for (int64_t m = 0, k = 0; m < M; k += per_group) {
+                if (next)
+                    for (int64_t r = k; r < std::min(K, k + per_group); r++) _mm_prefetch((const char *)(next + r * N), _MM_HINT_T1);
                 const int MR = tile_rows(M, m);
                 const uint32_t *t = xp + m * Kp / 2;
                 if (MR == 8) tile_packed<8>(t, strip.get(), pairs, N, j, cols, bias, gelu, y + m * N);
