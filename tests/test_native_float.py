@@ -194,6 +194,27 @@ def test_a_float32_prompt_in_one_call_matches_the_models_prefill(start, n_thread
         _close(ours.v, ref.v)
 
 
+@pytest.mark.parametrize("start", [0, 9])
+def test_a_batch_of_prompts_gives_each_row_its_last_tokens_logits_and_its_whole_cache(start):
+    # the last block runs each row's last token alone (cached_forward.cpp): row b's logits must be its
+    # own prompt's, every position's keys and values in the cache the model's; and each row's logits the
+    # bits of that row prompted alone (reference: the model's own forward, row by row)
+    model = _model(n_embd=96, n_head=3, n_vocab=61, seed=5)
+    step = NativeStep(model)
+    B, T = 3, 23
+    ours = _prefilled(model, [start] * B, max_len=64) if start else KVCache(2, B, 3, 64, 32)
+    ref, alone = _clone(ours), [_clone(ours, [b]) for b in range(B)]
+    prompt = torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = torch.cat([model(prompt[b:b + 1], cache=ref.row(b), last_only=True).logits[:, -1] for b in range(B)])
+        got = step(prompt, ours)
+        each = [step(prompt[b:b + 1], alone[b])[0] for b in range(B)]
+    _close(got, want)
+    assert all(torch.equal(got[b], each[b]) for b in range(B))
+    assert ours.lengths == [start + T] * B
+    _close(ours.k, ref.k)
+    _close(ours.v, ref.v)
+
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 def test_every_row_is_its_own_in_batches_of_1_to_17_on_any_number_of_threads(n_threads, threads):
     model = _model(n_embd=128, n_head=2, n_vocab=203, seed=4)

@@ -297,7 +297,8 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                     "each contiguous; got ", c->scalar_type(), " strides ", c->strides());
     TORCH_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1,
                 "cached_forward: tokens must be [B=", B, ", T >= 1]; got ", tokens.sizes());
-    const int64_t T = tokens.size(1), M = B * T;
+    const int64_t T = tokens.size(1);
+    int64_t M = B * T;                                  /* rows; B in a prompt's last block */
     TORCH_CHECK(wte.dim() == 2 && wpe.dim() == 2, "cached_forward: wte and wpe must be 2-D; got ", wte.sizes(), " and ",
                 wpe.sizes());
     const int64_t n_vocab = wte.size(0), P = wpe.size(0);
@@ -461,7 +462,18 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                 kk = at::from_blob(kd + l * kl, {B, H, S, D}, {kb, Tm * D, D, 1}, opts);
                 vv = at::from_blob(vd + l * vl, {B, H, S, D}, {vb, Tm * D, D, 1}, opts);
             }
-            o = causal_attention(q, kk, vv);            /* [B, T, h, D] in memory: the rows of z */
+            if (l + 1 < L) {
+                o = causal_attention(q, kk, vv);        /* [B, T, h, D] in memory: the rows of z */
+            } else {
+                /* the last block: only each row's last token reaches the logits, so from here on only those
+                 * B rows (its query alone, then x's last rows moved to rows 0 .. B - 1); the cache already
+                 * holds every position's keys and values. Each row's outputs are the bits it has in the
+                 * whole prompt: every kernel here gives a row the bits it has alone. */
+                const at::Tensor q1 = at::from_blob(qkv + (T - 1) * 3 * E, {B, H, 1, D}, {T * 3 * E, D, 3 * E, 1}, opts);
+                o = causal_attention(q1, kk, vv);       /* [B, 1, h, D] */
+                for (int64_t b = 0; b < B; b++) std::memmove(x + b * E, x + (b * T + T - 1) * E, E * sizeof(float));
+                M = B;
+            }
             round_half(hf, o.data_ptr<float>(), M * E);
         }
         const float *zz = T == 1 ? z : o.data_ptr<float>();
@@ -471,7 +483,7 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
         product(t + at_[3], f, M, 4 * E, E, y, false);
     }
     for (int64_t b = 0; b < B; b++) {                   /* each row's last token: x += y, ln_f */
-        const int64_t r = b * T + T - 1;
+        const int64_t r = M == B ? b : b * T + T - 1;   /* a prompt's last block left its last tokens at rows 0 .. B - 1 */
         for (int64_t i = 0; i < E; i++) x[r * E + i] += y[r * E + i];
         round_half(hf, x + r * E, E);
         layer_norm(x + r * E, E, ln_f_weight.data_ptr<float>(), ln_f_bias.data_ptr<float>(), e, h + b * E);
