@@ -447,7 +447,10 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
             const auto opts = at::TensorOptions().dtype(at::kFloat);
             const at::Tensor q = at::from_blob(qkv, {B, H, T, D}, {T * 3 * E, D, 3 * E, 1}, opts);
             at::Tensor kk, vv;
-            if (bf) {                                   /* a 16-bit cache's keys and values as float32 (exact) */
+            if (bf && S == T) {                         /* a first prompt: its keys and values are qkv's (16-bit values) */
+                kk = at::from_blob(qkv + E, {B, H, S, D}, {T * 3 * E, D, 3 * E, 1}, opts);
+                vv = at::from_blob(qkv + 2 * E, {B, H, S, D}, {T * 3 * E, D, 3 * E, 1}, opts);
+            } else if (bf) {                            /* a 16-bit cache's keys and values as float32 (exact) */
                 kk = at::empty({B, H, S, D}, opts);
                 vv = at::empty({B, H, S, D}, opts);
                 float *kf = kk.data_ptr<float>(), *vf = vv.data_ptr<float>();
