@@ -439,10 +439,17 @@ void conv1d_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
         prompt_bf16(xp.get(), Kp, M, w, K, N, bias, gelu, y);
         return;
     }
-    /* below a prompt, and every M without AVX-512 BF16: walk.h's walk, tiles of 32 columns (vdpbf16ps) or
+    /* below a prompt, and every M without AVX-512 BF16: walk.h's walk, tiles of 32 columns (vdpbf16ps; one
+     * row: 96, 192 bytes of each weight row as float32's 48 columns, RESULTS.md, "Wider one-row tiles") or
      * 24 (faster than 16-row blocks at 1 and 8 rows: RESULTS.md, "Prefetch into L2");
      * each span's outputs, once whole: bf16, GELU */
-    walk(M, K, N, dot ? 32 : 24, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
+    const bool one = dot && M == 1;
+    walk(M, K, N, one ? 96 : dot ? 32 : 24, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
+        if (one) {
+            const int64_t cols = std::min<int64_t>(96, N - j);
+            return (cols == 96 ? tile_bf16<1, 3, true> : tile_bf16<1, 3, false>)(xp.get(), w, K, N, k0, k1, j, cols, bias,
+                                                                                 k0 == 0, y, pfo);
+        }
         if (dot)
             return rows_bf16(xp.get(), Kp, M, w, K, N, k0, k1, j, pfo, bias, y);
         const int64_t cols = std::min<int64_t>(24, N - j);

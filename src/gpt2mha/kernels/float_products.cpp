@@ -253,6 +253,13 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
     if constexpr (std::is_same_v<W, float>)            /* one row of float32: KB streams (fp16: walked, faster) */
         if (M == 1)
             return spans(1, K, N, 16, [&](int64_t c0, int64_t c1) { row16(x, K, w, N, c0, c1, bias, gelu, y); });
+    if constexpr (!std::is_same_v<W, float>)           /* one row of fp16: tiles of 96 columns, 192 bytes of */
+        if (M == 1)                                    /* each weight row as float32's 48 (RESULTS.md, "Wider one-row tiles") */
+            return walk(1, K, N, 96, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
+                const int64_t cols = std::min<int64_t>(96, N - j);
+                const int nv = (int)((cols + 15) / 16), tail = (int)(cols - 16 * (nv - 1));
+                tile16_any<1, 6, W>(cols == 96, x, K, w, N, k0, k1, j, nv, tail, bias, k0 == 0, k1 == K, gelu, y, pfo);
+            }, [](int64_t, int64_t) {});
     /* 2 to 63 rows: tiles of 8 rows x 3 vectors along each thread's span */
     walk(M, K, N, 48, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) { rows16(x, M, K, w, N, k0, k1, j, pfo, bias, gelu, y); },
          [](int64_t, int64_t) {});
