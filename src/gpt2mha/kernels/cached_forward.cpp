@@ -465,7 +465,9 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                 kk = at::from_blob(kd + l * kl, {B, H, S, D}, {kb, Tm * D, D, 1}, opts);
                 vv = at::from_blob(vd + l * vl, {B, H, S, D}, {vb, Tm * D, D, 1}, opts);
             }
-            if (l + 1 < L) {
+            /* oneDNN's prompt products (below): a row's sums are not the 8-lane kernel's, so all rows stay */
+            const bool onednn = product.G == BF16 && M >= ONEDNN_ROWS && !bf16_dot_products();
+            if (l + 1 < L || onednn) {
                 o = causal_attention(q, kk, vv);        /* [B, T, h, D] in memory: the rows of z */
             } else {
                 /* the last block: only each row's last token reaches the logits, so from here on only those
