@@ -440,9 +440,9 @@ void conv1d_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
         return;
     }
     /* below a prompt, and every M without AVX-512 BF16: walk.h's walk, tiles of 32 columns (vdpbf16ps; one
-     * row: 96, 192 bytes of each weight row as float32's 48 columns, RESULTS.md, "Wider one-row tiles") or
-     * 24 (faster than 16-row blocks at 1 and 8 rows: RESULTS.md, "Prefetch into L2");
-     * each span's outputs, once whole: bf16, GELU */
+     * row: 96, 192 bytes of each weight row as float32's 48 columns: RESULTS.md, "The last block, the prompt
+     * strips and the one-row tiles") or 24 (faster than 16-row blocks at 1 and 8 rows: RESULTS.md, "Prefetch
+     * into L2"); each span's outputs, once whole: bf16, GELU */
     const bool one = dot && M == 1;
     walk(M, K, N, one ? 96 : dot ? 32 : 24, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
         if (one) {

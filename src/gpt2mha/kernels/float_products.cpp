@@ -253,8 +253,10 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
     if constexpr (std::is_same_v<W, float>)            /* one row of float32: KB streams (fp16: walked, faster) */
         if (M == 1)
             return spans(1, K, N, 16, [&](int64_t c0, int64_t c1) { row16(x, K, w, N, c0, c1, bias, gelu, y); });
-    if constexpr (!std::is_same_v<W, float>)           /* one row of fp16: tiles of 96 columns, 192 bytes of */
-        if (M == 1)                                    /* each weight row as float32's 48 (RESULTS.md, "Wider one-row tiles") */
+    /* one row of fp16: tiles of 96 columns, 192 bytes of each weight row as float32's 48 (RESULTS.md, "The
+     * last block, the prompt strips and the one-row tiles") */
+    if constexpr (!std::is_same_v<W, float>)
+        if (M == 1)
             return walk(1, K, N, 96, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
                 const int64_t cols = std::min<int64_t>(96, N - j);
                 const int nv = (int)((cols + 15) / 16), tail = (int)(cols - 16 * (nv - 1));
