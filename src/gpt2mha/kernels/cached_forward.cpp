@@ -214,6 +214,8 @@ struct Product {
     int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32; BF16; FP16 */
     bool prompt = false;     /* T > 1: without AVX-512 BF16, a bf16 prompt of ONEDNN_ROWS rows takes oneDNN's GEMM */
     int count() const { return G < 0 ? 2 : G ? 3 : 5; }
+    /* M rows of a bf16 prompt on oneDNN's GEMM (no AVX-512 BF16): a row's sums are not the 8-lane kernel's */
+    bool onednn(int64_t M) const { return G == BF16 && prompt && M >= ONEDNN_ROWS && !bf16_dot_products(); }
     void check(const at::Tensor *t, int64_t N, int64_t K, const std::string &name, int64_t layer, bool bias = true) const {
         if (G < 0) {
             need(t[0], G == BF16 ? at::kBFloat16 : G == FP16 ? at::kHalf : at::kFloat, {K, N}, name + " weight", layer);
@@ -231,7 +233,7 @@ struct Product {
     void operator()(const at::Tensor *t, const float *x, int64_t M, int64_t K, int64_t N, float *y, bool gelu) const {
         if (G == FLOAT32) {
             conv1d_f32(x, M, K, t[0].data_ptr<float>(), N, t[1].data_ptr<float>(), gelu, y);
-        } else if (G == BF16 && prompt && M >= ONEDNN_ROWS && !bf16_dot_products()) {
+        } else if (onednn(M)) {
             /* a bf16 prompt: oneDNN's bf16 GEMM (torch's addmm, the model's own product: fp32 sums rounded to
              * bf16 once), x's bf16 values and the bias exact in bf16 */
             const auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -465,9 +467,7 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                 kk = at::from_blob(kd + l * kl, {B, H, S, D}, {kb, Tm * D, D, 1}, opts);
                 vv = at::from_blob(vd + l * vl, {B, H, S, D}, {vb, Tm * D, D, 1}, opts);
             }
-            /* oneDNN's prompt products (below): a row's sums are not the 8-lane kernel's, so all rows stay */
-            const bool onednn = product.G == BF16 && M >= ONEDNN_ROWS && !bf16_dot_products();
-            if (l + 1 < L || onednn) {
+            if (l + 1 < L || product.onednn(M)) {      /* (oneDNN's products: every row stays) */
                 o = causal_attention(q, kk, vv);        /* [B, T, h, D] in memory: the rows of z */
             } else {
                 /* the last block: only each row's last token reaches the logits, so from here on only those
