@@ -61,6 +61,7 @@ from torch import nn
 
 from ..core.kv_cache import KVCache
 from .fast import global_hooks, hooked
+from . import huge_pages
 from .quant import gemv
 from ..core.attention import Conv1D
 from ..core.model import LMHead
@@ -223,6 +224,8 @@ class NativeStep:
         # prompt's head on its own forward converted wte to float32 every prompt)
         self.prefill = self
         self.prefill_from = 1
+        #: native_step's collapse of these weights into 2 MB pages (huge_pages.Collapse), if any
+        self.huge_pages = None
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         L, _, h, _, hd = cache.k.shape
@@ -245,7 +248,9 @@ def native_step(model: nn.Module) -> NativeStep | None:
     first use and kept while the model lives; made again when any parameter or buffer was
     replaced, written in place or given new data (``p.data = t``) since, or a LayerNorm's eps
     changed; made every call for a model holding tensors made in inference mode (they count no
-    writes)."""
+    writes). A step made here starts collapsing the memory of the weights it reads into 2 MB
+    pages, in a thread beside the decode (its ``huge_pages``: a :class:`huge_pages.Collapse`, or
+    None; :mod:`gpt2mha.inference.huge_pages`)."""
     if not _kind(model) or not gemv.available():
         return None                                            # (asked every generate call: cheap first)
     from .compiled import _signature
@@ -258,6 +263,8 @@ def native_step(model: nn.Module) -> NativeStep | None:
     if why_not(model):
         return None
     step = NativeStep(model)
+    # its weights into 2 MB pages, beside the decode (huge_pages' docstring says why)
+    step.huge_pages = huge_pages.collapse_in_background([*step.layers, *step.head, step.wte, step.wpe])
     # a tensor made in inference mode counts no writes: such a model's step is made every call
     # (it holds copies: the int4 pairs in the kernel's layout)
     if not any(type(e) is tuple and e[1] == -1 for e in sig):
