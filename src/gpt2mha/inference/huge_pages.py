@@ -1,18 +1,18 @@
-"""A model's weights in 2 MB pages: Linux's ``madvise(MADV_COLLAPSE)`` over the memory the native
+"""A model's weights in 2 MiB pages: Linux's ``madvise(MADV_COLLAPSE)`` over the memory the native
 forward reads every step (:func:`~gpt2mha.inference.native.native_step` starts it, in a thread of
 its own, the first time it makes a model's step).
 
-Why (benchmarks/RESULTS.md, "The weights in 2 MB pages"): a decode step at batch 1 streams every
-weight once (497 MB for a float32 124M), and through 4 KB pages each 4 KB of it costs a TLB miss
-and a page walk. The same 500 MB read ~9% faster from 2 MB pages here, and the same model's steps
-ran 2-8% faster once its weights were collapsed into them, on every dtype. Torch allocates tensors
-in 4 KB pages unless the process started with ``THP_MEM_ALLOC_ENABLE=1``, which torch reads once
-at its first allocation, so a library cannot ask for it later.
+Why (benchmarks/RESULTS.md, "The weights in 2 MiB pages from Python"): a decode step at batch 1
+streams every weight once (497 MB for a float32 124M), and through 4 KiB pages each 4 KiB of it
+costs a TLB miss and a page walk. The ``gpt2mha`` command asks torch for 2 MiB pages before torch
+starts (``THP_MEM_ALLOC_ENABLE=1``: torch reads it once, at its first allocation, so a library
+imported after torch cannot ask for it), but ``generate`` called from Python got 4 KiB pages:
+there, collapsing the weights made every float dtype's steps faster.
 
-``MADV_COLLAPSE`` (Linux 6.1 on) copies each 2 MB-aligned block of a range into one huge page and
+``MADV_COLLAPSE`` (Linux 6.1 on) copies each 2 MiB-aligned block of a range into one huge page and
 maps it in place: the same addresses, the same bytes, nothing for torch or the tensors' owners to
 notice, safe while other threads read the memory. It costs a copy and the kernel's search for free
-2 MB of physical memory: 0.5-3 s for 500 MB on this machine, which is why it runs beside the
+2 MiB of physical memory, up to seconds for a float32 124M, which is why it runs beside the
 decode, one block at a time, and not in the caller's first step. Blocks that cannot be collapsed
 (another mapping in the block, no free huge page, THP off, an older kernel, not Linux) stay as
 they are: speed, never results, depends on it. ``GPT2MHA_HUGE_PAGES=0`` turns it off.
@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-#: a huge page on x86-64 and most arm64 kernels: 2 MB
+#: a huge page on x86-64 and most arm64 kernels: 2 MiB
 HUGE_PAGE = 2 << 20
 #: include/uapi/asm-generic/mman-common.h (Python's mmap module does not name it)
 MADV_COLLAPSE = 25
@@ -71,7 +71,7 @@ def _madvise():
 
 
 def blocks(tensors: list[torch.Tensor], min_bytes: int = HUGE_PAGE) -> list[int]:
-    """The 2 MB blocks (address // HUGE_PAGE, ascending) that hold the storage of each CPU tensor
+    """The 2 MiB blocks (address // HUGE_PAGE, ascending) that hold the storage of each CPU tensor
     of at least ``min_bytes`` bytes in ``tensors`` (its first and last block too, shared with
     whatever lies beside it: collapsing those changes nothing for that memory either)."""
     out = set()
@@ -87,7 +87,7 @@ def blocks(tensors: list[torch.Tensor], min_bytes: int = HUGE_PAGE) -> list[int]
 
 def collapse(tensors: list[torch.Tensor], min_bytes: int = HUGE_PAGE) -> int:
     """Collapse the memory of ``tensors`` (each CPU tensor of at least ``min_bytes`` bytes) into
-    2 MB pages, one ``madvise(MADV_COLLAPSE)`` per block; blocks asked for before are skipped.
+    2 MiB pages, one ``madvise(MADV_COLLAPSE)`` per block; blocks asked for before are skipped.
     Values, addresses and the tensors are untouched. Returns the bytes now in huge pages by this
     call (blocks the kernel collapsed); 0 where :func:`why_not` says why. Never raises for a block
     that cannot be collapsed (another mapping in it, no free huge page): it is left as it is."""
@@ -101,7 +101,7 @@ def collapse(tensors: list[torch.Tensor], min_bytes: int = HUGE_PAGE) -> int:
 
 
 def _kernel_collapses() -> bool:
-    # once: MADV_COLLAPSE on a 2 MB block of fresh memory of our own; EINVAL means a kernel
+    # once: MADV_COLLAPSE on a 2 MiB block of fresh memory of our own; EINVAL means a kernel
     # without it (before 6.1); any other refusal (no free huge page now) still means it has it
     global _why_not, _probed
     with _lock:
