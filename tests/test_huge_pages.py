@@ -80,3 +80,27 @@ def test_native_step_collapses_its_weights_beside_the_decode_and_the_logits_stay
     with torch.inference_mode():
         assert torch.equal(logits(step), plain)           # the same memory, the same bits
     assert native_step(model) is step                     # kept, and not collapsed again
+
+
+def test_a_child_forked_while_a_thread_holds_the_lock_does_not_wait_for_it():
+    # found by a break-it review: fork() copies a held lock, held for ever in the child
+    import os
+    import signal
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    with huge_pages._lock:
+        pid = os.fork()
+        if pid == 0:                                      # the child: must not block on the copied lock
+            signal.alarm(30)                              # a hang ends as SIGALRM: a failure, not a stuck run
+            try:
+                huge_pages.why_not()
+                huge_pages.collapse([torch.randn(1000)], min_bytes=0)
+            finally:
+                os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_tensors_without_a_storage_are_skipped_not_refused():
+    sparse = torch.eye(2000).to_sparse()
+    assert huge_pages.blocks([sparse], min_bytes=0) == [] and huge_pages.collapse([sparse]) == 0

@@ -36,6 +36,8 @@ HUGE_PAGE = 2 << 20
 MADV_COLLAPSE = 25
 
 _lock = threading.Lock()
+if hasattr(os, "register_at_fork"):        # a child forked while a thread held it would wait for ever
+    os.register_at_fork(after_in_child=lambda: globals().update(_lock=threading.Lock()))
 _done: set[int] = set()                # block numbers (address // HUGE_PAGE) already asked for
 _why_not = ""                          # set once the kernel refuses MADV_COLLAPSE itself
 _probed = False
@@ -76,8 +78,8 @@ def blocks(tensors: list[torch.Tensor], min_bytes: int = HUGE_PAGE) -> list[int]
     whatever lies beside it: collapsing those changes nothing for that memory either)."""
     out = set()
     for t in tensors:
-        if t.device.type != "cpu":
-            continue
+        if t.device.type != "cpu" or t.layout != torch.strided or t.is_mkldnn:
+            continue                                # (sparse and mkldnn tensors have no storage to ask)
         s = t.untyped_storage()
         if s.nbytes() < min_bytes or not s.data_ptr():
             continue
@@ -104,6 +106,8 @@ def _kernel_collapses() -> bool:
     # once: MADV_COLLAPSE on a 2 MiB block of fresh memory of our own; EINVAL means a kernel
     # without it (before 6.1); any other refusal (no free huge page now) still means it has it
     global _why_not, _probed
+    if _probed:
+        return not _why_not
     with _lock:
         if not _probed:
             _probed = True
@@ -114,7 +118,8 @@ def _kernel_collapses() -> bool:
                 buf = ctypes.c_char.from_buffer(mm)
                 start = -(-ctypes.addressof(buf) // HUGE_PAGE) * HUGE_PAGE
                 if _madvise()(start, HUGE_PAGE, MADV_COLLAPSE) != 0 and ctypes.get_errno() == errno.EINVAL:
-                    _why_not = "the kernel has no MADV_COLLAPSE (Linux 6.1 and later have it)"
+                    _why_not = ("the kernel refuses MADV_COLLAPSE (Linux before 6.1, or huge pages turned off "
+                                "for this process: prctl PR_SET_THP_DISABLE)")
                 del buf
             finally:
                 mm.close()
