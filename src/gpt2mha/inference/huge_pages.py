@@ -43,14 +43,9 @@ _why_not = ""                          # set once the kernel refuses MADV_COLLAP
 _probed = False
 
 
-def enabled() -> bool:
-    """Whether :func:`collapse` will try: Linux, THP not ``never``, ``GPT2MHA_HUGE_PAGES`` not 0,
-    and a kernel with ``MADV_COLLAPSE``."""
-    return not why_not()
-
-
 def why_not() -> str:
-    """Why :func:`collapse` does nothing here ("" when it tries)."""
+    """Why :func:`collapse` does nothing here ("" when it tries): ``GPT2MHA_HUGE_PAGES=0``, not
+    Linux, transparent huge pages off, or a kernel that refuses ``MADV_COLLAPSE``."""
     if os.environ.get("GPT2MHA_HUGE_PAGES", "1") == "0":
         return "GPT2MHA_HUGE_PAGES=0"
     if not sys.platform.startswith("linux"):
@@ -61,7 +56,7 @@ def why_not() -> str:
                 return "transparent huge pages are off (/sys/kernel/mm/transparent_hugepage/enabled: never)"
     except OSError:
         return "no transparent huge pages (/sys/kernel/mm/transparent_hugepage/enabled)"
-    _kernel_collapses()
+    _probe()
     return _why_not
 
 
@@ -102,12 +97,12 @@ def collapse(tensors: list[torch.Tensor], min_bytes: int = HUGE_PAGE) -> int:
     return HUGE_PAGE * sum(madvise(b * HUGE_PAGE, HUGE_PAGE, MADV_COLLAPSE) == 0 for b in todo)
 
 
-def _kernel_collapses() -> bool:
+def _probe() -> None:
     # once: MADV_COLLAPSE on a 2 MiB block of fresh memory of our own; EINVAL means a kernel
     # without it (before 6.1); any other refusal (no free huge page now) still means it has it
     global _why_not, _probed
     if _probed:
-        return not _why_not
+        return
     with _lock:
         if not _probed:
             _probed = True
@@ -123,7 +118,6 @@ def _kernel_collapses() -> bool:
                 del buf
             finally:
                 mm.close()
-    return not _why_not
 
 
 class Collapse(threading.Thread):
