@@ -144,20 +144,21 @@ def collapse_in_background(tensors: list[torch.Tensor], min_bytes: int = HUGE_PA
 
 
 def huge_bytes(t: torch.Tensor) -> int:
-    """Bytes of the mapping that holds ``t``'s storage that lie in transparent huge pages
-    (``AnonHugePages`` of its entry in ``/proc/self/smaps``; 0 where it cannot be read): for tests
-    and benchmarks."""
-    addr = t.untyped_storage().data_ptr()
+    """Bytes in transparent huge pages of every mapping that overlaps ``t``'s storage (the sum of
+    their ``AnonHugePages`` in ``/proc/self/smaps``; 0 where it cannot be read): for tests and
+    benchmarks."""
+    s = t.untyped_storage()
+    lo_t, hi_t = s.data_ptr(), s.data_ptr() + max(s.nbytes(), 1)
+    total, inside = 0, False
     try:
         with open("/proc/self/smaps", encoding="ascii") as f:
-            inside = False
             for line in f:
                 head = line.split(maxsplit=1)[0] if line.strip() else ""
                 if "-" in head and ":" not in head:
                     lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo <= addr < hi
+                    inside = lo < hi_t and lo_t < hi
                 elif inside and head == "AnonHugePages:":
-                    return int(line.split()[1]) * 1024
+                    total += int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return 0
-    return 0
+    return total
