@@ -46,6 +46,10 @@ The contenders:
   batch as one ``[B, T]`` input; "openvino f32" with ``INFERENCE_PRECISION_HINT`` forced to f32,
   "openvino bf16" (the fp32 IR), int8 and int4 with the CPU plugin's default hint (bf16 on CPUs with
   AVX-512 BF16), each contender's hint printed beside its name;
+* the KV cache of each float contender in its own precision ("KV cache ..." beside each name): "llama.cpp
+  f32" and "openvino f32" keep float32 keys and values (both default to f16 whatever the weights), as gpt2mha
+  float32 and CTranslate2 float32 do; "llama.cpp f32 kv-f16" and "openvino f32 kv-f16" are the same engines
+  with their default f16 cache, so what the precision costs each is measured beside it;
 * ONNX Runtime: a float32 ONNX graph of GPT-2 with its KV cache as inputs and outputs (one past
   key and value per layer, the layout of Optimum's decoder-with-past export;
   :class:`peers_convert.OnnxGPT2`, checked against transformers by ``tests/test_peers_bench.py``)
@@ -106,8 +110,8 @@ from bench import memory_bandwidth, random_checkpoint, real_text_tokens, top1_ag
 from gpt2mha import GPT2, DEFAULT_MODEL, GPT2Config  # noqa: E402
 # the conversions and the engines (beside this file); the names other files import from peers are re-exported
 from peers_convert import OnnxGPT2, byte_vocab, gpt2_vocab, write_gguf, write_tokenizer_files  # noqa: E402, F401
-from peers_engines import (CT2, ORT, REFERENCE, Contender, LlamaCpp, Torch, build_contenders,  # noqa: E402, F401
-                           engine_versions, missing_engines)
+from peers_engines import (CT2, LLAMA_KV_CACHE, ORT, REFERENCE, Contender, LlamaCpp, Torch,  # noqa: E402, F401
+                           build_contenders, engine_versions, missing_engines)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "..", "data", "tinyshakespeare.txt")
@@ -118,9 +122,10 @@ VARIANTS = ("gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int8 per_row", "gp
             "gpt2mha int8 auto", "gpt2mha int8 auto compiled", "gpt2mha int4", "gpt2mha int4 compiled",
             "gpt2mha int4 per_block", "gpt2mha int4 per_block compiled", "gpt2mha int4 per_block head4",
             "gpt2mha int4 per_block head4 compiled", "gpt2mha int4 per_block head4 g64",
-            "gpt2mha int4 per_block head4 g64 compiled", "llama.cpp f32",
+            "gpt2mha int4 per_block head4 g64 compiled", "llama.cpp f32", "llama.cpp f32 kv-f16",
             "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 float32", "ctranslate2 int8", "onnxruntime float32",
-            "onnxruntime int8", "gpt2mha bf16", "gpt2mha fp16", "llama.cpp f16", "openvino f32", "openvino bf16", "openvino int8", "openvino int4")
+            "onnxruntime int8", "gpt2mha bf16", "gpt2mha fp16", "llama.cpp f16", "openvino f32", "openvino f32 kv-f16",
+            "openvino bf16", "openvino int8", "openvino int4")
 
 
 @dataclass
@@ -141,7 +146,8 @@ class Sizes:
 
 FULL = Sizes()
 QUICK = Sizes(new_tokens=16, prefill=(128,), repeats=1, agree_tokens=256, byte_tokens=8 * 256, slow=4.0,
-              skip=("llama.cpp f32", "llama.cpp f16", "ctranslate2 float32", "onnxruntime float32"))
+              skip=("llama.cpp f32", "llama.cpp f32 kv-f16", "llama.cpp f16", "ctranslate2 float32",
+                    "onnxruntime float32", "openvino f32 kv-f16"))
 
 
 # ============================================================================ measuring
@@ -316,7 +322,7 @@ def run(sizes: Sizes, engines, threads: int, work: str, settle: float = 0.2, log
     rows = []
     for c in contenders:
         rows.append(dict(name=c.name, engine=c.engine, checkpoint_bytes=c.checkpoint_bytes, read_bytes=c.read_bytes,
-                         types=getattr(c, "types", getattr(c, "compute_type", "")), **speed[c.name],
+                         types=getattr(c, "types", getattr(c, "compute_type", "")), kv_cache=c.kv_cache, **speed[c.name],
                          top1_random=quality[c.name].get("top1"), error_random=quality[c.name].get("error")))
         c.close()
     del contenders
@@ -383,7 +389,8 @@ def format_report(res: dict) -> str:
                f"bits/byte, {DEFAULT_MODEL}", "weights read MB/token", "GB/s at b1 (of bandwidth)"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in res["rows"]:
-        cells = [r["name"] + (f" ({r['types']})" if r.get("types") else ""), f"{r['checkpoint_bytes'] / 1e6:.0f}"]
+        about = ", ".join(x for x in (r.get("types"), r.get("kv_cache") and f"KV cache {r['kv_cache']}") if x)
+        cells = [r["name"] + (f" ({about})" if about else ""), f"{r['checkpoint_bytes'] / 1e6:.0f}"]
         def speed(fig, value_of, faster_is_larger):
             if r[fig] is None:
                 return "dropped"

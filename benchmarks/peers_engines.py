@@ -39,6 +39,8 @@ class Contender:
 
     engine = ""
     version = ""
+    kv_cache = ""            # the precision its KV cache holds keys and values in
+
 
     def __init__(self, name: str, checkpoint_bytes: int, read_bytes: int | None):
         self.name, self.checkpoint_bytes, self.read_bytes = name, checkpoint_bytes, read_bytes
@@ -80,6 +82,8 @@ class Torch(Contender):
         super().__init__(name, checkpoint_bytes, read_bytes)
         self.model, self.hf, self.compiled = model, hf, compiled
         self.engine = "transformers" if hf else "gpt2mha"
+        p = model.transformer.wte.weight if hf else model.wte.weight        # gpt2mha's cache: wte's dtype
+        self.kv_cache = str(p.dtype).replace("torch.", "")
 
     @torch.inference_mode()
     def greedy(self, prompt, new):
@@ -101,17 +105,20 @@ class LlamaCpp(Contender):
     """A GGUF in llama.cpp through llama-cpp-python's bindings of its C API: ``llama_decode`` on
     a batch that holds every sequence, greedy argmax over the logits it returns. One context per
     batch size, as llama.cpp's defaults have it (``kv_unified`` off): one sequence of n_ctx for
-    batch 1, prefill and scoring; B sequences of 256 positions each for batch B."""
+    batch 1, prefill and scoring; B sequences of 256 positions each for batch B. ``kv_cache``: the
+    cache's type, "f16" (llama.cpp's default whatever the weights) or "f32" (:data:`LLAMA_KV_CACHE`)."""
 
     engine = "llama.cpp"
     _log_callback = None
     SEQ = 256                                                     # positions per sequence at batch > 1
 
-    def __init__(self, name, path, n_ctx, threads, read_bytes):
+    def __init__(self, name, path, n_ctx, threads, read_bytes, kv_cache: str = "f16"):
         import llama_cpp as L
 
         super().__init__(name, dir_bytes(path), read_bytes)
-        self.L, self.n_ctx, self.threads = L, n_ctx, threads
+        if kv_cache not in ("f16", "f32"):
+            raise ValueError(f"kv_cache={kv_cache!r}; expected 'f16' or 'f32'")
+        self.L, self.n_ctx, self.threads, self.kv_cache = L, n_ctx, threads, kv_cache
         self.version = getattr(L, "__version__", "?")
         if LlamaCpp._log_callback is None:                                # silence llama.cpp's load log
             LlamaCpp._log_callback = L.llama_log_callback(lambda level, text, data: None)
@@ -132,6 +139,7 @@ class LlamaCpp(Contender):
             cp.n_ubatch = min(512, cp.n_batch)
             cp.n_seq_max = n_seq
             cp.n_threads = cp.n_threads_batch = self.threads
+            cp.type_k = cp.type_v = L.GGML_TYPE_F32 if self.kv_cache == "f32" else L.GGML_TYPE_F16
             cp.no_perf = True
             ctx = L.llama_init_from_model(self.model, cp)
             if not ctx:
@@ -188,6 +196,11 @@ class LlamaCpp(Contender):
         L.llama_model_free(self.model)
 
 
+#: a GGUF's kind -> its KV cache's type where not llama.cpp's f16: an f32 model keeps float32 keys and
+#: values, as gpt2mha float32, CTranslate2 float32 and "openvino f32" do (the same precision end to end)
+LLAMA_KV_CACHE = {"f32": "f32"}
+
+
 def gguf_read_bytes(path: str) -> int:
     """Bytes of the tensors a batch-1 step reads in a GGUF: all but the position embedding and,
     when the file has its own ``output.weight``, the token embedding (then only rows are read)."""
@@ -224,6 +237,7 @@ class CT2(Contender):
         with open(os.path.join(path, "vocabulary.json"), encoding="utf-8") as f:
             self.vocab = json.load(f)
         self.compute_type = self.gen.compute_type
+        self.kv_cache = "float32"           # its activations' type: float32 for both compute types here
 
     def greedy(self, prompt, new):
         results = self.gen.generate_batch([[self.vocab[i] for i in row] for row in prompt.tolist()], max_length=new,
@@ -255,6 +269,7 @@ class ORT(Contender):
         so.log_severity_level = 3
         self.sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         self.L, self.h, self.hd = config.n_layer, config.n_head, config.n_embd // config.n_head
+        self.kv_cache = "float32"                                     # the graph's past and present
         self.names = [f"past.{i}.{kv}" for i in range(self.L) for kv in ("key", "value")]
 
     def _run(self, ids, keep, past):
@@ -404,13 +419,15 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
             if not os.path.isfile(path):
                 with timed(log, f"GGUF {kind} (llama_model_quantize)"):
                     llama_quantize(f32, path, kind, threads)
-            if want(f"llama.cpp {kind}"):
-                try:
-                    c = LlamaCpp(f"llama.cpp {kind}", path, cfg.n_ctx, threads, gguf_read_bytes(path))
-                    c.types = gguf_types(path)
-                    out.append(c)
-                except Exception as e:
-                    notes[f"llama.cpp {kind}"] = f"cannot run: {type(e).__name__}: {e}"
+            for name, kv in ((f"llama.cpp {kind}", LLAMA_KV_CACHE.get(kind, "f16")),
+                             *([(f"llama.cpp {kind} kv-f16", "f16")] if kind in LLAMA_KV_CACHE else [])):
+                if want(name):
+                    try:
+                        c = LlamaCpp(name, path, cfg.n_ctx, threads, gguf_read_bytes(path), kv)
+                        c.types = gguf_types(path)
+                        out.append(c)
+                    except Exception as e:
+                        notes[name] = f"cannot run: {type(e).__name__}: {e}"
 
     if "ctranslate2" in engines:
         import ctranslate2
@@ -442,7 +459,7 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
                 out.append(ORT(name, path, cfg, threads, onnx_read_bytes(path)))
 
     if "openvino" in engines:
-        for name, (fmt, hint) in peers_openvino.VARIANTS.items():
+        for name, (fmt, hint, kv) in peers_openvino.VARIANTS.items():
             if not want(name):
                 continue
             path = os.path.join(work, f"ov-{fmt}")
@@ -450,7 +467,7 @@ def build_contenders(hf_dir: str, work: str, engines, threads: int, tokens, merg
                 with timed(log, f"OpenVINO export ({fmt})") if not os.path.isdir(path) else contextlib.nullcontext():
                     peers_openvino.export(hf_dir, path, fmt, optimum_cli, log)
                 out.append(peers_openvino.OpenVINO(name, path, hint, threads, dir_bytes(path),
-                                                   peers_openvino.ir_read_bytes(path, cfg)))
+                                                   peers_openvino.ir_read_bytes(path, cfg), kv))
             except Exception as e:
                 lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]    # a table cell: one line
                 notes[name] = f"cannot run: {type(e).__name__}: {' / '.join(lines[:3])[:300]}"

@@ -32,13 +32,14 @@ ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha i
            "gpt2mha int4 per_block head4", "gpt2mha int4 per_block head4 compiled",
            "gpt2mha int4 per_block head4 g64", "gpt2mha int4 per_block head4 g64 compiled",
            "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 int8", "onnxruntime int8",
-           "gpt2mha bf16", "gpt2mha fp16", "llama.cpp f32", "llama.cpp f16", "ctranslate2 float32", "openvino f32", "openvino bf16", "openvino int8",
-           "openvino int4")
+           "gpt2mha bf16", "gpt2mha fp16", "llama.cpp f32", "llama.cpp f32 kv-f16", "llama.cpp f16", "ctranslate2 float32",
+           "openvino f32", "openvino f32 kv-f16", "openvino bf16", "openvino int8", "openvino int4")
 
 
 def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: tuple[int, ...] = ()) -> dict:
     """Decode tok/s of engine ``name`` in this process, and its time to the first token after
-    a prompt of each ``prefill`` length (batch 1), in ms: ``{"b1": ..., "b8": ..., "p128": ...}``."""
+    a prompt of each ``prefill`` length (batch 1), in ms, and the precision of its KV cache:
+    ``{"kv_cache": "float32", "b1": ..., "b8": ..., "p128": ...}``."""
     import torch
 
     sys.path.insert(0, HERE)
@@ -68,19 +69,21 @@ def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: 
         c = peers.Torch(name, GPT2.from_pretrained(os.path.join(eng, variant)), 0, 0, hf=False,
                         compiled=name.endswith("compiled"))
     elif name.startswith("llama.cpp"):
-        c = peers.LlamaCpp(name, os.path.join(eng, f"model-{name.split()[1]}.gguf"), cfg.n_ctx, threads, 0)
+        kind = name.split()[1]
+        c = peers.LlamaCpp(name, os.path.join(eng, f"model-{kind}.gguf"), cfg.n_ctx, threads, 0,
+                           "f16" if name.endswith("kv-f16") else peers.LLAMA_KV_CACHE.get(kind, "f16"))
     elif name.startswith("ctranslate2"):
         kind = name.split()[1]
         c = peers.CT2(name, os.path.join(eng, f"ct2-{kind}"), kind, threads, 0)
     elif name.startswith("openvino"):
         import peers_openvino
-        fmt, hint = peers_openvino.VARIANTS[name]
-        c = peers_openvino.OpenVINO(name, os.path.join(eng, f"ov-{fmt}"), hint, threads, 0, 0)
+        fmt, hint, kv = peers_openvino.VARIANTS[name]
+        c = peers_openvino.OpenVINO(name, os.path.join(eng, f"ov-{fmt}"), hint, threads, 0, 0, kv)
     elif name == "onnxruntime int8":
         c = peers.ORT(name, os.path.join(eng, "model-int8.onnx"), cfg, threads, 0)
     else:
         raise ValueError(f"unknown engine {name!r}; expected one of {ENGINES}")
-    out = {}
+    out = {"kv_cache": c.kv_cache}
     for B in (1, 8):
         prompt = torch.randint(0, cfg.n_vocab, (B, 4), generator=torch.Generator().manual_seed(B)).numpy()
         c.greedy(prompt, new)                                  # warm-up (and a compiled step's compile)
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             got = json.loads(done.stdout.strip().splitlines()[-1])
             print(f"{name}: {got['b1']:.1f} / {got['b8']:.1f} tok/s", flush=True)
-            best = (lambda k, a, b: min(a, b) if k.startswith("p") else max(a, b))     # ms down, tok/s up
+            best = (lambda k, a, b: a if k == "kv_cache" else min(a, b) if k.startswith("p") else max(a, b))
             res[name] = got if res[name] is None else {k: best(k, v, got[k]) for k, v in res[name].items()}
     print(f"load average at end: {os.getloadavg()}")
     if args.json:
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} |" + " failed |" * len(cols))
             continue
         ratio = (lambda k: "" if not ref else f" ({(ref[k] / r[k] if k.startswith('p') else r[k] / ref[k]):.2f}x)")
-        print(f"| {name} | " + " | ".join(f"{r[k]:.1f}{ratio(k)}" for k in cols) + " |")
+        print(f"| {name} (KV cache {r.get('kv_cache', '?')}) | " + " | ".join(f"{r[k]:.1f}{ratio(k)}" for k in cols) + " |")
     return 0
 
 

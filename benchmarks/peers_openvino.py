@@ -16,6 +16,11 @@ that optimum-intel exports.
   (``INFERENCE_PRECISION_HINT``), f32 elsewhere; "openvino f32" forces ``f32`` on the fp32 IR, "openvino
   bf16" leaves the default (named after what the plugin reports), int8 and int4 the default too. Each
   contender's ``compute_type`` records the hint the compiled model reports.
+* The KV cache: the CPU plugin keeps keys and values in f16 whatever the hint (``KV_CACHE_PRECISION``),
+  so "openvino f32" forces ``f32`` there too (a float32 model end to end, as gpt2mha float32 and
+  CTranslate2 float32 are; f16 halves the cache a batch-8 step reads; "openvino f32 kv-f16" is f32 with
+  the default cache, beside it); the others keep the default (16 bits, as a bf16 or fp16 model's own
+  cache). ``kv_cache`` records what the compiled model reports.
 * Quality: teacher-forced logits from the same IR through OpenVINO's runtime (the exported stateful
   model, one call over the window, its state reset first) under the same hint.
 """
@@ -28,9 +33,10 @@ import subprocess
 
 import numpy as np
 
-#: contender name -> (IR weight format, precision hint: "f32" forced, None the plugin's default)
-VARIANTS = {"openvino f32": ("fp32", "f32"), "openvino bf16": ("fp32", None), "openvino int8": ("int8", None),
-            "openvino int4": ("int4", None)}
+#: contender name -> (IR weight format, precision hint, KV cache precision; None: the plugin's default)
+VARIANTS = {"openvino f32": ("fp32", "f32", "f32"), "openvino f32 kv-f16": ("fp32", "f32", None),
+            "openvino bf16": ("fp32", None, None),
+            "openvino int8": ("int8", None, None), "openvino int4": ("int4", None, None)}
 MODULES = ("openvino", "openvino_genai")
 
 
@@ -62,21 +68,25 @@ class OpenVINO:
     engine = "openvino"
 
     def __init__(self, name: str, path: str, hint: str | None, threads: int, checkpoint_bytes: int,
-                 read_bytes: int | None):
+                 read_bytes: int | None, kv_cache: str | None = None):
         import openvino as ov
         import openvino_genai as og
 
         self.name, self.checkpoint_bytes, self.read_bytes = name, checkpoint_bytes, read_bytes
         self.version = og.__version__
-        self.config = {"INFERENCE_NUM_THREADS": threads, **({"INFERENCE_PRECISION_HINT": hint} if hint else {})}
+        self.config = {"INFERENCE_NUM_THREADS": threads, **({"INFERENCE_PRECISION_HINT": hint} if hint else {}),
+                       **({"KV_CACHE_PRECISION": kv_cache} if kv_cache else {})}
         scheduler = og.SchedulerConfig()
         scheduler.enable_prefix_caching = False
         self.pipe = og.LLMPipeline(path, "CPU", scheduler_config=scheduler, **self.config)
         self.core = ov.Core()
         self.compiled = self.core.compile_model(os.path.join(path, "openvino_model.xml"), "CPU", self.config)
-        reported = self.compiled.get_property("INFERENCE_PRECISION_HINT")
-        reported = reported.get_type_name() if hasattr(reported, "get_type_name") else str(reported)
-        self.compute_type = f"hint {reported}" + ("" if hint else ", the plugin's default")
+        def prop(key):
+            v = self.compiled.get_property(key)
+            return v.get_type_name() if hasattr(v, "get_type_name") else str(v)
+
+        self.compute_type = f"hint {prop('INFERENCE_PRECISION_HINT')}" + ("" if hint else ", the plugin's default")
+        self.kv_cache = prop("KV_CACHE_PRECISION")
         self.og, self.ov = og, ov
 
     def _config(self, new: int):

@@ -94,6 +94,30 @@ def test_gguf_tensors_are_the_checkpoint_in_llama_cpp_layout(peers, tiny_hf, tmp
                                                   "feed_forward_length", "attention.head_count")] == [2, 32, 24, 96, 3]
 
 
+def test_llama_cpp_f32_keeps_its_keys_and_values_in_float32(peers, tiny_hf, tmp_path):
+    """LlamaCpp's ``kv_cache`` reaches llama.cpp: after the same 20 tokens, a context made with "f32"
+    holds 2 bytes more per cached key and value element than one made with "f16" (llama.cpp's
+    default), by llama.cpp's own count of a sequence's state (``llama_state_seq_get_size``): 20
+    positions x 2 layers x (key, value) x n_embd 24. The two give the same greedy tokens here."""
+    pytest.importorskip("llama_cpp")
+    path = str(tmp_path / "tiny.gguf")
+    peers.write_gguf(tiny_hf, path, [f"t{i}" for i in range(97)], None)
+    tokens = np.random.RandomState(0).randint(0, 97, 20)
+    size, greedy = {}, {}
+    for kv in ("f32", "f16"):
+        c = peers.LlamaCpp(f"llama.cpp f32 {kv}", path, 32, 1, 0, kv)
+        assert c.kv_cache == kv
+        c.logits(tokens)
+        size[kv] = c.L.llama_state_seq_get_size(c._context(1)[0], 0)
+        greedy[kv] = c.greedy(tokens[None, :5], 6)
+        c.close()
+    assert size["f32"] - size["f16"] == 20 * 2 * 2 * 24 * (4 - 2)
+    np.testing.assert_array_equal(greedy["f32"], greedy["f16"])
+    assert peers.LLAMA_KV_CACHE["f32"] == "f32" and "f16" not in peers.LLAMA_KV_CACHE
+    with pytest.raises(ValueError, match="kv_cache='q8_0'"):
+        peers.LlamaCpp("x", path, 32, 1, 0, "q8_0")
+
+
 def test_tokenizer_files_give_the_ids_the_checkpoints_use(peers, tmp_path):
     """The vocab.json/merges.txt written beside the checkpoints (CTranslate2 and llama.cpp read
     their vocabularies from them): the byte model's tokenizer maps text to its UTF-8 bytes, and
@@ -129,8 +153,8 @@ def test_equal_prefix_counts_steps_where_every_row_agrees(peers):
 def test_isolated_runs_each_engine_in_its_own_process_and_names_the_failures(tmp_path, capsys):
     """benchmarks/peers_isolated.py on a tiny workdir laid out as peers.py writes it: transformers
     (the reference) and gpt2mha int8 per_row each report decode tok/s and prefill ms from a child
-    process of their own; an engine whose files are missing is a 'failed' row, not an error of
-    the whole run."""
+    process of their own, each beside its KV cache's precision (float32 for both); an engine whose
+    files are missing is a 'failed' row, not an error of the whole run."""
     from gpt2mha import GPT2
 
     iso = load_benchmark("peers_isolated")
@@ -154,6 +178,7 @@ def test_isolated_runs_each_engine_in_its_own_process_and_names_the_failures(tmp
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.splitlines() if line.startswith("| ") and "engine" not in line}
+    rows = {name.replace(" (KV cache float32)", ""): cells for name, cells in rows.items()}   # both caches float32
     assert rows["gpt2mha int4"] == ["failed"] * 4
     for name in ("transformers float32", "gpt2mha int8 per_row"):
         values = [float(c.split()[0]) for c in rows[name]]
