@@ -242,6 +242,33 @@ def test_causal_attention_sweep():
         assert torch.equal(torch.ops.gpt2mha.causal_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1])[0], o[b]), what
 
 
+def test_causal_attention_bf16_sweep():
+    # reference: float64 attention over the bf16-rounded q, k, v with each query's exps rounded to
+    # bf16 before p v (tests/test_attention_bf16.py says why the tolerance); a row alone, the last
+    # query alone: the same bits
+    from gpt2mha.inference.dense import has_bf16_dot
+    for seed, r, g in _sweep("causal_attention_bf16"):
+        if not has_bf16_dot():                                   # no AVX-512 BF16, or the sweep's path is AVX2
+            continue
+        B, h, T, D = r.randint(1, 3), r.randint(1, 4), r.randint(1, 48), r.choice((8, 16, 24, 32, 40, 64, 128))
+        S = T + r.randint(0, 21)
+        what = f"seed {seed}: B={B} h={h} T={T} S={S} D={D}"
+        if r.random() < 0.5:
+            q = torch.randn(B, T, 3 * h * D, generator=g)[..., :h * D].view(B, T, h, D).transpose(1, 2)
+        else:
+            q = torch.randn(B, h, T, D, generator=g)
+        k, v = torch.randn(B, h, S, D, generator=g), torch.randn(B, h, S, D, generator=g)
+        o = torch.ops.gpt2mha.causal_attention_bf16(q, k, v)
+        qb, kb, vb = (t.bfloat16().double() for t in (q, k, v))
+        w = ((qb @ kb.transpose(-1, -2)) / D ** 0.5).masked_fill(~attention_mask(T, S), float("-inf"))
+        e = torch.exp(w - w.amax(-1, keepdim=True))
+        ref = (e.float().bfloat16().double() @ vb) / e.sum(-1, keepdim=True)
+        assert o.shape == (B, h, T, D) and (o.double() - ref).abs().max() <= 2e-3, what
+        b = r.randrange(B)
+        assert torch.equal(torch.ops.gpt2mha.causal_attention_bf16(q[b:b + 1], k[b:b + 1], v[b:b + 1])[0], o[b]), what
+        assert torch.equal(torch.ops.gpt2mha.causal_attention_bf16(q[:, :, -1:], k, v), o[:, :, -1:]), what
+
+
 @pytest.fixture(scope="module")
 def native_models():
     """Small int4 per_block and int8 per_row models (head_dim 16 and 8) for the one-call forward."""

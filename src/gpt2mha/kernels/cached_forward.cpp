@@ -467,15 +467,20 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                 kk = at::from_blob(kd + l * kl, {B, H, S, D}, {kb, Tm * D, D, 1}, opts);
                 vv = at::from_blob(vd + l * vl, {B, H, S, D}, {vb, Tm * D, D, 1}, opts);
             }
+            /* a bf16 model's on vdpbf16ps where the CPU has it (RESULTS.md, "A bf16 prompt's attention on
+             * vdpbf16ps"), else on float32 lanes */
+            const auto attention = [&](const at::Tensor &qq) {
+                return hf == Half::bf16 && bf16_attention() ? causal_attention_bf16(qq, kk, vv) : causal_attention(qq, kk, vv);
+            };
             if (l + 1 < L || product.onednn(M)) {      /* (oneDNN's products: every row stays) */
-                o = causal_attention(q, kk, vv);        /* [B, T, h, D] in memory: the rows of z */
+                o = attention(q);                       /* [B, T, h, D] in memory: the rows of z */
             } else {
                 /* the last block: only each row's last token reaches the logits, so from here on only those
                  * B rows (its query alone, then x's last rows moved to rows 0 .. B - 1); the cache already
                  * holds every position's keys and values. Each row's outputs are the bits it has in the
                  * whole prompt: every kernel here gives a row the bits it has alone. */
                 const at::Tensor q1 = at::from_blob(qkv + (T - 1) * 3 * E, {B, H, 1, D}, {T * 3 * E, D, 3 * E, 1}, opts);
-                o = causal_attention(q1, kk, vv);       /* [B, 1, h, D] */
+                o = attention(q1);                      /* [B, 1, h, D] */
                 for (int64_t b = 0; b < B; b++) std::memmove(x + b * E, x + (b * T + T - 1) * E, E * sizeof(float));
                 M = B;
             }

@@ -24,6 +24,19 @@
  * twice a 256-bit one's work on Zen 5 (one 256-bit FMA's on Zen 4): 124M's 12 layers of prefill
  * attention took 2.55 -> 1.67-1.96 ms at 128 tokens, 38.4 -> 20.8-24.6 at 512 (2 threads; RESULTS.md,
  * "AVX-512 in the float parts").
+ *
+ * causal_attention_bf16 (the operator of that name; cached_forward.cpp runs it for a bf16 model's prompts
+ * where the CPU has AVX-512 BF16): the same tasks for q, k, v holding bf16 values (rounded to bf16 first),
+ * scores and p v by vdpbf16ps over pairs (two multiply-adds an instruction where an FMA does one):
+ *   scores: 8 rows x 32 keys per pass over each key's (d, d + 1) pairs in order, the odd product added
+ *     first in each pair (bf16_products.cpp's order; a subnormal input or sum is flushed to zero),
+ *   softmax: softmax_row16's, then the row's exps rounded to bf16 (as SDPA's flash kernel rounds them
+ *     for bf16, and the decode step's attend), their sum taken before rounding,
+ *   o: 4 rows x 64 dims per pass over pairs of keys (2m, 2m + 1) in order, odd key first; a row whose
+ *     last pair has one of its keys zeroes the other's weight and value (a later value cannot reach it).
+ * A row's result is the same in any batch, tile or block (the native forward's last block computes the
+ * last query alone); 1.37x causal_attention's speed at 12 heads x 512 tokens, a bf16 prefill of 512
+ * tokens 1.03x (RESULTS.md, "A bf16 prompt's attention on vdpbf16ps").
  */
 #include "simd.h" /* first: its note on immintrin.h says why */
 
@@ -36,6 +49,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kernels.h"
@@ -386,25 +400,248 @@ AVX512_TARGET static void block16(const Head &H, const float *kt, int64_t nk, in
     nan_rows(H, inv, i0, i1, D);
 }
 
-static void check(const at::Tensor &t, const char *name) {
+/* ---- a bf16 model's prompt attention on AVX-512 BF16 (causal_attention_bf16) ---- */
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
+
+/* 16 floats -> the nearest bf16 (ties to even; a NaN stays a quiet NaN) as the low halves of 32-bit
+ * lanes: bf16_products.cpp's rounding (integer arithmetic: no flushing of subnormal inputs) */
+BF16_TARGET static inline __m512i bf16_lanes(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                                         _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+}
+
+/* x [0 .. n) as bf16 into out [0 .. n2) (n2 >= n, a multiple of 2), zeros from n: in memory the pairs
+ * (x[2m], x[2m + 1]) vdpbf16ps multiplies, the even one in the low half */
+BF16_TARGET static void bf16_row(const float *x, int64_t n, int64_t n2, uint16_t *out) {
+    for (int64_t i = 0; i < n2; i += 16) {
+        const int64_t left = std::min<int64_t>(16, n2 - i), have = std::clamp<int64_t>(n - i, 0, 16);
+        const __m512 f = _mm512_maskz_loadu_ps((__mmask16)((1u << have) - 1), x + i);
+        _mm256_mask_storeu_epi16(out + i, (__mmask16)((1u << left) - 1), _mm512_cvtepi32_epi16(bf16_lanes(f)));
+    }
+}
+
+/* two rows a, b [0 .. n) (b NULL: zeros) as n pairs (a[i], b[i]) of bf16, a in the low half */
+BF16_TARGET static void bf16_pairs(const float *a, const float *b, int64_t n, uint32_t *out) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mk = (__mmask16)((1u << std::min<int64_t>(16, n - i)) - 1);
+        const __m512i lo = bf16_lanes(_mm512_maskz_loadu_ps(mk, a + i));
+        const __m512i hi = b ? bf16_lanes(_mm512_maskz_loadu_ps(mk, b + i)) : _mm512_setzero_si512();
+        _mm512_mask_storeu_epi32(out + i, mk, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+
+/* scores s[r][j0 .. j0 + 16 KT) = q[r] . k[j] for MT rows: qp[r] the row's D2 pairs (q[2m], q[2m + 1]), kp
+ * [D2, nk] each key's pairs (k[j][2m], k[j][2m + 1]); per score acc = 0, then for m = 0, 1, ..: vdpbf16ps
+ * adds the odd product, then the even one */
+template <int MT, int KT>
+BF16_TARGET static inline void scores_pairs(const uint32_t *const *qp, const uint32_t *kp, int64_t nk, int64_t D2,
+                                            int64_t j0, float *const *sr) {
+    __m512 acc[MT][KT];
+    for (int r = 0; r < MT; r++)
+        for (int c = 0; c < KT; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t m = 0; m < D2; m++) {
+        __m512bh kv[KT];
+        for (int c = 0; c < KT; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kp + m * nk + j0 + 16 * c);
+        for (int r = 0; r < MT; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r][m]);
+            for (int c = 0; c < KT; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, kv[c]);
+        }
+    }
+    for (int r = 0; r < MT; r++)
+        for (int c = 0; c < KT; c++) _mm512_storeu_ps(sr[r] + j0 + 16 * c, acc[r][c]);
+}
+
+/* o[r][d0 .. d0 + 16 DT) (not FULL: the last vector's first 8) = inv[r] * sum over row r's n0 + r keys
+ * of p v, by vdpbf16ps over key pairs in order: pp[r] row r's p as bf16 pairs (zero past its keys), vp
+ * [S2, D] the values of key pairs (v[2m][d], v[2m + 1][d]). All rows take the pairs whose keys every row
+ * sees, then each row its own last pairs; a pair with only its even key seen has its odd value zeroed
+ * too (0 x 0: a non-finite later value cannot reach the row). A row's chain is the same in any tile. */
+template <int MT, int DT, bool FULL>
+BF16_TARGET static inline void out_pairs(const uint32_t *const *pp, const uint32_t *vp, int64_t D, int64_t n0,
+                                         int64_t d0, const float *inv, float *const *orow) {
+    const __mmask16 last = FULL ? (__mmask16)0xFFFF : (__mmask16)0xFF;     /* a part tile: the last 8 dims */
+    /* (whole tiles load unmasked: GCC 12 takes a masked load as reading any memory, then stores every
+     * accumulator around it: bf16_products.cpp's pair_step) */
+#define LOAD(a, t) (FULL || (t) + 1 < DT ? _mm512_loadu_si512(a) : _mm512_maskz_loadu_epi32(last, a))
+    __m512 acc[MT][DT];
+    for (int r = 0; r < MT; r++)
+        for (int t = 0; t < DT; t++) acc[r][t] = _mm512_setzero_ps();
+    const int64_t common = n0 / 2;
+    for (int64_t m = 0; m < common; m++) {
+        __m512bh vj[DT];
+        for (int t = 0; t < DT; t++)
+            vj[t] = (__m512bh)LOAD(vp + m * D + d0 + 16 * t, t);
+        for (int r = 0; r < MT; r++) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[r][m]);
+            for (int t = 0; t < DT; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], pb, vj[t]);
+        }
+    }
+    for (int r = 0; r < MT; r++) {
+        const int64_t n = n0 + r;
+        for (int64_t m = common; 2 * m < n; m++) {
+            const __m512i keep = _mm512_set1_epi32(2 * m + 1 < n ? -1 : 0xFFFF);
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[r][m]);
+            for (int t = 0; t < DT; t++) {
+                const __m512i v = LOAD(vp + m * D + d0 + 16 * t, t);
+                acc[r][t] = _mm512_dpbf16_ps(acc[r][t], pb, (__m512bh)_mm512_and_si512(v, keep));
+            }
+        }
+    }
+#undef LOAD
+    for (int r = 0; r < MT; r++) {
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+        for (int t = 0; t < DT; t++)
+            if (FULL || t + 1 < DT)
+                _mm512_storeu_ps(orow[r] + d0 + 16 * t, _mm512_mul_ps(acc[r][t], iv));
+            else
+                _mm512_mask_storeu_ps(orow[r] + d0 + 16 * t, last, _mm512_mul_ps(acc[r][t], iv));
+    }
+}
+
+/* block16 for a bf16 model: rows i0 .. i1 of one head; kp [D/2, nk] its keys' pairs, vp [S2, D] its
+ * values' pairs; qb, pb scratch. Scores and p v by vdpbf16ps, the softmax on float32 (softmax_row16's),
+ * each row's exps rounded to bf16 before p v (as SDPA's flash kernel and the decode step's attend do),
+ * its sum taken before rounding. */
+BF16_TARGET static void block_bf16(const Head &H, const uint32_t *kp, const uint32_t *vp, int64_t nk, int64_t i0,
+                                   int64_t i1, int64_t off, int64_t D, float scale, std::vector<float> &sc,
+                                   std::vector<uint16_t> &qb, std::vector<uint16_t> &pb) {
+    const int64_t D2 = D / 2;
+    sc.resize(ROWS * nk);
+    qb.resize(ROWS * D);
+    pb.resize(ROWS * nk);
+    for (int64_t i = i0; i < i1; i++) bf16_row(H.q + i * H.qs, D, D, qb.data() + (i - i0) * D);
+    const uint32_t *qr[SC_ROWS16];
+    float *sr[SC_ROWS16];
+    for (int64_t r0 = i0; r0 < i1; r0 += SC_ROWS16) {
+        const int mt = (int)std::min<int64_t>(SC_ROWS16, i1 - r0);
+        for (int r = 0; r < mt; r++) {
+            qr[r] = reinterpret_cast<const uint32_t *>(qb.data() + (r0 + r - i0) * D);
+            sr[r] = sc.data() + (r0 + r - i0) * nk;
+        }
+        const int64_t need = r0 + mt - 1 + off + 1;      /* keys the last row of the pass sees */
+        for (int64_t j0 = 0; j0 < need;) {
+            const bool two = need - j0 > 16;
+#define SCORES(M) (two ? scores_pairs<M, 2>(qr, kp, nk, D2, j0, sr) : scores_pairs<M, 1>(qr, kp, nk, D2, j0, sr))
+            switch (mt) {
+                case 8: SCORES(8); break;
+                case 7: SCORES(7); break;
+                case 6: SCORES(6); break;
+                case 5: SCORES(5); break;
+                case 4: SCORES(4); break;
+                case 3: SCORES(3); break;
+                case 2: SCORES(2); break;
+                default: SCORES(1); break;
+            }
+#undef SCORES
+            j0 += two ? 32 : 16;
+        }
+    }
+    float inv[ROWS];
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t n = i + off + 1;
+        float *s = sc.data() + (i - i0) * nk;
+        inv[i - i0] = 1.0f / softmax_row16(s, n, scale);
+        bf16_row(s, n, (n + 1) / 2 * 2, pb.data() + (i - i0) * nk);     /* out_pairs reads the row's pairs only */
+    }
+    const uint32_t *pr[PV_ROWS];
+    float *orow[PV_ROWS];
+    for (int64_t r0 = i0; r0 < i1; r0 += PV_ROWS) {
+        const int mt = (int)std::min<int64_t>(PV_ROWS, i1 - r0);
+        for (int r = 0; r < mt; r++) {
+            pr[r] = reinterpret_cast<const uint32_t *>(pb.data() + (r0 + r - i0) * nk);
+            orow[r] = H.o + (r0 + r) * H.os;
+        }
+        const int64_t n = r0 + off + 1;                   /* the first row's keys; row r sees n + r */
+        const float *iv = inv + (r0 - i0);
+        int64_t d0 = 0;
+#define OUT(DT, FULL)                                                                           \
+        switch (mt) {                                                                           \
+            case 4: out_pairs<4, DT, FULL>(pr, vp, D, n, d0, iv, orow); break;                   \
+            case 3: out_pairs<3, DT, FULL>(pr, vp, D, n, d0, iv, orow); break;                   \
+            case 2: out_pairs<2, DT, FULL>(pr, vp, D, n, d0, iv, orow); break;                   \
+            default: out_pairs<1, DT, FULL>(pr, vp, D, n, d0, iv, orow); break;                  \
+        }
+        for (; d0 + 64 <= D; d0 += 64) OUT(4, true)
+        for (; d0 + 16 <= D; d0 += 16) OUT(1, true)
+        if (d0 < D) OUT(1, false)                         /* the last 8 dims of a D = 16 k + 8 */
+#undef OUT
+    }
+    nan_rows(H, inv, i0, i1, D);
+}
+
+static void check(const at::Tensor &t, const char *op, const char *name) {
     TORCH_CHECK(t.dim() == 4 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(3) == 1,
-                "causal_attention: ", name, " must be a float32 CPU tensor [B, h, T, D] whose last dimension "
+                op, ": ", name, " must be a float32 CPU tensor [B, h, T, D] whose last dimension "
                 "is contiguous; got ", t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
+}
+
+/* the operators' checks of q, k, v (op: the operator's name in the messages) */
+static void check_all(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const char *op) {
+    check(q, op, "q");
+    check(k, op, "k");
+    check(v, op, "v");
+    const int64_t B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), S = k.size(2);
+    TORCH_CHECK(k.size(0) == B && k.size(1) == h && k.size(3) == D && v.sizes() == k.sizes(),
+                op, ": k and v must be [B=", B, ", h=", h, ", S, D=", D, "]; got k ", k.sizes(), ", v ", v.sizes());
+    TORCH_CHECK(D % 8 == 0 && D > 0, op, ": head_dim=", D, " must be a positive multiple of 8");
+    TORCH_CHECK(T >= 1 && S >= T, op, ": needs 1 <= T <= S (queries are the last T positions); got T=", T, ", S=", S);
 }
 
 }  // namespace
 
-at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
-    check(q, "q");
-    check(k, "k");
-    check(v, "v");
+bool bf16_attention() {
+    static const bool has = __builtin_cpu_supports("avx512bf16");
+    return has && avx512_paths();
+}
+
+at::Tensor causal_attention_bf16(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
+    check_all(q, k, v, "causal_attention_bf16");
+    TORCH_CHECK(bf16_attention(), "causal_attention_bf16: needs a CPU with AVX-512 BF16 and the AVX-512 paths on "
+                "(gpt2mha.kernels.use_vnni); causal_attention is the float32 kernel");
     const int64_t B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), S = k.size(2);
-    TORCH_CHECK(k.size(0) == B && k.size(1) == h && k.size(3) == D && v.sizes() == k.sizes(),
-                "causal_attention: k and v must be [B=", B, ", h=", h, ", S, D=", D, "]; got k ", k.sizes(),
-                ", v ", v.sizes());
-    TORCH_CHECK(D % 8 == 0 && D > 0, "causal_attention: head_dim=", D, " must be a positive multiple of 8");
-    TORCH_CHECK(T >= 1 && S >= T, "causal_attention: needs 1 <= T <= S (queries are the last T positions); "
-                "got T=", T, ", S=", S);
+    at::Tensor o = at::empty({B, T, h, D}, q.options());
+    const float scale = 1.0f / std::sqrt((float)D);
+    const int64_t blocks = (T + ROWS - 1) / ROWS, tasks = B * h * blocks;
+    const int64_t nk = (S + 31) / 32 * 32, S2 = (S + 1) / 2;          /* keys padded to whole tiles; key pairs */
+    const float *qp = q.data_ptr<float>(), *kptr = k.data_ptr<float>(), *vptr = v.data_ptr<float>();
+    float *op = o.data_ptr<float>();
+    /* every entry written below: no zero fill */
+    std::unique_ptr<uint32_t[]> kpairs(new uint32_t[B * h * (D / 2) * nk]), vpairs(new uint32_t[B * h * S2 * D]);
+    const bool par = tasks > 1 && T * S * h * B >= (1 << 14);
+    #pragma omp parallel if (par)
+    {
+        std::unique_ptr<float[]> kt(new float[D * nk]);            /* transpose_keys writes all of it */
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * h; bh++) {
+            const float *kh = kptr + (bh / h) * k.stride(0) + (bh % h) * k.stride(1);
+            const float *vh = vptr + (bh / h) * v.stride(0) + (bh % h) * v.stride(1);
+            transpose_keys(kh, k.stride(2), S, D, nk, kt.get());
+            uint32_t *kp = kpairs.get() + bh * (D / 2) * nk, *vp = vpairs.get() + bh * S2 * D;
+            for (int64_t m = 0; m < D / 2; m++) bf16_pairs(kt.get() + 2 * m * nk, kt.get() + (2 * m + 1) * nk, nk, kp + m * nk);
+            for (int64_t m = 0; m < S2; m++)
+                bf16_pairs(vh + 2 * m * v.stride(2), 2 * m + 1 < S ? vh + (2 * m + 1) * v.stride(2) : nullptr, D, vp + m * D);
+        }
+        std::vector<float> sc;
+        std::vector<uint16_t> qb, pb;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t bh = t % (B * h), blk = blocks - 1 - t / (B * h), b = bh / h, hh = bh % h;
+            const Head H{qp + b * q.stride(0) + hh * q.stride(1), nullptr, q.stride(2), 0, op + (b * T * h + hh) * D, h * D};
+            block_bf16(H, kpairs.get() + bh * (D / 2) * nk, vpairs.get() + bh * S2 * D, nk, blk * ROWS,
+                       std::min(T, (blk + 1) * ROWS), S - T, D, scale, sc, qb, pb);
+        }
+    }
+    return o.permute({0, 2, 1, 3});
+}
+
+at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
+    check_all(q, k, v, "causal_attention");
+    const int64_t B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), S = k.size(2);
     at::Tensor o = at::empty({B, T, h, D}, q.options());
     const float scale = 1.0f / std::sqrt((float)D);
     const int64_t blocks = (T + ROWS - 1) / ROWS, tasks = B * h * blocks;
@@ -439,8 +676,10 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
 
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
+    m.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
     m.impl("causal_attention", &causal_attention);
+    m.impl("causal_attention_bf16", &causal_attention_bf16);
 }

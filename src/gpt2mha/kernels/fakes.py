@@ -53,7 +53,7 @@ def cached_forward(tokens, wte, wpe, layers, ln_f_weight, ln_f_bias, head, k, v,
 #: Every operator of the library that takes tensors (tests/test_kernel_ops.py holds new ones to it).
 FAKES = {"int8_gemv": product, "int4_gemv": product, "int4_gemv_a8": product, "int8_per_row": per_row,
          "int4_a8_packed": a8_packed, "int4_pack_a8": pack_a8,
-         "causal_attention": causal_attention, "cached_forward": cached_forward, "conv1d_f32": conv1d,
+         "causal_attention": causal_attention, "causal_attention_bf16": causal_attention, "cached_forward": cached_forward, "conv1d_f32": conv1d,
          "linear_f32": product, "conv1d_bf16": conv1d, "linear_bf16": product,
          "conv1d_f16": conv1d, "linear_f16": product}
 

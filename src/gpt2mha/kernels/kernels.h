@@ -76,6 +76,13 @@ bool bf16_dot_products();
  * (causal_attention.cpp, the operator causal_attention). */
 at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v);
 
+/* causal_attention for a bf16 model (q, k, v float32 holding bf16 values, rounded to bf16 first): scores
+ * and p v by AVX-512 BF16's vdpbf16ps, each row's exps rounded to bf16 before p v (causal_attention.cpp,
+ * the operator causal_attention_bf16); only where bf16_attention() */
+at::Tensor causal_attention_bf16(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v);
+/* whether causal_attention_bf16 runs here: the CPU has AVX-512 BF16 and the AVX-512 paths are on */
+bool bf16_attention();
+
 /* s [0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is NaN or
  * the largest is not finite (causal_attention.cpp). */
 float softmax_row(float *s, int64_t n, float scale);
