@@ -151,14 +151,7 @@ alignas(64) static const int32_t NAT1[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 1
 static inline int tile_rows(int64_t M, int64_t m0) { return M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : 1; }
 
 /* 16 lanes of bits1 (in the low halves of 32-bit lanes), as 16 bf16: 8 pairs */
-BF16_TARGET static inline __m256i bits16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                                         _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                  _mm512_set1_epi32(0x7F800000));
-    return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40)));
-}
+BF16_TARGET static inline __m256i bits16(__m512 f) { return _mm512_cvtepi32_epi16(bf16_lanes(f)); }
 
 /* an 8-row group's pairs: 8 pairs of each row (16 inputs from k), transposed 8 x 8 so that each pair
  * index's 8 rows are one store */

@@ -404,17 +404,6 @@ AVX512_TARGET static void block16(const Head &H, const float *kt, int64_t nk, in
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
 
-/* 16 floats -> the nearest bf16 (ties to even; a NaN stays a quiet NaN) as the low halves of 32-bit
- * lanes: bf16_products.cpp's rounding (integer arithmetic: no flushing of subnormal inputs) */
-BF16_TARGET static inline __m512i bf16_lanes(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                                         _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                  _mm512_set1_epi32(0x7F800000));
-    return _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
-}
-
 /* x [0 .. n) as bf16 into out [0 .. n2) (n2 >= n, a multiple of 2), zeros from n: in memory the pairs
  * (x[2m], x[2m + 1]) vdpbf16ps multiplies, the even one in the low half */
 BF16_TARGET static void bf16_row(const float *x, int64_t n, int64_t n2, uint16_t *out) {

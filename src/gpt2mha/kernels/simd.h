@@ -98,6 +98,19 @@ static inline float gelu1(float x) {
     return x / (1.0f + exp1(GELU_2C * inner));
 }
 
+/* ---- rounding to bf16 on 16 lanes (bf16_products.cpp, causal_attention.cpp) ---- */
+
+/* 16 floats -> the nearest bf16 (ties to even; a NaN stays a quiet NaN) as the low halves of 32-bit
+ * lanes: integer arithmetic, so a subnormal input is rounded, not flushed (as vcvtneps2bf16 would) */
+AVX512_TARGET static inline __m512i bf16_lanes(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                                         _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+}
+
 /* ---- weight loads of the float products (float_products.cpp, head_products.cpp) ---- */
 
 /* 16 floats at p, or those of mask mk (zeros elsewhere) */
