@@ -39,7 +39,7 @@ class Contender:
 
     engine = ""
     version = ""
-    kv_cache = ""            # the precision its KV cache holds keys and values in
+    kv_cache = ""            # the precision its KV cache holds keys and values in: f32, bf16, f16 (KV_NAMES)
 
 
     def __init__(self, name: str, checkpoint_bytes: int, read_bytes: int | None):
@@ -59,6 +59,10 @@ class Contender:
 
     def close(self) -> None:
         pass
+
+
+#: a torch dtype's name -> the short name every contender's ``kv_cache`` uses (llama.cpp's and OpenVINO's)
+KV_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def dir_bytes(path: str) -> int:
@@ -83,7 +87,7 @@ class Torch(Contender):
         self.model, self.hf, self.compiled = model, hf, compiled
         self.engine = "transformers" if hf else "gpt2mha"
         p = model.transformer.wte.weight if hf else model.wte.weight        # gpt2mha's cache: wte's dtype
-        self.kv_cache = str(p.dtype).replace("torch.", "")
+        self.kv_cache = KV_NAMES[str(p.dtype).replace("torch.", "")]
 
     @torch.inference_mode()
     def greedy(self, prompt, new):
@@ -237,7 +241,7 @@ class CT2(Contender):
         with open(os.path.join(path, "vocabulary.json"), encoding="utf-8") as f:
             self.vocab = json.load(f)
         self.compute_type = self.gen.compute_type
-        self.kv_cache = "float32"           # its activations' type: float32 for both compute types here
+        self.kv_cache = "f32"               # its activations' type: float32 for both compute types here
 
     def greedy(self, prompt, new):
         results = self.gen.generate_batch([[self.vocab[i] for i in row] for row in prompt.tolist()], max_length=new,
@@ -269,7 +273,7 @@ class ORT(Contender):
         so.log_severity_level = 3
         self.sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         self.L, self.h, self.hd = config.n_layer, config.n_head, config.n_embd // config.n_head
-        self.kv_cache = "float32"                                     # the graph's past and present
+        self.kv_cache = "f32"                                         # the graph's past and present (float32)
         self.names = [f"past.{i}.{kv}" for i in range(self.L) for kv in ("key", "value")]
 
     def _run(self, ids, keep, past):

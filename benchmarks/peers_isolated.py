@@ -39,7 +39,7 @@ ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha i
 def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: tuple[int, ...] = ()) -> dict:
     """Decode tok/s of engine ``name`` in this process, and its time to the first token after
     a prompt of each ``prefill`` length (batch 1), in ms, and the precision of its KV cache:
-    ``{"kv_cache": "float32", "b1": ..., "b8": ..., "p128": ...}``."""
+    ``{"kv_cache": "f32", "b1": ..., "b8": ..., "p128": ...}``."""
     import torch
 
     sys.path.insert(0, HERE)

@@ -249,6 +249,8 @@ def test_causal_attention_bf16_sweep():
     from gpt2mha.inference.dense import has_bf16_dot
     for seed, r, g in _sweep("causal_attention_bf16"):
         if not has_bf16_dot():                                   # no AVX-512 BF16, or the sweep's path is AVX2
+            with pytest.raises(RuntimeError, match="needs a CPU with AVX-512 BF16 and the AVX-512 paths on"):
+                torch.ops.gpt2mha.causal_attention_bf16(*(torch.randn(1, 1, 2, 8, generator=g) for _ in range(3)))
             continue
         B, h, T, D = r.randint(1, 3), r.randint(1, 4), r.randint(1, 48), r.choice((8, 16, 24, 32, 40, 64, 128))
         S = T + r.randint(0, 21)

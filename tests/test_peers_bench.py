@@ -178,7 +178,7 @@ def test_isolated_runs_each_engine_in_its_own_process_and_names_the_failures(tmp
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.splitlines() if line.startswith("| ") and "engine" not in line}
-    rows = {name.replace(" (KV cache float32)", ""): cells for name, cells in rows.items()}   # both caches float32
+    rows = {name.replace(" (KV cache f32)", ""): cells for name, cells in rows.items()}   # both caches float32
     assert rows["gpt2mha int4"] == ["failed"] * 4
     for name in ("transformers float32", "gpt2mha int8 per_row"):
         values = [float(c.split()[0]) for c in rows[name]]

@@ -591,7 +591,7 @@ bool bf16_attention() {
 at::Tensor causal_attention_bf16(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
     check_all(q, k, v, "causal_attention_bf16");
     TORCH_CHECK(bf16_attention(), "causal_attention_bf16: needs a CPU with AVX-512 BF16 and the AVX-512 paths on "
-                "(gpt2mha.kernels.use_vnni); causal_attention is the float32 kernel");
+                "(gpt2mha.inference.quant.gemv.use_vnni); causal_attention is the float32 kernel");
     const int64_t B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), S = k.size(2);
     at::Tensor o = at::empty({B, T, h, D}, q.options());
     const float scale = 1.0f / std::sqrt((float)D);
