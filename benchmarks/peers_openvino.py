@@ -16,11 +16,12 @@ that optimum-intel exports.
   (``INFERENCE_PRECISION_HINT``), f32 elsewhere; "openvino f32" forces ``f32`` on the fp32 IR, "openvino
   bf16" leaves the default (named after what the plugin reports), int8 and int4 the default too. Each
   contender's ``compute_type`` records the hint the compiled model reports.
-* The KV cache: the CPU plugin keeps keys and values in f16 whatever the hint (``KV_CACHE_PRECISION``),
-  so "openvino f32" forces ``f32`` there too (a float32 model end to end, as gpt2mha float32 and
-  CTranslate2 float32 are; f16 halves the cache a batch-8 step reads; "openvino f32 kv-f16" is f32 with
-  the default cache, beside it); the others keep the default (16 bits, as a bf16 or fp16 model's own
-  cache). ``kv_cache`` records what the compiled model reports.
+* The KV cache: the CPU plugin keeps keys and values in f16 for the fp32 IR whatever the hint, and in
+  u8 for the int8 and int4 IRs (``KV_CACHE_PRECISION``), so "openvino f32" forces ``f32`` there (a
+  float32 model end to end, as gpt2mha float32 and CTranslate2 float32 are; f16 halves the cache a
+  batch-8 step reads; "openvino f32 kv-f16" is f32 with the default cache, beside it); the others keep
+  the default (f16 for "openvino bf16", 16 bits as a bf16 model's own cache; u8 for int8 and int4).
+  ``kv_cache`` records what the compiled model reports.
 * Quality: teacher-forced logits from the same IR through OpenVINO's runtime (the exported stateful
   model, one call over the window, its state reset first) under the same hint.
 """
