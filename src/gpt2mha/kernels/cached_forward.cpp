@@ -470,7 +470,7 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
             /* a bf16 model's on vdpbf16ps where the CPU has it (RESULTS.md, "A bf16 prompt's attention on
              * vdpbf16ps"), else on float32 lanes */
             const auto attention = [&](const at::Tensor &qq) {
-                return hf == Half::bf16 && bf16_attention() ? causal_attention_bf16(qq, kk, vv) : causal_attention(qq, kk, vv);
+                return hf == Half::bf16 && bf16_dot_products() ? causal_attention_bf16(qq, kk, vv) : causal_attention(qq, kk, vv);
             };
             if (l + 1 < L || product.onednn(M)) {      /* (oneDNN's products: every row stays) */
                 o = attention(q);                       /* [B, T, h, D] in memory: the rows of z */

@@ -35,8 +35,7 @@
  *   o: 4 rows x 64 dims per pass over pairs of keys (2m, 2m + 1) in order, odd key first; a row whose
  *     last pair has one of its keys zeroes the other's weight and value (a later value cannot reach it).
  * A row's result is the same in any batch, tile or block (the native forward's last block computes the
- * last query alone); 1.37x causal_attention's speed at 12 heads x 512 tokens, a bf16 prefill of 512
- * tokens 1.03x (RESULTS.md, "A bf16 prompt's attention on vdpbf16ps").
+ * last query alone). Why, and what it gained: RESULTS.md, "A bf16 prompt's attention on vdpbf16ps".
  */
 #include "simd.h" /* first: its note on immintrin.h says why */
 
@@ -583,14 +582,9 @@ static void check_all(const at::Tensor &q, const at::Tensor &k, const at::Tensor
 
 }  // namespace
 
-bool bf16_attention() {
-    static const bool has = __builtin_cpu_supports("avx512bf16");
-    return has && avx512_paths();
-}
-
 at::Tensor causal_attention_bf16(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
     check_all(q, k, v, "causal_attention_bf16");
-    TORCH_CHECK(bf16_attention(), "causal_attention_bf16: needs a CPU with AVX-512 BF16 and the AVX-512 paths on "
+    TORCH_CHECK(bf16_dot_products(), "causal_attention_bf16: needs a CPU with AVX-512 BF16 and the AVX-512 paths on "
                 "(gpt2mha.inference.quant.gemv.use_vnni); causal_attention is the float32 kernel");
     const int64_t B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), S = k.size(2);
     at::Tensor o = at::empty({B, T, h, D}, q.options());

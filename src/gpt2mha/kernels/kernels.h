@@ -67,8 +67,8 @@ void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
 
 /* p[0 .. n) rounded to the nearest bf16 (ties to even), kept as float32 (bf16_products.cpp) */
 void round_bf16(float *p, int64_t n);
-/* whether conv1d_bf16 and linear_bf16 take AVX-512 BF16's vdpbf16ps now (the CPU has it and the AVX-512
- * paths are on) */
+/* whether conv1d_bf16, linear_bf16 and causal_attention_bf16 take AVX-512 BF16's vdpbf16ps now (the CPU
+ * has it and the AVX-512 paths are on; causal_attention_bf16 refuses to run otherwise) */
 bool bf16_dot_products();
 
 /* Causal attention of q [B, h, T, D] over k, v [B, h, S, D] (S >= T, OpenAI's bottom-right
@@ -78,10 +78,8 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
 
 /* causal_attention for a bf16 model (q, k, v float32 holding bf16 values, rounded to bf16 first): scores
  * and p v by AVX-512 BF16's vdpbf16ps, each row's exps rounded to bf16 before p v (causal_attention.cpp,
- * the operator causal_attention_bf16); only where bf16_attention() */
+ * the operator causal_attention_bf16); only where bf16_dot_products() */
 at::Tensor causal_attention_bf16(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v);
-/* whether causal_attention_bf16 runs here: the CPU has AVX-512 BF16 and the AVX-512 paths are on */
-bool bf16_attention();
 
 /* s [0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is NaN or
  * the largest is not finite (causal_attention.cpp). */
