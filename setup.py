@@ -11,6 +11,7 @@ by its path: the build environment has torch (``[build-system]``) but not gpt2mh
 
 import importlib.util
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,8 @@ def _kernels() -> dict:
         """BuildExtension that prints the build's time and writes the library's record beside it."""
 
         def build_extension(self, ext):
+            if self.reuse(ext):
+                return
             start = time.monotonic()
             print(f"gpt2mha: compiling its C++ kernels ({', '.join(ext.sources)}) ...", flush=True)
             try:
@@ -54,6 +57,24 @@ def _kernels() -> dict:
             library = Path(self.get_ext_fullpath(ext.name))
             self.records = [*getattr(self, "records", []), build.record(library, get_cxx_compiler(), seconds)]
             print(f"gpt2mha: compiled its C++ kernels into {library.name} in {seconds:.0f} s", flush=True)
+
+        def reuse(self, ext) -> bool:
+            """Copies the library beside the sources instead of compiling, where its record says it
+            was built from these sources with this torch, compiler and flags (:func:`build.reusable`)."""
+            import torch
+            target = Path(self.get_ext_fullpath(ext.name))
+            found = build.reusable(ROOT / KERNELS, target.name, torch.__version__,
+                                   build.compiler_version(get_cxx_compiler()))
+            if found is None:
+                return False
+            print(f"gpt2mha: reusing its C++ kernels {found} (built from the same sources, torch, compiler and "
+                  f"flags; delete it to compile again)", flush=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not (target.exists() and target.samefile(found)):
+                shutil.copy2(found, target)
+                shutil.copy2(build.record_path(found), build.record_path(target))
+            self.records = [*getattr(self, "records", []), build.record_path(target)]
+            return True
 
         def copy_extensions_to_source(self):
             """Editable installs: the library goes beside its sources, and its record with it."""

@@ -250,3 +250,30 @@ def test_the_server_loads_the_kernels_before_it_answers(monkeypatch):
     monkeypatch.setattr(kernels, "load", lambda: calls.append("load") or "")
     create_app(Scheduler(small_model(n_vocab=256), ByteTokenizer()), "tiny")
     assert calls == ["load"]
+
+
+def test_a_reinstall_reuses_the_library_built_from_the_same_sources(tmp_path):
+    """setup.py compiles nothing where the library beside the sources was built from those very
+    sources with the same torch, compiler and flags (``build.reusable``); any difference compiles.
+    Reference: the record ``build.record`` writes, here written by hand."""
+    for name in build.SOURCES:
+        (tmp_path / name).write_bytes((build.HERE / name).read_bytes())
+    library = tmp_path / "_kernels.abi3.so"
+    library.write_bytes(b"\x7fELF stand-in")
+    good = {"library": library.name, "torch": "2.13.0+cpu", "sources": build.sources_digest(tmp_path),
+            "compiler": "c++ (Debian 14.2.0-19) 14.2.0", "flags": build.flags(), "sanitize": "", "seconds": 300.0}
+
+    def reused(torch_version="2.13.0", cxx="c++ (Debian 14.2.0-19) 14.2.0", **changes):
+        build.record_path(library).write_text(json.dumps({**good, **changes}))
+        return build.reusable(tmp_path, library.name, torch_version, cxx)
+
+    assert reused() == library
+    assert reused(torch_version="2.12.0") is None
+    assert reused(cxx="clang version 19") is None
+    assert reused(flags=build.flags("address")) is None
+    assert reused(sanitize="address") is None
+    assert reused(sources="0" * 64) is None
+    assert build.reusable(tmp_path, "_kernels.cpython-311.so", "2.13.0", good["compiler"]) is None   # another name
+    build.record_path(library).write_text(json.dumps(good))
+    (tmp_path / "walk.h").write_text("// edited\n")                 # a source edited since the build
+    assert build.reusable(tmp_path, library.name, "2.13.0", good["compiler"]) is None

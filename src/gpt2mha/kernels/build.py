@@ -160,6 +160,25 @@ def record(library: Path, cxx: str, seconds: float, sanitize: str = "", **extra:
     return path
 
 
+def reusable(directory: Path, name: str, torch_version: str, cxx_version: str) -> Path | None:
+    """The library ``directory/name`` where its record (:func:`record`) says it was built from the
+    sources now in ``directory``, against ``torch_version`` (local suffix ignored), by
+    ``cxx_version`` (:func:`compiler_version`), with this build's flags and no sanitizer; else
+    None. setup.py reuses such a library instead of compiling the same sources again (an editable
+    install's library sits beside its sources: ``pip install -e ".[test]"`` after ``pip install
+    -e .`` compiles nothing)."""
+    library = Path(directory) / name
+    try:
+        data = json.loads(record_path(library).read_text())
+    except (OSError, ValueError):
+        return None
+    digest = sources_digest(Path(directory))
+    same = (library.is_file() and digest != "" and data.get("sources") == digest
+            and str(data.get("torch", "")).split("+")[0] == torch_version.split("+")[0]
+            and data.get("compiler") == cxx_version and data.get("flags") == flags() and not data.get("sanitize"))
+    return library if same else None
+
+
 def compile_library(out: Path, sanitize: str = "", timeout: float = 900) -> float:
     """Compiles the sources (in parallel, ``$MAX_JOBS`` or a job per core) and links them into
     ``out``, written whole or not at all (a temporary file beside it, renamed); returns the
