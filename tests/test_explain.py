@@ -295,6 +295,105 @@ def test_checker_subprocess_verdicts_and_limits():
     assert "memory" in json.dumps(memory)
 
 
+def _book():
+    with open(os.path.join(EXAMPLES, "book_mha.py")) as f:
+        return f.read()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc (Linux)")
+def test_checker_leaves_no_process_the_module_started(tmp_path):
+    """A module that forks a child, double-forks an orphan and starts a process in a new session
+    (each noting its PID; the module is imported more than once, so each happens several times):
+    the check still matches, and once run_check returns none of those processes runs."""
+    import time
+
+    pids = tmp_path / "pids"
+    pids.write_text("")
+    spawn = f"""import os, subprocess, time
+def _note(pid):
+    with open({str(pids)!r}, "a") as f:
+        f.write(f"{{pid}}\\n")
+if os.fork() == 0:                                  # a child
+    _note(os.getpid()); time.sleep(120); os._exit(0)
+if os.fork() == 0:                                  # a double fork: the grandchild is orphaned
+    if os.fork() == 0:
+        _note(os.getpid()); time.sleep(120); os._exit(0)
+    os._exit(0)
+_note(subprocess.Popen(["sleep", "120"], start_new_session=True).pid)   # out of the process group
+"""
+    started = time.monotonic()
+    r = run_check(spawn + _book(), limits=CheckLimits(timeout_s=60))
+    assert r["report"]["verdict"] == "match", r
+    assert time.monotonic() - started < 50                     # the result, not the time limit
+    noted = [int(x) for x in pids.read_text().split()]
+    try:
+        assert len(noted) >= 3
+        deadline = time.monotonic() + 5                        # the kernel may take a moment to reap
+        while any(map(_running, noted)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p for p in noted if _running(p)] == []
+    finally:
+        for pid in noted:                                      # a failing run leaves none either
+            if _running(pid):
+                os.kill(pid, 9)
+
+
+@pytest.mark.slow
+def test_checker_answers_once_the_result_is_written():
+    """A module that leaves a non-daemon thread sleeping: the check's answer comes as soon as the
+    worker wrote it, not at the time limit."""
+    import time
+
+    started = time.monotonic()
+    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\n" + _book()
+    r = run_check(code, limits=CheckLimits(timeout_s=30))
+    assert "error" not in r and r["report"]["verdict"] == "match", r
+    assert time.monotonic() - started < 25
+
+
+@pytest.mark.slow
+def test_checker_output_is_capped_and_only_its_tail_read():
+    """A module printing 256 MB: the check matches, the answer carries the output's last 4,000
+    characters, and the process that ran run_check never held the output (its peak memory grows
+    by far less than 256 MB; measured in a fresh interpreter that imports no torch)."""
+    code = ("import sys\nfor _ in range(256):\n    sys.stdout.write('x' * (2**20 - 1) + '\\n')\nprint('THE END')\n"
+            + _book())
+    script = ("import json, resource, sys\nfrom gpt2mha.learn.explain.checker import run_check\n"
+              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "r = run_check(sys.stdin.read())\n"
+              "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+              "print(json.dumps({'verdict': r.get('report', {}).get('verdict'), 'error': r.get('error'), "
+              "'output': r['output'], 'grew_kb': grew, 'torch': 'torch' in sys.modules}))\n")
+    run = subprocess.run([sys.executable, "-c", script], input=code, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert (got["verdict"], got["error"], got["torch"]) == ("match", None, False), got
+    assert len(got["output"]) == 4000 and got["output"].endswith("x\nTHE END\n")
+    assert got["grew_kb"] < 64 * 1024, got["grew_kb"]
+
+
+def test_checker_reports_a_syntax_error_without_a_worker(monkeypatch):
+    """Code that does not compile, or names no class, is answered before any process starts."""
+    import gpt2mha.learn.explain.checker as checker
+
+    monkeypatch.setattr(checker.subprocess, "Popen", lambda *a, **k: pytest.fail("a worker was started"))
+    r = run_check("class MultiHeadAttention:\n    def forward(self, x:\n        return x\n")
+    assert r == {"error": "the code does not parse: '(' was never closed (line 2)", "output": ""}
+    assert "'return' outside function" in run_check("return 1\nclass A:\n    pass\n")["error"]
+    assert "defines no class" in run_check("x = 1\n")["error"]
+
+
 def test_export_writes_the_live_units(seq, tmp_path):
     from gpt2mha.learn.explain.export import estimate_bytes, export
 
