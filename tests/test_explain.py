@@ -430,6 +430,27 @@ def test_cli_errors_before_torch(tmp_path):
         assert words in r.stderr
 
 
+def test_cli_port_in_use_is_one_line_before_the_model(monkeypatch, capsys):
+    """`gpt2mha explain --port P` with P taken by a listening socket: exit 2 at once with one
+    error line naming the address and the reason, the model never loaded (as `gpt2mha serve`)."""
+    import socket
+    import time
+
+    import gpt2mha.cli.common as common
+    from gpt2mha.cli import main
+
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        assert main(["explain", "--port", str(port)]) == 2
+        assert time.monotonic() - started < 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"127.0.0.1:{port}" in err and "Address already in use" in err, err
+
+
 @pytest.mark.slow
 def test_cli_export(tmp_path):
     from gpt2mha.cli import main
