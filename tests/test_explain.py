@@ -260,6 +260,56 @@ def test_bad_input_is_a_message_not_a_500(server, tmp_path):
     assert r.status_code == 200 and r.json()["T"] == n_ctx
 
 
+def _client(state):
+    from gpt2mha.learn.explain.app import guarded_app
+    from starlette.testclient import TestClient
+
+    return TestClient(guarded_app(state, "127.0.0.1", 8765), base_url="http://127.0.0.1:8765")
+
+
+def test_infinite_temperature_is_a_400_and_changes_nothing(entry):
+    """temperature 1e400 (JSON's overflow to infinity), Infinity or NaN: a 400 naming the field,
+    the sequence untouched; a good step after them still works."""
+    state = Explain(entry, PROMPT)
+    client, sid = _client(state), state.boot()["session"]
+    H = {security.TOKEN_HEADER: state.token, "content-type": "application/json"}
+    seq = state.sessions[sid]
+    before = (list(seq.ids), seq.version)
+    for route in ("sample", "step"):
+        for raw in ("1e400", "Infinity", "NaN"):
+            r = client.post(f"/api/{route}", content=f'{{"session": "{sid}", "temperature": {raw}, "seed": 1}}', headers=H)
+            assert r.status_code == 400 and r.json()["error"].startswith("temperature="), (route, raw, r.text)
+    assert (seq.ids, seq.version, seq.generator) == (*before, None)
+    r = client.post("/api/step", json={"session": sid, "temperature": 1.0, "seed": 1}, headers=H)
+    assert r.status_code == 200 and r.json()["T"] == len(before[0]) + 1
+
+
+def test_a_nan_model_is_a_message_and_a_failed_step_changes_nothing(entry):
+    """A model whose numbers are NaN (layer 0's c_attn bias): the heads view, the sampling view,
+    an ablation and a step answer 422 with a message saying the model's numbers are not finite
+    (never a bare JSON error); the failed step leaves the sequence, its version and its
+    generator as they were."""
+    import copy
+
+    model = copy.deepcopy(entry.model)
+    with torch.no_grad():
+        model.h[0].attn.c_attn.bias[0] = float("nan")
+    state = Explain(ModelEntry(model, "nan model"), PROMPT)
+    client, sid = _client(state), state.boot()["session"]
+    H = {security.TOKEN_HEADER: state.token}
+    seq = state.sessions[sid]
+    before = (list(seq.ids), seq.version)
+    answers = [client.get("/api/unit", params={"session": sid, "kind": "heads"}, headers=H),
+               client.post("/api/sample", json={"session": sid, "temperature": 1.0}, headers=H),
+               client.post("/api/ablate", json={"session": sid, "heads": [[0, 0]]}, headers=H),
+               client.post("/api/step", json={"session": sid, "temperature": 1.0, "seed": 3}, headers=H),
+               client.post("/api/step", json={"session": sid, "temperature": 0}, headers=H)]
+    for r in answers:
+        assert r.status_code == 422, r.text
+        assert "not finite" in r.json()["error"] and "JSON" not in r.json()["error"], r.text
+    assert (seq.ids, seq.version, seq.generator, seq.seed) == (*before, None, None)
+
+
 @pytest.mark.slow
 def test_checker_off_beyond_loopback(entry):
     state = Explain(entry, PROMPT, limits=None, checker_note="listening beyond 127.0.0.1")

@@ -197,7 +197,7 @@ def run_check(code: str, class_name: str | None = None, limits: CheckLimits | No
             return {"error": f"the check ended without a result ({why}; the memory limit is {limits.memory_mb} MB)",
                     "output": output}
         with open(result, encoding="utf-8") as f:
-            answer = json.load(f)
+            answer = json.load(f, parse_constant=str)         # a NaN or infinity as text: JSON has no such number
     answer["output"] = output
     answer["seconds"] = round(seconds, 3)
     return answer
