@@ -120,6 +120,35 @@ def test_heads_unit_roles_are_analyse_heads(model, seq):
     assert (thumbs - w).abs().max() <= 0.5 / 255 + 1e-6
 
 
+def test_thumbnails_keep_each_blocks_largest_weight():
+    """At 1024 tokens a head that puts all its weight on one key per query (previous-token, the
+    diagonal) still reaches full brightness in its 64 x 64 small map: each pixel is its 16 x 16
+    block's largest weight (NumPy's block max the reference), and so for T = 100 with
+    adaptive pooling's windows (rows floor(i·T/B) to ceil((i+1)·T/B), PyTorch's documented rule)."""
+    import numpy as np
+
+    from gpt2mha.learn.explain.heads_view import POOL, THUMB, heads_unit, thumbnails
+
+    T = 1024
+    prev = torch.zeros(T, T)
+    prev[torch.arange(1, T), torch.arange(T - 1)] = 1.0
+    prev[0, 0] = 1.0
+    uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
+    patterns = torch.stack([prev, uniform])[None]                         # [1, 2, T, T]
+    got = thumbnails(patterns)
+    want = patterns.numpy().reshape(1, 2, THUMB, T // THUMB, THUMB, T // THUMB).max(axis=(3, 5))
+    assert POOL == "max" and got.shape == (1, 2, THUMB, THUMB)
+    np.testing.assert_array_equal(got.numpy(), want)
+    u8 = decode(heads_unit(got, None, None)["thumbs"])
+    assert int(u8[0, 0].max()) == 255 and int(u8[0, 1].max()) == 255   # a mean gave 16 and 255
+    T = 100
+    p = torch.rand(1, 1, T, T, generator=torch.Generator().manual_seed(0))
+    lo = [i * T // THUMB for i in range(THUMB)]
+    hi = [-(-(i + 1) * T // THUMB) for i in range(THUMB)]
+    want = np.array([[p[0, 0, lo[i]:hi[i], lo[j]:hi[j]].max().item() for j in range(THUMB)] for i in range(THUMB)])
+    np.testing.assert_array_equal(thumbnails(p)[0, 0].numpy(), want.astype(np.float32))
+
+
 def test_sampling_view_is_the_librarys_filters_and_steps_draw_as_generate(model, entry, seq):
     logits = seq.logits()[-1]
     v = seq.sampling(0.7, 5, 0.8)
