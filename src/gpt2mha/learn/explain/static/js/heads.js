@@ -41,7 +41,7 @@ EX.views.heads = {
     EX.$("heads-big").replaceChildren(EX.el("h3", { id: "sel", text: `layer ${l} head ${h}` }),
       EX.el("p", { class: "hint", id: "sel-role", text: role }),
       EX.matrix({ id: "m-big", name: "A", t: EX.tensor(u.pattern), kind: "weights", square: true, maxW: 520, maxH: 520,
-        describe: EX.tokenDescriber("pairs"), caption: [EX.legend("weights")] }));
+        describe: EX.tokenDescriber("pairs"), caption: [EX.legend("weights")], axes: { rows: EX.labels(), cols: EX.labels() } }));
     EX.views.heads.lines(EX.tensor(u.pattern), -1);
   },
 
