@@ -394,11 +394,11 @@ def _running(pid: int) -> bool:
 def test_checker_leaves_no_process_the_module_started(tmp_path):
     """A module that forks a child, double-forks an orphan and starts a process in a new session
     (each noting its PID; the module is imported more than once, so each happens several times):
-    the check still matches, and once run_check returns none of those processes runs."""
+    the check still matches, and once run_check returns none of those processes runs; the same
+    when the module then loops forever and the check is stopped at its time limit."""
     import time
 
     pids = tmp_path / "pids"
-    pids.write_text("")
     spawn = f"""import os, subprocess, time
 def _note(pid):
     with open({str(pids)!r}, "a") as f:
@@ -411,21 +411,26 @@ if os.fork() == 0:                                  # a double fork: the grandch
     os._exit(0)
 _note(subprocess.Popen(["sleep", "120"], start_new_session=True).pid)   # out of the process group
 """
-    started = time.monotonic()
-    r = run_check(spawn + _book(), limits=CheckLimits(timeout_s=60))
-    assert r["report"]["verdict"] == "match", r
-    assert time.monotonic() - started < 50                     # the result, not the time limit
-    noted = [int(x) for x in pids.read_text().split()]
-    try:
-        assert len(noted) >= 3
-        deadline = time.monotonic() + 5                        # the kernel may take a moment to reap
-        while any(map(_running, noted)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert [p for p in noted if _running(p)] == []
-    finally:
-        for pid in noted:                                      # a failing run leaves none either
-            if _running(pid):
-                os.kill(pid, 9)
+    for tail, limit in (("", 60), ("\nwhile True:\n    pass\n", 3)):
+        pids.write_text("")
+        started = time.monotonic()
+        r = run_check(spawn + _book() + tail, limits=CheckLimits(timeout_s=limit))
+        if tail:
+            assert "did not finish within the time limit of 3 s" in r["error"], r
+        else:
+            assert r["report"]["verdict"] == "match", r
+            assert time.monotonic() - started < 50             # the result, not the time limit
+        noted = [int(x) for x in pids.read_text().split()]
+        try:
+            assert len(noted) >= 3
+            deadline = time.monotonic() + 5                    # the kernel may take a moment to reap
+            while any(map(_running, noted)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [p for p in noted if _running(p)] == [], tail
+        finally:
+            for pid in noted:                                  # a failing run leaves none either
+                if _running(pid):
+                    os.kill(pid, 9)
 
 
 @pytest.mark.slow
