@@ -120,6 +120,35 @@ def test_heads_unit_roles_are_analyse_heads(model, seq):
     assert (thumbs - w).abs().max() <= 0.5 / 255 + 1e-6
 
 
+def test_thumbnails_keep_each_blocks_largest_weight():
+    """At 1024 tokens a head that puts all its weight on one key per query (previous-token, the
+    diagonal) still reaches full brightness in its 64 x 64 small map: each pixel is its 16 x 16
+    block's largest weight (NumPy's block max the reference), and so for T = 100 with
+    adaptive pooling's windows (rows floor(i·T/B) to ceil((i+1)·T/B), PyTorch's documented rule)."""
+    import numpy as np
+
+    from gpt2mha.learn.explain.heads_view import POOL, THUMB, heads_unit, thumbnails
+
+    T = 1024
+    prev = torch.zeros(T, T)
+    prev[torch.arange(1, T), torch.arange(T - 1)] = 1.0
+    prev[0, 0] = 1.0
+    uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
+    patterns = torch.stack([prev, uniform])[None]                         # [1, 2, T, T]
+    got = thumbnails(patterns)
+    want = patterns.numpy().reshape(1, 2, THUMB, T // THUMB, THUMB, T // THUMB).max(axis=(3, 5))
+    assert POOL == "max" and got.shape == (1, 2, THUMB, THUMB)
+    np.testing.assert_array_equal(got.numpy(), want)
+    u8 = decode(heads_unit(got, None, None)["thumbs"])
+    assert int(u8[0, 0].max()) == 255 and int(u8[0, 1].max()) == 255   # a mean gave 16 and 255
+    T = 100
+    p = torch.rand(1, 1, T, T, generator=torch.Generator().manual_seed(0))
+    lo = [i * T // THUMB for i in range(THUMB)]
+    hi = [-(-(i + 1) * T // THUMB) for i in range(THUMB)]
+    want = np.array([[p[0, 0, lo[i]:hi[i], lo[j]:hi[j]].max().item() for j in range(THUMB)] for i in range(THUMB)])
+    np.testing.assert_array_equal(thumbnails(p)[0, 0].numpy(), want.astype(np.float32))
+
+
 def test_sampling_view_is_the_librarys_filters_and_steps_draw_as_generate(model, entry, seq):
     logits = seq.logits()[-1]
     v = seq.sampling(0.7, 5, 0.8)
@@ -260,6 +289,56 @@ def test_bad_input_is_a_message_not_a_500(server, tmp_path):
     assert r.status_code == 200 and r.json()["T"] == n_ctx
 
 
+def _client(state):
+    from gpt2mha.learn.explain.app import guarded_app
+    from starlette.testclient import TestClient
+
+    return TestClient(guarded_app(state, "127.0.0.1", 8765), base_url="http://127.0.0.1:8765")
+
+
+def test_infinite_temperature_is_a_400_and_changes_nothing(entry):
+    """temperature 1e400 (JSON's overflow to infinity), Infinity or NaN: a 400 naming the field,
+    the sequence untouched; a good step after them still works."""
+    state = Explain(entry, PROMPT)
+    client, sid = _client(state), state.boot()["session"]
+    H = {security.TOKEN_HEADER: state.token, "content-type": "application/json"}
+    seq = state.sessions[sid]
+    before = (list(seq.ids), seq.version)
+    for route in ("sample", "step"):
+        for raw in ("1e400", "Infinity", "NaN"):
+            r = client.post(f"/api/{route}", content=f'{{"session": "{sid}", "temperature": {raw}, "seed": 1}}', headers=H)
+            assert r.status_code == 400 and r.json()["error"].startswith("temperature="), (route, raw, r.text)
+    assert (seq.ids, seq.version, seq.generator) == (*before, None)
+    r = client.post("/api/step", json={"session": sid, "temperature": 1.0, "seed": 1}, headers=H)
+    assert r.status_code == 200 and r.json()["T"] == len(before[0]) + 1
+
+
+def test_a_nan_model_is_a_message_and_a_failed_step_changes_nothing(entry):
+    """A model whose numbers are NaN (layer 0's c_attn bias): the heads view, the sampling view,
+    an ablation and a step answer 422 with a message saying the model's numbers are not finite
+    (never a bare JSON error); the failed step leaves the sequence, its version and its
+    generator as they were."""
+    import copy
+
+    model = copy.deepcopy(entry.model)
+    with torch.no_grad():
+        model.h[0].attn.c_attn.bias[0] = float("nan")
+    state = Explain(ModelEntry(model, "nan model"), PROMPT)
+    client, sid = _client(state), state.boot()["session"]
+    H = {security.TOKEN_HEADER: state.token}
+    seq = state.sessions[sid]
+    before = (list(seq.ids), seq.version)
+    answers = [client.get("/api/unit", params={"session": sid, "kind": "heads"}, headers=H),
+               client.post("/api/sample", json={"session": sid, "temperature": 1.0}, headers=H),
+               client.post("/api/ablate", json={"session": sid, "heads": [[0, 0]]}, headers=H),
+               client.post("/api/step", json={"session": sid, "temperature": 1.0, "seed": 3}, headers=H),
+               client.post("/api/step", json={"session": sid, "temperature": 0}, headers=H)]
+    for r in answers:
+        assert r.status_code == 422, r.text
+        assert "not finite" in r.json()["error"] and "JSON" not in r.json()["error"], r.text
+    assert (seq.ids, seq.version, seq.generator, seq.seed) == (*before, None, None)
+
+
 @pytest.mark.slow
 def test_checker_off_beyond_loopback(entry):
     state = Explain(entry, PROMPT, limits=None, checker_note="listening beyond 127.0.0.1")
@@ -293,6 +372,110 @@ def test_checker_subprocess_verdicts_and_limits():
     hog = "import torch\nkeep = [torch.ones(2**27) for _ in range(64)]\nclass MultiHeadAttention(torch.nn.Module):\n    pass\n"
     memory = run_check(hog, limits=CheckLimits(memory_mb=256))
     assert "memory" in json.dumps(memory)
+
+
+def _book():
+    with open(os.path.join(EXAMPLES, "book_mha.py")) as f:
+        return f.read()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc (Linux)")
+def test_checker_leaves_no_process_the_module_started(tmp_path):
+    """A module that forks a child, double-forks an orphan and starts a process in a new session
+    (each noting its PID; the module is imported more than once, so each happens several times):
+    the check still matches, and once run_check returns none of those processes runs; the same
+    when the module then loops forever and the check is stopped at its time limit."""
+    import time
+
+    pids = tmp_path / "pids"
+    spawn = f"""import os, subprocess, time
+def _note(pid):
+    with open({str(pids)!r}, "a") as f:
+        f.write(f"{{pid}}\\n")
+if os.fork() == 0:                                  # a child
+    _note(os.getpid()); time.sleep(120); os._exit(0)
+if os.fork() == 0:                                  # a double fork: the grandchild is orphaned
+    if os.fork() == 0:
+        _note(os.getpid()); time.sleep(120); os._exit(0)
+    os._exit(0)
+_note(subprocess.Popen(["sleep", "120"], start_new_session=True).pid)   # out of the process group
+"""
+    for tail, limit in (("", 60), ("\nwhile True:\n    pass\n", 3)):
+        pids.write_text("")
+        started = time.monotonic()
+        r = run_check(spawn + _book() + tail, limits=CheckLimits(timeout_s=limit))
+        if tail:
+            assert "did not finish within the time limit of 3 s" in r["error"], r
+        else:
+            assert r["report"]["verdict"] == "match", r
+            assert time.monotonic() - started < 50             # the result, not the time limit
+        noted = [int(x) for x in pids.read_text().split()]
+        try:
+            assert len(noted) >= 3
+            deadline = time.monotonic() + 5                    # the kernel may take a moment to reap
+            while any(map(_running, noted)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [p for p in noted if _running(p)] == [], tail
+        finally:
+            for pid in noted:                                  # a failing run leaves none either
+                if _running(pid):
+                    os.kill(pid, 9)
+
+
+@pytest.mark.slow
+def test_checker_answers_once_the_result_is_written():
+    """A module that leaves a non-daemon thread sleeping: the check's answer comes as soon as the
+    worker wrote it, not at the time limit."""
+    import time
+
+    started = time.monotonic()
+    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\n" + _book()
+    r = run_check(code, limits=CheckLimits(timeout_s=30))
+    assert "error" not in r and r["report"]["verdict"] == "match", r
+    assert time.monotonic() - started < 25
+
+
+@pytest.mark.slow
+def test_checker_output_is_capped_and_only_its_tail_read():
+    """A module printing 256 MB: the check matches, the answer carries the output's last 4,000
+    characters, and the process that ran run_check never held the output (its peak memory grows
+    by far less than 256 MB; measured in a fresh interpreter that imports no torch)."""
+    code = ("import sys\nfor _ in range(256):\n    sys.stdout.write('x' * (2**20 - 1) + '\\n')\nprint('THE END')\n"
+            + _book())
+    script = ("import json, resource, sys\nfrom gpt2mha.learn.explain.checker import run_check\n"
+              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "r = run_check(sys.stdin.read())\n"
+              "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+              "print(json.dumps({'verdict': r.get('report', {}).get('verdict'), 'error': r.get('error'), "
+              "'output': r['output'], 'grew_kb': grew, 'torch': 'torch' in sys.modules}))\n")
+    run = subprocess.run([sys.executable, "-c", script], input=code, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert (got["verdict"], got["error"], got["torch"]) == ("match", None, False), got
+    assert len(got["output"]) == 4000 and got["output"].endswith("x\nTHE END\n")
+    assert got["grew_kb"] < 64 * 1024, got["grew_kb"]
+
+
+def test_checker_reports_a_syntax_error_without_a_worker(monkeypatch):
+    """Code that does not compile, or names no class, is answered before any process starts."""
+    import gpt2mha.learn.explain.checker as checker
+
+    monkeypatch.setattr(checker.subprocess, "Popen", lambda *a, **k: pytest.fail("a worker was started"))
+    r = run_check("class MultiHeadAttention:\n    def forward(self, x:\n        return x\n")
+    assert r == {"error": "the code does not parse: '(' was never closed (line 2)", "output": ""}
+    assert "'return' outside function" in run_check("return 1\nclass A:\n    pass\n")["error"]
+    assert "defines no class" in run_check("x = 1\n")["error"]
 
 
 def test_export_writes_the_live_units(seq, tmp_path):
@@ -329,6 +512,27 @@ def test_cli_errors_before_torch(tmp_path):
     assert r.stdout.strip() == "[2, 2, 2, 2, 2] False", r.stderr
     for words in ("PROMPT is empty", "--port -1", "no such file or directory", "is a file", "--check-timeout"):
         assert words in r.stderr
+
+
+def test_cli_port_in_use_is_one_line_before_the_model(monkeypatch, capsys):
+    """`gpt2mha explain --port P` with P taken by a listening socket: exit 2 at once with one
+    error line naming the address and the reason, the model never loaded (as `gpt2mha serve`)."""
+    import socket
+    import time
+
+    import gpt2mha.cli.common as common
+    from gpt2mha.cli import main
+
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        assert main(["explain", "--port", str(port)]) == 2
+        assert time.monotonic() - started < 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"127.0.0.1:{port}" in err and "Address already in use" in err, err
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def model():
 @pytest.fixture(scope="module")
 def state(model):
     name = DEFAULT_MODEL if DEFAULT_MODEL in builtin_models() else "random test model"
-    state = Explain(ModelEntry(model, name), PROMPT, limits=CheckLimits(timeout_s=20), load=GPT2.from_pretrained)
+    state = Explain(ModelEntry(model, name), PROMPT, limits=CheckLimits(), load=GPT2.from_pretrained)
     state.warm()
     return state
 
@@ -221,6 +221,79 @@ def test_offline_page_steps_and_pipeline_numbers(browser, server, model):
     assert severe(browser) == []
 
 
+def test_attention_matrices_label_their_axes_and_the_past_slider_shows_its_value(browser, server, state):
+    """Every token-by-token matrix (scores, mask, masked, A, the heads view's enlarged head) has the
+    tokens' labels down its left and along its top, each at its row's or column's centre (the
+    labels are token_pieces', the Python side's); the KV-cache mask has them along its top; the
+    past-tokens slider prints its value as it moves."""
+    from selenium.webdriver.common.keys import Keys
+
+    from gpt2mha.learn.explain.tensors import token_pieces
+
+    open_page(browser, server[1])
+    wait(browser, "return document.body.dataset.steps")
+    labels = [p["label"] for p in token_pieces(state.entry.tok, state.pristine.ids)]
+    T = len(labels)
+
+    def axes(mid):
+        return browser.execute_script("""const m = EX.$(arguments[0]), r = EX.$(arguments[0] + '-rows'), c = EX.$(arguments[0] + '-cols');
+            if (!r || !c) return null;
+            const box = (e) => e.getBoundingClientRect(), ink = (e) => { const d = e.getContext('2d').getImageData(0, 0, e.width, e.height).data;
+              let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; };
+            return {rows: JSON.parse(r.dataset.labels), cols: JSON.parse(c.dataset.labels), step: +r.dataset.step, ch: +m.dataset.ch,
+                    ink: [ink(r), ink(c)], top: [box(r).top, box(m).top], bottom: [box(r).bottom, box(m).bottom],
+                    left: [box(c).left, box(m).left], above: [box(c).bottom, box(m).top], beside: [box(r).right, box(m).left]};""", mid)
+
+    for mid in ("m-scores", "m-mask", "m-masked", "m-pattern"):
+        a = axes(mid)
+        assert a is not None, mid
+        want = [[i, f"{labels[i]} {i}"] for i in range(0, T, a["step"])]
+        assert a["rows"] == want and a["cols"] == want, (mid, a["rows"][:3])
+        assert a["step"] == -(-9 // a["ch"]) and min(a["ink"]) > 50               # drawn, every ceil(9 px / cell)-th
+        assert a["top"][0] == pytest.approx(a["top"][1], abs=1) and a["bottom"][0] == pytest.approx(a["bottom"][1], abs=1)
+        assert a["left"][0] == pytest.approx(a["left"][1], abs=1)
+        assert a["above"][0] == pytest.approx(a["above"][1], abs=1) and a["beside"][0] == pytest.approx(a["beside"][1], abs=1)
+    value = browser.find_element("id", "past-len-value")
+    assert value.text == "P = 3"
+    browser.find_element("id", "past-len").send_keys(Keys.ARROW_RIGHT)
+    assert value.text == "P = 4"
+    assert browser.execute_script("return EX.$('m-pastmask').dataset.cols") == str(min(T, 6) + 4)
+    tab(browser, "heads")
+    wait(browser, "return EX.$('m-big')")
+    a = axes("m-big")
+    assert a is not None and a["rows"] == [[i, f"{labels[i]} {i}"] for i in range(0, T, a["step"])]
+    assert browser.find_element("id", "thumb-legend").text.endswith("one pixel per cell")
+    tab(browser, "generate")
+    browser.find_element("id", "next").click()
+    wait(browser, "return EX.$('m-kvmask-cols')")
+    kv = browser.execute_script("return JSON.parse(EX.$('m-kvmask-cols').dataset.labels)")
+    assert kv[0] == [0, f"{labels[0]} 0"] and kv[-1][0] >= T - 9
+    browser.find_element("id", "reset").click()
+    wait(browser, f"return document.querySelectorAll('#gen-tokens .tok').length === {T}")
+    assert severe(browser) == []
+
+
+def test_heads_legend_says_the_pooling_on_a_long_prompt(browser, server, model):
+    """A prompt longer than a small map (THUMB = 64 cells): the legend says each pixel is the
+    largest weight of its block, and the brightest pixel of every map is as bright as its head's
+    largest weight (each row of a pattern sums to 1: some weight is at least 1/T, and the first
+    query's is 1)."""
+    n = min(model.config.n_ctx, 200)
+    open_page(browser, server[1])
+    browser.execute_script("EX.$('prompt').value = arguments[0]; EX.$('model').value = ''", "ROMEO: " * (n // 7))
+    browser.find_element("id", "run").click()
+    wait(browser, f"return EX.state.T === {n // 7 * 7} && document.body.dataset.steps")
+    tab(browser, "heads")
+    legend = wait(browser, "return EX.$('thumb-legend') && EX.$('thumb-legend').textContent")
+    T = n // 7 * 7
+    assert legend.endswith(f"each pixel the largest weight of its block of about {T / 64:.1f}² cells (max pooling)"), legend
+    brightest = browser.execute_script("""return Array.from(document.querySelectorAll('#heads-grid canvas')).map(c => {
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let m = 0;
+        for (let i = 1; i < d.length; i += 4) m = Math.max(m, d[i]); return m; })""")
+    assert min(brightest) >= 230                          # green channel: 1 + 230·v, the top-left cell's v = 1
+    assert severe(browser) == []
+
+
 def test_heads_grid_big_view_lines_and_roles(browser, server, model):
     from gpt2mha.learn.heads import analyse_heads
 
@@ -346,7 +419,7 @@ def test_checker_on_a_correct_a_wrong_and_broken_modules(browser, server, state)
 
     open_page(browser, server[1])
     tab(browser, "check")
-    assert "time limit of 20 s" in browser.find_element("id", "check-note").text
+    assert "time limit of 30 s" in browser.find_element("id", "check-note").text      # `gpt2mha explain`'s default
     browser.find_element("id", "ex-book").click()
     wait(browser, "return EX.$('code').value.includes('class MultiHeadAttention')")
     assert _check(browser).startswith("MultiHeadAttention: MATCH")
@@ -373,6 +446,10 @@ def test_checker_on_a_correct_a_wrong_and_broken_modules(browser, server, state)
     assert "output shape (2, 1, 24) != expected (2, 5, 24)" in browser.find_element("id", "check-text").text
     _set_code(browser, "")
     assert "the code is empty" in _check(browser)
+    _set_code(browser, "class MultiHeadAttention:\n    def forward(self, x:\n        return x\n")
+    started = time.monotonic()
+    assert "the code does not parse: '(' was never closed (line 2)" in _check(browser)
+    assert time.monotonic() - started < 5                 # compiled by the app: no worker imports torch for it
     limits, state.limits = state.limits, CheckLimits(timeout_s=3)
     try:
         _set_code(browser, book.replace("b, num_tokens, d_in = x.shape", "while True: pass"))

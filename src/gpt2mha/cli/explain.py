@@ -24,7 +24,9 @@ def _loopback(host: str) -> bool:
 def check_explain_args(args) -> None:
     """``explain``: a non-empty PROMPT, ``--port`` in [0, 65535], ``--check-timeout`` > 0,
     ``--check-memory`` >= 64, a ``--model`` path that exists, an ``--export`` directory that is
-    new, empty or an earlier export (no torch imported)."""
+    new, empty or an earlier export, and without ``--export`` an address that can be listened
+    on now (:func:`gpt2mha.serving.address.check_address`: a port in use is one error line, exit
+    2, before the model loads). No torch imported."""
     nonempty(args.prompt, "PROMPT")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in [0, 65535] (0: any free port)")
@@ -37,6 +39,9 @@ def check_explain_args(args) -> None:
     if args.export is not None:
         from ..learn.explain.export import check_export_dir      # imports no torch
         check_export_dir(args.export)
+    else:
+        from ..serving.address import check_address
+        check_address(args.host, args.port)
 
 
 def _load(name: str):

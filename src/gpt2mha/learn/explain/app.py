@@ -14,8 +14,10 @@ Routes (JSON unless said; every ``/api/`` request needs the per-launch token, :m
 - ``POST /api/check`` ``{code, class_name?}``: check a module (:mod:`.checker`; 403 when the app
   listens beyond 127.0.0.1).
 
-Bad input is a 400 ``{"error": message}`` naming the field, an unknown session a 404, never a
-bare 500: an unexpected failure is a 500 with the same ``{"error"}`` object.
+Bad input is a 400 ``{"error": message}`` naming the field, an unknown session a 404, an answer
+the model's NaN or infinite numbers spoil a 422 saying so (:class:`.tensors.NonFiniteError`;
+a failed request changes no sequence), never a bare 500: an unexpected failure is a 500 with
+the same ``{"error"}`` object.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from ...inference.sampling import NonFiniteLogitsError
 from . import security
 from .checker import CheckLimits, run_check
 from .session import ModelEntry, Sequence
+from .tensors import NonFiniteError, check_finite
 
 log = logging.getLogger("gpt2mha.explain")
 
@@ -190,9 +194,14 @@ def create_app(state: Explain):
     def answer(fn, *args):
         async def run():
             try:
-                return JSONResponse(await run_in_threadpool(fn, *args), headers={"Cache-Control": "no-store"})
+                result = await run_in_threadpool(fn, *args)
+                check_finite(result)
+                return JSONResponse(result, headers={"Cache-Control": "no-store"})
             except BadRequest as e:
                 return JSONResponse({"error": str(e)}, status_code=e.status)
+            except (NonFiniteError, NonFiniteLogitsError) as e:
+                return JSONResponse({"error": f"{e}" if isinstance(e, NonFiniteError) else
+                                     f"the model's numbers are not finite: {e}"}, status_code=422)
             except ValueError as e:
                 return JSONResponse({"error": str(e)}, status_code=400)
             except Exception as e:                              # a bug: still an answer the page shows

@@ -2,12 +2,16 @@
 gpt2mha.learn.explain.check_worker FILE RESULT CLASS MEMORY_MB``).
 
 It imports torch and the checker first, prints ``ready``, then sends its own stdout/stderr to
-``RESULT.out`` (what the learner's code prints), caps its address space at what it holds plus
-``MEMORY_MB`` (``RLIMIT_AS``), and only then imports FILE (running its code) and runs
-:func:`gpt2mha.learn.check.check`. It writes ``RESULT`` (JSON): the report
+the output pipe of its parent, :mod:`.reaper` (file descriptor ``GPT2MHA_CHECK_OUT_FD``; run
+alone: the file ``RESULT.out``), caps its address space at what it holds plus ``MEMORY_MB``
+(``RLIMIT_AS``), and only then imports FILE (running its code) and runs
+:func:`gpt2mha.learn.check.check`. It writes ``RESULT`` (JSON; written whole, then renamed into
+place, so a file there is a complete answer): the report
 (:meth:`~gpt2mha.learn.check.CheckReport.to_dict`), the terminal text ``gpt2mha check``
 prints, and each stage's tensors, the reference's and the module's side by side
-(:func:`stage_tensors`). The parent (:mod:`.checker`) enforces the time limit.
+(:func:`stage_tensors`), and ends at once (``os._exit``: a thread the module left running
+does not hold it). The app (:mod:`.checker`) enforces the time limit; the reaper kills whatever
+the module started.
 """
 
 from __future__ import annotations
@@ -119,9 +123,12 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(1)
     print("ready", flush=True)
-    out = os.open(result + ".out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    out = int(os.environ.pop("GPT2MHA_CHECK_OUT_FD", "-1"))
+    if out < 0:
+        out = os.open(result + ".out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(out, 1)
     os.dup2(out, 2)
+    os.close(out)
     with open("/proc/self/statm") as f:
         held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     limit = held + memory_mb * 2**20
@@ -146,10 +153,26 @@ def main(argv: list[str]) -> int:
     except MemoryError:
         answer = {"error": f"the module ran out of memory (the checker's limit is {memory_mb} MB)"}
     text = json.dumps(answer).replace(json.dumps(path)[1:-1], os.path.basename(path))   # no temp paths shown
-    with open(result, "w", encoding="utf-8") as f:
+    with open(result + ".part", "w", encoding="utf-8") as f:
         f.write(text)
+    os.replace(result + ".part", result)
     return 0
 
 
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except Exception:                 # a stream the module replaced or closed
+            pass
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+    except BaseException:                 # still ends here (SystemExit from the module: no result)
+        import traceback
+        traceback.print_exc()
+        code = 1
+    _flush()
+    os._exit(code)                        # no wait for threads the module started, no atexit of its own

@@ -1,12 +1,16 @@
 """"Check my attention": a learner's module checked in a subprocess with a time and memory limit.
 
-The code the learner pastes is written to a private temporary directory and checked by
-:mod:`.check_worker` in a new process (its own session, so the whole process group can be
-killed): the same :func:`gpt2mha.learn.check.check` as ``gpt2mha check``. The time limit counts
-from the moment the worker has imported torch (importing torch is not the learner's code); the
-memory limit caps the worker's address space beyond what the interpreter already holds. A
-module that loops forever is killed at the limit; one that allocates too much fails inside the
-worker (MemoryError) or is killed by the system; each gets a message that says so.
+The code the learner pastes is compiled here first (a syntax error is answered at once), then
+written to a private temporary directory and checked by :mod:`.check_worker` in a new process:
+the same :func:`gpt2mha.learn.check.check` as ``gpt2mha check``. The worker runs under
+:mod:`.reaper`, a child subreaper that kills every process the module starts (a fork, a double
+fork, a new session) when the check ends, and keeps only the tail of what they print. The time
+limit counts from the moment the worker has imported torch (importing torch is not the
+learner's code); the memory limit caps the worker's address space beyond what the interpreter
+already holds. A module that loops forever is stopped at the limit; one that allocates too much
+fails inside the worker (MemoryError) or is killed by the system; each gets a message that says
+so. The result, once the worker has written it, is the answer (a thread the module left running
+does not turn it into a timeout).
 
 This runs the learner's code with the learner's permissions: the app offers it only on
 127.0.0.1, behind the per-launch token (:mod:`.security`).
@@ -46,12 +50,29 @@ class CheckLimits:
             raise ValueError(f"memory_mb={self.memory_mb!r} must be an integer in [64, 1048576]")
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """Kill the worker's whole process group and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+#: The supervisor the worker runs under (run by path: it imports no package).
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+#: Characters of the output returned (its tail).
+OUTPUT_CHARS = 4000
+#: Seconds the reaper may take to kill and reap everything once told to stop.
+STOP_S = 20.0
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the reaper and reap it: SIGTERM (it kills the worker and every process the module
+    started, then writes the output's tail); its whole process group killed only if it does not
+    end within :data:`STOP_S`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     proc.wait()
 
 
@@ -73,13 +94,49 @@ def _wait_ready(proc: subprocess.Popen, seconds: float) -> bool:
     return line.startswith(b"ready")
 
 
-def _tail(path: str, n: int = 4000) -> str:
+def _tail(path: str, n: int = OUTPUT_CHARS) -> str:
+    """The last ``n`` characters (about: the last ``4·n`` bytes, decoded) of the file ``path``."""
     try:
         with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4 * n))
             data = f.read()
     except OSError:
         return ""
-    return data[-n:].decode("utf-8", errors="replace")
+    return data.decode("utf-8", errors="replace")[-n:]
+
+
+def _precheck(code: str, class_name: str | None) -> str:
+    """The class to check, found without running the code: ``code`` compiled (a syntax error
+    with its line), then :func:`.check_worker.pick_class`.
+
+    Raises:
+        ValueError: the code does not compile, or no class to check in it.
+    """
+    from .check_worker import pick_class
+
+    try:
+        compile(code, "your_module.py", "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise ValueError(f"the code does not parse: {e.msg} (line {e.lineno})") from None
+    except (ValueError, RecursionError, MemoryError) as e:   # a NUL byte, nesting too deep for the compiler
+        raise ValueError(f"the code does not compile: {type(e).__name__}: {e}") from None
+    return pick_class(code, class_name)
+
+
+def _wait_result(proc: subprocess.Popen, result: str, seconds: float) -> bool:
+    """Whether the worker wrote ``result`` or its reaper ended within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(result):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            proc.wait(timeout=min(0.02, left))
+            return True
+        except subprocess.TimeoutExpired:
+            pass
+    return True
 
 
 def run_check(code: str, class_name: str | None = None, limits: CheckLimits | None = None) -> dict:
@@ -107,39 +164,40 @@ def run_check(code: str, class_name: str | None = None, limits: CheckLimits | No
     if class_name is not None and (not isinstance(class_name, str) or
                                    (class_name and not class_name.isidentifier())):
         raise ValueError(f"class name {class_name!r} is not a Python identifier")
+    try:
+        cls = _precheck(code, class_name)
+    except ValueError as e:
+        return {"error": str(e), "output": ""}
     with tempfile.TemporaryDirectory(prefix="gpt2mha-explain-check-") as tmp:
         path, result = os.path.join(tmp, "your_module.py"), os.path.join(tmp, "result.json")
         with open(path, "w", encoding="utf-8") as f:
             f.write(code)
-        cmd = [sys.executable, "-m", "gpt2mha.learn.explain.check_worker", path, result, class_name or "",
-               str(limits.memory_mb)]
+        cmd = [sys.executable, "-I", REAPER, result + ".out",
+               sys.executable, "-m", "gpt2mha.learn.explain.check_worker", path, result, cls, str(limits.memory_mb)]
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 cwd=tmp, env=env, start_new_session=True)
         try:
             if not _wait_ready(proc, limits.startup_s):
-                _kill(proc)
                 return {"error": f"the checker's process did not start within {limits.startup_s:g} s (importing torch); "
                                  f"try again", "output": ""}
             start = time.monotonic()
-            try:
-                proc.wait(timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill(proc)
-                return {"error": f"your module did not finish within the time limit of {limits.timeout_s:g} s and was "
-                                 f"stopped (an endless loop?)", "output": _tail(result + ".out")}
+            finished = _wait_result(proc, result, limits.timeout_s)
             seconds = time.monotonic() - start
-            output = _tail(result + ".out")
-            if not os.path.exists(result):
-                why = ("killed by a signal: out of memory?" if proc.returncode < 0 else f"exit code {proc.returncode}")
-                return {"error": f"the check ended without a result ({why}; the memory limit is {limits.memory_mb} MB)",
-                        "output": output}
-            with open(result, encoding="utf-8") as f:
-                answer = json.load(f)
         finally:
-            if proc.poll() is None:
-                _kill(proc)
+            _stop(proc)
             proc.stdout.close()
+        output = _tail(result + ".out")
+        if not finished:
+            return {"error": f"your module did not finish within the time limit of {limits.timeout_s:g} s and was "
+                             f"stopped (an endless loop?)", "output": output}
+        if not os.path.exists(result):
+            code = proc.returncode
+            why = ("killed by a signal: out of memory?" if code < 0 or code > 128 else f"exit code {code}")
+            return {"error": f"the check ended without a result ({why}; the memory limit is {limits.memory_mb} MB)",
+                    "output": output}
+        with open(result, encoding="utf-8") as f:
+            answer = json.load(f, parse_constant=str)         # a NaN or infinity as text: JSON has no such number
     answer["output"] = output
     answer["seconds"] = round(seconds, 3)
     return answer

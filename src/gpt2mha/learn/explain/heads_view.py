@@ -1,7 +1,9 @@
 """The heads view's data: every head's pattern as a small multiple, and each head's role.
 
-The small multiples are the patterns (``hook_pattern``) averaged over blocks of at most
-:data:`THUMB` x :data:`THUMB` cells and rounded to 8 bits; a click on one fetches that head's
+The small multiples are the patterns (``hook_pattern``) reduced to at most :data:`THUMB` x
+:data:`THUMB` pixels, each the largest weight of its block of cells (a mean would fade a head
+that puts all its weight on one key per query to 1/16 of the scale at 1024 tokens), on the
+fixed 0-1 scale, rounded to 8 bits; a click on one fetches that head's
 full-precision unit (:func:`~gpt2mha.learn.explain.tensors.head_unit`). Roles and their scores
 are :mod:`gpt2mha.learn.heads`' (relative to uniform attention; induction measured on a random
 sequence repeated twice).
@@ -20,13 +22,18 @@ from .tensors import encode_u8
 THUMB = 64
 
 
+#: How a thumbnail pixel sums up its block of cells (the page's legend says it).
+POOL = "max"
+
+
 def thumbnails(patterns: torch.Tensor) -> torch.Tensor:
     """``[n_layer, n_head, T, T]`` → ``[n_layer, n_head, B, B]`` with ``B = min(T, THUMB)``:
-    the mean weight of each block of cells (T ≤ THUMB: the patterns themselves)."""
+    the largest weight of each block of cells (``adaptive_max_pool2d``: block i spans rows
+    ``floor(i·T/B)`` to ``ceil((i+1)·T/B)``; T ≤ THUMB: the patterns themselves)."""
     L, H, T, _ = patterns.shape
     if T <= THUMB:
         return patterns.float()
-    return F.adaptive_avg_pool2d(patterns.float().reshape(L * H, 1, T, T), THUMB).reshape(L, H, THUMB, THUMB)
+    return F.adaptive_max_pool2d(patterns.float().reshape(L * H, 1, T, T), THUMB).reshape(L, H, THUMB, THUMB)
 
 
 def collect(model, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
@@ -64,10 +71,11 @@ def heads_unit(thumbs: torch.Tensor, relative: dict | None, induction: tuple[tor
 
     Returns:
         ``{"thumbs": uint8 [L, H, B, B] (:func:`~gpt2mha.learn.explain.tensors.encode_u8`),
+        "pool": :data:`POOL`,
         "roles": one row per head {"layer", "head", "role", "score", "scores"} (empty when T < 2,
         with "note" saying why), "threshold", "role_keys"}``.
     """
-    unit = {"thumbs": encode_u8(thumbs), "threshold": ROLE_THRESHOLD, "no_role": NO_ROLE,
+    unit = {"thumbs": encode_u8(thumbs), "pool": POOL, "threshold": ROLE_THRESHOLD, "no_role": NO_ROLE,
             "role_keys": [[label, key] for label, key in ROLES], "roles": [], "note": ""}
     if relative is None:
         unit["note"] = "head roles need a prompt of at least 2 tokens"

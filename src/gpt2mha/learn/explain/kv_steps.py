@@ -12,6 +12,8 @@ read at ``hook_attn_scores`` / ``hook_pattern`` of every layer.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...core import checks
@@ -26,13 +28,15 @@ VIEW_TOKENS = 30
 
 
 def check_sampling(temperature, top_k, top_p, seed=None) -> tuple[float, int, float, int | None]:
-    """The sampling fields of a request, checked (:func:`gpt2mha.core.checks.sampling`, ``seed``
-    None or in ``[0, 2**63)``); returns ``(temperature, top_k, top_p, seed)``.
+    """The sampling fields of a request, checked (:func:`gpt2mha.core.checks.sampling`, a finite
+    temperature, ``seed`` None or in ``[0, 2**63)``); returns ``(temperature, top_k, top_p, seed)``.
 
     Raises:
         ValueError: naming the field and its value.
     """
     temperature, top_k, top_p, _ = checks.sampling(temperature, top_k, top_p)
+    if math.isinf(temperature):                         # JSON's 1e400: every token as likely, -inf/inf NaN
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 means greedy)")
     return temperature, top_k, top_p, checks.seed(seed)
 
 

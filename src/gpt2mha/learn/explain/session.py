@@ -19,7 +19,8 @@ import torch
 from ...io.tokenizer import tokenizer_for
 from ..interventions import ablate_heads, logit_lens, next_token_shift, parse_heads
 from . import heads_view, kv_steps
-from .tensors import capture_layers, check_ids, config_dict, encode, head_unit, layer_unit, pipeline_unit, token_pieces
+from .tensors import (capture_layers, check_finite, check_ids, config_dict, encode, head_unit, layer_unit, pipeline_unit,
+                      token_pieces)
 
 #: Layer captures kept per sequence (each is ``[n_head, T, T]`` x2 plus a few ``[T, n_embd]``), and
 #: the bytes they may hold together (the last one asked for is always kept): 124M at 1024 tokens
@@ -222,14 +223,18 @@ class Sequence:
     def step(self, temperature, top_k, top_p, seed=None, layer: int = 0) -> dict:
         """Draw the next token (:func:`~.kv_steps.draw`, with this sequence's generator, seeded
         by ``seed``: a new seed restarts it; None: a random seed, reported), append it and run
-        the decode step on the cache (:func:`~.kv_steps.decode_step`).
+        the decode step on the cache (:func:`~.kv_steps.decode_step`). The sequence changes only
+        once the whole answer is computed and finite: a step that fails leaves the tokens, the
+        cache and the generator as they were.
 
         Returns:
             :func:`~.kv_steps.step_unit`, plus ``"sampling"`` (the distribution the token was
             drawn from), ``"seed"``, ``"T"`` and the new ``"version"``.
 
         Raises:
-            ValueError: bad sampling fields or layer, or the sequence already fills the context.
+            ValueError: bad sampling fields or layer, or the sequence already fills the context;
+                :class:`~.tensors.NonFiniteError`: the answer holds NaN or infinity;
+                :class:`~gpt2mha.inference.sampling.NonFiniteLogitsError`: NaN or infinite logits.
         """
         t, k, p, seed = kv_steps.check_sampling(temperature, top_k, top_p, seed)
         self.check_layer_head(layer)
@@ -238,24 +243,30 @@ class Sequence:
             raise ValueError(f"the sequence fills the model's context (n_ctx={c.n_ctx} tokens): reset it or start "
                              f"from a shorter prompt")
         with self.entry.lock:
+            generator = torch.Generator()
             if self.generator is None or (seed is not None and seed != self.seed):
-                self.seed = secrets.randbelow(2**63) if seed is None else seed
-                self.generator = torch.Generator().manual_seed(self.seed)
+                seed = secrets.randbelow(2**63) if seed is None else seed
+                generator.manual_seed(seed)
+            else:
+                seed = self.seed
+                generator.set_state(self.generator.get_state())
             past = self.past()
             last = self.logits()[-1]
             view = kv_steps.sampling_view(self.entry.tok, last, t, k, p)
-            token = kv_steps.draw(last, t, k, p, self.generator)
+            token = kv_steps.draw(last, t, k, p, generator)
             before = tuple(past.shape)
             step = kv_steps.decode_step(self.entry.model, past, token)
             full = capture_layers(self.entry.model, torch.tensor([self.ids + [token]]), [layer])[layer]
             unit = kv_steps.step_unit(self.entry.tok, token, before, step, full["pattern"][:, -1], layer)
+            answer = {**unit, "sampling": view, "seed": seed, "T": len(self.ids) + 1, "version": self.version + 1}
+            check_finite(answer, "the step's answer")
             logits = torch.cat([self._logits, step["logits"][None]])
-            past = step["past"]
+            self.seed, self.generator = seed, generator
             self.ids.append(token)
             self.version += 1
             self._reset_caches()
-            self._logits, self._past = logits, past
-        return {**unit, "sampling": view, "seed": self.seed, "T": len(self.ids), "version": self.version}
+            self._logits, self._past = logits, step["past"]
+        return answer
 
     def reset(self) -> dict:
         """Back to the prompt alone (the generator restarts from its seed at the next step)."""

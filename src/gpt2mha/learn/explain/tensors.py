@@ -39,6 +39,27 @@ SHORT = {"hook_resid_pre": "resid_pre", "ln_1.hook_normalized": "x", "attn.hook_
 TOP_NEXT = 30
 
 
+class NonFiniteError(ValueError):
+    """An answer holds NaN or infinity where the page needs a number: the model's weights or
+    activations are not finite (the app answers 422 with the message)."""
+
+
+def check_finite(answer, where: str = "answer") -> None:
+    """Raises :class:`NonFiniteError` naming the first float of ``answer`` (dicts, lists and
+    floats, as JSON holds them) that is NaN or infinite; the encoded tensors (base64) may hold
+    any float32."""
+    if isinstance(answer, float):
+        if not math.isfinite(answer):
+            raise NonFiniteError(f"the model's numbers are not finite: {where} is {answer} (NaN or infinity in its "
+                                 f"weights or activations: is the checkpoint broken?)")
+    elif isinstance(answer, dict):
+        for key, value in answer.items():
+            check_finite(value, f"{where}.{key}")
+    elif isinstance(answer, (list, tuple)):
+        for i, value in enumerate(answer):
+            check_finite(value, f"{where}[{i}]")
+
+
 def encode(t: torch.Tensor) -> dict:
     """A tensor as ``{"shape": [...], "f32": base64 of its float32 values, little-endian, C order}``."""
     a = t.detach().to(torch.float32).contiguous().cpu().numpy().astype("<f4")

@@ -149,7 +149,8 @@ EX.views.generate = {
     const desc = (i, j) => `key ${j} ${JSON.stringify(labels[j] || "")}${j === S - 1 ? " (the new token itself)" : " (cached)"}`;
     box.replaceChildren(
       EX.el("p", { class: "hint", text: `decode step: nd = 1 new query, ns = ${S} keys (${S - 1} cached + itself); layer ${l} head ${h}` }),
-      EX.el("div", {}, EX.matrix({ id: "m-kvmask", name: "attention_mask(1, ns)", t: EX.tensor(s.mask), kind: "mask", maxW: 520, maxH: 20, describe: desc })),
+      EX.el("div", {}, EX.matrix({ id: "m-kvmask", name: "attention_mask(1, ns)", t: EX.tensor(s.mask), kind: "mask", maxW: 520, maxH: 20, describe: desc,
+        axes: { cols: labels } })),
       EX.el("div", {}, EX.matrix({ id: "m-kvscores", name: "scores row", t: pick(s.scores), maxW: 520, maxH: 20, describe: desc })),
       EX.el("div", {}, EX.matrix({ id: "m-kvpattern", name: "weights row", t: pick(s.pattern), kind: "weights", maxW: 520, maxH: 20, describe: desc })),
       EX.el("p", { class: "hint", id: "kv-check", text: l === s.layer ? `equals the last row of a full forward without the cache (layer ${l}, every head): max |Δ| = ${s.full_max_diff.toExponential(2)}` : "" }));

@@ -25,7 +25,7 @@ EX.views.heads = {
       rows.push(EX.el("tr", {}, cells));
     }
     EX.$("heads-grid").replaceChildren(EX.el("table", { id: "heads-table" }, rows),
-      EX.el("p", { class: "hint", text: B < EX.state.T ? `small maps: each pixel the mean of ${(EX.state.T / B).toFixed(1)}² cells` : "" }));
+      EX.el("p", { class: "hint", id: "thumb-legend", text: EX.views.heads.thumbLegend(hu.pool, B, EX.state.T) }));
     EX.$("roles").replaceChildren(EX.views.heads.roleTable(hu));
     await EX.views.heads.pick();
   },
@@ -41,8 +41,16 @@ EX.views.heads = {
     EX.$("heads-big").replaceChildren(EX.el("h3", { id: "sel", text: `layer ${l} head ${h}` }),
       EX.el("p", { class: "hint", id: "sel-role", text: role }),
       EX.matrix({ id: "m-big", name: "A", t: EX.tensor(u.pattern), kind: "weights", square: true, maxW: 520, maxH: 520,
-        describe: EX.tokenDescriber("pairs"), caption: [EX.legend("weights")] }));
+        describe: EX.tokenDescriber("pairs"), caption: [EX.legend("weights")], axes: { rows: EX.labels(), cols: EX.labels() } }));
     EX.views.heads.lines(EX.tensor(u.pattern), -1);
+  },
+
+  // What a small map's pixel is: one cell, or (max pooling) the largest weight of its block.
+  thumbLegend(pool, B, T) {
+    const scale = "small maps: dark = 0, yellow = 1, every head on the same scale";
+    if (B >= T) return `${scale}; one pixel per cell`;
+    const what = pool === "max" ? "the largest weight of" : "the mean of";
+    return `${scale}; each pixel ${what} its block of about ${(T / B).toFixed(1)}² cells (${pool === "max" ? "max" : "mean"} pooling)`;
   },
 
   roleTable(hu) {

@@ -24,7 +24,8 @@ EX.dims2 = function (t, column) {
 // spec: {id, name, t (decoded tensor), caption (nodes), kind ("signed" | "weights" | "mask"),
 //   maxW, maxH (pixels), square (same cell width and height), column (1-D as a column),
 //   marks (columns where a block starts: a line), bands ([{c0, c1}] outlined column ranges),
-//   rowBands ([{r0, r1}]), describe(i, j) -> extra hover text}
+//   rowBands ([{r0, r1}]), describe(i, j) -> extra hover text,
+//   axes ({rows, cols}: token labels drawn down the left and along the top; either may be left out)}
 EX.matrix = function (spec) {
   const t = spec.t;
   const [rows, cols] = EX.dims2(t, spec.column);
@@ -47,7 +48,53 @@ EX.matrix = function (spec) {
   const cap = EX.el("figcaption", {}, EX.el("b", { text: spec.name }), " ",
     EX.el("span", { class: "shape", text: EX.shape(t.shape) }), spec.caption ? [" ", spec.caption].flat() : []);
   cap.style.maxWidth = Math.max(cols * cw, 260) + "px";             // the caption wraps at the matrix's width
-  return EX.el("figure", { class: "mx", id: spec.id + "-fig" }, cap, EX.el("div", { class: "scroll" }, canvas));
+  const ax = spec.axes;
+  const body = ax ? EX.el("div", { class: "axes" }, EX.el("div", {}),
+    ax.cols ? EX.axis(ax.cols, cols, cw, "cols", spec.id + "-cols") : EX.el("div", {}),
+    ax.rows ? EX.axis(ax.rows, rows, ch, "rows", spec.id + "-rows") : EX.el("div", {}), canvas) : canvas;
+  return EX.el("figure", { class: "mx", id: spec.id + "-fig" }, cap, EX.el("div", { class: "scroll" }, body));
+};
+
+// Token labels along one axis of a matrix: "rows" down its left (right-aligned), "cols" along its
+// top (turned a quarter). Label i sits at cell i's centre; when cells are smaller than the font,
+// every step-th label is drawn (step = ceil(font / cell)). Each reads "label index" (the hover line
+// says the rest); the labels drawn are in the canvas's data-labels ([[index, text], ...]).
+EX.AXIS_FONT = 9;
+EX.AXIS_DEPTH = 90;
+EX.axis = function (labels, n, cell, along, id) {
+  const step = Math.max(1, Math.ceil(EX.AXIS_FONT / cell));
+  const font = `${EX.AXIS_FONT}px ui-monospace, monospace`;
+  const shown = [];
+  for (let i = 0; i < n; i += step) {
+    const lab = labels[i] === undefined ? "" : String(labels[i]);
+    shown.push([i, (lab.length > 10 ? lab.slice(0, 9) + "…" : lab) + " " + i]);
+  }
+  const measure = document.createElement("canvas").getContext("2d");
+  measure.font = font;
+  const depth = Math.min(EX.AXIS_DEPTH, Math.ceil(Math.max(0, ...shown.map(([, t]) => measure.measureText(t).width))) + 6);
+  const len = n * cell + 2;                                           // the matrix's canvas and its 1 px border
+  const rows = along === "rows";
+  const cv = EX.el("canvas", { id, class: "axis", width: rows ? depth : len, height: rows ? len : depth,
+    "data-labels": JSON.stringify(shown), "data-step": step });
+  const ctx = cv.getContext("2d");
+  ctx.font = font;
+  ctx.fillStyle = "#333";
+  ctx.textBaseline = "middle";
+  for (const [i, text] of shown) {
+    const at = 1 + (i + 0.5) * cell;
+    if (rows) {
+      ctx.textAlign = "right";
+      ctx.fillText(text, depth - 3, at);
+    } else {
+      ctx.save();
+      ctx.translate(at, depth - 3);
+      ctx.rotate(-Math.PI / 2);
+      ctx.textAlign = "left";
+      ctx.fillText(text, 0, 0);
+      ctx.restore();
+    }
+  }
+  return cv;
 };
 
 EX.paint = function (canvas, t, rows, cols, cw, ch, spec) {

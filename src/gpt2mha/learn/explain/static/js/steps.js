@@ -38,7 +38,8 @@ EX.views.steps = {
     const rowDesc = EX.tokenDescriber("rows"), pairDesc = EX.tokenDescriber("pairs");
     const rowsOnly = (i) => rowDesc(i);
     const m = (id, name, enc, extra) => EX.matrix(Object.assign({ id: "m-" + id, name, t: tk(enc), describe: rowsOnly, maxH: 240 }, extra));
-    const sq = { square: true, maxW: 400, maxH: 400, describe: pairDesc };
+    const labels = EX.labels();
+    const sq = { square: true, maxW: 400, maxH: 400, describe: pairDesc, axes: { rows: labels, cols: labels } };
     const sqrt = Math.sqrt(hd);
     const sl = (base) => `${base + h * hd}:${base + (h + 1) * hd}`;
     const kids = [
@@ -96,8 +97,10 @@ EX.views.steps = {
     const nd = Math.min(T, 6);
     const wrap = EX.el("div", {});
     const slider = EX.el("input", { type: "range", min: 0, max: 8, value: 3, id: "past-len" });
+    const shown = EX.el("output", { id: "past-len-value", for: "past-len", class: "mono" });
     const draw = () => {
       const P = +slider.value, ns = nd + P;
+      shown.textContent = `P = ${P}`;
       wrap.replaceChildren(EX.matrix({ id: "m-pastmask", name: "attention_mask", t: EX.pastMask(nd, ns), kind: "mask",
         square: true, maxW: 320, maxH: 200, caption: [`(nd=${nd}, ns=${ns}): with a past of ${P} cached tokens the mask is `,
           "aligned bottom-right: query i sees every cached key and the new ones up to itself"],
@@ -106,7 +109,7 @@ EX.views.steps = {
     slider.addEventListener("input", draw);
     draw();
     return EX.el("div", {}, EX.el("h3", { text: "The mask with a KV cache" }),
-      EX.el("label", { class: "hint" }, "past tokens P ", slider), wrap,
+      EX.el("label", { class: "hint" }, "past tokens P ", slider, " ", shown), wrap,
       EX.el("p", { class: "hint", text: "Tab 4 runs real decode steps: one query (nd = 1) over the whole cache (ns = T + 1)." }));
   },
 };
