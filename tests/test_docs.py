@@ -264,6 +264,44 @@ def test_the_built_site_holds_no_python_file(tmp_path):
             assert banner not in done.stdout + done.stderr, f"mkdocs build printed the theme's banner ({banner!r})"
 
 
+# ------------------------------------------------------------------------------- the kernels' pages
+def kernel_sources() -> tuple[str, ...]:
+    """gpt2mha.kernels.build.SOURCES: every file the library is compiled from (standard library only)."""
+    from gpt2mha.kernels import build
+
+    return build.SOURCES
+
+
+def test_the_kernel_pages_name_every_source():
+    """The kernels reference and the code layout list the sources the build compiles, by name, so a
+    new source file shows up as a missing name rather than as a stale count."""
+    sources = kernel_sources()
+    assert len([s for s in sources if s.endswith(".cpp")]) >= 8
+    for page in (DOCS / "reference" / "kernels.md", DOCS / "reference" / "layout.md"):
+        text = page.read_text(encoding="utf-8")
+        missing = [name for name in sources if f"`{name}`" not in text]
+        assert not missing, f"{page.relative_to(ROOT)} does not name {missing}"
+
+
+COUNTED = re.compile(r"\b(?:\d+|one|two|three|four|five|six|seven|eight|nine|ten)\s+(?:C\+\+\s+)?(?:files|sources)\b"
+                     r"|[\d,]+\s+lines\s+of\s+C\+\+"
+                     r"|compile[sd]?\s+(?:here,\s+|the\s+kernels\s+|gpt2mha's\s+C\+\+\s+kernels\s+)once", re.I)
+
+
+def test_no_page_counts_the_kernel_sources_or_says_they_compile_once():
+    """A count of the C++ files or lines goes stale with the next source (the pages name them
+    instead), and the kernels compile at every install whose sources changed, not once: the docs
+    and setup.py's docstring state neither."""
+    import ast
+
+    setup = ast.get_docstring(ast.parse((ROOT / "setup.py").read_text(encoding="utf-8")))
+    texts = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in DOCS.rglob("*.md")}
+    texts["setup.py's docstring"] = setup
+    for where, text in texts.items():
+        found = COUNTED.search(text)
+        assert found is None, f"{where} states {' '.join(found.group(0).split())!r}"
+
+
 # ------------------------------------------------------------------------------- links
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
