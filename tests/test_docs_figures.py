@@ -500,6 +500,69 @@ def claims():
         ("docs/performance.md", r"machines: (\S+)× in this run, (\S+)× in the precision table's run below and (\S+)× "
                                 r"on the Zen 4",
          [speed_ratio(run, head4, "b1", q4) for run in (peers, precisions, int_zen4)]),
+        *history(),
+    ]
+
+
+def history() -> list:
+    """The performance page's sentences on the runs before and on the other benchmarks."""
+    precisions, floats, later = load("peers-precisions.json"), load("peers-float.json"), \
+        load("archive/peers-fp16-2026-12-04-0501.json")
+    routes = load("float_routes.json")["figures"]
+    bench = load("bench.json")["rows"]
+    w4a8 = load("w4a8_products.json")["results"]
+
+    def ratios_of(run, ours, theirs):
+        return [speed_ratio(run, ours, m, theirs) for m in ("b1", "b8", "p512")]
+
+    def bench_ratio(start):
+        return next(r["ratio"] for r in bench if r["figure"].startswith(start))
+
+    def route(metric):
+        native, view = routes[f"fp16|native|{metric}"], routes[f"fp16|view|{metric}"]
+        return min(view) / min(native) if metric.endswith("ms") else max(native) / max(view)
+
+    def w4a8_range(rows, ours, theirs):
+        found = [r["ms"][theirs] / r["ms"][ours] for r in w4a8 if r["rows"] in rows and theirs in r["ms"]]
+        return [min(found), max(found)]
+
+    def served(name, figure="served_e2e", against="offline_e2e"):
+        offline = load(name)["offline"]
+        return [offline[e][figure] / offline[e][against] for e in ("gpt2mha int4", "gpt2mha int8")]
+
+    page = "docs/performance.md"
+    return [
+        (page, r"bf16 against OpenVINO's bf16 went from (\S+)× / (\S+)× / (\S+)× \(12-03, .*? to (\S+)× / (\S+)× / (\S+)×\.",
+         ratios_of(precisions, "gpt2mha bf16", "openvino bf16") + ratios_of(floats, "gpt2mha bf16", "openvino bf16")),
+        (page, r": (\S+)× llama.cpp f32 at batch 1, (\S+)× and (\S+)× OpenVINO\) and trails OpenVINO on 12-04 "
+               r"\((\S+)×, (\S+)×, (\S+)×\)",
+         [speed_ratio(precisions, "gpt2mha float32", "b1", "llama.cpp f32")]
+         + ratios_of(precisions, "gpt2mha float32", "openvino f32")[1:] + ratios_of(floats, "gpt2mha float32", "openvino f32")),
+        (page, r"against OpenVINO f32's [\d. /]+ \((\S+)×, (\S+)×, (\S+)×\)", ratios_of(later, "gpt2mha float32", "openvino f32")),
+        (page, r"against its decode view before, (\S+)× at batch 1, (\S+)× at batch 8, (\S+)× in prefill",
+         [route("decode b1 tok/s"), route("decode b8 tok/s"), route("prefill 512 ms")]),
+        (page, r"\): (\d+)–(\d+) GMAC/s at 64 and 512 rows, (\S+)–(\S+)× `conv1d_f32` over float32 weights and (\S+)× torch's int4 kernel there, "
+               r"but (\S+)–(\S+)× int8 per_row's W7A8 .*? at one row (\S+)–(\S+)× float32",
+         [f(r["w4a8_gmac_s"] for r in w4a8 if r["rows"] in (64, 512)) for f in (min, max)]
+         + w4a8_range((64, 512), "w4a8", "f32") + [statistics.median(w4a8_range((64, 512), "w4a8", "torch_int4"))]
+         + w4a8_range((64, 512), "w4a8", "w7a8") + w4a8_range((1,), "w4a8", "f32")),
+        (page, r"the static KV cache decodes (\S+)× faster than recomputing the sequence; a step at position ~900 costs "
+               r"(\S+)× one at ~100; the fused prefill needs (\S+)× the explicit path's peak memory; .*? \((\S+)×\) and "
+               r"runs (\S+)× faster than the book's .*? would allow (\S+)× transformers",
+         [bench_ratio(s) for s in ("decode tok/s, batch 1, 200 new: static", "decode step time", "prefill T=1024 peak",
+                                   "attention sublayer B=8, T=1024, 12x64: gpt2mha / bare",
+                                   "attention sublayer B=8, T=1024, 12x64: book", "decode tok/s ceiling, batch 1, gpt2mha float32")]),
+        (page, r"end to end\): int4 (\S+)×, int8 (\S+)× in that run", served("serve_peers-2026-12-03-2155.json")),
+        (page, r"serve_offline-2026-12-04-0255.json`\): int4 (\S+)×, int8 (\S+)×",
+         served("archive/serve_offline-2026-12-04-0255.json")),
+        (page, r"serve_offline-2026-12-04-0603.json`\) (\S+)× and (\S+)×", served("archive/serve_offline-2026-12-04-0603.json")),
+        (page, r"serve_offline-2026-12-04-1303.json`\) (\S+)× and (\S+)×", served("archive/serve_offline-2026-12-04-1303.json")),
+        (page, r"streamed int4 (\S+)×, int8 (\S+)× of offline `generate` end to end \(decode (\S+)×, (\S+)×; against "
+               r"offline run in a thread of its own, as the server runs the model, (\S+)× both\), and whole answers .*? "
+               r"(\S+)× and (\S+)×",
+         served("serve_offline.json") + served("serve_offline.json", "served_decode", "offline_decode")
+         + [statistics.mean(served("serve_offline.json", "served_e2e", "thread_e2e"))]
+         + served("serve_offline.json", "whole_e2e")),
     ]
 
 
