@@ -10,8 +10,10 @@
   one product (a list of rounds counts as its best, worst and median as well; a range's ends
   each are such ratios). A figure no marker covers, or that no named JSON gives, fails. Where a
   marker stands, a percentage with decimals (a top-1 agreement: ``97.42%``) is a number of its JSON.
-- The performance page's tables and the quality tables are checked cell by cell against their
-  JSON: every number, not only the ratios (and so are the README's table, tests/test_readme.py).
+- That rule is a coarse net (a JSON holds hundreds of ratios; it catches a figure from another
+  run or none). The exact checks: the performance page's tables and the quality tables, cell by
+  cell (every number, not only the ratios; the README's table: tests/test_readme.py), and the
+  README's and the performance page's sentences of ratios, each figure computed from its JSON.
 
 Reference: the JSON files in benchmarks/results/ and benchmarks/archive/ (written by the
 benchmarks, or transcribed, each naming its source).
