@@ -1,7 +1,7 @@
 """gpt2mha's build: the package (pyproject.toml says what it holds) and its C++ kernels
-(src/gpt2mha/kernels/), compiled here, once, at ``pip install``, by torch's ``CppExtension`` and
+(src/gpt2mha/kernels/), compiled here at ``pip install``, by torch's ``CppExtension`` and
 ``BuildExtension`` (setuptools: torch's own extension machinery knows its headers, libraries and
-C++ ABI, and ninja compiles the three sources in parallel).
+C++ ABI, and ninja compiles the C++ sources in parallel).
 
 On Linux x86-64 the kernels are built (or the install fails, saying why); elsewhere, or with
 ``GPT2MHA_KERNELS=0`` set for the install, the package installs without them and gpt2mha says so

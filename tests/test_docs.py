@@ -11,8 +11,10 @@ the parser, its links and pictures exist.
   anything else through ``bash``). ``<!-- test: run server -->`` runs a block against a live
   ``gpt2mha serve`` of the built-in model (its ``http://127.0.0.1:8000`` replaced by the test
   server's address).
-- The CLI reference page (docs/hooks/cli_reference.py, an MkDocs hook) names every subcommand and
+- The CLI reference page (docs_hooks/cli_reference.py, an MkDocs hook) names every subcommand and
   every flag ``gpt2mha.cli.build_parser()`` has.
+- The hooks live outside docs/, so the built site holds none of their code, and the docs extra
+  pins a theme that prints no end-of-life banner on a plain ``mkdocs build``.
 - Every relative link and image of docs/ points at a file that exists (``mkdocs build --strict``
   in CI checks the rest: anchors, the API reference's objects).
 
@@ -53,7 +55,7 @@ def runnable_pages():
 
 
 def load_hook():
-    spec = importlib.util.spec_from_file_location("cli_reference", DOCS / "hooks" / "cli_reference.py")
+    spec = importlib.util.spec_from_file_location("cli_reference", ROOT / "docs_hooks" / "cli_reference.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -172,7 +174,7 @@ def test_the_cli_reference_names_every_subcommand_and_flag():
     hook = load_hook()
     page = (DOCS / "reference" / "cli.md").read_text(encoding="utf-8")
     assert hook.MARKER in page, "docs/reference/cli.md lost its <!-- cli-reference --> marker"
-    assert "docs/hooks/cli_reference.py" in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert "docs_hooks/cli_reference.py" in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     rendered = hook.on_page_markdown(page)
     parser = build_parser()
     subs = hook.subcommands(parser)
@@ -200,6 +202,104 @@ def test_the_cli_reference_sees_a_new_flag():
     text = hook.render(parser)
     assert "`--a-flag-added-today A_FLAG_ADDED_TODAY` | what it does \\| with a pipe |" in text
     assert "--hidden" not in text
+
+
+# ------------------------------------------------------------------------------- the site build
+#: the first mkdocs-material releases that print a banner on every build (9.7.2: "MkDocs 2.0 ...",
+#: 9.7.6 and 9.8: "reaches end of life"), read in each release's material/plugins/__init__.py and
+#: material/templates/__init__.py
+BANNER_RELEASES = ("9.7.2", "9.7.6", "9.8.0", "9.8.2")
+
+
+def docs_extra(package: str) -> str:
+    """The version specifier pyproject.toml's ``docs`` extra gives ``package``."""
+    extra = re.search(r"^docs = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M)
+    assert extra, "pyproject.toml has no docs extra"
+    spec = next((r for r in re.findall(r'"([^"]+)"', extra[1]) if re.match(rf"{re.escape(package)}\b", r)), None)
+    assert spec, f"the docs extra does not name {package}"
+    return spec[len(package):]
+
+
+def test_the_hooks_live_outside_the_docs_directory():
+    """MkDocs copies every file under docs/ into the site: a hook there would be published."""
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    hooks = re.search(r"^hooks:\n((?:  - .*\n)+)", config, re.M)
+    assert hooks, "mkdocs.yml lists no hooks"
+    for path in re.findall(r"  - (.*)", hooks[1]):
+        assert (ROOT / path).is_file(), f"mkdocs.yml names a missing hook {path}"
+        assert not (ROOT / path).resolve().is_relative_to(DOCS), f"the hook {path} lies under docs/"
+    assert not list(DOCS.rglob("*.py")), "a .py file under docs/ would be copied into the site"
+
+
+def test_the_docs_extra_pins_a_theme_without_the_banner():
+    """A plain ``mkdocs build`` or ``mkdocs serve`` prints no end-of-life banner: the releases that
+    print one (silenced only by NO_MKDOCS_2_WARNING=1) are outside the docs extra's pin."""
+    from packaging.specifiers import SpecifierSet
+
+    spec = SpecifierSet(docs_extra("mkdocs-material"))
+    assert spec.contains("9.7.1"), f"mkdocs-material{spec} excludes 9.7.1, the last release without the banner"
+    for release in BANNER_RELEASES:
+        assert not spec.contains(release), f"mkdocs-material{spec} admits {release}, which prints a banner"
+
+
+@pytest.mark.slow
+def test_the_built_site_holds_no_python_file(tmp_path):
+    """``mkdocs build --strict`` (as CI runs it, about 10 s) succeeds, publishes no .py file (the
+    CLI reference hook stays out of the site), and, with the pinned theme, prints no banner."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    from importlib.metadata import version
+
+    from packaging.specifiers import SpecifierSet
+
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_MKDOCS_2_WARNING", "DISABLE_MKDOCS_2_WARNING")}
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (site / "reference" / "cli" / "index.html").exists()
+    assert not list(site.rglob("*.py")), f"the site publishes {[str(p.relative_to(site)) for p in site.rglob('*.py')]}"
+    if version("mkdocs-material") in SpecifierSet(docs_extra("mkdocs-material")):
+        for banner in ("end of life", "MkDocs 2.0", "NO_MKDOCS_2_WARNING"):
+            assert banner not in done.stdout + done.stderr, f"mkdocs build printed the theme's banner ({banner!r})"
+
+
+# ------------------------------------------------------------------------------- the kernels' pages
+def kernel_sources() -> tuple[str, ...]:
+    """gpt2mha.kernels.build.SOURCES: every file the library is compiled from (standard library only)."""
+    from gpt2mha.kernels import build
+
+    return build.SOURCES
+
+
+def test_the_kernel_pages_name_every_source():
+    """The kernels reference and the code layout list the sources the build compiles, by name, so a
+    new source file shows up as a missing name rather than as a stale count."""
+    sources = kernel_sources()
+    assert len([s for s in sources if s.endswith(".cpp")]) >= 8
+    for page in (DOCS / "reference" / "kernels.md", DOCS / "reference" / "layout.md"):
+        text = page.read_text(encoding="utf-8")
+        missing = [name for name in sources if f"`{name}`" not in text]
+        assert not missing, f"{page.relative_to(ROOT)} does not name {missing}"
+
+
+COUNTED = re.compile(r"\b(?:\d+|one|two|three|four|five|six|seven|eight|nine|ten)\s+(?:C\+\+\s+)?(?:files|sources)\b"
+                     r"|[\d,]+\s+lines\s+of\s+C\+\+"
+                     r"|compile[sd]?\s+(?:here,\s+|the\s+kernels\s+|gpt2mha's\s+C\+\+\s+kernels\s+)once", re.I)
+
+
+def test_no_page_counts_the_kernel_sources_or_says_they_compile_once():
+    """A count of the C++ files or lines goes stale with the next source (the pages name them
+    instead), and the kernels compile at every install whose sources changed, not once: the docs
+    and setup.py's docstring state neither."""
+    import ast
+
+    setup = ast.get_docstring(ast.parse((ROOT / "setup.py").read_text(encoding="utf-8")))
+    texts = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in DOCS.rglob("*.md")}
+    texts["setup.py's docstring"] = setup
+    for where, text in texts.items():
+        found = COUNTED.search(text)
+        assert found is None, f"{where} states {' '.join(found.group(0).split())!r}"
 
 
 # ------------------------------------------------------------------------------- links

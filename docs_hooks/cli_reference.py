@@ -5,7 +5,7 @@ gets it replaced by one section per subcommand: its help line, its description, 
 table of every argument with its help (defaults as ``--help`` prints them). Hidden arguments
 (``help=argparse.SUPPRESS``) are left out, as ``--help`` leaves them out.
 
-``python docs/hooks/cli_reference.py`` prints the Markdown; tests/test_docs.py checks that every
+``python docs_hooks/cli_reference.py`` prints the Markdown; tests/test_docs.py checks that every
 subcommand and flag the parser has is in it.
 """
 
