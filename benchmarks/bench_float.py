@@ -26,7 +26,7 @@ from gpt2mha.core.attention import CausalSelfAttention
 from gpt2mha.core.kv_cache import KVCache
 from gpt2mha.core.model import logits_dtype
 from gpt2mha.inference.fast import for_decoding
-from gpt2mha.io.convert import fused_to_mha
+from gpt2mha.learn.attention_layouts import fused_to_mha
 
 if TYPE_CHECKING:                                   # bench.py defines Sizes, and imports this module
     from bench import Sizes

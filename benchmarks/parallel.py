@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from gpt2mha import GPT2, GPT2Config
 from gpt2mha.inference import parallel as tp
-from gpt2mha.train import distributed as parallel
+from gpt2mha import distributed as parallel
 from gpt2mha.train.train import TrainConfig, get_batch, make_optimizer
 
 HERE = os.path.abspath(__file__)

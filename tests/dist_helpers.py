@@ -28,7 +28,7 @@ def _entry(rank, fn, world_size, port, out_dir, args, timeout_s):
     import torch
 
     torch.set_num_threads(1)
-    from gpt2mha.train import distributed
+    from gpt2mha import distributed
 
     try:
         distributed.init_distributed()

@@ -1,4 +1,4 @@
-"""Exact conversions between attention layouts and between whole-model state dicts (gpt2mha.io.convert).
+"""Exact conversions between attention layouts and between whole-model state dicts (gpt2mha.learn.attention_layouts, gpt2mha.io.layouts).
 
 References: the outputs of the source module (a conversion must not change a single output),
 GPT-2's fused column offsets for the per-head view (q at h*hd, k at n_embd + h*hd, v at
@@ -15,8 +15,9 @@ from hypothesis import given, settings, strategies as st
 from gpt2mha import GPT2, GPT2Config, CausalSelfAttention, MultiHeadAttention, MultiHeadAttentionWrapper
 from gpt2mha import attention_mask
 from gpt2mha.core import reference
-from gpt2mha.io.convert import (conv1d_to_linear_state_dict, fused_to_heads, fused_to_mha, heads_to_fused,
-                             linear_to_conv1d_state_dict, mha_to_fused, mha_to_wrapper, wrapper_to_mha)
+from gpt2mha.io.layouts import conv1d_to_linear_state_dict, linear_to_conv1d_state_dict
+from gpt2mha.learn.attention_layouts import (fused_to_heads, fused_to_mha, heads_to_fused, mha_to_fused, mha_to_wrapper,
+                                             wrapper_to_mha)
 
 ATOL = 1e-5  # fp32 agreement between different computations
 

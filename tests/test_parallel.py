@@ -14,7 +14,8 @@ from dist_helpers import run_ranks, values
 from gpt2mha import GPT2, GPT2Config, KVCache
 from gpt2mha.core.hooks import record
 from gpt2mha.inference import parallel
-from gpt2mha.train import distributed
+from gpt2mha import distributed
+from gpt2mha.train.evaluate import distributed_perplexity
 
 VERDICT = os.path.join(os.path.dirname(__file__), "data", "the-verdict.txt")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -178,7 +179,7 @@ def ddp_and_scoring_checks(rank, world, out_dir):
     out = {}
     model = random_model(GPT2Config.from_preset("tiny"), seed=3)
     text = open(VERDICT, encoding="utf-8").read()[:4000]
-    out["ppl"] = dataclasses.asdict(distributed.perplexity(model, text, stride=24))
+    out["ppl"] = dataclasses.asdict(distributed_perplexity(model, text, stride=24))
 
     writes, real_write = [], T._write
     T._write = lambda *a, **k: (writes.append(a[2]), real_write(*a, **k))
@@ -371,7 +372,8 @@ def failing_rank_cli(rank, world, command, how, text_path):
             return real(self, x)
         parallel.RowParallelConv1D.forward = forward
     if rank == 1 and command == "perplexity":
-        distributed.score_windows = lambda *a, **k: fail()  # before its share reaches the all-reduce
+        from gpt2mha.train import evaluate
+        evaluate.score_windows = lambda *a, **k: fail()     # before its share reaches the all-reduce
     argv = (["generate", "ROMEO:", "--tp", "2", "--max-new-tokens", "60", "--seed", "1"] if command == "generate"
             else ["perplexity", text_path, "--stride", "128"])
     return run_cli(argv)

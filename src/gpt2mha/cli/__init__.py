@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0():
             print(f"error: {e}", file=sys.stderr)
         return 2
-    from ..train.distributed import launched
+    from ..distributed import launched
     try:
         with launched(args.command):          # joins torchrun's process group for generate/train/perplexity
             return args.func(args)

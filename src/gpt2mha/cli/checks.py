@@ -279,10 +279,12 @@ def check_convert_args(args) -> None:
         raise ValueError(f"{args.dst} is not empty; refusing to overwrite it (pass --overwrite)")
 
 
+#: The sections of ``gpt2mha bench`` (benchmarks/bench.py), in the order they run.
+BENCH_SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp", "quant")
+
+
 def check_bench_args(args) -> None:
     """``bench``: ``--only`` sections it has, ``--quantize`` schemes, ``--text`` readable."""
-    from .tools import BENCH_SECTIONS
-
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     bad = [s for s in sections if s not in BENCH_SECTIONS]
     if bad or not sections:

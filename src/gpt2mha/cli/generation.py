@@ -54,7 +54,7 @@ def cmd_generate(args) -> int:
     from ..inference import parallel
     from ..inference.generate import check_fits, generate_with
     from ..io.tokenizer import StreamDecoder, tokenizer_for
-    from ..train import distributed
+    from .. import distributed
 
     prompts = args.prompt
     di = parallel.check_world(args.tp)                # --tp N needs N ranks (torchrun)
@@ -124,7 +124,7 @@ def _generate_samples(args, model, tok, encoded: list[list[int]], params) -> int
     row ends at its first ``<|endoftext|>``."""
     from ..inference import parallel
     from ..inference.generate import decode_rows, generate_with, left_pad
-    from ..train import distributed
+    from .. import distributed
 
     rows = [ids for ids in encoded for _ in range(args.num_samples)]
     idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
@@ -158,11 +158,12 @@ def read_prompt_file(path: str) -> str:
 
 
 def cmd_perplexity(args) -> int:
-    from ..train import distributed
+    from .. import distributed
 
     text = read_text(args.file, args.split)
     model = quantized(load_model(args.model, args.dtype), args).to(distributed.info().device)
-    result = distributed.perplexity(model, text, stride=args.stride,   # windows split over torchrun's ranks
+    from ..train.evaluate import distributed_perplexity
+    result = distributed_perplexity(model, text, stride=args.stride,   # windows split over torchrun's ranks
                                     progress=not args.quiet)
     if not distributed.info().is_main:
         return 0
@@ -213,7 +214,7 @@ def cmd_train(args) -> int:
         flags = {k: v for k, v in flags.items() if getattr(args, k) is not None}          # the ones given
         message = re.sub(r"\b(%s)=" % "|".join(flags), lambda m: flags[m.group(1)] + "=", str(e)) if flags else str(e)
         raise ValueError(f"--preset {args.preset}: {message}" if args.resume and args.preset else message) from None
-    from ..train.distributed import info
+    from ..distributed import info
     if not info().is_main:
         return 0
     if log["steps_run"] == 0:                                        # a resumed run already at --iters

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from .checks import (check_bench_args, check_compile, check_check_args, check_check_model_args, check_convert_args,
+from .checks import (BENCH_SECTIONS, check_bench_args, check_compile, check_check_args, check_check_model_args, check_convert_args,
                      check_heads_args, check_trace_args)
 from .common import (batch_invariant_arg, DEFAULT_MAX_BODY_BYTES, DTYPES, DefaultsHelpFormatter, check_quantize_args, json_arg, load_model,
                      model_arg, number, quantize_args, quantized, quiet_arg)
@@ -175,10 +175,6 @@ def cmd_bench(args) -> int:
     sys.modules[spec.name] = bench                              # its dataclasses look their module up there
     spec.loader.exec_module(bench)
     return bench.main_args(args)
-
-
-#: The sections of ``gpt2mha bench`` (benchmarks/bench.py), in the order they run.
-BENCH_SECTIONS = ("decode", "cache", "positions", "prefill", "attention", "lowp", "quant")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from ..core import checks
 from ..core.kv_cache import KVCache
-from ..train.distributed import shared_seed
+from ..distributed import shared_seed
 from .decoders import NATIVE, choose_decoder
 from .engine import Engine
 from .parallel import tp_group
@@ -225,7 +225,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             so row i samples exactly as its prompt alone with that seed; None: torch's global
             generator (for a model sharded over several ranks,
             :func:`gpt2mha.inference.parallel.shard_model`, a seed drawn by the group's first
-            rank and shared, :func:`gpt2mha.train.distributed.shared_seed`).
+            rank and shared, :func:`gpt2mha.distributed.shared_seed`).
         eos_token_id: once a row emits it, the row is finished and keeps emitting it; the loop
             stops early when every row is finished (the result is still padded to full length).
         sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)

@@ -1,5 +1,5 @@
 """Tensor parallelism by heads, applied from outside by swapping modules (as gpt-fast's
-``apply_tp``). The process group, rank-0 I/O and data parallelism are :mod:`gpt2mha.train.distributed`.
+``apply_tp``). The process group, rank-0 I/O and data parallelism are :mod:`gpt2mha.distributed`.
 
 Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
 Parameter Language Models Using Model Parallelism", section 3, figure 3): rank r of N owns heads
@@ -36,7 +36,7 @@ from torch import nn
 
 from ..core.attention import Conv1D
 from ..core.model import GPT2, GPT2Config
-from ..train.distributed import DistInfo, DistributedError, gather_objects, info
+from ..distributed import DistInfo, DistributedError, gather_objects, info
 
 # ---------------------------------------------------------------------------- tensor parallel
 def check_tp(config: GPT2Config, tp: int) -> None:

@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import tempfile
+from typing import Callable, NamedTuple
 
 import torch
 import huggingface_hub
@@ -32,9 +33,43 @@ from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors.torch import load_file, save_file
 
 from ..core.model import GPT2, GPT2Config
-from ..inference.quant.checkpoint import load_state, state_to_save
 from .state_dicts import CheckpointError, as_dtype, check_state_dict, load_into, normalize_keys, resolve_lm_head
 from .tokenizer import HF_TOKENIZER_FILES, hf_tokenizer_files, tokenizer_class
+
+
+class QuantizedFormat(NamedTuple):
+    """How a quantized model is stored, registered by :mod:`gpt2mha.inference.quant` (a layer
+    above this one) with :func:`register_quantized_format`.
+
+    Attributes:
+        load: ``load(model, entry, sd, source, dtype) -> model``: the quantized model from the
+            float ``model`` on the meta device, the ``config.json`` entry and the tensors.
+        save: ``save(model, dtype) -> (tensors, entry)``: what ``save_pretrained`` writes.
+    """
+
+    load: Callable
+    save: Callable
+
+
+_QUANTIZED: list[QuantizedFormat] = []
+
+
+def register_quantized_format(fmt: QuantizedFormat) -> None:
+    """Make ``fmt`` the reader and writer of quantized checkpoints (called once, by
+    :mod:`gpt2mha.inference.quant.checkpoint` when it is imported)."""
+    _QUANTIZED[:] = [fmt]
+
+
+def quantized_format() -> QuantizedFormat:
+    """The registered :class:`QuantizedFormat`.
+
+    Raises:
+        CheckpointError: none registered (``gpt2mha.inference.quant`` was not imported; importing
+            ``gpt2mha`` does it).
+    """
+    if not _QUANTIZED:
+        raise CheckpointError("a quantized checkpoint needs gpt2mha.inference.quant: import gpt2mha first")
+    return _QUANTIZED[0]
 
 #: Built-in models shipped inside the package (``gpt2mha/models/<name>/``).
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
@@ -395,7 +430,7 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
     if "quantization" in cfg.get("gpt2mha", {}):                  # saved after GPT2.quantize
         with torch.device("meta"):
             model = model_cls(config)
-        return load_state(model, cfg["gpt2mha"]["quantization"], sd, weights_path, dtype)
+        return quantized_format().load(model, cfg["gpt2mha"]["quantization"], sd, weights_path, dtype)
     sd, config = resolve_lm_head(sd, config, weights_path)
     with torch.device("meta"):
         model = model_cls(config)
@@ -510,7 +545,7 @@ def _tensors_to_save(model: GPT2, dtype: torch.dtype, hf_config: dict) -> dict[s
         ValueError: a weight that ``dtype`` cannot hold (nothing is written then).
     """
     if getattr(model, "quantization", None):                     # int8/int4 weights stored as they are
-        tensors, entry = state_to_save(model, dtype)
+        tensors, entry = quantized_format().save(model, dtype)
         tensors = {f"transformer.{k}": v for k, v in tensors.items()}
         hf_config["gpt2mha"]["quantization"] = entry
         hf_config["quantization_config"] = {"quant_method": "gpt2mha", **entry}   # transformers cannot load it

@@ -26,7 +26,7 @@ import torch
 
 from ..core.model import GPT2
 from .checkpoints import CONFIG_NAME, builtin_models, load_pretrained, save_pretrained
-from .learner_formats import _book_state_dict_of, read_book, read_nanogpt, save_book, save_nanogpt
+from .learner_formats import book_state_dict_of, read_book, read_nanogpt, save_book, save_nanogpt
 from .openai_tf import OPENAI_FILES, is_openai_dir, load_openai
 from .state_dicts import CheckpointError, CheckpointWarning, as_dtype, model_from_state_dict, read_torch_file
 
@@ -85,7 +85,7 @@ def source_format(src: str) -> str:
 def _detect_object(obj, source: str) -> str:
     if isinstance(obj, dict) and "model_args" in obj and "model" in obj:
         return "nanogpt"
-    sd = _book_state_dict_of(obj)
+    sd = book_state_dict_of(obj)
     if sd is not None and any(k.endswith("tok_emb.weight") for k in sd):
         return "book"
     keys = list(obj)[:5] if isinstance(obj, dict) else type(obj).__name__

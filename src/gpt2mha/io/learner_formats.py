@@ -21,15 +21,22 @@ import os
 import torch
 
 from ..core.model import GPT2, GPT2Config
-from .convert import conv1d_to_linear_state_dict, linear_to_conv1d_state_dict, strip_wrapper_prefixes
+from .layouts import conv1d_to_linear_state_dict, linear_to_conv1d_state_dict, strip_wrapper_prefixes
 from .state_dicts import CheckpointError, check_tensors, read_torch_file, tie_head
-from .state_dicts import _shapes, _state_dict
+from .state_dicts import tensor_shapes, detached_state_dict
 
 
 BOOK_CONFIG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers", "drop_rate", "qkv_bias")
 
 
-def _book_state_dict_of(obj):
+def book_state_dict_of(obj):
+    """The state dict inside a loaded book checkpoint (a plain state dict, or chapter 5's
+    ``{"model_state_dict": ...}``), with the per-head wrapper's prefixes stripped; None when
+    ``obj`` is neither.
+
+    Raises:
+        CheckpointError: the wrapper's keys cannot be read (:func:`~gpt2mha.io.layouts.strip_wrapper_prefixes`).
+    """
     if isinstance(obj, dict) and isinstance(obj.get("model_state_dict"), dict):
         obj = obj["model_state_dict"]                             # ch. 5's model_and_optimizer.pth
     if isinstance(obj, dict) and all(isinstance(k, str) for k in obj) and obj:
@@ -98,7 +105,7 @@ def book_to_gpt2(sd: dict[str, torch.Tensor], cfg: dict | None = None,
                          b + "ff.layers.2.weight": (C, 4 * C), b + "ff.layers.2.bias": (C,),
                          **norms(b + "norm1"), **norms(b + "norm2")})
         optional[b + "att.mask"] = (T, T)
-    check_tensors(_shapes(sd), expected, source, optional)
+    check_tensors(tensor_shapes(sd), expected, source, optional)
     try:
         config = GPT2Config(n_vocab=V, n_ctx=T, n_embd=C, n_head=cfg["n_heads"], n_layer=L,
                             embd_pdrop=cfg["drop_rate"], attn_pdrop=cfg["drop_rate"], resid_pdrop=cfg["drop_rate"],
@@ -138,7 +145,7 @@ def gpt2_to_book(model: GPT2) -> tuple[dict[str, torch.Tensor], dict]:
     if not c.embd_pdrop == c.attn_pdrop == c.resid_pdrop:
         raise ValueError(f"the book's GPTModel has one drop_rate; this model has embd_pdrop={c.embd_pdrop}, "
                          f"attn_pdrop={c.attn_pdrop}, resid_pdrop={c.resid_pdrop}")
-    sd, C = _state_dict(model.state_dict()), c.n_embd
+    sd, C = detached_state_dict(model.state_dict()), c.n_embd
     qkv_bias = any(bool(sd[f"h.{i}.attn.c_attn.bias"].ne(0).any()) for i in range(c.n_layer))
     cfg = {"vocab_size": c.n_vocab, "context_length": c.n_ctx, "emb_dim": C, "n_heads": c.n_head,
            "n_layers": c.n_layer, "drop_rate": c.resid_pdrop, "qkv_bias": qkv_bias}
@@ -180,7 +187,7 @@ def read_book(path: str, cfg: dict | None = None, obj=None) -> tuple[dict[str, t
         CheckpointError: see :func:`read_torch_file`, :func:`book_to_gpt2`.
     """
     obj = read_torch_file(path) if obj is None else obj
-    sd = _book_state_dict_of(obj)
+    sd = book_state_dict_of(obj)
     if sd is None:
         raise CheckpointError(f"{path}: expected the book's GPTModel state dict (or {{'model_state_dict': …}})")
     stored = next((obj[k] for k in ("config", "cfg") if isinstance(obj, dict) and isinstance(obj.get(k), dict)), None)
@@ -219,7 +226,7 @@ def nanogpt_to_gpt2(ckpt: dict, source: str = "ckpt.pt") -> tuple[dict[str, torc
 
     ``_orig_mod.``/``module.`` prefixes are stripped, the causal-mask buffers ``attn.bias``
     (nanoGPT without flash attention) dropped, the four nn.Linear weights per block transposed
-    (:func:`~gpt2mha.io.convert.linear_to_conv1d_state_dict`), and with ``bias=False`` every
+    (:func:`~gpt2mha.io.layouts.linear_to_conv1d_state_dict`), and with ``bias=False`` every
     bias is zeros. ``block_size`` → n_ctx; ``vocab_size`` (e.g. 50304, padded) → n_vocab.
 
     Raises:
@@ -264,7 +271,7 @@ def nanogpt_to_gpt2(ckpt: dict, source: str = "ckpt.pt") -> tuple[dict[str, torc
         linear(p + "mlp.c_fc", 4 * C, C), linear(p + "mlp.c_proj", C, 4 * C)
         optional[p + "attn.bias"] = (1, 1, T, T)
     norm("transformer.ln_f")
-    check_tensors(_shapes(sd), expected, source, optional)
+    check_tensors(tensor_shapes(sd), expected, source, optional)
     sd = {k: v for k, v in sd.items() if not k.endswith(".attn.bias")}
     sd = {k.removeprefix("transformer."): v for k, v in linear_to_conv1d_state_dict(sd).items()}
     if not bias:                                   # nanoGPT's bias=False: LayerNorms and Linears without bias
@@ -286,7 +293,7 @@ def gpt2_to_nanogpt(model: GPT2) -> dict:
     c = model.config
     if not c.tie_word_embeddings:
         raise ValueError("nanoGPT ties lm_head to wte; this model has a separate LM head (tie_word_embeddings=False)")
-    sd = _state_dict(model.state_dict())
+    sd = detached_state_dict(model.state_dict())
     bias = any(bool(v.ne(0).any()) for k, v in sd.items() if k.endswith(".bias"))
     lin = conv1d_to_linear_state_dict({"transformer." + k: v for k, v in sd.items()})
     if not bias:

@@ -168,7 +168,7 @@ def check_tensors(shapes: dict[str, tuple], expected: dict[str, tuple], source: 
         raise CheckpointError(f"{source}: cannot load:\n  " + "\n  ".join(problems))
 
 
-def _shapes(sd: dict) -> dict[str, tuple]:
+def tensor_shapes(sd: dict) -> dict[str, tuple]:
     """name → shape; a value that is not a tensor is reported by name."""
     bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
     if bad:
@@ -217,6 +217,6 @@ def read_torch_file(path: str):
         raise CheckpointError(f"{path}: could not be read with torch.load (truncated or corrupt?): {e}") from None
 
 
-def _state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def detached_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A model's state dict, detached, keys as the model names them."""
     return {k: v.detach() for k, v in sd.items()}

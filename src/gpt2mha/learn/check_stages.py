@@ -133,7 +133,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b.to(a.dtype), rtol=RTOL, atol=ATOL, equal_nan=True)
 
 
-def _find(ops: list[Op], ref: torch.Tensor) -> Op | None:
+def find_op(ops: list[Op], ref: torch.Tensor) -> Op | None:
+    """The first recorded op whose value has ``ref``'s shape and equals it within RTOL/ATOL; None if none."""
     return next((op for op in ops if op.shape == tuple(ref.shape) and _same(op.value, ref)), None)
 
 
@@ -161,7 +162,7 @@ def expected_stages(layout: Layout, ref: dict) -> dict[str, list[torch.Tensor] |
     }
 
 
-def _role_indices(ops: list[Op]) -> dict[str, int | None]:
+def role_indices(ops: list[Op]) -> dict[str, int | None]:
     """Best guess of which recorded op plays each stage, for the "seen" shape when values differ."""
     mm = [i for i, o in enumerate(ops) if o.name in MATMUL_OPS and not o.on_param]
     sm = next((i for i, o in enumerate(ops) if o.name in SOFTMAX_OPS), None)
@@ -184,17 +185,17 @@ def _role_indices(ops: list[Op]) -> dict[str, int | None]:
 def stage_rows(layout: Layout, ref: dict, run: Run) -> list[StageRow]:
     """Compare the recorded ops with the reference stage by stage (see :func:`expected_stages`)."""
     expected = expected_stages(layout, ref)
-    roles = _role_indices(run.ops)
+    roles = role_indices(run.ops)
     rows = []
     for stage in STAGES:
         tensors = expected[stage]
         if tensors is None:
             continue
         if stage == "scores":
-            hit = next((op for op in (_find(run.ops, t) for t in tensors) if op), None)
+            hit = next((op for op in (find_op(run.ops, t) for t in tensors) if op), None)
             found, count, where = hit is not None, 1, hit.name if hit else ""
         else:
-            hits = [_find(run.ops, t) for t in tensors]
+            hits = [find_op(run.ops, t) for t in tensors]
             found, count = all(hits), len(tensors)
             hit = hits[0]
             where = ", ".join(sorted({h.name for h in hits if h})) if found else ""

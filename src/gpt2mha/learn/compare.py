@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..core.hooks import record
 from ..io.checkpoints import CheckpointError
-from ..io.formats import _book_state_dict_of, read_any, read_book, read_torch_file, source_format
+from ..io.formats import book_state_dict_of, read_any, read_book, read_torch_file, source_format
 
 BLOCKS = ("trf_blocks", "transformer.h", "h", "blocks", "layers", "transformer.blocks", "model.layers")
 ATTN = ("att", "attn", "attention", "self_attn", "mha")
@@ -358,9 +358,9 @@ def _learner_model(src: str, fmt: str, cls: str | None, book_config: dict | None
     obj = read_torch_file(os.path.join(src, "ckpt.pt") if os.path.isdir(src) else src)
     if fmt == "book":
         _, _, cfg = read_book(src, book_config, obj=obj)
-        model, sd = cls_obj(cfg), _book_state_dict_of(obj)
+        model, sd = cls_obj(cfg), book_state_dict_of(obj)
     else:
-        from ..io.convert import strip_wrapper_prefixes
+        from ..io.layouts import strip_wrapper_prefixes
         module = sys.modules.get(cls_obj.__module__)
         config_cls = getattr(module, "GPTConfig", None)
         args = dict(obj["model_args"])

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import distributed
 from ..io.tokenizer import tokenizer_for
 from ..progress import progress_bar
 
@@ -50,7 +51,7 @@ def perplexity(model, text: str, stride: int | None = None, progress: bool = Fal
     Raises:
         ValueError: text too short, or stride out of range.
 
-    :func:`gpt2mha.train.distributed.perplexity` deals the same windows over ``torchrun``'s ranks.
+    :func:`distributed_perplexity` deals the same windows over ``torchrun``'s ranks.
     """
     ids, stride = encode_for_scoring(model, text, stride)
     nats, tokens = score_windows(model, ids, strided_windows(ids.numel(), model.config.n_ctx, stride), progress)
@@ -104,3 +105,21 @@ def result_from(total_nats: float, scored: int, text: str) -> PerplexityResult:
     n_bytes = len(text.encode("utf-8"))
     loss = total_nats / scored
     return PerplexityResult(loss, math.exp(loss), total_nats / (math.log(2) * n_bytes), scored, n_bytes)
+
+
+def distributed_perplexity(model, text: str, stride: int | None = None, progress: bool = False):
+    """:func:`perplexity` with the strided windows dealt round-robin over the
+    ranks (rank r scores windows r, r+N, …); the summed nats and token counts are all-reduced in
+    float64, so every rank returns the single-process figure (up to summation order, ~1e-15).
+    ``progress``: rank 0 shows a bar of its windows on stderr (when it is a terminal).
+
+    Raises:
+        ValueError: as :func:`perplexity`.
+    """
+    ids, stride = encode_for_scoring(model, text, stride)
+    ids = ids.to(next(model.parameters()).device)
+    di = distributed.info()
+    windows = strided_windows(ids.numel(), model.config.n_ctx, stride)[di.rank::di.world_size]
+    nats, tokens = score_windows(model, ids, windows, progress and di.is_main)
+    nats, tokens = distributed.all_reduce_sum([nats, tokens], device=di.device if di.backend == "nccl" else None)
+    return result_from(nats, int(tokens), text)

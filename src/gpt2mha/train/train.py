@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from ..api import GPT2
-from ..core.model import GPT2Config
+from ..core.model import GPT2, GPT2Config
 from ..io.checkpoints import CheckpointError, is_checkpoint_dir, save_pretrained
+from ..io.formats import load_any
 from ..io.tokenizer import get_tokenizer, tokenizer_for
 from ..progress import progress_bar
-from . import distributed
+from .. import distributed
 
 STATE_NAME, LOG_NAME = "trainer_state.pt", "training_log.json"
 
@@ -270,7 +270,7 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
         ``"steps_run"``: the optimizer steps this call ran (0 when a resumed checkpoint had
         already reached ``iters``; the log's times are then the earlier runs').
 
-    Under ``torchrun`` (a process group initialised, :mod:`gpt2mha.train.distributed`) it trains with
+    Under ``torchrun`` (a process group initialised, :mod:`gpt2mha.distributed`) it trains with
     ``DistributedDataParallel``; ``batch_size`` is the global batch, split over the ranks.
 
     Raises:
@@ -281,7 +281,7 @@ def train(data: str, out_dir: str, config: GPT2Config | dict | None = None, tc: 
             text.
         FileExistsError: ``out_dir`` is non-empty and not a gpt2mha checkpoint, or is one
             and ``resume`` was not asked for.
-        gpt2mha.train.distributed.DistributedError: another rank died or did not answer in time.
+        gpt2mha.distributed.DistributedError: another rank died or did not answer in time.
     """
     di = distributed.info()
     _check_out_dir(out_dir, resume, init_from)
@@ -342,7 +342,7 @@ def _resumed(out_dir: str, data: str, config, tc, di):
     state = torch.load(os.path.join(out_dir, STATE_NAME), weights_only=True)
     tc, overridden = _train_config(tc, state["train_config"])
     _check_batch(tc, di)
-    model = GPT2.from_pretrained(out_dir).train()
+    model = load_any(out_dir).train()
     changes = _config_changes(config, model.config)
     if changes:
         raise ValueError("; ".join(f"{k}={v!r}: the checkpoint's model has {k} {getattr(model.config, k)!r}"
@@ -449,10 +449,10 @@ def _fine_tune_start(init_from: str, config: GPT2Config | dict | None) -> GPT2:
             changes anything but dropout (sizes and the tokenizer are the loaded model's).
     """
     try:
-        model = GPT2.from_pretrained(init_from)
+        model = load_any(init_from)
     except CheckpointError as e:
         raise ValueError(f"init_from={init_from!r}: {e}") from None
-    if model.quantization:
+    if getattr(model, "quantization", None):
         raise ValueError(f"init_from={init_from!r} is quantized ({model.quantization['scheme']}): its weights are "
                          f"rounded integers and cannot be trained; fine-tune the float model")
     changes = _config_changes(config, model.config)

@@ -8,6 +8,7 @@
 whole model, calibration, the error report).
 """
 
+from . import checkpoint  # noqa: F401  (registers the quantized checkpoint format with gpt2mha.io)
 from .linear import ACTIVATIONS, QuantizedHead, QuantizedLinear, int8_matmul, int8_matmul_per_row, split_activations
 from .model import QuantizationWarning, calibration_ids, default_calibration, quantize_model, set_activations
 from .schemes import (DEFAULT_GROUP_SIZE, HEAD_SCHEME, HEAD_SCHEMES, INT4_GROUP_SIZES, KERNEL_DTYPE, METHODS, SCHEMES,

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ...io.checkpoints import QuantizedFormat, register_quantized_format
 from .linear import QuantizedLinear
 from .model import BLOCK_LINEARS, _check_activations, head_group, install, quantized_layers, set_activations
 from .schemes import (HEAD_SCHEMES, KERNEL_DTYPE, METHODS, QuantizationError, check_head, check_scheme,
@@ -280,3 +281,6 @@ def load_state(model, entry, sd: dict[str, torch.Tensor], source: str, dtype: to
     model.quantization["method"] = entry.get("method", "rtn")
     set_activations(model, entry.get("activations", "exact"))
     return model.to(dtype).eval()
+
+
+register_quantized_format(QuantizedFormat(load=load_state, save=state_to_save))

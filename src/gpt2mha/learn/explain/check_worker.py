@@ -81,7 +81,7 @@ def stage_tensors(spec: str, report) -> dict:
     from ..check_layout import recognise_layout
     from ..check_load import construct, load_class
     from ..check_reference import copy_params, make_params, reference
-    from ..check_stages import _find, _role_indices, expected_stages, run_module
+    from ..check_stages import find_op, role_indices, expected_stages, run_module
     from .tensors import encode
 
     c = report.config
@@ -95,12 +95,12 @@ def stage_tensors(spec: str, report) -> dict:
     x = torch.randn(b, P + T, layout.d_in, generator=gen)
     ref = reference(x[:, P:], p, layout.num_heads)
     run = run_module(module, x[:, P:], **plain_kwargs(module, T, b))
-    roles = _role_indices(run.ops)
+    roles = role_indices(run.ops)
     out = {}
     for stage, tensors in expected_stages(layout, ref).items():
         if tensors is None:
             continue
-        hits = [(t, _find(run.ops, t)) for t in tensors]
+        hits = [(t, find_op(run.ops, t)) for t in tensors]
         expected, op = next(((t, o) for t, o in hits if o is not None), (tensors[0], None))
         if stage == "scores" and op is None:
             expected = tensors[3]                         # scaled, masked with -inf: what softmax reads

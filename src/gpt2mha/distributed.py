@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .evaluate import encode_for_scoring, result_from, score_windows, strided_windows
 
 #: Commands that run under ``torchrun`` (each rank runs the same command line).
 DISTRIBUTED_COMMANDS = ("generate", "train", "perplexity")
@@ -186,25 +185,6 @@ def barrier() -> None:
     """Wait for every rank (no-op when not distributed)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def perplexity(model, text: str, stride: int | None = None, progress: bool = False):
-    """:func:`gpt2mha.train.evaluate.perplexity` with the strided windows dealt round-robin over the
-    ranks (rank r scores windows r, r+N, …); the summed nats and token counts are all-reduced in
-    float64, so every rank returns the single-process figure (up to summation order, ~1e-15).
-    ``progress``: rank 0 shows a bar of its windows on stderr (when it is a terminal).
-
-    Raises:
-        ValueError: as :func:`gpt2mha.train.evaluate.perplexity`.
-    """
-    ids, stride = encode_for_scoring(model, text, stride)
-    ids = ids.to(next(model.parameters()).device)
-    di = info()
-    windows = strided_windows(ids.numel(), model.config.n_ctx, stride)[di.rank::di.world_size]
-    nats, tokens = score_windows(model, ids, windows, progress and di.is_main)
-    nats, tokens = all_reduce_sum([nats, tokens], device=di.device if di.backend == "nccl" else None)
-    return result_from(nats, int(tokens), text)
-
 
 
 # ------------------------------------------------------------------------- agreeing ranks

@@ -1,4 +1,4 @@
-"""Exact weight conversions between the attention layouts, and between whole-model state dicts.
+"""Exact weight conversions between the attention layouts: the book's classes and GPT-2's fused one.
 
 Layouts (C = n_embd = d_out, h = heads, hd = head_dim = C // h):
 
@@ -20,18 +20,12 @@ The module conversions leave the global RNG untouched.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from ..core.attention import CausalSelfAttention
-from ..learn.book import MultiHeadAttention, MultiHeadAttentionWrapper
+from .book import MultiHeadAttention, MultiHeadAttentionWrapper
 
-#: The four weights per block that GPT-2 stores as Conv1D ``[in, out]`` and nn.Linear as
-#: ``[out, in]`` (nanoGPT's ``from_pretrained`` transposes exactly these).
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-_BLOCK_KEY = re.compile(r"^((?:transformer\.)?h\.(\d+)\.)(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
 
 def _expect(name: str, t: torch.Tensor | None, shape: tuple) -> None:
@@ -266,100 +260,3 @@ def heads_to_fused(heads: list[dict[str, torch.Tensor]], c_proj_bias: torch.Tens
         attn.c_proj.weight.copy_(torch.cat([hh["proj_weight"] for hh in heads], dim=0))
         attn.c_proj.bias.copy_(c_proj_bias)
     return _place(attn, heads[0]["q_weight"])
-
-
-# ----------------------------------------------------------- whole-model state dicts
-#: Prefixes that wrappers add to every key of the model they wrap: ``torch.compile``
-#: (``_orig_mod.``) and DataParallel / DistributedDataParallel (``module.``).
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")
-
-
-def strip_wrapper_prefixes(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the prefixes of :data:`WRAPPER_PREFIXES` (``_orig_mod.``, ``module.``, also nested)
-    that every key of a wrapped model's state dict carries; returns a new dict.
-
-    Raises:
-        ValueError: only some keys carry such a prefix (naming the prefix and a key with and
-            one without it): the dict mixes two models, and guessing could drop weights.
-    """
-    out = dict(sd)
-    while out:
-        prefix = next((p for p in WRAPPER_PREFIXES if any(k.startswith(p) for k in out)), None)
-        if prefix is None:
-            return out
-        without = [k for k in out if not k.startswith(prefix)]
-        if without:
-            with_ = next(k for k in out if k.startswith(prefix))
-            raise ValueError(f"some keys carry the wrapper prefix {prefix!r} (e.g. {with_!r}) and others do not "
-                             f"(e.g. {without[0]!r}); refusing to guess which model each belongs to")
-        out = {k[len(prefix):]: v for k, v in out.items()}
-    return out
-
-
-def _convert_state_dict(sd: dict[str, torch.Tensor], to_linear: bool) -> dict[str, torch.Tensor]:
-    src = "Conv1D [in, out]" if to_linear else "nn.Linear [out, in]"
-    sd = strip_wrapper_prefixes(sd)
-    unknown = [k for k in sd if k.endswith(CONV1D_WEIGHTS) and not _BLOCK_KEY.match(k)]
-    if unknown:
-        prefix = unknown[0][:unknown[0].index(next(w for w in CONV1D_WEIGHTS if unknown[0].endswith(w)))]
-        raise ValueError(f"{unknown[0]}: the prefix {prefix!r} is not a GPT-2 block's ('h.{{i}}.' or "
-                         f"'transformer.h.{{i}}.'); strip it first, nothing was converted")
-    out, blocks = dict(sd), {}
-    for key in sd:
-        m = _BLOCK_KEY.match(key)
-        if m:
-            blocks.setdefault(m.group(1), {})[m.group(3)] = key
-    wte = sd.get("wte.weight", sd.get("transformer.wte.weight"))
-    for prefix, names in blocks.items():
-        ln = sd.get(prefix + "ln_1.weight")
-        C = ln.shape[0] if ln is not None else (wte.shape[1] if wte is not None else None)
-        shapes = {k: tuple(sd[v].shape) for k, v in names.items()}
-        for k, s in shapes.items():
-            if len(s) != 2:
-                raise ValueError(f"{names[k]} has shape {list(s)}; expected a 2-D {src} weight")
-        conv = {k: s if to_linear else s[::-1] for k, s in shapes.items()}   # as Conv1D [in, out]
-        if C is None:                                      # no ln_1 / wte: read n_embd off the weights
-            C = next(s[1] if k == "mlp.c_proj" else s[0] for k, s in conv.items())
-        F = conv.get("mlp.c_fc", (None, None))[1] or conv.get("mlp.c_proj", (None, None))[0]
-        expected = {"attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "mlp.c_fc": (C, F), "mlp.c_proj": (F, C)}
-        for k, s in conv.items():
-            if s != expected[k]:
-                want = expected[k] if to_linear else expected[k][::-1]
-                raise ValueError(f"{names[k]} has shape {list(shapes[k])}; expected {list(want)} in the "
-                                 f"{src} layout (n_embd={C}, MLP width={F})")
-        for key in names.values():
-            out[key] = sd[key].t().contiguous()
-    return out
-
-
-def conv1d_to_linear_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPT-2 state dict in Conv1D layout (OpenAI, transformers, gpt2mha) → nn.Linear layout (nanoGPT).
-
-    Exactly the four Conv1D weights per block are transposed: ``h.{i}.attn.c_attn.weight``
-    ``[C, 3C]`` → ``[3C, C]``, ``attn.c_proj.weight [C, C]``, ``mlp.c_fc.weight [C, 4C]`` →
-    ``[4C, C]``, ``mlp.c_proj.weight [4C, C]`` → ``[C, 4C]``; keys may carry a
-    ``transformer.`` prefix; every other tensor (biases, LayerNorms, wte, wpe, lm_head, legacy
-    ``attn.bias`` buffers) is passed through unchanged. Returns a new dict. The key prefixes
-    of ``torch.compile`` (``_orig_mod.``) and DDP (``module.``) are stripped first
-    (:func:`strip_wrapper_prefixes`), so the result's keys are the plain model's.
-
-    Raises:
-        ValueError: a Conv1D weight whose shape does not fit n_embd (from ``ln_1.weight`` or
-            ``wte.weight``) and the MLP width, e.g. a state dict already in Linear layout; a
-            block weight under any other prefix (named: nothing would be transposed); keys
-            only some of which carry a wrapper prefix.
-    """
-    return _convert_state_dict(sd, to_linear=True)
-
-
-def linear_to_conv1d_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """nn.Linear-layout GPT-2 state dict (nanoGPT) → Conv1D layout; inverse of :func:`conv1d_to_linear_state_dict`.
-
-    A ``torch.compile``'d nanoGPT's keys (``_orig_mod.transformer.h.0.…``) and DDP's
-    (``module.…``) lose that prefix; the result's keys are the plain model's.
-
-    Raises:
-        ValueError: a weight whose shape does not fit the nn.Linear ``[out, in]`` layout, a
-            block weight under an unknown prefix (named), or a mix of prefixed and plain keys.
-    """
-    return _convert_state_dict(sd, to_linear=False)
