@@ -207,7 +207,7 @@ def check_model(name: str | None, model_name: str) -> None:
 def check_request(body: CompletionRequest, model_name: str, vocab_size: int) -> SamplingParams:
     """A parsed request's checks: the model (404), every sampling field's range through
     :class:`~gpt2mha.inference.params.SamplingParams` (the one place ``generate()`` and the CLI
-    check them too), its ``logit_bias`` ids below ``vocab_size``, what this server takes only
+    check them too), its ``logit_bias`` and ``stop_token_ids`` ids below ``vocab_size``, what this server takes only
     at its default (``suffix``), best_of with stream, and a prompt list that is not empty.
 
     Returns:
