@@ -16,6 +16,12 @@ Before all of that the raw logits may be adjusted (:meth:`RowSampler.adjust`), i
 3. bans, -inf: a token that would repeat an n-gram (``no_repeat_ngram_size``,
    :func:`ngram_bans`), and the end-of-text and stop tokens before ``min_tokens`` new tokens.
 
+Each field alone equals transformers' processor and vLLM's. transformers and vLLM add
+``logit_bias`` before the repetition penalty; here the OpenAI adjustments keep their place (and
+their bits) after it, so ``logit_bias`` with ``repetition_penalty`` gives ``l/r + b`` where they
+give ``(l + b)/r`` (for a positive logit): the same bans (-100) and forcings (+100), other
+biases scaled differently.
+
 Log-probabilities reported to users (:func:`token_logprobs`) are the model's own,
 ``log_softmax`` of the raw logits, untouched by any of these.
 """
