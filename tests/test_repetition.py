@@ -374,6 +374,15 @@ def test_completions_and_chat_take_every_field_and_answer_as_generate(builtin, s
     assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
+def test_null_fields_mean_their_defaults(server):
+    """``null`` for each new field is the request without it (OpenAI's and vLLM's reading)."""
+    body = {"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0}
+    plain = post(server, "/v1/completions", body)
+    nulls = post(server, "/v1/completions", {**body, **dict.fromkeys(FIELDS)})
+    assert plain.status_code == nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"] == plain.json()["choices"]
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("fields,param,words", [
     (dict(repetition_penalty=0), "repetition_penalty", ["repetition_penalty=0", "> 0"]),
