@@ -11,6 +11,7 @@ interpreter and checks ``sys.modules``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -89,13 +90,24 @@ def check_compile(args) -> None:
                          f"(e.g. apt install g++) or set CXX, or drop --compile")
 
 
-#: The flag of each :class:`~gpt2mha.inference.params.SamplingParams` field on ``generate``.
+#: The flags of :class:`~gpt2mha.inference.params.SamplingParams` fields on ``generate`` that are
+#: not ``--`` and the field's name (every other field's flag is: ``--top-k`` sets ``top_k``).
 PARAM_FLAGS = {"max_tokens": "--max-new-tokens", "n": "--num-samples"}
 
 
 def param_flag(name: str) -> str:
     """The ``generate`` flag of a :class:`~gpt2mha.inference.params.SamplingParams` field."""
     return PARAM_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def token_id_list(text: str) -> list[int]:
+    """An argparse ``type``: ``"198,50256"`` → ``[198, 50256]`` (the ids' range is checked by
+    :class:`~gpt2mha.inference.params.SamplingParams`); anything else is a usage error (exit 2)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids separated by commas, e.g. 198,50256; got {text!r}") \
+            from None
 
 
 def logit_bias_json(text: str) -> dict:
@@ -122,14 +134,12 @@ def sampling_params_of(args):
     Raises:
         ValueError: the field's error, naming its flag (``--top-p=0.0 must be …``).
     """
-    from ..inference.params import ParamError, SamplingParams
+    from ..inference.params import FIELDS, ParamError, SamplingParams
 
     if isinstance(args.logit_bias, str):
         args.logit_bias = logit_bias_json(args.logit_bias)
-    values = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                  logit_bias=args.logit_bias or {}, seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
-                  echo=args.echo, n=args.num_samples, best_of=args.best_of)
+    values = {name: getattr(args, param_flag(name)[2:].replace("-", "_")) for name in FIELDS}
+    values.update(logit_bias=args.logit_bias or {}, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids))
     try:
         return SamplingParams(**values)
     except ParamError as e:                   # the fields it names, as their flags: "n=3" -> "--num-samples=3"

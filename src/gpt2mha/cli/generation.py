@@ -7,7 +7,8 @@ import json
 import re
 import sys
 
-from .checks import check_compile, check_perplexity_args, check_sampling, check_train_args, sampling_params_of
+from .checks import (check_compile, check_perplexity_args, check_sampling, check_train_args, sampling_params_of,
+                     token_id_list)
 from .common import (batch_invariant_arg, DTYPES, DefaultsHelpFormatter, check_quantize_args, load_model, model_arg, quantize_args, quantized,
                      quiet_arg, read_text)
 
@@ -33,12 +34,16 @@ def check_generate_args(args) -> None:
             f"--prompt-file {args.prompt_file}" if args.prompt_file is not None else "PROMPT"
         raise ValueError(f"{which} is empty; give at least one character to continue")
     served = [flag for flag, on in (("--stop", args.stop), ("--logprobs", args.logprobs is not None),
-                                    ("--echo", args.echo), ("--best-of", args.best_of is not None)) if on]
+                                    ("--echo", args.echo), ("--best-of", args.best_of is not None),
+                                    ("--stop-token-ids", args.stop_token_ids),
+                                    ("--include-stop-str-in-output", args.include_stop_str_in_output)) if on]
     for flag, on in (("--sliding-window", args.sliding_window), (f"--tp {args.tp}", args.tp > 1),
                      ("--unconditional", args.unconditional)):
         if served and on:
             raise ValueError(f"{served[0]} runs on the serving scheduler (as gpt2mha serve), which does not take "
                              f"{flag}; drop one of them")
+    if args.ignore_eos and args.stop_at_eos:
+        raise ValueError("--ignore-eos and --stop-at-eos contradict each other; drop one of them")
     if args.echo and args.logprobs is None:
         raise ValueError("--echo prints the prompt's log-probabilities: give --logprobs K with it")
     if args.quantize and args.tp > 1:
@@ -83,10 +88,11 @@ def cmd_generate(args) -> int:
                     **{f"--{k.replace('_', '-')}": getattr(args, k) for k in (
                         "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "num_samples", "stop_at_eos",
                         "sliding_window", "unconditional", "presence_penalty", "frequency_penalty",
-                        "logit_bias")}})
+                        "logit_bias", "repetition_penalty", "no_repeat_ngram_size", "min_tokens", "ignore_eos")}})
     seed = distributed.shared_seed(args.seed)
     params = dataclasses.replace(params, seed=seed)
-    if params.stop or params.logprobs is not None or params.best_of is not None:
+    if params.stop or params.logprobs is not None or params.best_of is not None or params.stop_token_ids or \
+            params.include_stop_str_in_output:
         from .served import generate_served
         return generate_served(args, model, tok, encoded, params)
     if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
@@ -256,6 +262,25 @@ def add_commands(sub) -> None:
     g.add_argument("--logit-bias", default=None, metavar="JSON",
                    help="OpenAI's logit_bias: a JSON object of token id to a bias in [-100, 100] added to its "
                         "logit, e.g. '{\"50256\": -100}'")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0 (1: off): the logit of every token of the prompt or generated so far is divided by it "
+                        "where positive, multiplied where negative (transformers' and vLLM's repetition_penalty; "
+                        "1.2 is CTRL's)")
+    g.add_argument("--no-repeat-ngram-size", type=int, default=0, metavar="N",
+                   help="ban a token that would repeat an N-gram of the prompt plus the new tokens (transformers' "
+                        "no_repeat_ngram_size; 0: off)")
+    g.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="ban <|endoftext|> (with --stop-at-eos, or served) and --stop-token-ids until N new tokens "
+                        "are generated; no --stop string ends the text before (vLLM's min_tokens)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="<|endoftext|> does not end the text (vLLM's ignore_eos; for the requests run on the serving "
+                        "scheduler, which otherwise stop there)")
+    g.add_argument("--stop-token-ids", type=token_id_list, action="extend", default=[], metavar="IDS",
+                   help="token ids, separated by commas, that end the text when sampled (their text left out); runs on "
+                        "the serving scheduler")
+    g.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the --stop string (or stop token's text) that ended the text; runs on the serving "
+                        "scheduler")
     g.add_argument("--seed", type=int, default=None,
                    help="seed for reproducible sampling (default: a random one; with --tp, rank 0 draws it for all); "
                         "row i of the batch (PROMPT p, sample s: i = p * --num-samples + s) uses "

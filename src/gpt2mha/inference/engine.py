@@ -59,6 +59,8 @@ class Engine:
         zeroed: whether ``cache``'s storage past each row's length holds zeros (False: a
             reused storage the native forward, which reads only what it wrote, left as it was;
             it is zeroed before a decoder that reads masked keys runs on it).
+        eos_token_id: the end-of-text id, which a sequence's ``min_tokens`` bans (with its
+            ``stop_token_ids``) unless it has ``ignore_eos`` (None: none).
 
     Attributes:
         route: the :class:`~gpt2mha.inference.decoders.Route` (decoder and why not the others).
@@ -74,7 +76,7 @@ class Engine:
     """
 
     def __init__(self, model, cache: KVCache | int, route: Route | None = None, vocab_size: int | None = None,
-                 batch_invariant: bool | None = None, zeroed: bool = True):
+                 batch_invariant: bool | None = None, zeroed: bool = True, eos_token_id: int | None = None):
         c = model.config
         vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
@@ -93,6 +95,7 @@ class Engine:
         self.cache = cache
         self._zeroed = zeroed
         self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
         n = cache.batch_size
         self.samplers: list[RowSampler | None] = [None] * n
         self.last: list[int] = [0] * n                          # each slot's newest token: its next input
@@ -129,11 +132,14 @@ class Engine:
         return self._view
 
     def open(self, slot: int, params: SamplingParams, seed: int | None, logprobs: int | None = None,
-             row: int | None = None) -> None:
-        """Give ``slot`` its sampler: ``params`` (checked; logit_bias ids below ``vocab_size``)
-        and a generator seeded with ``seed`` (None: torch's global one). The row itself is
-        filled by :meth:`prefill`. ``logprobs``: k to record each token's logprob and the k
-        most likely ids (default ``params.logprobs``). ``row``: the row its errors name.
+             row: int | None = None, prompt=None) -> None:
+        """Give ``slot`` its sampler: ``params`` (checked; logit_bias and stop ids below
+        ``vocab_size``) and a generator seeded with ``seed`` (None: torch's global one). The row
+        itself is filled by :meth:`prefill`. ``logprobs``: k to record each token's logprob and
+        the k most likely ids (default ``params.logprobs``). ``row``: the row its errors name.
+        ``prompt``: the tokens ``repetition_penalty`` and ``no_repeat_ngram_size`` read before
+        the generated ones (None: the prompt :meth:`prefill` is given; ``generate`` gives the
+        whole prompt where a sliding window prefills only its end).
 
         Raises:
             ValueError: the slot is out of range or in use (not released since it was opened),
@@ -145,7 +151,8 @@ class Engine:
             raise ValueError(f"slot={slot} is in use; release it first")
         params.check_vocab(self.vocab_size)
         self.samplers[slot] = RowSampler(params, seed, self.vocab_size, self.device,
-                                         params.logprobs if logprobs is None else logprobs, row)
+                                         params.logprobs if logprobs is None else logprobs, row, self.eos_token_id,
+                                         prompt)
 
     def release(self, slot: int) -> None:
         """Empty ``slot``: its row's length is 0 again and its sampler is dropped. For a decoder
@@ -163,7 +170,8 @@ class Engine:
     def prefill(self, slots: list[int], prompts: list) -> list[int | Exception]:
         """Prefill ``prompts[i]`` (token ids: a list or a 1-D tensor, non-empty, checked by the
         caller) into slot ``slots[i]`` (each opened and empty), each alone, and sample each
-        one's first token from its prefill's logits.
+        one's first token from its prefill's logits. A sampler not given its prompt at
+        :meth:`open` takes ``prompts[i]``.
 
         Returns:
             one result per slot: the token id, or the exception its sampling raised.
@@ -171,7 +179,11 @@ class Engine:
         Raises:
             Exception: whatever the forward raised (nothing stays written in the slots then).
         """
-        return self.sample(slots, self.prefill_logits(slots, prompts), range(len(slots)))
+        logits = self.prefill_logits(slots, prompts)
+        for slot, prompt in zip(slots, prompts):
+            if not self.samplers[slot].begun:
+                self.samplers[slot].begin(prompt)
+        return self.sample(slots, logits, range(len(slots)))
 
     @torch.inference_mode()
     def prefill_logits(self, slots: list[int], prompts: list) -> torch.Tensor:

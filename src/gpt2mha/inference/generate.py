@@ -19,7 +19,7 @@ from ..distributed import shared_seed
 from .decoders import NATIVE, choose_decoder
 from .engine import Engine
 from .parallel import tp_group
-from .params import SamplingParams
+from .params import FIELDS, TEXT_FIELDS, SamplingParams
 from .sampling import row_seed
 
 def as_prompts(idx) -> list[list[int]]:
@@ -202,7 +202,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
              on_token: Callable[[torch.Tensor], None] | None = None,
              vocab_size: int | None = None, min_p: float = 0.0, presence_penalty: float = 0.0,
              frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-             batch_invariant: bool | None = None, compile: bool = False) -> torch.Tensor:
+             batch_invariant: bool | None = None, compile: bool = False, **sampling) -> torch.Tensor:
     """Sample ``max_new_tokens`` tokens after ``idx``.
 
     Args:
@@ -226,8 +226,19 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             generator (for a model sharded over several ranks,
             :func:`gpt2mha.inference.parallel.shard_model`, a seed drawn by the group's first
             rank and shared, :func:`gpt2mha.distributed.shared_seed`).
-        eos_token_id: once a row emits it, the row is finished and keeps emitting it; the loop
-            stops early when every row is finished (the result is still padded to full length).
+        **sampling: any other :class:`~gpt2mha.inference.params.SamplingParams` field that
+            acts on a row (not the serving scheduler's :data:`~gpt2mha.inference.params.TEXT_FIELDS`),
+            by name: ``repetition_penalty`` (> 0, 1: off; a logit of a token of the prompt or
+            generated is divided by it when positive, multiplied when negative, as transformers'),
+            ``no_repeat_ngram_size`` (n: no n-gram of the prompt plus the new tokens appears
+            twice), ``min_tokens`` (``eos_token_id`` and ``stop_token_ids`` banned until that
+            many new tokens), ``ignore_eos`` (``eos_token_id`` neither stops a row nor is
+            banned by ``min_tokens``), ``stop_token_ids`` (ids that finish a row, as
+            ``eos_token_id`` does). Order of the adjustments: :meth:`RowSampler.adjust
+            <gpt2mha.inference.sampling.RowSampler.adjust>`.
+        eos_token_id: once a row emits it (or one of ``stop_token_ids``), the row is finished
+            and keeps emitting that token; the loop stops early when every row is finished (the
+            result is still padded to full length).
         sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)
             by conditioning each step on the last n_ctx tokens only (positions restart at 0 for
             that window; slower once the window slides: no cache).
@@ -264,6 +275,8 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     put back in the mode it was in.
 
     Raises:
+        TypeError: a keyword that is not a row's SamplingParams field (``stop``: the serving
+            scheduler's, :mod:`gpt2mha.serving.scheduler`).
         ValueError: naming the argument, before any work is done: bad sampling arguments
             (:class:`~gpt2mha.inference.params.ParamError`), a negative max_new_tokens, bad
             prompts (:func:`prompt_batch`: also a tensor on another device than the model's),
@@ -273,10 +286,16 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             forward hooks or not on the CPU.
         NonFiniteLogitsError: the model's logits hold NaN/inf at some step (naming it and the row).
     """
+    for name in sampling:
+        if name not in FIELDS or name == "max_tokens" or name in TEXT_FIELDS:
+            why = (f": {name} is acted on by the serving scheduler (gpt2mha.serving.scheduler.Scheduler, gpt2mha "
+                   f"serve), which runs the same engine") if name in TEXT_FIELDS else \
+                ": the number of new tokens is max_new_tokens" if name == "max_tokens" else ""
+            raise TypeError(f"generate() got an unexpected keyword argument {name!r}{why}")
     max_new_tokens = checks.as_int(max_new_tokens, "max_new_tokens")
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                            logit_bias=logit_bias, seed=seed)
+                            logit_bias=logit_bias, seed=seed, **sampling)
     return generate_with(model, idx, params, eos_token_id=eos_token_id, attention_mask=attention_mask,
                          sliding_window=sliding_window, on_token=on_token, vocab_size=vocab_size,
                          batch_invariant=batch_invariant, compile=compile)
@@ -287,9 +306,10 @@ def generate_with(model, idx, params: SamplingParams, *, eos_token_id: int | Non
                   on_token: Callable[[torch.Tensor], None] | None = None, vocab_size: int | None = None,
                   batch_invariant: bool | None = None, compile: bool = False) -> torch.Tensor:
     """:func:`generate` with its sampling given as one :class:`~gpt2mha.inference.params.SamplingParams`
-    (``params.max_tokens`` new tokens; the CLI builds one from its flags). ``n``, ``best_of``,
-    ``stop``, ``logprobs`` and ``echo`` are the text-level fields the server's scheduler acts on;
-    here each prompt is one row. Raises as :func:`generate`."""
+    (``params.max_tokens`` new tokens; the CLI builds one from its flags). The
+    :data:`~gpt2mha.inference.params.TEXT_FIELDS` (``n``, ``best_of``, ``stop``,
+    ``include_stop_str_in_output``, ``logprobs``, ``echo``) are the ones the server's scheduler
+    acts on; here each prompt is one row. Raises as :func:`generate`."""
     c = model.config
     idx, attention_mask = prompt_batch(idx, attention_mask, c.n_vocab, model.wte.weight.device)
     if vocab_size is not None:
@@ -362,11 +382,15 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
     storage, cache = new_cache((c.n_layer, B, c.n_head, max_len, c.head_dim), model.wte.weight.dtype,
                                model.wte.weight.device, zero=decoder.name != NATIVE)   # the native forward reads only
     try:                                                                              # what it wrote
-        engine = Engine(model, cache, route, vocab_size, batch_invariant, zeroed=decoder.name != NATIVE)
+        engine = Engine(model, cache, route, vocab_size, batch_invariant, zeroed=decoder.name != NATIVE,
+                        eos_token_id=eos_token_id)
         for b in range(B):
-            engine.open(b, params, None if seed is None else row_seed(seed, b), row=b)
+            engine.open(b, params, None if seed is None else row_seed(seed, b), row=b, prompt=prompts[b])
         tokens = engine.prefill(list(range(B)), [ids[-n_ctx:] for ids in prompts])
-        finished = [False] * B
+        ends = set(params.stop_token_ids)                       # the tokens that finish a row
+        if eos_token_id is not None and not params.ignore_eos:
+            ends.add(eos_token_id)
+        finished: list[int | None] = [None] * B                 # the token that finished each row
         sliding: set[int] = set()                               # rows recomputed over their last n_ctx tokens
         chosen: list[list[int]] = []                            # each step's tokens, into ``out`` at the end
         for step in range(n_new):
@@ -374,18 +398,18 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
             for b, t in enumerate(tokens):
                 if isinstance(t, Exception):
                     raise t
-                if eos_token_id is not None:
-                    if finished[b]:
-                        tokens[b] = engine.last[b] = eos_token_id
-                    finished[b] = finished[b] or t == eos_token_id
+                if finished[b] is not None:
+                    tokens[b] = engine.last[b] = finished[b]
+                elif t in ends:
+                    finished[b] = t
             chosen.append(list(tokens))
             if on_token is not None:
                 out[:, pos] = torch.tensor(tokens)
                 on_token(out[:, pos])
             if step == n_new - 1:
                 break
-            if all(finished):
-                out[:, pos + 1:] = eos_token_id
+            if None not in finished:
+                out[:, pos + 1:] = torch.tensor(finished, dtype=torch.long, device=out.device)[:, None]
                 break
             sliding.update(b for b, n in enumerate(cache.lengths) if n == cache.max_len)
             for b in sliding:                                   # its row of the cache is no longer read
@@ -396,8 +420,8 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
                     torch.tensor([c[b] for c in chosen], dtype=torch.long, device=out.device)
                 window = torch.cat([prompts[b], new])[-n_ctx:]
                 logits[b] = model(window[None], last_only=True, validate=False).logits[0, -1]
-            live = [b for b in range(B) if not finished[b]]
-            tokens = [eos_token_id] * B
+            live = [b for b in range(B) if finished[b] is None]
+            tokens = list(finished)
             for b, t in zip(live, engine.sample(live, logits, live)):
                 tokens[b] = t
         if chosen and on_token is None:                         # (with on_token each step's column was written then)

@@ -3,7 +3,9 @@ CLI and the server alike, so an option and its range live in one place.
 
 The fields are OpenAI's completions fields (``max_tokens``, ``temperature``, ``top_p``,
 ``stop``, ``n``, ``best_of``, ``logprobs``, ``echo``, the penalties, ``logit_bias``, ``seed``)
-plus ``top_k`` and ``min_p`` (as vLLM's ``SamplingParams`` and llama.cpp's server take them).
+plus ``top_k`` and ``min_p`` (as vLLM's ``SamplingParams`` and llama.cpp's server take them) and
+vLLM's repetition control: ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``, and transformers' ``no_repeat_ngram_size``.
 Every range is checked once, in :meth:`SamplingParams.__post_init__`; a bad value raises
 :class:`ParamError` (a ValueError) naming the field, which the server answers as OpenAI's 400
 with that ``param``. What depends on the model (a ``logit_bias`` id below its vocabulary, a
@@ -11,7 +13,8 @@ prompt that fits n_ctx) is checked by :meth:`SamplingParams.check_vocab` and by 
 
 Imports no torch: the CLI checks its flags with it before torch loads.
 
-Source: OpenAI's API reference (completions), vLLM's ``SamplingParams``.
+Source: OpenAI's API reference (completions), vLLM's ``SamplingParams``, transformers'
+``GenerationConfig`` (``no_repeat_ngram_size``).
 """
 
 from __future__ import annotations
@@ -68,6 +71,30 @@ def _real(name: str, value, ok, expected: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value) or not ok(value):
         raise ParamError(name, f"{name}={_show(value)} must be {expected}")
     return float(value)
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ParamError(name, f"{name}={_show(value)} must be true or false")
+    return value
+
+
+def _token_ids(name: str, ids) -> tuple[int, ...]:
+    """A sequence of token ids (ints >= 0) as a tuple of ints, in the order given."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ParamError(name, f"{name}={_show(ids)} must be a list of token ids (integers >= 0)")
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, (bool, float, str)):
+            raise ParamError(name, f"{name}[{i}]={_show(t)} must be a token id (an integer >= 0)")
+        try:
+            t = operator.index(t)
+        except TypeError:
+            raise ParamError(name, f"{name}[{i}]={_show(t)} must be a token id (an integer >= 0)") from None
+        if t < 0:
+            raise ParamError(name, f"{name}[{i}]={t} must be a token id (an integer >= 0)")
+        out.append(t)
+    return tuple(out)
 
 
 def _token_id(key) -> int | None:
@@ -144,11 +171,24 @@ class SamplingParams:
             logits of tokens already generated (once / per occurrence).
         logit_bias: ``{token id: bias in [-100, 100]}`` added to those logits (a mapping or
             pairs; ids as ints or decimal strings); kept as sorted ``((id, bias), …)``.
+        repetition_penalty: a finite number > 0 (1: off); the logit of every token of the prompt
+            or generated so far is divided by it where positive, multiplied where negative
+            (transformers' ``RepetitionPenaltyLogitsProcessor``, vLLM's ``repetition_penalty``).
+        no_repeat_ngram_size: n >= 0 (0: off): a token that would repeat an n-gram already in the
+            prompt plus the tokens generated is banned (transformers' ``NoRepeatNGramLogitsProcessor``).
+        min_tokens: the end-of-text token and ``stop_token_ids`` are banned until this many new
+            tokens are generated, and no stop string ends the text before more than this many
+            (vLLM's); in [0, max_tokens].
         seed: None (a random draw) or an integer in ``[0, 2**63)``; prompt i's candidate j of a
             request draws from ``row_seed(seed, i·m + j)`` (m = ``best_of or n``), as row
             ``i·m + j`` of ``generate`` (:func:`~gpt2mha.inference.sampling.row_seed`).
         stop: strings that end the text (cut before the first one); a string or a sequence of
             non-empty strings, kept as a tuple.
+        ignore_eos: the end-of-text token does not end the sequence (an ordinary token; vLLM's).
+        stop_token_ids: token ids that end the sequence when sampled: the token is among the
+            sequence's tokens, its text is not in the text (vLLM's); kept as a tuple.
+        include_stop_str_in_output: the stop string (or stop token's text) that ended the text
+            is kept at its end (vLLM's).
         logprobs: None, or k in [0, 5]: each new token's log-probability and the k most likely.
         echo: with ``logprobs``, also the log-probabilities of the prompt's own tokens.
         n: completions per prompt, in [1, 128].
@@ -167,8 +207,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_tokens: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     echo: bool = False
     n: int = 1
@@ -186,12 +232,22 @@ class SamplingParams:
             put(self, name, _real(name, getattr(self, name), lambda v: -MAX_PENALTY <= v <= MAX_PENALTY,
                                   f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"))
         put(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        put(self, "repetition_penalty", _real("repetition_penalty", self.repetition_penalty, lambda v: v > 0,
+                                              "a finite number > 0 (1 turns it off)"))
+        put(self, "no_repeat_ngram_size", _int("no_repeat_ngram_size", self.no_repeat_ngram_size, 0))
+        put(self, "min_tokens", _int("min_tokens", self.min_tokens, 0))
+        if self.min_tokens > self.max_tokens:
+            raise ParamError("min_tokens", f"min_tokens={self.min_tokens} must be less than or equal to "
+                                           f"max_tokens={self.max_tokens}")
         if self.seed is not None:
             put(self, "seed", _int("seed", self.seed, 0, 2**63 - 1))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if stop is None or not isinstance(stop, (tuple, list)) or any(not isinstance(s, str) or not s for s in stop):
             raise ParamError("stop", f"stop={_show(self.stop)} must be a non-empty string or a list of them")
         put(self, "stop", tuple(stop))
+        put(self, "ignore_eos", _flag("ignore_eos", self.ignore_eos))
+        put(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        put(self, "include_stop_str_in_output", _flag("include_stop_str_in_output", self.include_stop_str_in_output))
         if self.logprobs is not None:
             put(self, "logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
         if not isinstance(self.echo, bool):
@@ -209,8 +265,9 @@ class SamplingParams:
 
     @property
     def adjusted(self) -> bool:
-        """Whether penalties or a logit bias change the logits before sampling."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        """Whether penalties, a logit bias or bans change the logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.repetition_penalty != 1
+                    or self.no_repeat_ngram_size or self.min_tokens)
 
     @property
     def per_prompt(self) -> int:
@@ -223,12 +280,20 @@ class SamplingParams:
         return self.per_prompt > self.n
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raises :class:`ParamError` naming ``logit_bias`` unless its ids are below ``vocab_size``."""
+        """Raises :class:`ParamError` naming ``logit_bias`` or ``stop_token_ids`` unless their ids
+        are below ``vocab_size``."""
         for token, _ in self.logit_bias:
             if token >= vocab_size:
                 raise ParamError("logit_bias", f"logit_bias key {token} is not a token id of this model's "
                                                f"tokenizer (ids 0 … {vocab_size - 1})")
+        for i, token in enumerate(self.stop_token_ids):
+            if token >= vocab_size:
+                raise ParamError("stop_token_ids", f"stop_token_ids[{i}]={token} is not a token id of this model's "
+                                                   f"tokenizer (ids 0 … {vocab_size - 1})")
 
 
 #: The names of :class:`SamplingParams`' fields, in order (what every entry point must accept).
 FIELDS = tuple(f.name for f in fields(SamplingParams))
+#: The fields the serving scheduler acts on (the text, several sequences per prompt, logprobs);
+#: ``generate()`` runs one row per prompt and acts on the others.
+TEXT_FIELDS = ("stop", "include_stop_str_in_output", "logprobs", "echo", "n", "best_of")

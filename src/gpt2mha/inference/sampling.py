@@ -6,11 +6,24 @@ largest logits whose cumulative probability stays within p, at least one), optio
 Each row of a batch may draw from its own generator, seeded by :func:`row_seed`, so a row
 samples exactly as its prompt alone.
 
-Before all of that the raw logits may be adjusted as OpenAI's API defines it
-(:func:`adjust_logits`): ``logit_bias`` added per token id, and presence/frequency penalties
-subtracted for the tokens generated so far. Log-probabilities reported to users
-(:func:`token_logprobs`) are the model's own, ``log_softmax`` of the raw logits, untouched by any
-of these.
+Before all of that the raw logits may be adjusted (:meth:`RowSampler.adjust`), in this order:
+
+1. ``repetition_penalty`` over the prompt's and the generated tokens
+   (:func:`repetition_penalty_logits`, transformers' and vLLM's; vLLM applies it before its
+   frequency and presence penalties too);
+2. OpenAI's presence/frequency penalties for the tokens generated so far, then ``logit_bias``
+   added per token id (:func:`adjust_logits`);
+3. bans, -inf: a token that would repeat an n-gram (``no_repeat_ngram_size``,
+   :func:`ngram_bans`), and the end-of-text and stop tokens before ``min_tokens`` new tokens.
+
+Each field alone equals transformers' processor and vLLM's. transformers and vLLM add
+``logit_bias`` before the repetition penalty; here the OpenAI adjustments keep their place (and
+their bits) after it, so ``logit_bias`` with ``repetition_penalty`` gives ``l/r + b`` where they
+give ``(l + b)/r`` (for a positive logit): the same bans (-100) and forcings (+100), other
+biases scaled differently.
+
+Log-probabilities reported to users (:func:`token_logprobs`) are the model's own,
+``log_softmax`` of the raw logits, untouched by any of these.
 """
 
 from __future__ import annotations
@@ -128,6 +141,41 @@ def bias_vector(bias: dict[int, float], vocab_size: int, device) -> torch.Tensor
     return vec
 
 
+def repetition_penalty_logits(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``logits [B, V]`` (float32) with every logit where ``seen [B, V]`` (bool: the token is in
+    the prompt or was generated) divided by ``penalty`` when positive, multiplied by it when
+    negative; a new tensor (``penalty`` 1: ``logits`` itself).
+
+    Source: transformers' ``RepetitionPenaltyLogitsProcessor`` (the same float32 operations, so
+    the same bits), vLLM's ``repetition_penalty``; CTRL (Keskar et al. 2019).
+    """
+    if penalty == 1:
+        return logits
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def ngram_bans(ngrams: dict, history: list[int], n: int) -> set[int]:
+    """The tokens that would complete an n-gram already in ``history``: those that followed the
+    last ``n - 1`` tokens of ``history`` before (``ngrams``: each ``(n-1)``-tuple of ``history``
+    → the set of tokens that followed it, :meth:`RowSampler.accept` keeps it). n = 1: every
+    token in ``history``. Source: transformers' ``NoRepeatNGramLogitsProcessor`` (over the whole
+    ``input_ids``: the prompt and the tokens generated)."""
+    if n == 0 or len(history) < n:
+        return set()
+    return ngrams.get(tuple(history[len(history) - n + 1:]), set())
+
+
+def add_ngram(ngrams: dict, history: list[int], n: int) -> None:
+    """Record the n-gram that ends ``history``'s last token (none while it holds fewer than n)."""
+    if len(history) >= n:
+        ngrams.setdefault(tuple(history[len(history) - n:-1]), set()).add(history[-1])
+
+
+class NoTokenAllowedError(ValueError):
+    """Every token of the vocabulary is banned (by ``no_repeat_ngram_size`` and ``min_tokens``):
+    there is nothing to sample."""
+
+
 def adjust_logits(logits: torch.Tensor, counts: torch.Tensor | None = None, presence_penalty: float = 0.0,
                   frequency_penalty: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
     """OpenAI's adjustments of the raw logits before sampling (float32 ``[B, V]`` → same):
@@ -193,7 +241,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[
 class RowSampler:
     """One sequence's sampler, the one ``generate()`` and the server both use: its
     :class:`~gpt2mha.inference.params.SamplingParams`, its own generator, the counts of the
-    tokens it generated (for the penalties) and its ``logit_bias`` as a dense vector.
+    tokens it generated (for the penalties), its ``logit_bias`` as a dense vector, and, for
+    ``repetition_penalty`` and ``no_repeat_ngram_size``, the tokens of its prompt and generated.
 
     Args:
         params: how to sample (checked; its logit_bias ids below ``vocab_size``).
@@ -204,28 +253,88 @@ class RowSampler:
         logprobs: None, or k: :meth:`sample` records each token's log-probability and the k most
             likely ids in :attr:`last_logprob` (``(logprob, [(id, logprob), …])``).
         row: the batch row an error names (``generate``'s), or None.
+        eos_token_id: the end-of-text id that ``min_tokens`` bans with ``stop_token_ids`` (None:
+            none; ignored with ``ignore_eos``).
+        prompt: the tokens before the first one sampled (:meth:`begin`), or None to give them later.
 
     Attributes:
         steps: tokens sampled so far (the step a :class:`NonFiniteLogitsError` names).
+        begun: whether :meth:`begin` has been given the prompt.
     """
 
     def __init__(self, params: SamplingParams, seed: int | None, vocab_size: int, device, logprobs: int | None = None,
-                 row: int | None = None):
+                 row: int | None = None, eos_token_id: int | None = None, prompt=None):
         self.params, self.vocab_size, self.logprobs = params, vocab_size, logprobs
         self.label = [] if row is None else [row]               # the row an error names (generate's batch row)
         self.generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
         self.bias = bias_vector(dict(params.logit_bias), vocab_size, device)
         penalized = params.presence_penalty or params.frequency_penalty
         self.counts = torch.zeros(1, vocab_size, dtype=torch.float32, device=device) if penalized else None
+        self.seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device) if params.repetition_penalty != 1 \
+            else None
+        eos = () if eos_token_id is None or params.ignore_eos else (eos_token_id,)
+        self.ends = {t for t in (*params.stop_token_ids, *eos) if t < vocab_size}      # what min_tokens bans
+        self.history: list[int] | None = [] if params.no_repeat_ngram_size else None
+        self.ngrams: dict = {}
         self.steps = 0
+        self.begun = False
         self.last_logprob = None
+        if prompt is not None:
+            self.begin(prompt)
+
+    def begin(self, prompt) -> None:
+        """Take the prompt's token ids (a list or a 1-D tensor): ``repetition_penalty`` and
+        ``no_repeat_ngram_size`` read them with the tokens generated."""
+        self.begun = True
+        if self.seen is None and self.history is None:
+            return
+        ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+        if self.seen is not None:
+            kept = [t for t in ids if t < self.vocab_size]
+            self.seen[0, torch.tensor(kept, dtype=torch.long, device=self.seen.device)] = True
+        if self.history is not None:
+            for t in ids:
+                self.history.append(t)
+                add_ngram(self.ngrams, self.history, self.params.no_repeat_ngram_size)
+
+    def banned(self) -> set[int]:
+        """The ids banned at this step: the n-grams' (``no_repeat_ngram_size``) and, before
+        ``min_tokens`` new tokens, the end-of-text and stop tokens.
+
+        Raises:
+            NoTokenAllowedError: they are every id of the vocabulary.
+        """
+        p = self.params
+        bans = set()
+        if self.history is not None:
+            bans = {t for t in ngram_bans(self.ngrams, self.history, p.no_repeat_ngram_size) if t < self.vocab_size}
+        if self.steps < p.min_tokens:
+            bans = bans | self.ends
+        if len(bans) >= self.vocab_size:
+            raise NoTokenAllowedError(f"no token can be sampled at step {self.steps}: no_repeat_ngram_size="
+                                      f"{p.no_repeat_ngram_size} with min_tokens={p.min_tokens} bans all "
+                                      f"{self.vocab_size} tokens of the vocabulary")
+        return bans
 
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
-        """The row's logits ``[1, V]`` after its penalties and bias (:func:`adjust_logits`)."""
+        """The row's logits ``[1, V]`` after, in this order, its repetition penalty
+        (:func:`repetition_penalty_logits`), its presence/frequency penalties and bias
+        (:func:`adjust_logits`), and its bans set to -inf (:meth:`banned`).
+
+        Raises:
+            NoTokenAllowedError: every token is banned.
+        """
         p = self.params
         if not p.adjusted:
             return logits
-        return adjust_logits(logits, self.counts, p.presence_penalty, p.frequency_penalty, self.bias)
+        if self.seen is not None:
+            logits = repetition_penalty_logits(logits.float(), self.seen, p.repetition_penalty)
+        logits = adjust_logits(logits, self.counts, p.presence_penalty, p.frequency_penalty, self.bias)
+        bans = self.banned()
+        if bans:
+            logits = logits.index_fill(-1, torch.tensor(sorted(bans), dtype=torch.long, device=logits.device),
+                                       float("-inf"))
+        return logits
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token from this row's raw logits ``[1, V']`` (cut to ``vocab_size``):
@@ -251,13 +360,18 @@ class RowSampler:
                                step=self.steps, rows=self.label)[0])
 
     def accept(self, logits: torch.Tensor | None, token: int) -> None:
-        """Record ``token``, chosen from raw ``logits [1, V]``: its count, its logprobs, the step
-        (``logits`` is read only for the logprobs: None without them)."""
+        """Record ``token``, chosen from raw ``logits [1, V]``: its count, its logprobs, its
+        n-gram, the step (``logits`` is read only for the logprobs: None without them)."""
         if self.logprobs is not None:
             chosen, top = token_logprobs(logits[:, :self.vocab_size], torch.tensor([token]), self.logprobs)
             self.last_logprob = (chosen[0], top[0])
         if self.counts is not None:
             self.counts[0, token] += 1
+        if self.seen is not None:
+            self.seen[0, token] = True
+        if self.history is not None:
+            self.history.append(token)
+            add_ngram(self.ngrams, self.history, self.params.no_repeat_ngram_size)
         self.steps += 1
 
 

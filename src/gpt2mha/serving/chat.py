@@ -213,6 +213,12 @@ class ChatRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     user: str | None = None
     # each generated token's logprob, and the top_logprobs most probable (choices[i].logprobs.content)
     logprobs: bool = False
@@ -294,7 +300,8 @@ def completion_request(body: ChatRequest, template: ChatTemplate, tokenizer, n_c
                        code="context_length_exceeded")
     fields = body.model_dump(include={"model", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                                       "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
-                                      "user"}, exclude_none=True)
+                                      "repetition_penalty", "no_repeat_ngram_size", "min_tokens", "ignore_eos",
+                                      "stop_token_ids", "include_stop_str_in_output", "user"}, exclude_none=True)
     if body.logprobs:              # completions' logprobs=k: each token's logprob and the k most probable
         fields["logprobs"] = body.top_logprobs or 0
     return CompletionRequest.model_validate({**fields, "prompt": ids,

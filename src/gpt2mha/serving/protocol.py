@@ -56,6 +56,13 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # ---- repetition control (vLLM's fields; no_repeat_ngram_size transformers')
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     # ---- accepted at their neutral values only (clients send some of them by default)
     suffix: str | None = None
     user: str | None = None
@@ -70,6 +77,9 @@ EXPECTED = {
     "stop": "a string or a list of strings", "stream": "a boolean", "stream_options": "an object {include_usage: bool}",
     "n": "an integer", "best_of": "an integer", "echo": "a boolean", "logprobs": "an integer",
     "presence_penalty": "a number", "frequency_penalty": "a number", "logit_bias": "an object of numbers",
+    "repetition_penalty": "a number", "no_repeat_ngram_size": "an integer", "min_tokens": "an integer",
+    "ignore_eos": "a boolean", "stop_token_ids": "a list of token ids (integers)",
+    "include_stop_str_in_output": "a boolean",
     "suffix": "a string", "user": "a string",
 }
 
@@ -197,7 +207,7 @@ def check_model(name: str | None, model_name: str) -> None:
 def check_request(body: CompletionRequest, model_name: str, vocab_size: int) -> SamplingParams:
     """A parsed request's checks: the model (404), every sampling field's range through
     :class:`~gpt2mha.inference.params.SamplingParams` (the one place ``generate()`` and the CLI
-    check them too), its ``logit_bias`` ids below ``vocab_size``, what this server takes only
+    check them too), its ``logit_bias`` and ``stop_token_ids`` ids below ``vocab_size``, what this server takes only
     at its default (``suffix``), best_of with stream, and a prompt list that is not empty.
 
     Returns:
@@ -330,14 +340,15 @@ def stop_strings(body: CompletionRequest) -> tuple[str, ...]:
 
 def sampling_params(body: CompletionRequest) -> SamplingParams:
     """The request's :class:`~gpt2mha.inference.params.SamplingParams`: every field of it taken
-    from the request's field of the same name (``stop`` as a tuple).
+    from the request's field of the same name (``stop`` and ``stop_token_ids`` as tuples).
 
     Raises:
         APIError: 400 naming the field a :class:`~gpt2mha.inference.params.ParamError` names.
     """
     values = {name: getattr(body, name) for name in SAMPLING_FIELDS}      # every one: a request field
     try:
-        return SamplingParams(**{**values, "stop": stop_strings(body), "logit_bias": body.logit_bias or {}})
+        return SamplingParams(**{**values, "stop": stop_strings(body), "logit_bias": body.logit_bias or {},
+                                 "stop_token_ids": tuple(body.stop_token_ids or ())})
     except ParamError as e:
         raise APIError(400, str(e), e.param) from None
 

@@ -160,7 +160,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.n_ctx, self.n_vocab = model.config.n_ctx, model.config.n_vocab
         self.engine = Engine(model, self.max_batch, route, vocab_size=min(tokenizer.n_vocab, self.n_vocab),
-                             batch_invariant=batch_invariant)
+                             batch_invariant=batch_invariant, eos_token_id=getattr(tokenizer, "eot_token", None))
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
@@ -388,7 +388,8 @@ class Scheduler:
             seq.t_admit = now
             p = seq.params
             try:
-                seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens)
+                seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens, p.stop_token_ids, p.ignore_eos,
+                                        p.min_tokens, p.include_stop_str_in_output)
                 if p.echo and p.logprobs is not None:
                     seq.prompt_logprobs = self.engine.score(seq.prompt_ids, p.logprobs)
                 if p.max_tokens == 0:
@@ -396,7 +397,7 @@ class Scheduler:
                     continue
                 seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
                 logprobs = p.logprobs if p.logprobs is not None else 0 if p.ranked else None
-                self.engine.open(seq.slot, p, seed, logprobs=logprobs)
+                self.engine.open(seq.slot, p, seed, logprobs=logprobs, prompt=seq.prompt_ids)
                 live.append(seq)
             except Exception as e:
                 self._fail(seq, e)

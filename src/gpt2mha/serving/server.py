@@ -11,7 +11,10 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
   (:func:`~gpt2mha.serving.protocol.choice_answer`; a stream's chunks carry their own tokens'
   logprobs, :meth:`Completions.chunk`), ``n`` and ``best_of``
   (:func:`~gpt2mha.serving.scheduler.pick_choices`), ``presence_penalty``,
-  ``frequency_penalty``, ``logit_bias``, and ``top_k`` as an extension; ``null`` for any
+  ``frequency_penalty``, ``logit_bias``, and as extensions ``top_k``, ``min_p`` and vLLM's
+  repetition control (``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+  ``stop_token_ids``, ``include_stop_str_in_output``; transformers' ``no_repeat_ngram_size``,
+  :class:`~gpt2mha.inference.params.SamplingParams`); ``null`` for any
   optional field means its default. With ``temperature: 0`` or a ``seed``, each choice's text
   equals offline ``generate`` with the same arguments (sequence ``i·m + j`` of P prompts with
   m = best_of or n sequences each is row ``i·m + j`` of ``gpt2mha generate P1 … --num-samples

@@ -39,6 +39,13 @@ class TextStream:
         tokenizer: has ``decode_bytes(ids)``, and ``eot_token`` (an id, or None) for :meth:`add`.
         stop: strings that end the text (cut before the first one found).
         max_tokens: tokens after which :meth:`add` answers :data:`LENGTH` (None: no limit).
+        stop_token_ids: ids that end the text when :meth:`add` is given one, as the end-of-text
+            token does (their text left out).
+        ignore_eos: the end-of-text token is an ordinary token (its text is text).
+        min_tokens: no stop string ends the text until :meth:`add` has been given more than
+            this many tokens (vLLM's ``min_tokens``: the stop tokens are banned until then).
+        include_stop: keep the stop string that ends the text, or the text of a stop token (not
+            the end-of-text token's), at its end (vLLM's ``include_stop_str_in_output``).
 
     Attributes:
         text: all text decoded so far (cut at a stop string once found).
@@ -49,11 +56,16 @@ class TextStream:
             an earlier one points at that character's start too.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), max_tokens: int | None = None):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), max_tokens: int | None = None,
+                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, min_tokens: int = 0,
+                 include_stop: bool = False):
         self.decoder = StreamDecoder(tokenizer)
-        self.eot = getattr(tokenizer, "eot_token", None)
+        self.eot = None if ignore_eos else getattr(tokenizer, "eot_token", None)
+        self.stop_ids = frozenset(stop_token_ids)
         self.stop = tuple(stop)
         self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self.text = ""
         self.sent = 0           # characters of text already returned
         self.stopped = False
@@ -76,12 +88,15 @@ class TextStream:
     def add(self, token: int) -> tuple[str, str | None]:
         """One sampled token: ``(delta, reason)``, the text it makes certain and the finish reason
         it causes (None: the sequence goes on). The end-of-text token ends it with :data:`STOP`
-        and adds no text; so does a stop string (the text is cut before it); the
+        and adds no text; so does a stop token (its text kept with ``include_stop``) and a stop
+        string (the text cut before it, or after it with ``include_stop``); the
         ``max_tokens``-th token ends it with :data:`LENGTH`."""
         self.n_tokens += 1
         self.offsets.append(len(self.text))
-        if self.eot is not None and token == self.eot:
+        if token == self.eot:
             return "", STOP
+        if token in self.stop_ids:
+            return (self.push([token]) if self.include_stop else ""), STOP
         delta = self.push([token])
         if self.stopped:
             return delta, STOP
@@ -99,8 +114,11 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        cut = min((i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for i, s in ((self.text.find(s, self.sent), s) for s in self.stop)
+                 if i >= 0] if not self.min_tokens or self.n_tokens > self.min_tokens else []
+        if found:
+            cut, s = min(found)
+            cut += len(s) if self.include_stop else 0
             self.text, self.stopped = self.text[:cut], True
             end = cut
         elif final:
