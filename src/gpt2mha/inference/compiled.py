@@ -358,7 +358,10 @@ class _Unadvanced(KVCache):
         pass
 
 
-def _signature(model: nn.Module, refuse=None) -> tuple | None:
+def model_signature(model: nn.Module, refuse=None) -> tuple | None:
+    """What a compiled step or a native forward built for ``model`` depends on, as a comparable
+    tuple (None where ``refuse`` says a module cannot be captured); a changed signature means
+    rebuilding."""
     # the tensors (which object, its writes, its storage: `p.data = t` keeps the object and the
     # count), how each int8 layer treats its activations (set_activations changes the view) and
     # each LayerNorm's eps; one walk over the modules (generate asks it every call); None where
@@ -412,7 +415,7 @@ class CompiledDecoder:
 
     def __init__(self, model: nn.Module, batch_invariant: bool | None = None):
         self.batch_invariant = batch_invariant
-        self.signature = _signature(model)
+        self.signature = model_signature(model)
         self.options = options(model)
         self.step = _Step(decode_view(model, batch_invariant)).eval()
         # dynamo keeps compiled code per code object and, with the module guards dropped below,
@@ -466,6 +469,6 @@ def compiled_decoder(model: nn.Module, batch_invariant: bool | None = None) -> C
     if batch_invariant is None:
         batch_invariant = invariant_by_default(model)
     dec = _decoders.get(model)
-    if dec is None or dec.signature != _signature(model) or dec.batch_invariant != batch_invariant:
+    if dec is None or dec.signature != model_signature(model) or dec.batch_invariant != batch_invariant:
         dec = _decoders[model] = CompiledDecoder(model, batch_invariant)
     return dec

@@ -253,8 +253,8 @@ def native_step(model: nn.Module) -> NativeStep | None:
     None; :mod:`gpt2mha.inference.huge_pages`)."""
     if not _kind(model) or not gemv.available():
         return None                                            # (asked every generate call: cheap first)
-    from .compiled import _signature
-    sig = None if global_hooks() else _signature(model, refuse=hooked)     # every call: hooks come and go
+    from .compiled import model_signature
+    sig = None if global_hooks() else model_signature(model, refuse=hooked)     # every call: hooks come and go
     if sig is None:
         return None
     kept = _steps.get(model)

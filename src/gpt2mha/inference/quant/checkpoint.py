@@ -13,7 +13,7 @@ import torch
 
 from ...io.checkpoints import QuantizedFormat, register_quantized_format
 from .linear import QuantizedLinear
-from .model import BLOCK_LINEARS, _check_activations, head_group, install, quantized_layers, set_activations
+from .model import BLOCK_LINEARS, check_activations, head_group, install, quantized_layers, set_activations
 from .schemes import (HEAD_SCHEMES, KERNEL_DTYPE, METHODS, QuantizationError, check_head, check_scheme,
                       dequantize_int4, unpack_int4)
 
@@ -94,7 +94,7 @@ def read_scheme(entry, source: str) -> tuple[str, int | None, bool, str]:
         raise QuantizationError(f"{source}: quantization method {entry.get('method')!r} is unknown; expected one of "
                                 f"{METHODS}")
     try:
-        _check_activations(entry.get("activations", "exact"), entry["scheme"])
+        check_activations(entry.get("activations", "exact"), entry["scheme"])
     except ValueError as e:
         raise QuantizationError(f"{source}: {e}") from None
     return entry["scheme"], entry["group_size"], entry["tied"], entry["head"]

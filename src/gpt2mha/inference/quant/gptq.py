@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .schemes import KERNEL_DTYPE, _int4_params, quantize_int8
+from .schemes import KERNEL_DTYPE, int4_params, quantize_int8
 
 
 #: GPTQ's dampening: ``damp · mean(diag H)`` is added to H's diagonal (Frantar et al., §4 "Step 3").
@@ -81,7 +81,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | 
         for i in range(i2 - i1):
             if scheme == "int4" and (i1 + i) % group_size == 0:
                 g = W1[:, i:i + group_size]
-                params = _int4_params(g.amin(-1), g.amax(-1))
+                params = int4_params(g.amin(-1), g.amax(-1))
                 groups.append(params)
             scale, zero = params
             col = W1[:, i]

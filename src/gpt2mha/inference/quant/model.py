@@ -402,7 +402,8 @@ def quantize_model(model, scheme: str, group_size: int | None = None, method: st
 
 
 
-def _check_activations(activations, scheme) -> None:
+def check_activations(activations, scheme) -> None:
+    """Raises ValueError unless ``activations`` is one of :data:`ACTIVATIONS` that ``scheme`` takes."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r}: expected one of {ACTIVATIONS}")
     if activations not in SCHEME_ACTIVATIONS[scheme]:
@@ -448,7 +449,7 @@ def set_activations(model, activations: str) -> None:
     """
     if not getattr(model, "quantization", None):
         raise ValueError("set_activations: the model is not quantized (call model.quantize('int8', ...) first)")
-    _check_activations(activations, model.quantization["scheme"])
+    check_activations(activations, model.quantization["scheme"])
     for m in model.modules():
         if isinstance(m, QuantizedLinear) and m.scheme == model.quantization["scheme"]:   # not an int4 model's int8 head
             m.activations = activations

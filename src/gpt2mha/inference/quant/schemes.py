@@ -94,14 +94,14 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     w = w.detach().float().contiguous()
     N, K = w.shape
     g = w.view(N, K // group_size, group_size)
-    scale, zero = _int4_params(g.amin(-1), g.amax(-1))                     # [N, K/g]
+    scale, zero = int4_params(g.amin(-1), g.amax(-1))                     # [N, K/g]
     q = torch.round((g - zero[..., None]) / scale[..., None]) + 8
     q = q.clamp_(0, 15).to(torch.int32).view(N, K)
     scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
     return q, scale_zero
 
 
-def _int4_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 ``(scale, zero)`` (float32 holding :data:`KERNEL_DTYPE` values) of groups spanning
     ``[lo, hi]``: ``scale = (hi − lo) / 15`` rounded up, ``zero = lo + 8·scale`` rounded."""
     scale = _round_scales_up(((hi - lo) / 15).clamp(min=1e-6)).float()
