@@ -141,3 +141,202 @@ def test_no_metrics_serves_no_metrics(builtin):
         assert r.status_code == 404 and r.json()["error"]["code"] == "metrics_off"
         assert httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
     assert sched.metrics is None
+
+
+# ------------------------------------------------------------------------------ probes
+def test_probes_answer_get_and_head_and_every_answer_carries_a_request_id(builtin, caplog):
+    """/live, /health, /version and /metrics answer GET and HEAD (another method: 405 naming
+    GET, HEAD); a client's X-Request-Id comes back and is in the request's log line; without one
+    (or with one that is not printable ASCII of at most 128 characters) the server makes one."""
+    model, tok = builtin
+    caplog.set_level(logging.INFO, logger="gpt2mha.serve")
+    with serve_in_thread(Scheduler(model, tok, max_batch=1), DEFAULT_MODEL) as url:
+        live, health, version = (httpx.get(url + p) for p in ("/live", "/health", "/version"))
+        for path in ("/live", "/health", "/version", "/metrics"):
+            head = httpx.head(url + path)
+            assert head.status_code == 200 and head.content == b"", path
+            r = httpx.post(url + path)
+            assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD" and "GET, HEAD" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, headers={"X-Request-Id": "job-7/a"})
+        bad = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 99999},
+                         headers={"X-Request-Id": "x" * 129})
+    assert live.status_code == 200 and live.json() == {"status": "ok", "phase": "ready"}
+    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["model"] == DEFAULT_MODEL
+    assert version.json() == {"version": __version__, "model": DEFAULT_MODEL}
+    assert r.status_code == 200 and r.headers["x-request-id"] == "job-7/a"
+    assert bad.status_code == 400 and re.fullmatch(r"[0-9a-f]{32}", bad.headers["x-request-id"])
+    assert re.fullmatch(r"[0-9a-f]{32}", live.headers["x-request-id"]) and live.headers["x-request-id"] != \
+        health.headers["x-request-id"]
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "gpt2mha.serve"]
+    assert any(m.startswith("request cmpl-") and "request_id=job-7/a status=200" in m for m in lines), lines
+    assert any(f"request {bad.headers['x-request-id']} status=400" in m for m in lines), lines
+
+
+def test_while_loading_live_is_200_health_503_and_the_api_503(builtin):
+    """Before the model is attached (``gpt2mha serve`` loads it behind an open port): /live 200
+    "loading", /health 503 "loading" with Retry-After, /v1/* 503 ``model_loading`` in OpenAI's
+    error shape, /metrics 200 with its gauges at 0; once attached and warmed up, all ready."""
+    model, tok = builtin
+    ops = Operations(DEFAULT_MODEL)
+    with TestClient(ops) as http:
+        assert http.get("/live").json() == {"status": "ok", "phase": "loading"}
+        h = http.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "loading" and int(h.headers["retry-after"]) >= 1
+        r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert "gpt2mha:num_requests_running{model_name=" in http.get("/metrics").text
+        sched = Scheduler(model, tok, max_batch=1)
+        ops.attach(sched, create_app(sched, DEFAULT_MODEL))
+        assert sched.wait_ready(30)
+        assert http.get("/health").json()["status"] == "ok" and http.get("/live").json()["phase"] == "ready"
+        assert http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+    assert sched.stopping                                          # the lifespan's shutdown stopped it
+
+
+def test_readiness_is_503_queue_full_while_a_request_would_get_429(builtin, slow_steps):
+    """One slot, no queue: while a request runs, /health says 503 "queue_full" (and a request
+    gets 429); once it is done, 200 "ok" again."""
+    model, tok = builtin
+    sched = Scheduler(model, tok, max_batch=1, max_queue=0)
+    with serve_in_thread(sched, DEFAULT_MODEL) as url:
+        t = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 60},
+                                                       timeout=30))
+        t.start()
+        wait_for(lambda: sched.stats()["running"] == 1)
+        full = httpx.get(url + "/health")
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        t.join(30)
+        after = httpx.get(url + "/health")
+    assert full.status_code == 503 and full.json()["status"] == "queue_full" and full.json()["free_slots"] == 0
+    assert refused.status_code == 429
+    assert after.status_code == 200 and after.json()["status"] == "ok"
+
+
+def test_shutdown_drains_readiness_503_new_requests_503_in_flight_ones_finish(builtin, slow_steps):
+    """Shutting down (what SIGTERM does) while a request runs: the port stays open, /live stays
+    200 ("draining"), /health turns 503 "draining", a new request gets 503 with Retry-After, the
+    running request finishes whole (80 tokens, "length"), then the port closes, well before the
+    graceful timeout (it waits for the requests, not for the timeout)."""
+    model, tok = builtin
+    sched = Scheduler(model, tok, max_batch=2)
+    results, seen = {}, []
+
+    def run():
+        results["long"] = httpx.post(url + "/v1/completions", timeout=30,
+                                     json={"prompt": "ROMEO:", "max_tokens": 80, "temperature": 0})
+
+    def probe():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                live, health = httpx.get(url + "/live", timeout=2), httpx.get(url + "/health", timeout=2)
+            except httpx.TransportError:
+                seen.append("closed")
+                return
+            seen.append((live.status_code, live.json()["phase"], health.status_code, health.json()["status"]))
+            if seen[-1][1] == "draining" and "new" not in results:
+                results["new"] = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            time.sleep(0.02)
+
+    with serve_in_thread(sched, DEFAULT_MODEL, graceful_timeout=30) as url:
+        long, prober = threading.Thread(target=run), threading.Thread(target=probe)
+        long.start()
+        wait_for(lambda: sched.stats()["running"] == 1)
+        prober.start()
+        t0 = time.monotonic()
+    took = time.monotonic() - t0
+    long.join(30)
+    prober.join(30)
+    r = results["long"]
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 80
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    new = results["new"]
+    assert new.status_code == 503 and int(new.headers["retry-after"]) >= 1 and "shutting down" in new.json()["error"]["message"]
+    phases = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
+    want = [(200, "ready", 200, "ok"), (200, "draining", 503, "draining"), "closed"]
+    assert phases in (want, want[1:]), seen
+    assert took < 15
+
+
+# ------------------------------------------------------------------------------ the CLI
+SLOW_LOAD = ("import sys, time\n"
+             "import gpt2mha.cli.tools as tools\n"
+             "from gpt2mha.serving.scheduler import Scheduler\n"
+             "load, decode = tools.load_model, Scheduler._decode\n"
+             "tools.load_model = lambda *a, **k: (time.sleep(3), load(*a, **k))[1]     # a slow checkpoint\n"
+             "Scheduler._decode = lambda self: (time.sleep(0.02), decode(self))[1]       # 20 ms a step\n"
+             "from gpt2mha.cli import main\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+
+
+def probe_once(url) -> tuple:
+    """One round of a Kubernetes-like prober: (liveness status, readiness status and its
+    "status"), or "closed" when the port does not answer."""
+    try:
+        live, health = httpx.get(url + "/live", timeout=2), httpx.get(url + "/health", timeout=2)
+    except httpx.TransportError:
+        return "closed"
+    return live.status_code, health.status_code, health.json()["status"]
+
+
+@pytest.mark.slow
+def test_cli_serve_probes_from_start_to_exit_as_kubernetes_sees_them(tmp_path):
+    """`gpt2mha serve` with a load slowed to 3 s and 20 ms decode steps, probed every 50 ms from
+    its start: the port opens before the model is loaded (/live 200 while /health says 503
+    "loading", and a request then gets 503 model_loading), /health turns 200 "ok"; SIGTERM while a
+    request runs: /health 503 "draining" at once while /live stays 200, a new request gets 503,
+    the running one finishes whole, the process exits 0. Liveness never fails while the port is
+    open (so a livenessProbe never restarts a loading or draining server)."""
+    port = _serve_load().free_port()
+    url, seen, results = f"http://127.0.0.1:{port}", [], {}
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, "serve", "--port", str(port), "--threads", "1",
+                             "--graceful-timeout", "30"], stdout=log, stderr=log)
+
+    def run():
+        results["long"] = httpx.post(url + "/v1/completions", timeout=60,
+                                     json={"prompt": "ROMEO:", "max_tokens": 100, "temperature": 0})
+
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.append(probe_once(url))
+            if seen[-1] != "closed" and seen[-1][2] == "loading" and "loading" not in results:
+                results["loading"] = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            if seen[-1] != "closed" and seen[-1][2] == "ok" and "long" not in results:
+                results["long"] = None
+                threading.Thread(target=run).start()
+                wait_for(lambda: httpx.get(url + "/health").json()["running"] == 1, 30)
+                proc.send_signal(signal.SIGTERM)
+            if seen[-1] != "closed" and seen[-1][2] == "draining" and "new" not in results:
+                results["new"] = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            time.sleep(0.05)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    text = (tmp_path / "serve.log").read_text()
+    phases = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
+    want = ["closed", (200, 503, "loading"), (200, 200, "ok"), (200, 503, "draining"), "closed"]
+    assert phases in (want, want[1:]), (phases, text)
+    assert results["loading"].status_code == 503 and results["loading"].json()["error"]["code"] == "model_loading"
+    assert results["new"].status_code == 503
+    wait_for(lambda: results["long"] is not None, 30)
+    assert results["long"].status_code == 200 and results["long"].json()["usage"]["completion_tokens"] == 100
+    assert "Traceback" not in text and "draining" in text, text
+
+
+@pytest.mark.slow
+def test_cli_serve_a_model_that_does_not_load_exits_2_with_one_error_line(tmp_path):
+    """The port opens, the loading fails in its thread: the server stops and the command exits 2
+    with the loader's error, as it did when the model loaded before the port opened."""
+    port = _serve_load().free_port()
+    missing = tmp_path / "no-such-model"
+    done = subprocess.run([sys.executable, "-m", "gpt2mha", "serve", "--port", str(port), "--threads", "1",
+                           "--model", str(missing)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"error: " in done.stderr and str(missing) in done.stderr.splitlines()[-1], done.stderr
+    assert "Traceback" not in done.stderr
