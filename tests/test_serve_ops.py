@@ -259,6 +259,66 @@ def test_shutdown_drains_readiness_503_new_requests_503_in_flight_ones_finish(bu
     assert took < 15
 
 
+
+# ------------------------------------------------------------------------------ API keys
+KEY = "s3cret-key_0"
+
+
+def test_api_key_openai_client_gets_401_without_or_with_a_wrong_key_and_200_with_it(builtin):
+    """With an API key: the official client raises AuthenticationError (401, OpenAI's error
+    object, code invalid_api_key) without a key or with a wrong one and is answered with the
+    right one; the tokenizer routes and unknown routes need it too; the probes, /version and
+    /metrics stay open; a CORS preflight (OPTIONS, no credentials) is not refused for the key."""
+    model, tok = builtin
+    with serve_in_thread(Scheduler(model, tok, max_batch=1), DEFAULT_MODEL, api_key=KEY) as url:
+        def client(key):
+            return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        for key in ("wrong", KEY + "x", KEY[:-1]):
+            with pytest.raises(openai.AuthenticationError) as e:
+                client(key).completions.create(model=DEFAULT_MODEL, prompt="a", max_tokens=2)
+            assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        r = client(KEY).completions.create(model=DEFAULT_MODEL, prompt="a", max_tokens=2)
+        assert r.usage.completion_tokens == 2 and [m.id for m in client(KEY).models.list().data] == [DEFAULT_MODEL]
+        bare = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert bare.status_code == 401 and bare.headers["www-authenticate"] == "Bearer"
+        assert set(bare.json()["error"]) == {"message", "type", "param", "code"}
+        assert "Missing API key" in bare.json()["error"]["message"]
+        for auth in (f"bearer {KEY}", f"Bearer  {KEY}"):
+            assert httpx.post(url + "/tokenize", json={"prompt": "ab"}, headers={"Authorization": auth}).status_code == 200
+        for auth in (f"Basic {KEY}", "Bearer", KEY):
+            assert httpx.post(url + "/tokenize", json={"prompt": "ab"}, headers={"Authorization": auth}).status_code == 401
+        for path in ("/tokenizer_info", "/v1/models", "/no-such-route"):
+            assert httpx.get(url + path).status_code == 401, path
+        for path in ("/live", "/health", "/version", "/metrics"):
+            assert httpx.get(url + path).status_code == 200, path
+        assert httpx.options(url + "/v1/completions").status_code != 401
+
+
+def test_serve_api_key_from_the_flag_a_file_or_the_environment(tmp_path, monkeypatch, capsys):
+    """--api-key, else --api-key-file's first line, else GPT2MHA_API_KEY; both flags, an empty key
+    or an unreadable file are one error line (exit 2) before anything loads; a key with a space
+    is refused by the server itself."""
+    from gpt2mha.cli import build_parser, main
+    from gpt2mha.cli.tools import serve_api_key
+
+    monkeypatch.delenv("GPT2MHA_API_KEY", raising=False)
+    key_file, empty = tmp_path / "key", tmp_path / "empty"
+    key_file.write_text("from-file\nsecond line\n")
+    empty.write_text("\n")
+    args = lambda *a: build_parser().parse_args(["serve", *a])           # noqa: E731
+    assert serve_api_key(args()) is None
+    assert serve_api_key(args("--api-key", "k1")) == "k1"
+    assert serve_api_key(args("--api-key-file", str(key_file))) == "from-file"
+    monkeypatch.setenv("GPT2MHA_API_KEY", " from-env ")
+    assert serve_api_key(args()) == "from-env" and serve_api_key(args("--api-key", "k1")) == "k1"
+    for argv, words in ((["--api-key", "a", "--api-key-file", str(key_file)], "not both"),
+                        (["--api-key-file", str(empty)], "is empty"),
+                        (["--api-key-file", str(tmp_path / "none")], "cannot read")):
+        assert main(["serve", "--port", "0", *argv]) == 2
+        assert words in capsys.readouterr().err
+    with pytest.raises(ValueError, match="api_key must be"):
+        Operations(DEFAULT_MODEL, api_key="two words")
+
 # ------------------------------------------------------------------------------ the CLI
 SLOW_LOAD = ("import sys, time\n"
              "import gpt2mha.cli.tools as tools\n"
