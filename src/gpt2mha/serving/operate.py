@@ -22,8 +22,9 @@ Everything else goes to the API app, through these steps:
 2. With an API key, every route but the four above needs ``Authorization: Bearer KEY``
    (compared in constant time); else 401 in OpenAI's error shape, as OpenAI answers a wrong
    key. ``OPTIONS`` (CORS preflight, which carries no credentials) passes.
-3. While the model loads: 503 ``code: model_loading`` with ``Retry-After``. While draining: 503
-   (shutting down) with ``Retry-After``; requests already inside go on.
+3. While the model loads: 503 ``code: model_loading`` with ``Retry-After`` (``model_load_failed``
+   once loading failed, while the server stops). While draining: 503 (shutting down) with
+   ``Retry-After``; requests already inside go on.
 
 The draining itself (when SIGTERM comes, how long in-flight requests get) is
 :class:`~gpt2mha.serving.server.GracefulServer`'s; the loading, :func:`~gpt2mha.serving.server.serve`'s.
@@ -209,6 +210,9 @@ class Operations:
                 answer = unauthorized(scope)
             elif self.draining:
                 answer = submit_error(ShuttingDown("the server is draining (SIGTERM)")).response()
+            elif self.error is not None:
+                answer = APIError(503, f"The model failed to load ({type(self.error).__name__}: {self.error}); "
+                                       f"the server is stopping", type="server_error", code="model_load_failed").response()
             elif self.api is None:
                 answer = APIError(503, "The model is loading; retry shortly (GET /health says ok once it is ready)",
                                   type="server_error", code="model_loading",
@@ -279,5 +283,5 @@ def unauthorized(scope) -> Response:
     given = (header(scope, b"authorization") or b"").partition(b" ")[2].strip()
     message = ("Missing API key: send it as 'Authorization: Bearer KEY' (the openai client's api_key)"
                if not given else "Incorrect API key provided")
-    log.info("request %s - status=401 path=%s error=%s", request_id.get(), scope["path"], message)
+    log.info("request %s status=401 path=%s error=%s", request_id.get(), scope["path"], message)
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()
