@@ -10,7 +10,6 @@ error object as the official ``openai`` client reads it. Servers bind 127.0.0.1 
 are started and stopped by the tests.
 """
 
-import json
 import logging
 import re
 import signal
@@ -83,13 +82,13 @@ def test_metrics_after_a_known_mix_of_requests(builtin, slow_steps):
 
         long = {}
         a = threading.Thread(target=lambda: long.update(r=httpx.post(url + "/v1/completions", timeout=60, json={
-            "prompt": "ROMEO:", "max_tokens": 150, "temperature": 0})))
+            "prompt": "ROMEO:", "max_tokens": 200, "temperature": 0})))
         a.start()
         wait_for(lambda: sched.stats()["running"] == 1)
 
         def gives_up():
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(url + "/v1/completions", json={"prompt": "JULIET:", "max_tokens": 5}, timeout=0.5)
+                httpx.post(url + "/v1/completions", json={"prompt": "JULIET:", "max_tokens": 5}, timeout=1.0)
         b = threading.Thread(target=gives_up)
         b.start()
         wait_for(lambda: sched.stats()["queued"] == 1)
@@ -97,7 +96,7 @@ def test_metrics_after_a_known_mix_of_requests(builtin, slow_steps):
         b.join(10)
         wait_for(lambda: sched.stats()["cancelled"] == 1)       # cancelled while it waited: never prefilled
         a.join(30)
-        assert long["r"].status_code == 200 and long["r"].json()["usage"]["completion_tokens"] == 150
+        assert long["r"].status_code == 200 and long["r"].json()["usage"]["completion_tokens"] == 200
 
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         chunks = list(client.completions.create(model=DEFAULT_MODEL, prompt="JULIET:", max_tokens=7, temperature=0.8,
@@ -115,11 +114,11 @@ def test_metrics_after_a_known_mix_of_requests(builtin, slow_steps):
         idle, _ = scrape(url)
 
     assert value(busy, "num_requests_running") == 1 and value(busy, "num_requests_waiting") == 1
-    assert 0 < value(busy, "kv_cache_usage_perc") <= (n("ROMEO:") + 150) / (1 * model.config.n_ctx)
+    assert 0 < value(busy, "kv_cache_usage_perc") <= (n("ROMEO:") + 200) / (1 * model.config.n_ctx)
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert value(idle, gauge) == 0, gauge
 
-    generated = [150, 7, 3, 3, 3, 3, stop_tokens]       # per sequence that generated: long, stream, n, stop
+    generated = [200, 7, 3, 3, 3, 3, stop_tokens]       # per sequence that generated: long, stream, n, stop
     assert value(idle, "prompt_tokens_total") == (n("ROMEO:") + n("JULIET:") + 2 * n("a") + 2 * n("bc")
                                                   + n("ROMEO:") + n("ROMEO:"))
     assert value(idle, "generation_tokens_total") == sum(generated)
@@ -130,7 +129,7 @@ def test_metrics_after_a_known_mix_of_requests(builtin, slow_steps):
     for family, count in counts.items():
         assert value(idle, family + "_count") == count, family
         assert value(idle, family + "_bucket", le="+Inf") == count and value(idle, family + "_sum") > 0, family
-    assert value(idle, "request_queue_time_seconds_bucket", le="0.01") < 8      # the one that waited behind 150 steps
+    assert value(idle, "request_queue_time_seconds_bucket", le="0.01") < 8      # the one that waited behind 200 steps
 
 
 def test_no_metrics_serves_no_metrics(builtin):
@@ -253,10 +252,17 @@ def test_shutdown_drains_readiness_503_new_requests_503_in_flight_ones_finish(bu
     assert r.json()["choices"][0]["finish_reason"] == "length"
     new = results["new"]
     assert new.status_code == 503 and int(new.headers["retry-after"]) >= 1 and "shutting down" in new.json()["error"]["message"]
-    phases = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
-    want = [(200, "ready", 200, "ok"), (200, "draining", 503, "draining"), "closed"]
-    assert phases in (want, want[1:]), seen
+    assert seen[-1] == "closed" and all(s[0] == 200 for s in seen[:-1]), seen      # liveness: 200 until the port closes
+    live = [s[1] for s in seen[:-1]]
+    health = [s[2:] for s in seen[:-1]]                 # (each probe alone: the phase may turn between the two)
+    assert changes(live) in (["ready", "draining"], ["draining"]), seen
+    assert changes(health) in ([(200, "ok"), (503, "draining")], [(503, "draining")]), seen
     assert took < 15
+
+
+def changes(states: list) -> list:
+    """``states`` without repeats in a row: the sequence of phases a prober saw."""
+    return [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]]
 
 
 
@@ -379,7 +385,7 @@ def test_cli_serve_probes_from_start_to_exit_as_kubernetes_sees_them(tmp_path):
             proc.wait(10)
         log.close()
     text = (tmp_path / "serve.log").read_text()
-    phases = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
+    phases = changes(seen)
     want = ["closed", (200, 503, "loading"), (200, 200, "ok"), (200, 503, "draining"), "closed"]
     assert phases in (want, want[1:]), (phases, text)
     assert results["loading"].status_code == 503 and results["loading"].json()["error"]["code"] == "model_loading"
@@ -398,5 +404,6 @@ def test_cli_serve_a_model_that_does_not_load_exits_2_with_one_error_line(tmp_pa
     done = subprocess.run([sys.executable, "-m", "gpt2mha", "serve", "--port", str(port), "--threads", "1",
                            "--model", str(missing)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert f"error: " in done.stderr and str(missing) in done.stderr.splitlines()[-1], done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("error: ") and str(missing) in last, done.stderr
     assert "Traceback" not in done.stderr

@@ -211,8 +211,8 @@ class Operations:
             elif self.draining:
                 answer = submit_error(ShuttingDown("the server is draining (SIGTERM)")).response()
             elif self.error is not None:
-                answer = APIError(503, f"The model failed to load ({type(self.error).__name__}: {self.error}); "
-                                       f"the server is stopping", type="server_error", code="model_load_failed").response()
+                answer = APIError(503, f"The model failed to load ({type(self.error).__name__}: {self.error}); the "
+                                       f"server is stopping", type="server_error", code="model_load_failed").response()
             elif self.api is None:
                 answer = APIError(503, "The model is loading; retry shortly (GET /health says ok once it is ready)",
                                   type="server_error", code="model_loading",
