@@ -542,6 +542,9 @@ def test_cli_serve_chat_template_and_max_stop(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log_path.read_text())
             url = found.group(1) if found else time.sleep(0.1)
+        while httpx.get(url + "/health").status_code != 200:      # the port opens before the model is loaded
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
         r = client(url).chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
         assert r.usage.prompt_tokens == post(url, "/tokenize", {"messages": MESSAGES}).json()["count"]
         assert r.usage.completion_tokens <= 4 and r.choices[0].message.role == "assistant"

@@ -291,13 +291,17 @@ def cmd_serve(args) -> int:
         import torch
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    model = quantized(load_model(args.model, args.dtype), args)
     name = args.served_model_name or args.model or DEFAULT_MODEL
+
+    def load():                               # in serve's loading thread, once the port is open
+        model = quantized(load_model(args.model, args.dtype), args)
+        return model, tokenizer_for(model.config)
+
     try:
-        serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
+        serve(None, None, name, host=args.host, port=args.port, max_batch=args.max_batch,
               max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
               chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant,
-              compile=args.compile)
+              compile=args.compile, api_key=args.api_key, metrics=not args.no_metrics, load=load)
     except RuntimeError as e:                 # could not bind: uvicorn logged why
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -306,13 +310,45 @@ def cmd_serve(args) -> int:
 
 def check_serve_args(args) -> None:
     """What ``serve``'s line alone decides, before torch is imported and the model loaded: the
-    quantization flags, and that ``--host``/``--port`` can be listened on now (a port in use is
-    one error line, exit 2, at once: :func:`gpt2mha.serving.address.check_address`)."""
+    quantization flags, that ``--host``/``--port`` can be listened on now (a port in use is
+    one error line, exit 2, at once: :func:`gpt2mha.serving.address.check_address`), and the
+    API key (:func:`serve_api_key`, set in ``args.api_key``)."""
     from ..serving.address import check_address
 
     check_quantize_args(args)
     check_compile(args)
     check_address(args.host, args.port)
+    args.api_key = serve_api_key(args)
+
+
+#: The environment variable ``gpt2mha serve`` reads its API key from when no flag gives one.
+API_KEY_ENV = "GPT2MHA_API_KEY"
+
+
+def serve_api_key(args) -> str | None:
+    """``gpt2mha serve``'s API key: ``--api-key``, else the first line of ``--api-key-file``, else
+    :data:`API_KEY_ENV`, else None (no authentication).
+
+    Raises:
+        ValueError: both flags, a file that cannot be read, or an empty key.
+    """
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key, where = f.readline().strip(), f"--api-key-file {args.api_key_file}"
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+    elif args.api_key is not None:
+        key, where = args.api_key, "--api-key"
+    elif os.environ.get(API_KEY_ENV) is not None:
+        key, where = os.environ[API_KEY_ENV].strip(), API_KEY_ENV
+    else:
+        return None
+    if not key:
+        raise ValueError(f"{where}: the API key is empty")
+    return key
 
 
 #: ``gpt2mha serve --max-stop`` default (:data:`gpt2mha.serving.protocol.MAX_STOP`, repeated so that
@@ -326,10 +362,12 @@ def _add_serve_command(sub) -> None:
                        formatter_class=DefaultsHelpFormatter,
                        description="Serve the model over HTTP in the OpenAI completions format: POST /v1/completions "
                                    "(streaming with server-sent events), POST /v1/chat/completions (through "
-                                   "--chat-template), GET /v1/models, GET /health, POST /tokenize, POST /detokenize, "
-                                   "GET /tokenizer_info. Requests are "
-                                   "batched continuously: every decode step advances all running sequences, new "
-                                   "ones join at the next step.")
+                                   "--chat-template), GET /v1/models, POST /tokenize, POST /detokenize, "
+                                   "GET /tokenizer_info; GET /live, /health (readiness), /version, /metrics. Requests "
+                                   "are batched continuously: every decode step advances all running sequences, new "
+                                   "ones join at the next step. The port opens at once and the model loads behind it "
+                                   "(/health says ok once it is warmed up); SIGTERM drains (/health 503, new requests "
+                                   "503, in-flight ones finish within --graceful-timeout), then exits 0.")
     model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     s.add_argument("--port", type=number(int, 0, 65535, " (0: any free port)"), default=8000,
@@ -344,8 +382,8 @@ def _add_serve_command(sub) -> None:
                    help="torch's intra-op threads for the model (default: torch's choice, one per core); on a "
                         "machine shared with other work, fewer threads than cores avoid oversubscription")
     s.add_argument("--graceful-timeout", type=number(float, 0), default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish; then they are cancelled "
-                        "(HTTP 503, or an error event ending a stream)")
+                   help="on SIGTERM, seconds in-flight requests may take to finish while the server drains (/health "
+                        "and new requests 503); then they are cancelled (HTTP 503, or an error event ending a stream)")
     s.add_argument("--max-body-bytes", type=number(int, 1), default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body accepted; larger ones get HTTP 413")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -361,6 +399,13 @@ def _add_serve_command(sub) -> None:
                         "llama.cpp's server have no limit)")
     s.add_argument("--compile", action="store_true",
                    help="serve on the compiled decode step (as generate --compile), compiled before /health says ok")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /live, /health, /version and "
+                        "/metrics (401 otherwise); default: the GPT2MHA_API_KEY environment variable, else none. A key "
+                        "on the command line shows in ps: prefer the variable or --api-key-file")
+    s.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from FILE's first line")
+    s.add_argument("--no-metrics", action="store_true",
+                   help="do not serve GET /metrics (Prometheus text format, vLLM's metric names under gpt2mha:)")
     quantize_args(s)
     s.set_defaults(func=cmd_serve, check=check_serve_args)
 

@@ -21,6 +21,7 @@ from .protocol import (MAX_STOP, APIError, check_prompt_count, check_request, ch
                        check_stream_options, choice, choice_answer, completion_logprobs, encode_prompts, failure,
                        join_logprobs, parse_request, prompt_echo, sampling_params, sse, submit_error,
                        usage)
+from .operate import request_id
 from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown, pick_choices
 from .text_stream import CANCELLED, ERROR
 
@@ -261,12 +262,12 @@ async def disconnected(request: Request) -> None:
 
 
 def log_request(rid: str, seqs: list[Sequence], t0: float, status: int) -> None:
-    """One log line for a request: status, tokens, queue wait, time to first token, total time,
-    finish reasons."""
+    """One log line for a request: its id, its ``X-Request-Id`` (:data:`~gpt2mha.serving.operate.request_id`),
+    status, tokens, queue wait, time to first token, total time, finish reasons."""
     starts = [s.t_admit - s.t_submit for s in seqs if s.t_admit is not None]
     firsts = [s.t_first - s.t_submit for s in seqs if s.t_first is not None]
     ms = lambda xs: f"{1000 * max(xs):.1f}ms" if xs else "-"           # noqa: E731
-    log.info("request %s status=%s prompts=%d prompt_tokens=%d generated_tokens=%d queue_wait=%s ttft=%s "
-             "total=%.1fms finish=%s", rid, status, len(seqs), sum(len(s.prompt_ids) for s in seqs),
+    log.info("request %s request_id=%s status=%s prompts=%d prompt_tokens=%d generated_tokens=%d queue_wait=%s "
+             "ttft=%s total=%.1fms finish=%s", rid, request_id.get(), status, len(seqs), sum(len(s.prompt_ids) for s in seqs),
              sum(len(s.tokens) for s in seqs), ms(starts), ms(firsts), 1000 * (time.monotonic() - t0),
              ",".join(str(s.finish_reason) for s in seqs))

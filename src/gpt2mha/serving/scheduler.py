@@ -100,6 +100,7 @@ class Sequence:
     t_submit: float = 0.0
     t_admit: float | None = None
     t_first: float | None = None
+    t_last: float | None = None
     t_end: float | None = None
     stream: TextStream | None = None
 
@@ -169,6 +170,8 @@ class Scheduler:
         self.counts = collections.Counter()          # finished sequences by finish_reason, tokens, steps
         self._recent = collections.deque()           # times of the last tokens, for tokens/s
         self._ready = threading.Event()              # set by warm_up
+        #: what the sequences are reported to (:class:`~gpt2mha.serving.metrics.ServerMetrics`), or None
+        self.metrics = None
 
     # ------------------------------------------------------------------------- app side
     def submit(self, prompts: list[list[int]], params: SamplingParams,
@@ -258,6 +261,15 @@ class Scheduler:
                         completed=self.counts[STOP] + self.counts[LENGTH], cancelled=self.counts[CANCELLED],
                         failed=self.counts[ERROR], rejected=self.counts["rejected"],
                         generated_tokens=self.counts["tokens"], decode_steps=self.counts["steps"])
+
+    def occupancy(self) -> tuple[int, int, float]:
+        """``(running, queued, kv_cache_usage)`` now: sequences in a slot, sequences waiting for
+        one, and the fraction (0-1) of the cache's ``max_batch × n_ctx`` positions that the
+        running sequences' tokens hold (the ``/metrics`` gauges)."""
+        with self._cv:
+            lengths = self.engine.cache.lengths
+            held = [lengths[s.slot] for s in self.slots if s is not None]
+            return len(held), len(self.waiting), sum(held) / (self.max_batch * self.n_ctx)
 
     def _forget_old(self, now: float) -> None:
         while self._recent and self._recent[0] < now - RATE_WINDOW_S:
@@ -387,6 +399,8 @@ class Scheduler:
         for seq in seqs:
             seq.t_admit = now
             p = seq.params
+            if self.metrics is not None:
+                self.metrics.admitted(seq)
             try:
                 seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens, p.stop_token_ids, p.ignore_eos,
                                         p.min_tokens, p.include_stop_str_in_output)
@@ -441,6 +455,9 @@ class Scheduler:
         now = time.monotonic()
         if seq.t_first is None:
             seq.t_first = now
+        if self.metrics is not None:
+            self.metrics.token(seq, now, seq.t_last)
+        seq.t_last = now
         seq.tokens.append(token)
         if self.engine.samplers[seq.slot].logprobs is not None:
             seq.logprobs.append(self.engine.logprobs[seq.slot])
@@ -473,6 +490,8 @@ class Scheduler:
                 seq.finish_reason, seq.error, seq.t_end = reason, error, time.monotonic()
                 self.counts[reason] += 1
         if newly:
+            if self.metrics is not None:
+                self.metrics.finished(seq)
             try:
                 self._send(seq, "", True)
             except Exception:
