@@ -178,7 +178,7 @@ class Operations:
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def version(self) -> Response:
-        from .. import __version__
+        from ..version import __version__
         return JSONResponse({"version": __version__, "model": self.model_name})
 
     def metrics_text(self) -> Response:
