@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..inference.params import MAX_LOGPROBS
 from .completions import Completions
-from .protocol import (EXPECTED, APIError, CompletionRequest, StreamOptions, check_model, check_unicode,
-                       drop_nulls, encode_prompts, encode_text, parse_json, token_text, validation_error)
+from .protocol import (EXPECTED, APIError, CompletionRequest, RequestFields, check_model, check_unicode, drop_nulls,
+                       encode_prompts, encode_text, parse_json, token_text, validation_error)
 from .scheduler import Sequence
 
 
@@ -174,12 +174,13 @@ def no_template_error(model_name: str) -> APIError:
 
 # ------------------------------------------------------------------------------ requests
 class ContentPart(BaseModel):
-    """One part of a message's content given as a list (OpenAI's ``{"type": "text", "text": ...}``;
-    other types are refused by :func:`parse_chat_request`)."""
+    """One part of a message's content given as a list (OpenAI's ``{"type": "text", "text": ...}``).
+    Any ``type`` and fields parse, so that :func:`check_messages` can say which part is not
+    text (an ``image_url`` or ``input_audio`` part) and why."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
-    text: str
+    text: str | None = None
 
 
 class Message(BaseModel):
@@ -191,41 +192,42 @@ class Message(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class ChatRequest(BaseModel):
-    """The body of ``POST /v1/chat/completions`` (OpenAI's fields; types checked strictly;
-    ``add_generation_prompt`` as vLLM's extension, default true)."""
+#: The sampling fields chat spells its own way (OpenAI's chat API): ``max_tokens`` (or
+#: ``max_completion_tokens``) defaults to the rest of the context, ``logprobs`` is a boolean
+#: with ``top_logprobs`` k, and ``echo`` (the prompt's text before the completion) is taken at
+#: its default only: a chat answer carries the new message alone. Every other field of
+#: :class:`~gpt2mha.serving.protocol.RequestFields` is passed to the completion as it is.
+CHAT_SPELLED = frozenset({"max_tokens", "logprobs", "echo"})
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str | None = None
+
+class ChatRequest(RequestFields):
+    """The body of ``POST /v1/chat/completions``: every field of
+    :class:`~gpt2mha.serving.protocol.RequestFields` (what ``/v1/completions`` takes besides its
+    prompt, so each sampling field both routes take is declared once), ``messages``, and chat's
+    own spellings (:data:`CHAT_SPELLED`; ``add_generation_prompt`` as vLLM's extension, default
+    true). Types are checked strictly."""
+
     messages: list[Message]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
-    # passed on to the completion, which checks them as /v1/completions does
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
     # each generated token's logprob, and the top_logprobs most probable (choices[i].logprobs.content)
     logprobs: bool = False
     top_logprobs: int | None = None
 
 
-#: The most ``top_logprobs`` a chat request may ask for: the server's limit of completions'
-#: ``logprobs`` (OpenAI's, for completions; OpenAI's chat takes 20).
+#: The most ``top_logprobs`` a chat request may ask for: OpenAI's chat limit (and vLLM's).
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 
+#: What each place of a message must be, for the messages of type errors (keys:
+#: :func:`~gpt2mha.serving.protocol.error_key`).
+MESSAGE_EXPECTED = {"messages": "a list of messages {role: string, content: string or list of text parts}",
+                    "messages[]": "a message {role: string, content: string or list of text parts}",
+                    "messages[].role": "a string", "messages[].content": "a string, a list of content parts or null",
+                    "messages[].content[]": "a content part {type: \"text\", text: string}",
+                    "messages[].content[].type": "a string", "messages[].content[].text": "a string"}
 #: What each field must be, for the messages of type errors.
-CHAT_EXPECTED = {**EXPECTED, "messages": "a list of messages {role: string, content: string or list of text parts}",
-                 "max_tokens": "an integer", "max_completion_tokens": "an integer",
+CHAT_EXPECTED = {**EXPECTED, **MESSAGE_EXPECTED, "max_tokens": "an integer", "max_completion_tokens": "an integer",
                  "add_generation_prompt": "a boolean", "logprobs": "a boolean", "top_logprobs": "an integer"}
 
 
@@ -233,8 +235,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     """The request body as a :class:`ChatRequest` (``null`` fields read as missing).
 
     Raises:
-        APIError: 400 for malformed JSON, a field of the wrong type, an unknown field, missing
-            messages, a string that is not Unicode text, a content part that is not text, or
+        APIError: 400 for malformed JSON, a field of the wrong type (the message naming its place,
+            ``messages[0].role``), an unknown field, missing messages, a string that is not Unicode
+            text, messages :func:`check_messages` refuses, ``echo`` other than false, or
             ``top_logprobs`` without ``logprobs: true`` or outside ``[0, MAX_TOP_LOGPROBS]`` (each
             naming the field).
     """
@@ -244,21 +247,39 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         body = ChatRequest.model_validate(drop_nulls(data))
     except ValidationError as e:
         raise validation_error(e.errors(), CHAT_EXPECTED) from None
-    if not body.messages:
-        raise APIError(400, "messages is an empty list; give at least one message", "messages")
-    for i, m in enumerate(body.messages):
-        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
-            if part.type != "text":
-                raise APIError(400, f"messages[{i}].content[{j}] has type {part.type!r}; this model reads only "
-                                    f"'text' parts", "messages")
+    check_messages(body.messages)
+    if body.echo:
+        raise APIError(400, "echo=true is a /v1/completions field (the prompt's text before the completion); a chat "
+                            "answer carries only the new message. Send the prompt to /v1/completions with echo, or "
+                            "leave echo out", "echo")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs: true (the top tokens come with "
                                 f"each token's logprob)", "top_logprobs")
         if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise APIError(400, f"top_logprobs={body.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}] on this server "
-                                f"(OpenAI's API takes up to 20)", "top_logprobs")
+            raise APIError(400, f"top_logprobs={body.top_logprobs} must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+                           "top_logprobs")
     return body
+
+
+def check_messages(messages: list[Message]) -> None:
+    """What the chat route and ``/tokenize`` refuse in parsed messages, each a 400 naming
+    ``messages`` whose message names the place: an empty list, a content part whose type is not
+    ``"text"`` (an ``image_url`` or ``input_audio`` part: this model reads text only), a text part
+    without its ``text`` or with another field."""
+    if not messages:
+        raise APIError(400, "messages is an empty list; give at least one message", "messages")
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            where = f"messages[{i}].content[{j}]"
+            if part.type != "text":
+                raise APIError(400, f"{where}.type is {part.type!r}: this model reads only text, so a content part "
+                                    f"must be {{\"type\": \"text\", \"text\": ...}}", "messages")
+            if part.text is None:
+                raise APIError(400, f"Missing required parameter: '{where}.text' (the text of a text part)", "messages")
+            extra = next(iter(part.model_extra or {}), None)
+            if extra is not None:
+                raise APIError(400, f"Unrecognized request argument supplied: {where}.{extra}", "messages")
 
 
 def template_messages(body: ChatRequest) -> list[dict]:
@@ -292,9 +313,7 @@ def completion_request(body: ChatRequest, template: ChatTemplate, tokenizer, n_c
         raise APIError(400, f"messages make {len(ids)} tokens with the chat template; this model's maximum context "
                             f"length is {n_ctx} tokens, which leaves no room for a reply", "messages",
                        code="context_length_exceeded")
-    fields = body.model_dump(include={"model", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                                      "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
-                                      "user"}, exclude_none=True)
+    fields = body.model_dump(include=set(RequestFields.model_fields) - CHAT_SPELLED, exclude_none=True)
     if body.logprobs:              # completions' logprobs=k: each token's logprob and the k most probable
         fields["logprobs"] = body.top_logprobs or 0
     return CompletionRequest.model_validate({**fields, "prompt": ids,
@@ -342,6 +361,7 @@ class ChatCompletions(Completions):
     completion, answered in OpenAI's ``chat.completion`` / ``chat.completion.chunk`` shapes."""
 
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+    MAX_LOGPROBS = MAX_TOP_LOGPROBS
 
     def __init__(self, template: "ChatTemplate", *args, **kwargs):
         super().__init__(*args, **kwargs)

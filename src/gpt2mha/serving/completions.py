@@ -17,6 +17,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..inference.params import MAX_COMPLETION_LOGPROBS
 from .protocol import (MAX_STOP, APIError, check_prompt_count, check_request, check_stop,
                        check_stream_options, choice, choice_answer, completion_logprobs, encode_prompts, failure,
                        join_logprobs, parse_request, prompt_echo, sampling_params, sse, submit_error,
@@ -106,6 +107,8 @@ class Completions:
 
     #: The answers' ``object`` and id prefix (OpenAI's).
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl-"
+    #: The most ``logprobs`` a request may ask for (OpenAI's completions limit).
+    MAX_LOGPROBS = MAX_COMPLETION_LOGPROBS
 
     def __init__(self, scheduler: Scheduler, model_name: str, max_body_bytes: int, max_stop: int = MAX_STOP,
                  relay: Relay | None = None):
@@ -156,7 +159,7 @@ class Completions:
         """The checks of a parsed request (:mod:`.protocol`): model, values, stop strings (at
         most ``max_stop``), ``stream_options`` only with ``stream``, and the prompt count."""
         s = self.scheduler
-        check_request(body, self.model_name, s.engine.vocab_size)
+        check_request(body, self.model_name, s.engine.vocab_size, self.MAX_LOGPROBS)
         check_stop(body, self.max_stop)
         check_stream_options(body)
         check_prompt_count(body, s.capacity, s.max_batch, s.max_queue)

@@ -24,13 +24,12 @@ import json
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .chat import Message, template_messages
+from .chat import MESSAGE_EXPECTED, Message, check_messages, template_messages
 from .protocol import APIError, check_model, check_token_ids, check_unicode, drop_nulls, parse_json, validation_error
 
 #: What each field must be, for the messages of type errors.
-EXPECTED = {"model": "a string", "prompt": "a string", "messages": "a list of messages {role, content}",
-            "add_special_tokens": "a boolean", "add_generation_prompt": "a boolean",
-            "tokens": "a list of token ids (integers)"}
+EXPECTED = {**MESSAGE_EXPECTED, "model": "a string", "prompt": "a string", "add_special_tokens": "a boolean",
+            "add_generation_prompt": "a boolean", "tokens": "a list of token ids (integers)"}
 
 
 class TokenizeRequest(BaseModel):
@@ -67,7 +66,8 @@ def tokenize(raw: bytes, tokenizer, model_name: str, n_ctx: int, template=None) 
 
     Raises:
         APIError: 400 naming the field (neither or both of prompt/messages, messages without a
-            chat template, a wrong type), 404 for another model's name.
+            chat template, messages the chat route refuses too:
+            :func:`~gpt2mha.serving.chat.check_messages`, a wrong type), 404 for another model's name.
     """
     body = parse(raw, TokenizeRequest)
     check_model(body.model, model_name)
@@ -78,6 +78,7 @@ def tokenize(raw: bytes, tokenizer, model_name: str, n_ctx: int, template=None) 
             raise APIError(400, f"messages need a chat template, and '{model_name}' is served without one (the "
                                 f"server was started with --chat-template none); send the text as 'prompt' instead",
                            "messages", code="chat_template_missing")
+        check_messages(body.messages)
         text = template.render(template_messages(body), body.add_generation_prompt)
     else:
         text = body.prompt
