@@ -387,6 +387,51 @@ def test_cli_chat_template_file_errors_before_loading_the_model(tmp_path, capsys
         assert all(w in str(e.value.code) for w in words), e.value.code
 
 
+def test_streams_end_as_openais_text_completion_and_chat_chunk_streams(server, builtin):
+    """Streamed completions: the last text chunk carries the finish reason (``length``), no
+    chunk has empty text, as OpenAI's stream ends; a stop string whose text is all cut ends with
+    an empty-text chunk carrying ``stop`` (nothing is left to carry it). Streamed chat: the
+    role first, then the text with no finish reason, then an empty delta with the finish reason
+    (OpenAI's chat shape). Texts: offline generate's greedy continuation."""
+    model, tok = builtin
+    ids = tok.encode("ROMEO:")
+    want = offline(model, ids, 12)[1]
+    c = client(server)
+    chunks = list(c.completions.create(model=DEFAULT_MODEL, prompt="ROMEO:", max_tokens=12, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want and all(ch.choices[0].text for ch in chunks)
+    assert [ch.choices[0].finish_reason for ch in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    stop = want[4:6]
+    chunks = list(c.completions.create(model=DEFAULT_MODEL, prompt="ROMEO:", max_tokens=12, temperature=0, stop=stop,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want[:want.index(stop)]
+    assert (chunks[-1].choices[0].text, chunks[-1].choices[0].finish_reason) == ("", "stop")
+    chunks = list(c.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                            stream=True))
+    deltas = [(ch.choices[0].delta.role, ch.choices[0].delta.content, ch.choices[0].finish_reason) for ch in chunks]
+    assert deltas[0] == ("assistant", "", None) and deltas[-1] == (None, None, "length")
+    assert all(r is None and t and f is None for r, t, f in deltas[1:-1])
+
+
+@pytest.mark.slow
+def test_litellm_streamed_text_completion_rebuilds_the_whole_text(server, builtin, monkeypatch):
+    """litellm's ``text_completion(stream=True)`` against the server: its chunks' texts join to
+    the non-streamed answer's (offline generate's greedy text), and ``litellm.stream_chunk_builder``
+    rebuilds that text and its finish reason. litellm ends every text stream with a chunk of
+    its own whose text is None (whatever the server sends), so the join skips None."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")      # its price list from the package, not the network
+    litellm = pytest.importorskip("litellm")
+    model, tok = builtin
+    want = offline(model, tok.encode("ROMEO:"), 16)[1]
+    kwargs = dict(model=f"text-completion-openai/{DEFAULT_MODEL}", api_base=server + "/v1", api_key="unused",
+                  prompt="ROMEO:", max_tokens=16, temperature=0)
+    assert litellm.text_completion(**kwargs).choices[0].text == want
+    chunks = list(litellm.text_completion(stream=True, **kwargs))
+    assert "".join(ch.choices[0].text or "" for ch in chunks if ch.choices) == want
+    assert [ch.choices[0].text for ch in chunks if ch.choices].count(None) <= 1
+    rebuilt = litellm.stream_chunk_builder(chunks)
+    assert rebuilt.choices[0].text == want and rebuilt.choices[0].finish_reason == "length"
+
+
 # ------------------------------------------------------------------------ tokenizer endpoints
 @pytest.fixture(scope="module")
 def bpe_app(one_thread):

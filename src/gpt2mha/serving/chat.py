@@ -390,16 +390,19 @@ class ChatCompletions(Completions):
 
     def chunk_choices(self, seq: Sequence, text: str, finished: bool, seen: list[int]) -> list[dict]:
         """A choice's first chunk carries the role (``{"role": "assistant", "content": ""}``), as
-        OpenAI's do; the finish reason comes with the last text, or alone with an empty delta.
-        With logprobs, a chunk carries those of the tokens its event covers (``seq.marks``, as
+        OpenAI's do; its text follows, and the finish reason comes alone, with an empty delta and
+        null logprobs, in a last chunk of its own (OpenAI's chat shape). With logprobs, a text
+        chunk carries those of the tokens its event covers (``seq.marks``, as
         :meth:`~gpt2mha.serving.completions.Completions.chunk`)."""
         index, finish_reason = seq.index, seq.finish_reason if finished else None
         k = seen[index]
         seen[index] += 1
         out = [delta_choice(index, {"role": "assistant", "content": ""}, None)] if k == 0 else []
-        lp = None
-        if seq.params.logprobs is not None:
-            lp = logprobs_content(self.scheduler.tokenizer, seq, seq.marks[k - 1] if k else 0, seq.marks[k])
-            lp = lp if lp["content"] or text else None          # a finish-only chunk: null, as OpenAI's
-        out.append(delta_choice(index, {"content": text} if text or finish_reason is None else {}, finish_reason, lp))
+        if text or finish_reason is None:
+            lp = None
+            if seq.params.logprobs is not None:
+                lp = logprobs_content(self.scheduler.tokenizer, seq, seq.marks[k - 1] if k else 0, seq.marks[k])
+            out.append(delta_choice(index, {"content": text}, None, lp))
+        if finish_reason is not None:
+            out.append(delta_choice(index, {}, finish_reason))
         return out

@@ -74,6 +74,9 @@ class Sequence:
     ``on_event(seq, text, done)`` is called from the scheduler's thread with each new piece
     of text (never empty) and once with ``done=True`` (then :attr:`finish_reason` is
     ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"``, with :attr:`error` set for the last).
+    The done event carries the text's last piece, sampled in the same step (empty when nothing
+    is left: the end-of-text token, a stop string with no text held back, a failure), so that
+    a stream's last text chunk carries the finish reason, as OpenAI's do.
     Before each call the count of tokens whose text has been sent (:meth:`TextStream.released
     <gpt2mha.serving.text_stream.TextStream.released>`) is appended to :attr:`marks`, so the
     k-th event covers ``tokens[marks[k-1]:marks[k]]`` (for streamed logprobs).
@@ -448,20 +451,19 @@ class Scheduler:
             self._recent.append(now)
             self._forget_old(now)
         delta, reason = seq.stream.add(token)
+        if reason is not None:
+            return self._finish(seq, reason, text=delta)
         if delta:
             self._send(seq, delta)
-        if reason is not None:
-            return self._finish(seq, reason)
         return True
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> bool:
-        """Send the rest of the sequence's text, free its slot and count it (together, under the
-        lock), then send the done event. Returns False."""
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, text: str = "") -> bool:
+        """Free the sequence's slot and count it (together, under the lock), then send the done
+        event carrying the rest of its text: ``text`` (the last token's) and what the stream
+        still held. Returns False."""
         newly = not seq.done
         if newly and reason in (STOP, LENGTH) and seq.stream is not None:
-            delta = seq.stream.finish()
-            if delta:
-                self._send(seq, delta)
+            text += seq.stream.finish()
             seq.text = seq.stream.text
         with self._cv:
             if seq.slot is not None:
@@ -473,7 +475,7 @@ class Scheduler:
                 self.counts[reason] += 1
         if newly:
             try:
-                self._send(seq, "", True)
+                self._send(seq, text if reason in (STOP, LENGTH) else "", True)
             except Exception:
                 log.exception("on_event failed")
         return False
