@@ -257,16 +257,41 @@ def test_non_ascii_keys_and_huge_logit_bias_ids_are_400s_on_a_connection_that_st
 @pytest.mark.parametrize("method,path,status,words", [
     ("GET", "/nope", 404, ["GET /nope"]),
     ("POST", "/v1/complete", 404, ["POST /v1/complete"]),
-    ("GET", "/v1/completions", 405, ["GET /v1/completions", "POST"]),
-    ("DELETE", "/v1/models", 405, ["DELETE /v1/models", "GET"]),
-    ("PUT", "/tokenize", 405, ["PUT /tokenize", "POST"]),
+    ("GET", "/v1/completions", 405, ["GET /v1/completions", "POST, OPTIONS"]),
+    ("DELETE", "/v1/models", 405, ["DELETE /v1/models", "GET, HEAD, OPTIONS"]),
+    ("PUT", "/tokenize", 405, ["PUT /tokenize", "POST, OPTIONS"]),
+    ("HEAD", "/v1/chat/completions", 405, ["POST, OPTIONS"]),
+    ("OPTIONS", "/nope", 404, ["OPTIONS /nope"]),
 ])
 def test_unknown_routes_and_wrong_methods_get_openai_error_objects(server, method, path, status, words):
+    """404 for an unknown route, 405 for a known route with another method, each OpenAI's error
+    object (a HEAD answer: its headers, no body); a 405's ``Allow`` lists every method the route
+    answers, OPTIONS included."""
     r = httpx.request(method, server + path, timeout=30)
+    if method == "HEAD":
+        assert r.status_code == status and r.content == b"" and r.headers["allow"] == words[-1]
+        return
     err = assert_error(r, status, None, *words)
     assert err["type"] == "invalid_request_error"
     if status == 405:
         assert r.headers["allow"] == words[-1]
+
+
+def test_head_and_options_are_answered_on_every_route(server):
+    """HEAD on the routes that read (/health: what load balancers send) answers GET's status and
+    headers with no body (RFC 9110 §9.3.2); OPTIONS on every route answers 200, no body, and
+    ``Allow`` listing the route's methods (§9.3.7)."""
+    for path in ("/health", "/v1/models", f"/v1/models/{DEFAULT_MODEL}", "/tokenizer_info"):
+        get, head = httpx.get(server + path, timeout=30), httpx.head(server + path, timeout=30)
+        assert get.status_code == head.status_code == 200 and head.content == b"", path
+        assert head.headers["content-type"] == get.headers["content-type"] == "application/json"
+        assert head.headers["content-length"] == get.headers["content-length"] or path == "/health"  # its counters move
+    for path, allow in (("/health", "GET, HEAD, OPTIONS"), ("/v1/models", "GET, HEAD, OPTIONS"),
+                        ("/v1/models/any", "GET, HEAD, OPTIONS"), ("/v1/completions", "POST, OPTIONS"),
+                        ("/v1/chat/completions", "POST, OPTIONS"), ("/tokenize", "POST, OPTIONS"),
+                        ("/detokenize", "POST, OPTIONS"), ("/tokenizer_info", "GET, HEAD, OPTIONS")):
+        r = httpx.options(server + path, timeout=30)
+        assert r.status_code == 200 and r.content == b"" and r.headers["allow"] == allow, (path, r.headers)
 
 
 def test_models_retrieve_and_unknown_ids_with_the_openai_client(server):

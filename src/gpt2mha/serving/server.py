@@ -19,7 +19,8 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
 - ``POST /v1/chat/completions`` when a chat template is given (:mod:`.chat`); otherwise 400.
 - ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (running/queued counts, slots,
   tokens/s); vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
-  (:mod:`.tokens`).
+  (:mod:`.tokens`). Every ``GET`` route answers ``HEAD`` too (load balancers' health checks),
+  and every route ``OPTIONS`` (200 with ``Allow``).
 
 Bad requests get HTTP 400 with OpenAI's error object ``{"error": {"message", "type", "param",
 "code"}}`` naming the field (:mod:`.protocol`: also a string that is not Unicode text, and more
@@ -48,7 +49,7 @@ import time
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .. import kernels
@@ -193,16 +194,30 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(Exception, on_server_error)
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
+    app.add_api_route("/health", health, methods=READ)
+    app.add_api_route("/v1/models", models, methods=READ)
+    app.add_api_route("/v1/models/{model_id:path}", model, methods=READ)
     app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
     app.add_api_route("/v1/chat/completions", no_chat if template is None else chat.ChatCompletions(
         template, scheduler, model_name, max_body_bytes, max_stop, relay).handle, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
-    app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
+    app.add_api_route("/tokenizer_info", tokenizer_info, methods=READ)
     return app
+
+
+#: The methods of the routes that only read: GET, and HEAD (what load balancers' health checks
+#: send: the same status and headers, no body).
+READ = ["GET", "HEAD"]
+#: The order an ``Allow`` header lists methods in.
+METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allow_header(methods) -> str:
+    """The ``Allow`` header of a route answering ``methods``: them and OPTIONS, which every route
+    answers, in :data:`METHOD_ORDER` (``"GET, HEAD, OPTIONS"``)."""
+    methods = {m.upper() for m in methods} | {"OPTIONS"}
+    return ", ".join(m for m in METHOD_ORDER if m in methods)
 
 
 async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -219,17 +234,23 @@ async def on_api_error(request: Request, exc: APIError):
 async def on_http_error(request: Request, exc: HTTPException):
     """The router's errors as OpenAI's error object: 404 for an unknown route (OpenAI's
     ``Invalid URL (METHOD /path)``), 405 for a known route with another method (its ``Allow``
-    header kept), any other with its status and Starlette's detail."""
+    header listing every method the route answers, :func:`allow_header`), any other with its
+    status and Starlette's detail. ``OPTIONS`` on a known route is no error: 200 with ``Allow``
+    and no body (RFC 9110 §9.3.7)."""
     where = f"{request.method} {request.url.path}"
+    headers = exc.headers
     if exc.status_code == 404:
         message = f"Invalid URL ({where}): no such route on this server"
     elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
-        message = f"Invalid method for URL ({where})" + (f": this route accepts {allowed}" if allowed else "")
+        headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() != "allow"}
+        routed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "")
+        headers["Allow"] = allow_header(m.strip() for m in routed.split(",") if m.strip())
+        if request.method == "OPTIONS":
+            return Response(status_code=200, headers=headers)
+        message = f"Invalid method for URL ({where}): this route accepts {headers['Allow']}"
     else:
         message = f"{exc.detail} ({where})"
-    return await on_api_error(request, APIError(exc.status_code, message,
-                                                headers=exc.headers))
+    return await on_api_error(request, APIError(exc.status_code, message, headers=headers))
 
 
 async def on_server_error(request: Request, exc: Exception):
