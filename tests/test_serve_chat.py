@@ -115,11 +115,13 @@ def test_cli_serve_chat_template_by_name_and_none(monkeypatch):
     from gpt2mha.cli import main
 
     got = []
-    monkeypatch.setattr(server, "serve", lambda *a, **kw: got.append(kw["chat_template"]))
+    monkeypatch.setattr(server, "serve", lambda *a, **kw: got.append(kw))
     for argv, want in (([], BUILTIN_TEMPLATES["plain"]), (["--chat-template", "chatml"], BUILTIN_TEMPLATES["chatml"]),
                        (["--chat-template", "none"], None)):
         assert main(["serve", "--port", "0", *argv]) == 0
-        assert got[-1] == want
+        assert got[-1]["chat_template"] == want and got[-1]["max_tokens_overflow"] == "clip"
+    assert main(["serve", "--port", "0", "--max-tokens-overflow", "refuse"]) == 0
+    assert got[-1]["max_tokens_overflow"] == "refuse"
     monkeypatch.setattr(tools, "load_model", lambda *a: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "0", "--chat-template", "chatm"])

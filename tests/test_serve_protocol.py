@@ -140,10 +140,38 @@ def test_bad_token_id_prompts_are_400_naming_prompt_and_the_id(server, prompt, w
 
 
 def test_token_id_prompt_longer_than_the_context_is_refused_before_its_ids_are_read(server):
-    """A list of 257 ids (more than n_ctx = 256) is refused as too long, whatever its ids, and
-    prompt + max_tokens past the context names max_tokens, as for text."""
+    """A list of 257 ids (more than n_ctx = 256) is refused as too long, whatever its ids; one
+    that fills the context leaves no room for max_tokens, a 400 naming it."""
     assert_error(post(server, "/v1/completions", {"prompt": [-5] * 257}), 400, "prompt", "257 tokens", "256")
-    assert_error(post(server, "/v1/completions", {"prompt": [65] * 250, "max_tokens": 7}), 400, "max_tokens", "257")
+    assert_error(post(server, "/v1/completions", {"prompt": [65] * 256, "max_tokens": 1}), 400, "max_tokens",
+                 "257", "leaves no room")
+
+
+def test_max_tokens_past_the_context_is_clipped_by_default_and_refused_on_request(server, builtin):
+    """A default server clips max_tokens past the room a prompt leaves in the context (as
+    llama.cpp's server): prompts of 250 and 6 tokens with max_tokens 7 in a 256-token context
+    give 6 and 7 tokens, offline generate's greedy text, finish_reason length; chat alike. A
+    server started with max_tokens_overflow="refuse" (``--max-tokens-overflow refuse``) answers
+    400 context_length_exceeded naming max_tokens (as OpenAI and vLLM), and takes what fits."""
+    model, tok = builtin
+    prompts = [[65] * 250, tok.encode("ROMEO:")]
+    r = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 7, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["text"] for c in choices] == [offline(model, ids, n)[1] for ids, n in zip(prompts, (6, 7))]
+    assert [c["finish_reason"] for c in choices] == ["length"] * 2 and r.json()["usage"]["completion_tokens"] == 13
+    long = [{"role": "user", "content": "x" * 230}]                 # "user: x…x\nassistant:" is 247 tokens
+    r = post(server, "/v1/chat/completions", {"messages": long, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 247, "completion_tokens": 9,
+                                                          "total_tokens": 256}, r.text
+    with TestClient(create_app(Scheduler(model, tok, max_batch=2), DEFAULT_MODEL, max_tokens_overflow="refuse")) as app:
+        for path, body in (("/v1/completions", {"prompt": prompts[0], "max_tokens": 7}),
+                           ("/v1/chat/completions", {"messages": long, "max_tokens": 16})):
+            err = assert_error(app.post(path, json=body), 400, "max_tokens", "256 tokens", "--max-tokens-overflow clip")
+            assert err["code"] == "context_length_exceeded"
+        assert app.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 6}).status_code == 200
+    with pytest.raises(ValueError, match="max_tokens_overflow='drop'"):
+        create_app(Scheduler(model, tok, max_batch=1), DEFAULT_MODEL, max_tokens_overflow="drop")
 
 
 # ------------------------------------------------------------------------ nulls, stream_options, stop
@@ -455,6 +483,30 @@ def test_litellm_streamed_text_completion_rebuilds_the_whole_text(server, builti
     assert [ch.choices[0].text for ch in chunks if ch.choices].count(None) <= 1
     rebuilt = litellm.stream_chunk_builder(chunks)
     assert rebuilt.choices[0].text == want and rebuilt.choices[0].finish_reason == "length"
+
+
+def test_langchain_openai_with_its_default_max_tokens_works_on_the_built_in_model(server, builtin, monkeypatch):
+    """LangChain's ``OpenAI()`` sends its default ``max_tokens=256`` into the built-in model's
+    256-token context: the default server clips it to the room left, so the call answers the
+    greedy text offline generate gives for the rest of the context (near ties allowed), as
+    does ``ChatOpenAI`` (no max_tokens: the rest of the context)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from serve_helpers import assert_same_text
+
+    for name in ("LANGCHAIN_TRACING_V2", "LANGSMITH_TRACING"):          # no tracing to the network
+        monkeypatch.delenv(name, raising=False)
+    model, tok = builtin
+    llm = langchain_openai.OpenAI(base_url=server + "/v1", api_key="unused", model=DEFAULT_MODEL, temperature=0,
+                                  max_retries=0)
+    assert llm.max_tokens == 256 == model.config.n_ctx                  # LangChain's default, the whole context
+    prompt = "ROMEO:"
+    room = model.config.n_ctx - len(tok.encode(prompt))
+    text = llm.invoke(prompt)
+    assert len(tok.encode(text)) == room
+    assert_same_text(model, tok, prompt, text, offline(model, tok.encode(prompt), room)[1])
+    chat = langchain_openai.ChatOpenAI(base_url=server + "/v1", api_key="unused", model=DEFAULT_MODEL, temperature=0,
+                                       max_retries=0)
+    assert chat.invoke("Who art thou?").content
 
 
 # ------------------------------------------------------------------------ tokenizer endpoints

@@ -301,7 +301,7 @@ def cmd_serve(args) -> int:
         serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
               max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
               chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant,
-              compile=args.compile)
+              compile=args.compile, max_tokens_overflow=args.max_tokens_overflow)
     except RuntimeError as e:                 # could not bind: uvicorn logged why
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -363,6 +363,11 @@ def _add_serve_command(sub) -> None:
                    help="stop strings a request may send; more get HTTP 400 (lm-evaluation-harness sends a task's "
                         "'until' strings plus the EOS string: 1 + len(until); OpenAI's API takes 4, vLLM and "
                         "llama.cpp's server have no limit)")
+    s.add_argument("--max-tokens-overflow", choices=["clip", "refuse"], default="clip",
+                   help="a request whose max_tokens goes past the room its prompt leaves in the context: clip "
+                        "(its completion ends where the context does, finish_reason 'length', as llama.cpp's "
+                        "server; clients' defaults such as LangChain's max_tokens=256 then work on small-context "
+                        "models) or refuse (HTTP 400 context_length_exceeded, as OpenAI's API and vLLM)")
     s.add_argument("--compile", action="store_true",
                    help="serve on the compiled decode step (as generate --compile), compiled before /health says ok")
     quantize_args(s)

@@ -378,7 +378,7 @@ class ChatCompletions(Completions):
         check_model(body.model, self.model_name)                 # before rendering anything
         request = completion_request(body, self.template, s.tokenizer, s.n_ctx)
         self.check(request)
-        return request, encode_prompts(request, s.tokenizer, s.n_ctx)
+        return request, encode_prompts(request, s.tokenizer, s.n_ctx, overflow=self.overflow)
 
     def whole_choice(self, index: int, seq: Sequence) -> dict:
         """A finished sequence as ``choices[index]``, with the logprobs of the tokens its text

@@ -26,6 +26,13 @@ from .text_stream import CANCELLED, ERROR, TextStream
 #: client we know and bounds the per-token work of matching them (each token is checked against each).
 MAX_STOP = 64
 RETRY_AFTER_S = 1
+#: What a request's ``max_tokens`` beyond the room its prompt leaves in the context gets
+#: (``gpt2mha serve --max-tokens-overflow``): ``"clip"`` (the default, as llama.cpp's server):
+#: the completion stops where the context ends, ``finish_reason: "length"``, so that clients'
+#: defaults work on small-context models (LangChain's ``OpenAI()`` sends ``max_tokens=256``;
+#: the built-in model's context is 256 tokens); ``"refuse"`` (OpenAI's and vLLM's): a 400.
+CLIP, REFUSE = "clip", "refuse"
+MAX_TOKENS_OVERFLOW = (CLIP, REFUSE)
 
 
 class StreamOptions(BaseModel):
@@ -291,11 +298,14 @@ def check_prompt_count(body: CompletionRequest, capacity: int, max_batch: int, m
                        ("best_of" if body.best_of else "n"), code="too_many_prompts")
 
 
-def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int | None = None) -> list[list[int]]:
+def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int | None = None,
+                   overflow: str = REFUSE) -> list[list[int]]:
     """Token ids of each prompt (text is tokenized, token ids are checked against the
     vocabulary); raises :class:`APIError` 400 naming ``prompt`` for an empty prompt, an id outside
     ``[0, n_vocab)`` (default the tokenizer's), a prompt longer than ``n_ctx``, or naming
-    ``max_tokens`` for prompt + max_tokens beyond the context.
+    ``max_tokens`` for prompt + max_tokens beyond the context: with ``overflow="clip"`` (the
+    server's default, :data:`MAX_TOKENS_OVERFLOW`) only when the prompt fills the context (the
+    scheduler clips the others' ``max_tokens`` to the room left).
 
     A text prompt whose UTF-8 length alone proves it longer than ``n_ctx`` tokens (at least
     ``ceil(bytes / tokenizer.max_token_bytes)`` of them) is refused without being tokenized, so
@@ -309,11 +319,13 @@ def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int 
         if len(ids) > n_ctx:
             raise APIError(400, f"{where} has {len(ids)} tokens; this model's maximum context length is "
                                 f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
-        if len(ids) + body.max_tokens > n_ctx:
+        if len(ids) + body.max_tokens > n_ctx and (overflow == REFUSE or len(ids) == n_ctx):
+            hint = ("; lower max_tokens or shorten the prompt (a server started with --max-tokens-overflow clip "
+                    "ends the completion where the context does)") if overflow == REFUSE else \
+                "; the prompt fills the context and leaves no room for a completion: shorten it"
             raise APIError(400, f"This model's maximum context length is {n_ctx} tokens, however you requested "
                                 f"{len(ids) + body.max_tokens} tokens ({len(ids)} in {where}, {body.max_tokens} for "
-                                f"the completion); lower max_tokens or shorten the prompt", "max_tokens",
-                           code="context_length_exceeded")
+                                f"the completion){hint}", "max_tokens", code="context_length_exceeded")
         out.append(ids if isinstance(prompt, str) else check_token_ids(prompt, where, n_vocab))
     return out
 

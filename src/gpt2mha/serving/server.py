@@ -58,7 +58,7 @@ from ..inference.decoders import choose_decoder
 from . import chat, tokens
 from .address import check_address
 from .completions import DRAIN_BYTES, Completions, Relay, read_body   # noqa: F401  (DRAIN_BYTES: the API as before)
-from .protocol import MAX_STOP, APIError, cancelled_error, sse, validation_error
+from .protocol import CLIP, MAX_STOP, MAX_TOKENS_OVERFLOW, APIError, cancelled_error, sse, validation_error
 from .scheduler import Scheduler
 
 log = logging.getLogger("gpt2mha.serve")
@@ -113,12 +113,17 @@ class AnswerCancelled:
 
 
 def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP) -> FastAPI:
+               chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
+               max_tokens_overflow: str = CLIP) -> FastAPI:
     """The ASGI app serving ``scheduler``'s model as ``model_name``; request bodies over
     ``max_body_bytes`` get 413; requests may carry up to ``max_stop`` stop strings;
     ``/v1/chat/completions`` renders messages with ``chat_template`` (Jinja source, default the
     built-in plain one, :data:`DEFAULT_CHAT_TEMPLATE`; None: that route answers 400,
-    :func:`~gpt2mha.serving.chat.no_template_error`).
+    :func:`~gpt2mha.serving.chat.no_template_error`); ``max_tokens`` past the room a prompt
+    leaves in the context is clipped to it (``max_tokens_overflow="clip"``, the default: the
+    completion ends with ``finish_reason: "length"`` where the context does, as llama.cpp's
+    server) or refused with a 400 (``"refuse"``, as OpenAI and vLLM;
+    :data:`~gpt2mha.serving.protocol.MAX_TOKENS_OVERFLOW`).
 
     Every error, the app's own and the router's (404 unknown route, 405 wrong method), is
     OpenAI's ``{"error": {"message", "type", "param", "code"}}`` object.
@@ -129,10 +134,13 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     (no request waits on them; where none load, the one warning says which routes run instead).
 
     Raises:
-        ValueError: max_body_bytes < 1, max_stop < 1, or a chat template that is not valid Jinja.
+        ValueError: max_body_bytes < 1, max_stop < 1, a max_tokens_overflow other than "clip" or
+            "refuse", or a chat template that is not valid Jinja.
     """
     max_body_bytes = checks.as_int(max_body_bytes, "max_body_bytes", minimum=1)
     max_stop = checks.as_int(max_stop, "max_stop", minimum=1)
+    if max_tokens_overflow not in MAX_TOKENS_OVERFLOW:
+        raise ValueError(f"max_tokens_overflow={max_tokens_overflow!r}; expected one of {', '.join(MAX_TOKENS_OVERFLOW)}")
     kernels.load()
     started = [time.time()]
     tok, n_ctx = scheduler.tokenizer, scheduler.n_ctx
@@ -187,7 +195,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
         return info
 
     relay = Relay()
-    completions = Completions(scheduler, model_name, max_body_bytes, max_stop, relay)
+    completions = Completions(scheduler, model_name, max_body_bytes, max_stop, relay, max_tokens_overflow)
     app = FastAPI(title="gpt2mha", description="OpenAI-compatible completions over gpt2mha", lifespan=lifespan)
     app.add_middleware(AnswerCancelled)
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -199,7 +207,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     app.add_api_route("/v1/models/{model_id:path}", model, methods=READ)
     app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
     app.add_api_route("/v1/chat/completions", no_chat if template is None else chat.ChatCompletions(
-        template, scheduler, model_name, max_body_bytes, max_stop, relay).handle, methods=["POST"])
+        template, scheduler, model_name, max_body_bytes, max_stop, relay, max_tokens_overflow).handle, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", tokenizer_info, methods=READ)
@@ -308,12 +316,12 @@ def check_port(port: int) -> None:
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16,
           max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
-          batch_invariant: bool | None = None, compile: bool = False) -> None:
+          batch_invariant: bool | None = None, compile: bool = False, max_tokens_overflow: str = CLIP) -> None:
     """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``). On SIGTERM uvicorn stops
     accepting connections and lets in-flight responses finish; past ``graceful_timeout``
     seconds what is left is cancelled (503 / a stream's error event, :class:`GracefulServer`);
-    the scheduler is stopped and this returns normally. ``chat_template`` and ``max_stop``: as
-    :func:`create_app`; ``batch_invariant``: as :class:`~gpt2mha.serving.scheduler.Scheduler`;
+    the scheduler is stopped and this returns normally. ``chat_template``, ``max_stop`` and
+    ``max_tokens_overflow``: as :func:`create_app`; ``batch_invariant``: as :class:`~gpt2mha.serving.scheduler.Scheduler`;
     ``compile``: decode on the compiled step (:func:`~gpt2mha.inference.decoders.choose_decoder`,
     as ``generate(compile=True)``), compiled while ``/health`` says ``"loading"``.
 
@@ -334,7 +342,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
                           route=route)
     app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
-                     max_stop=max_stop)
+                     max_stop=max_stop, max_tokens_overflow=max_tokens_overflow)
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info")
     # uvicorn re-raises the signal it shut down on; a no-op SIGTERM handler makes that a clean exit (0)
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -351,13 +359,13 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
 def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 0,
                     timeout: float = 30.0, graceful_timeout: float | None = None,
                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
-                    max_stop: int = MAX_STOP):
+                    max_stop: int = MAX_STOP, max_tokens_overflow: str = CLIP):
     """Run the app with uvicorn in a background thread for the ``with`` block; yields the base
     URL (``http://host:port``, the real port when ``port`` is 0). For tests and scripts that
     want the real server in their own process. On exit the server shuts down as
     ``gpt2mha serve`` does on SIGTERM (in-flight responses get ``graceful_timeout`` seconds,
     default ``timeout``, then are cancelled: :class:`GracefulServer`) and the scheduler is stopped.
-    ``max_body_bytes``, ``chat_template``, ``max_stop``: as :func:`create_app`.
+    ``max_body_bytes``, ``chat_template``, ``max_stop``, ``max_tokens_overflow``: as :func:`create_app`.
 
     The block starts once the engine is warmed up (``/health`` answers ``"ok"``), or once
     ``timeout`` has passed.
@@ -367,7 +375,7 @@ def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.
     """
     graceful_timeout = timeout if graceful_timeout is None else graceful_timeout
     app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
-                     max_stop=max_stop)
+                     max_stop=max_stop, max_tokens_overflow=max_tokens_overflow)
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="warning")
     server = GracefulServer(config, scheduler, graceful_timeout)
     thread = threading.Thread(target=server.run, name="gpt2mha-uvicorn", daemon=True)
