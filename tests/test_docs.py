@@ -286,3 +286,32 @@ def test_the_committed_results_say_where_they_come_from_and_their_figures_exist(
     for png, (source, _) in plots.FIGURES.items():
         if (ROOT / "benchmarks" / "results" / source).exists():
             assert (DOCS / "images" / png).exists(), f"docs/images/{png} not drawn: python benchmarks/plots.py"
+
+
+# ------------------------------------------------------------------------------- the server's reference
+def reference_table(page: pathlib.Path, heading: str) -> dict[str, str]:
+    """``{field: default}`` of the ``| field | default | meaning |`` table under ``heading`` (a
+    row naming several fields, `` `a`, `b` ``, gives each one)."""
+    text = page.read_text(encoding="utf-8").split(heading, 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
+        for name in re.findall(r"`([\w.]+)`", cells[0]) if cells else ():
+            out[name] = cells[1]
+    return out
+
+
+def test_the_server_reference_lists_the_completions_fields_as_the_schema_takes_them():
+    """docs/reference/server.md's table of ``POST /v1/completions`` names only fields the request
+    schema has, says ``required`` exactly for the fields the schema requires (``prompt``, not
+    ``model``: a request may leave it out), and names every sampling field."""
+    pytest.importorskip("fastapi")
+    from gpt2mha.inference.params import FIELDS
+    from gpt2mha.serving.protocol import CompletionRequest
+
+    table = reference_table(DOCS / "reference" / "server.md", "## `POST /v1/completions`")
+    schema = CompletionRequest.model_fields
+    assert set(table) <= set(schema) | {"stream_options.include_usage"}, set(table) - set(schema)
+    assert {name for name, default in table.items() if default == "required"} == \
+        {name for name, field in schema.items() if field.is_required()} == {"prompt"}
+    assert set(FIELDS) <= set(table), set(FIELDS) - set(table)
