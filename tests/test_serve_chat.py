@@ -128,6 +128,44 @@ def test_cli_serve_chat_template_by_name_and_none(monkeypatch):
     assert "'chatm'" in str(e.value.code) and "plain" in str(e.value.code)
 
 
+def test_convert_writes_the_chat_template_a_default_server_renders(server, builtin, tmp_path):
+    """`gpt2mha convert` writes tokenizer_config.json with the default server's chat template:
+    transformers' apply_chat_template on the directory renders the text the server's own
+    ChatTemplate renders and tokenizes it to the ids the server's /tokenize gives for the same
+    messages (and chat's usage.prompt_tokens counts), with and without the generation prompt;
+    /tokenizer_info names the template served, not the files' (none with --chat-template none)."""
+    import json
+
+    import httpx
+    transformers = pytest.importorskip("transformers")
+    from gpt2mha.cli import main
+    from gpt2mha.serving.chat import DEFAULT_CHAT_TEMPLATE
+
+    model, tok = builtin
+    assert main(["convert", DEFAULT_MODEL, str(tmp_path / "sb")]) == 0
+    config = json.loads((tmp_path / "sb" / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == BUILTIN_TEMPLATES[DEFAULT_CHAT_TEMPLATE]
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "sb"))
+    ours = ChatTemplate(BUILTIN_TEMPLATES[DEFAULT_CHAT_TEMPLATE], special_tokens(model.config.tokenizer, 256))
+    conversations = [MESSAGES, MESSAGES + [{"role": "assistant", "content": "It is the east."},
+                                           {"role": "user", "content": "Ünd Juliët? 😀"}],
+                     [{"role": "user", "content": None}]]
+    for messages in conversations:
+        for generation_prompt in (True, False):
+            text = hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+            assert text == ours.render(messages, generation_prompt)
+            served = httpx.post(server + "/tokenize", json={"messages": messages,
+                                                             "add_generation_prompt": generation_prompt}, timeout=60)
+            ids = hf(text, add_special_tokens=False)["input_ids"]
+            assert served.json()["tokens"] == ids == tok.encode(text)
+            if generation_prompt:
+                r = httpx.post(server + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1},
+                               timeout=60)
+                assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    assert json.loads(hf_tokenizer_files("gpt2", 1024)["tokenizer_config.json"])["chat_template"] == \
+        BUILTIN_TEMPLATES[DEFAULT_CHAT_TEMPLATE]
+
+
 # ------------------------------------------------------------------------ chat logprobs
 def reference_logprobs(model, prompt_ids, ids):
     """log_softmax (float64) of the model's own uncached forward over prompt + generated ids: the

@@ -28,6 +28,8 @@ import os
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..inference.params import MAX_LOGPROBS
+from ..io.tokenizer import CHAT_TEMPLATES
+from ..io.tokenizer import DEFAULT_CHAT_TEMPLATE as TOKENIZER_CHAT_TEMPLATE
 from .completions import Completions
 from .protocol import (EXPECTED, APIError, CompletionRequest, RequestFields, check_model, check_unicode, drop_nulls,
                        encode_prompts, encode_text, parse_json, token_text, validation_error)
@@ -35,25 +37,15 @@ from .scheduler import Sequence
 
 
 # ------------------------------------------------------------------------------ template
-#: The built-in chat templates, by name (``gpt2mha serve --chat-template NAME``), in transformers'
-#: dialect. ``plain``: one "role: content" line per message, then ``assistant:`` (text a base
-#: model such as GPT-2 reads as a dialogue to continue); ``chatml``: OpenAI's ChatML turns,
-#: ``<|im_start|>role\ncontent<|im_end|>\n``, then ``<|im_start|>assistant\n`` (the layout
-#: of chat models tuned on it; to GPT-2's tokenizer its markers are ordinary text).
-BUILTIN_TEMPLATES = {
-    "plain": ("{% for message in messages %}"
-              r"{{ message['role'] + ': ' + (message['content'] or '') + '\n' }}"
-              "{% endfor %}"
-              "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"),
-    "chatml": ("{% for message in messages %}"
-               r"{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
-               "{% endfor %}"
-               r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
-}
+#: The built-in chat templates, by name (``gpt2mha serve --chat-template NAME``): ``plain`` and
+#: ``chatml`` (:data:`gpt2mha.io.tokenizer.CHAT_TEMPLATES`, where the tokenizer files take the
+#: default from).
+BUILTIN_TEMPLATES = CHAT_TEMPLATES
 #: The template ``gpt2mha serve`` and :func:`~gpt2mha.serving.server.create_app` serve chat with by
 #: default: chat-first clients (the openai client's chat, LangChain's ``ChatOpenAI``, litellm)
-#: then work against a default server, as they do against llama.cpp's server.
-DEFAULT_CHAT_TEMPLATE = "plain"
+#: then work against a default server, as they do against llama.cpp's server; it is also the
+#: ``chat_template`` of the ``tokenizer_config.json`` gpt2mha writes.
+DEFAULT_CHAT_TEMPLATE = TOKENIZER_CHAT_TEMPLATE
 #: The name that serves no chat (``--chat-template none``).
 NO_TEMPLATE = "none"
 

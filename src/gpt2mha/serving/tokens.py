@@ -12,7 +12,8 @@ and clients use to count tokens with the server's own tokenizer.
 - ``/tokenizer_info``: the ``tokenizer_config.json`` that
   :func:`~gpt2mha.io.tokenizer.hf_tokenizer_files` writes (``tokenizer_class``, ``bos_token``,
   ``eos_token``, ``model_max_length``, ...), with ``bos_token_id``/``eos_token_id``,
-  ``vocab_size``, ``max_model_len`` and the ``chat_template`` when one is served.
+  ``vocab_size``, ``max_model_len`` and the ``chat_template`` served (none with
+  ``--chat-template none``).
 
 Sources: vLLM's ``serving_tokenization.py`` and its protocol's ``TokenizeCompletionRequest``,
 ``TokenizeChatRequest``, ``DetokenizeRequest``, ``TokenizerInfoResponse``.
@@ -111,6 +112,7 @@ def tokenizer_info(tokenizer, n_ctx: int, n_vocab: int, chat_template: str | Non
     added = {t["content"]: t["id"] for t in json.loads(files["tokenizer.json"])["added_tokens"]}
     info = {**config, "bos_token_id": added.get(config.get("bos_token")),
             "eos_token_id": added.get(config.get("eos_token")), "vocab_size": n_vocab, "max_model_len": n_ctx}
+    info.pop("chat_template", None)                   # the files' default: the served one (if any) instead
     if chat_template is not None:
         info["chat_template"] = chat_template
     return info
