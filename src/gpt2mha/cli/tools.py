@@ -282,8 +282,6 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise SystemExit(f"error: gpt2mha serve needs FastAPI and uvicorn ({e}): pip install 'gpt2mha[serve]' "
                          f"(from a clone of the repository: pip install -e '.[serve]')")
-    from .. import DEFAULT_MODEL
-    from ..io.tokenizer import tokenizer_for
     from ..serving.chat import load_chat_template
 
     try:                                      # before loading the model: a bad file fails at once
@@ -295,10 +293,9 @@ def cmd_serve(args) -> int:
         import torch
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    model = quantized(load_model(args.model, args.dtype), args)
-    name = args.served_model_name or args.model or DEFAULT_MODEL
+    model, tok, name = served_model(args)
     try:
-        serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
+        serve(model, tok, name, host=args.host, port=args.port, max_batch=args.max_batch,
               max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
               chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant,
               compile=args.compile, max_tokens_overflow=args.max_tokens_overflow)
@@ -306,6 +303,17 @@ def cmd_serve(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def served_model(args):
+    """What ``gpt2mha serve`` serves for its parsed ``args``: ``(model, tokenizer, name)``, the
+    model loaded (and quantized) from ``--model``, served as ``--served-model-name`` or else
+    ``--model`` as given (the built-in name without one)."""
+    from .. import DEFAULT_MODEL
+    from ..io.tokenizer import tokenizer_for
+
+    model = quantized(load_model(args.model, args.dtype), args)
+    return model, tokenizer_for(model.config), args.served_model_name or args.model or DEFAULT_MODEL
 
 
 def check_serve_args(args) -> None:
