@@ -252,7 +252,8 @@ def test_chat_logprobs_shapes_and_errors(server, builtin):
     text = r.choices[0].message.content
     joined = bytes(b for e in r.choices[0].logprobs.content for b in e.bytes).decode(errors="replace")
     assert text == full[:full.index(stop)] and joined.startswith(text) and len(joined) - len(text) < len(stop)
-    for body, words in (({"top_logprobs": 2}, ["logprobs"]), ({"logprobs": True, "top_logprobs": 21}, ["21", "[0, 20]"]),
+    for body, words in (({"top_logprobs": 2}, ["logprobs"]),
+                        ({"logprobs": True, "top_logprobs": 21}, ["21", "[0, 20]"]),
                         ({"logprobs": False, "top_logprobs": 1}, ["logprobs"]),
                         ({"logprobs": True, "top_logprobs": -1}, ["-1"]), ({"logprobs": 1}, ["a boolean"])):
         err = httpx.post(server + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, **body},
@@ -314,8 +315,8 @@ def assert_chat_error(server, body, param, *words, path="/v1/chat/completions"):
 BAD_MESSAGES = [
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}],
      ["messages[0].content[0].type", "'image_url'", "only text"]),
-    ([MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "hi"},
-                                                {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
+    ([MESSAGES[0], {"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
      ["messages[1].content[1].type", "'input_audio'", "only text"]),
     ([{"content": "hi"}], ["messages[0].role", "Missing"]),
     ([MESSAGES[0], {"role": 3, "content": "hi"}], ["messages[1].role", "expected a string", "got 3"]),

@@ -140,7 +140,8 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     max_body_bytes = checks.as_int(max_body_bytes, "max_body_bytes", minimum=1)
     max_stop = checks.as_int(max_stop, "max_stop", minimum=1)
     if max_tokens_overflow not in MAX_TOKENS_OVERFLOW:
-        raise ValueError(f"max_tokens_overflow={max_tokens_overflow!r}; expected one of {', '.join(MAX_TOKENS_OVERFLOW)}")
+        raise ValueError(f"max_tokens_overflow={max_tokens_overflow!r}; expected one of "
+                         f"{', '.join(MAX_TOKENS_OVERFLOW)}")
     kernels.load()
     started = [time.time()]
     tok, n_ctx = scheduler.tokenizer, scheduler.n_ctx
@@ -321,15 +322,17 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     accepting connections and lets in-flight responses finish; past ``graceful_timeout``
     seconds what is left is cancelled (503 / a stream's error event, :class:`GracefulServer`);
     the scheduler is stopped and this returns normally. ``chat_template``, ``max_stop`` and
-    ``max_tokens_overflow``: as :func:`create_app`; ``batch_invariant``: as :class:`~gpt2mha.serving.scheduler.Scheduler`;
+    ``max_tokens_overflow``: as :func:`create_app`; ``batch_invariant``: as
+    :class:`~gpt2mha.serving.scheduler.Scheduler`;
     ``compile``: decode on the compiled step (:func:`~gpt2mha.inference.decoders.choose_decoder`,
     as ``generate(compile=True)``), compiled while ``/health`` says ``"loading"``.
 
     Raises:
         ValueError: a port outside [0, 65535] or one that cannot be listened on now (in use,
             :func:`~gpt2mha.serving.address.check_address`), a negative or non-finite graceful_timeout,
-            max_body_bytes < 1, max_stop < 1, a chat template that is not valid Jinja, or bad
-            max_batch/max_queue (:class:`~gpt2mha.serving.scheduler.Scheduler`).
+            max_body_bytes < 1, max_stop < 1, a chat template that is not valid Jinja, a
+            max_tokens_overflow other than "clip" or "refuse", or bad max_batch/max_queue
+            (:class:`~gpt2mha.serving.scheduler.Scheduler`).
         RuntimeError: the server could not start (e.g. the address is in use or the host
             unknown; uvicorn logs the reason).
     """
