@@ -216,7 +216,7 @@ BAD_REQUESTS = [
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "stop": 7}, "stop"),
     ({"prompt": "a", "seed": 1.5}, "seed"),
-    ({"prompt": "ROMEO:", "max_tokens": 251}, "max_tokens"),            # 6 + 251 > n_ctx = 256
+    ({"prompt": "x" * 256, "max_tokens": 1}, "max_tokens"),             # fills n_ctx = 256: no room (past it, clipped)
     ({"prompt": "x" * 257, "max_tokens": 0}, "prompt"),                 # prompt longer than n_ctx
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
