@@ -322,7 +322,7 @@ def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int 
         if len(ids) + body.max_tokens > n_ctx and (overflow == REFUSE or len(ids) == n_ctx):
             hint = ("; lower max_tokens or shorten the prompt (a server started with --max-tokens-overflow clip "
                     "ends the completion where the context does)") if overflow == REFUSE else \
-                "; the prompt fills the context and leaves no room for a completion: shorten it"
+                f"; the prompt fills the context, which leaves no room for max_tokens={body.max_tokens}: shorten it"
             raise APIError(400, f"This model's maximum context length is {n_ctx} tokens, however you requested "
                                 f"{len(ids) + body.max_tokens} tokens ({len(ids)} in {where}, {body.max_tokens} for "
                                 f"the completion){hint}", "max_tokens", code="context_length_exceeded")
