@@ -279,7 +279,6 @@ def cmd_serve(args) -> int:
         raise SystemExit(f"error: gpt2mha serve needs FastAPI and uvicorn ({e}): pip install 'gpt2mha[serve]' "
                          f"(from a clone of the repository: pip install -e '.[serve]')")
     from .. import DEFAULT_MODEL
-    from ..io.tokenizer import tokenizer_for
     from ..serving.chat import load_chat_template
 
     try:                                      # before loading the model: a bad file fails at once
@@ -294,18 +293,29 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL
 
     def load():                               # in serve's loading thread, once the port is open
-        model = quantized(load_model(args.model, args.dtype), args)
-        return model, tokenizer_for(model.config)
+        return served_model(args)[:2]
 
     try:
         serve(None, None, name, host=args.host, port=args.port, max_batch=args.max_batch,
               max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
               chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant,
-              compile=args.compile, api_key=args.api_key, metrics=not args.no_metrics, load=load)
+              compile=args.compile, api_key=args.api_key, metrics=not args.no_metrics, load=load,
+              max_tokens_overflow=args.max_tokens_overflow)
     except RuntimeError as e:                 # could not bind: uvicorn logged why
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def served_model(args):
+    """What ``gpt2mha serve`` serves for its parsed ``args``: ``(model, tokenizer, name)``, the
+    model loaded (and quantized) from ``--model``, served as ``--served-model-name`` or else
+    ``--model`` as given (the built-in name without one)."""
+    from .. import DEFAULT_MODEL
+    from ..io.tokenizer import tokenizer_for
+
+    model = quantized(load_model(args.model, args.dtype), args)
+    return model, tokenizer_for(model.config), args.served_model_name or args.model or DEFAULT_MODEL
 
 
 def check_serve_args(args) -> None:
@@ -397,6 +407,11 @@ def _add_serve_command(sub) -> None:
                    help="stop strings a request may send; more get HTTP 400 (lm-evaluation-harness sends a task's "
                         "'until' strings plus the EOS string: 1 + len(until); OpenAI's API takes 4, vLLM and "
                         "llama.cpp's server have no limit)")
+    s.add_argument("--max-tokens-overflow", choices=["clip", "refuse"], default="clip",
+                   help="a request whose max_tokens goes past the room its prompt leaves in the context: clip "
+                        "(its completion ends where the context does, finish_reason 'length', as llama.cpp's "
+                        "server; clients' defaults such as LangChain's max_tokens=256 then work on small-context "
+                        "models) or refuse (HTTP 400 context_length_exceeded, as OpenAI's API and vLLM)")
     s.add_argument("--compile", action="store_true",
                    help="serve on the compiled decode step (as generate --compile), compiled before /health says ok")
     s.add_argument("--api-key", default=None, metavar="KEY",

@@ -35,7 +35,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..core import checks
@@ -74,6 +74,9 @@ class Sequence:
     ``on_event(seq, text, done)`` is called from the scheduler's thread with each new piece
     of text (never empty) and once with ``done=True`` (then :attr:`finish_reason` is
     ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"``, with :attr:`error` set for the last).
+    The done event carries the text's last piece, sampled in the same step (empty when nothing
+    is left: the end-of-text token, a stop string with no text held back, a failure), so that
+    a stream's last text chunk carries the finish reason, as OpenAI's do.
     Before each call the count of tokens whose text has been sent (:meth:`TextStream.released
     <gpt2mha.serving.text_stream.TextStream.released>`) is appended to :attr:`marks`, so the
     k-th event covers ``tokens[marks[k-1]:marks[k]]`` (for streamed logprobs).
@@ -175,24 +178,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------------- app side
     def submit(self, prompts: list[list[int]], params: SamplingParams,
-               on_event: Callable[[Sequence, str, bool], None]) -> list[Sequence]:
+               on_event: Callable[[Sequence, str, bool], None], clip: bool = False) -> list[Sequence]:
         """Queue ``params.per_prompt`` sequences per prompt (all or none) and return them in
         order: prompt i's candidate j has ``index = i * per_prompt + j`` (its seed rule) and
-        ``prompt_index = i``.
+        ``prompt_index = i``. With ``clip``, a prompt whose ``max_tokens`` goes past the context
+        runs with ``max_tokens`` the room left (``n_ctx - len(prompt)``; its ``params`` say so),
+        ending with finish_reason ``"length"`` where the context ends.
 
         Raises:
             ValueError: ``params`` not a :class:`~gpt2mha.inference.params.SamplingParams` (which
                 checked its own fields), a logit_bias id outside the vocabulary, an empty prompt,
                 ids that are not integers or outside the vocabulary, or prompt + max_tokens
-                longer than n_ctx (the caller checks these first for clear HTTP errors).
+                longer than n_ctx (with ``clip``: a prompt longer than n_ctx; the caller checks
+                these first for clear HTTP errors).
             ExceedsCapacity: more prompts than :attr:`capacity`, i.e. never admissible.
             QueueFull: not enough free slots plus queue room for all of them now.
             ShuttingDown: after :meth:`stop`.
         """
-        prompts = self._check(prompts, params)
+        prompts = self._check(prompts, params, clip)
         now = time.monotonic()
         m = params.per_prompt
-        seqs = [Sequence(ids, params, on_event, index=i * m + j, prompt_index=i, t_submit=now)
+        seqs = [Sequence(ids, self._fitted(params, ids) if clip else params, on_event, index=i * m + j,
+                         prompt_index=i, t_submit=now)
                 for i, ids in enumerate(prompts) for j in range(m)]
         with self._cv:
             if self._stopping:
@@ -206,7 +213,12 @@ class Scheduler:
             self._cv.notify()
         return seqs
 
-    def _check(self, prompts, params: SamplingParams) -> list[list[int]]:
+    def _fitted(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
+        """``params`` with ``max_tokens`` at most the room ``ids`` leave in the context."""
+        room = self.n_ctx - len(ids)
+        return params if params.max_tokens <= room else replace(params, max_tokens=room)
+
+    def _check(self, prompts, params: SamplingParams, clip: bool = False) -> list[list[int]]:
         """:meth:`submit`'s checks; returns the prompts as lists of Python ints."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
@@ -224,7 +236,7 @@ class Scheduler:
                 raise ValueError(f"prompt {i} is empty")
             if min(ids) < 0 or max(ids) >= self.n_vocab:
                 raise ValueError(f"prompt {i} has ids outside [0, n_vocab={self.n_vocab})")
-            if len(ids) + params.max_tokens > self.n_ctx:
+            if len(ids) + (0 if clip else params.max_tokens) > self.n_ctx:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens={params.max_tokens} > n_ctx={self.n_ctx}")
         return prompts
 
@@ -466,20 +478,19 @@ class Scheduler:
             self._recent.append(now)
             self._forget_old(now)
         delta, reason = seq.stream.add(token)
+        if reason is not None:
+            return self._finish(seq, reason, text=delta)
         if delta:
             self._send(seq, delta)
-        if reason is not None:
-            return self._finish(seq, reason)
         return True
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> bool:
-        """Send the rest of the sequence's text, free its slot and count it (together, under the
-        lock), then send the done event. Returns False."""
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, text: str = "") -> bool:
+        """Free the sequence's slot and count it (together, under the lock), then send the done
+        event carrying the rest of its text: ``text`` (the last token's) and what the stream
+        still held. Returns False."""
         newly = not seq.done
         if newly and reason in (STOP, LENGTH) and seq.stream is not None:
-            delta = seq.stream.finish()
-            if delta:
-                self._send(seq, delta)
+            text += seq.stream.finish()
             seq.text = seq.stream.text
         with self._cv:
             if seq.slot is not None:
@@ -493,7 +504,7 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.finished(seq)
             try:
-                self._send(seq, "", True)
+                self._send(seq, text if reason in (STOP, LENGTH) else "", True)
             except Exception:
                 log.exception("on_event failed")
         return False

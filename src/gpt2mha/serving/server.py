@@ -22,7 +22,8 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
 - ``POST /v1/chat/completions`` when a chat template is given (:mod:`.chat`); otherwise 400.
 - ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (running/queued counts, slots,
   tokens/s); vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
-  (:mod:`.tokens`).
+  (:mod:`.tokens`). Every ``GET`` route answers ``HEAD`` too (load balancers' health checks),
+  and every route ``OPTIONS`` (200 with ``Allow``).
 
 Bad requests get HTTP 400 with OpenAI's error object ``{"error": {"message", "type", "param",
 "code"}}`` naming the field (:mod:`.protocol`: also a string that is not Unicode text, and more
@@ -56,7 +57,7 @@ import time
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .. import kernels
@@ -66,7 +67,7 @@ from . import chat, tokens
 from .address import check_address
 from .completions import DRAIN_BYTES, Completions, Relay, read_body   # noqa: F401  (DRAIN_BYTES: the API as before)
 from .operate import Operations, request_id
-from .protocol import MAX_STOP, APIError, cancelled_error, sse, validation_error
+from .protocol import CLIP, MAX_STOP, MAX_TOKENS_OVERFLOW, APIError, cancelled_error, sse, validation_error
 from .scheduler import Scheduler
 
 log = logging.getLogger("gpt2mha.serve")
@@ -121,12 +122,17 @@ class AnswerCancelled:
 
 
 def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP) -> FastAPI:
+               chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
+               max_tokens_overflow: str = CLIP) -> FastAPI:
     """The ASGI app serving ``scheduler``'s model as ``model_name``; request bodies over
     ``max_body_bytes`` get 413; requests may carry up to ``max_stop`` stop strings;
     ``/v1/chat/completions`` renders messages with ``chat_template`` (Jinja source, default the
     built-in plain one, :data:`DEFAULT_CHAT_TEMPLATE`; None: that route answers 400,
-    :func:`~gpt2mha.serving.chat.no_template_error`).
+    :func:`~gpt2mha.serving.chat.no_template_error`); ``max_tokens`` past the room a prompt
+    leaves in the context is clipped to it (``max_tokens_overflow="clip"``, the default: the
+    completion ends with ``finish_reason: "length"`` where the context does, as llama.cpp's
+    server) or refused with a 400 (``"refuse"``, as OpenAI and vLLM;
+    :data:`~gpt2mha.serving.protocol.MAX_TOKENS_OVERFLOW`).
 
     Every error, the app's own and the router's (404 unknown route, 405 wrong method), is
     OpenAI's ``{"error": {"message", "type", "param", "code"}}`` object.
@@ -137,10 +143,14 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     (no request waits on them; where none load, the one warning says which routes run instead).
 
     Raises:
-        ValueError: max_body_bytes < 1, max_stop < 1, or a chat template that is not valid Jinja.
+        ValueError: max_body_bytes < 1, max_stop < 1, a max_tokens_overflow other than "clip" or
+            "refuse", or a chat template that is not valid Jinja.
     """
     max_body_bytes = checks.as_int(max_body_bytes, "max_body_bytes", minimum=1)
     max_stop = checks.as_int(max_stop, "max_stop", minimum=1)
+    if max_tokens_overflow not in MAX_TOKENS_OVERFLOW:
+        raise ValueError(f"max_tokens_overflow={max_tokens_overflow!r}; expected one of "
+                         f"{', '.join(MAX_TOKENS_OVERFLOW)}")
     kernels.load()
     started = [time.time()]
     tok, n_ctx = scheduler.tokenizer, scheduler.n_ctx
@@ -195,23 +205,37 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
         return info
 
     relay = Relay()
-    completions = Completions(scheduler, model_name, max_body_bytes, max_stop, relay)
+    completions = Completions(scheduler, model_name, max_body_bytes, max_stop, relay, max_tokens_overflow)
     app = FastAPI(title="gpt2mha", description="OpenAI-compatible completions over gpt2mha", lifespan=lifespan)
     app.add_middleware(AnswerCancelled)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(Exception, on_server_error)
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
+    app.add_api_route("/health", health, methods=READ)
+    app.add_api_route("/v1/models", models, methods=READ)
+    app.add_api_route("/v1/models/{model_id:path}", model, methods=READ)
     app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
     app.add_api_route("/v1/chat/completions", no_chat if template is None else chat.ChatCompletions(
-        template, scheduler, model_name, max_body_bytes, max_stop, relay).handle, methods=["POST"])
+        template, scheduler, model_name, max_body_bytes, max_stop, relay, max_tokens_overflow).handle, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
-    app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
+    app.add_api_route("/tokenizer_info", tokenizer_info, methods=READ)
     return app
+
+
+#: The methods of the routes that only read: GET, and HEAD (what load balancers' health checks
+#: send: the same status and headers, no body).
+READ = ["GET", "HEAD"]
+#: The order an ``Allow`` header lists methods in.
+METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allow_header(methods) -> str:
+    """The ``Allow`` header of a route answering ``methods``: them and OPTIONS, which every route
+    answers, in :data:`METHOD_ORDER` (``"GET, HEAD, OPTIONS"``)."""
+    methods = {m.upper() for m in methods} | {"OPTIONS"}
+    return ", ".join(m for m in METHOD_ORDER if m in methods)
 
 
 async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -228,17 +252,23 @@ async def on_api_error(request: Request, exc: APIError):
 async def on_http_error(request: Request, exc: HTTPException):
     """The router's errors as OpenAI's error object: 404 for an unknown route (OpenAI's
     ``Invalid URL (METHOD /path)``), 405 for a known route with another method (its ``Allow``
-    header kept), any other with its status and Starlette's detail."""
+    header listing every method the route answers, :func:`allow_header`), any other with its
+    status and Starlette's detail. ``OPTIONS`` on a known route is no error: 200 with ``Allow``
+    and no body (RFC 9110 §9.3.7)."""
     where = f"{request.method} {request.url.path}"
+    headers = exc.headers
     if exc.status_code == 404:
         message = f"Invalid URL ({where}): no such route on this server"
     elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
-        message = f"Invalid method for URL ({where})" + (f": this route accepts {allowed}" if allowed else "")
+        headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() != "allow"}
+        routed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "")
+        headers["Allow"] = allow_header(m.strip() for m in routed.split(",") if m.strip())
+        if request.method == "OPTIONS":
+            return Response(status_code=200, headers=headers)
+        message = f"Invalid method for URL ({where}): this route accepts {headers['Allow']}"
     else:
         message = f"{exc.detail} ({where})"
-    return await on_api_error(request, APIError(exc.status_code, message,
-                                                headers=exc.headers))
+    return await on_api_error(request, APIError(exc.status_code, message, headers=headers))
 
 
 async def on_server_error(request: Request, exc: Exception):
@@ -330,7 +360,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
           max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
           batch_invariant: bool | None = None, compile: bool = False, api_key: str | None = None,
-          metrics: bool = True, load=None) -> None:
+          metrics: bool = True, load=None, max_tokens_overflow: str = CLIP) -> None:
     """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``).
 
     The port opens at once, behind :class:`~gpt2mha.serving.operate.Operations`: ``/live`` answers
@@ -345,7 +375,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     in-flight requests may finish for ``graceful_timeout`` seconds, then what is left is
     cancelled (503 / a stream's error event); the scheduler is stopped and this returns normally.
 
-    ``chat_template``, ``max_stop``, ``max_body_bytes``: as :func:`create_app`; ``batch_invariant``:
+    ``chat_template``, ``max_stop``, ``max_body_bytes``, ``max_tokens_overflow``: as :func:`create_app`; ``batch_invariant``:
     as :class:`~gpt2mha.serving.scheduler.Scheduler`; ``compile``: decode on the compiled step
     (:func:`~gpt2mha.inference.decoders.choose_decoder`, as ``generate(compile=True)``);
     ``api_key``: the key every route but the probes, ``/version`` and ``/metrics`` needs
@@ -355,7 +385,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
         ValueError: a port outside [0, 65535] or one that cannot be listened on now (in use,
             :func:`~gpt2mha.serving.address.check_address`), a negative or non-finite graceful_timeout,
             a bad api_key, max_body_bytes < 1, max_stop < 1, a chat template that is not valid Jinja,
-            or bad max_batch/max_queue (:class:`~gpt2mha.serving.scheduler.Scheduler`); after the
+            a max_tokens_overflow other than "clip" or "refuse", or bad max_batch/max_queue (:class:`~gpt2mha.serving.scheduler.Scheduler`); after the
             server stopped, whatever ``load`` raised.
         RuntimeError: the server could not start (e.g. the address is in use or the host
             unknown; uvicorn logs the reason).
@@ -385,7 +415,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
             scheduler = Scheduler(m, tok, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
                                   route=route)
             app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
-                             max_stop=max_stop)
+                             max_stop=max_stop, max_tokens_overflow=max_tokens_overflow)
             log.info("model %s loaded in %.1f s; warming up", model_name, time.monotonic() - t0)
             ops.attach(scheduler, app)            # starts the scheduler in this thread, which warms it up
         except BaseException as e:                # the server stops; serve() raises it
@@ -412,14 +442,15 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
 def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 0,
                     timeout: float = 30.0, graceful_timeout: float | None = None,
                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
-                    max_stop: int = MAX_STOP, api_key: str | None = None, metrics: bool = True):
+                    max_stop: int = MAX_STOP, api_key: str | None = None, metrics: bool = True,
+                    max_tokens_overflow: str = CLIP):
     """Run the app (:func:`operated_app`: the API behind the probes, ``/metrics`` and
     ``api_key``) with uvicorn in a background thread for the ``with`` block; yields the base URL
     (``http://host:port``, the real port when ``port`` is 0). For tests and scripts that want the
     real server in their own process. On exit the server shuts down as ``gpt2mha serve`` does on
     SIGTERM (it drains: in-flight responses get ``graceful_timeout`` seconds, default
     ``timeout``, then are cancelled: :class:`GracefulServer`) and the scheduler is stopped.
-    ``max_body_bytes``, ``chat_template``, ``max_stop``: as :func:`create_app`.
+    ``max_body_bytes``, ``chat_template``, ``max_stop``, ``max_tokens_overflow``: as :func:`create_app`.
 
     The block starts once the engine is warmed up (``/health`` answers ``"ok"``), or once
     ``timeout`` has passed.
@@ -429,7 +460,7 @@ def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.
     """
     graceful_timeout = timeout if graceful_timeout is None else graceful_timeout
     ops = operated_app(scheduler, model_name, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes,
-                       chat_template=chat_template, max_stop=max_stop)
+                       chat_template=chat_template, max_stop=max_stop, max_tokens_overflow=max_tokens_overflow)
     config = uvicorn.Config(ops, host=host, port=port, access_log=False, log_level="warning")
     server = GracefulServer(config, ops, graceful_timeout)
     thread = threading.Thread(target=server.run, name="gpt2mha-uvicorn", daemon=True)
