@@ -155,9 +155,11 @@ def test_probes_answer_get_and_head_and_every_answer_carries_a_request_id(builti
             head = httpx.head(url + path)
             assert head.status_code == 200 and head.content == b"", path
             r = httpx.post(url + path)
-            assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD" and "GET, HEAD" in r.json()["error"]["message"]
+            assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD, OPTIONS" and "GET, HEAD" in r.json()["error"]["message"]
+            r = httpx.options(url + path)
+            assert r.status_code == 200 and r.content == b"" and r.headers["allow"] == "GET, HEAD, OPTIONS", path
         r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, headers={"X-Request-Id": "job-7/a"})
-        bad = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 99999},
+        bad = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "temperature": -1},
                          headers={"X-Request-Id": "x" * 129})
     assert live.status_code == 200 and live.json() == {"status": "ok", "phase": "ready"}
     assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["model"] == DEFAULT_MODEL

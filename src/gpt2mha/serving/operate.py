@@ -2,8 +2,8 @@
 in ``gpt2mha serve`` — probes, ``/version``, ``/metrics``, API keys, request ids, the loading and
 draining phases.
 
-:class:`Operations` is an ASGI app. It answers these routes itself (GET and HEAD; another method
-is a 405):
+:class:`Operations` is an ASGI app. It answers these routes itself (GET, HEAD and OPTIONS; another
+method is a 405):
 
 - ``/live``: liveness, 200 whenever the process serves HTTP, while it loads and drains too
   (``{"status": "ok", "phase": ...}``); a Kubernetes ``livenessProbe``.
@@ -232,9 +232,11 @@ class Operations:
             self.in_flight -= 1
 
     def probe(self, path: str, method: str) -> Response:
+        if method == "OPTIONS":                               # RFC 9110 §9.3.7, as the API's routes answer it
+            return Response(status_code=200, headers={"Allow": "GET, HEAD, OPTIONS"})
         if method not in ("GET", "HEAD"):
-            return APIError(405, f"Invalid method for URL ({method} {path}): this route accepts GET, HEAD",
-                            headers={"Allow": "GET, HEAD"}).response()
+            return APIError(405, f"Invalid method for URL ({method} {path}): this route accepts GET, HEAD, OPTIONS",
+                            headers={"Allow": "GET, HEAD, OPTIONS"}).response()
         return {"/live": self.live, "/health": self.health, "/version": self.version,
                 "/metrics": self.metrics_text}[path]()
 
