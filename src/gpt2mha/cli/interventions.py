@@ -39,6 +39,7 @@ def cmd_ablate(args) -> int:
     """``gpt2mha ablate``: the next-token distribution before and after ablating ``--heads``."""
     import torch
 
+    from ..inference.sampling import check_logits
     from ..learn.interventions import ablate_heads, next_token_shift, parse_heads
 
     model = load_model(args.model, args.dtype).eval()
@@ -48,8 +49,8 @@ def cmd_ablate(args) -> int:
         raise ValueError(f"--top={args.top} must be at most the model's vocabulary, n_vocab={c.n_vocab}")
     tok, idx = _prompt_ids(model, args.prompt, "PROMPT")
     with torch.no_grad():
-        before = model(idx).logits[0, -1]
-        after = ablate_heads(model, idx, heads, mean=args.mean)[0, -1]
+        before = check_logits(model(idx).logits[0, -1], on="PROMPT")
+        after = check_logits(ablate_heads(model, idx, heads, mean=args.mean)[0, -1], on="PROMPT, heads ablated")
     shift = next_token_shift(before, after, args.top)
     mode = "mean (each head's mean output over the prompt's positions)" if args.mean else "zero"
     for row in shift["tokens"]:
@@ -86,6 +87,9 @@ def cmd_patch(args) -> int:
     """``gpt2mha patch``: activation patching from CLEAN into CORRUPT; prints the largest effects and
     writes OUT/patch.png and OUT/patch.json (a warning when the two runs' metrics are too close
     for the restored share to mean anything: :meth:`~gpt2mha.learn.interventions.Patching.normalization_warning`)."""
+    import torch
+
+    from ..inference.sampling import check_finite
     from ..learn.heads import token_labels
     from ..learn.intervention_plots import heatmap
     from ..learn.interventions import patch
@@ -98,6 +102,8 @@ def cmd_patch(args) -> int:
                          f"needs prompts of the same length (reword one)")
     metric, answer, wrong, n_answer = _patch_metric(args, tok)
     res = patch(model, clean, corrupt, args.hook, metric, per_position=args.per_position or None, last_only=True)
+    for value, on in ((res.clean, "CLEAN"), (res.corrupt, "CORRUPT"), (res.values, "CORRUPT, patched")):
+        check_finite(torch.as_tensor(value).reshape(-1), rows=[], on=on)   # the metric of NaN/inf logits
     try:
         shown, what = res.normalized(), "restored share"
     except ValueError:
@@ -148,6 +154,7 @@ def torch_unravel(j: int, shape: tuple) -> list[int]:
 
 def cmd_lens(args) -> int:
     """``gpt2mha lens``: the logit lens as a layer x position table; writes OUT/lens.png and OUT/lens.json."""
+    from ..inference.sampling import check_logits
     from ..learn.heads import token_labels
     from ..learn.intervention_plots import lens_picture
     from ..learn.interventions import logit_lens
@@ -155,6 +162,7 @@ def cmd_lens(args) -> int:
     model = load_model(args.model, args.dtype).eval()
     tok, idx = _prompt_ids(model, args.prompt, "PROMPT")
     lens = logit_lens(model, idx, top_k=min(args.top, model.config.n_vocab))
+    check_logits(lens.probs, on="PROMPT")                 # the probabilities of NaN/inf logits are NaN
     labels = token_labels(tok, idx[0].tolist())
     top = [[token_labels(tok, lens.ids[r, 0, t].tolist()) for t in range(idx.shape[1])] for r in range(len(lens.labels))]
     png = os.path.join(args.out, "lens.png")

@@ -25,6 +25,7 @@ def cmd_trace(args) -> int:
 
 
 def cmd_heads(args) -> int:
+    from ..inference.sampling import check_logits
     from ..learn.heads import (ROLE_THRESHOLD, analyse_heads, check_selection, format_strongest, selected_heads,
                               strongest_heads, top_heads)
     from ..learn.heads_html import write_heads
@@ -33,6 +34,7 @@ def cmd_heads(args) -> int:
     c = model.config
     check_selection(c.n_layer, c.n_head, args.layer, args.head)   # before the (slower) forward pass
     result = analyse_heads(model, args.prompt)
+    check_logits(result.weights, what="attention weights", on="PROMPT")
     rows = strongest_heads(result.relative, args.top)
     heads = selected_heads(c.n_layer, c.n_head, args.layer, args.head, rows)
     if not heads:                                                 # no head has a clear role: draw the closest

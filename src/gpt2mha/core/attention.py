@@ -138,6 +138,11 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
     Returns:
         Context ``[B, h, T, head_dim]``.
+
+    PyTorch's CPU kernel returns zeros for a query whose scores are all NaN (e.g. ``q · k``
+    overflowing float32), where OpenAI's formula gives NaN; a call with such a row (any row of
+    zeros, :func:`formula_where_zeroed`) is recomputed by :func:`attend_explicit`, so both cores
+    agree on which outputs are NaN.
     """
     T, S = q.shape[-2], k.shape[-2]
     p = dropout_p if training else 0.0
@@ -145,8 +150,28 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         mask = attention_mask(T, S, device=q.device)
     if mask is None:
         causal = True if T == S and T > 1 else False            # a bool also for symbolic T, S (dynamic compile)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+    else:
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+    return formula_where_zeroed(a, q, k, v, mask, dropout_p, training)
+
+
+def formula_where_zeroed(a: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor | None, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """``a``, the context ``[B, h, T, head_dim]`` ``scaled_dot_product_attention`` computed on the
+    CPU for ``q, k, v`` and ``mask`` (None: OpenAI's causal mask), or, when a row of it is all
+    zeros, :func:`attend_explicit`'s context for the whole call.
+
+    Why: the CPU kernel writes 0 for a query whose scores are all NaN (its running maximum skips
+    NaN and stays -inf, the kernel's sign of a fully masked row), so a model whose scores
+    overflow would give finite, meaningless logits there and NaN on the explicit core and the
+    C++ kernels. A row of exact zeros is otherwise rare (a query with no key, values of zero):
+    recomputed, it gives the same numbers. One reduction over ``a`` (not over the keys); not
+    while compiling (no data-dependent branch in a graph) nor off the CPU.
+    """
+    if a.device.type != "cpu" or torch.compiler.is_compiling() or bool(a.any(dim=-1).all()):
+        return a
+    return attend_explicit(q, k, v, mask, dropout_p, training).to(a.dtype)
 
 
 class Conv1D(nn.Module):

@@ -195,7 +195,7 @@ def perplexity(model, text: str, stride: int | None = None, progress: bool = Fal
     ``progress``: rank 0 shows a bar of its windows on stderr (when it is a terminal).
 
     Raises:
-        ValueError: as :func:`gpt2mha.train.evaluate.perplexity`.
+        ValueError, NonFiniteLogitsError: as :func:`gpt2mha.train.evaluate.perplexity`.
     """
     ids, stride = encode_for_scoring(model, text, stride)
     ids = ids.to(next(model.parameters()).device)
