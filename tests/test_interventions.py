@@ -207,6 +207,27 @@ def test_patch_and_lens_commands_write_pictures_and_json(byte_model, tmp_path, c
     assert [row[0] for row in saved["top"][-1]] == token_labels(tokenizer_for(model.config), top_final.tolist())
 
 
+def test_lens_json_gives_token_ids_beside_the_labels(byte_model, tmp_path, capsys):
+    """lens --json: the prompt's ids (the byte tokenizer's: the UTF-8 bytes) and each cell's top
+    ids, in the shape of ``top`` and ``probs``, the final row the model's own top-k; the labels
+    are those ids' labels."""
+    from gpt2mha.io.tokenizer import tokenizer_for
+    from gpt2mha.learn.heads import token_labels
+
+    assert main(["lens", "h\u00e9 !", "--model", byte_model, "--top", "2", "--out", str(tmp_path), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["token_ids"] == list("h\u00e9 !".encode("utf-8"))
+    model = GPT2.from_pretrained(byte_model).eval()
+    tok = tokenizer_for(model.config)
+    assert printed["tokens"] == token_labels(tok, printed["token_ids"])
+    ids = torch.tensor(printed["top_ids"])
+    assert ids.shape == (3, 5, 2) == torch.tensor(printed["probs"]).shape
+    with torch.no_grad():
+        assert ids[-1].tolist() == model(torch.tensor([printed["token_ids"]])).logits[0].topk(2).indices.tolist()
+    assert printed["top"] == [[token_labels(tok, cell) for cell in row] for row in printed["top_ids"]]
+    assert json.loads((tmp_path / "lens.json").read_text()) == printed
+
+
 def test_ablate_top_and_lens_columns_out_of_range_are_usage_errors(byte_model, tmp_path, capsys):
     """``ablate --top 0``, ``--top`` beyond the vocabulary and ``lens --columns 0`` are errors
     naming the flag (exit 2), as ``lens --top 0`` is, not a traceback or an empty table."""

@@ -153,7 +153,9 @@ def torch_unravel(j: int, shape: tuple) -> list[int]:
 
 
 def cmd_lens(args) -> int:
-    """``gpt2mha lens``: the logit lens as a layer x position table; writes OUT/lens.png and OUT/lens.json."""
+    """``gpt2mha lens``: the logit lens as a layer x position table; writes OUT/lens.png and OUT/lens.json
+    (``tokens``/``top``: display labels; ``token_ids``/``top_ids``: the same tokens' ids, ``top_ids``
+    ``[layer][position][rank]`` as ``top`` and ``probs``)."""
     from ..inference.sampling import check_logits
     from ..learn.heads import token_labels
     from ..learn.intervention_plots import lens_picture
@@ -169,7 +171,8 @@ def cmd_lens(args) -> int:
     lens_picture(png, lens.probs[:, 0, :, 0], [[cell[0] for cell in row] for row in top], lens.labels,
                  [f"{i}:{t}" for i, t in enumerate(labels)], f"logit lens: top token of the residual stream "
                  f"through ln_f and the head ({len(labels)} tokens)")
-    out = {"layers": lens.labels, "tokens": labels, "top": top, "probs": lens.probs[:, 0].tolist(),
+    out = {"layers": lens.labels, "tokens": labels, "token_ids": idx[0].tolist(), "top": top,
+           "top_ids": lens.ids[:, 0].tolist(), "probs": lens.probs[:, 0].tolist(),
            "next_token_probs": lens.target_probs[:, 0].tolist(), "png": png}
     with open(os.path.join(args.out, "lens.json"), "w") as f:
         json.dump(out, f)
