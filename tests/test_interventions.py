@@ -310,3 +310,33 @@ def test_lens_picture_of_a_long_prompt_runs_down_with_readable_cells(tmp_path):
                               [f"{t}:e" for t in range(47)], "logit lens (47 tokens)")
     assert Image.open(tmp_path / "lens.png").size == size
     assert size[1] > size[0] and size[1] >= 47 * 18 and size[0] < 1000, size
+
+
+def test_patch_usage_says_what_the_default_metric_requires(capsys):
+    """The usage line (in --help, in a usage error and on the generated CLI reference page) shows
+    --answer as required and --wrong as required unless --metric logprob, as the command enforces;
+    every option still appears once, the line wrapped within argparse's width; a missing
+    --answer is argparse's usage error naming it (exit 2)."""
+    import importlib.util
+    import pathlib
+
+    from gpt2mha.cli import build_parser
+
+    path = pathlib.Path(__file__).parent.parent / "docs" / "hooks" / "cli_reference.py"
+    spec = importlib.util.spec_from_file_location("cli_reference", path)
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    sub = hook.subcommands(build_parser())["patch"][0]
+    usage = sub.format_usage()
+    flat = " ".join(usage.split())
+    assert flat.startswith("usage: gpt2mha patch [-h] [--metric {logit-diff,logprob}] --answer TEXT "
+                           "(--wrong TEXT | --metric logprob) [--hook HOOK]") and flat.endswith("[--json] CLEAN CORRUPT")
+    assert "[--wrong" not in flat and "[--answer" not in flat
+    for action in hook.arguments(sub):
+        for flag in action.option_strings:
+            assert f"{flag} " in flat or f"{flag}]" in flat, flag
+    assert all(len(line) <= sub._get_formatter()._width for line in usage.splitlines())
+    assert usage.strip() in hook.render()
+    with pytest.raises(SystemExit) as e:
+        main(["patch", "ab", "ac"])
+    assert e.value.code == 2 and "the following arguments are required: --answer" in capsys.readouterr().err

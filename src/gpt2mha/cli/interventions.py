@@ -7,8 +7,10 @@ once it is loaded, before the forward passes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import sys
 
 from .checks import check_ablate_args, check_lens_args, check_patch_args
@@ -203,6 +205,7 @@ def add_intervene_commands(sub) -> None:
     ab.set_defaults(func=cmd_ablate, check=check_ablate_args)
 
     pa = sub.add_parser("patch", help="activation patching: which layers/heads carry the clean answer",
+                        formatter_class=PatchUsageFormatter,
                         description="Run CORRUPT with one activation at a time copied from the CLEAN run (each head "
                                     "of hook_z by default; resid_pre etc. per position) and measure --metric at the "
                                     "last position. Writes OUT/patch.png (layer x head, or layer x position) and "
@@ -212,8 +215,9 @@ def add_intervene_commands(sub) -> None:
     pa.add_argument("corrupt", metavar="CORRUPT")
     pa.add_argument("--metric", choices=["logit-diff", "logprob"], default="logit-diff",
                     help="logit[answer] - logit[wrong], or the answer's log-probability (default logit-diff)")
-    pa.add_argument("--answer", default=None, help="the clean prompt's next token (text)")
-    pa.add_argument("--wrong", default=None, help="the corrupted prompt's next token (text; for logit-diff)")
+    pa.add_argument("--answer", required=True, metavar="TEXT", help="the clean prompt's next token (text)")
+    pa.add_argument("--wrong", default=None, metavar="TEXT",
+                    help="the corrupted prompt's next token (text); required by --metric logit-diff, the default")
     pa.add_argument("--hook", default="z", help="activation to patch: z (default), q, k, v, pattern, resid_pre, "
                                                 "resid_mid, resid_post, attn_out, mlp_out, or a full hook name")
     pa.add_argument("--per-position", action="store_true", help="patch one position at a time (per-head hooks)")
@@ -230,6 +234,23 @@ def add_intervene_commands(sub) -> None:
     _model_dtype_json(ln)
     pa.set_defaults(func=cmd_patch, check=check_patch_args)
     ln.set_defaults(func=cmd_lens, check=check_lens_args)
+
+
+class PatchUsageFormatter(argparse.HelpFormatter):
+    """``patch``'s help, whose usage shows ``--wrong`` as required unless ``--metric logprob``
+    (argparse marks an option only optional or required; ``check_patch_args`` enforces it), the
+    line wrapped again as argparse wraps it: whole ``[…]``/``(…)`` parts, under the command."""
+
+    def _format_usage(self, usage, actions, groups, prefix):
+        text = " ".join(super()._format_usage(usage, actions, groups, prefix).split())
+        text = text.replace("[--wrong TEXT]", "(--wrong TEXT | --metric logprob)")
+        head = text[:text.index(self._prog) + len(self._prog) + 1]        # "usage: gpt2mha patch "
+        lines = [""]
+        for part in re.findall(r"\(.*?\)(?=\s|$)|\[.*?\](?=\s|$)|\S+", text[len(head):]):
+            if lines[-1] and len(head) + len(lines[-1]) + 1 + len(part) > self._width:
+                lines.append("")
+            lines[-1] = f"{lines[-1]} {part}".lstrip()
+        return head + ("\n" + " " * len(head)).join(lines) + "\n\n"
 
 
 def _model_dtype_json(p) -> None:
