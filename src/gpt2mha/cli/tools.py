@@ -371,7 +371,12 @@ def _add_serve_command(sub) -> None:
     s.set_defaults(func=cmd_serve, check=check_serve_args)
 
     i = sub.add_parser("info", help="a model's shapes, weights and the route its prefill and decode take (and why)",
-                       formatter_class=DefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter,
+                       description="Print the model's sizes and weights, whether gpt2mha's C++ kernels are loaded, "
+                                   "and the route generate and serve take for it with these flags (and why not the "
+                                   "others). With --quantize the route is that of the model quantized so, found "
+                                   "without running GPTQ (the route depends on the scheme, group size, activations "
+                                   "and head, not on how the weights are rounded).")
     model_arg(i)
     i.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype")
     i.add_argument("--compile", action="store_true", help="the route with generate --compile")
@@ -382,10 +387,17 @@ def _add_serve_command(sub) -> None:
 
 def cmd_info(args) -> int:
     """``gpt2mha info``: the model's config, its quantization and the route generate and serve
-    take for it (:func:`~gpt2mha.inference.decoders.choose_decoder`), with why not the others."""
+    take for it (:func:`~gpt2mha.inference.decoders.choose_decoder`), with why not the others.
+
+    With ``--quantize`` (a float model): the route the model quantized so takes, found on the
+    model rounded to nearest, not by GPTQ (seconds to minutes): the route reads the layers'
+    schemes, group size, activations and head, never how their weights were rounded."""
     from ..inference.decoders import choose_decoder
 
-    model = quantized(load_model(args.model, args.dtype), args)
+    model = load_model(args.model, args.dtype)
+    if args.quantize is not None and not getattr(model, "quantization", None):
+        args = argparse.Namespace(**{**vars(args), "quantize_method": "rtn", "calibration": None})
+    model = quantized(model, args)
     c = model.config
     q = getattr(model, "quantization", None) or {}
     print(f"model        {args.model or 'the built-in model'}: n_layer {c.n_layer}, n_head {c.n_head}, n_embd "
