@@ -260,8 +260,11 @@ def _add_formats_commands(sub) -> None:
                                     "built in: nanoGPT need not be installed; NumPy's OpenAI formulas for "
                                     "OpenAI/Hugging Face checkpoints). Run both on the same ids in float64 and report "
                                     "the embeddings, each block's attention, MLP and output, ln_f and the logits, the "
-                                    "first that differs and why. Exit 0: matches; 1: differs; 2: could not run. "
-                                    + warning, epilog=warning)
+                                    "first that differs and why. A nanoGPT checkpoint implies nanoGPT's exact (erf) "
+                                    "GELU where GPT-2 (and gpt2mha) use the tanh approximation: a model that matches "
+                                    "gpt2mha run with the erf GELU matches up to the format's GELU, reported with the "
+                                    "logits' difference the tanh GELU makes (exit 0). Exit 0: matches; 1: differs; "
+                                    "2: could not run. " + warning, epilog=warning)
     cm.add_argument("src", metavar="SRC", help="a checkpoint file or directory in any format convert reads, a "
                                                "built-in model name or a hub id (as --model)")
     cm.add_argument("--class", dest="cls", default=None, metavar="FILE.py:Class", help="your model class")
