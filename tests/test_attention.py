@@ -286,3 +286,20 @@ def test_sdpa_core_keeps_rows_that_are_zero_by_the_formula():
     a = attend_sdpa(q, k, v, None)
     assert torch.equal(a[:, 0], torch.zeros(1, 5, 8)) and torch.isfinite(a).all()
     torch.testing.assert_close(a, attend_explicit(q, k, v, None), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_kernel_gives_nan_for_nan_scores_from_zero_rows_below_keys_on(dtype):
+    """formula_where_zeroed checks only calls over fewer than ZERO_ROWS_BELOW keys: from there
+    on PyTorch's CPU kernel itself gives NaN for a query whose scores are all NaN (one query, and
+    causal prefills), at sizes around its vectors and its key blocks. A torch whose kernel
+    zeroes such rows over more keys fails here."""
+    from gpt2mha.core.attention import ZERO_ROWS_BELOW
+
+    gen = torch.Generator().manual_seed(0)
+    for S in [*range(ZERO_ROWS_BELOW, ZERO_ROWS_BELOW + 40), 255, 256, 257, 511, 512, 513, 1025]:
+        for T in (1, S):
+            q, k, v = (torch.randn(2, 2, n, 32, generator=gen).to(dtype) for n in (T, S, S))
+            q[:, 0] = float("nan")
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+            assert torch.isnan(a[:, 0]).all() and torch.isfinite(a[:, 1]).all(), (S, T)
