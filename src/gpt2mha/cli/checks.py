@@ -230,11 +230,10 @@ def check_ablate_args(args) -> None:
 
 
 def check_patch_args(args) -> None:
-    """``patch``: CLEAN and CORRUPT, ``--answer`` (and ``--wrong`` for logit-diff), ``--out``."""
+    """``patch``: CLEAN and CORRUPT, ``--answer`` (argparse requires it) non-empty, ``--wrong`` for
+    logit-diff (its usage line says so: :class:`~.interventions.PatchUsageFormatter`), ``--out``."""
     nonempty(args.clean, "CLEAN")
     nonempty(args.corrupt, "CORRUPT")
-    if args.answer is None:
-        raise ValueError("--answer is required: the token the clean prompt should predict next")
     nonempty(args.answer, "--answer ''", "the token text the model should predict")
     if args.metric == "logit-diff" and args.wrong is None:
         raise ValueError("--metric logit-diff needs --wrong (the token the corrupted prompt predicts); "

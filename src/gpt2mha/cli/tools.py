@@ -25,6 +25,7 @@ def cmd_trace(args) -> int:
 
 
 def cmd_heads(args) -> int:
+    from ..inference.sampling import check_logits
     from ..learn.heads import (ROLE_THRESHOLD, analyse_heads, check_selection, format_strongest, selected_heads,
                               strongest_heads, top_heads)
     from ..learn.heads_html import write_heads
@@ -33,6 +34,7 @@ def cmd_heads(args) -> int:
     c = model.config
     check_selection(c.n_layer, c.n_head, args.layer, args.head)   # before the (slower) forward pass
     result = analyse_heads(model, args.prompt)
+    check_logits(result.weights, what="attention weights", on="PROMPT")
     rows = strongest_heads(result.relative, args.top)
     heads = selected_heads(c.n_layer, c.n_head, args.layer, args.head, rows)
     if not heads:                                                 # no head has a clear role: draw the closest
@@ -254,8 +256,11 @@ def _add_formats_commands(sub) -> None:
                                     "built in: nanoGPT need not be installed; NumPy's OpenAI formulas for "
                                     "OpenAI/Hugging Face checkpoints). Run both on the same ids in float64 and report "
                                     "the embeddings, each block's attention, MLP and output, ln_f and the logits, the "
-                                    "first that differs and why. Exit 0: matches; 1: differs; 2: could not run. "
-                                    + warning, epilog=warning)
+                                    "first that differs and why. A nanoGPT checkpoint implies nanoGPT's exact (erf) "
+                                    "GELU where GPT-2 (and gpt2mha) use the tanh approximation: a model that matches "
+                                    "gpt2mha run with the erf GELU matches up to the format's GELU, reported with the "
+                                    "logits' difference the tanh GELU makes (exit 0). Exit 0: matches; 1: differs; "
+                                    "2: could not run. " + warning, epilog=warning)
     cm.add_argument("src", metavar="SRC", help="a checkpoint file or directory in any format convert reads, a "
                                                "built-in model name or a hub id (as --model)")
     cm.add_argument("--class", dest="cls", default=None, metavar="FILE.py:Class", help="your model class")
@@ -425,7 +430,12 @@ def _add_serve_command(sub) -> None:
     s.set_defaults(func=cmd_serve, check=check_serve_args)
 
     i = sub.add_parser("info", help="a model's shapes, weights and the route its prefill and decode take (and why)",
-                       formatter_class=DefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter,
+                       description="Print the model's sizes and weights, whether gpt2mha's C++ kernels are loaded, "
+                                   "and the route generate and serve take for it with these flags (and why not the "
+                                   "others). With --quantize the route is that of the model quantized so, found "
+                                   "without running GPTQ (the route depends on the scheme, group size, activations "
+                                   "and head, not on how the weights are rounded).")
     model_arg(i)
     i.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype")
     i.add_argument("--compile", action="store_true", help="the route with generate --compile")
@@ -436,10 +446,17 @@ def _add_serve_command(sub) -> None:
 
 def cmd_info(args) -> int:
     """``gpt2mha info``: the model's config, its quantization and the route generate and serve
-    take for it (:func:`~gpt2mha.inference.decoders.choose_decoder`), with why not the others."""
+    take for it (:func:`~gpt2mha.inference.decoders.choose_decoder`), with why not the others.
+
+    With ``--quantize`` (a float model): the route the model quantized so takes, found on the
+    model rounded to nearest, not by GPTQ (seconds to minutes): the route reads the layers'
+    schemes, group size, activations and head, never how their weights were rounded."""
     from ..inference.decoders import choose_decoder
 
-    model = quantized(load_model(args.model, args.dtype), args)
+    model = load_model(args.model, args.dtype)
+    if args.quantize is not None and not getattr(model, "quantization", None):
+        args = argparse.Namespace(**{**vars(args), "quantize_method": "rtn", "calibration": None})
+    model = quantized(model, args)
     c = model.config
     q = getattr(model, "quantization", None) or {}
     print(f"model        {args.model or 'the built-in model'}: n_layer {c.n_layer}, n_head {c.n_head}, n_embd "
