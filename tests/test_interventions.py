@@ -322,7 +322,7 @@ def test_patch_usage_says_what_the_default_metric_requires(capsys):
 
     from gpt2mha.cli import build_parser
 
-    path = pathlib.Path(__file__).parent.parent / "docs" / "hooks" / "cli_reference.py"
+    path = pathlib.Path(__file__).parent.parent / "docs_hooks" / "cli_reference.py"
     spec = importlib.util.spec_from_file_location("cli_reference", path)
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
