@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gemv
-# The int8 products, importable from here by name (the int8 layers call them from
-# :mod:`.int8_linear`; benchmarks swap ``int8_linear.int8_matmul`` for a variant).
+# The int8 products, importable from here by name (the int8 layers look them up in
+# :mod:`.int8_linear`: benchmarks swap ``int8_linear.int8_matmul`` for a variant).
 from .int8_products import (INT8_KERNEL_ENV, INT8_KERNELS, MAX_PIECES, PIECE_LEVELS, WIDE_ROW,  # noqa: F401
                             fbgemm_available, fbgemm_pack, int8_kernel, int8_matmul, int8_matmul_per_row,
                             pieces_for, split_activations, weight_7bit)
@@ -204,7 +204,7 @@ class QuantizedLinear(nn.Module):
     #: Robust relative error (:func:`~.model.error_row`) above which a tensor is reported as abnormal.
     abnormal_error = 0.0
     #: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized weight
-    #: (:meth:`dequantize_for`).
+    #: (:meth:`dequantize_for`, through :data:`DEQUANTIZE_FROM_ROWS`).
     dequantize_from_rows = 0
     #: The name of the class's kind on the native forward (:mod:`~gpt2mha.inference.native`),
     #: None where its blocks do not run there.
@@ -223,7 +223,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         check_scheme(scheme, group_size, n_in)
         if scheme != self.scheme:
-            raise ValueError(f"scheme={scheme!r}: a {type(self).__name__} holds {self.scheme} weights")
+            raise ValueError(f"scheme={scheme!r}: {type(self).__name__} holds {self.scheme} weights")
         self.n_in, self.n_out, self.group_size = n_in, n_out, group_size
         self._make_buffers()
         self.bias = nn.Parameter(torch.zeros(n_out), requires_grad=False) if bias else None
@@ -334,7 +334,7 @@ class QuantizedLinear(nn.Module):
     def dequantize_for(self, rows: int) -> bool:
         """Whether a product over ``rows`` input rows runs as a float32 GEMM over the
         dequantized weight (:meth:`dequantized_product`) rather than the quantized kernel: on
-        CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from the class's
+        CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from the scheme's
         :data:`DEQUANTIZE_FROM_ROWS` rows on, where the float32 GEMM outruns the two integer
         pieces (int8) and the bf16 int4 kernel (int4) in prefill (RESULTS.md, "Prefill on an
         AVX2-only host"). Products with ``activations="per_row"`` never do (faster still), and
@@ -344,7 +344,7 @@ class QuantizedLinear(nn.Module):
         all rows of a 2-D input), never the batch: a decode step over 100 sequences
         (``[100, 1, n_in]``) takes the quantized kernel as each sequence alone does, so a row's
         result does not depend on how many rows share the call (batch invariance)."""
-        return rows >= self.dequantize_from_rows and int8_kernel() == "fbgemm"
+        return rows >= DEQUANTIZE_FROM_ROWS[self.scheme] and int8_kernel() == "fbgemm"
 
     def bf16_output_for(self, rows: int) -> bool:
         """Whether a product over ``rows`` rows would take a kernel whose output is rounded to
@@ -507,5 +507,6 @@ DEFAULT_GROUP_SIZE = {s: layer_class(s).default_group_size for s in SCHEMES}
 #: (:attr:`QuantizedLinear.abnormal_error`).
 ABNORMAL_ERROR = {s: layer_class(s).abnormal_error for s in SCHEMES}
 #: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized weight, per
-#: scheme (:meth:`QuantizedLinear.dequantize_for`; each scheme's class says what was measured).
+#: scheme (:meth:`QuantizedLinear.dequantize_for` reads it here: benchmarks/quant_prefill.py
+#: changes it to force a route; each scheme's ``dequantize_from_rows`` says what was measured).
 DEQUANTIZE_FROM_ROWS = {s: layer_class(s).dequantize_from_rows for s in SCHEMES}
