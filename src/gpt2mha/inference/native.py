@@ -67,12 +67,9 @@ from ..core.attention import Conv1D
 from ..core.model import LMHead
 from .quant.linear import QuantizedLinear, record_class
 
-#: cached_forward's group_size for float32, bf16 and fp16 products (kernels/cached_forward.cpp)
-FLOAT32, BF16, FP16 = -1, -2, -3
-#: the float kinds of :func:`_kind` and their dtypes
+#: the float kinds of :func:`_kind` (cached_forward's kinds of those models, kernels/cached_forward.cpp)
+#: and their dtypes
 FLOAT_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: the float kinds' group_size for cached_forward
-FLOAT_GROUP_SIZES = {"float32": FLOAT32, "bf16": BF16, "fp16": FP16}
 
 
 def _blocks(model: nn.Module) -> type | None:
@@ -82,9 +79,9 @@ def _blocks(model: nn.Module) -> type | None:
 
 
 def _kind(model: nn.Module) -> str:
-    """The native kind of the layer class the model's quantization record names ("per_block",
-    "per_row": :attr:`~.quant.linear.QuantizedLinear.native_kind`), "float32", "bf16", "fp16"
-    (no quantization record, and weights of that dtype) or "" (no native forward)."""
+    """The kind ``cached_forward`` takes for ``model``: its quantization record's layer class's
+    (:attr:`~.quant.linear.QuantizedLinear.native_kind`: "w4a8", "w7a8"), "float32", "bf16",
+    "fp16" (no quantization record, and weights of that dtype) or "" (no native forward)."""
     q = getattr(model, "quantization", None) or {}
     blocks = _blocks(model)
     if blocks is not None:
@@ -132,7 +129,7 @@ def why_not(model: nn.Module) -> str:
     head = model.lm_head
     if blocks.grouped and isinstance(head, QuantizedLinear) and head.scheme == blocks.scheme:   # in the blocks' groups
         if not isinstance(head, blocks) or head.bias is not None:
-            return f"its {blocks.scheme} head does not take the blocks' {kind} activations, or has a bias"
+            return f"its {blocks.scheme} head does not take the blocks' {blocks.activations_mode} activations, or has a bias"
         groups.add(head.group_size)
     elif not (isinstance(head, QuantizedLinear) and (head.scheme, head.activations) in blocks.native_heads):
         return "its head is not int8 with the blocks' activations (int4 models: exact) or int4 per_block"
@@ -215,9 +212,9 @@ class NativeStep:
         self.head = [*_product(head), bias]
         c = model.config
         self.sizes = (len(model.h), c.n_head, c.n_embd // c.n_head)
-        kind = _kind(model)
-        self.group_size = (FLOAT_GROUP_SIZES[kind] if kind in FLOAT_GROUP_SIZES
-                           else model.h[0].attn.c_attn.native_group_size())
+        #: cached_forward's kind and the group size of its products (0: no groups)
+        self.kind = _kind(model)
+        self.group_size = 0 if self.kind in FLOAT_DTYPES else model.h[0].attn.c_attn.native_group_size()
         self.eps = float(model.ln_f.eps)
         # what decode_loop runs the prompts on: every prompt, on the products of the steps (per_row's
         # W7A8, per_block's W4A8, as the model's own layers take prompts), a float32 or bf16
@@ -235,7 +232,7 @@ class NativeStep:
                              f"n_layer={self.sizes[0]}, n_head={self.sizes[1]}, head_dim={self.sizes[2]}")
         logits = torch.ops.gpt2mha.cached_forward(tokens.long().contiguous(), self.wte, self.wpe, self.layers,
                                                   *self.ln_f, self.head, cache.k, cache.v, cache.lengths,
-                                                  self.group_size, self.eps)
+                                                  self.group_size, self.eps, self.kind)
         cache.advance(tokens.shape[1])
         return logits
 

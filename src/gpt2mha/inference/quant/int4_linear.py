@@ -183,7 +183,7 @@ class W4A8Linear(Int4Linear):
     class or an exact int8 head."""
 
     activations_mode = "per_block"
-    native_kind = "per_block"
+    native_kind = "w4a8"
     native_heads = (("int4", "per_block"), ("int8", "exact"))
 
     def _product(self, x2, tokens, bias, gelu):

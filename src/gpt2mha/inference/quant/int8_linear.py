@@ -177,7 +177,7 @@ class W7A8Linear(Int8Linear):
     :meth:`~Int8Linear.per_row_packed`), GELU fused when asked. Runs on the native forward."""
 
     activations_mode = "per_row"
-    native_kind = "per_row"
+    native_kind = "w7a8"
     native_heads = (("int8", "per_row"),)
 
     def _product(self, x2, tokens, bias, gelu):
@@ -192,9 +192,6 @@ class W7A8Linear(Int8Linear):
     def native_tensors(self) -> list[torch.Tensor]:
         """The packed four of :meth:`~Int8Linear.per_row_packed`."""
         return list(self.per_row_packed())
-
-    def native_group_size(self) -> int:
-        return 0
 
     def compiled_layer(self):
         """:class:`~gpt2mha.inference.compiled.PerRowInt8Linear`: the same W7A8 product."""

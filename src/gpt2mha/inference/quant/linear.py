@@ -206,8 +206,8 @@ class QuantizedLinear(nn.Module):
     #: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized weight
     #: (:meth:`dequantize_for`, through :data:`DEQUANTIZE_FROM_ROWS`).
     dequantize_from_rows = 0
-    #: The name of the class's kind on the native forward (:mod:`~gpt2mha.inference.native`),
-    #: None where its blocks do not run there.
+    #: The kind of product ``cached_forward`` (:mod:`~gpt2mha.inference.native`) runs for blocks of
+    #: this class ("w4a8", "w7a8"), None where they do not run there.
     native_kind: str | None = None
     #: ``(scheme, activations)`` of the LM heads the native forward takes with blocks of this class.
     native_heads: tuple[tuple[str, str], ...] = ()
@@ -418,8 +418,8 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} does not run on the native forward")
 
     def native_group_size(self) -> int:
-        """What ``cached_forward`` takes as ``group_size`` for blocks of this class."""
-        raise NotImplementedError(f"{type(self).__name__} does not run on the native forward")
+        """The group size of this layer's products on ``cached_forward`` (0: no groups)."""
+        return 0
 
     def compiled_layer(self) -> nn.Module | None:
         """The module the compiled decode step (:func:`~gpt2mha.inference.compiled.decode_view`)
