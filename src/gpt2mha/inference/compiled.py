@@ -57,9 +57,7 @@ from ..core.attention import CausalSelfAttention
 from ..core.kv_cache import KVCache
 from .fast import for_decoding, global_hooks, hooked, invariant_by_default, swap_modules
 from .quant import gemv
-from .quant.int4_linear import Int4Linear
-from .quant.int8_linear import Int8Linear, W7A8Linear
-from .quant.linear import QuantizedLinear, int8_kernel, record_class
+from .quant.linear import DEFAULT_ACTIVATIONS, QuantizedLinear, int8_kernel, record_class
 
 
 #: Cache lengths of a compiled decode are multiples of this (:func:`cache_len`).
@@ -109,7 +107,7 @@ class WoqInt8Linear(nn.Module):
 
     def __init__(self, layer: QuantizedLinear):
         super().__init__()
-        if not isinstance(layer, Int8Linear):
+        if layer.grouped:                                   # one scale per output row, not groups
             raise ValueError(f"WoqInt8Linear takes an int8 layer; got scheme={layer.scheme!r}")
         self.n_in, self.n_out, self.out_dtype = layer.n_in, layer.n_out, layer.out_dtype
         self.weight = nn.Parameter(layer.weight, requires_grad=False)            # the same storage
@@ -139,7 +137,7 @@ class GemvInt8Linear(nn.Module):
 
     def __init__(self, layer: QuantizedLinear):
         super().__init__()
-        if not isinstance(layer, Int8Linear):
+        if layer.grouped:                                   # one scale per output row, not groups
             raise ValueError(f"GemvInt8Linear takes an int8 layer; got scheme={layer.scheme!r}")
         self.n_in, self.n_out, self.out_dtype = layer.n_in, layer.n_out, layer.out_dtype
         self.weight = nn.Parameter(layer.weight.contiguous(), requires_grad=False)   # the same storage
@@ -177,7 +175,7 @@ class GemvInt4Linear(nn.Module):
 
     def __init__(self, layer: QuantizedLinear, a8: bool = False):
         super().__init__()
-        if not isinstance(layer, Int4Linear):
+        if not layer.grouped:                               # a scale and a zero per group of inputs
             raise ValueError(f"GemvInt4Linear takes an int4 layer; got scheme={layer.scheme!r}")
         self.n_in, self.n_out, self.out_dtype, self.group_size = layer.n_in, layer.n_out, layer.out_dtype, layer.group_size
         self.weight = nn.Parameter(layer.weight.contiguous(), requires_grad=False)   # the same storage
@@ -255,7 +253,7 @@ class PerRowInt8Linear(nn.Module):
 
     def __init__(self, layer: QuantizedLinear):
         super().__init__()
-        if not isinstance(layer, W7A8Linear):
+        if layer.grouped or layer.activations_mode == DEFAULT_ACTIVATIONS:
             raise ValueError(f"PerRowInt8Linear takes an int8 layer with activations='per_row'; got "
                              f"scheme={layer.scheme!r}, activations={layer.activations!r}")
         self.n_in, self.n_out, self.out_dtype = layer.n_in, layer.n_out, layer.out_dtype

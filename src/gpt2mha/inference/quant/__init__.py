@@ -9,12 +9,11 @@ GPTQ; :mod:`.checkpoint` stores and restores such a model. The pieces, one conce
 products), :mod:`.model` (the whole model, calibration, the error report).
 """
 
-# .linear first: it imports the scheme files, which build on it
-from .linear import (ACTIVATIONS, DEFAULT_ACTIVATIONS, DEFAULT_GROUP_SIZE, HEAD_SCHEMES, SCHEME_ACTIVATIONS, SCHEMES,  # isort: skip
-                     QuantizedHead, QuantizedLinear, check_head, check_scheme, int8_matmul, int8_matmul_per_row,
-                     layer_class, split_activations)
+from .linear import (DEFAULT_ACTIVATIONS, DEFAULT_GROUP_SIZE, SCHEME_ACTIVATIONS, QuantizedHead, QuantizedLinear,
+                     check_head, check_scheme, int8_matmul, int8_matmul_per_row, layer_class, split_activations)
+from .int8_linear import AutoInt8Linear, Int8Linear, W7A8Linear  # isort: skip  (registers int8 first: SCHEMES' order)
 from .int4_linear import Int4Linear, W4A8Linear
-from .int8_linear import AutoInt8Linear, Int8Linear, W7A8Linear
+from .tables import ACTIVATIONS, HEAD_SCHEMES, SCHEMES
 from .model import QuantizationWarning, calibration_ids, default_calibration, quantize_model, set_activations
 from .schemes import HEAD_SCHEME, INT4_GROUP_SIZES, KERNEL_DTYPE, METHODS, QuantizationError
 from . import checkpoint  # noqa: F401  (registers the quantized checkpoint format with gpt2mha.io)

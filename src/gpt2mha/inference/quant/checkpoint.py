@@ -12,9 +12,10 @@ import math
 import torch
 
 from ...io.checkpoints import QuantizedFormat, register_quantized_format
-from .linear import DEFAULT_ACTIVATIONS, HEAD_SCHEMES, QuantizedLinear, check_head, check_scheme, layer_class
+from .linear import DEFAULT_ACTIVATIONS, QuantizedLinear, check_head, check_scheme, layer_class
 from .model import BLOCK_LINEARS, check_activations, head_group, install, quantized_layers, set_activations
 from .schemes import HEAD_SCHEME, KERNEL_DTYPE, METHODS, QuantizationError
+from .tables import HEAD_SCHEMES
 
 #: The format of a quantized checkpoint, recorded in config.json's "gpt2mha.quantization".
 FORMAT_VERSION = 2

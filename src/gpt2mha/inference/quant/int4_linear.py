@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from . import gemv
 from .gptq import gptq
-from .linear import QuantizedHead, QuantizedLinear, _pad_rows, register, register_head
+from .linear import QuantizedHead, QuantizedLinear, pad_rows, register, register_head
 from .schemes import (INT4_GROUP_SIZES, KERNEL_DTYPE, int4_params, dequantize_int4, pack_int4, quantize_int4,
                       unpack_int4)
 
@@ -97,7 +97,7 @@ class Int4Linear(QuantizedLinear):
             self.packed = None
             return
         q = unpack_int4(self.weight)
-        pad = _pad_rows(self.n_out) - self.n_out                         # the kernel needs N % 16 == 0
+        pad = pad_rows(self.n_out) - self.n_out                         # the kernel needs N % 16 == 0
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(F.pad(q, (0, 0, 0, pad)), 1)
 
     def _moved(self) -> None:

@@ -15,9 +15,9 @@ layer to the class of the new treatment in place (the same module, its buffers u
 ``QuantizedLinear(n_in, n_out, scheme, group_size)`` and ``QuantizedLinear.from_float(w, b,
 scheme, group_size)`` give the scheme's exact class; :class:`QuantizedHead` likewise gives its
 head class (float32 logits). The int8 products are re-exported here by name
-(:mod:`.int8_products`), and so are the scheme tables (:data:`SCHEMES`,
-:data:`SCHEME_ACTIVATIONS`, :data:`DEFAULT_GROUP_SIZE`, :data:`DEQUANTIZE_FROM_ROWS`, …),
-made from the registered classes.
+(:mod:`.int8_products`). The per-scheme tables (:data:`SCHEME_ACTIVATIONS`,
+:data:`DEFAULT_GROUP_SIZE`, :data:`DEQUANTIZE_FROM_ROWS`, …) fill as the classes register;
+:mod:`.tables` makes those of every scheme (``SCHEMES``, ``ACTIVATIONS``) once all have.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _pad_rows(n: int, multiple: int = 16) -> int:
+def pad_rows(n: int, multiple: int = 16) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
     return -(-n // multiple) * multiple
 
 
@@ -84,6 +85,15 @@ _HEADS: dict[type, type] = {}
 #: first its default), filled as the schemes register them: ``int8``: exact, per_row, auto;
 #: ``int4``: exact, per_block.
 SCHEME_ACTIVATIONS: dict[str, tuple[str, ...]] = {}
+#: Group size used when none is given, per scheme (:attr:`QuantizedLinear.default_group_size`).
+DEFAULT_GROUP_SIZE: dict[str, int | None] = {}
+#: Robust relative error above which a tensor is reported as abnormal, per scheme
+#: (:attr:`QuantizedLinear.abnormal_error`).
+ABNORMAL_ERROR: dict[str, float] = {}
+#: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized weight, per
+#: scheme (:meth:`QuantizedLinear.dequantize_for` reads it here: benchmarks/quant_prefill.py
+#: changes it to force a route; each scheme's ``dequantize_from_rows`` says what was measured).
+DEQUANTIZE_FROM_ROWS: dict[str, int] = {}
 
 
 def register(cls: type) -> type:
@@ -100,6 +110,10 @@ def register(cls: type) -> type:
     if cls.scheme not in SCHEME_ACTIVATIONS and cls.activations_mode != DEFAULT_ACTIVATIONS:
         raise ValueError(f"{cls.__name__}: register {cls.scheme}'s {DEFAULT_ACTIVATIONS!r} class first")
     _LAYERS[key] = cls
+    if cls.scheme not in SCHEME_ACTIVATIONS:                  # the scheme's tables, from its default class
+        DEFAULT_GROUP_SIZE[cls.scheme] = cls.default_group_size
+        ABNORMAL_ERROR[cls.scheme] = cls.abnormal_error
+        DEQUANTIZE_FROM_ROWS[cls.scheme] = cls.dequantize_from_rows
     SCHEME_ACTIVATIONS[cls.scheme] = SCHEME_ACTIVATIONS.get(cls.scheme, ()) + (cls.activations_mode,)
     return cls
 
@@ -487,26 +501,3 @@ class QuantizedHead(QuantizedLinear):
         for the top token): the float32 product of the dequantized weight keeps logits float32
         as the float head's."""
         return self.bf16_output_for(rows) or super().dequantize_for(rows)
-
-
-# The schemes: each registers its classes (imported here, after what they build on).
-from . import int8_linear, int4_linear  # noqa: E402,F401
-from .int8_linear import AutoInt8Linear, Int8Linear, W7A8Linear  # noqa: E402,F401
-from .int4_linear import Int4Linear, W4A8Linear  # noqa: E402,F401
-
-#: Schemes accepted by :meth:`gpt2mha.GPT2.quantize`.
-SCHEMES = tuple(SCHEME_ACTIVATIONS)
-#: Schemes the LM head takes (``quantize(..., head=)``): any; a scheme in groups only with blocks
-#: of that scheme (:func:`check_head`).
-HEAD_SCHEMES = SCHEMES
-#: Every activation treatment of any scheme (:data:`SCHEME_ACTIVATIONS` says which scheme takes which).
-ACTIVATIONS = tuple(dict.fromkeys(a for acts in SCHEME_ACTIVATIONS.values() for a in acts))
-#: Group size used when none is given, per scheme (:attr:`QuantizedLinear.default_group_size`).
-DEFAULT_GROUP_SIZE = {s: layer_class(s).default_group_size for s in SCHEMES}
-#: Robust relative error above which a tensor is reported as abnormal, per scheme
-#: (:attr:`QuantizedLinear.abnormal_error`).
-ABNORMAL_ERROR = {s: layer_class(s).abnormal_error for s in SCHEMES}
-#: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized weight, per
-#: scheme (:meth:`QuantizedLinear.dequantize_for` reads it here: benchmarks/quant_prefill.py
-#: changes it to force a route; each scheme's ``dequantize_from_rows`` says what was measured).
-DEQUANTIZE_FROM_ROWS = {s: layer_class(s).dequantize_from_rows for s in SCHEMES}

@@ -14,9 +14,10 @@ from torch import nn
 from ...core.hooks import HookPoint, record
 from ...progress import progress_bar
 
-from .linear import (ABNORMAL_ERROR, ACTIVATIONS, DEFAULT_ACTIVATIONS, DEFAULT_GROUP_SIZE, SCHEME_ACTIVATIONS,
-                     SCHEMES, QuantizedHead, QuantizedLinear, check_head, check_scheme, layer_class)
+from .linear import (ABNORMAL_ERROR, DEFAULT_ACTIVATIONS, DEFAULT_GROUP_SIZE, SCHEME_ACTIVATIONS, QuantizedHead,
+                     QuantizedLinear, check_head, check_scheme, layer_class)
 from .schemes import DEFAULT_CALIBRATION, HEAD_SCHEME, METHODS
+from .tables import ACTIVATIONS, SCHEMES
 
 #: The four Conv1Ds of a block, by their path inside it.
 BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")

@@ -115,15 +115,3 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: uint8 ``[N, K / 2]`` → int32 ``[N, K]``."""
     return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1).to(torch.int32)
-
-
-#: The scheme tables and checks: :mod:`.linear` makes them from the registered layer classes;
-#: importable from here too.
-_MOVED = ("SCHEMES", "DEFAULT_GROUP_SIZE", "HEAD_SCHEMES", "ABNORMAL_ERROR", "check_scheme", "check_head")
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        from . import linear
-        return getattr(linear, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
