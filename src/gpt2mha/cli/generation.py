@@ -7,8 +7,8 @@ import json
 import re
 import sys
 
-from .checks import (check_compile, check_perplexity_args, check_sampling, check_train_args, sampling_params_of,
-                     token_id_list)
+from .checks import (check_compile, check_perplexity_args, check_sampling, check_train_args, param_flag,
+                     sampling_params_of, token_id_list)
 from .common import (batch_invariant_arg, DTYPES, DefaultsHelpFormatter, check_quantize_args, load_model, model_arg, quantize_args, quantized,
                      quiet_arg, read_text)
 
@@ -58,6 +58,7 @@ def cmd_generate(args) -> int:
 
     from ..inference import parallel
     from ..inference.generate import check_fits, generate_with
+    from ..inference.params import FIELDS
     from ..io.tokenizer import StreamDecoder, tokenizer_for
     from .. import distributed
 
@@ -85,10 +86,9 @@ def cmd_generate(args) -> int:
     model = quantized(model, args)                    # after the checks: GPTQ takes seconds to minutes
     # tensor-parallel ranks must sample the same tokens from their equal logits: same inputs, one seed
     distributed.agree({"the prompts' token ids": encoded, "the weights (checksum)": weights, "--dtype": args.dtype,
-                    **{f"--{k.replace('_', '-')}": getattr(args, k) for k in (
-                        "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "num_samples", "stop_at_eos",
-                        "sliding_window", "unconditional", "presence_penalty", "frequency_penalty",
-                        "logit_bias", "repetition_penalty", "no_repeat_ngram_size", "min_tokens", "ignore_eos")}})
+                       **{param_flag(name): getattr(params, name) for name in FIELDS if name != "seed"},
+                       **{f"--{k.replace('_', '-')}": getattr(args, k) for k in (
+                           "max_new_tokens", "num_samples", "stop_at_eos", "sliding_window", "unconditional")}})
     seed = distributed.shared_seed(args.seed)
     params = dataclasses.replace(params, seed=seed)
     if params.stop or params.logprobs is not None or params.best_of is not None or params.stop_token_ids or \
