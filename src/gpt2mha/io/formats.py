@@ -7,8 +7,12 @@
   ``model/wte [n_vocab, n_embd]``, ``model/wpe [n_ctx, n_embd]``, ``model/h{i}/ln_1/g|b``,
   ``model/h{i}/attn/c_attn/w [1, n_embd, 3·n_embd]`` (conv1d's ``[1, nx, nf]``), ``…/b``,
   ``attn/c_proj``, ``ln_2``, ``mlp/c_fc``, ``mlp/c_proj``, ``model/ln_f/g|b``. Read only.
-* ``book`` (the book's ``GPTModel`` state dict) and ``nanogpt`` (nanoGPT's ``ckpt.pt``): their
-  layouts are described in :mod:`gpt2mha.io.learner_formats`, which reads and writes them.
+* ``book`` (the book's ``GPTModel`` state dict: chapter 5's language model or chapter 6's
+  classifier, whose ``out_head`` has ``num_classes`` rows) and ``nanogpt`` (nanoGPT's
+  ``ckpt.pt``): their layouts are described in :mod:`gpt2mha.io.learner_formats`, which reads
+  and writes them. A classifier (the book's, or transformers' ``GPT2ForSequenceClassification``
+  directory, :mod:`gpt2mha.io.classifiers`) loads as a
+  :class:`~gpt2mha.core.classifier.GPT2Classifier`.
   nanoGPT's MLP uses the exact (erf) GELU where GPT-2 uses the tanh approximation; the weights are the same, the activations differ a little at
   every MLP (``gpt2mha check-model`` shows where).
 

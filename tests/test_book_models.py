@@ -1,0 +1,260 @@
+"""The models the book and its readers train on top of GPT-2: chapter 6's classifier (the
+book's GPTModel with a ``num_classes`` out_head) and transformers' GPT2ForSequenceClassification.
+
+Every checkpoint is built by its own tool on small random weights: the book's GPTModel as the
+book writes it (tests/data/book_gpt.py, sharing no code with gpt2mha) and transformers' own
+classes. Reference logits come from those models, never from gpt2mha's conversion.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from gpt2mha import GPT2, GPT2Classifier
+from gpt2mha.cli import main
+from gpt2mha.io.checkpoints import CheckpointError
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+from book_gpt import GPTModel  # noqa: E402
+
+ATOL = 1e-5
+#: A tiny model with GPT-2's BPE vocabulary (so texts tokenize as in the book, pad id 50256).
+BPE_CFG = {"vocab_size": 50257, "context_length": 32, "emb_dim": 16, "n_heads": 2, "n_layers": 2,
+           "drop_rate": 0.0, "qkv_bias": True}
+BYTE_CFG = {**BPE_CFG, "vocab_size": 256, "emb_dim": 24, "n_heads": 3, "qkv_bias": False}
+TEXTS = ["You are a winner you have been specially selected to receive $1000 cash!",
+         "Hey, just wanted to check if we're still on for dinner tonight?", "ok"]
+
+
+def randomize(model, seed):
+    """Nonzero biases, non-unit LayerNorms: every tensor matters to the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.1)
+                    + (1.0 if name.endswith("scale") else 0.0))
+    return model.eval()
+
+
+def book_classifier(cfg, num_classes=2, bias=True, seed=0):
+    """Chapter 6: the pretrained GPTModel with ``model.out_head = torch.nn.Linear(emb_dim,
+    num_classes)`` (gpt_class_finetune.py), weights random."""
+    torch.manual_seed(seed)
+    model = GPTModel(cfg)
+    model.out_head = nn.Linear(in_features=cfg["emb_dim"], out_features=num_classes, bias=bias)
+    return randomize(model, seed)
+
+
+def save_book(model, path, cfg):
+    """``torch.save(model.state_dict(), path)`` and the config dict beside it (NAME.json)."""
+    torch.save(model.state_dict(), path)
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
+def book_classify_logits(model, text, tokenizer, max_length=None, pad_token_id=50256):
+    """Chapter 6's ``classify_review``, returning the logits instead of the argmax (the book's
+    code; ``max_length=None`` reads the text unpadded)."""
+    model.eval()
+    input_ids = tokenizer.encode(text)
+    supported_context_length = model.pos_emb.weight.shape[0]
+    if max_length is not None:
+        input_ids = input_ids[:min(max_length, supported_context_length)]
+        input_ids += [pad_token_id] * (max_length - len(input_ids))
+    input_tensor = torch.tensor(input_ids).unsqueeze(0)
+    with torch.no_grad():
+        return model(input_tensor)[:, -1, :][0]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    from gpt2mha.io.tokenizer import get_tokenizer
+    return get_tokenizer("gpt2")
+
+
+# ---------------------------------------------------------------------- chapter 6
+def test_book_chapter6_classifier_loads_and_classifies_as_the_book(tmp_path, bpe, one_thread):
+    """The issue's reader: GPTModel with a 2-class out_head, torch.save(state_dict), config beside
+    it; GPT2.from_pretrained returns a classifier whose logits are the book's model's at the last
+    token, unpadded and with the book's padding to max_length."""
+    book = book_classifier(BPE_CFG)
+    path = save_book(book, tmp_path / "clf.pth", {**BPE_CFG, "labels": ["not spam", "spam"]})
+    model = GPT2.from_pretrained(path)
+    assert isinstance(model, GPT2Classifier)
+    assert (model.config.n_labels, model.config.head_bias, model.config.pad_token_id) == (2, True, 50256)
+    out = model.classify(TEXTS)
+    want = torch.stack([book_classify_logits(book, t, bpe) for t in TEXTS])
+    torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.probs, want.softmax(-1), atol=ATOL, rtol=0)
+    assert out.labels == [["not spam", "spam"][i] for i in want.argmax(-1).tolist()]
+    assert out.n_tokens == [len(bpe.encode(t)) for t in TEXTS]
+    padded = model.classify(TEXTS, max_length=20)                # classify_review(max_length=20): pads, or cuts
+    want = torch.stack([book_classify_logits(book, t, bpe, max_length=20) for t in TEXTS])
+    torch.testing.assert_close(padded.logits, want, atol=ATOL, rtol=0)
+    assert not torch.allclose(padded.logits[2], out.logits[2], atol=1e-3)   # reading a pad token differs
+
+
+def test_book_classifier_max_length_from_its_config_and_no_bias(tmp_path, bpe, one_thread):
+    book = book_classifier(BPE_CFG, num_classes=3, bias=False, seed=1)
+    path = save_book(book, tmp_path / "clf3.pth", {**BPE_CFG, "max_length": 12,
+                                                    "id2label": {"0": "a", "1": "b", "2": "c"}})
+    model = GPT2Classifier.from_pretrained(path)
+    assert (model.config.n_labels, model.config.head_bias, model.config.max_length) == (3, False, 12)
+    out = model.classify(TEXTS)
+    want = torch.stack([book_classify_logits(book, t, bpe, max_length=12) for t in TEXTS])
+    torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=0)
+    assert set(out.labels) <= {"a", "b", "c"}
+    assert out.n_tokens == [min(12, len(bpe.encode(t))) for t in TEXTS]
+
+
+def test_book_classifier_round_trips_through_the_book_format(tmp_path, one_thread):
+    """convert --to book writes out_head [C, emb_dim] + bias and the labels; the book's GPTModel
+    with chapter 6's head loads it strictly, every tensor bitwise."""
+    book = book_classifier(BYTE_CFG, num_classes=2, seed=2)
+    path = save_book(book, tmp_path / "clf.pth", {**BYTE_CFG, "labels": ["ham", "spam"]})
+    back = str(tmp_path / "back" / "clf.pth")
+    assert main(["convert", path, back, "--to", "book"]) == 0
+    with open(tmp_path / "back" / "clf.json") as f:
+        assert json.load(f)["labels"] == ["ham", "spam"]
+    sd = torch.load(back, weights_only=True)
+    fresh = GPTModel(BYTE_CFG)
+    fresh.out_head = nn.Linear(BYTE_CFG["emb_dim"], 2)
+    fresh.load_state_dict(sd, strict=True)
+    for k, v in book.state_dict().items():
+        assert torch.equal(sd[k], v), k
+
+
+def test_bad_classifier_heads_are_one_line_errors_naming_file_and_tensor(tmp_path):
+    book = book_classifier(BYTE_CFG, seed=3)
+    sd = book.state_dict()
+    path = str(tmp_path / "bad.pth")
+    cases = [({"out_head.weight": torch.zeros(2, 23)}, {},
+              r"bad\.pth: out_head\.weight has shape \[2, 23\]; the head reads emb_dim=24 features"),
+             ({"out_head.bias": torch.zeros(3)}, {},
+              r"bad\.pth: out_head\.bias has shape \[3\] but out_head\.weight \[2, 24\] has 2 rows"),
+             ({}, {"labels": ["a", "b", "c"]}, r"bad\.pth: labels=\['a', 'b', 'c'\] but out_head\.weight \[2, 24\] "
+                                               r"has 2 rows")]
+    for tensors, extra, message in cases:
+        save_book(nn.Module(), path, {**BYTE_CFG, **extra})       # the config
+        torch.save({**sd, **tensors}, path)
+        with pytest.raises(CheckpointError, match=message) as e:
+            GPT2.from_pretrained(path)
+        assert "\n" not in str(e.value)
+
+
+def test_classifier_class_refuses_a_language_model(tmp_path):
+    lm = randomize(GPTModel(BYTE_CFG), 0)
+    path = save_book(lm, tmp_path / "lm.pth", BYTE_CFG)
+    assert type(GPT2.from_pretrained(path)) is GPT2
+    with pytest.raises(CheckpointError, match=r"lm\.pth: a language model .*not a classifier"):
+        GPT2Classifier.from_pretrained(path)
+
+
+# ------------------------------------------------------------ transformers' classifier
+def hf_classifier(num_labels=3, pad_token_id=0, seed=0, **cfg):
+    """transformers' GPT2ForSequenceClassification with random weights (eval mode)."""
+    from transformers import GPT2Config as HFConfig, GPT2ForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = HFConfig(**{**dict(vocab_size=256, n_positions=128, n_embd=32, n_head=4, n_layer=2, num_labels=num_labels,
+                                pad_token_id=pad_token_id, bos_token_id=None, eos_token_id=None), **cfg})
+    model = GPT2ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ln_" in name or "ln_f" in name:
+                p.normal_(mean=1.0 if name.endswith("weight") else 0.0, std=0.3)
+            elif name.endswith("bias"):
+                p.normal_(std=0.1)
+            elif name == "score.weight":
+                p.normal_(std=0.5)
+    return model
+
+
+def hf_batch(texts, pad_token_id):
+    """Byte ids of each text, right-padded with ``pad_token_id`` (as a tokenizer with
+    ``padding_side="right"`` gives them to GPT2ForSequenceClassification)."""
+    ids = [list(t.encode()) for t in texts]
+    T = max(map(len, ids))
+    return torch.tensor([r + [pad_token_id] * (T - len(r)) for r in ids])
+
+
+def test_hf_sequence_classification_loads_with_transformers_logits(tmp_path, one_thread):
+    """GPT2ForSequenceClassification.save_pretrained → GPT2.from_pretrained: a classifier with
+    id2label and pad_token_id; classify() equals transformers' pooled logits on a right-padded
+    batch (the last non-pad token), and saving it back gives transformers the same logits."""
+    from transformers import GPT2ForSequenceClassification
+
+    hf = hf_classifier(pad_token_id=0)
+    hf.config.id2label = {0: "neg", 1: "neutral", 2: "pos"}
+    hf.config.label2id = {v: k for k, v in hf.config.id2label.items()}
+    hf.save_pretrained(tmp_path / "hf")
+    model = GPT2.from_pretrained(str(tmp_path / "hf"))
+    assert isinstance(model, GPT2Classifier)
+    c = model.config
+    assert (c.n_labels, c.head_bias, c.pad_token_id, c.pooling, c.label_names) == (
+        3, False, 0, "last_non_pad", ("neg", "neutral", "pos"))
+    with torch.no_grad():
+        want = hf(hf_batch(TEXTS, 0)).logits                     # [3, 3]
+    out = model.classify(TEXTS, batch_size=2)
+    torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=0)
+    assert out.labels == [c.label_names[i] for i in want.argmax(-1).tolist()]
+    model.save_pretrained(str(tmp_path / "ours"))
+    back = GPT2ForSequenceClassification.from_pretrained(str(tmp_path / "ours")).eval()
+    assert back.config.id2label == {0: "neg", 1: "neutral", 2: "pos"} and back.config.pad_token_id == 0
+    with torch.no_grad():
+        torch.testing.assert_close(back(hf_batch(TEXTS, 0)).logits, want, atol=ATOL, rtol=0)
+
+
+def test_hf_classifier_pooling_follows_transformers_on_pad_ids_inside_a_text(tmp_path, one_thread):
+    """transformers reads the last token that is not pad_token_id, whatever the attention mask:
+    a text whose own last ids are the pad id is read before them, as transformers does."""
+    hf = hf_classifier(pad_token_id=ord("!"), seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    model = GPT2.from_pretrained(str(tmp_path / "hf"))
+    texts = ["wow!!", "hello there"]
+    with torch.no_grad():
+        want = hf(hf_batch(texts, ord("!"))).logits
+    torch.testing.assert_close(model.classify(texts).logits, want, atol=ATOL, rtol=0)
+
+
+def test_biased_head_is_refused_by_the_hf_format(tmp_path):
+    book = book_classifier(BYTE_CFG, seed=4)
+    path = save_book(book, tmp_path / "clf.pth", BYTE_CFG)
+    assert main(["convert", path, str(tmp_path / "hf")]) == 2
+
+
+# ------------------------------------------------------------------------------ CLI
+def test_classify_command_prints_labels_and_json(tmp_path, capsys, one_thread):
+    book = book_classifier(BYTE_CFG, seed=5)
+    path = save_book(book, tmp_path / "clf.pth", BYTE_CFG)
+    (tmp_path / "texts.txt").write_text("first text\n\nsecond one\n")
+    model = GPT2.from_pretrained(path)
+    want = model.classify(["a b", "first text", "second one"], labels=["ham", "spam"])
+    capsys.readouterr()
+    assert main(["classify", "a b", "--model", path, "--file", str(tmp_path / "texts.txt"), "--labels", "ham,spam",
+                 "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["text"] for r in rows] == ["a b", "first text", "second one"]
+    assert [r["label"] for r in rows] == want.labels
+    torch.testing.assert_close(torch.tensor([r["probs"] for r in rows]), want.probs, atol=1e-6, rtol=0)
+    assert main(["classify", "a b", "--model", path]) == 0
+    label, prob, text = capsys.readouterr().out.rstrip("\n").split("\t")
+    assert (label, text) == (f"LABEL_{int(want.probs[0].argmax())}", "a b")
+    assert float(prob) == pytest.approx(float(want.probs[0].max()), abs=1e-4)
+
+
+def test_classify_command_errors(tmp_path, capsys):
+    lm = randomize(GPTModel(BYTE_CFG), 0)
+    path = save_book(lm, tmp_path / "lm.pth", BYTE_CFG)
+    assert main(["classify", "x", "--model", path]) == 2
+    assert "a language model" in capsys.readouterr().err
+    assert main(["classify", "x"]) == 2
+    assert "classify needs --model" in capsys.readouterr().err
+    clf = save_book(book_classifier(BYTE_CFG), tmp_path / "clf.pth", BYTE_CFG)
+    assert main(["classify", "x", "--model", clf, "--labels", "a,b,c"]) == 2
+    assert "labels=['a', 'b', 'c']: this classifier has 2 outputs" in capsys.readouterr().err
