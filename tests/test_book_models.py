@@ -258,3 +258,104 @@ def test_classify_command_errors(tmp_path, capsys):
     clf = save_book(book_classifier(BYTE_CFG), tmp_path / "clf.pth", BYTE_CFG)
     assert main(["classify", "x", "--model", clf, "--labels", "a,b,c"]) == 2
     assert "labels=['a', 'b', 'c']: this classifier has 2 outputs" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ chapter 7: alpaca
+def format_input(entry):
+    """Chapter 7's prompt (the book's code, verbatim)."""
+    instruction_text = (
+        f"Below is an instruction that describes a task. "
+        f"Write a response that appropriately completes the request."
+        f"\n\n### Instruction:\n{entry['instruction']}"
+    )
+
+    input_text = f"\n\n### Input:\n{entry['input']}" if entry["input"] else ""
+
+    return instruction_text + input_text
+
+
+ENTRIES = [{"instruction": "Identify the correct spelling of the following word.", "input": "Ocassion",
+            "output": "The correct spelling is 'Occasion.'"},
+           {"instruction": "What is an antonym of 'complicated'?", "input": "",
+            "output": "An antonym of 'complicated' is 'simple'."}]
+
+
+def alpaca_messages(entry, reply=False):
+    user = {"role": "user", "content": entry["instruction"], "input": entry["input"]}
+    return [user, {"role": "assistant", "content": entry["output"]}] if reply else [user]
+
+
+def test_alpaca_template_renders_the_books_format_input(tmp_path):
+    """The built-in alpaca template: a user message (instruction, input) is format_input(entry);
+    with the assistant's reply it is the book's training text (format_input + "\\n\\n### Response:\\n"
+    + output); the generation prompt adds the response header; transformers renders the same."""
+    from gpt2mha.serving.chat import ChatTemplate, load_chat_template, special_tokens
+
+    template = ChatTemplate(load_chat_template("alpaca"), special_tokens("gpt2", 1024))
+    for entry in ENTRIES:
+        response_text = f"\n\n### Response:\n{entry['output']}"       # the book's InstructionDataset
+        assert template.render(alpaca_messages(entry), add_generation_prompt=False) == format_input(entry)
+        assert template.render(alpaca_messages(entry)) == format_input(entry) + "\n\n### Response:\n"
+        assert template.render(alpaca_messages(entry, True), add_generation_prompt=False) == (
+            format_input(entry) + response_text)
+    system = [{"role": "system", "content": "Answer briefly."}, *alpaca_messages(ENTRIES[1])]
+    assert template.render(system) == format_input(ENTRIES[1]).replace(
+        "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+        "Answer briefly.") + "\n\n### Response:\n"
+    with pytest.raises(Exception, match="alpaca template takes a first system message.*got role tool"):
+        template.render([{"role": "tool", "content": "x"}])
+    transformers = pytest.importorskip("transformers")
+    from gpt2mha.io.tokenizer import hf_tokenizer_files
+
+    for file, data in hf_tokenizer_files("bytes", 256).items():
+        (tmp_path / file).write_bytes(data)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for entry in ENTRIES:
+        assert hf.apply_chat_template(alpaca_messages(entry), chat_template=load_chat_template("alpaca"),
+                                      add_generation_prompt=True, tokenize=False) == template.render(
+            alpaca_messages(entry))
+
+
+def book_generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None):
+    """Chapter 5's ``generate`` (greedy branch and eos stop, the book's code)."""
+    for _ in range(max_new_tokens):
+        idx_cond = idx[:, -context_size:]
+        with torch.no_grad():
+            logits = model(idx_cond)
+        logits = logits[:, -1, :]
+        idx_next = torch.argmax(logits, dim=-1, keepdim=True)
+        if idx_next == eos_id:
+            break
+        idx = torch.cat((idx, idx_next), dim=1)
+    return idx
+
+
+def test_served_alpaca_chat_answers_as_the_books_generate(tmp_path, bpe, one_thread):
+    """`gpt2mha serve --model instruct.pth --chat-template alpaca`: a chat client's message
+    (instruction + input) gets the reply the book's generate continues format_input(entry) +
+    "\\n\\n### Response:\\n" with (greedy, eos 50256), on the book's GPTModel itself."""
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    from conftest import greedy_margin
+    from gpt2mha.serving.chat import load_chat_template
+    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.serving.server import serve_in_thread
+
+    cfg = {**BPE_CFG, "context_length": 96}
+    torch.manual_seed(7)
+    book = randomize(GPTModel(cfg), 7)
+    with torch.no_grad():
+        book.out_head.weight.mul_(20)                            # clear greedy choices
+    path = save_book(book, tmp_path / "instruct.pth", cfg)
+    entry = ENTRIES[0]
+    prompt = bpe.encode(format_input(entry) + "\n\n### Response:\n")
+    want = book_generate(book, torch.tensor([prompt]), 8, cfg["context_length"], eos_id=50256)[0, len(prompt):]
+    model = GPT2.from_pretrained(path)
+    assert greedy_margin(model, prompt + want.tolist(), len(prompt)) > 1e-3
+    with serve_in_thread(Scheduler(model, bpe, max_batch=2, max_queue=4), "instruct",
+                         chat_template=load_chat_template("alpaca")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="instruct", messages=alpaca_messages(entry), max_tokens=8,
+                                               temperature=0)
+    assert reply.choices[0].message.content == bpe.decode(want.tolist())
+    assert reply.usage.prompt_tokens == len(prompt)

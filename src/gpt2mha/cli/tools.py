@@ -352,7 +352,8 @@ def _add_serve_command(sub) -> None:
                    help="the model's name in /v1/models and requests' 'model' field (default: --model as given)")
     s.add_argument("--chat-template", default="plain", metavar="NAME|FILE",
                    help="the chat template of POST /v1/chat/completions: a built-in one by name (plain: 'role: "
-                        "content' lines then 'assistant:'; chatml: ChatML turns), none (no chat: that route answers "
+                        "content' lines then 'assistant:'; chatml: ChatML turns; alpaca: the book's chapter-7 "
+                        "instruction format, format_input then '### Response:'), none (no chat: that route answers "
                         "400), or a Jinja file (transformers' apply_chat_template semantics: messages, "
                         "add_generation_prompt, bos_token, eos_token; a .json file: its 'chat_template')")
     s.add_argument("--max-stop", type=number(int, 1), default=DEFAULT_MAX_STOP, metavar="N",

@@ -3,7 +3,8 @@ into one prompt, which the server continues as ``/v1/completions`` does; the ans
 as OpenAI's ``chat.completion`` (or ``chat.completion.chunk`` events when streamed).
 
 GPT-2 has no chat template of its own. The server ships built-in ones, selected by name
-(:data:`BUILTIN_TEMPLATES`: ``plain``, "role: content" lines, the default, and ``chatml``), and
+(:data:`BUILTIN_TEMPLATES`: ``plain``, "role: content" lines, the default, ``chatml``, and
+``alpaca``, the book's chapter-7 instruction format), and
 takes a Jinja file as vLLM's ``--chat-template`` does (``gpt2mha serve --chat-template
 NAME|FILE``); with ``--chat-template none`` the route answers 400 (:func:`no_template_error`).
 The template is rendered as transformers'
@@ -35,6 +36,30 @@ from .scheduler import Sequence
 
 
 # ------------------------------------------------------------------------------ template
+#: The preamble of the book's chapter-7 prompts (``format_input``), the Alpaca dataset's.
+ALPACA_PREAMBLE = ("Below is an instruction that describes a task. "
+                   "Write a response that appropriately completes the request.")
+#: "Build a Large Language Model (From Scratch)", chapter 7 (``format_input``, Alpaca's prompt
+#: style): the preamble (or a leading system message's text instead), then per user message
+#: ``"\n\n### Instruction:\n" + content`` and, when the message has a non-empty ``input``
+#: field (an extra field of the message, as ``entry['input']``), ``"\n\n### Input:\n" +
+#: input``; per assistant message ``"\n\n### Response:\n" + content`` (the book's training
+#: text appends ``entry['output']`` so); the generation prompt ``"\n\n### Response:\n"``. One
+#: user message renders exactly ``format_input(entry)``, plus the response header the book's
+#: fine-tuned model writes next, so the reply is the book's ``generate`` output after it.
+ALPACA_TEMPLATE = (
+    "{% set system = messages and messages[0]['role'] == 'system' %}"
+    "{{ (messages[0]['content'] or '') if system else '" + ALPACA_PREAMBLE + "' }}"
+    "{% for message in messages[(1 if system else 0):] %}"
+    "{% if message['role'] == 'user' %}"
+    r"{{ '\n\n### Instruction:\n' + (message['content'] or '') }}"
+    r"{% if message['input'] %}{{ '\n\n### Input:\n' + message['input'] }}{% endif %}"
+    "{% elif message['role'] == 'assistant' %}"
+    r"{{ '\n\n### Response:\n' + (message['content'] or '') }}"
+    "{% else %}{{ raise_exception('the alpaca template takes a first system message, then user and assistant "
+    "messages; got role ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+    r"{% if add_generation_prompt %}{{ '\n\n### Response:\n' }}{% endif %}")
 #: The built-in chat templates, by name (``gpt2mha serve --chat-template NAME``), in transformers'
 #: dialect. ``plain``: one "role: content" line per message, then ``assistant:`` (text a base
 #: model such as GPT-2 reads as a dialogue to continue); ``chatml``: OpenAI's ChatML turns,
@@ -49,6 +74,7 @@ BUILTIN_TEMPLATES = {
                r"{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
                "{% endfor %}"
                r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+    "alpaca": ALPACA_TEMPLATE,
 }
 #: The template ``gpt2mha serve`` and :func:`~gpt2mha.serving.server.create_app` serve chat with by
 #: default: chat-first clients (the openai client's chat, LangChain's ``ChatOpenAI``, litellm)
