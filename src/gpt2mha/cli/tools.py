@@ -208,7 +208,8 @@ def cmd_convert(args) -> int:
     # --activations alone sets the mode on a model saved int8 (and names the flag for a float one)
     written = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, src_format=args.src_format,
                       book_config=json_arg(args.book_config, "--book-config"),
-                      quantize=(lambda m: quantized(m, args)) if args.quantize or args.activations else None)
+                      quantize=(lambda m: quantized(m, args)) if args.quantize or args.activations else None,
+                      lora=args.lora)
     print("wrote " + ", ".join(written))
     return 0
 
@@ -241,6 +242,11 @@ def _add_formats_commands(sub) -> None:
                     help="the book's config dict (JSON or a JSON file), e.g. '{\"n_heads\": 12}'; only n_heads "
                          "is needed, the other sizes are read off the tensors")
     cv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    cv.add_argument("--lora", action="append", default=None, metavar="ADAPTER",
+                    help="merge a LoRA adapter into SRC's weights first, so DST is a plain checkpoint: a PEFT adapter "
+                         "directory (adapter_config.json + adapter_model.safetensors) or the book's appendix-E .pth "
+                         "(lora_alpha from --book-config or NAME.json); repeat to merge several, in order. The book's "
+                         "appendix-E .pth as SRC is merged without it")
     quantize_args(cv)
     quiet_arg(cv)
     cv.set_defaults(func=cmd_convert, check=check_convert_args)

@@ -22,6 +22,7 @@ import torch
 
 from ..core.classifier import ClassifierConfig
 from ..core.model import GPT2, GPT2Config
+from .lora import is_book_lora, merge_state_dict, split_book_lora
 from .layouts import conv1d_to_linear_state_dict, linear_to_conv1d_state_dict, strip_wrapper_prefixes
 from .state_dicts import CheckpointError, check_tensors, read_torch_file, tie_head
 from .state_dicts import tensor_shapes, detached_state_dict
@@ -34,6 +35,9 @@ BOOK_CONFIG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_lay
 #: (the book pads every text to the training set's length: ``classify_review(...,
 #: max_length=train_dataset.max_length)``).
 BOOK_CLASSIFIER_KEYS = ("labels", "id2label", "pad_token_id", "max_length")
+#: The key of appendix E's LoRA scale in the config dict: ``replace_linear_with_lora(model,
+#: rank, alpha)`` keeps ``alpha`` as a plain attribute, so it is in no tensor.
+BOOK_LORA_KEYS = ("lora_alpha",)
 #: The book's pad id (chapter 6's ``SpamDataset(..., pad_token_id=50256)``).
 BOOK_PAD_TOKEN_ID = 50256
 
@@ -64,7 +68,7 @@ def book_config(sd: dict[str, torch.Tensor], cfg: dict | None, source: str) -> d
         CheckpointError: no ``n_heads``, an unknown key, or a value contradicting the tensors.
     """
     cfg = dict(cfg or {})
-    unknown = sorted(set(cfg) - set(BOOK_CONFIG_KEYS) - set(BOOK_CLASSIFIER_KEYS))
+    unknown = sorted(set(cfg) - set(BOOK_CONFIG_KEYS) - set(BOOK_CLASSIFIER_KEYS) - set(BOOK_LORA_KEYS))
     if unknown:
         raise CheckpointError(f"{source}: unknown book config keys {unknown}; expected {list(BOOK_CONFIG_KEYS)} "
                               f"(and for a classifier {list(BOOK_CLASSIFIER_KEYS)})")
@@ -259,7 +263,9 @@ def read_book(path: str, cfg: dict | None = None, obj=None) -> tuple[dict[str, t
     """A book checkpoint file → (gpt2mha state dict, config, the book's config dict).
 
     The config dict comes from ``cfg``, else a ``"config"``/``"cfg"`` dict stored in the file,
-    else :func:`book_config_path` beside it (``cfg`` entries win over the stored ones).
+    else :func:`book_config_path` beside it (``cfg`` entries win over the stored ones). Appendix
+    E's ``LinearWithLoRA`` layers are merged into the weights (:mod:`gpt2mha.io.lora`, with the
+    config's ``lora_alpha``).
 
     Raises:
         CheckpointError: see :func:`read_torch_file`, :func:`book_to_gpt2`.
@@ -276,8 +282,14 @@ def read_book(path: str, cfg: dict | None = None, obj=None) -> tuple[dict[str, t
                 stored = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{side}: cannot read JSON: {e}") from None
-    full = book_config(sd, {**(stored or {}), **(cfg or {})}, path)
+    merged = {**(stored or {}), **(cfg or {})}
+    adapter = None
+    if is_book_lora(sd):                                          # appendix E: merged into the plain weights
+        sd, adapter = split_book_lora(sd, merged.get("lora_alpha"), path)
+    full = book_config(sd, merged, path)
     sd_ours, config = book_to_gpt2(sd, full, path)
+    if adapter is not None:
+        sd_ours, config = merge_state_dict(sd_ours, config, adapter)
     return sd_ours, config, full
 
 
