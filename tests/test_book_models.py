@@ -359,3 +359,44 @@ def test_served_alpaca_chat_answers_as_the_books_generate(tmp_path, bpe, one_thr
                                                temperature=0)
     assert reply.choices[0].message.content == bpe.decode(want.tolist())
     assert reply.usage.prompt_tokens == len(prompt)
+
+
+# ----------------------------------------------------------------------- /v1/classify
+def test_v1_classify_equals_offline_classify(tmp_path, bpe, one_thread):
+    """A served chapter-6 classifier: /v1/classify (vLLM's request and response shapes) gives
+    the probabilities of model.classify on the same inputs, bitwise; token-id inputs and
+    truncate_prompt_tokens as vLLM takes them; the generation routes answer 400."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.serving.server import serve_in_thread
+
+    book = book_classifier(BPE_CFG, seed=6)
+    path = save_book(book, tmp_path / "clf.pth", {**BPE_CFG, "labels": ["ham", "spam"]})
+    model = GPT2.from_pretrained(path)
+    offline = model.classify(TEXTS)
+    ids = bpe.encode(TEXTS[0])
+    with serve_in_thread(Scheduler(model, bpe, max_batch=2, max_queue=4), "clf", classifier=model) as url:
+        r = httpx.post(url + "/v1/classify", json={"model": "clf", "input": TEXTS}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        one = httpx.post(url + "/classify", json={"input": ids, "truncate_prompt_tokens": 5}, timeout=60).json()
+        raw = httpx.post(url + "/v1/classify", json={"input": TEXTS[1], "use_activation": False}, timeout=60).json()
+        errors = [httpx.post(url + "/v1/classify", json=b, timeout=60) for b in
+                  ({"input": []}, {"input": "x" * 400}, {"model": "other", "input": "x"}, {"input": 3},
+                   {"input": "x", "temperature": 1})]
+        completion = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert body["object"] == "list" and body["model"] == "clf" and body["id"].startswith("classify-")
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    assert [d["probs"] for d in body["data"]] == offline.probs.tolist()          # bitwise (JSON keeps every digit)
+    assert [d["label"] for d in body["data"]] == offline.labels
+    assert all(d["num_classes"] == 2 for d in body["data"])
+    assert body["usage"] == {"prompt_tokens": sum(offline.n_tokens), "total_tokens": sum(offline.n_tokens),
+                             "completion_tokens": 0, "prompt_tokens_details": None}
+    assert one["data"][0]["probs"] == model.classify([ids[-5:]]).probs[0].tolist()
+    assert raw["data"][0]["probs"] == model.classify([TEXTS[1]]).logits[0].tolist()
+    assert [e.status_code for e in errors] == [400, 400, 404, 400, 400]
+    assert [e.json()["error"]["param"] for e in errors] == ["input", "input", "model", "input", "temperature"]
+    assert "more than the model's context" in errors[1].json()["error"]["message"]
+    assert completion.status_code == 400 and completion.json()["error"]["code"] == "model_not_generative"
+    assert "/v1/classify" in completion.json()["error"]["message"]

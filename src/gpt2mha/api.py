@@ -139,6 +139,11 @@ class GPT2Classifier(core_classifier.GPT2Classifier, GPT2):
         return _classify.classify(self, texts, max_length=max_length, truncate=truncate, labels=labels,
                                   batch_size=batch_size)
 
+    def quantize(self, *args, **kwargs):
+        """Raises ValueError: the quantized layers hold a language model's head (no bias, n_vocab rows)."""
+        raise ValueError("this model is a classifier: gpt2mha quantizes language models only; classify with the float "
+                         "model")
+
     def generate(self, *args, **kwargs):
         """Raises ValueError: a classifier's head scores labels, not next tokens."""
         raise ValueError(f"this model is a classifier ({self.config.n_labels} labels), not a language model: it "

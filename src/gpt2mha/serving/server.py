@@ -56,6 +56,7 @@ from starlette.exceptions import HTTPException
 
 from .. import kernels
 from ..core import checks
+from ..core.classifier import ClassifierConfig
 from ..inference.decoders import choose_decoder
 from . import chat, tokens
 from .address import check_address
@@ -115,12 +116,15 @@ class AnswerCancelled:
 
 
 def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP) -> FastAPI:
+               chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
+               classifier=None) -> FastAPI:
     """The ASGI app serving ``scheduler``'s model as ``model_name``; request bodies over
     ``max_body_bytes`` get 413; requests may carry up to ``max_stop`` stop strings;
     ``/v1/chat/completions`` renders messages with ``chat_template`` (Jinja source, default the
     built-in plain one, :data:`DEFAULT_CHAT_TEMPLATE`; None: that route answers 400,
-    :func:`~gpt2mha.serving.chat.no_template_error`).
+    :func:`~gpt2mha.serving.chat.no_template_error`); ``classifier``: a
+    :class:`~gpt2mha.core.classifier.GPT2Classifier` served at ``/v1/classify`` instead of the
+    generation routes (:mod:`.classify`).
 
     Every error, the app's own and the router's (404 unknown route, 405 wrong method), is
     OpenAI's ``{"error": {"message", "type", "param", "code"}}`` object.
@@ -205,6 +209,9 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
+    if classifier is not None:
+        from . import classify
+        classify.add_routes(app, classifier, tok, model_name, max_body_bytes)
     return app
 
 
@@ -316,7 +323,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
                           route=route)
     app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
-                     max_stop=max_stop)
+                     max_stop=max_stop, classifier=model if isinstance(model.config, ClassifierConfig) else None)
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info")
     # uvicorn re-raises the signal it shut down on; a no-op SIGTERM handler makes that a clean exit (0)
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -333,13 +340,13 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
 def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 0,
                     timeout: float = 30.0, graceful_timeout: float | None = None,
                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
-                    max_stop: int = MAX_STOP):
+                    max_stop: int = MAX_STOP, classifier=None):
     """Run the app with uvicorn in a background thread for the ``with`` block; yields the base
     URL (``http://host:port``, the real port when ``port`` is 0). For tests and scripts that
     want the real server in their own process. On exit the server shuts down as
     ``gpt2mha serve`` does on SIGTERM (in-flight responses get ``graceful_timeout`` seconds,
     default ``timeout``, then are cancelled: :class:`GracefulServer`) and the scheduler is stopped.
-    ``max_body_bytes``, ``chat_template``, ``max_stop``: as :func:`create_app`.
+    ``max_body_bytes``, ``chat_template``, ``max_stop``, ``classifier``: as :func:`create_app`.
 
     The block starts once the engine is warmed up (``/health`` answers ``"ok"``), or once
     ``timeout`` has passed.
@@ -349,7 +356,7 @@ def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.
     """
     graceful_timeout = timeout if graceful_timeout is None else graceful_timeout
     app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
-                     max_stop=max_stop)
+                     max_stop=max_stop, classifier=classifier)
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="warning")
     server = GracefulServer(config, scheduler, graceful_timeout)
     thread = threading.Thread(target=server.run, name="gpt2mha-uvicorn", daemon=True)
