@@ -216,3 +216,135 @@ def test_adapter_errors_name_the_file_and_the_tensor(tmp_path):
         GPT2.from_pretrained(base_dir, lora=str(tmp_path / "wte"))
     assert "\n" not in str(e.value)
     assert main(["convert", base_dir, str(tmp_path / "out"), "--lora", str(tmp_path / "missing")]) == 2
+
+
+# -------------------------------------------------------------------------- unmerged
+def test_unmerged_adapters_equal_peft_and_the_books_and_the_base_is_untouched(tmp_path, one_thread):
+    """Adapters applied unmerged (model.add_adapters): with model.adapter(name) the logits are
+    PEFT's own model's, and the book's LinearWithLoRA model's, (<= 1e-5); with none (or the
+    base) they are the base model's, bitwise."""
+    base, base_dir = hf_base(tmp_path, seed=10)
+    x = ids()
+    with torch.no_grad():
+        base_logits = base(input_ids=x).logits
+    pm = peft_adapter(base, str(tmp_path / "peft"), seed=11)
+    with torch.no_grad():
+        want = pm(input_ids=x).logits
+    model = GPT2.from_pretrained(base_dir)
+    with torch.no_grad():
+        plain = model(x).logits
+    model.add_adapters({"peft": str(tmp_path / "peft")})
+    with torch.no_grad(), model.adapter("peft"):
+        torch.testing.assert_close(model(x).logits, want, atol=ATOL, rtol=0)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, plain)
+        torch.testing.assert_close(plain, base_logits, atol=ATOL, rtol=0)
+
+    torch.manual_seed(12)                                           # the book: the base saved, then LoRA on it
+    book = randomize(GPTModel(BOOK_CFG), 12)
+    base_path = save_book(book, tmp_path / "base.pth", BOOK_CFG)
+    replace_linear_with_lora(book, rank=3, alpha=5)
+    randomize(book, 13)
+    lora_path = save_book(book, tmp_path / "lora.pth", {**BOOK_CFG, "lora_alpha": 5})
+    with torch.no_grad():
+        for name, p in book.named_parameters():                    # the base weights as they were saved
+            if not name.endswith((".lora.A", ".lora.B")):
+                p.copy_(torch.load(base_path, weights_only=True)[name.replace(".linear.", ".")])
+        want = book(x)
+    model = GPT2.from_pretrained(base_path)
+    model.add_adapters({"book": lora_path})
+    with torch.no_grad(), model.adapter("book"):
+        torch.testing.assert_close(model(x).logits, want, atol=ATOL, rtol=0)
+
+
+def test_quantized_base_applies_the_adapter_in_float(tmp_path, one_thread):
+    """An int8 base with an adapter unmerged: each wrapped layer's output is the quantized
+    layer's own plus the adapter's product in float32, scale · (x Aᵀ) Bᵀ."""
+    from gpt2mha.inference.lora import LoraLinear
+    from gpt2mha.inference.quant.linear import QuantizedLinear
+
+    base, base_dir = hf_base(tmp_path, seed=14)
+    peft_adapter(base, str(tmp_path / "a"), seed=15, targets=("c_attn", "c_fc"))
+    model = GPT2.from_pretrained(base_dir).quantize("int8", method="rtn")
+    model.add_adapters({"a": str(tmp_path / "a")})
+    layer = model.h[1].mlp.c_fc
+    assert isinstance(layer, LoraLinear) and isinstance(layer.base, QuantizedLinear)
+    A_t, B_t, scale = layer.adapters[0]
+    h = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), model.adapter("a"):
+        got = layer(h)
+    with torch.no_grad():
+        torch.testing.assert_close(got, layer.base(h) + ((h @ A_t) @ B_t) * scale, atol=1e-6, rtol=0)
+        assert torch.equal(layer(h), layer.base(h))                 # no adapter: the quantized layer alone
+
+
+def adapters_server_setup(tmp_path):
+    """A byte-level base and three PEFT adapters on it (different targets and ranks)."""
+    from transformers import GPT2LMHeadModel
+
+    _, base_dir = hf_base(tmp_path, seed=20)
+    specs = {"a": dict(seed=21), "b": dict(seed=22, targets=("c_attn", "c_proj"), r=2, lora_alpha=4),
+             "c": dict(seed=23, targets=("c_fc", "lm_head"), r=8, lora_alpha=8)}
+    for name, spec in specs.items():                                # a fresh base for each PEFT model
+        peft_adapter(GPT2LMHeadModel.from_pretrained(base_dir).eval(), str(tmp_path / name), **spec)
+    return base_dir, {name: str(tmp_path / name) for name in specs}
+
+
+@pytest.mark.slow
+def test_served_adapters_interleaved_equal_each_adapter_alone_bitwise(tmp_path, one_thread):
+    """`serve --lora a=… --lora b=… --lora c=…`: four requests (three adapters and the base, by
+    `model`) sent together and batched together get the tokens and logprobs each gets alone
+    offline (a scheduler of one slot, that adapter only), bitwise; /v1/models lists them."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    import threading
+
+    from gpt2mha.inference.decoders import choose_decoder
+    from gpt2mha.inference.params import SamplingParams
+    from gpt2mha.io.tokenizer import tokenizer_for
+    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.serving.server import serve_in_thread
+
+    base_dir, adapters = adapters_server_setup(tmp_path)
+    model = GPT2.from_pretrained(base_dir)
+    model.add_adapters(adapters)
+    tok = tokenizer_for(model.config)
+    names = ["base", "a", "b", "c"]
+    prompts = {"base": "To be, or not", "a": "ROMEO: what", "b": "The quick brown", "c": "Once upon a"}
+
+    def alone(name):
+        sched = Scheduler(model, tok, max_batch=1, max_queue=0, batch_invariant=True,
+                          route=choose_decoder(model, batch_invariant=True))
+        seq, = sched.submit([tok.encode(prompts[name])], SamplingParams(max_tokens=12, temperature=0, logprobs=2),
+                            lambda *a: None, adapter=None if name == "base" else model.lora_state.index(name))
+        sched.run_until_idle()
+        return seq.tokens, [lp for lp, _ in seq.logprobs], seq.text
+
+    want = {name: alone(name) for name in names}
+    assert len({w[2] for w in want.values()}) == 4                  # each adapter changes the text
+    sched = Scheduler(model, tok, max_batch=4, max_queue=4, batch_invariant=True,
+                      route=choose_decoder(model, batch_invariant=True))
+    got, barrier = {}, threading.Barrier(4)
+    with serve_in_thread(sched, "base") as url:
+        listed = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+
+        def ask(name):
+            barrier.wait(timeout=30)
+            got[name] = httpx.post(url + "/v1/completions", json={
+                "model": name, "prompt": prompts[name], "max_tokens": 12, "temperature": 0, "logprobs": 2},
+                timeout=120).json()
+        threads = [threading.Thread(target=ask, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=150)
+        unknown = httpx.post(url + "/v1/completions", json={"model": "d", "prompt": "x", "max_tokens": 1})
+        stats = httpx.get(url + "/health").json()
+    assert listed == names
+    assert unknown.status_code == 404
+    assert stats["decode_steps"] < 4 * 12                            # the four decoded in shared steps
+    for name in names:
+        choice = got[name]["choices"][0]
+        assert got[name]["model"] == name
+        assert choice["text"] == want[name][2], name
+        assert choice["logprobs"]["token_logprobs"] == want[name][1], name     # bitwise: JSON keeps every digit

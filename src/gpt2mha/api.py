@@ -14,6 +14,7 @@ from .core import classifier as core_classifier
 from .core import hooks as _hooks
 from .core import model as core
 from .inference import classify as _classify
+from .inference import lora as _lora
 from .inference.generate import generate as _generate
 from .inference.quant import quantize_model
 from .io.checkpoints import save_pretrained
@@ -123,6 +124,18 @@ class GPT2(core.GPT2):
     def reset_hooks(self) -> None:
         """Remove every hook from every capture point."""
         _hooks.reset_hooks(self)
+
+    def add_adapters(self, adapters: dict, book_config: dict | None = None) -> "_lora.LoraState":
+        """Apply LoRA adapters unmerged, ``{name: PEFT directory, the book's appendix-E .pth, or
+        LoraAdapter}``: each row of a batch may then take its own (:meth:`adapter`, the engine's
+        slots, ``gpt2mha serve --lora name=DIR``). Merged instead: ``from_pretrained(...,
+        lora=PATH)``. See :func:`gpt2mha.inference.lora.apply_lora`."""
+        return _lora.apply_lora(self, adapters, book_config)
+
+    def adapter(self, name: str | None):
+        """``with model.adapter("name"):`` every forward and ``generate`` in the block runs with
+        that adapter (None: the base model). See :func:`gpt2mha.inference.lora.using`."""
+        return _lora.using(self, name)
 
 
 class GPT2Classifier(core_classifier.GPT2Classifier, GPT2):

@@ -303,11 +303,30 @@ def cmd_serve(args) -> int:
         serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
               max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
               chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant,
-              compile=args.compile)
+              compile=args.compile, lora=lora_args(args.lora))
     except RuntimeError as e:                 # could not bind: uvicorn logged why
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def lora_args(specs: list[str] | None) -> dict[str, str]:
+    """``--lora name=DIR`` flags → ``{name: DIR}``.
+
+    Raises:
+        ValueError: a flag without ``name=``, a name given twice, a path that does not exist.
+    """
+    out = {}
+    for spec in specs or ():
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {spec!r}: expected NAME=DIR (the model id requests use, then the adapter)")
+        if name in out:
+            raise ValueError(f"--lora {spec!r}: the name {name!r} is given twice")
+        if not os.path.exists(path):
+            raise ValueError(f"--lora {spec!r}: {path}: no such file or directory")
+        out[name] = path
+    return out
 
 
 def check_serve_args(args) -> None:
@@ -318,6 +337,10 @@ def check_serve_args(args) -> None:
 
     check_quantize_args(args)
     check_compile(args)
+    lora_args(args.lora)
+    if args.lora and args.compile:
+        raise ValueError("--lora with --compile: the compiled step runs no adapters; serve adapters on the decode view "
+                         "(drop --compile)")
     check_address(args.host, args.port)
 
 
@@ -366,6 +389,12 @@ def _add_serve_command(sub) -> None:
                    help="stop strings a request may send; more get HTTP 400 (lm-evaluation-harness sends a task's "
                         "'until' strings plus the EOS string: 1 + len(until); OpenAI's API takes 4, vLLM and "
                         "llama.cpp's server have no limit)")
+    s.add_argument("--lora", action="append", default=None, metavar="NAME=DIR",
+                   help="serve a LoRA adapter (a PEFT directory, or the book's appendix-E .pth with lora_alpha in its "
+                        "NAME.json) unmerged over the one base model as model id NAME; repeat for several. Requests "
+                        "pick one by 'model' (the base by its own name); rows of different adapters batch together, "
+                        "each with the tokens it gets alone under --batch-invariant. Quantized bases apply adapters "
+                        "in float")
     s.add_argument("--compile", action="store_true",
                    help="serve on the compiled decode step (as generate --compile), compiled before /health says ok")
     quantize_args(s)

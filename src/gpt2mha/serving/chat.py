@@ -388,7 +388,7 @@ class ChatCompletions(Completions):
         """
         s = self.scheduler
         body = parse_chat_request(raw)
-        check_model(body.model, self.model_name)                 # before rendering anything
+        check_model(body.model, self.served_name(body.model))    # before rendering anything
         request = completion_request(body, self.template, s.tokenizer, s.n_ctx)
         self.check(request)
         return request, encode_prompts(request, s.tokenizer, s.n_ctx)

@@ -108,10 +108,16 @@ class Completions:
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl-"
 
     def __init__(self, scheduler: Scheduler, model_name: str, max_body_bytes: int, max_stop: int = MAX_STOP,
-                 relay: Relay | None = None):
+                 relay: Relay | None = None, adapters: dict[str, int] | None = None):
         self.scheduler, self.model_name, self.max_body_bytes = scheduler, model_name, max_body_bytes
         self.max_stop = max_stop
         self.relay = Relay() if relay is None else relay
+        self.adapters = dict(adapters or {})          # LoRA adapter name → index (serve --lora name=DIR)
+
+    def served_name(self, name: str | None) -> str:
+        """The name a request's ``model`` is checked against: itself when it names a LoRA
+        adapter of this server, else the base model's."""
+        return name if name in self.adapters else self.model_name
 
     async def handle(self, request: Request):
         """The answer to one request (raises :class:`~gpt2mha.serving.protocol.APIError`, which
@@ -130,11 +136,11 @@ class Completions:
                 self.relay.send(events, (seq, text, done))
 
         try:
-            seqs = self.scheduler.submit(prompts, sampling_params(body), on_event)
+            seqs = self.scheduler.submit(prompts, sampling_params(body), on_event, adapter=self.adapters.get(body.model))
         except (ExceedsCapacity, QueueFull, ShuttingDown) as e:
             raise submit_error(e) from None
         head = {"id": f"{self.ID_PREFIX}{secrets.token_hex(12)}", "object": self.OBJECT, "created": int(time.time()),
-                "model": self.model_name}
+                "model": self.served_name(body.model)}
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self.stream(seqs, events, head, include_usage, t0),
@@ -156,7 +162,7 @@ class Completions:
         """The checks of a parsed request (:mod:`.protocol`): model, values, stop strings (at
         most ``max_stop``), ``stream_options`` only with ``stream``, and the prompt count."""
         s = self.scheduler
-        check_request(body, self.model_name, s.engine.vocab_size)
+        check_request(body, self.served_name(body.model), s.engine.vocab_size)
         check_stop(body, self.max_stop)
         check_stream_options(body)
         check_prompt_count(body, s.capacity, s.max_batch, s.max_queue)

@@ -146,6 +146,8 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     template = None if chat_template is None else chat.ChatTemplate(
         chat_template, chat.special_tokens(tok.name, n_ctx))
     info = tokens.tokenizer_info(tok, n_ctx, n_vocab, chat_template)
+    lora = getattr(scheduler.engine.model, "lora_state", None)          # serve --lora name=DIR: one model id each
+    adapters = {name: i for i, name in enumerate(lora.names)} if lora is not None else {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -156,9 +158,10 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
         finally:
             await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
 
-    def card():
-        return {"id": model_name, "object": "model", "created": int(started[0]), "owned_by": "gpt2mha",
-                "max_model_len": n_ctx}
+    def card(name=model_name):
+        parent = {"parent": model_name} if name != model_name else {}
+        return {"id": name, "object": "model", "created": int(started[0]), "owned_by": "gpt2mha",
+                "max_model_len": n_ctx, **parent}
 
     async def health():                               # 503 "loading" until the engine is warmed up
         stats = scheduler.stats()
@@ -167,13 +170,13 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
         return {"status": "ok", "model": model_name, **stats}
 
     async def models():
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(), *map(card, adapters)]}
 
     async def model(model_id: str):
-        if model_id != model_name:
+        if model_id != model_name and model_id not in adapters:
             raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{model_name}'",
                            "model", code="model_not_found")
-        return card()
+        return card(model_id)
 
     async def no_chat(request: Request):
         await read_body(request, max_body_bytes)
@@ -193,7 +196,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
         return info
 
     relay = Relay()
-    completions = Completions(scheduler, model_name, max_body_bytes, max_stop, relay)
+    completions = Completions(scheduler, model_name, max_body_bytes, max_stop, relay, adapters)
     app = FastAPI(title="gpt2mha", description="OpenAI-compatible completions over gpt2mha", lifespan=lifespan)
     app.add_middleware(AnswerCancelled)
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -205,7 +208,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
     app.add_api_route("/v1/chat/completions", no_chat if template is None else chat.ChatCompletions(
-        template, scheduler, model_name, max_body_bytes, max_stop, relay).handle, methods=["POST"])
+        template, scheduler, model_name, max_body_bytes, max_stop, relay, adapters).handle, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
@@ -297,14 +300,16 @@ def check_port(port: int) -> None:
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16,
           max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
-          batch_invariant: bool | None = None, compile: bool = False) -> None:
+          batch_invariant: bool | None = None, compile: bool = False, lora: dict | None = None) -> None:
     """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``). On SIGTERM uvicorn stops
     accepting connections and lets in-flight responses finish; past ``graceful_timeout``
     seconds what is left is cancelled (503 / a stream's error event, :class:`GracefulServer`);
     the scheduler is stopped and this returns normally. ``chat_template`` and ``max_stop``: as
     :func:`create_app`; ``batch_invariant``: as :class:`~gpt2mha.serving.scheduler.Scheduler`;
     ``compile``: decode on the compiled step (:func:`~gpt2mha.inference.decoders.choose_decoder`,
-    as ``generate(compile=True)``), compiled while ``/health`` says ``"loading"``.
+    as ``generate(compile=True)``), compiled while ``/health`` says ``"loading"``; ``lora``:
+    ``{name: adapter path}`` applied unmerged (:func:`~gpt2mha.inference.lora.apply_lora`), each
+    served as its own model id over the one base.
 
     Raises:
         ValueError: a port outside [0, 65535] or one that cannot be listened on now (in use,
@@ -319,6 +324,11 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     check_port(port)
     check_graceful_timeout(graceful_timeout)
     check_address(host, port)                     # a port in use: ValueError now, not after the app starts
+    if lora:
+        if compile:
+            raise ValueError("lora with compile: the compiled step runs no adapters; serve them on the decode view")
+        from ..inference.lora import apply_lora
+        apply_lora(model, lora)
     route = choose_decoder(model.eval(), compile=compile, batch_invariant=batch_invariant)
     scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
                           route=route)
