@@ -400,3 +400,63 @@ def test_v1_classify_equals_offline_classify(tmp_path, bpe, one_thread):
     assert "more than the model's context" in errors[1].json()["error"]["message"]
     assert completion.status_code == 400 and completion.json()["error"]["code"] == "model_not_generative"
     assert "/v1/classify" in completion.json()["error"]["message"]
+
+
+# ------------------------------------------------------------- the checker and explainer
+def test_check_model_takes_the_books_classifier_and_lora_and_hf_classifiers(tmp_path, capsys, one_thread):
+    """gpt2mha check-model: a chapter-6 classifier against the book's GPTModel with chapter 6's
+    head (gpt2mha's, and the learner's class), an appendix-E LoRA model against the book's
+    LinearWithLoRA model (gpt2mha explains it as its merged weights), a GPT2ForSequenceClassification
+    against the NumPy reference with the score head; every stage matches."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+    from book_lora import replace_linear_with_lora
+
+    book_gpt = os.path.join(os.path.dirname(__file__), "data", "book_gpt.py")
+    clf = save_book(book_classifier(BYTE_CFG, seed=8), tmp_path / "clf.pth", BYTE_CFG)
+    lora = book_classifier(BYTE_CFG, seed=9)
+    replace_linear_with_lora(lora, rank=3, alpha=6)
+    randomize(lora, 10)
+    lora = save_book(lora, tmp_path / "lora.pth", {**BYTE_CFG, "lora_alpha": 6})
+    hf = hf_classifier(pad_token_id=0, seed=11)
+    hf.save_pretrained(tmp_path / "hf")
+    for argv in ([clf], [clf, "--class", book_gpt + ":GPTModel"], [lora], [str(tmp_path / "hf")]):
+        capsys.readouterr()
+        code = main(["check-model", *argv, "--json"])
+        report = json.loads(capsys.readouterr().out)
+        assert code == 0, (argv, report)
+        logits = next(s for s in report["stages"] if s["name"] == "logits")
+        assert logits["shape"][-1] == (3 if "hf" in argv[0] else 2) and logits["ok"], (argv, logits)
+
+
+def test_explainer_shows_a_classifiers_head_and_a_lora_model_merged(tmp_path, one_thread):
+    """The explainer's last view of a classifier lists its labels by probability (and it draws no
+    next token); a model with adapters unmerged is explained as its merged weights."""
+    from gpt2mha.learn.explain.session import ModelEntry, Sequence
+
+    path = save_book(book_classifier(BYTE_CFG, seed=12), tmp_path / "clf.pth", {**BYTE_CFG, "labels": ["ham", "spam"]})
+    model = GPT2.from_pretrained(path)
+    seq = Sequence(ModelEntry(model, "clf"), list(b"win a prize"))
+    pipeline = seq.unit("pipeline")
+    want = model.classify(["win a prize"]).probs[0]
+    assert pipeline["classifier"] == ["ham", "spam"]
+    assert {t["label"]: t["p"] for t in pipeline["next"]} == pytest.approx(dict(zip(["ham", "spam"], want.tolist())),
+                                                                          abs=1e-6)
+    for refused in (lambda: seq.step(1.0, 0, 1.0), lambda: seq.unit("lens")):
+        with pytest.raises(ValueError, match="this model is a classifier"):
+            refused()
+
+    pytest.importorskip("peft")
+    from test_lora import hf_base, peft_adapter
+    from gpt2mha.inference.lora import LoraLinear
+
+    base, base_dir = hf_base(tmp_path, seed=13)
+    peft_adapter(base, str(tmp_path / "a"), seed=14)
+    lm = GPT2.from_pretrained(base_dir)
+    lm.add_adapters({"a": str(tmp_path / "a")})
+    x = torch.tensor([list(b"hello")])
+    with torch.no_grad(), lm.adapter("a"):
+        want = lm(x).logits
+        entry = ModelEntry(lm, "lora")
+    assert not any(isinstance(m, LoraLinear) for m in entry.model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(entry.model(x).logits, want, atol=ATOL, rtol=0)

@@ -176,6 +176,30 @@ def using(model: nn.Module, name: str | None):
         state.default = before
 
 
+def merged_model(model: nn.Module) -> nn.Module:
+    """A new plain model (``model``'s class, float32, eval mode) with the adapter ``model``'s
+    state selects for every row (its ``default``: the one :func:`using` names, else none) merged
+    into the weights (:func:`~gpt2mha.io.lora.merge_state_dict`): what a tool that reads weights
+    directly (the explainer, ``check-model``) is given for a model with adapters.
+
+    Raises:
+        ValueError: a quantized base (merge into the float model instead).
+    """
+    from ..io.lora import LoraLayer, merge_state_dict
+    from ..io.state_dicts import model_from_state_dict
+
+    if getattr(model, "quantization", None):
+        raise ValueError("the base model is quantized: adapters merge into float weights; load the float model with "
+                         "lora=PATH instead")
+    state, wrappers = model.lora_state, {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+    sd = {k.replace(".base.", "."): v.detach().float() for k, v in model.state_dict().items()}   # the base's names
+    layers = {name: LoraLayer(w.adapters[state.default][0].t(), w.adapters[state.default][1].t(),
+                              w.adapters[state.default][2]) for name, w in wrappers.items()
+              if state.default in w.adapters}
+    sd, config = merge_state_dict(sd, model.config, LoraAdapter(layers, "the model's adapters"))
+    return model_from_state_dict(sd, config, "the merged model", model_cls=type(model))
+
+
 def select(model: nn.Module, adapters: list[int | None]) -> None:
     """Set the adapter of each batch row of the model's next forward (what the engine does):
     ``None`` entries take the state's default; a model without adapters is left alone."""

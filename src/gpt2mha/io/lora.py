@@ -25,8 +25,8 @@ transpose for GPT-2's Conv1D ``[in, out]``). The targets, in gpt2mha's module na
   ``W_value`` become one LoRA layer on the fused ``c_attn``: ``A`` their ``A``\\ s stacked
   (rank 3r), ``B`` block-diagonal, so ``ΔW`` is theirs side by side, exactly.
 
-Merging (:func:`merge_state_dict`) is arithmetic, float32: ``W + ΔW`` as PEFT's
-``merge_and_unload`` computes it; a LoRA on GPT-2's tied head unties it (the head gains ``ΔW``,
+Merging (:func:`merge_state_dict`) is arithmetic: ``W + ΔW`` as PEFT's ``merge_and_unload``
+computes it, in float64 and rounded once to float32; a LoRA on GPT-2's tied head unties it (the head gains ``ΔW``,
 the embedding does not: what PEFT's unmerged forward computes). Every check runs before
 anything is merged; errors are one line naming the file and the tensor.
 """
@@ -66,8 +66,9 @@ class LoraLayer:
     names: tuple[str, str] = ("lora_A", "lora_B")
 
     def delta(self) -> torch.Tensor:
-        """``ΔW = scale · B @ A``, ``[out, in]`` float32 (PEFT's ``get_delta_weight``)."""
-        return (self.B.float() @ self.A.float()) * self.scale
+        """``ΔW = scale · B @ A``, ``[out, in]``, in float64 (PEFT's ``get_delta_weight``; the
+        merge rounds ``W + ΔW`` once, to the weights' dtype)."""
+        return (self.B.double() @ self.A.double()) * self.scale
 
 
 @dataclass
@@ -343,7 +344,7 @@ def merge_state_dict(sd: dict[str, torch.Tensor], config: GPT2Config,
             if "lm_head.weight" not in sd:                        # GPT-2's tied head: the head alone changes
                 sd["lm_head.weight"] = sd["wte.weight"]
                 config = dataclasses.replace(config, tie_word_embeddings=False)
-            sd["lm_head.weight"] = sd["lm_head.weight"].float() + delta
+            sd["lm_head.weight"] = (sd["lm_head.weight"].double() + delta).float()
         else:
-            sd[target + ".weight"] = sd[target + ".weight"].float() + delta.t()
+            sd[target + ".weight"] = (sd[target + ".weight"].double() + delta.t()).float()
     return sd, config
