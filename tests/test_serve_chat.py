@@ -83,7 +83,7 @@ def test_template_names_and_none_and_their_errors():
     from gpt2mha.cli import build_parser
 
     assert load_chat_template("none") is None
-    with pytest.raises(ValueError, match=r"'chatm'.*cannot read.*built-in templates: chatml, plain"):
+    with pytest.raises(ValueError, match=r"'chatm'.*cannot read.*built-in templates: alpaca, chatml, plain"):
         load_chat_template("chatm")
     assert build_parser().parse_args(["serve"]).chat_template == "plain"
 

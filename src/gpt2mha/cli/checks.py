@@ -284,6 +284,9 @@ def check_convert_args(args) -> None:
     that is not a non-empty directory unless ``--overwrite``."""
     check_quantize_args(args)
     json_arg(args.book_config, "--book-config")
+    for path in args.lora or ():
+        if not os.path.exists(path):
+            raise ValueError(f"--lora {path}: no such file or directory")
     if args.to == "hf" and not args.overwrite and os.path.isdir(args.dst) and os.listdir(args.dst):
         raise ValueError(f"{args.dst} is not empty; refusing to overwrite it (pass --overwrite)")
 

@@ -37,6 +37,7 @@ import torch
 from ..core import checks
 from ..core.kv_cache import KVCache
 from .decoders import Route, ViewDecoder, choose_decoder, hook_watch
+from .lora import select as select_lora
 from .params import SamplingParams
 from .sampling import RowSampler, sample_rows, token_logprobs
 
@@ -99,6 +100,7 @@ class Engine:
         n = cache.batch_size
         self.samplers: list[RowSampler | None] = [None] * n
         self.last: list[int] = [0] * n                          # each slot's newest token: its next input
+        self.adapters: list[int | None] = [None] * n            # each slot's LoRA adapter (inference/lora.py)
         self._hooked = hook_watch(self.model)
         self._hooks_at_start = self._hooked()                   # what the route's decoder was made with
         self._view: ViewDecoder | None = None
@@ -132,14 +134,16 @@ class Engine:
         return self._view
 
     def open(self, slot: int, params: SamplingParams, seed: int | None, logprobs: int | None = None,
-             row: int | None = None, prompt=None) -> None:
+             row: int | None = None, prompt=None, adapter: int | None = None) -> None:
         """Give ``slot`` its sampler: ``params`` (checked; logit_bias and stop ids below
         ``vocab_size``) and a generator seeded with ``seed`` (None: torch's global one). The row
         itself is filled by :meth:`prefill`. ``logprobs``: k to record each token's logprob and
         the k most likely ids (default ``params.logprobs``). ``row``: the row its errors name.
         ``prompt``: the tokens ``repetition_penalty`` and ``no_repeat_ngram_size`` read before
         the generated ones (None: the prompt :meth:`prefill` is given; ``generate`` gives the
-        whole prompt where a sliding window prefills only its end).
+        whole prompt where a sliding window prefills only its end). ``adapter``: the index of the
+        LoRA adapter the slot's rows take (:mod:`~gpt2mha.inference.lora`; None: the model's
+        default, the base model unless :func:`~gpt2mha.inference.lora.using` says otherwise).
 
         Raises:
             ValueError: the slot is out of range or in use (not released since it was opened),
@@ -153,6 +157,7 @@ class Engine:
         self.samplers[slot] = RowSampler(params, seed, self.vocab_size, self.device,
                                          params.logprobs if logprobs is None else logprobs, row, self.eos_token_id,
                                          prompt)
+        self.adapters[slot] = adapter
 
     def release(self, slot: int) -> None:
         """Empty ``slot``: its row's length is 0 again and its sampler is dropped. For a decoder
@@ -165,6 +170,7 @@ class Engine:
         self.cache.reset(slot)
         self.samplers[slot] = None
         self.last[slot] = 0
+        self.adapters[slot] = None
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list) -> list[int | Exception]:
@@ -193,6 +199,7 @@ class Engine:
         try:
             for slot, prompt in zip(slots, prompts):
                 ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)   # [1, T]
+                select_lora(self.model, [self.adapters[slot]])
                 logits.append(decoder.prefill(ids, self.cache.row(slot)))
         except Exception:
             for slot in slots:                                  # nothing half-written stays in a slot
@@ -220,6 +227,7 @@ class Engine:
             rows = self._rows[n] = self.cache if n == self.slots else self.cache.rows(n)
         before = rows.lengths
         ids = torch.tensor(self.last[:n], dtype=torch.long, device=self.device)[:, None]    # [n, 1]
+        select_lora(self.model, self.adapters[:n])
         logits = decoder.step(ids, rows)                                                     # [n, V]
         asked = set(slots)
         if len(asked) < n:
@@ -253,11 +261,12 @@ class Engine:
             self.release(slot)
 
     @torch.inference_mode()
-    def score(self, prompt: list[int], k: int) -> list[TokenLogprob]:
+    def score(self, prompt: list[int], k: int, adapter: int | None = None) -> list[TokenLogprob]:
         """The model's log-probability of each token of ``prompt`` after the ones before it, and
         the ``k`` most probable ids there: ``len(prompt) - 1`` entries, for tokens 1 … T-1
         (token 0 has no context). One forward of ``[1, T]`` through the decode view, without the
-        cache and apart from every slot, so a prompt scores the same whatever else is running.
+        cache and apart from every slot, so a prompt scores the same whatever else is running;
+        with LoRA ``adapter`` (an index, as :meth:`open` takes).
 
         Source: ``log_softmax`` of the logits at position t-1 read at token t, as the loss of
         :class:`~gpt2mha.core.model.GPT2` (and lm-evaluation-harness's ``loglikelihood``).
@@ -270,6 +279,7 @@ class Engine:
                 self._score_view = ViewDecoder(self.model, self.batch_invariant)
             view = self._score_view
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        select_lora(self.model, [adapter])
         logits = view.view(ids, validate=False).logits[0, :-1, :self.vocab_size]      # [T-1, V]
         chosen, top = token_logprobs(logits, ids[0, 1:], k)
         return list(zip(chosen, top))

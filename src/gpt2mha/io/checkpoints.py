@@ -33,7 +33,10 @@ from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors.torch import load_file, save_file
 
 from ..core.model import GPT2, GPT2Config
-from .state_dicts import CheckpointError, as_dtype, check_state_dict, load_into, normalize_keys, resolve_lm_head
+from .classifiers import classifier_from_hf, classifier_tensors, classifier_to_hf, is_hf_classifier
+from .state_dicts import CheckpointError, as_dtype, check_state_dict, load_into, model_class, normalize_keys
+from .state_dicts import resolve_lm_head
+from ..core.classifier import ClassifierConfig
 from .tokenizer import HF_TOKENIZER_FILES, hf_tokenizer_files, tokenizer_class
 
 
@@ -431,9 +434,12 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         with torch.device("meta"):
             model = model_cls(config)
         return quantized_format().load(model, cfg["gpt2mha"]["quantization"], sd, weights_path, dtype)
-    sd, config = resolve_lm_head(sd, config, weights_path)
+    if is_hf_classifier(cfg, sd):                                 # GPT2ForSequenceClassification: score, id2label
+        sd, config = classifier_from_hf(cfg, config, sd, weights_path)
+    else:
+        sd, config = resolve_lm_head(sd, config, weights_path)
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_class(config, model_cls, weights_path)(config)
     check_state_dict(model, sd, weights_path)
     if dtype != torch.float32:
         overflow = [k for k, v in sd.items() if not torch.isfinite(v.to(dtype)).all()]
@@ -518,6 +524,8 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
         raise ValueError(f"dtype={dtype} must be a floating-point torch dtype")
     shard_size = None if max_shard_size is None else shard_size_bytes(max_shard_size)
     hf_config = config_to_hf(model.config)
+    if isinstance(model.config, ClassifierConfig):               # GPT2ForSequenceClassification's layout
+        hf_config = classifier_to_hf(model.config, hf_config)
     tensors = _tensors_to_save(model, dtype, hf_config)
     os.makedirs(directory, exist_ok=True)
     written = _write_weights(directory, tensors, shard_size)
@@ -549,6 +557,8 @@ def _tensors_to_save(model: GPT2, dtype: torch.dtype, hf_config: dict) -> dict[s
         tensors = {f"transformer.{k}": v for k, v in tensors.items()}
         hf_config["gpt2mha"]["quantization"] = entry
         hf_config["quantization_config"] = {"quant_method": "gpt2mha", **entry}   # transformers cannot load it
+    elif isinstance(model.config, ClassifierConfig):
+        tensors = {k: v.detach().to(dtype).contiguous() for k, v in classifier_tensors(model.state_dict()).items()}
     else:
         tensors = {k if k == "lm_head.weight" else f"transformer.{k}": v.detach().to(dtype).contiguous()
                    for k, v in model.state_dict().items()}

@@ -11,6 +11,7 @@ import warnings
 
 import torch
 
+from ..core.classifier import ClassifierConfig, GPT2Classifier
 from ..core.model import GPT2, GPT2Config
 
 
@@ -195,9 +196,28 @@ def model_from_state_dict(sd: dict[str, torch.Tensor], config: GPT2Config, sourc
         CheckpointError: see :func:`gpt2mha.io.checkpoints.check_state_dict`.
     """
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_class(config, model_cls, source)(config)
     check_state_dict(model, sd, source)
     return load_into(model, sd, dtype)
+
+
+def model_class(config: GPT2Config, model_cls=GPT2, source: str = "checkpoint") -> type:
+    """The class a loader builds for ``config``: ``model_cls`` for a language model; for a
+    :class:`~gpt2mha.core.classifier.ClassifierConfig`, ``model_cls`` when it is a classifier
+    class, else its ``classifier_class`` attribute (the public ``gpt2mha.GPT2`` names
+    ``gpt2mha.GPT2Classifier`` there), else the core :class:`~gpt2mha.core.classifier.GPT2Classifier`.
+
+    Raises:
+        CheckpointError: a classifier class asked for a language model's checkpoint.
+    """
+    if isinstance(config, ClassifierConfig):
+        if issubclass(model_cls, GPT2Classifier):
+            return model_cls
+        return getattr(model_cls, "classifier_class", None) or GPT2Classifier
+    if issubclass(model_cls, GPT2Classifier):
+        raise CheckpointError(f"{source}: a language model (its head has n_vocab={config.n_vocab} outputs), not a "
+                              f"classifier; load it with GPT2.from_pretrained")
+    return model_cls
 
 
 def read_torch_file(path: str):

@@ -106,6 +106,7 @@ class Sequence:
     t_last: float | None = None
     t_end: float | None = None
     stream: TextStream | None = None
+    adapter: int | None = None                  # the LoRA adapter's index (inference/lora.py; None: the base)
 
     @property
     def done(self) -> bool:
@@ -178,12 +179,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------------- app side
     def submit(self, prompts: list[list[int]], params: SamplingParams,
-               on_event: Callable[[Sequence, str, bool], None], clip: bool = False) -> list[Sequence]:
+               on_event: Callable[[Sequence, str, bool], None], clip: bool = False,
+               adapter: int | None = None) -> list[Sequence]:
         """Queue ``params.per_prompt`` sequences per prompt (all or none) and return them in
         order: prompt i's candidate j has ``index = i * per_prompt + j`` (its seed rule) and
         ``prompt_index = i``. With ``clip``, a prompt whose ``max_tokens`` goes past the context
         runs with ``max_tokens`` the room left (``n_ctx - len(prompt)``; its ``params`` say so),
-        ending with finish_reason ``"length"`` where the context ends.
+        ending with finish_reason ``"length"`` where the context ends. ``adapter``: the LoRA
+        adapter they run with (an index of the model's :class:`~gpt2mha.inference.lora.LoraState`;
+        None: the base model).
 
         Raises:
             ValueError: ``params`` not a :class:`~gpt2mha.inference.params.SamplingParams` (which
@@ -199,7 +203,7 @@ class Scheduler:
         now = time.monotonic()
         m = params.per_prompt
         seqs = [Sequence(ids, self._fitted(params, ids) if clip else params, on_event, index=i * m + j,
-                         prompt_index=i, t_submit=now)
+                         prompt_index=i, t_submit=now, adapter=adapter)
                 for i, ids in enumerate(prompts) for j in range(m)]
         with self._cv:
             if self._stopping:
@@ -417,13 +421,13 @@ class Scheduler:
                 seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens, p.stop_token_ids, p.ignore_eos,
                                         p.min_tokens, p.include_stop_str_in_output)
                 if p.echo and p.logprobs is not None:
-                    seq.prompt_logprobs = self.engine.score(seq.prompt_ids, p.logprobs)
+                    seq.prompt_logprobs = self.engine.score(seq.prompt_ids, p.logprobs, adapter=seq.adapter)
                 if p.max_tokens == 0:
                     self._finish(seq, LENGTH)
                     continue
                 seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
                 logprobs = p.logprobs if p.logprobs is not None else 0 if p.ranked else None
-                self.engine.open(seq.slot, p, seed, logprobs=logprobs, prompt=seq.prompt_ids)
+                self.engine.open(seq.slot, p, seed, logprobs=logprobs, prompt=seq.prompt_ids, adapter=seq.adapter)
                 live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
