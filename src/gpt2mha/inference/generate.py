@@ -239,6 +239,14 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         eos_token_id: once a row emits it (or one of ``stop_token_ids``), the row is finished
             and keeps emitting that token; the loop stops early when every row is finished (the
             result is still padded to full length).
+
+    With ``structured_outputs`` (a :class:`~gpt2mha.inference.params.StructuredOutputs` or a
+    mapping of its fields: ``{"json": schema}``, ``{"regex": r}``, ``{"choice": [...]}``,
+    ``{"grammar": g}``, ``{"json_object": True}``) every row's tokens follow the grammar,
+    compiled for the model's tokenizer (``model.config.tokenizer``); each row has its own state of
+    it. A row whose grammar is complete (nothing can follow, or it took the tokenizer's
+    end-of-text token where the grammar may end) is finished: its remaining columns hold
+    ``eos_token_id``, else the tokenizer's end-of-text token, else 0 (the byte tokenizer has none).
         sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)
             by conditioning each step on the last n_ctx tokens only (positions restart at 0 for
             that window; slower once the window slides: no cache).
@@ -381,9 +389,15 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
     c = model.config
     storage, cache = new_cache((c.n_layer, B, c.n_head, max_len, c.head_dim), model.wte.weight.dtype,
                                model.wte.weight.device, zero=decoder.name != NATIVE)   # the native forward reads only
+    tok = None
+    if params.structured_outputs is not None:                  # the grammar is compiled for its tokens
+        from ..io.tokenizer import get_tokenizer
+        tok = get_tokenizer(model.config.tokenizer)
+    pad = eos_token_id if eos_token_id is not None else tok.eot_token if tok is not None and \
+        tok.eot_token is not None else 0                        # after a row's grammar is complete
     try:                                                                              # what it wrote
         engine = Engine(model, cache, route, vocab_size, batch_invariant, zeroed=decoder.name != NATIVE,
-                        eos_token_id=eos_token_id)
+                        eos_token_id=eos_token_id, tokenizer=tok)
         for b in range(B):
             engine.open(b, params, None if seed is None else row_seed(seed, b), row=b, prompt=prompts[b])
         tokens = engine.prefill(list(range(B)), [ids[-n_ctx:] for ids in prompts])
@@ -402,6 +416,8 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
                     tokens[b] = engine.last[b] = finished[b]
                 elif t in ends:
                     finished[b] = t
+                elif engine.samplers[b].complete:               # its grammar takes nothing more
+                    finished[b] = pad
             chosen.append(list(tokens))
             if on_token is not None:
                 out[:, pos] = torch.tensor(tokens)

@@ -219,6 +219,8 @@ class ChatRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
     user: str | None = None
     # each generated token's logprob, and the top_logprobs most probable (choices[i].logprobs.content)
     logprobs: bool = False
@@ -301,7 +303,8 @@ def completion_request(body: ChatRequest, template: ChatTemplate, tokenizer, n_c
     fields = body.model_dump(include={"model", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                                       "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
                                       "repetition_penalty", "no_repeat_ngram_size", "min_tokens", "ignore_eos",
-                                      "stop_token_ids", "include_stop_str_in_output", "user"}, exclude_none=True)
+                                      "stop_token_ids", "include_stop_str_in_output", "response_format",
+                                      "structured_outputs", "user"}, exclude_none=True)
     if body.logprobs:              # completions' logprobs=k: each token's logprob and the k most probable
         fields["logprobs"] = body.top_logprobs or 0
     return CompletionRequest.model_validate({**fields, "prompt": ids,

@@ -22,6 +22,7 @@ from .protocol import (MAX_STOP, APIError, check_prompt_count, check_request, ch
                        join_logprobs, parse_request, prompt_echo, sampling_params, sse, submit_error,
                        usage)
 from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown, pick_choices
+from .structured import check_grammar
 from .text_stream import CANCELLED, ERROR
 
 log = logging.getLogger("gpt2mha.serve")
@@ -154,12 +155,14 @@ class Completions:
 
     def check(self, body) -> None:
         """The checks of a parsed request (:mod:`.protocol`): model, values, stop strings (at
-        most ``max_stop``), ``stream_options`` only with ``stream``, and the prompt count."""
+        most ``max_stop``), ``stream_options`` only with ``stream``, the prompt count, and its
+        structured output's grammar compiled for the served tokenizer (:mod:`.structured`)."""
         s = self.scheduler
-        check_request(body, self.model_name, s.engine.vocab_size)
+        params = check_request(body, self.model_name, s.engine.vocab_size)
         check_stop(body, self.max_stop)
         check_stream_options(body)
         check_prompt_count(body, s.capacity, s.max_batch, s.max_queue)
+        check_grammar(params, s.engine, body)
 
     def whole_choice(self, index: int, seq: Sequence) -> dict:
         """A finished sequence as ``choices[index]`` of a whole answer."""
