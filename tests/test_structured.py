@@ -411,3 +411,17 @@ def test_random_124m_checkpoint_follows_each_constraint(random_124m):
 @pytest.mark.slow
 def test_random_124m_checkpoint_follows_each_constraint_for_50_seeds(random_124m):
     check_124m(random_124m, seeds=50, max_tokens=96)
+
+
+def test_the_benchmark_runs_and_reports_the_cost_and_the_compile(tmp_path, one_thread):
+    """benchmarks/structured.py on the built-in model, one seed: its row holds both rates, the
+    constrained run's length (the schema completed), the mask's time and the compile's stages."""
+    from conftest import load_benchmark
+
+    bench = load_benchmark("structured")
+    out = tmp_path / "structured.json"
+    assert bench.main(["--models", "builtin", "--seeds", "1", "--threads", "1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["plain_tok_s"] > 0 and row["constrained_tok_s"] > 0 and row["mask_us"] > 0
+    assert 40 <= row["tokens"][0] <= 150                         # a whole object of the schema, in bytes
+    assert all(row[k] > 0 for k in ("token_table_s", "schema_to_grammar_s", "matcher_s", "sequence_start_us"))
