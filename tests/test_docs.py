@@ -156,7 +156,8 @@ def test_the_guides_code_runs(page, tmp_path, one_thread, request):
             if marker[1:] == ["server"]:
                 code = code.replace(SERVER_URL, request.getfixturevalue("docs_server"))
             if lang == "python":
-                exec(compile(code, where, "exec"), namespace)
+                exec(compile(code, where, "exec", dont_inherit=True), namespace)   # as a script runs it: not
+                                                                                    # this file's __future__
             elif lang in ("bash", "sh"):
                 run_bash(code, tmp_path, where)
             else:
