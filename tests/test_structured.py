@@ -58,18 +58,20 @@ def assert_valid(kind: str, text: str) -> None:
 CONSTRAINTS = {"json": {"json": SCHEMA}, "choice": {"choice": CHOICES}, "regex": {"regex": REGEX}}
 
 
-def offline_texts(model, tok, prompt: str, kind: str, rows: int, seed: int, max_tokens: int,
-                  batch_invariant=True) -> list[str]:
-    """``generate``'s texts for ``rows`` rows of ``prompt`` (row i seeded ``row_seed(seed, i)``),
-    each cut at its end (the end-of-text token, or the pad after a complete grammar)."""
+def offline_tokens(model, tok, prompt: str, kind: str, rows: int, seed: int, max_tokens: int,
+                   batch_invariant=True) -> list[list[int]]:
+    """``generate``'s new tokens for ``rows`` rows of ``prompt`` (row i seeded ``row_seed(seed,
+    i)``), each cut at its end (the end-of-text token, or the pad after a complete grammar)."""
     ids = tok.encode(prompt)
     out = model.generate([ids] * rows, max_tokens, seed=seed, structured_outputs=CONSTRAINTS[kind],
                          batch_invariant=batch_invariant, vocab_size=tok.n_vocab)
     pad = tok.eot_token if tok.eot_token is not None else 0
-    texts = []
-    for row in out[:, len(ids):].tolist():
-        texts.append(tok.decode(row[:row.index(pad)] if pad in row else row))
-    return texts
+    return [row[:row.index(pad)] if pad in row else row for row in out[:, len(ids):].tolist()]
+
+
+def offline_texts(model, tok, *args, **kwargs) -> list[str]:
+    """The texts of :func:`offline_tokens`."""
+    return [tok.decode(row) for row in offline_tokens(model, tok, *args, **kwargs)]
 
 
 # ------------------------------------------------------------------------------ parameters
@@ -379,16 +381,19 @@ def random_124m(tmp_path_factory, one_thread):
 
 def check_124m(random_124m, seeds: int, max_tokens: int):
     """``seeds`` seeded rows of the random 124M, offline and served through the openai client
-    (one request of n=seeds per constraint): every text valid, the served ones offline's."""
+    (one request of n=seeds per constraint): every text valid, the served ones offline's, token
+    for token (their logprobs' tokens)."""
     from gpt2mha.serving.server import serve_in_thread
+
+    from gpt2mha.serving.protocol import token_text
 
     model, tok = random_124m
     prompt = "A person, as JSON:"
-    want = {kind: offline_texts(model, tok, prompt, kind, seeds, seed=21, max_tokens=max_tokens)
+    want = {kind: offline_tokens(model, tok, prompt, kind, seeds, seed=21, max_tokens=max_tokens)
             for kind in CONSTRAINTS}
-    for kind, texts in want.items():
-        for text in texts:
-            assert_valid(kind, text)
+    for kind, rows in want.items():
+        for row in rows:
+            assert_valid(kind, tok.decode(row))
     sched = Scheduler(model, tok, max_batch=8, max_queue=64, batch_invariant=True)
     with serve_in_thread(sched, "random-124M", timeout=120) as url:
         c = client(url)
@@ -396,10 +401,11 @@ def check_124m(random_124m, seeds: int, max_tokens: int):
                             ("choice", {"structured_outputs": {"choice": CHOICES}}),
                             ("regex", {"structured_outputs": {"regex": REGEX}})):
             r = c.completions.create(model="random-124M", prompt=prompt, max_tokens=max_tokens, n=seeds, seed=21,
-                                     extra_body=extra)
+                                     logprobs=0, extra_body=extra)
             got = sorted(r.choices, key=lambda ch: ch.index)
             assert all(ch.finish_reason == "stop" for ch in got), kind
-            assert [ch.text for ch in got] == want[kind], kind
+            assert [ch.text for ch in got] == [tok.decode(row) for row in want[kind]], kind
+            assert [ch.logprobs.tokens for ch in got] == [[token_text(tok, t) for t in row] for row in want[kind]]
 
 
 def test_random_124m_checkpoint_follows_each_constraint(random_124m):
