@@ -234,19 +234,12 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             twice), ``min_tokens`` (``eos_token_id`` and ``stop_token_ids`` banned until that
             many new tokens), ``ignore_eos`` (``eos_token_id`` neither stops a row nor is
             banned by ``min_tokens``), ``stop_token_ids`` (ids that finish a row, as
-            ``eos_token_id`` does). Order of the adjustments: :meth:`RowSampler.adjust
-            <gpt2mha.inference.sampling.RowSampler.adjust>`.
+            ``eos_token_id`` does), ``structured_outputs`` (every row's tokens follow a JSON
+            schema, a regex, a choice or a grammar: below). Order of the adjustments:
+            :meth:`RowSampler.adjust <gpt2mha.inference.sampling.RowSampler.adjust>`.
         eos_token_id: once a row emits it (or one of ``stop_token_ids``), the row is finished
             and keeps emitting that token; the loop stops early when every row is finished (the
             result is still padded to full length).
-
-    With ``structured_outputs`` (a :class:`~gpt2mha.inference.params.StructuredOutputs` or a
-    mapping of its fields: ``{"json": schema}``, ``{"regex": r}``, ``{"choice": [...]}``,
-    ``{"grammar": g}``, ``{"json_object": True}``) every row's tokens follow the grammar,
-    compiled for the model's tokenizer (``model.config.tokenizer``); each row has its own state of
-    it. A row whose grammar is complete (nothing can follow, or it took the tokenizer's
-    end-of-text token where the grammar may end) is finished: its remaining columns hold
-    ``eos_token_id``, else the tokenizer's end-of-text token, else 0 (the byte tokenizer has none).
         sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)
             by conditioning each step on the last n_ctx tokens only (positions restart at 0 for
             that window; slower once the window slides: no cache).
@@ -273,6 +266,15 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     ``batch_invariant`` every row's logits at every step are bitwise those of its prompt
     generated alone (and its greedy or seeded tokens the same), whatever the other prompts,
     their lengths and order.
+
+    Structured outputs: with ``structured_outputs`` (a
+    :class:`~gpt2mha.inference.params.StructuredOutputs` or a mapping of its fields:
+    ``{"json": schema}``, ``{"regex": r}``, ``{"choice": [...]}``, ``{"grammar": g}``,
+    ``{"json_object": True}``) every row's tokens follow the grammar, compiled for the model's
+    tokenizer (``model.config.tokenizer``); each row has its own state of it. A row whose grammar
+    is complete (nothing can follow, or it took the tokenizer's end-of-text token where the
+    grammar may end) is finished: its remaining columns hold ``eos_token_id``, else the
+    tokenizer's end-of-text token, else 0 (the byte tokenizer has none).
 
     Returns:
         ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens (an
