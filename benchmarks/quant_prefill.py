@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench import REPO_TEXT, real_text_tokens, top1_agreements  # noqa: E402
 from gpt2mha import GPT2, GPT2Config, KVCache  # noqa: E402
-from gpt2mha.inference.quant import linear as qlinear  # noqa: E402
+from gpt2mha.inference.quant import int8_linear, linear as qlinear  # noqa: E402
 from gpt2mha.inference.quant.linear import QuantizedLinear, int8_kernel  # noqa: E402
 from gpt2mha.inference.quant.schemes import dequantize_int4, unpack_int4  # noqa: E402
 
@@ -211,18 +211,18 @@ def quality(args) -> None:
     n = ref.config.n_ctx
     print(f"shakespeare-byte, int8 {args.method}, {len(text)} held-out bytes, int8 kernel {int8_kernel()}; "
           f"float32 bits/byte {bits_per_byte(ref, text, n):.4f}")
-    original = qlinear.int8_matmul
+    original = int8_linear.int8_matmul                                  # what the int8 layers call
     runs = [("exact (default)", exact, None), ("per_row: asymmetric 8-bit per row, 7-bit weights", per_row, None)]
     runs += [(f"{k} [simulated]", exact, f) for k, f in SIMULATED.items()]
     for name, model, rounding in runs:
         if rounding is not None:                                         # x̂ @ deq(W)ᵀ in float32
-            qlinear.int8_matmul = (lambda x, q, s, *a, f=rounding, **k:
-                                   f(x.float()) @ (q.float() * s.float()[:, None]).t())
+            int8_linear.int8_matmul = (lambda x, q, s, *a, f=rounding, **k:
+                                       f(x.float()) @ (q.float() * s.float()[:, None]).t())
         try:
             run = forced(lambda: (top1_agreements(ref, model, text), bits_per_byte(model, text, n)), int8=NEVER)
             (top1, decisive), bpb = run()
         finally:
-            qlinear.int8_matmul = original
+            int8_linear.int8_matmul = original
         print(f"  {name:56} top-1 {top1:.2%} (decisive {decisive:.2%})  bits/byte {bpb:.4f}", flush=True)
 
 

@@ -35,6 +35,19 @@ def small_model(seed=0, *, noise="ln_bias", scale=0.2, **config):
     return model
 
 
+def overflowing_builtin():
+    """The built-in model with ``c_attn`` scaled by 1e30: every score ``q · k`` overflows float32
+    (products of +-1e60, signs mixed: inf - inf = NaN), in every layer; the weights are finite."""
+    from gpt2mha import GPT2
+
+    model = GPT2.from_pretrained("shakespeare-byte").eval()
+    with torch.no_grad():
+        for block in model.h:
+            block.attn.c_attn.weight.mul_(1e30)
+            block.attn.c_attn.bias.mul_(1e30)
+    return model
+
+
 @pytest.fixture
 def threads():
     """``threads(n)`` sets torch's (and so the kernels') intra-op threads; restored after."""

@@ -242,3 +242,64 @@ def test_sdpa_core_compiles_once_over_dynamic_lengths():
         q, k, v = (torch.randn(1, 2, T, 8, generator=torch.Generator().manual_seed(T + i)) for i in range(3))
         torch.testing.assert_close(compiled(q, k, v, None), attend_explicit(q, k, v, None), atol=1e-5, rtol=1e-5)
     assert len(graphs) == 1                                                # one trace for every length
+
+
+def _numpy_formula(q, k, v, mask):
+    """OpenAI's attention in float32 NumPy (the reference for non-finite scores): softmax of the
+    masked, scaled scores (max subtracted) times v; a NaN score makes its row NaN."""
+    import numpy as np
+
+    q, k, v, m = (t.numpy() for t in (q, k, v, mask))
+    with np.errstate(all="ignore"):
+        w = q @ k.swapaxes(-1, -2) * np.float32(1 / math.sqrt(q.shape[-1]))
+        w = np.where(m, w, np.finfo(np.float32).min)
+        w = np.exp(w - w.max(-1, keepdims=True))
+        return torch.from_numpy((w / w.sum(-1, keepdims=True)) @ v)
+
+
+@pytest.mark.parametrize("T,S", [(4, 4), (1, 6), (3, 6)])
+def test_sdpa_core_gives_nan_where_the_formula_does(T, S):
+    """Queries whose scores are all NaN: a NaN query, and one whose products overflow float32
+    (1e30 · 1e30, signs mixed: inf - inf). PyTorch's CPU kernel returns zeros for such rows;
+    the SDPA core gives NaN there, as the explicit core and OpenAI's formula (NumPy, float32)
+    do, and the formula's numbers on every other row."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen) for n in (T, S, S))
+    q[0, 0, -1] = float("nan")                                              # head 0, last query
+    q[0, 1, 0] = 1e30 * torch.tensor([1.0, -1] * 4)
+    k[0, 1] = 1e30 * torch.tensor([1.0, 1, -1, -1, 1, 1, -1, -1])           # head 1: +inf and -inf products
+    mask = attention_mask(T, S)
+    ref = _numpy_formula(q, k, v, mask)
+    assert torch.isnan(ref[0, 0, -1]).all() and torch.isnan(ref[0, 1]).any()
+    if T in (1, S):                                                         # torch's zeros (without a mask)
+        assert F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)[0, 0, -1].eq(0).all()
+    for a in (attend_sdpa(q, k, v, None), attend_sdpa(q, k, v, mask), attend_explicit(q, k, v, None)):
+        assert torch.equal(torch.isnan(a), torch.isnan(ref))
+        torch.testing.assert_close(a.nan_to_num(), ref.nan_to_num(), atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_core_keeps_rows_that_are_zero_by_the_formula():
+    """Values of zero (a row of zeros that is right): the same zeros, no NaN."""
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    v = torch.zeros(1, 2, 5, 8)
+    v[:, 1] = torch.randn(5, 8)
+    a = attend_sdpa(q, k, v, None)
+    assert torch.equal(a[:, 0], torch.zeros(1, 5, 8)) and torch.isfinite(a).all()
+    torch.testing.assert_close(a, attend_explicit(q, k, v, None), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_kernel_gives_nan_for_nan_scores_from_zero_rows_below_keys_on(dtype):
+    """formula_where_zeroed checks only calls over fewer than ZERO_ROWS_BELOW keys: from there
+    on PyTorch's CPU kernel itself gives NaN for a query whose scores are all NaN (one query, and
+    causal prefills), at sizes around its vectors and its key blocks. A torch whose kernel
+    zeroes such rows over more keys fails here."""
+    from gpt2mha.core.attention import ZERO_ROWS_BELOW
+
+    gen = torch.Generator().manual_seed(0)
+    for S in [*range(ZERO_ROWS_BELOW, ZERO_ROWS_BELOW + 40), 255, 256, 257, 511, 512, 513, 1025]:
+        for T in (1, S):
+            q, k, v = (torch.randn(2, 2, n, 32, generator=gen).to(dtype) for n in (T, S, S))
+            q[:, 0] = float("nan")
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+            assert torch.isnan(a[:, 0]).all() and torch.isfinite(a[:, 1]).all(), (S, T)

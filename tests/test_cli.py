@@ -385,8 +385,37 @@ def test_generate_with_nan_logits_says_so_in_one_line(byte_model, capsys, monkey
     assert main(["generate", "ab", "--model", byte_model, "--max-new-tokens", "20", "--temperature", "0"]) == 1
     out, err = capsys.readouterr()
     assert err.strip().splitlines()[-1] == ("error: the model produced NaN or infinite logits at step 7 "
-                                            "(rows [0]); its weights or inputs hold NaN/inf")
+                                            "(rows [0]); its weights or inputs hold NaN/inf, or its activations overflow")
     assert out.startswith("ab") and len(out.encode("utf-8", "surrogateescape")) < 2 + 20
+
+
+@pytest.mark.parametrize("argv, on", [
+    (["ablate", "To be", "--heads", "0.1"], "PROMPT"),
+    (["lens", "To be", "--out", "{dir}"], "PROMPT"),
+    (["patch", "To be", "To go", "--answer", "a", "--wrong", "b", "--out", "{dir}"], "CLEAN"),
+    (["heads", "To be", "--out", "{dir}"], "PROMPT"),
+    (["perplexity", "{text}"], "the window of tokens 0..12"),
+])
+def test_every_command_that_runs_a_nonfinite_model_says_so(argv, on, tmp_path, capsys, monkeypatch, one_thread):
+    """The built-in model with c_attn scaled by 1e30 (every attention score NaN, the weights finite):
+    each command that runs it ends in generate's one error line (the same check), exit 1, and
+    prints no number; each printed a plausible table or `nan` while the SDPA core gave finite
+    logits for NaN scores."""
+    import gpt2mha.cli.generation as generation
+    import gpt2mha.cli.interventions as interventions
+    import gpt2mha.cli.tools as tools
+    from conftest import overflowing_builtin
+
+    model = overflowing_builtin()
+    for module in (generation, interventions, tools):
+        monkeypatch.setattr(module, "load_model", lambda name, dtype="float32": model)
+    (tmp_path / "t.txt").write_text("To be, or not")
+    argv = [a.format(dir=tmp_path / "out", text=tmp_path / "t.txt") for a in argv]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip().splitlines()[-1].startswith("error: the model produced NaN or infinite ")
+    assert f" on {on}; its weights or inputs hold NaN/inf, or its activations overflow" in err
 
 
 def _thp_mode():

@@ -8,9 +8,12 @@ the parser, its links and pictures exist.
   order, offline, on the built-in model, in a fresh directory holding a link to ``data/``:
   Python blocks in one namespace (as a notebook), bash lines one by one (``gpt2mha ...`` lines
   in this process through ``gpt2mha.cli.main``, which must return 0: no torch import per line;
-  anything else through ``bash``). ``<!-- test: run server -->`` runs a block against a live
-  ``gpt2mha serve`` of the built-in model (its ``http://127.0.0.1:8000`` replaced by the test
-  server's address).
+  anything else through ``bash``). ``<!-- test: server -->`` marks the bash block that starts the
+  page's server: its lines run, but its ``gpt2mha serve ARGS`` line starts that server (the
+  model, name and limits ``gpt2mha serve ARGS`` serves) in this process on a free port, for the
+  rest of the page. ``<!-- test: run server -->`` runs a block against it (its
+  ``http://127.0.0.1:8000`` replaced by the test server's address); every ``curl`` request of
+  such a block must answer a 2xx status. ``... needs MODULE`` skips the block without MODULE.
 - The CLI reference page (docs_hooks/cli_reference.py, an MkDocs hook) names every subcommand and
   every flag ``gpt2mha.cli.build_parser()`` has.
 - The hooks live outside docs/, so the built site holds none of their code, and the docs extra
@@ -69,7 +72,8 @@ def test_every_code_block_of_the_guides_is_marked(page):
         if lang in ("python", "bash", "sh"):
             assert marker, f"{page.relative_to(ROOT)}:{line}: a ```{lang} block without <!-- test: ... -->"
             kind = marker.split()[0]
-            assert kind in ("run", "skip", "write"), f"{page.relative_to(ROOT)}:{line}: unknown marker {marker!r}"
+            assert kind in ("run", "skip", "write", "server"), \
+                f"{page.relative_to(ROOT)}:{line}: unknown marker {marker!r}"
             if kind == "skip":
                 assert len(marker.split()) > 1, f"{page.relative_to(ROOT)}:{line}: say why the block is skipped"
 
@@ -79,6 +83,12 @@ def test_the_guides_have_runnable_blocks():
     ran = {p.name: sum(1 for _, m, _, _ in blocks(p) if m and m.split()[0] == "run") for p in runnable_pages()}
     assert ran["build-attention.md"] >= 5 and ran["look-inside.md"] >= 2 and ran["quantize.md"] >= 1
     assert sum(ran.values()) >= 25
+    serve = blocks(DOCS / "how-to" / "serve.md")
+    starts = [code for _, m, code, _ in serve if m == "server"]
+    assert len(starts) == 1 and [w[:2] for _, w in bash_commands(starts[0])][-1] == ["gpt2mha", "serve"]
+    requests = [line for lang, m, code, _ in serve if m == "run server" and lang == "bash"
+                for line, words in bash_commands(code) if words[0] == "curl"]
+    assert len(requests) >= 4, requests
 
 
 # ------------------------------------------------------------------------------- running
@@ -91,7 +101,9 @@ def bash_commands(code: str):
             yield line, words
 
 
-def run_bash(code: str, cwd: pathlib.Path, where: str) -> None:
+def run_bash(code: str, cwd: pathlib.Path, where: str, requests: bool = False) -> None:
+    """Run a bash block's commands (see the module's docstring); with ``requests``, every ``curl``
+    command must also answer an HTTP status in 200-299 (written by ``-w``, whatever its ``-f``)."""
     from gpt2mha.cli import main
 
     env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -104,24 +116,53 @@ def run_bash(code: str, cwd: pathlib.Path, where: str) -> None:
                 code_ = e.code
             assert code_ == 0, f"{where}: `{line.strip()}` exited {code_}"
         else:
-            done = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True,
+            curl = requests and words[0] == "curl"
+            command = shlex.join([*words, "-w", "\nHTTP %{http_code}\n"]) if curl else line
+            done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
                                   timeout=120)
             assert done.returncode == 0, f"{where}: `{line.strip()}` exited {done.returncode}:\n{done.stderr[-2000:]}"
+            if curl:
+                status = done.stdout.rstrip().rsplit("\n", 1)[-1]
+                assert re.fullmatch(r"HTTP 2\d\d", status), f"{where}: `{line.strip()}` answered {status}:\n" \
+                                                             f"{done.stdout[-2000:]}"
 
 
-@pytest.fixture(scope="module")
-def docs_server():
-    """A live server of the built-in model (the address ``gpt2mha serve`` would print)."""
+@contextlib.contextmanager
+def page_server(line: str, where: str):
+    """The server ``gpt2mha serve ARGS`` (the page's ``line``) starts: its model, served name, chat
+    template and limits, as ``gpt2mha serve`` builds them (:func:`gpt2mha.cli.tools.served_model`),
+    run in this process on a free port of 127.0.0.1; yields its address."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    from gpt2mha import DEFAULT_MODEL, GPT2
-    from gpt2mha.io.tokenizer import get_tokenizer
+    from gpt2mha.cli import build_parser
+    from gpt2mha.cli.tools import served_model
+    from gpt2mha.serving.chat import load_chat_template
     from gpt2mha.serving.scheduler import Scheduler
     from gpt2mha.serving.server import serve_in_thread
 
-    model = GPT2.from_pretrained(DEFAULT_MODEL).eval()
-    with serve_in_thread(Scheduler(model, get_tokenizer(model.config.tokenizer), max_batch=4), DEFAULT_MODEL) as url:
+    words = shlex.split(line, comments=True)
+    args = build_parser().parse_args(words[1:])
+    assert args.port == 8000 and args.host == "127.0.0.1", f"{where}: the page's server must be the one it calls"
+    model, tok, name = served_model(args)
+    sched = Scheduler(model, tok, max_batch=args.max_batch, max_queue=args.max_queue,
+                      batch_invariant=args.batch_invariant)
+    with serve_in_thread(sched, name, max_body_bytes=args.max_body_bytes, max_stop=args.max_stop,
+                         chat_template=load_chat_template(args.chat_template),
+                         max_tokens_overflow=args.max_tokens_overflow) as url:
         yield url
+
+
+def start_page_server(code: str, cwd: pathlib.Path, where: str, stack: contextlib.ExitStack) -> str:
+    """Run a ``server`` block: its lines, but its ``gpt2mha serve`` line starts
+    :func:`page_server` (kept running by ``stack``); returns the server's address."""
+    url = None
+    for line, words in bash_commands(code):
+        if words[:2] == ["gpt2mha", "serve"]:
+            url = stack.enter_context(page_server(line, where))
+        else:
+            run_bash(line, cwd, where)
+    assert url is not None, f"{where}: a server block without a `gpt2mha serve` line"
+    return url
 
 
 @contextlib.contextmanager
@@ -138,28 +179,35 @@ def in_directory(path: pathlib.Path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", runnable_pages(), ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_the_guides_code_runs(page, tmp_path, one_thread, request):
+def test_the_guides_code_runs(page, tmp_path, one_thread):
     """Every block marked ``run`` runs without error (Python: no exception, its asserts hold;
     bash: exit 0), in order, on the built-in model, offline."""
     todo = [(lang, marker.split(), code, line) for lang, marker, code, line in blocks(page)
-            if marker and marker.split()[0] in ("run", "write")]
+            if marker and marker.split()[0] in ("run", "write", "server")]
     if not any(m[0] == "run" for _, m, _, _ in todo):
         pytest.skip("no block of this page is marked runnable")
     (tmp_path / "data").symlink_to(ROOT / "data")
     namespace = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
-    with in_directory(tmp_path):
+    url = None
+    with in_directory(tmp_path), contextlib.ExitStack() as stack:
         for lang, marker, code, line in todo:
             where = f"{page.relative_to(ROOT)}:{line}"
             if marker[0] == "write":
                 (tmp_path / marker[1]).write_text(code, encoding="utf-8")
                 continue
-            if marker[1:] == ["server"]:
-                code = code.replace(SERVER_URL, request.getfixturevalue("docs_server"))
+            if marker[0] == "server":
+                url = start_page_server(code, tmp_path, where, stack)
+                continue
+            if marker[2:3] == ["needs"] and importlib.util.find_spec(marker[3]) is None:
+                continue                                  # an optional client this environment lacks
+            if marker[1:2] == ["server"]:
+                assert url is not None, f"{where}: a `run server` block before the page's `server` block"
+                code = code.replace(SERVER_URL, url)
             if lang == "python":
                 exec(compile(code, where, "exec", dont_inherit=True), namespace)   # as a script runs it: not
                                                                                     # this file's __future__
             elif lang in ("bash", "sh"):
-                run_bash(code, tmp_path, where)
+                run_bash(code, tmp_path, where, requests=marker[1:2] == ["server"])
             else:
                 raise AssertionError(f"{where}: cannot run a ```{lang} block")
         for name in [m for m in sys.modules if m in {p.stem for p in tmp_path.glob("*.py")}]:
@@ -387,3 +435,45 @@ def test_the_committed_results_say_where_they_come_from_and_their_figures_exist(
     for png, (source, _) in plots.FIGURES.items():
         if (ROOT / "benchmarks" / "results" / source).exists():
             assert (DOCS / "images" / png).exists(), f"docs/images/{png} not drawn: python benchmarks/plots.py"
+
+
+# ------------------------------------------------------------------------------- the server's reference
+def reference_table(page: pathlib.Path, heading: str) -> dict[str, str]:
+    """``{field: default}`` of the ``| field | default | meaning |`` table under ``heading`` (a
+    row naming several fields, `` `a`, `b` ``, gives each one)."""
+    text = page.read_text(encoding="utf-8").split(heading, 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
+        for name in re.findall(r"`([\w.]+)`", cells[0]) if cells else ():
+            out[name] = cells[1]
+    return out
+
+
+def test_the_server_reference_lists_the_completions_fields_as_the_schema_takes_them():
+    """docs/reference/server.md's table of ``POST /v1/completions`` names only fields the request
+    schema has, says ``required`` exactly for the fields the schema requires (``prompt``, not
+    ``model``: a request may leave it out), and names every sampling field."""
+    pytest.importorskip("fastapi")
+    from gpt2mha.inference.params import FIELDS
+    from gpt2mha.serving.protocol import CompletionRequest
+
+    table = reference_table(DOCS / "reference" / "server.md", "## `POST /v1/completions`")
+    schema = CompletionRequest.model_fields
+    assert set(table) <= set(schema) | {"stream_options.include_usage"}, set(table) - set(schema)
+    assert {name for name, default in table.items() if default == "required"} == \
+        {name for name, field in schema.items() if field.is_required()} == {"prompt"}
+    assert set(FIELDS) <= set(table), set(FIELDS) - set(table)
+
+
+@pytest.mark.slow
+def test_the_server_references_requests_work_against_a_default_server(tmp_path, one_thread):
+    """Every curl request of docs/reference/server.md answers a 2xx status from the server a
+    bare ``gpt2mha serve`` starts (the built-in model)."""
+    page = DOCS / "reference" / "server.md"
+    requests = [(code, line) for lang, _, code, line in blocks(page)
+                if lang == "bash" and any(words[0] == "curl" for _, words in bash_commands(code))]
+    assert requests
+    with page_server("gpt2mha serve", str(page)) as url:
+        for code, line in requests:
+            run_bash(code.replace(SERVER_URL, url), tmp_path, f"{page.relative_to(ROOT)}:{line}", requests=True)

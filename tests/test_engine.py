@@ -166,6 +166,29 @@ def test_info_names_the_route_and_why_not_the_others(capsys):
     assert "decode       the decode view" in out and "not the native forward: not a float32, bf16, fp16, int8 per_row" in out
 
 
+@pytest.mark.parametrize("scheme, activations", [("int4", "exact"), ("int8", "per_row")])
+def test_info_prints_the_gptq_models_route_without_running_gptq(scheme, activations, monkeypatch, capsys, one_thread):
+    """`info --quantize` (GPTQ by default) prints, without running GPTQ, exactly what `info`
+    prints for the built-in model quantized by GPTQ (the reference: quantize_model with GPTQ on
+    one row of calibration text, then info on it), the route and why not the others included."""
+    import gpt2mha.cli.tools as tools
+    from gpt2mha.cli import main
+    from gpt2mha.inference.quant import model as qmodel, quantize_model
+
+    real, calls = qmodel._gptq_layers, []
+    monkeypatch.setattr(qmodel, "_gptq_layers", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    assert main(["info", "--quantize", scheme, "--activations", activations]) == 0
+    printed = capsys.readouterr().out
+    assert calls == [] and "decode       the " in printed
+    reference = GPT2.from_pretrained("shakespeare-byte")
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer " * 4
+    quantize_model(reference, scheme, None, "gptq", text, activations)
+    assert len(calls) == 1 and reference.quantization["method"] == "gptq"
+    monkeypatch.setattr(tools, "load_model", lambda name, dtype="float32": reference)
+    assert main(["info"]) == 0
+    assert capsys.readouterr().out == printed
+
+
 @pytest.mark.parametrize("route", ["per_row", "per_block"])
 def test_a_pattern_hook_attached_mid_call_on_the_native_route_reads_no_stale_cache(builtin, route):
     """The native forward leaves the kept cache storage as it was (it reads only what it wrote);

@@ -207,6 +207,27 @@ def test_patch_and_lens_commands_write_pictures_and_json(byte_model, tmp_path, c
     assert [row[0] for row in saved["top"][-1]] == token_labels(tokenizer_for(model.config), top_final.tolist())
 
 
+def test_lens_json_gives_token_ids_beside_the_labels(byte_model, tmp_path, capsys):
+    """lens --json: the prompt's ids (the byte tokenizer's: the UTF-8 bytes) and each cell's top
+    ids, in the shape of ``top`` and ``probs``, the final row the model's own top-k; the labels
+    are those ids' labels."""
+    from gpt2mha.io.tokenizer import tokenizer_for
+    from gpt2mha.learn.heads import token_labels
+
+    assert main(["lens", "h\u00e9 !", "--model", byte_model, "--top", "2", "--out", str(tmp_path), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["token_ids"] == list("h\u00e9 !".encode("utf-8"))
+    model = GPT2.from_pretrained(byte_model).eval()
+    tok = tokenizer_for(model.config)
+    assert printed["tokens"] == token_labels(tok, printed["token_ids"])
+    ids = torch.tensor(printed["top_ids"])
+    assert ids.shape == (3, 5, 2) == torch.tensor(printed["probs"]).shape
+    with torch.no_grad():
+        assert ids[-1].tolist() == model(torch.tensor([printed["token_ids"]])).logits[0].topk(2).indices.tolist()
+    assert printed["top"] == [[token_labels(tok, cell) for cell in row] for row in printed["top_ids"]]
+    assert json.loads((tmp_path / "lens.json").read_text()) == printed
+
+
 def test_ablate_top_and_lens_columns_out_of_range_are_usage_errors(byte_model, tmp_path, capsys):
     """``ablate --top 0``, ``--top`` beyond the vocabulary and ``lens --columns 0`` are errors
     naming the flag (exit 2), as ``lens --top 0`` is, not a traceback or an empty table."""
@@ -289,3 +310,33 @@ def test_lens_picture_of_a_long_prompt_runs_down_with_readable_cells(tmp_path):
                               [f"{t}:e" for t in range(47)], "logit lens (47 tokens)")
     assert Image.open(tmp_path / "lens.png").size == size
     assert size[1] > size[0] and size[1] >= 47 * 18 and size[0] < 1000, size
+
+
+def test_patch_usage_says_what_the_default_metric_requires(capsys):
+    """The usage line (in --help, in a usage error and on the generated CLI reference page) shows
+    --answer as required and --wrong as required unless --metric logprob, as the command enforces;
+    every option still appears once, the line wrapped within argparse's width; a missing
+    --answer is argparse's usage error naming it (exit 2)."""
+    import importlib.util
+    import pathlib
+
+    from gpt2mha.cli import build_parser
+
+    path = pathlib.Path(__file__).parent.parent / "docs_hooks" / "cli_reference.py"
+    spec = importlib.util.spec_from_file_location("cli_reference", path)
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    sub = hook.subcommands(build_parser())["patch"][0]
+    usage = sub.format_usage()
+    flat = " ".join(usage.split())
+    assert flat.startswith("usage: gpt2mha patch [-h] [--metric {logit-diff,logprob}] --answer TEXT "
+                           "(--wrong TEXT | --metric logprob) [--hook HOOK]") and flat.endswith("[--json] CLEAN CORRUPT")
+    assert "[--wrong" not in flat and "[--answer" not in flat
+    for action in hook.arguments(sub):
+        for flag in action.option_strings:
+            assert f"{flag} " in flat or f"{flag}]" in flat, flag
+    assert all(len(line) <= sub._get_formatter()._width for line in usage.splitlines())
+    assert usage.strip() in hook.render()
+    with pytest.raises(SystemExit) as e:
+        main(["patch", "ab", "ac"])
+    assert e.value.code == 2 and "the following arguments are required: --answer" in capsys.readouterr().err

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "gpt2mha"
 
 #: The layers, lowest first: a module may import from its own subpackage and from lower layers.
 LAYERS = (
-    {"core", "kernels", "progress", "distributed"},
+    {"core", "kernels", "progress", "distributed", "version"},
     {"io"},
     {"inference"},
     {"serving", "learn", "train"},

@@ -283,6 +283,36 @@ def test_the_operator_names_what_does_not_fit():
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind,named,group_size", [("per_block", "w4a8", 32), ("per_row", "w7a8", 0)])
+def test_the_operator_takes_the_kind_of_product_by_name(kind, named, group_size):
+    # the step names its products' kind (the layer class's native_kind); an empty kind reads it
+    # from group_size (> 0: W4A8, 0: per_row): the same logits either way, and a kind that does not
+    # go with the group size, or no kind at all, is refused by name
+    model = _model(seed=7, kind=kind)
+    step = NativeStep(model)
+    assert (step.kind, step.group_size) == (named, group_size)
+    cache = _prefilled(model, [3, 5], max_len=16)
+
+    def call(group_size, kind=None):
+        rows = _clone(cache)
+        more = () if kind is None else (kind,)
+        return torch.ops.gpt2mha.cached_forward(torch.tensor([[1], [2]]), step.wte, step.wpe, step.layers, *step.ln_f,
+                                                step.head, rows.k, rows.v, rows.lengths, group_size, step.eps, *more)
+
+    with torch.inference_mode():
+        want = model(torch.tensor([[1], [2]]), cache=_clone(cache), last_only=True).logits[:, -1]
+        named_call, legacy = call(group_size, named), call(group_size)
+    assert torch.equal(named_call, legacy)
+    torch.testing.assert_close(named_call, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    with pytest.raises(RuntimeError, match="kind must be 'w4a8', 'w7a8', 'float32', 'bf16' or 'fp16'"):
+        call(group_size, "int4")
+    with pytest.raises(RuntimeError, match="kind 'w7a8' takes group_size=0"):
+        call(32, "w7a8")
+    with pytest.raises(RuntimeError, match="kind 'w4a8' needs the products' group_size > 0; got 0"):
+        call(0, "w4a8")
+
+
+@needs_kernel
 def test_generate_takes_every_prompt_the_model_takes():
     # strided views and int32 ids reach the operator as the contiguous int64 it needs
     model = _model(seed=8, kind="per_row")

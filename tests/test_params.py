@@ -25,7 +25,7 @@ from gpt2mha.inference.params import FIELDS, ParamError, SamplingParams
     (dict(n=0), "n", r"n=0 must be an integer in \[1, 128\]"),
     (dict(n=3, best_of=2), "best_of", "best_of=2 must be greater than or equal to n=3"),
     (dict(best_of=21), "best_of", r"best_of=21 must be an integer in \[1, 20\]"),
-    (dict(logprobs=6), "logprobs", r"logprobs=6 must be an integer in \[0, 5\]"),
+    (dict(logprobs=21), "logprobs", r"logprobs=21 must be an integer in \[0, 20\]"),
     (dict(echo=1), "echo", "echo=1 must be true or false"),
     (dict(presence_penalty=2.1), "presence_penalty", r"presence_penalty=2.1 must be a number in \[-2, 2\]"),
     (dict(frequency_penalty=float("inf")), "frequency_penalty", "frequency_penalty=inf"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import ROBUST, assert_same_greedy, small_model
+from conftest import ROBUST, assert_same_greedy, overflowing_builtin, small_model
 from gpt2mha import GPT2, GPT2Config, attention_mask
 from gpt2mha.core.attention import combine_masks
 
@@ -146,3 +146,31 @@ def test_mask_values_other_than_0_and_1_are_rejected():
     for bad in ([[2, 2, 2, 2]], [[0.5, 1, 1, 1]], [[-1, 1, 1, 1]]):
         with pytest.raises(ValueError, match=r"attention_mask must be bool or hold only 0 \(masked/pad\) and 1"):
             MODEL(idx, attention_mask=torch.tensor(bad))
+
+
+def test_every_route_gives_nan_when_every_score_is_nan(one_thread):
+    """OpenAI's formula gives NaN for a query whose scores are NaN: the explicit core does, and
+    so must the SDPA core (whose CPU kernel alone would give 0: finite logits), the decode view
+    (prefill and steps; a 1-token prompt attends through SDPA), the route generate takes (the
+    native forward where the kernels are built) and run_with_cache."""
+    from gpt2mha.core.kv_cache import KVCache
+    from gpt2mha.inference.decoders import ViewDecoder, choose_decoder
+    from gpt2mha.learn.activations import run_with_cache
+
+    model = overflowing_builtin()
+    c = model.config
+    idx = torch.tensor([list(b"To be")])           # where torch's zeros gave finite logits on SDPA
+    outs = {}
+    with torch.no_grad():
+        outs["sdpa"] = model(idx).logits
+        model.attn_impl = "explicit"
+        outs["explicit"] = model(idx).logits
+        model.attn_impl = "sdpa"
+        outs["run_with_cache"] = run_with_cache(model, idx)[0]
+        for name, decoder in (("view", ViewDecoder(model)), ("route", choose_decoder(model).decoder)):
+            for T in (1, idx.shape[1]):
+                cache = KVCache(c.n_layer, 1, c.n_head, 16, c.n_embd // c.n_head)
+                outs[f"{name} prefill {T}"] = decoder.prefill(idx[:, :T], cache)
+                outs[f"{name} step after {T}"] = decoder.step(idx[:, :1], cache)
+    assert torch.isnan(outs["explicit"]).all()                    # the formula: NaN from layer 0 on
+    assert {name: bool(torch.isnan(out).all()) for name, out in outs.items()} == {name: True for name in outs}

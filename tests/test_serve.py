@@ -182,7 +182,8 @@ def test_n_choices_with_a_seed_equal_the_offline_command_and_best_of_keeps_the_m
 def test_raw_sse_stream_is_utf8_safe_and_ends_with_done(builtin, monkeypatch):
     """Raw HTTP: `data: {...}` chunks in OpenAI's format, then the usage chunk and `data: [DONE]`;
     a model made to emit the bytes of 'é😀ü…' one per token never has a chunk with half a
-    character (no U+FFFD) and the chunks join to the text (reference: str.encode)."""
+    character (no U+FFFD) and the chunks join to the text (reference: str.encode); the last
+    text chunk carries the finish reason (OpenAI's shape: no chunk of empty text)."""
     model, tok = builtin
     text = "é😀ü ok ß"
     script = list(text.encode())
@@ -198,7 +199,7 @@ def test_raw_sse_stream_is_utf8_safe_and_ends_with_done(builtin, monkeypatch):
     events = [json.loads(line[6:]) for line in lines[:-1]]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(script)
     pieces = [e["choices"][0]["text"] for e in events[:-1]]
-    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces) and all(pieces)
     assert all(e["object"] == "text_completion" and e["id"] == events[0]["id"] for e in events)
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
@@ -215,7 +216,7 @@ BAD_REQUESTS = [
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "stop": 7}, "stop"),
     ({"prompt": "a", "seed": 1.5}, "seed"),
-    ({"prompt": "ROMEO:", "max_tokens": 251}, "max_tokens"),            # 6 + 251 > n_ctx = 256
+    ({"prompt": "x" * 256, "max_tokens": 1}, "max_tokens"),             # fills n_ctx = 256: no room (past it, clipped)
     ({"prompt": "x" * 257, "max_tokens": 0}, "prompt"),                 # prompt longer than n_ctx
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),

@@ -115,15 +115,55 @@ def test_cli_serve_chat_template_by_name_and_none(monkeypatch):
     from gpt2mha.cli import main
 
     got = []
-    monkeypatch.setattr(server, "serve", lambda *a, **kw: got.append(kw["chat_template"]))
+    monkeypatch.setattr(server, "serve", lambda *a, **kw: got.append(kw))
     for argv, want in (([], BUILTIN_TEMPLATES["plain"]), (["--chat-template", "chatml"], BUILTIN_TEMPLATES["chatml"]),
                        (["--chat-template", "none"], None)):
         assert main(["serve", "--port", "0", *argv]) == 0
-        assert got[-1] == want
+        assert got[-1]["chat_template"] == want and got[-1]["max_tokens_overflow"] == "clip"
+    assert main(["serve", "--port", "0", "--max-tokens-overflow", "refuse"]) == 0
+    assert got[-1]["max_tokens_overflow"] == "refuse"
     monkeypatch.setattr(tools, "load_model", lambda *a: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "0", "--chat-template", "chatm"])
     assert "'chatm'" in str(e.value.code) and "plain" in str(e.value.code)
+
+
+def test_convert_writes_the_chat_template_a_default_server_renders(server, builtin, tmp_path):
+    """`gpt2mha convert` writes tokenizer_config.json with the default server's chat template:
+    transformers' apply_chat_template on the directory renders the text the server's own
+    ChatTemplate renders and tokenizes it to the ids the server's /tokenize gives for the same
+    messages (and chat's usage.prompt_tokens counts), with and without the generation prompt;
+    /tokenizer_info names the template served, not the files' (none with --chat-template none)."""
+    import json
+
+    import httpx
+    transformers = pytest.importorskip("transformers")
+    from gpt2mha.cli import main
+    from gpt2mha.serving.chat import DEFAULT_CHAT_TEMPLATE
+
+    model, tok = builtin
+    assert main(["convert", DEFAULT_MODEL, str(tmp_path / "sb")]) == 0
+    config = json.loads((tmp_path / "sb" / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == BUILTIN_TEMPLATES[DEFAULT_CHAT_TEMPLATE]
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "sb"))
+    ours = ChatTemplate(BUILTIN_TEMPLATES[DEFAULT_CHAT_TEMPLATE], special_tokens(model.config.tokenizer, 256))
+    conversations = [MESSAGES, MESSAGES + [{"role": "assistant", "content": "It is the east."},
+                                           {"role": "user", "content": "Ünd Juliët? 😀"}],
+                     [{"role": "user", "content": None}]]
+    for messages in conversations:
+        for generation_prompt in (True, False):
+            text = hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+            assert text == ours.render(messages, generation_prompt)
+            served = httpx.post(server + "/tokenize", json={"messages": messages,
+                                                             "add_generation_prompt": generation_prompt}, timeout=60)
+            ids = hf(text, add_special_tokens=False)["input_ids"]
+            assert served.json()["tokens"] == ids == tok.encode(text)
+            if generation_prompt:
+                r = httpx.post(server + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1},
+                               timeout=60)
+                assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    assert json.loads(hf_tokenizer_files("gpt2", 1024)["tokenizer_config.json"])["chat_template"] == \
+        BUILTIN_TEMPLATES[DEFAULT_CHAT_TEMPLATE]
 
 
 # ------------------------------------------------------------------------ chat logprobs
@@ -184,10 +224,10 @@ def test_chat_logprobs_equal_the_models_log_softmax_streamed_or_not(server, buil
 
 
 def test_chat_logprobs_shapes_and_errors(server, builtin):
-    """``top_logprobs=0``: each entry's top_logprobs is empty; no ``logprobs``: ``null``; a stop
-    string: the entries cover the tokens of the text sent (the text is a prefix of their bytes);
-    ``top_logprobs`` without ``logprobs: true``, or past the server's limit of 5, is a 400 naming
-    it."""
+    """``top_logprobs=0``: each entry's top_logprobs is empty; ``top_logprobs=20`` (OpenAI's chat
+    limit): the 20 most probable; no ``logprobs``: ``null``; a stop string: the entries cover the
+    tokens of the text sent (the text is a prefix of their bytes); ``top_logprobs`` without
+    ``logprobs: true``, or outside OpenAI's [0, 20], is a 400 naming it."""
     import httpx
 
     model, tok = builtin
@@ -198,6 +238,11 @@ def test_chat_logprobs_shapes_and_errors(server, builtin):
     assert len(content) == 6 and all(e.top_logprobs == [] for e in content)
     ids = greedy(model, tok.encode(RENDERED["plain"]), 6)[0]
     assert_entries_match(content, reference_logprobs(model, tok.encode(RENDERED["plain"]), ids), ids, 0)
+    r = c.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                  logprobs=True, top_logprobs=20)
+    content = r.choices[0].logprobs.content
+    assert all(len(e.top_logprobs) == 20 for e in content)
+    assert_entries_match(content, reference_logprobs(model, tok.encode(RENDERED["plain"]), ids), ids, 20)
     r = c.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
     assert r.choices[0].logprobs is None
     full = greedy(model, tok.encode(RENDERED["plain"]), 40)[1]
@@ -207,7 +252,8 @@ def test_chat_logprobs_shapes_and_errors(server, builtin):
     text = r.choices[0].message.content
     joined = bytes(b for e in r.choices[0].logprobs.content for b in e.bytes).decode(errors="replace")
     assert text == full[:full.index(stop)] and joined.startswith(text) and len(joined) - len(text) < len(stop)
-    for body, words in (({"top_logprobs": 2}, ["logprobs"]), ({"logprobs": True, "top_logprobs": 6}, ["6", "5"]),
+    for body, words in (({"top_logprobs": 2}, ["logprobs"]),
+                        ({"logprobs": True, "top_logprobs": 21}, ["21", "[0, 20]"]),
                         ({"logprobs": False, "top_logprobs": 1}, ["logprobs"]),
                         ({"logprobs": True, "top_logprobs": -1}, ["-1"]), ({"logprobs": 1}, ["a boolean"])):
         err = httpx.post(server + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, **body},
@@ -216,3 +262,77 @@ def test_chat_logprobs_shapes_and_errors(server, builtin):
         error = err.json()["error"]
         param = "logprobs" if type(body.get("logprobs")) is int else "top_logprobs"      # 1 is not a boolean
         assert error["param"] == param and all(w in error["message"] for w in words), error
+
+
+# ------------------------------------------------------------------------ fields and errors
+#: A valid value other than its default for every field of SamplingParams, as a chat request
+#: spells it (chat's logprobs is a boolean; echo is taken at its default only).
+CHAT_VALUES = {"max_tokens": 12, "temperature": 0.9, "top_k": 20, "top_p": 0.9, "min_p": 0.2, "presence_penalty": 0.5,
+               "frequency_penalty": 0.5, "logit_bias": {"101": -100}, "seed": 3, "stop": ["e\n"], "logprobs": True,
+               "echo": False, "n": 2, "best_of": 3, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2,
+               "min_tokens": 4, "ignore_eos": True, "stop_token_ids": [10], "include_stop_str_in_output": True}
+
+
+def test_chat_takes_every_sampling_field_completions_takes(server, builtin):
+    """Every field of SamplingParams (what /v1/completions and the CLI take) is a field of the
+    chat request, declared once for both routes; a chat request with each one set (the others
+    at their defaults) is answered, and its text is what /v1/completions answers for the
+    template's token ids with the same field (so min_p, best_of, ... reach the sampler)."""
+    import httpx
+
+    from gpt2mha.inference.params import FIELDS
+    from gpt2mha.serving.chat import ChatRequest
+    from gpt2mha.serving.protocol import CompletionRequest
+
+    assert set(CHAT_VALUES) == set(FIELDS), "a new SamplingParams field: give it a value here"
+    assert set(CompletionRequest.model_fields) - {"prompt", "suffix"} <= set(ChatRequest.model_fields)
+    ids = builtin[1].encode(RENDERED["plain"])
+    base = {"max_tokens": 12, "seed": 1}
+    texts = {}
+    for name, value in {"": None, **CHAT_VALUES}.items():
+        body = {**base, name: value} if name else base
+        chat = httpx.post(server + "/v1/chat/completions", json={"messages": MESSAGES, **body}, timeout=60)
+        assert chat.status_code == 200, (name, chat.text)
+        texts[name] = [c["message"]["content"] for c in chat.json()["choices"]]
+        if name in ("logprobs", "echo"):                     # spelled differently on the two routes
+            continue
+        done = httpx.post(server + "/v1/completions", json={"prompt": ids, **body}, timeout=60)
+        assert done.status_code == 200, (name, done.text)
+        assert texts[name] == [c["text"] for c in done.json()["choices"]], name
+    assert texts["min_p"] != texts[""] and texts["echo"] == texts["logprobs"] == texts[""]
+    assert_chat_error(server, {"messages": MESSAGES, "echo": True}, "echo", "/v1/completions")
+
+
+def assert_chat_error(server, body, param, *words, path="/v1/chat/completions"):
+    import httpx
+
+    r = httpx.post(server + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and all(w in err["message"] for w in words), err
+    return err
+
+
+BAD_MESSAGES = [
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}],
+     ["messages[0].content[0].type", "'image_url'", "only text"]),
+    ([MESSAGES[0], {"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
+     ["messages[1].content[1].type", "'input_audio'", "only text"]),
+    ([{"content": "hi"}], ["messages[0].role", "Missing"]),
+    ([MESSAGES[0], {"role": 3, "content": "hi"}], ["messages[1].role", "expected a string", "got 3"]),
+    ([{"role": "user", "content": [{"type": "text"}]}], ["messages[0].content[0].text", "Missing"]),
+    ([{"role": "user", "content": [{"type": "text", "text": "a", "detail": 1}]}], ["messages[0].content[0].detail"]),
+    ([{"role": "user", "content": ["hi"]}], ["messages[0].content[0]", "a content part"]),
+    (["hi"], ["messages[0]", "expected a message"]),
+    ([], ["messages is an empty list"]),
+]
+
+
+@pytest.mark.parametrize("messages,words", BAD_MESSAGES, ids=[str(i) for i in range(len(BAD_MESSAGES))])
+def test_bad_messages_are_400s_naming_their_place_on_chat_and_tokenize(server, messages, words):
+    """A non-text content part, a message without a role, a part of the wrong shape or an empty
+    list: chat answers 400 naming ``messages``, its message naming the place
+    (``messages[0].content[0].type``) and why; /tokenize refuses the same messages alike."""
+    err = assert_chat_error(server, {"messages": messages, "max_tokens": 1}, "messages", *words)
+    assert err == assert_chat_error(server, {"messages": messages}, "messages", *words, path="/tokenize")

@@ -256,14 +256,21 @@ def test_cli_serve_rejects_bad_numbers_as_usage_errors(capsys, flag, value):
 
 def test_serve_api_checks_port_and_cli_defaults_match():
     from gpt2mha.cli import build_parser, common as cli
-    from gpt2mha.serving.protocol import MAX_STOP
-    from gpt2mha.serving.server import DEFAULT_MAX_BODY_BYTES, serve
+    import inspect
+
+    from gpt2mha.serving.protocol import MAX_STOP, MAX_TOKENS_OVERFLOW
+    from gpt2mha.serving.server import DEFAULT_MAX_BODY_BYTES, create_app, serve
 
     with pytest.raises(ValueError, match=r"port=99999 must be an integer in \[0, 65535\]"):
         serve(None, None, "m", port=99999)
     assert cli.DEFAULT_MAX_BODY_BYTES == DEFAULT_MAX_BODY_BYTES
     args = build_parser().parse_args(["serve"])
     assert (args.max_body_bytes, args.max_stop) == (DEFAULT_MAX_BODY_BYTES, MAX_STOP)
+    overflow = inspect.signature(create_app).parameters["max_tokens_overflow"].default
+    assert args.max_tokens_overflow == overflow == inspect.signature(serve).parameters["max_tokens_overflow"].default
+    choices = next(a.choices for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
+                   if a.dest == "max_tokens_overflow")
+    assert tuple(choices) == MAX_TOKENS_OVERFLOW
 
 
 @pytest.mark.slow

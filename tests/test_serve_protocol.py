@@ -140,10 +140,38 @@ def test_bad_token_id_prompts_are_400_naming_prompt_and_the_id(server, prompt, w
 
 
 def test_token_id_prompt_longer_than_the_context_is_refused_before_its_ids_are_read(server):
-    """A list of 257 ids (more than n_ctx = 256) is refused as too long, whatever its ids, and
-    prompt + max_tokens past the context names max_tokens, as for text."""
+    """A list of 257 ids (more than n_ctx = 256) is refused as too long, whatever its ids; one
+    that fills the context leaves no room for max_tokens, a 400 naming it."""
     assert_error(post(server, "/v1/completions", {"prompt": [-5] * 257}), 400, "prompt", "257 tokens", "256")
-    assert_error(post(server, "/v1/completions", {"prompt": [65] * 250, "max_tokens": 7}), 400, "max_tokens", "257")
+    assert_error(post(server, "/v1/completions", {"prompt": [65] * 256, "max_tokens": 1}), 400, "max_tokens",
+                 "257", "leaves no room")
+
+
+def test_max_tokens_past_the_context_is_clipped_by_default_and_refused_on_request(server, builtin):
+    """A default server clips max_tokens past the room a prompt leaves in the context (as
+    llama.cpp's server): prompts of 250 and 6 tokens with max_tokens 7 in a 256-token context
+    give 6 and 7 tokens, offline generate's greedy text, finish_reason length; chat alike. A
+    server started with max_tokens_overflow="refuse" (``--max-tokens-overflow refuse``) answers
+    400 context_length_exceeded naming max_tokens (as OpenAI and vLLM), and takes what fits."""
+    model, tok = builtin
+    prompts = [[65] * 250, tok.encode("ROMEO:")]
+    r = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 7, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["text"] for c in choices] == [offline(model, ids, n)[1] for ids, n in zip(prompts, (6, 7))]
+    assert [c["finish_reason"] for c in choices] == ["length"] * 2 and r.json()["usage"]["completion_tokens"] == 13
+    long = [{"role": "user", "content": "x" * 230}]                 # "user: x…x\nassistant:" is 247 tokens
+    r = post(server, "/v1/chat/completions", {"messages": long, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 247, "completion_tokens": 9,
+                                                          "total_tokens": 256}, r.text
+    with TestClient(create_app(Scheduler(model, tok, max_batch=2), DEFAULT_MODEL, max_tokens_overflow="refuse")) as app:
+        for path, body in (("/v1/completions", {"prompt": prompts[0], "max_tokens": 7}),
+                           ("/v1/chat/completions", {"messages": long, "max_tokens": 16})):
+            err = assert_error(app.post(path, json=body), 400, "max_tokens", "256 tokens", "--max-tokens-overflow clip")
+            assert err["code"] == "context_length_exceeded"
+        assert app.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 6}).status_code == 200
+    with pytest.raises(ValueError, match="max_tokens_overflow='drop'"):
+        create_app(Scheduler(model, tok, max_batch=1), DEFAULT_MODEL, max_tokens_overflow="drop")
 
 
 # ------------------------------------------------------------------------ nulls, stream_options, stop
@@ -257,16 +285,41 @@ def test_non_ascii_keys_and_huge_logit_bias_ids_are_400s_on_a_connection_that_st
 @pytest.mark.parametrize("method,path,status,words", [
     ("GET", "/nope", 404, ["GET /nope"]),
     ("POST", "/v1/complete", 404, ["POST /v1/complete"]),
-    ("GET", "/v1/completions", 405, ["GET /v1/completions", "POST"]),
-    ("DELETE", "/v1/models", 405, ["DELETE /v1/models", "GET"]),
-    ("PUT", "/tokenize", 405, ["PUT /tokenize", "POST"]),
+    ("GET", "/v1/completions", 405, ["GET /v1/completions", "POST, OPTIONS"]),
+    ("DELETE", "/v1/models", 405, ["DELETE /v1/models", "GET, HEAD, OPTIONS"]),
+    ("PUT", "/tokenize", 405, ["PUT /tokenize", "POST, OPTIONS"]),
+    ("HEAD", "/v1/chat/completions", 405, ["POST, OPTIONS"]),
+    ("OPTIONS", "/nope", 404, ["OPTIONS /nope"]),
 ])
 def test_unknown_routes_and_wrong_methods_get_openai_error_objects(server, method, path, status, words):
+    """404 for an unknown route, 405 for a known route with another method, each OpenAI's error
+    object (a HEAD answer: its headers, no body); a 405's ``Allow`` lists every method the route
+    answers, OPTIONS included."""
     r = httpx.request(method, server + path, timeout=30)
+    if method == "HEAD":
+        assert r.status_code == status and r.content == b"" and r.headers["allow"] == words[-1]
+        return
     err = assert_error(r, status, None, *words)
     assert err["type"] == "invalid_request_error"
     if status == 405:
         assert r.headers["allow"] == words[-1]
+
+
+def test_head_and_options_are_answered_on_every_route(server):
+    """HEAD on the routes that read (/health: what load balancers send) answers GET's status and
+    headers with no body (RFC 9110 §9.3.2); OPTIONS on every route answers 200, no body, and
+    ``Allow`` listing the route's methods (§9.3.7)."""
+    for path in ("/health", "/v1/models", f"/v1/models/{DEFAULT_MODEL}", "/tokenizer_info"):
+        get, head = httpx.get(server + path, timeout=30), httpx.head(server + path, timeout=30)
+        assert get.status_code == head.status_code == 200 and head.content == b"", path
+        assert head.headers["content-type"] == get.headers["content-type"] == "application/json"
+        assert head.headers["content-length"] == get.headers["content-length"] or path == "/health"  # its counters move
+    for path, allow in (("/health", "GET, HEAD, OPTIONS"), ("/v1/models", "GET, HEAD, OPTIONS"),
+                        ("/v1/models/any", "GET, HEAD, OPTIONS"), ("/v1/completions", "POST, OPTIONS"),
+                        ("/v1/chat/completions", "POST, OPTIONS"), ("/tokenize", "POST, OPTIONS"),
+                        ("/detokenize", "POST, OPTIONS"), ("/tokenizer_info", "GET, HEAD, OPTIONS")):
+        r = httpx.options(server + path, timeout=30)
+        assert r.status_code == 200 and r.content == b"" and r.headers["allow"] == allow, (path, r.headers)
 
 
 def test_models_retrieve_and_unknown_ids_with_the_openai_client(server):
@@ -385,6 +438,75 @@ def test_cli_chat_template_file_errors_before_loading_the_model(tmp_path, capsys
         with pytest.raises(SystemExit) as e:
             main(["serve", "--chat-template", str(path), "--port", "0", "--model", str(tmp_path / "no-such-model")])
         assert all(w in str(e.value.code) for w in words), e.value.code
+
+
+def test_streams_end_as_openais_text_completion_and_chat_chunk_streams(server, builtin):
+    """Streamed completions: the last text chunk carries the finish reason (``length``), no
+    chunk has empty text, as OpenAI's stream ends; a stop string whose text is all cut ends with
+    an empty-text chunk carrying ``stop`` (nothing is left to carry it). Streamed chat: the
+    role first, then the text with no finish reason, then an empty delta with the finish reason
+    (OpenAI's chat shape). Texts: offline generate's greedy continuation."""
+    model, tok = builtin
+    ids = tok.encode("ROMEO:")
+    want = offline(model, ids, 12)[1]
+    c = client(server)
+    chunks = list(c.completions.create(model=DEFAULT_MODEL, prompt="ROMEO:", max_tokens=12, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want and all(ch.choices[0].text for ch in chunks)
+    assert [ch.choices[0].finish_reason for ch in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    stop = want[4:6]
+    chunks = list(c.completions.create(model=DEFAULT_MODEL, prompt="ROMEO:", max_tokens=12, temperature=0, stop=stop,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want[:want.index(stop)]
+    assert (chunks[-1].choices[0].text, chunks[-1].choices[0].finish_reason) == ("", "stop")
+    chunks = list(c.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                            stream=True))
+    deltas = [(ch.choices[0].delta.role, ch.choices[0].delta.content, ch.choices[0].finish_reason) for ch in chunks]
+    assert deltas[0] == ("assistant", "", None) and deltas[-1] == (None, None, "length")
+    assert all(r is None and t and f is None for r, t, f in deltas[1:-1])
+
+
+@pytest.mark.slow
+def test_litellm_streamed_text_completion_rebuilds_the_whole_text(server, builtin, monkeypatch):
+    """litellm's ``text_completion(stream=True)`` against the server: its chunks' texts join to
+    the non-streamed answer's (offline generate's greedy text), and ``litellm.stream_chunk_builder``
+    rebuilds that text and its finish reason. litellm ends every text stream with a chunk of
+    its own whose text is None (whatever the server sends), so the join skips None."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")      # its price list from the package, not the network
+    litellm = pytest.importorskip("litellm")
+    model, tok = builtin
+    want = offline(model, tok.encode("ROMEO:"), 16)[1]
+    kwargs = dict(model=f"text-completion-openai/{DEFAULT_MODEL}", api_base=server + "/v1", api_key="unused",
+                  prompt="ROMEO:", max_tokens=16, temperature=0)
+    assert litellm.text_completion(**kwargs).choices[0].text == want
+    chunks = list(litellm.text_completion(stream=True, **kwargs))
+    assert "".join(ch.choices[0].text or "" for ch in chunks if ch.choices) == want
+    assert [ch.choices[0].text for ch in chunks if ch.choices].count(None) <= 1
+    rebuilt = litellm.stream_chunk_builder(chunks)
+    assert rebuilt.choices[0].text == want and rebuilt.choices[0].finish_reason == "length"
+
+
+def test_langchain_openai_with_its_default_max_tokens_works_on_the_built_in_model(server, builtin, monkeypatch):
+    """LangChain's ``OpenAI()`` sends its default ``max_tokens=256`` into the built-in model's
+    256-token context: the default server clips it to the room left, so the call answers the
+    greedy text offline generate gives for the rest of the context (near ties allowed), as
+    does ``ChatOpenAI`` (no max_tokens: the rest of the context)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from serve_helpers import assert_same_text
+
+    for name in ("LANGCHAIN_TRACING_V2", "LANGSMITH_TRACING"):          # no tracing to the network
+        monkeypatch.delenv(name, raising=False)
+    model, tok = builtin
+    llm = langchain_openai.OpenAI(base_url=server + "/v1", api_key="unused", model=DEFAULT_MODEL, temperature=0,
+                                  max_retries=0)
+    assert llm.max_tokens == 256 == model.config.n_ctx                  # LangChain's default, the whole context
+    prompt = "ROMEO:"
+    room = model.config.n_ctx - len(tok.encode(prompt))
+    text = llm.invoke(prompt)
+    assert len(tok.encode(text)) == room
+    assert_same_text(model, tok, prompt, text, offline(model, tok.encode(prompt), room)[1])
+    chat = langchain_openai.ChatOpenAI(base_url=server + "/v1", api_key="unused", model=DEFAULT_MODEL, temperature=0,
+                                       max_retries=0)
+    assert chat.invoke("Who art thou?").content
 
 
 # ------------------------------------------------------------------------ tokenizer endpoints
@@ -542,6 +664,9 @@ def test_cli_serve_chat_template_and_max_stop(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log_path.read_text())
             url = found.group(1) if found else time.sleep(0.1)
+        while httpx.get(url + "/health").status_code != 200:      # the port opens before the model is loaded
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
         r = client(url).chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
         assert r.usage.prompt_tokens == post(url, "/tokenize", {"messages": MESSAGES}).json()["count"]
         assert r.usage.completion_tokens <= 4 and r.choices[0].message.role == "assistant"

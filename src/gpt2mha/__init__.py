@@ -15,7 +15,7 @@ import importlib
 #: The model every command uses when no ``--model`` is given (shipped in the package).
 DEFAULT_MODEL = "shakespeare-byte"
 
-__version__ = "0.1.0"
+from .version import __version__
 
 #: public name → the submodule that defines it
 _LAZY = {

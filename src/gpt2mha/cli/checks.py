@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 
-from .common import check_quantize_args, json_arg, readable_file
+from .common import SCHEME_ACTIVATIONS, check_quantize_args, json_arg, readable_file
 
 #: The largest size trace accepts for any one axis (it builds meta tensors, but their element
 #: counts must still fit in int64).
@@ -277,11 +277,10 @@ def check_ablate_args(args) -> None:
 
 
 def check_patch_args(args) -> None:
-    """``patch``: CLEAN and CORRUPT, ``--answer`` (and ``--wrong`` for logit-diff), ``--out``."""
+    """``patch``: CLEAN and CORRUPT, ``--answer`` (argparse requires it) non-empty, ``--wrong`` for
+    logit-diff (its usage line says so: :class:`~.interventions.PatchUsageFormatter`), ``--out``."""
     nonempty(args.clean, "CLEAN")
     nonempty(args.corrupt, "CORRUPT")
-    if args.answer is None:
-        raise ValueError("--answer is required: the token the clean prompt should predict next")
     nonempty(args.answer, "--answer ''", "the token text the model should predict")
     if args.metric == "logit-diff" and args.wrong is None:
         raise ValueError("--metric logit-diff needs --wrong (the token the corrupted prompt predicts); "
@@ -347,7 +346,7 @@ def check_bench_args(args) -> None:
     if bad or not sections:
         raise ValueError(f"--only: unknown section(s) {bad}; expected some of {list(BENCH_SECTIONS)}")
     schemes = [q.strip() for q in args.quantize.split(",") if q.strip()]
-    if not schemes or any(q not in ("int8", "int4") for q in schemes):
+    if not schemes or any(q not in SCHEME_ACTIVATIONS for q in schemes):
         raise ValueError(f"--quantize={args.quantize!r}: expected int8, int4 or int8,int4")
     if args.text is not None:
         readable_file(args.text, "--text")

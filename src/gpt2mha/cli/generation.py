@@ -296,7 +296,7 @@ def add_commands(sub) -> None:
                    help="end the text before the first TEXT (repeat for several); runs on the serving scheduler, "
                         "as a request to gpt2mha serve with this stop (which also ends at <|endoftext|>)")
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="print each new token's log-probability and the K most likely tokens (0-5; the model's own "
+                   help="print each new token's log-probability and the K most likely tokens (0-20; the model's own "
                         "distribution, as OpenAI's logprobs); runs on the serving scheduler")
     g.add_argument("--echo", action="store_true", help="with --logprobs: the prompt's tokens' log-probabilities too")
     g.add_argument("--best-of", type=int, default=None, metavar="N",

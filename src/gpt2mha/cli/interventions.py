@@ -7,8 +7,10 @@ once it is loaded, before the forward passes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import sys
 
 from .checks import check_ablate_args, check_lens_args, check_patch_args
@@ -39,6 +41,7 @@ def cmd_ablate(args) -> int:
     """``gpt2mha ablate``: the next-token distribution before and after ablating ``--heads``."""
     import torch
 
+    from ..inference.sampling import check_logits
     from ..learn.interventions import ablate_heads, next_token_shift, parse_heads
 
     model = load_model(args.model, args.dtype).eval()
@@ -48,8 +51,8 @@ def cmd_ablate(args) -> int:
         raise ValueError(f"--top={args.top} must be at most the model's vocabulary, n_vocab={c.n_vocab}")
     tok, idx = _prompt_ids(model, args.prompt, "PROMPT")
     with torch.no_grad():
-        before = model(idx).logits[0, -1]
-        after = ablate_heads(model, idx, heads, mean=args.mean)[0, -1]
+        before = check_logits(model(idx).logits[0, -1], on="PROMPT")
+        after = check_logits(ablate_heads(model, idx, heads, mean=args.mean)[0, -1], on="PROMPT, heads ablated")
     shift = next_token_shift(before, after, args.top)
     mode = "mean (each head's mean output over the prompt's positions)" if args.mean else "zero"
     for row in shift["tokens"]:
@@ -86,6 +89,9 @@ def cmd_patch(args) -> int:
     """``gpt2mha patch``: activation patching from CLEAN into CORRUPT; prints the largest effects and
     writes OUT/patch.png and OUT/patch.json (a warning when the two runs' metrics are too close
     for the restored share to mean anything: :meth:`~gpt2mha.learn.interventions.Patching.normalization_warning`)."""
+    import torch
+
+    from ..inference.sampling import check_finite
     from ..learn.heads import token_labels
     from ..learn.intervention_plots import heatmap
     from ..learn.interventions import patch
@@ -98,6 +104,8 @@ def cmd_patch(args) -> int:
                          f"needs prompts of the same length (reword one)")
     metric, answer, wrong, n_answer = _patch_metric(args, tok)
     res = patch(model, clean, corrupt, args.hook, metric, per_position=args.per_position or None, last_only=True)
+    for value, on in ((res.clean, "CLEAN"), (res.corrupt, "CORRUPT"), (res.values, "CORRUPT, patched")):
+        check_finite(torch.as_tensor(value).reshape(-1), rows=[], on=on)   # the metric of NaN/inf logits
     try:
         shown, what = res.normalized(), "restored share"
     except ValueError:
@@ -147,7 +155,10 @@ def torch_unravel(j: int, shape: tuple) -> list[int]:
 
 
 def cmd_lens(args) -> int:
-    """``gpt2mha lens``: the logit lens as a layer x position table; writes OUT/lens.png and OUT/lens.json."""
+    """``gpt2mha lens``: the logit lens as a layer x position table; writes OUT/lens.png and OUT/lens.json
+    (``tokens``/``top``: display labels; ``token_ids``/``top_ids``: the same tokens' ids, ``top_ids``
+    ``[layer][position][rank]`` as ``top`` and ``probs``)."""
+    from ..inference.sampling import check_logits
     from ..learn.heads import token_labels
     from ..learn.intervention_plots import lens_picture
     from ..learn.interventions import logit_lens
@@ -155,13 +166,15 @@ def cmd_lens(args) -> int:
     model = load_model(args.model, args.dtype).eval()
     tok, idx = _prompt_ids(model, args.prompt, "PROMPT")
     lens = logit_lens(model, idx, top_k=min(args.top, model.config.n_vocab))
+    check_logits(lens.probs, on="PROMPT")                 # the probabilities of NaN/inf logits are NaN
     labels = token_labels(tok, idx[0].tolist())
     top = [[token_labels(tok, lens.ids[r, 0, t].tolist()) for t in range(idx.shape[1])] for r in range(len(lens.labels))]
     png = os.path.join(args.out, "lens.png")
     lens_picture(png, lens.probs[:, 0, :, 0], [[cell[0] for cell in row] for row in top], lens.labels,
                  [f"{i}:{t}" for i, t in enumerate(labels)], f"logit lens: top token of the residual stream "
                  f"through ln_f and the head ({len(labels)} tokens)")
-    out = {"layers": lens.labels, "tokens": labels, "top": top, "probs": lens.probs[:, 0].tolist(),
+    out = {"layers": lens.labels, "tokens": labels, "token_ids": idx[0].tolist(), "top": top,
+           "top_ids": lens.ids[:, 0].tolist(), "probs": lens.probs[:, 0].tolist(),
            "next_token_probs": lens.target_probs[:, 0].tolist(), "png": png}
     with open(os.path.join(args.out, "lens.json"), "w") as f:
         json.dump(out, f)
@@ -192,6 +205,7 @@ def add_intervene_commands(sub) -> None:
     ab.set_defaults(func=cmd_ablate, check=check_ablate_args)
 
     pa = sub.add_parser("patch", help="activation patching: which layers/heads carry the clean answer",
+                        formatter_class=PatchUsageFormatter,
                         description="Run CORRUPT with one activation at a time copied from the CLEAN run (each head "
                                     "of hook_z by default; resid_pre etc. per position) and measure --metric at the "
                                     "last position. Writes OUT/patch.png (layer x head, or layer x position) and "
@@ -201,8 +215,9 @@ def add_intervene_commands(sub) -> None:
     pa.add_argument("corrupt", metavar="CORRUPT")
     pa.add_argument("--metric", choices=["logit-diff", "logprob"], default="logit-diff",
                     help="logit[answer] - logit[wrong], or the answer's log-probability (default logit-diff)")
-    pa.add_argument("--answer", default=None, help="the clean prompt's next token (text)")
-    pa.add_argument("--wrong", default=None, help="the corrupted prompt's next token (text; for logit-diff)")
+    pa.add_argument("--answer", required=True, metavar="TEXT", help="the clean prompt's next token (text)")
+    pa.add_argument("--wrong", default=None, metavar="TEXT",
+                    help="the corrupted prompt's next token (text); required by --metric logit-diff, the default")
     pa.add_argument("--hook", default="z", help="activation to patch: z (default), q, k, v, pattern, resid_pre, "
                                                 "resid_mid, resid_post, attn_out, mlp_out, or a full hook name")
     pa.add_argument("--per-position", action="store_true", help="patch one position at a time (per-head hooks)")
@@ -219,6 +234,23 @@ def add_intervene_commands(sub) -> None:
     _model_dtype_json(ln)
     pa.set_defaults(func=cmd_patch, check=check_patch_args)
     ln.set_defaults(func=cmd_lens, check=check_lens_args)
+
+
+class PatchUsageFormatter(argparse.HelpFormatter):
+    """``patch``'s help, whose usage shows ``--wrong`` as required unless ``--metric logprob``
+    (argparse marks an option only optional or required; ``check_patch_args`` enforces it), the
+    line wrapped again as argparse wraps it: whole ``[…]``/``(…)`` parts, under the command."""
+
+    def _format_usage(self, usage, actions, groups, prefix):
+        text = " ".join(super()._format_usage(usage, actions, groups, prefix).split())
+        text = text.replace("[--wrong TEXT]", "(--wrong TEXT | --metric logprob)")
+        head = text[:text.index(self._prog) + len(self._prog) + 1]        # "usage: gpt2mha patch "
+        lines = [""]
+        for part in re.findall(r"\(.*?\)(?=\s|$)|\[.*?\](?=\s|$)|\S+", text[len(head):]):
+            if lines[-1] and len(head) + len(lines[-1]) + 1 + len(part) > self._width:
+                lines.append("")
+            lines[-1] = f"{lines[-1]} {part}".lstrip()
+        return head + ("\n" + " " * len(head)).join(lines) + "\n\n"
 
 
 def _model_dtype_json(p) -> None:

@@ -25,6 +25,7 @@ def cmd_trace(args) -> int:
 
 
 def cmd_heads(args) -> int:
+    from ..inference.sampling import check_logits
     from ..learn.heads import (ROLE_THRESHOLD, analyse_heads, check_selection, format_strongest, selected_heads,
                               strongest_heads, top_heads)
     from ..learn.heads_html import write_heads
@@ -33,6 +34,7 @@ def cmd_heads(args) -> int:
     c = model.config
     check_selection(c.n_layer, c.n_head, args.layer, args.head)   # before the (slower) forward pass
     result = analyse_heads(model, args.prompt)
+    check_logits(result.weights, what="attention weights", on="PROMPT")
     rows = strongest_heads(result.relative, args.top)
     heads = selected_heads(c.n_layer, c.n_head, args.layer, args.head, rows)
     if not heads:                                                 # no head has a clear role: draw the closest
@@ -254,8 +256,11 @@ def _add_formats_commands(sub) -> None:
                                     "built in: nanoGPT need not be installed; NumPy's OpenAI formulas for "
                                     "OpenAI/Hugging Face checkpoints). Run both on the same ids in float64 and report "
                                     "the embeddings, each block's attention, MLP and output, ln_f and the logits, the "
-                                    "first that differs and why. Exit 0: matches; 1: differs; 2: could not run. "
-                                    + warning, epilog=warning)
+                                    "first that differs and why. A nanoGPT checkpoint implies nanoGPT's exact (erf) "
+                                    "GELU where GPT-2 (and gpt2mha) use the tanh approximation: a model that matches "
+                                    "gpt2mha run with the erf GELU matches up to the format's GELU, reported with the "
+                                    "logits' difference the tanh GELU makes (exit 0). Exit 0: matches; 1: differs; "
+                                    "2: could not run. " + warning, epilog=warning)
     cm.add_argument("src", metavar="SRC", help="a checkpoint file or directory in any format convert reads, a "
                                                "built-in model name or a hub id (as --model)")
     cm.add_argument("--class", dest="cls", default=None, metavar="FILE.py:Class", help="your model class")
@@ -279,7 +284,6 @@ def cmd_serve(args) -> int:
         raise SystemExit(f"error: gpt2mha serve needs FastAPI and uvicorn ({e}): pip install 'gpt2mha[serve]' "
                          f"(from a clone of the repository: pip install -e '.[serve]')")
     from .. import DEFAULT_MODEL
-    from ..io.tokenizer import tokenizer_for
     from ..serving.chat import load_chat_template
 
     try:                                      # before loading the model: a bad file fails at once
@@ -291,28 +295,75 @@ def cmd_serve(args) -> int:
         import torch
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    model = quantized(load_model(args.model, args.dtype), args)
     name = args.served_model_name or args.model or DEFAULT_MODEL
+
+    def load():                               # in serve's loading thread, once the port is open
+        return served_model(args)[:2]
+
     try:
-        serve(model, tokenizer_for(model.config), name, host=args.host, port=args.port, max_batch=args.max_batch,
+        serve(None, None, name, host=args.host, port=args.port, max_batch=args.max_batch,
               max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
               chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant,
-              compile=args.compile)
+              compile=args.compile, api_key=args.api_key, metrics=not args.no_metrics, load=load,
+              max_tokens_overflow=args.max_tokens_overflow)
     except RuntimeError as e:                 # could not bind: uvicorn logged why
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
 
 
+def served_model(args):
+    """What ``gpt2mha serve`` serves for its parsed ``args``: ``(model, tokenizer, name)``, the
+    model loaded (and quantized) from ``--model``, served as ``--served-model-name`` or else
+    ``--model`` as given (the built-in name without one)."""
+    from .. import DEFAULT_MODEL
+    from ..io.tokenizer import tokenizer_for
+
+    model = quantized(load_model(args.model, args.dtype), args)
+    return model, tokenizer_for(model.config), args.served_model_name or args.model or DEFAULT_MODEL
+
+
 def check_serve_args(args) -> None:
     """What ``serve``'s line alone decides, before torch is imported and the model loaded: the
-    quantization flags, and that ``--host``/``--port`` can be listened on now (a port in use is
-    one error line, exit 2, at once: :func:`gpt2mha.serving.address.check_address`)."""
+    quantization flags, that ``--host``/``--port`` can be listened on now (a port in use is
+    one error line, exit 2, at once: :func:`gpt2mha.serving.address.check_address`), and the
+    API key (:func:`serve_api_key`, set in ``args.api_key``)."""
     from ..serving.address import check_address
 
     check_quantize_args(args)
     check_compile(args)
     check_address(args.host, args.port)
+    args.api_key = serve_api_key(args)
+
+
+#: The environment variable ``gpt2mha serve`` reads its API key from when no flag gives one.
+API_KEY_ENV = "GPT2MHA_API_KEY"
+
+
+def serve_api_key(args) -> str | None:
+    """``gpt2mha serve``'s API key: ``--api-key``, else the first line of ``--api-key-file``, else
+    :data:`API_KEY_ENV`, else None (no authentication).
+
+    Raises:
+        ValueError: both flags, a file that cannot be read, or an empty key.
+    """
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key, where = f.readline().strip(), f"--api-key-file {args.api_key_file}"
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+    elif args.api_key is not None:
+        key, where = args.api_key, "--api-key"
+    elif os.environ.get(API_KEY_ENV) is not None:
+        key, where = os.environ[API_KEY_ENV].strip(), API_KEY_ENV
+    else:
+        return None
+    if not key:
+        raise ValueError(f"{where}: the API key is empty")
+    return key
 
 
 #: ``gpt2mha serve --max-stop`` default (:data:`gpt2mha.serving.protocol.MAX_STOP`, repeated so that
@@ -326,10 +377,12 @@ def _add_serve_command(sub) -> None:
                        formatter_class=DefaultsHelpFormatter,
                        description="Serve the model over HTTP in the OpenAI completions format: POST /v1/completions "
                                    "(streaming with server-sent events), POST /v1/chat/completions (through "
-                                   "--chat-template), GET /v1/models, GET /health, POST /tokenize, POST /detokenize, "
-                                   "GET /tokenizer_info. Requests are "
-                                   "batched continuously: every decode step advances all running sequences, new "
-                                   "ones join at the next step.")
+                                   "--chat-template), GET /v1/models, POST /tokenize, POST /detokenize, "
+                                   "GET /tokenizer_info; GET /live, /health (readiness), /version, /metrics. Requests "
+                                   "are batched continuously: every decode step advances all running sequences, new "
+                                   "ones join at the next step. The port opens at once and the model loads behind it "
+                                   "(/health says ok once it is warmed up); SIGTERM drains (/health 503, new requests "
+                                   "503, in-flight ones finish within --graceful-timeout), then exits 0.")
     model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     s.add_argument("--port", type=number(int, 0, 65535, " (0: any free port)"), default=8000,
@@ -344,8 +397,8 @@ def _add_serve_command(sub) -> None:
                    help="torch's intra-op threads for the model (default: torch's choice, one per core); on a "
                         "machine shared with other work, fewer threads than cores avoid oversubscription")
     s.add_argument("--graceful-timeout", type=number(float, 0), default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish; then they are cancelled "
-                        "(HTTP 503, or an error event ending a stream)")
+                   help="on SIGTERM, seconds in-flight requests may take to finish while the server drains (/health "
+                        "and new requests 503); then they are cancelled (HTTP 503, or an error event ending a stream)")
     s.add_argument("--max-body-bytes", type=number(int, 1), default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body accepted; larger ones get HTTP 413")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -359,13 +412,30 @@ def _add_serve_command(sub) -> None:
                    help="stop strings a request may send; more get HTTP 400 (lm-evaluation-harness sends a task's "
                         "'until' strings plus the EOS string: 1 + len(until); OpenAI's API takes 4, vLLM and "
                         "llama.cpp's server have no limit)")
+    s.add_argument("--max-tokens-overflow", choices=["clip", "refuse"], default="clip",
+                   help="a request whose max_tokens goes past the room its prompt leaves in the context: clip "
+                        "(its completion ends where the context does, finish_reason 'length', as llama.cpp's "
+                        "server; clients' defaults such as LangChain's max_tokens=256 then work on small-context "
+                        "models) or refuse (HTTP 400 context_length_exceeded, as OpenAI's API and vLLM)")
     s.add_argument("--compile", action="store_true",
                    help="serve on the compiled decode step (as generate --compile), compiled before /health says ok")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /live, /health, /version and "
+                        "/metrics (401 otherwise); default: the GPT2MHA_API_KEY environment variable, else none. A key "
+                        "on the command line shows in ps: prefer the variable or --api-key-file")
+    s.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from FILE's first line")
+    s.add_argument("--no-metrics", action="store_true",
+                   help="do not serve GET /metrics (Prometheus text format, vLLM's metric names under gpt2mha:)")
     quantize_args(s)
     s.set_defaults(func=cmd_serve, check=check_serve_args)
 
     i = sub.add_parser("info", help="a model's shapes, weights and the route its prefill and decode take (and why)",
-                       formatter_class=DefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter,
+                       description="Print the model's sizes and weights, whether gpt2mha's C++ kernels are loaded, "
+                                   "and the route generate and serve take for it with these flags (and why not the "
+                                   "others). With --quantize the route is that of the model quantized so, found "
+                                   "without running GPTQ (the route depends on the scheme, group size, activations "
+                                   "and head, not on how the weights are rounded).")
     model_arg(i)
     i.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype")
     i.add_argument("--compile", action="store_true", help="the route with generate --compile")
@@ -376,10 +446,17 @@ def _add_serve_command(sub) -> None:
 
 def cmd_info(args) -> int:
     """``gpt2mha info``: the model's config, its quantization and the route generate and serve
-    take for it (:func:`~gpt2mha.inference.decoders.choose_decoder`), with why not the others."""
+    take for it (:func:`~gpt2mha.inference.decoders.choose_decoder`), with why not the others.
+
+    With ``--quantize`` (a float model): the route the model quantized so takes, found on the
+    model rounded to nearest, not by GPTQ (seconds to minutes): the route reads the layers'
+    schemes, group size, activations and head, never how their weights were rounded."""
     from ..inference.decoders import choose_decoder
 
-    model = quantized(load_model(args.model, args.dtype), args)
+    model = load_model(args.model, args.dtype)
+    if args.quantize is not None and not getattr(model, "quantization", None):
+        args = argparse.Namespace(**{**vars(args), "quantize_method": "rtn", "calibration": None})
+    model = quantized(model, args)
     c = model.config
     q = getattr(model, "quantization", None) or {}
     print(f"model        {args.model or 'the built-in model'}: n_layer {c.n_layer}, n_head {c.n_head}, n_embd "

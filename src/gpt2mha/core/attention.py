@@ -138,6 +138,11 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
     Returns:
         Context ``[B, h, T, head_dim]``.
+
+    PyTorch's CPU kernel returns zeros for a query whose scores are all NaN (e.g. ``q · k``
+    overflowing float32) over fewer than 16 keys, where OpenAI's formula gives NaN; a call with
+    such a row is recomputed by :func:`attend_explicit` (:func:`formula_where_zeroed`), so both
+    cores agree on which outputs are NaN.
     """
     T, S = q.shape[-2], k.shape[-2]
     p = dropout_p if training else 0.0
@@ -145,8 +150,37 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         mask = attention_mask(T, S, device=q.device)
     if mask is None:
         causal = True if T == S and T > 1 else False            # a bool also for symbolic T, S (dynamic compile)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+    else:
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+    return formula_where_zeroed(a, q, k, v, mask, dropout_p, training)
+
+
+#: ``scaled_dot_product_attention`` on the CPU writes zeros for a query whose scores are all NaN
+#: only when it reads fewer keys than this (:func:`formula_where_zeroed`).
+ZERO_ROWS_BELOW = 16
+
+
+def formula_where_zeroed(a: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor | None, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """``a``, the context ``[B, h, T, head_dim]`` ``scaled_dot_product_attention`` computed on the
+    CPU for ``q, k, v`` and ``mask`` (None: OpenAI's causal mask), or, when a row of it is all
+    zeros and ``k`` holds fewer than :data:`ZERO_ROWS_BELOW` keys, :func:`attend_explicit`'s
+    context for the whole call.
+
+    Why: for a query whose scores are all NaN (``q · k`` overflowing float32, a NaN query) the
+    CPU kernel writes 0 over fewer keys than a SIMD vector holds and NaN over more (torch 2.13,
+    measured on AVX2: zeros up to 7 keys, float32, bf16 and fp16 alike; 16 covers AVX-512's
+    float32 vectors): the model gave finite, meaningless logits on prompts of up to 7 tokens and
+    NaN beyond, where the explicit core and the C++ kernels give NaN. A row of exact zeros is otherwise rare (a query with no key, values of zero):
+    recomputed, it gives the same numbers. The check (one reduction over ``a``) runs on the
+    CPU, not while compiling, and only on calls over so few keys; tests/test_attention.py
+    checks that the kernel gives NaN from :data:`ZERO_ROWS_BELOW` keys on.
+    """
+    if (k.shape[-2] >= ZERO_ROWS_BELOW or a.device.type != "cpu" or torch.compiler.is_compiling()
+            or bool(a.any(dim=-1).all())):
+        return a
+    return attend_explicit(q, k, v, mask, dropout_p, training).to(a.dtype)
 
 
 class Conv1D(nn.Module):

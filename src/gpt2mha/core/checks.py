@@ -62,23 +62,6 @@ def seed(value) -> int | None:
     return value
 
 
-def sampling(temperature, top_k, top_p, min_p=0.0) -> tuple[float, int, float, float]:
-    """Validate the sampling arguments; returns them as ``(float, int, float, float)``.
-
-    Raises:
-        ValueError: naming the argument if temperature < 0 or not a real number, top_k is not
-            an integer >= 0, top_p ∉ (0, 1], or min_p ∉ [0, 1].
-    """
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
-        raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0 means greedy)")
-    top_k = as_int(top_k, "top_k")
-    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p!r} must be a number in (0, 1]")
-    if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0 <= min_p <= 1:
-        raise ValueError(f"min_p={min_p!r} must be a number in [0, 1] (0 turns it off)")
-    return float(temperature), top_k, float(top_p), float(min_p)
-
-
 def bool_mask(mask: torch.Tensor | None, name: str = "attn_mask") -> torch.Tensor | None:
     """A mask given as bool, or as an integer/float tensor of 0/1 values, as a BoolTensor
     (True = may attend / real token), so a float 0/1 mask can never reach SDPA as an additive bias.

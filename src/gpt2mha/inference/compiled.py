@@ -57,7 +57,9 @@ from ..core.attention import CausalSelfAttention
 from ..core.kv_cache import KVCache
 from .fast import for_decoding, global_hooks, hooked, invariant_by_default, swap_modules
 from .quant import gemv
-from .quant.linear import QuantizedLinear, int8_kernel
+from .quant.int4_linear import Int4Linear
+from .quant.int8_linear import Int8Linear, W7A8Linear
+from .quant.linear import QuantizedLinear, int8_kernel, record_class
 
 
 #: Cache lengths of a compiled decode are multiples of this (:func:`cache_len`).
@@ -107,7 +109,7 @@ class WoqInt8Linear(nn.Module):
 
     def __init__(self, layer: QuantizedLinear):
         super().__init__()
-        if layer.scheme != "int8":
+        if not isinstance(layer, Int8Linear):
             raise ValueError(f"WoqInt8Linear takes an int8 layer; got scheme={layer.scheme!r}")
         self.n_in, self.n_out, self.out_dtype = layer.n_in, layer.n_out, layer.out_dtype
         self.weight = nn.Parameter(layer.weight, requires_grad=False)            # the same storage
@@ -137,7 +139,7 @@ class GemvInt8Linear(nn.Module):
 
     def __init__(self, layer: QuantizedLinear):
         super().__init__()
-        if layer.scheme != "int8":
+        if not isinstance(layer, Int8Linear):
             raise ValueError(f"GemvInt8Linear takes an int8 layer; got scheme={layer.scheme!r}")
         self.n_in, self.n_out, self.out_dtype = layer.n_in, layer.n_out, layer.out_dtype
         self.weight = nn.Parameter(layer.weight.contiguous(), requires_grad=False)   # the same storage
@@ -162,9 +164,10 @@ class GemvInt4Linear(nn.Module):
     weight, where the eager int4 kernel takes bf16 activations (slow on CPUs without native
     bf16). A row's result does not depend on the other rows.
 
-    With the layer's ``activations="per_block"``, the kernel's W4A8 product instead
+    With ``a8=True`` (what a :class:`~gpt2mha.inference.quant.int4_linear.W4A8Linear`, the
+    layer's ``activations="per_block"``, hands the step), the kernel's W4A8 product instead
     (``torch.ops.gpt2mha.int4_a8_packed`` on the layer's packed copy,
-    :meth:`~gpt2mha.inference.quant.linear.QuantizedLinear.a8_packed`: each activation row
+    :meth:`~gpt2mha.inference.quant.int4_linear.Int4Linear.a8_packed`: each activation row
     rounded to 8 bits per group), the layer's own product.
 
     Shares the layer's packed nibbles ``[N, K/2]`` and bias; keeps the (scale, zero) pairs as
@@ -172,15 +175,15 @@ class GemvInt4Linear(nn.Module):
     Forward ``[..., K]`` → ``[..., N]`` in the dtype the layer itself returns.
     """
 
-    def __init__(self, layer: QuantizedLinear):
+    def __init__(self, layer: QuantizedLinear, a8: bool = False):
         super().__init__()
-        if layer.scheme != "int4":
+        if not isinstance(layer, Int4Linear):
             raise ValueError(f"GemvInt4Linear takes an int4 layer; got scheme={layer.scheme!r}")
         self.n_in, self.n_out, self.out_dtype, self.group_size = layer.n_in, layer.n_out, layer.out_dtype, layer.group_size
         self.weight = nn.Parameter(layer.weight.contiguous(), requires_grad=False)   # the same storage
         self.scale_zero = nn.Parameter(layer.gemv_scales(), requires_grad=False)
         self.bias = layer.bias
-        self.per_block = layer.activations == "per_block"
+        self.per_block = a8
         if self.per_block:
             packed, params = layer.a8_packed()
             self.a8 = nn.Parameter(packed, requires_grad=False)
@@ -252,7 +255,7 @@ class PerRowInt8Linear(nn.Module):
 
     def __init__(self, layer: QuantizedLinear):
         super().__init__()
-        if layer.scheme != "int8" or layer.activations != "per_row":
+        if not isinstance(layer, W7A8Linear):
             raise ValueError(f"PerRowInt8Linear takes an int8 layer with activations='per_row'; got "
                              f"scheme={layer.scheme!r}, activations={layer.activations!r}")
         self.n_in, self.n_out, self.out_dtype = layer.n_in, layer.n_out, layer.out_dtype
@@ -309,12 +312,8 @@ def decode_view(model: nn.Module, batch_invariant: bool | None = None) -> nn.Mod
     def replace(path: str, m: nn.Module) -> nn.Module | None:
         if hooked(m):
             return None
-        if isinstance(m, QuantizedLinear) and m.scheme == "int8" and m.weight.device.type == "cpu":
-            if m.activations == "per_row":
-                return PerRowInt8Linear(m)
-            return GemvInt8Linear(m) if gemv.available() else WoqInt8Linear(m)
-        if isinstance(m, QuantizedLinear) and m.scheme == "int4" and m.weight.device.type == "cpu" and gemv.available():
-            return GemvInt4Linear(m)
+        if isinstance(m, QuantizedLinear) and m.weight.device.type == "cpu":
+            return m.compiled_layer()                           # what the layer's class hands the step
         if isinstance(m, CausalSelfAttention):
             new = copy.copy(m)                                  # shallow: parameters shared
             new._modules = {name: replace(f"{path}.{name}", child) or child for name, child in m._modules.items()}
@@ -389,16 +388,12 @@ def options(model: nn.Module) -> dict:
     the weights stream from memory: measured, RESULTS.md); for a per_row model on
     ``torch._int_mm`` (VNNI CPUs), no freezing (it broke that step)."""
     opts = {"freezing": True, "fx_graph_cache": False}
-    quantization = getattr(model, "quantization", None) or {}
-    if quantization.get("scheme") == "int8" and quantization.get("activations", "exact") != "per_row" \
-            and not gemv.available():
-        opts.update(max_autotune=True, max_autotune_gemm_backends="CPP")
-    per_row = any(isinstance(m, QuantizedLinear) and m.activations == "per_row" for m in model.modules())
-    if per_row and int8_kernel() == "int_mm":       # (a layer may be set alone: its int8 head, say)
-        # with the weight frozen into a constant, inductor's lowering of torch._int_mm followed by
-        # per_row's rescale gave NaN/inf (garbage) for two rows or more (torch 2.13, Zen 4 with
-        # VNNI; tests/test_compiled.py); not frozen, the same step is right
-        opts["freezing"] = False
+    blocks = record_class(getattr(model, "quantization", None))
+    if blocks is not None:                          # the blocks' class: int8's template without our kernel
+        opts.update(blocks.model_compile_options())
+    for m in model.modules():                       # each layer's (a layer may be set alone: its int8 head, say)
+        if isinstance(m, QuantizedLinear):
+            opts.update(m.compile_options())
     return opts
 
 

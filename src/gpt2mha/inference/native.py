@@ -65,22 +65,27 @@ from . import huge_pages
 from .quant import gemv
 from ..core.attention import Conv1D
 from ..core.model import LMHead
-from .quant.linear import QuantizedLinear
+from .quant.linear import QuantizedLinear, record_class
 
-#: cached_forward's group_size for float32, bf16 and fp16 products (kernels/cached_forward.cpp)
-FLOAT32, BF16, FP16 = -1, -2, -3
-#: the float kinds of :func:`_kind` and their dtypes
+#: the float kinds of :func:`_kind` (cached_forward's kinds of those models, kernels/cached_forward.cpp)
+#: and their dtypes
 FLOAT_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _blocks(model: nn.Module) -> type | None:
+    # the layer class the model's quantization record names, where it runs on the native forward
+    cls = record_class(getattr(model, "quantization", None))
+    return cls if cls is not None and cls.native_kind else None
+
+
 def _kind(model: nn.Module) -> str:
-    """"per_block", "per_row", "float32", "bf16", "fp16" or "" (no native forward) from the model's
-    quantization record (float32, bf16, fp16: none, and weights of that dtype)."""
+    """The kind ``cached_forward`` takes for ``model``: its quantization record's layer class's
+    (:attr:`~.quant.linear.QuantizedLinear.native_kind`: "w4a8", "w7a8"), "float32", "bf16",
+    "fp16" (no quantization record, and weights of that dtype) or "" (no native forward)."""
     q = getattr(model, "quantization", None) or {}
-    if (q.get("scheme"), q.get("activations")) == ("int4", "per_block"):
-        return "per_block"
-    if (q.get("scheme"), q.get("activations")) == ("int8", "per_row"):
-        return "per_row"
+    blocks = _blocks(model)
+    if blocks is not None:
+        return blocks.native_kind
     wte = getattr(getattr(model, "wte", None), "weight", None)
     if not q and isinstance(wte, torch.Tensor):
         return {dtype: kind for kind, dtype in FLOAT_DTYPES.items()}.get(wte.dtype, "")
@@ -111,25 +116,22 @@ def why_not(model: nn.Module) -> str:
         return f"head_dim={head_dim} is not a multiple of 8 (the kernels' vectors)"
     if kind in FLOAT_DTYPES:
         return _why_not_float(model, dtype)
-    scheme = {"per_block": "int4", "per_row": "int8"}.get(kind)
+    blocks = _blocks(model)
     groups = set()
     for block in model.h:
         for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-            if not (isinstance(layer, QuantizedLinear) and layer.scheme == scheme and layer.activations == kind
-                    and layer.bias is not None and layer.bias.dtype == torch.float32):
+            if not (isinstance(layer, blocks) and layer.bias is not None and layer.bias.dtype == torch.float32):
                 return "its blocks are not all int4 with per_block activations or int8 with per_row ones"
             groups.add(layer.group_size)
         for norm in (block.ln_1, block.ln_2):
             if norm.weight is None or norm.bias is None:
                 return "a LayerNorm has no weight or bias"
     head = model.lm_head
-    int4_head = kind == "per_block" and isinstance(head, QuantizedLinear) and head.scheme == "int4"
-    if int4_head:
-        if head.activations != "per_block" or head.bias is not None:
-            return "its int4 head does not take the blocks' per_block activations, or has a bias"
+    if blocks.grouped and isinstance(head, QuantizedLinear) and head.scheme == blocks.scheme:   # in the blocks' groups
+        if not isinstance(head, blocks) or head.bias is not None:
+            return f"its {blocks.scheme} head does not take the blocks' {blocks.activations_mode} activations, or has a bias"
         groups.add(head.group_size)
-    elif not (isinstance(head, QuantizedLinear) and head.scheme == "int8"
-              and head.activations == ("per_row" if kind == "per_row" else "exact")):
+    elif not (isinstance(head, QuantizedLinear) and (head.scheme, head.activations) in blocks.native_heads):
         return "its head is not int8 with the blocks' activations (int4 models: exact) or int4 per_block"
     eps = {m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)}
     if len(groups) != 1 or len(eps) != 1:
@@ -162,15 +164,11 @@ def _why_not_float(model: nn.Module, dtype: torch.dtype) -> str:
 
 
 def _product(layer: nn.Module) -> list[torch.Tensor]:
-    # the layer's tensors in cached_forward.cpp's layouts: W4A8's and the exact int8 head's (weight, kernel
-    # scales), per_row's packed four, a float32 or bf16 Conv1D's or head's weight as it is
-    if not isinstance(layer, QuantizedLinear):
-        return [layer.weight.detach().contiguous()]
-    if layer.activations == "per_row":
-        return list(layer.per_row_packed())
-    if layer.scheme == "int4":
-        return list(layer.a8_packed())
-    return [layer.weight.detach().contiguous(), layer.gemv_scales()]
+    # the layer's tensors in cached_forward.cpp's layouts: a quantized layer's own (its class's
+    # native_tensors), a float32, bf16 or fp16 Conv1D's or head's weight as it is
+    if isinstance(layer, QuantizedLinear):
+        return layer.native_tensors()
+    return [layer.weight.detach().contiguous()]
 
 
 class NativeStep:
@@ -214,9 +212,9 @@ class NativeStep:
         self.head = [*_product(head), bias]
         c = model.config
         self.sizes = (len(model.h), c.n_head, c.n_embd // c.n_head)
-        kind = _kind(model)
-        self.group_size = ({"float32": FLOAT32, "bf16": BF16, "fp16": FP16}.get(kind, 0) if kind != "per_block"
-                           else model.h[0].attn.c_attn.group_size)
+        #: cached_forward's kind and the group size of its products (0: no groups)
+        self.kind = _kind(model)
+        self.group_size = 0 if self.kind in FLOAT_DTYPES else model.h[0].attn.c_attn.native_group_size()
         self.eps = float(model.ln_f.eps)
         # what decode_loop runs the prompts on: every prompt, on the products of the steps (per_row's
         # W7A8, per_block's W4A8, as the model's own layers take prompts), a float32 or bf16
@@ -234,7 +232,7 @@ class NativeStep:
                              f"n_layer={self.sizes[0]}, n_head={self.sizes[1]}, head_dim={self.sizes[2]}")
         logits = torch.ops.gpt2mha.cached_forward(tokens.long().contiguous(), self.wte, self.wpe, self.layers,
                                                   *self.ln_f, self.head, cache.k, cache.v, cache.lengths,
-                                                  self.group_size, self.eps)
+                                                  self.group_size, self.eps, self.kind)
         cache.advance(tokens.shape[1])
         return logits
 

@@ -31,8 +31,12 @@ from dataclasses import dataclass, fields
 MAX_PENALTY = 2.0
 #: OpenAI's range of a ``logit_bias`` value.
 MAX_LOGIT_BIAS = 100.0
-#: OpenAI's limits: ``logprobs`` up to 5, ``n`` up to 128, ``best_of`` up to 20.
-MAX_LOGPROBS, MAX_N, MAX_BEST_OF = 5, 128, 20
+#: OpenAI's limits: ``n`` up to 128, ``best_of`` up to 20; ``logprobs`` up to 20, as OpenAI's chat
+#: ``top_logprobs`` (and vLLM's ``max_logprobs``) take.
+MAX_LOGPROBS, MAX_N, MAX_BEST_OF = 20, 128, 20
+#: OpenAI's limit of the completions API's ``logprobs`` (``/v1/completions`` keeps it; chat's
+#: ``top_logprobs`` and the CLI's ``--logprobs`` take up to :data:`MAX_LOGPROBS`).
+MAX_COMPLETION_LOGPROBS = 5
 #: Temperatures below float32's smallest normal number (2⁻¹²⁶) sample as temperature 0 (greedy):
 #: the limit of ``softmax(logits / t)`` as t → 0 puts all the mass on the largest logit.
 MIN_TEMPERATURE = 2.0 ** -126
@@ -305,7 +309,7 @@ class SamplingParams:
             sequence's tokens, its text is not in the text (vLLM's); kept as a tuple.
         include_stop_str_in_output: the stop string (or stop token's text) that ended the text
             is kept at its end (vLLM's).
-        logprobs: None, or k in [0, 5]: each new token's log-probability and the k most likely.
+        logprobs: None, or k in [0, 20]: each new token's log-probability and the k most likely.
         echo: with ``logprobs``, also the log-probabilities of the prompt's own tokens.
         n: completions per prompt, in [1, 128].
         best_of: None, or candidates per prompt in [1, 20] (>= n) of which the n of highest

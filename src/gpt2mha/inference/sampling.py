@@ -81,25 +81,42 @@ def min_p_logits(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 class NonFiniteLogitsError(RuntimeError):
-    """The model's logits hold NaN or +inf (or no finite value) where a token is to be chosen:
-    its weights or its inputs hold NaN/inf. No token can be chosen from them (greedy would pick
-    an arbitrary id, a draw has no distribution)."""
+    """The model's logits hold NaN or +inf (or no finite value) where a token is to be chosen
+    or scored: its weights or its inputs hold NaN/inf, or its activations overflow (e.g. the
+    attention's scores ``q · k``). No token can be chosen from them (greedy would pick an
+    arbitrary id, a draw has no distribution), and no loss, probability or effect computed from
+    them means anything."""
 
 
-def check_finite(top: torch.Tensor, step: int | None = None, rows: list[int] | None = None) -> None:
+def check_finite(top: torch.Tensor, step: int | None = None, rows: list[int] | None = None,
+                 what: str = "logits", on: str = "") -> None:
     """Raises :class:`NonFiniteLogitsError` naming ``step`` and the rows unless every row's
     largest logit ``top [B]`` (or ``[B, 1]``) is finite. NaN anywhere in a row makes its
     maximum NaN, +inf makes it +inf, so one reduction, which the sampler computes anyway,
     checks the whole row. ``rows``: the rows' names in the message (default their indices;
-    ``[]``: none)."""
+    ``[]``: none); ``what``: what the values are (default logits); ``on``: what the model ran
+    on (e.g. ``"PROMPT"``), named in the message."""
     ok = torch.isfinite(top).flatten()
     if not bool(ok.all()):
         bad = (~ok).nonzero().flatten().tolist()
         names = bad if rows is None else [rows[i] for i in bad] if rows else []
         at = "" if step is None else f" at step {step}"
         where = f" (rows {names})" if names else ""
-        raise NonFiniteLogitsError(f"the model produced NaN or infinite logits{at}{where}; its weights or "
-                                   f"inputs hold NaN/inf")
+        raise NonFiniteLogitsError(f"the model produced NaN or infinite {what}{f' on {on}' if on else ''}{at}{where}; "
+                                   f"its weights or inputs hold NaN/inf, or its activations overflow")
+
+
+def check_logits(logits: torch.Tensor, what: str = "logits", on: str = "") -> torch.Tensor:
+    """``logits [..., V]`` unchanged when each row along the last axis has a finite maximum
+    (:func:`check_finite`: no NaN, no +inf, not all -inf); the check of every command that
+    runs a model (``generate`` through the sampler, ``perplexity``, ``ablate``, ``patch``,
+    ``lens``, ``heads``).
+
+    Raises:
+        NonFiniteLogitsError: a row is not finite (the message names ``what`` and ``on``).
+    """
+    check_finite(logits.detach().amax(dim=-1), rows=[], what=what, on=on)
+    return logits
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,

@@ -139,6 +139,27 @@ def tokenizer_for(config):
 #: (transformers' names); a save removes those of an earlier save that the new tokenizer lacks.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
+#: gpt2mha's built-in chat templates, by name (``gpt2mha serve --chat-template NAME``,
+#: :mod:`gpt2mha.serving.chat`), in transformers' Jinja dialect. ``plain``: one "role: content"
+#: line per message, then ``assistant:`` (text a base model such as GPT-2 reads as a dialogue to
+#: continue); ``chatml``: OpenAI's ChatML turns, ``<|im_start|>role\ncontent<|im_end|>\n``, then
+#: ``<|im_start|>assistant\n`` (the layout of chat models tuned on it; to GPT-2's tokenizer its
+#: markers are ordinary text).
+CHAT_TEMPLATES = {
+    "plain": ("{% for message in messages %}"
+              r"{{ message['role'] + ': ' + (message['content'] or '') + '\n' }}"
+              "{% endfor %}"
+              "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"),
+    "chatml": ("{% for message in messages %}"
+               r"{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
+               "{% endfor %}"
+               r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+}
+#: The chat template ``gpt2mha serve`` renders chat with by default, and the one
+#: :func:`hf_tokenizer_files` writes into ``tokenizer_config.json`` (so that transformers'
+#: ``apply_chat_template`` on a saved directory renders what a default server renders).
+DEFAULT_CHAT_TEMPLATE = "plain"
+
 
 @functools.lru_cache(maxsize=None)
 def bytes_to_unicode() -> dict[int, str]:
@@ -215,6 +236,9 @@ def hf_tokenizer_files(name: str, model_max_length: int) -> dict[str, bytes]:
       Its id and text stay byte 0's (``split_special_tokens``: the text ``"Ā"`` is still its two
       UTF-8 bytes); only ``decode(…, skip_special_tokens=True)`` (the pipeline's default) drops
       NUL bytes. ``generation_config.json`` names no end token, so transformers never stops at it.
+    - both: ``tokenizer_config.json``'s ``chat_template`` is the template ``gpt2mha serve`` renders
+      chat with by default (:data:`DEFAULT_CHAT_TEMPLATE`), so transformers'
+      ``apply_chat_template`` on the directory renders the prompt text a default server does.
 
     Args:
         name: gpt2mha's tokenizer name (``GPT2Config.tokenizer``).
@@ -257,7 +281,7 @@ def _hf_tokenizer_files(name: str, model_max_length: int) -> tuple[tuple[str, by
     else:
         raise ValueError(f"tokenizer={name!r}; expected 'gpt2' or 'bytes'")
     files["tokenizer.json"] = _json_bytes(tokenizer, indent=None)
-    files["tokenizer_config.json"] = _json_bytes(config)
+    files["tokenizer_config.json"] = _json_bytes({**config, "chat_template": CHAT_TEMPLATES[DEFAULT_CHAT_TEMPLATE]})
     return tuple(files.items())
 
 

@@ -258,10 +258,32 @@ struct Product {
     }
 };
 
+/* Product's G for the products of kind (named by the caller): "w4a8" in groups of group_size (a multiple of
+ * 32 dividing n_embd, checked below), "w7a8" (per_row), "float32", "bf16", "fp16" (group_size 0: their
+ * products have no groups); an empty kind: G = group_size as it is (> 0: W4A8, 0: per_row, FLOAT32, BF16,
+ * FP16). */
+static int64_t product_code(c10::string_view kind, int64_t group_size) {
+    if (kind.empty()) return group_size;
+    if (kind == "w4a8") {
+        TORCH_CHECK(group_size > 0, "cached_forward: kind 'w4a8' needs the products' group_size > 0; got ", group_size);
+        return group_size;
+    }
+    const std::pair<const char *, int64_t> kinds[] = {{"w7a8", 0}, {"float32", FLOAT32}, {"bf16", BF16}, {"fp16", FP16}};
+    for (const auto &named : kinds)
+        if (kind == named.first) {
+            TORCH_CHECK(group_size == 0, "cached_forward: kind '", kind, "' takes group_size=0 (only w4a8's products "
+                        "come in groups); got ", group_size);
+            return named.second;
+        }
+    TORCH_CHECK(false, "cached_forward: kind must be 'w4a8', 'w7a8', 'float32', 'bf16' or 'fp16' (or empty: the kind "
+                "from group_size); got '", kind, "'");
+    return 0;                                            /* not reached */
+}
+
 /* The operator (see the file's comment). tokens [B, T]: T new tokens per row, row b's first at
  * its cache index lengths[b] (with T > 1 every row at the same index). layers: per block ln_1
  * weight, bias, attn.c_attn, attn.c_proj, ln_2 weight, bias, mlp.c_fc, mlp.c_proj, each product
- * as Product's tensors (group_size > 0: W4A8, 0: per_row). head: the int8 head as int8_gemv's
+ * as Product's tensors (kind, or with an empty kind group_size: > 0 W4A8, 0 per_row). head: the int8 head as int8_gemv's
  * (weight [V, E], scales [V]) or per_row's four tensors, or an int4 head as W4A8's two (in the
  * blocks' group_size), then its bias or an empty tensor. k, v:
  * the cache [L, B, h, T_max, D] (rows may be a view of a larger cache: each row's [h, T_max, D]
@@ -269,7 +291,8 @@ struct Product {
 static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte, const at::Tensor &wpe,
                                  at::TensorList layers, const at::Tensor &ln_f_weight, const at::Tensor &ln_f_bias,
                                  at::TensorList head, const at::Tensor &k, const at::Tensor &v, at::IntArrayRef lengths,
-                                 int64_t group_size, double eps) {
+                                 int64_t group_size, double eps, c10::string_view kind) {
+    group_size = product_code(kind, group_size);
     TORCH_CHECK(k.dim() == 5 && v.dim() == 5 && k.sizes() == v.sizes(),
                 "cached_forward: k and v must be the cache [n_layer, B, n_head, T_max, head_dim]; got ", k.sizes(),
                 " and ", v.sizes());
@@ -520,8 +543,8 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
 
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("cached_forward(Tensor tokens, Tensor wte, Tensor wpe, Tensor[] layers, Tensor ln_f_weight, "
-          "Tensor ln_f_bias, Tensor[] head, Tensor(a!) k, Tensor(b!) v, int[] lengths, int group_size, float eps) "
-          "-> Tensor");
+          "Tensor ln_f_bias, Tensor[] head, Tensor(a!) k, Tensor(b!) v, int[] lengths, int group_size, float eps, "
+          "str kind=\"\") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) { m.impl("cached_forward", &cached_forward); }

@@ -43,7 +43,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return q.new_empty(B, T, h, D).permute(0, 2, 1, 3)
 
 
-def cached_forward(tokens, wte, wpe, layers, ln_f_weight, ln_f_bias, head, k, v, lengths, group_size, eps):
+def cached_forward(tokens, wte, wpe, layers, ln_f_weight, ln_f_bias, head, k, v, lengths, group_size, eps, kind=""):
     """Each row's last logits ``[B, V]`` (k and v are written in place: the schema says so)."""
     # per_row's packed head: qsum [V]; W4A8's packed tiles: wte's rows
     vocab = head[1].shape[0] if head[0].dim() == 4 else wte.shape[0] if head[0].dim() == 3 else head[0].shape[0]

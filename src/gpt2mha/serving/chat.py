@@ -28,32 +28,24 @@ import os
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..inference.params import MAX_LOGPROBS
+from ..io.tokenizer import CHAT_TEMPLATES
+from ..io.tokenizer import DEFAULT_CHAT_TEMPLATE as TOKENIZER_CHAT_TEMPLATE
 from .completions import Completions
-from .protocol import (EXPECTED, APIError, CompletionRequest, StreamOptions, check_model, check_unicode,
-                       drop_nulls, encode_prompts, encode_text, parse_json, token_text, validation_error)
+from .protocol import (EXPECTED, APIError, CompletionRequest, RequestFields, check_model, check_unicode, drop_nulls,
+                       encode_prompts, encode_text, parse_json, token_text, validation_error)
 from .scheduler import Sequence
 
 
 # ------------------------------------------------------------------------------ template
-#: The built-in chat templates, by name (``gpt2mha serve --chat-template NAME``), in transformers'
-#: dialect. ``plain``: one "role: content" line per message, then ``assistant:`` (text a base
-#: model such as GPT-2 reads as a dialogue to continue); ``chatml``: OpenAI's ChatML turns,
-#: ``<|im_start|>role\ncontent<|im_end|>\n``, then ``<|im_start|>assistant\n`` (the layout
-#: of chat models tuned on it; to GPT-2's tokenizer its markers are ordinary text).
-BUILTIN_TEMPLATES = {
-    "plain": ("{% for message in messages %}"
-              r"{{ message['role'] + ': ' + (message['content'] or '') + '\n' }}"
-              "{% endfor %}"
-              "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"),
-    "chatml": ("{% for message in messages %}"
-               r"{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
-               "{% endfor %}"
-               r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
-}
+#: The built-in chat templates, by name (``gpt2mha serve --chat-template NAME``): ``plain`` and
+#: ``chatml`` (:data:`gpt2mha.io.tokenizer.CHAT_TEMPLATES`, where the tokenizer files take the
+#: default from).
+BUILTIN_TEMPLATES = CHAT_TEMPLATES
 #: The template ``gpt2mha serve`` and :func:`~gpt2mha.serving.server.create_app` serve chat with by
 #: default: chat-first clients (the openai client's chat, LangChain's ``ChatOpenAI``, litellm)
-#: then work against a default server, as they do against llama.cpp's server.
-DEFAULT_CHAT_TEMPLATE = "plain"
+#: then work against a default server, as they do against llama.cpp's server; it is also the
+#: ``chat_template`` of the ``tokenizer_config.json`` gpt2mha writes.
+DEFAULT_CHAT_TEMPLATE = TOKENIZER_CHAT_TEMPLATE
 #: The name that serves no chat (``--chat-template none``).
 NO_TEMPLATE = "none"
 
@@ -174,12 +166,13 @@ def no_template_error(model_name: str) -> APIError:
 
 # ------------------------------------------------------------------------------ requests
 class ContentPart(BaseModel):
-    """One part of a message's content given as a list (OpenAI's ``{"type": "text", "text": ...}``;
-    other types are refused by :func:`parse_chat_request`)."""
+    """One part of a message's content given as a list (OpenAI's ``{"type": "text", "text": ...}``).
+    Any ``type`` and fields parse, so that :func:`check_messages` can say which part is not
+    text (an ``image_url`` or ``input_audio`` part) and why."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
-    text: str
+    text: str | None = None
 
 
 class Message(BaseModel):
@@ -191,49 +184,42 @@ class Message(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class ChatRequest(BaseModel):
-    """The body of ``POST /v1/chat/completions`` (OpenAI's fields; types checked strictly;
-    ``add_generation_prompt`` as vLLM's extension, default true)."""
+#: The sampling fields chat spells its own way (OpenAI's chat API): ``max_tokens`` (or
+#: ``max_completion_tokens``) defaults to the rest of the context, ``logprobs`` is a boolean
+#: with ``top_logprobs`` k, and ``echo`` (the prompt's text before the completion) is taken at
+#: its default only: a chat answer carries the new message alone. Every other field of
+#: :class:`~gpt2mha.serving.protocol.RequestFields` is passed to the completion as it is.
+CHAT_SPELLED = frozenset({"max_tokens", "logprobs", "echo"})
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str | None = None
+
+class ChatRequest(RequestFields):
+    """The body of ``POST /v1/chat/completions``: every field of
+    :class:`~gpt2mha.serving.protocol.RequestFields` (what ``/v1/completions`` takes besides its
+    prompt, so each sampling field both routes take is declared once), ``messages``, and chat's
+    own spellings (:data:`CHAT_SPELLED`; ``add_generation_prompt`` as vLLM's extension, default
+    true). Types are checked strictly."""
+
     messages: list[Message]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
-    # passed on to the completion, which checks them as /v1/completions does
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    response_format: dict | None = None
-    structured_outputs: dict | None = None
-    user: str | None = None
     # each generated token's logprob, and the top_logprobs most probable (choices[i].logprobs.content)
     logprobs: bool = False
     top_logprobs: int | None = None
 
 
-#: The most ``top_logprobs`` a chat request may ask for: the server's limit of completions'
-#: ``logprobs`` (OpenAI's, for completions; OpenAI's chat takes 20).
+#: The most ``top_logprobs`` a chat request may ask for: OpenAI's chat limit (and vLLM's).
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 
+#: What each place of a message must be, for the messages of type errors (keys:
+#: :func:`~gpt2mha.serving.protocol.error_key`).
+MESSAGE_EXPECTED = {"messages": "a list of messages {role: string, content: string or list of text parts}",
+                    "messages[]": "a message {role: string, content: string or list of text parts}",
+                    "messages[].role": "a string", "messages[].content": "a string, a list of content parts or null",
+                    "messages[].content[]": "a content part {type: \"text\", text: string}",
+                    "messages[].content[].type": "a string", "messages[].content[].text": "a string"}
 #: What each field must be, for the messages of type errors.
-CHAT_EXPECTED = {**EXPECTED, "messages": "a list of messages {role: string, content: string or list of text parts}",
-                 "max_tokens": "an integer", "max_completion_tokens": "an integer",
+CHAT_EXPECTED = {**EXPECTED, **MESSAGE_EXPECTED, "max_tokens": "an integer", "max_completion_tokens": "an integer",
                  "add_generation_prompt": "a boolean", "logprobs": "a boolean", "top_logprobs": "an integer"}
 
 
@@ -241,8 +227,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     """The request body as a :class:`ChatRequest` (``null`` fields read as missing).
 
     Raises:
-        APIError: 400 for malformed JSON, a field of the wrong type, an unknown field, missing
-            messages, a string that is not Unicode text, a content part that is not text, or
+        APIError: 400 for malformed JSON, a field of the wrong type (the message naming its place,
+            ``messages[0].role``), an unknown field, missing messages, a string that is not Unicode
+            text, messages :func:`check_messages` refuses, ``echo`` other than false, or
             ``top_logprobs`` without ``logprobs: true`` or outside ``[0, MAX_TOP_LOGPROBS]`` (each
             naming the field).
     """
@@ -252,21 +239,39 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         body = ChatRequest.model_validate(drop_nulls(data))
     except ValidationError as e:
         raise validation_error(e.errors(), CHAT_EXPECTED) from None
-    if not body.messages:
-        raise APIError(400, "messages is an empty list; give at least one message", "messages")
-    for i, m in enumerate(body.messages):
-        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
-            if part.type != "text":
-                raise APIError(400, f"messages[{i}].content[{j}] has type {part.type!r}; this model reads only "
-                                    f"'text' parts", "messages")
+    check_messages(body.messages)
+    if body.echo:
+        raise APIError(400, "echo=true is a /v1/completions field (the prompt's text before the completion); a chat "
+                            "answer carries only the new message. Send the prompt to /v1/completions with echo, or "
+                            "leave echo out", "echo")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs: true (the top tokens come with "
                                 f"each token's logprob)", "top_logprobs")
         if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise APIError(400, f"top_logprobs={body.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}] on this server "
-                                f"(OpenAI's API takes up to 20)", "top_logprobs")
+            raise APIError(400, f"top_logprobs={body.top_logprobs} must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+                           "top_logprobs")
     return body
+
+
+def check_messages(messages: list[Message]) -> None:
+    """What the chat route and ``/tokenize`` refuse in parsed messages, each a 400 naming
+    ``messages`` whose message names the place: an empty list, a content part whose type is not
+    ``"text"`` (an ``image_url`` or ``input_audio`` part: this model reads text only), a text part
+    without its ``text`` or with another field."""
+    if not messages:
+        raise APIError(400, "messages is an empty list; give at least one message", "messages")
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            where = f"messages[{i}].content[{j}]"
+            if part.type != "text":
+                raise APIError(400, f"{where}.type is {part.type!r}: this model reads only text, so a content part "
+                                    f"must be {{\"type\": \"text\", \"text\": ...}}", "messages")
+            if part.text is None:
+                raise APIError(400, f"Missing required parameter: '{where}.text' (the text of a text part)", "messages")
+            extra = next(iter(part.model_extra or {}), None)
+            if extra is not None:
+                raise APIError(400, f"Unrecognized request argument supplied: {where}.{extra}", "messages")
 
 
 def template_messages(body: ChatRequest) -> list[dict]:
@@ -300,11 +305,7 @@ def completion_request(body: ChatRequest, template: ChatTemplate, tokenizer, n_c
         raise APIError(400, f"messages make {len(ids)} tokens with the chat template; this model's maximum context "
                             f"length is {n_ctx} tokens, which leaves no room for a reply", "messages",
                        code="context_length_exceeded")
-    fields = body.model_dump(include={"model", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                                      "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
-                                      "repetition_penalty", "no_repeat_ngram_size", "min_tokens", "ignore_eos",
-                                      "stop_token_ids", "include_stop_str_in_output", "response_format",
-                                      "structured_outputs", "user"}, exclude_none=True)
+    fields = body.model_dump(include=set(RequestFields.model_fields) - CHAT_SPELLED, exclude_none=True)
     if body.logprobs:              # completions' logprobs=k: each token's logprob and the k most probable
         fields["logprobs"] = body.top_logprobs or 0
     return CompletionRequest.model_validate({**fields, "prompt": ids,
@@ -352,6 +353,7 @@ class ChatCompletions(Completions):
     completion, answered in OpenAI's ``chat.completion`` / ``chat.completion.chunk`` shapes."""
 
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+    MAX_LOGPROBS = MAX_TOP_LOGPROBS
 
     def __init__(self, template: "ChatTemplate", *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -368,7 +370,7 @@ class ChatCompletions(Completions):
         check_model(body.model, self.model_name)                 # before rendering anything
         request = completion_request(body, self.template, s.tokenizer, s.n_ctx)
         self.check(request)
-        return request, encode_prompts(request, s.tokenizer, s.n_ctx)
+        return request, encode_prompts(request, s.tokenizer, s.n_ctx, overflow=self.overflow)
 
     def whole_choice(self, index: int, seq: Sequence) -> dict:
         """A finished sequence as ``choices[index]``, with the logprobs of the tokens its text
@@ -380,16 +382,19 @@ class ChatCompletions(Completions):
 
     def chunk_choices(self, seq: Sequence, text: str, finished: bool, seen: list[int]) -> list[dict]:
         """A choice's first chunk carries the role (``{"role": "assistant", "content": ""}``), as
-        OpenAI's do; the finish reason comes with the last text, or alone with an empty delta.
-        With logprobs, a chunk carries those of the tokens its event covers (``seq.marks``, as
+        OpenAI's do; its text follows, and the finish reason comes alone, with an empty delta and
+        null logprobs, in a last chunk of its own (OpenAI's chat shape). With logprobs, a text
+        chunk carries those of the tokens its event covers (``seq.marks``, as
         :meth:`~gpt2mha.serving.completions.Completions.chunk`)."""
         index, finish_reason = seq.index, seq.finish_reason if finished else None
         k = seen[index]
         seen[index] += 1
         out = [delta_choice(index, {"role": "assistant", "content": ""}, None)] if k == 0 else []
-        lp = None
-        if seq.params.logprobs is not None:
-            lp = logprobs_content(self.scheduler.tokenizer, seq, seq.marks[k - 1] if k else 0, seq.marks[k])
-            lp = lp if lp["content"] or text else None          # a finish-only chunk: null, as OpenAI's
-        out.append(delta_choice(index, {"content": text} if text or finish_reason is None else {}, finish_reason, lp))
+        if text or finish_reason is None:
+            lp = None
+            if seq.params.logprobs is not None:
+                lp = logprobs_content(self.scheduler.tokenizer, seq, seq.marks[k - 1] if k else 0, seq.marks[k])
+            out.append(delta_choice(index, {"content": text}, None, lp))
+        if finish_reason is not None:
+            out.append(delta_choice(index, {}, finish_reason))
         return out

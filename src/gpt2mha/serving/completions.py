@@ -17,10 +17,12 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .protocol import (MAX_STOP, APIError, check_prompt_count, check_request, check_stop,
+from ..inference.params import MAX_COMPLETION_LOGPROBS
+from .protocol import (CLIP, MAX_STOP, APIError, check_prompt_count, check_request, check_stop,
                        check_stream_options, choice, choice_answer, completion_logprobs, encode_prompts, failure,
                        join_logprobs, parse_request, prompt_echo, sampling_params, sse, submit_error,
                        usage)
+from .operate import request_id
 from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown, pick_choices
 from .structured import check_grammar
 from .text_stream import CANCELLED, ERROR
@@ -95,6 +97,10 @@ async def read_body(request: Request, limit: int) -> bytes:
 class Completions:
     """``POST /v1/completions`` over ``scheduler``, serving its model as ``model_name``.
 
+    ``max_tokens_overflow``: what ``max_tokens`` past the room a prompt leaves in the context
+    gets (:data:`~gpt2mha.serving.protocol.MAX_TOKENS_OVERFLOW`: ``"clip"``, the default, or
+    ``"refuse"``, a 400); a clipped request is logged.
+
     One instance per app: :meth:`handle` reads the body (413 past ``max_body_bytes``), has it
     parsed, checked and tokenized in a worker thread (:meth:`prepare`), submits the prompts and
     answers with the whole completion (:meth:`collect`) or a server-sent event stream
@@ -107,11 +113,13 @@ class Completions:
 
     #: The answers' ``object`` and id prefix (OpenAI's).
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl-"
+    #: The most ``logprobs`` a request may ask for (OpenAI's completions limit).
+    MAX_LOGPROBS = MAX_COMPLETION_LOGPROBS
 
     def __init__(self, scheduler: Scheduler, model_name: str, max_body_bytes: int, max_stop: int = MAX_STOP,
-                 relay: Relay | None = None):
+                 relay: Relay | None = None, max_tokens_overflow: str = CLIP):
         self.scheduler, self.model_name, self.max_body_bytes = scheduler, model_name, max_body_bytes
-        self.max_stop = max_stop
+        self.max_stop, self.overflow = max_stop, max_tokens_overflow
         self.relay = Relay() if relay is None else relay
 
     async def handle(self, request: Request):
@@ -131,11 +139,16 @@ class Completions:
                 self.relay.send(events, (seq, text, done))
 
         try:
-            seqs = self.scheduler.submit(prompts, sampling_params(body), on_event)
+            seqs = self.scheduler.submit(prompts, sampling_params(body), on_event, clip=self.overflow == CLIP)
         except (ExceedsCapacity, QueueFull, ShuttingDown) as e:
             raise submit_error(e) from None
         head = {"id": f"{self.ID_PREFIX}{secrets.token_hex(12)}", "object": self.OBJECT, "created": int(time.time()),
                 "model": self.model_name}
+        clipped = sorted({s.params.max_tokens for s in seqs if s.params.max_tokens < body.max_tokens})
+        if clipped:
+            log.info("request %s max_tokens=%d clipped to %s: the room its prompts leave in the %d-token context "
+                     "(--max-tokens-overflow clip)", head["id"], body.max_tokens, ",".join(map(str, clipped)),
+                     self.scheduler.n_ctx)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self.stream(seqs, events, head, include_usage, t0),
@@ -151,14 +164,15 @@ class Completions:
         s = self.scheduler
         body = parse_request(raw)
         self.check(body)
-        return body, encode_prompts(body, s.tokenizer, s.n_ctx, n_vocab=min(s.tokenizer.n_vocab, s.n_vocab))
+        return body, encode_prompts(body, s.tokenizer, s.n_ctx, n_vocab=min(s.tokenizer.n_vocab, s.n_vocab),
+                                    overflow=self.overflow)
 
     def check(self, body) -> None:
         """The checks of a parsed request (:mod:`.protocol`): model, values, stop strings (at
         most ``max_stop``), ``stream_options`` only with ``stream``, the prompt count, and its
         structured output's grammar compiled for the served tokenizer (:mod:`.structured`)."""
         s = self.scheduler
-        params = check_request(body, self.model_name, s.engine.vocab_size)
+        params = check_request(body, self.model_name, s.engine.vocab_size, self.MAX_LOGPROBS)
         check_stop(body, self.max_stop)
         check_stream_options(body)
         check_prompt_count(body, s.capacity, s.max_batch, s.max_queue)
@@ -264,12 +278,12 @@ async def disconnected(request: Request) -> None:
 
 
 def log_request(rid: str, seqs: list[Sequence], t0: float, status: int) -> None:
-    """One log line for a request: status, tokens, queue wait, time to first token, total time,
-    finish reasons."""
+    """One log line for a request: its id, its ``X-Request-Id`` (:data:`~gpt2mha.serving.operate.request_id`),
+    status, tokens, queue wait, time to first token, total time, finish reasons."""
     starts = [s.t_admit - s.t_submit for s in seqs if s.t_admit is not None]
     firsts = [s.t_first - s.t_submit for s in seqs if s.t_first is not None]
     ms = lambda xs: f"{1000 * max(xs):.1f}ms" if xs else "-"           # noqa: E731
-    log.info("request %s status=%s prompts=%d prompt_tokens=%d generated_tokens=%d queue_wait=%s ttft=%s "
-             "total=%.1fms finish=%s", rid, status, len(seqs), sum(len(s.prompt_ids) for s in seqs),
+    log.info("request %s request_id=%s status=%s prompts=%d prompt_tokens=%d generated_tokens=%d queue_wait=%s "
+             "ttft=%s total=%.1fms finish=%s", rid, request_id.get(), status, len(seqs), sum(len(s.prompt_ids) for s in seqs),
              sum(len(s.tokens) for s in seqs), ms(starts), ms(firsts), 1000 * (time.monotonic() - t0),
              ",".join(str(s.finish_reason) for s in seqs))

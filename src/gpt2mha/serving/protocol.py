@@ -10,12 +10,13 @@ the sequences.
 from __future__ import annotations
 
 import json
+import re
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..inference.params import FIELDS as SAMPLING_FIELDS
-from ..inference.params import ParamError, SamplingParams
+from ..inference.params import MAX_COMPLETION_LOGPROBS, MAX_LOGPROBS, ParamError, SamplingParams
 from .scheduler import ExceedsCapacity, QueueFull, Sequence, ShuttingDown
 from .text_stream import CANCELLED, ERROR, TextStream
 
@@ -25,6 +26,13 @@ from .text_stream import CANCELLED, ERROR, TextStream
 #: client we know and bounds the per-token work of matching them (each token is checked against each).
 MAX_STOP = 64
 RETRY_AFTER_S = 1
+#: What a request's ``max_tokens`` beyond the room its prompt leaves in the context gets
+#: (``gpt2mha serve --max-tokens-overflow``): ``"clip"`` (the default, as llama.cpp's server):
+#: the completion stops where the context ends, ``finish_reason: "length"``, so that clients'
+#: defaults work on small-context models (LangChain's ``OpenAI()`` sends ``max_tokens=256``;
+#: the built-in model's context is 256 tokens); ``"refuse"`` (OpenAI's and vLLM's): a 400.
+CLIP, REFUSE = "clip", "refuse"
+MAX_TOKENS_OVERFLOW = (CLIP, REFUSE)
 
 
 class StreamOptions(BaseModel):
@@ -32,13 +40,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """The body of ``POST /v1/completions`` (OpenAI's fields; types checked strictly)."""
+class RequestFields(BaseModel):
+    """The fields both generating routes take (``/v1/completions`` and, as
+    :class:`~gpt2mha.serving.chat.ChatRequest` inherits them, ``/v1/chat/completions``): the
+    served ``model``, every field of :class:`~gpt2mha.inference.params.SamplingParams` as
+    OpenAI's completions spell it (:func:`sampling_params` reads each one by name), streaming,
+    and ``user``. A new sampling field is declared here once and both routes take it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    # text, token ids, or a batch of either (OpenAI's four forms)
-    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -66,9 +76,17 @@ class CompletionRequest(BaseModel):
     # ---- structured outputs (OpenAI's response_format, vLLM's structured_outputs: .structured)
     response_format: dict | None = None
     structured_outputs: dict | None = None
-    # ---- accepted at their neutral values only (clients send some of them by default)
-    suffix: str | None = None
+    # ---- accepted at its neutral value (clients send it by default)
     user: str | None = None
+
+
+class CompletionRequest(RequestFields):
+    """The body of ``POST /v1/completions`` (OpenAI's fields; types checked strictly)."""
+
+    # text, token ids, or a batch of either (OpenAI's four forms)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    # accepted at its neutral value only
+    suffix: str | None = None
 
 
 #: What each field must be, for the messages of type errors.
@@ -183,23 +201,48 @@ def printable(text: str) -> str:
 def validation_error(errors: list[dict], expected: dict | None = None) -> APIError:
     """pydantic's first error as a 400 naming the field (for a union such as ``prompt``, the
     branch error that reached deepest into the value: ``prompt[0][1]`` rather than ``prompt``);
-    ``expected`` says what each field must be (default :data:`EXPECTED`, the completions fields)."""
+    the message names the place inside the field (:func:`error_path`: ``messages[0].role``) and
+    ``param`` the top-level field. ``expected`` says what each place must be, keyed by
+    :func:`error_key` (default :data:`EXPECTED`, the completions fields; a place it does not list
+    gets its top-level field's entry)."""
     first = errors[0].get("loc", ())[:1]
     err = max((e for e in errors if e.get("loc", ())[:1] == first), key=lambda e: len(e.get("loc", ())))
     loc = [x for x in err.get("loc", ()) if x != "body"]
     kind = err.get("type", "")
     if not loc:
         return APIError(400, "The request body must be a JSON object of completion parameters")
-    param = str(loc[0])
+    param, where = str(loc[0]), error_path(loc)
     if kind == "extra_forbidden":
-        name = ".".join(str(x) for x in loc)
-        return APIError(400, f"Unrecognized request argument supplied: {name}", name)
+        return APIError(400, f"Unrecognized request argument supplied: {where}", where)
     if kind == "missing":
-        return APIError(400, f"Missing required parameter: '{param}'", param)
+        return APIError(400, f"Missing required parameter: '{where}'", param)
     got = json.dumps(err.get("input"))[:60]
-    where = param + "".join(f"[{x}]" for x in loc[1:] if isinstance(x, int))   # not pydantic's union branches
-    want = (expected or EXPECTED).get(param, "another type")
+    expected = expected or EXPECTED
+    want = expected.get(error_key(where), expected.get(param, "another type"))
     return APIError(400, f"Invalid type for '{where}': expected {want}, got {got}", param)
+
+
+#: pydantic's names of union branches and plain types in an error's location (``str``,
+#: ``list[ContentPart]``), which are no place in the body.
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def error_path(loc) -> str:
+    """pydantic's error location as a place in the body: ``messages[0].content[1].type``, list
+    indexes in brackets, the names of union branches (``str``, ``list[ContentPart]``) left out."""
+    out = str(loc[0])
+    for x in loc[1:]:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif x.isidentifier() and x.islower() and x not in _TYPE_NAMES:
+            out += f".{x}"
+    return out
+
+
+def error_key(path: str) -> str:
+    """A place's key in the tables of what each field must be: its indexes as ``[]``
+    (``messages[0].role`` → ``messages[].role``)."""
+    return re.sub(r"\[\d+\]", "[]", path)
 
 
 def check_model(name: str | None, model_name: str) -> None:
@@ -209,11 +252,15 @@ def check_model(name: str | None, model_name: str) -> None:
                        code="model_not_found")
 
 
-def check_request(body: CompletionRequest, model_name: str, vocab_size: int) -> SamplingParams:
-    """A parsed request's checks: the model (404), every sampling field's range through
-    :class:`~gpt2mha.inference.params.SamplingParams` (the one place ``generate()`` and the CLI
-    check them too), its ``logit_bias`` and ``stop_token_ids`` ids below ``vocab_size``, what this server takes only
-    at its default (``suffix``), best_of with stream, and a prompt list that is not empty.
+def check_request(body: CompletionRequest, model_name: str, vocab_size: int,
+                  max_logprobs: int = MAX_COMPLETION_LOGPROBS) -> SamplingParams:
+    """A parsed request's checks: the model (404), ``logprobs`` in ``[0, max_logprobs]`` (the
+    route's limit: OpenAI's 5 for completions, 20 for chat's ``top_logprobs``), every sampling
+    field's range through :class:`~gpt2mha.inference.params.SamplingParams` (the one place
+    ``generate()`` and the CLI check them too), its ``logit_bias`` and ``stop_token_ids``
+    ids below ``vocab_size``, what
+    this server takes only at its default (``suffix``), best_of with stream, and a prompt list
+    that is not empty.
 
     Returns:
         The request's :class:`~gpt2mha.inference.params.SamplingParams`.
@@ -222,6 +269,10 @@ def check_request(body: CompletionRequest, model_name: str, vocab_size: int) -> 
         APIError: 400/404 naming the field.
     """
     check_model(body.model, model_name)
+    if body.logprobs is not None and not 0 <= body.logprobs <= max_logprobs:
+        more = f" (OpenAI's limit for completions; chat's top_logprobs takes up to {MAX_LOGPROBS})" \
+            if max_logprobs < MAX_LOGPROBS else ""
+        raise APIError(400, f"logprobs={body.logprobs} must be an integer in [0, {max_logprobs}]{more}", "logprobs")
     params = sampling_params(body)
     try:
         params.check_vocab(vocab_size)
@@ -263,11 +314,14 @@ def check_prompt_count(body: CompletionRequest, capacity: int, max_batch: int, m
                        ("best_of" if body.best_of else "n"), code="too_many_prompts")
 
 
-def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int | None = None) -> list[list[int]]:
+def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int | None = None,
+                   overflow: str = REFUSE) -> list[list[int]]:
     """Token ids of each prompt (text is tokenized, token ids are checked against the
     vocabulary); raises :class:`APIError` 400 naming ``prompt`` for an empty prompt, an id outside
     ``[0, n_vocab)`` (default the tokenizer's), a prompt longer than ``n_ctx``, or naming
-    ``max_tokens`` for prompt + max_tokens beyond the context.
+    ``max_tokens`` for prompt + max_tokens beyond the context: with ``overflow="clip"`` (the
+    server's default, :data:`MAX_TOKENS_OVERFLOW`) only when the prompt fills the context (the
+    scheduler clips the others' ``max_tokens`` to the room left).
 
     A text prompt whose UTF-8 length alone proves it longer than ``n_ctx`` tokens (at least
     ``ceil(bytes / tokenizer.max_token_bytes)`` of them) is refused without being tokenized, so
@@ -281,11 +335,13 @@ def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int 
         if len(ids) > n_ctx:
             raise APIError(400, f"{where} has {len(ids)} tokens; this model's maximum context length is "
                                 f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
-        if len(ids) + body.max_tokens > n_ctx:
+        if len(ids) + body.max_tokens > n_ctx and (overflow == REFUSE or len(ids) == n_ctx):
+            hint = ("; lower max_tokens or shorten the prompt (a server started with --max-tokens-overflow clip "
+                    "ends the completion where the context does)") if overflow == REFUSE else \
+                f"; the prompt fills the context, which leaves no room for max_tokens={body.max_tokens}: shorten it"
             raise APIError(400, f"This model's maximum context length is {n_ctx} tokens, however you requested "
                                 f"{len(ids) + body.max_tokens} tokens ({len(ids)} in {where}, {body.max_tokens} for "
-                                f"the completion); lower max_tokens or shorten the prompt", "max_tokens",
-                           code="context_length_exceeded")
+                                f"the completion){hint}", "max_tokens", code="context_length_exceeded")
         out.append(ids if isinstance(prompt, str) else check_token_ids(prompt, where, n_vocab))
     return out
 

@@ -36,7 +36,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..core import checks
@@ -75,6 +75,9 @@ class Sequence:
     ``on_event(seq, text, done)`` is called from the scheduler's thread with each new piece
     of text (never empty) and once with ``done=True`` (then :attr:`finish_reason` is
     ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"``, with :attr:`error` set for the last).
+    The done event carries the text's last piece, sampled in the same step (empty when nothing
+    is left: the end-of-text token, a stop string with no text held back, a failure), so that
+    a stream's last text chunk carries the finish reason, as OpenAI's do.
     Before each call the count of tokens whose text has been sent (:meth:`TextStream.released
     <gpt2mha.serving.text_stream.TextStream.released>`) is appended to :attr:`marks`, so the
     k-th event covers ``tokens[marks[k-1]:marks[k]]`` (for streamed logprobs).
@@ -101,6 +104,7 @@ class Sequence:
     t_submit: float = 0.0
     t_admit: float | None = None
     t_first: float | None = None
+    t_last: float | None = None
     t_end: float | None = None
     stream: TextStream | None = None
 
@@ -171,13 +175,17 @@ class Scheduler:
         self.counts = collections.Counter()          # finished sequences by finish_reason, tokens, steps
         self._recent = collections.deque()           # times of the last tokens, for tokens/s
         self._ready = threading.Event()              # set by warm_up
+        #: what the sequences are reported to (:class:`~gpt2mha.serving.metrics.ServerMetrics`), or None
+        self.metrics = None
 
     # ------------------------------------------------------------------------- app side
     def submit(self, prompts: list[list[int]], params: SamplingParams,
-               on_event: Callable[[Sequence, str, bool], None]) -> list[Sequence]:
+               on_event: Callable[[Sequence, str, bool], None], clip: bool = False) -> list[Sequence]:
         """Queue ``params.per_prompt`` sequences per prompt (all or none) and return them in
         order: prompt i's candidate j has ``index = i * per_prompt + j`` (its seed rule) and
-        ``prompt_index = i``.
+        ``prompt_index = i``. With ``clip``, a prompt whose ``max_tokens`` goes past the context
+        runs with ``max_tokens`` the room left (``n_ctx - len(prompt)``; its ``params`` say so),
+        ending with finish_reason ``"length"`` where the context ends.
 
         Raises:
             ValueError: ``params`` not a :class:`~gpt2mha.inference.params.SamplingParams` (which
@@ -185,15 +193,17 @@ class Scheduler:
                 ``structured_outputs`` grammar refused for this tokenizer
                 (:class:`~gpt2mha.inference.params.GrammarError`), an empty prompt,
                 ids that are not integers or outside the vocabulary, or prompt + max_tokens
-                longer than n_ctx (the caller checks these first for clear HTTP errors).
+                longer than n_ctx (with ``clip``: a prompt longer than n_ctx; the caller checks
+                these first for clear HTTP errors).
             ExceedsCapacity: more prompts than :attr:`capacity`, i.e. never admissible.
             QueueFull: not enough free slots plus queue room for all of them now.
             ShuttingDown: after :meth:`stop`.
         """
-        prompts = self._check(prompts, params)
+        prompts = self._check(prompts, params, clip)
         now = time.monotonic()
         m = params.per_prompt
-        seqs = [Sequence(ids, params, on_event, index=i * m + j, prompt_index=i, t_submit=now)
+        seqs = [Sequence(ids, self._fitted(params, ids) if clip else params, on_event, index=i * m + j,
+                         prompt_index=i, t_submit=now)
                 for i, ids in enumerate(prompts) for j in range(m)]
         with self._cv:
             if self._stopping:
@@ -207,7 +217,12 @@ class Scheduler:
             self._cv.notify()
         return seqs
 
-    def _check(self, prompts, params: SamplingParams) -> list[list[int]]:
+    def _fitted(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
+        """``params`` with ``max_tokens`` at most the room ``ids`` leave in the context."""
+        room = self.n_ctx - len(ids)
+        return params if params.max_tokens <= room else replace(params, max_tokens=room)
+
+    def _check(self, prompts, params: SamplingParams, clip: bool = False) -> list[list[int]]:
         """:meth:`submit`'s checks; returns the prompts as lists of Python ints."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
@@ -226,7 +241,7 @@ class Scheduler:
                 raise ValueError(f"prompt {i} is empty")
             if min(ids) < 0 or max(ids) >= self.n_vocab:
                 raise ValueError(f"prompt {i} has ids outside [0, n_vocab={self.n_vocab})")
-            if len(ids) + params.max_tokens > self.n_ctx:
+            if len(ids) + (0 if clip else params.max_tokens) > self.n_ctx:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens={params.max_tokens} > n_ctx={self.n_ctx}")
         return prompts
 
@@ -263,6 +278,15 @@ class Scheduler:
                         completed=self.counts[STOP] + self.counts[LENGTH], cancelled=self.counts[CANCELLED],
                         failed=self.counts[ERROR], rejected=self.counts["rejected"],
                         generated_tokens=self.counts["tokens"], decode_steps=self.counts["steps"])
+
+    def occupancy(self) -> tuple[int, int, float]:
+        """``(running, queued, kv_cache_usage)`` now: sequences in a slot, sequences waiting for
+        one, and the fraction (0-1) of the cache's ``max_batch × n_ctx`` positions that the
+        running sequences' tokens hold (the ``/metrics`` gauges)."""
+        with self._cv:
+            lengths = self.engine.cache.lengths
+            held = [lengths[s.slot] for s in self.slots if s is not None]
+            return len(held), len(self.waiting), sum(held) / (self.max_batch * self.n_ctx)
 
     def _forget_old(self, now: float) -> None:
         while self._recent and self._recent[0] < now - RATE_WINDOW_S:
@@ -392,6 +416,8 @@ class Scheduler:
         for seq in seqs:
             seq.t_admit = now
             p = seq.params
+            if self.metrics is not None:
+                self.metrics.admitted(seq)
             try:
                 seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens, p.stop_token_ids, p.ignore_eos,
                                         p.min_tokens, p.include_stop_str_in_output)
@@ -446,6 +472,9 @@ class Scheduler:
         now = time.monotonic()
         if seq.t_first is None:
             seq.t_first = now
+        if self.metrics is not None:
+            self.metrics.token(seq, now, seq.t_last)
+        seq.t_last = now
         seq.tokens.append(token)
         if self.engine.samplers[seq.slot].logprobs is not None:
             seq.logprobs.append(self.engine.logprobs[seq.slot])
@@ -456,20 +485,19 @@ class Scheduler:
         delta, reason = seq.stream.add(token)
         if reason != STOP and self.engine.samplers[seq.slot].complete:
             reason = STOP                               # its grammar is complete: nothing can follow
+        if reason is not None:
+            return self._finish(seq, reason, text=delta)
         if delta:
             self._send(seq, delta)
-        if reason is not None:
-            return self._finish(seq, reason)
         return True
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> bool:
-        """Send the rest of the sequence's text, free its slot and count it (together, under the
-        lock), then send the done event. Returns False."""
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, text: str = "") -> bool:
+        """Free the sequence's slot and count it (together, under the lock), then send the done
+        event carrying the rest of its text: ``text`` (the last token's) and what the stream
+        still held. Returns False."""
         newly = not seq.done
         if newly and reason in (STOP, LENGTH) and seq.stream is not None:
-            delta = seq.stream.finish()
-            if delta:
-                self._send(seq, delta)
+            text += seq.stream.finish()
             seq.text = seq.stream.text
         with self._cv:
             if seq.slot is not None:
@@ -480,8 +508,10 @@ class Scheduler:
                 seq.finish_reason, seq.error, seq.t_end = reason, error, time.monotonic()
                 self.counts[reason] += 1
         if newly:
+            if self.metrics is not None:
+                self.metrics.finished(seq)
             try:
-                self._send(seq, "", True)
+                self._send(seq, text if reason in (STOP, LENGTH) else "", True)
             except Exception:
                 log.exception("on_event failed")
         return False

@@ -22,7 +22,8 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
 - ``POST /v1/chat/completions`` when a chat template is given (:mod:`.chat`); otherwise 400.
 - ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (running/queued counts, slots,
   tokens/s); vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
-  (:mod:`.tokens`).
+  (:mod:`.tokens`). Every ``GET`` route answers ``HEAD`` too (load balancers' health checks),
+  and every route ``OPTIONS`` (200 with ``Allow``).
 
 Bad requests get HTTP 400 with OpenAI's error object ``{"error": {"message", "type", "param",
 "code"}}`` naming the field (:mod:`.protocol`: also a string that is not Unicode text, and more
@@ -34,9 +35,14 @@ the body, then parse, check and tokenize it in a worker thread (so a large body 
 the event loop), submit to the :class:`~gpt2mha.serving.scheduler.Scheduler` thread, and relay
 its text events. One log line per request (logger ``gpt2mha.serve``).
 
-Shutdown (:class:`GracefulServer`): uvicorn stops accepting connections and in-flight requests
-may finish for ``graceful_timeout`` seconds; past it the scheduler cancels what is left, so a
-non-streamed request gets a 503 error object and a stream an error event then ``data: [DONE]``.
+``gpt2mha serve`` runs this app behind :class:`~gpt2mha.serving.operate.Operations` (probes
+``/live`` and ``/health``, ``/version``, ``/metrics``, API keys, request ids): the port opens at
+once and the model loads in a background thread (:func:`serve`).
+
+Shutdown (:class:`GracefulServer`): SIGTERM drains: readiness answers 503 at once, new requests
+503, and requests in flight may finish for ``graceful_timeout`` seconds while the port stays
+open; past it the scheduler cancels what is left, so a non-streamed request gets a 503 error
+object and a stream an error event then ``data: [DONE]``; then uvicorn stops.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import time
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .. import kernels
@@ -60,7 +66,8 @@ from ..inference.decoders import choose_decoder
 from . import chat, tokens
 from .address import check_address
 from .completions import DRAIN_BYTES, Completions, Relay, read_body   # noqa: F401  (DRAIN_BYTES: the API as before)
-from .protocol import MAX_STOP, APIError, cancelled_error, sse, validation_error
+from .operate import Operations, request_id
+from .protocol import CLIP, MAX_STOP, MAX_TOKENS_OVERFLOW, APIError, cancelled_error, sse, validation_error
 from .scheduler import Scheduler
 
 log = logging.getLogger("gpt2mha.serve")
@@ -115,12 +122,17 @@ class AnswerCancelled:
 
 
 def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP) -> FastAPI:
+               chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
+               max_tokens_overflow: str = CLIP) -> FastAPI:
     """The ASGI app serving ``scheduler``'s model as ``model_name``; request bodies over
     ``max_body_bytes`` get 413; requests may carry up to ``max_stop`` stop strings;
     ``/v1/chat/completions`` renders messages with ``chat_template`` (Jinja source, default the
     built-in plain one, :data:`DEFAULT_CHAT_TEMPLATE`; None: that route answers 400,
-    :func:`~gpt2mha.serving.chat.no_template_error`).
+    :func:`~gpt2mha.serving.chat.no_template_error`); ``max_tokens`` past the room a prompt
+    leaves in the context is clipped to it (``max_tokens_overflow="clip"``, the default: the
+    completion ends with ``finish_reason: "length"`` where the context does, as llama.cpp's
+    server) or refused with a 400 (``"refuse"``, as OpenAI and vLLM;
+    :data:`~gpt2mha.serving.protocol.MAX_TOKENS_OVERFLOW`).
 
     Every error, the app's own and the router's (404 unknown route, 405 wrong method), is
     OpenAI's ``{"error": {"message", "type", "param", "code"}}`` object.
@@ -131,10 +143,14 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     (no request waits on them; where none load, the one warning says which routes run instead).
 
     Raises:
-        ValueError: max_body_bytes < 1, max_stop < 1, or a chat template that is not valid Jinja.
+        ValueError: max_body_bytes < 1, max_stop < 1, a max_tokens_overflow other than "clip" or
+            "refuse", or a chat template that is not valid Jinja.
     """
     max_body_bytes = checks.as_int(max_body_bytes, "max_body_bytes", minimum=1)
     max_stop = checks.as_int(max_stop, "max_stop", minimum=1)
+    if max_tokens_overflow not in MAX_TOKENS_OVERFLOW:
+        raise ValueError(f"max_tokens_overflow={max_tokens_overflow!r}; expected one of "
+                         f"{', '.join(MAX_TOKENS_OVERFLOW)}")
     kernels.load()
     started = [time.time()]
     tok, n_ctx = scheduler.tokenizer, scheduler.n_ctx
@@ -189,23 +205,37 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
         return info
 
     relay = Relay()
-    completions = Completions(scheduler, model_name, max_body_bytes, max_stop, relay)
+    completions = Completions(scheduler, model_name, max_body_bytes, max_stop, relay, max_tokens_overflow)
     app = FastAPI(title="gpt2mha", description="OpenAI-compatible completions over gpt2mha", lifespan=lifespan)
     app.add_middleware(AnswerCancelled)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(Exception, on_server_error)
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
+    app.add_api_route("/health", health, methods=READ)
+    app.add_api_route("/v1/models", models, methods=READ)
+    app.add_api_route("/v1/models/{model_id:path}", model, methods=READ)
     app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
     app.add_api_route("/v1/chat/completions", no_chat if template is None else chat.ChatCompletions(
-        template, scheduler, model_name, max_body_bytes, max_stop, relay).handle, methods=["POST"])
+        template, scheduler, model_name, max_body_bytes, max_stop, relay, max_tokens_overflow).handle, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
-    app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
+    app.add_api_route("/tokenizer_info", tokenizer_info, methods=READ)
     return app
+
+
+#: The methods of the routes that only read: GET, and HEAD (what load balancers' health checks
+#: send: the same status and headers, no body).
+READ = ["GET", "HEAD"]
+#: The order an ``Allow`` header lists methods in.
+METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allow_header(methods) -> str:
+    """The ``Allow`` header of a route answering ``methods``: them and OPTIONS, which every route
+    answers, in :data:`METHOD_ORDER` (``"GET, HEAD, OPTIONS"``)."""
+    methods = {m.upper() for m in methods} | {"OPTIONS"}
+    return ", ".join(m for m in METHOD_ORDER if m in methods)
 
 
 async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -215,24 +245,30 @@ async def on_validation_error(request: Request, exc: RequestValidationError):
 
 async def on_api_error(request: Request, exc: APIError):
     """An :class:`~gpt2mha.serving.protocol.APIError` as its answer, logged in one line."""
-    log.info("request - status=%d param=%s error=%s", exc.status, exc.param, exc.message)
+    log.info("request %s status=%d param=%s error=%s", request_id.get(), exc.status, exc.param, exc.message)
     return exc.response()
 
 
 async def on_http_error(request: Request, exc: HTTPException):
     """The router's errors as OpenAI's error object: 404 for an unknown route (OpenAI's
     ``Invalid URL (METHOD /path)``), 405 for a known route with another method (its ``Allow``
-    header kept), any other with its status and Starlette's detail."""
+    header listing every method the route answers, :func:`allow_header`), any other with its
+    status and Starlette's detail. ``OPTIONS`` on a known route is no error: 200 with ``Allow``
+    and no body (RFC 9110 §9.3.7)."""
     where = f"{request.method} {request.url.path}"
+    headers = exc.headers
     if exc.status_code == 404:
         message = f"Invalid URL ({where}): no such route on this server"
     elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
-        message = f"Invalid method for URL ({where})" + (f": this route accepts {allowed}" if allowed else "")
+        headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() != "allow"}
+        routed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "")
+        headers["Allow"] = allow_header(m.strip() for m in routed.split(",") if m.strip())
+        if request.method == "OPTIONS":
+            return Response(status_code=200, headers=headers)
+        message = f"Invalid method for URL ({where}): this route accepts {headers['Allow']}"
     else:
         message = f"{exc.detail} ({where})"
-    return await on_api_error(request, APIError(exc.status_code, message,
-                                                headers=exc.headers))
+    return await on_api_error(request, APIError(exc.status_code, message, headers=headers))
 
 
 async def on_server_error(request: Request, exc: Exception):
@@ -242,34 +278,52 @@ async def on_server_error(request: Request, exc: Exception):
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server with a shutdown that keeps the API's promises past the graceful timeout.
+    """uvicorn's server with a shutdown that drains first and keeps the API's promises.
 
-    On SIGTERM (or ``should_exit``) uvicorn stops accepting connections and waits for in-flight
-    requests. ``graceful_timeout`` seconds later the scheduler cancels every sequence still
-    queued or running (:meth:`~gpt2mha.serving.scheduler.Scheduler.cancel_all`) and refuses new ones,
-    so each request ends through its own handler: a non-streamed one with a 503 error object, a
-    stream with an error event then ``data: [DONE]``, one log line each. uvicorn's own
-    cancellation of the request tasks comes :data:`CANCEL_GRACE_S` later, as a last resort
-    (:class:`AnswerCancelled` answers those).
+    On SIGTERM (or ``should_exit``) the server drains (:meth:`drained`): the port stays open,
+    readiness (``/health``) answers 503 ``"draining"`` and new requests 503
+    (:meth:`Operations.drain <gpt2mha.serving.operate.Operations.drain>`), while the requests in
+    flight go on. Once none is left, or ``graceful_timeout`` seconds later, uvicorn's own shutdown
+    runs (the port closes, the lifespan stops the scheduler); at the timeout the scheduler first
+    cancels every sequence still queued or running
+    (:meth:`~gpt2mha.serving.scheduler.Scheduler.cancel_all`), so each request ends through its
+    own handler: a non-streamed one with a 503 error object, a stream with an error event then
+    ``data: [DONE]``, one log line each. uvicorn's own cancellation of the request tasks comes
+    :data:`CANCEL_GRACE_S` later, as a last resort (:class:`AnswerCancelled` answers those). A
+    second SIGINT ends the draining at once.
     """
 
-    def __init__(self, config: "uvicorn.Config", scheduler: Scheduler, graceful_timeout: float):
+    def __init__(self, config: "uvicorn.Config", ops: Operations, graceful_timeout: float):
         check_graceful_timeout(graceful_timeout)
-        config.timeout_graceful_shutdown = graceful_timeout + CANCEL_GRACE_S
+        config.timeout_graceful_shutdown = CANCEL_GRACE_S
         super().__init__(config)
-        self.scheduler, self.graceful_timeout = scheduler, graceful_timeout
+        self.ops, self.graceful_timeout = ops, graceful_timeout
+        self.drain_deadline: float | None = None
 
-    async def shutdown(self, sockets=None) -> None:
-        """uvicorn's shutdown, with :meth:`cancel_in_flight` due ``graceful_timeout`` s after it starts."""
-        timer = asyncio.get_running_loop().call_later(self.graceful_timeout, self.cancel_in_flight)
-        try:
-            await super().shutdown(sockets=sockets)
-        finally:
-            timer.cancel()
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s); once it says to exit, exit only when :meth:`drained`."""
+        return await super().on_tick(counter) and self.drained()
+
+    def drained(self) -> bool:
+        """Start draining (the first call) and say whether it is over: nothing in flight, or the
+        graceful timeout passed (then what is left is cancelled), or a second SIGINT."""
+        now = time.monotonic()
+        if self.drain_deadline is None:
+            self.drain_deadline = now + self.graceful_timeout
+            n = self.ops.drain()
+            if self.ops.error is None:
+                log.info("draining: /health answers 503 and new requests 503; %d request(s) in flight get up to "
+                         "%gs", n, self.graceful_timeout)
+        if self.ops.in_flight == 0:
+            return True
+        if now >= self.drain_deadline or self.force_exit:
+            self.cancel_in_flight()
+            return True
+        return False
 
     def cancel_in_flight(self) -> None:
         """Cancel every queued or running sequence (their requests then answer 503), log one line."""
-        n = self.scheduler.cancel_all()
+        n = self.ops.scheduler.cancel_all() if self.ops.scheduler is not None else 0
         if n:
             log.warning("graceful timeout of %gs exceeded: cancelling %d in-flight sequence(s)", self.graceful_timeout, n)
 
@@ -287,44 +341,99 @@ def check_port(port: int) -> None:
         raise ValueError(f"port={port!r} must be an integer in [0, 65535] (0: any free port)")
 
 
+def operated_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, metrics: bool = True,
+                 **kwargs) -> Operations:
+    """:func:`create_app` over ``scheduler`` (``kwargs``: its options) behind
+    :class:`~gpt2mha.serving.operate.Operations` (probes, ``/version``, ``/metrics`` unless
+    ``metrics`` is False, ``api_key``, request ids): the app :func:`serve_in_thread` runs, for an
+    in-process client (``TestClient``). Its lifespan starts the scheduler and stops it.
+
+    Raises:
+        ValueError: as :func:`create_app` and :class:`~gpt2mha.serving.operate.Operations`.
+    """
+    ops = Operations(model_name, api_key=api_key, metrics=metrics)
+    ops.attach(scheduler, create_app(scheduler, model_name, **kwargs), start=False)
+    return ops
+
+
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16,
           max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
-          batch_invariant: bool | None = None, compile: bool = False) -> None:
-    """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``). On SIGTERM uvicorn stops
-    accepting connections and lets in-flight responses finish; past ``graceful_timeout``
-    seconds what is left is cancelled (503 / a stream's error event, :class:`GracefulServer`);
-    the scheduler is stopped and this returns normally. ``chat_template`` and ``max_stop``: as
-    :func:`create_app`; ``batch_invariant``: as :class:`~gpt2mha.serving.scheduler.Scheduler`;
-    ``compile``: decode on the compiled step (:func:`~gpt2mha.inference.decoders.choose_decoder`,
-    as ``generate(compile=True)``), compiled while ``/health`` says ``"loading"``.
+          batch_invariant: bool | None = None, compile: bool = False, api_key: str | None = None,
+          metrics: bool = True, load=None, max_tokens_overflow: str = CLIP) -> None:
+    """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``).
+
+    The port opens at once, behind :class:`~gpt2mha.serving.operate.Operations`: ``/live`` answers
+    200 from the start, ``/health`` 503 ``"loading"`` and the API 503 ``model_loading`` while a
+    background thread calls ``load()`` (when given: a function returning ``(model, tokenizer)``,
+    e.g. reading and quantizing a checkpoint; ``model`` and ``tokenizer`` are then unused), builds
+    the scheduler and the app and warms the route up (with ``compile``, compiles it); then
+    ``/health`` says ``"ok"``. The thread runs as many threads as ``torch.get_num_threads()`` in
+    the calling thread. If loading fails, the server stops and its exception is raised here.
+
+    On SIGTERM the server drains (:class:`GracefulServer`): readiness and new requests get 503,
+    in-flight requests may finish for ``graceful_timeout`` seconds, then what is left is
+    cancelled (503 / a stream's error event); the scheduler is stopped and this returns normally.
+
+    ``chat_template``, ``max_stop``, ``max_body_bytes``, ``max_tokens_overflow``: as :func:`create_app`; ``batch_invariant``:
+    as :class:`~gpt2mha.serving.scheduler.Scheduler`; ``compile``: decode on the compiled step
+    (:func:`~gpt2mha.inference.decoders.choose_decoder`, as ``generate(compile=True)``);
+    ``api_key``: the key every route but the probes, ``/version`` and ``/metrics`` needs
+    (``Authorization: Bearer``); ``metrics``: serve ``/metrics``.
 
     Raises:
         ValueError: a port outside [0, 65535] or one that cannot be listened on now (in use,
             :func:`~gpt2mha.serving.address.check_address`), a negative or non-finite graceful_timeout,
-            max_body_bytes < 1, max_stop < 1, a chat template that is not valid Jinja, or bad
-            max_batch/max_queue (:class:`~gpt2mha.serving.scheduler.Scheduler`).
+            a bad api_key, max_body_bytes < 1, max_stop < 1, a chat template that is not valid Jinja,
+            a max_tokens_overflow other than "clip" or "refuse", or bad max_batch/max_queue (:class:`~gpt2mha.serving.scheduler.Scheduler`); after the
+            server stopped, whatever ``load`` raised.
         RuntimeError: the server could not start (e.g. the address is in use or the host
             unknown; uvicorn logs the reason).
     """
     import signal
 
+    import torch
+
     check_port(port)
     check_graceful_timeout(graceful_timeout)
     check_address(host, port)                     # a port in use: ValueError now, not after the app starts
-    route = choose_decoder(model.eval(), compile=compile, batch_invariant=batch_invariant)
-    scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
-                          route=route)
-    app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
-                     max_stop=max_stop)
-    config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info")
+    max_body_bytes = checks.as_int(max_body_bytes, "max_body_bytes", minimum=1)
+    max_stop = checks.as_int(max_stop, "max_stop", minimum=1)
+    ops = Operations(model_name, api_key=api_key, metrics=metrics)
+    config = uvicorn.Config(ops, host=host, port=port, access_log=False, log_level="info")
+    server = GracefulServer(config, ops, graceful_timeout)
+    n_threads = torch.get_num_threads()
+
+    def build():
+        from ..inference.threads import adopt_threads
+
+        adopt_threads(n_threads)
+        t0 = time.monotonic()
+        try:
+            m, tok = load() if load is not None else (model, tokenizer)
+            route = choose_decoder(m.eval(), compile=compile, batch_invariant=batch_invariant)
+            scheduler = Scheduler(m, tok, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
+                                  route=route)
+            app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
+                             max_stop=max_stop, max_tokens_overflow=max_tokens_overflow)
+            log.info("model %s loaded in %.1f s; warming up", model_name, time.monotonic() - t0)
+            ops.attach(scheduler, app)            # starts the scheduler in this thread, which warms it up
+        except BaseException as e:                # the server stops; serve() raises it
+            log.error("loading the model failed: %s: %s", type(e).__name__, e)
+            ops.fail(e)
+            server.should_exit = True
+
+    loader = threading.Thread(target=build, name="gpt2mha-load", daemon=True)
     # uvicorn re-raises the signal it shut down on; a no-op SIGTERM handler makes that a clean exit (0)
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    server = GracefulServer(config, scheduler, graceful_timeout)
     try:
+        loader.start()
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        ops.close()
+    if ops.error is not None:
+        raise ops.error
     if not server.started:
         raise RuntimeError(f"the server did not start on {host}:{port} (the reason is logged above)")
 
@@ -333,13 +442,15 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
 def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 0,
                     timeout: float = 30.0, graceful_timeout: float | None = None,
                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
-                    max_stop: int = MAX_STOP):
-    """Run the app with uvicorn in a background thread for the ``with`` block; yields the base
-    URL (``http://host:port``, the real port when ``port`` is 0). For tests and scripts that
-    want the real server in their own process. On exit the server shuts down as
-    ``gpt2mha serve`` does on SIGTERM (in-flight responses get ``graceful_timeout`` seconds,
-    default ``timeout``, then are cancelled: :class:`GracefulServer`) and the scheduler is stopped.
-    ``max_body_bytes``, ``chat_template``, ``max_stop``: as :func:`create_app`.
+                    max_stop: int = MAX_STOP, api_key: str | None = None, metrics: bool = True,
+                    max_tokens_overflow: str = CLIP):
+    """Run the app (:func:`operated_app`: the API behind the probes, ``/metrics`` and
+    ``api_key``) with uvicorn in a background thread for the ``with`` block; yields the base URL
+    (``http://host:port``, the real port when ``port`` is 0). For tests and scripts that want the
+    real server in their own process. On exit the server shuts down as ``gpt2mha serve`` does on
+    SIGTERM (it drains: in-flight responses get ``graceful_timeout`` seconds, default
+    ``timeout``, then are cancelled: :class:`GracefulServer`) and the scheduler is stopped.
+    ``max_body_bytes``, ``chat_template``, ``max_stop``, ``max_tokens_overflow``: as :func:`create_app`.
 
     The block starts once the engine is warmed up (``/health`` answers ``"ok"``), or once
     ``timeout`` has passed.
@@ -348,10 +459,10 @@ def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.
         RuntimeError: the server did not start within ``timeout`` seconds.
     """
     graceful_timeout = timeout if graceful_timeout is None else graceful_timeout
-    app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
-                     max_stop=max_stop)
-    config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="warning")
-    server = GracefulServer(config, scheduler, graceful_timeout)
+    ops = operated_app(scheduler, model_name, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes,
+                       chat_template=chat_template, max_stop=max_stop, max_tokens_overflow=max_tokens_overflow)
+    config = uvicorn.Config(ops, host=host, port=port, access_log=False, log_level="warning")
+    server = GracefulServer(config, ops, graceful_timeout)
     thread = threading.Thread(target=server.run, name="gpt2mha-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

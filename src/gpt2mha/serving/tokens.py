@@ -12,7 +12,8 @@ and clients use to count tokens with the server's own tokenizer.
 - ``/tokenizer_info``: the ``tokenizer_config.json`` that
   :func:`~gpt2mha.io.tokenizer.hf_tokenizer_files` writes (``tokenizer_class``, ``bos_token``,
   ``eos_token``, ``model_max_length``, ...), with ``bos_token_id``/``eos_token_id``,
-  ``vocab_size``, ``max_model_len`` and the ``chat_template`` when one is served.
+  ``vocab_size``, ``max_model_len`` and the ``chat_template`` served (none with
+  ``--chat-template none``).
 
 Sources: vLLM's ``serving_tokenization.py`` and its protocol's ``TokenizeCompletionRequest``,
 ``TokenizeChatRequest``, ``DetokenizeRequest``, ``TokenizerInfoResponse``.
@@ -24,13 +25,12 @@ import json
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .chat import Message, template_messages
+from .chat import MESSAGE_EXPECTED, Message, check_messages, template_messages
 from .protocol import APIError, check_model, check_token_ids, check_unicode, drop_nulls, parse_json, validation_error
 
 #: What each field must be, for the messages of type errors.
-EXPECTED = {"model": "a string", "prompt": "a string", "messages": "a list of messages {role, content}",
-            "add_special_tokens": "a boolean", "add_generation_prompt": "a boolean",
-            "tokens": "a list of token ids (integers)"}
+EXPECTED = {**MESSAGE_EXPECTED, "model": "a string", "prompt": "a string", "add_special_tokens": "a boolean",
+            "add_generation_prompt": "a boolean", "tokens": "a list of token ids (integers)"}
 
 
 class TokenizeRequest(BaseModel):
@@ -67,7 +67,8 @@ def tokenize(raw: bytes, tokenizer, model_name: str, n_ctx: int, template=None) 
 
     Raises:
         APIError: 400 naming the field (neither or both of prompt/messages, messages without a
-            chat template, a wrong type), 404 for another model's name.
+            chat template, messages the chat route refuses too:
+            :func:`~gpt2mha.serving.chat.check_messages`, a wrong type), 404 for another model's name.
     """
     body = parse(raw, TokenizeRequest)
     check_model(body.model, model_name)
@@ -78,6 +79,7 @@ def tokenize(raw: bytes, tokenizer, model_name: str, n_ctx: int, template=None) 
             raise APIError(400, f"messages need a chat template, and '{model_name}' is served without one (the "
                                 f"server was started with --chat-template none); send the text as 'prompt' instead",
                            "messages", code="chat_template_missing")
+        check_messages(body.messages)
         text = template.render(template_messages(body), body.add_generation_prompt)
     else:
         text = body.prompt
@@ -110,6 +112,7 @@ def tokenizer_info(tokenizer, n_ctx: int, n_vocab: int, chat_template: str | Non
     added = {t["content"]: t["id"] for t in json.loads(files["tokenizer.json"])["added_tokens"]}
     info = {**config, "bos_token_id": added.get(config.get("bos_token")),
             "eos_token_id": added.get(config.get("eos_token")), "vocab_size": n_vocab, "max_model_len": n_ctx}
+    info.pop("chat_template", None)                   # the files' default: the served one (if any) instead
     if chat_template is not None:
         info["chat_template"] = chat_template
     return info

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import distributed
+from ..inference.sampling import check_logits
 from ..io.tokenizer import tokenizer_for
 from ..progress import progress_bar
 
@@ -50,6 +51,8 @@ def perplexity(model, text: str, stride: int | None = None, progress: bool = Fal
 
     Raises:
         ValueError: text too short, or stride out of range.
+        NonFiniteLogitsError: the model's logits hold NaN or +inf in a window
+            (:func:`~gpt2mha.inference.sampling.check_logits`): there is no loss to report.
 
     :func:`distributed_perplexity` deals the same windows over ``torchrun``'s ranks.
     """
@@ -90,12 +93,20 @@ def strided_windows(N: int, n_ctx: int, stride: int) -> list[tuple[int, int, int
 def score_windows(model, ids: torch.Tensor, windows, progress: bool = False) -> tuple[float, int]:
     """Summed next-token loss (nats, float64 sum of per-window float32 sums) and number of
     targets scored over ``windows`` (from :func:`strided_windows`) of ``ids [N]``; ``progress``:
-    a bar of the windows on stderr (when it is a terminal)."""
+    a bar of the windows on stderr (when it is a terminal).
+
+    Raises:
+        NonFiniteLogitsError: a window's scored logits hold NaN or +inf (checked when its loss
+            is not finite, naming the window's tokens).
+    """
     total_nats, tokens = 0.0, 0
     for begin, prev, end in progress_bar(windows, desc="perplexity", unit="window", enabled=progress):
         logits = model(ids[None, begin:end - 1], last_only=False).logits[0]  # predicts begin+1 … end-1
         n = end - prev
-        total_nats += F.cross_entropy(logits[-n:].float(), ids[end - n:end], reduction="sum").item()
+        nats = F.cross_entropy(logits[-n:].float(), ids[end - n:end], reduction="sum").item()
+        if not math.isfinite(nats):                                     # NaN/+inf logits: no loss to report
+            check_logits(logits[-n:], on=f"the window of tokens {begin}..{end - 1}")
+        total_nats += nats
         tokens += n
     return total_nats, tokens
 
@@ -114,7 +125,7 @@ def distributed_perplexity(model, text: str, stride: int | None = None, progress
     ``progress``: rank 0 shows a bar of its windows on stderr (when it is a terminal).
 
     Raises:
-        ValueError: as :func:`perplexity`.
+        ValueError, NonFiniteLogitsError: as :func:`perplexity`.
     """
     ids, stride = encode_for_scoring(model, text, stride)
     ids = ids.to(next(model.parameters()).device)

@@ -12,10 +12,9 @@ import math
 import torch
 
 from ...io.checkpoints import QuantizedFormat, register_quantized_format
-from .linear import QuantizedLinear
+from .linear import DEFAULT_ACTIVATIONS, HEAD_SCHEMES, QuantizedLinear, check_head, check_scheme, layer_class
 from .model import BLOCK_LINEARS, check_activations, head_group, install, quantized_layers, set_activations
-from .schemes import (HEAD_SCHEMES, KERNEL_DTYPE, METHODS, QuantizationError, check_head, check_scheme,
-                      dequantize_int4, unpack_int4)
+from .schemes import HEAD_SCHEME, KERNEL_DTYPE, METHODS, QuantizationError
 
 #: The format of a quantized checkpoint, recorded in config.json's "gpt2mha.quantization".
 FORMAT_VERSION = 2
@@ -36,12 +35,12 @@ def state_to_save(model, dtype: torch.dtype = torch.float32) -> tuple[dict[str, 
     q = model.quantization
     tensors = {}
     quantized = {f"{path}.{name}" for path, m in model.named_modules() if isinstance(m, QuantizedLinear)
-                 for name in ("weight", "scales", "scale_zero")}
+                 for name in m.quantized_buffers()}
     for k, v in model.state_dict().items():
         if k == "wte.weight" and q["tied"]:
             continue
         tensors[k] = v.detach().contiguous() if k in quantized else v.detach().to(dtype).contiguous()
-    entry = {k: v for k, v in q.items() if k != "activations" or v != "exact"}   # readable by older versions
+    entry = {k: v for k, v in q.items() if k != "activations" or v != DEFAULT_ACTIVATIONS}   # readable by older versions
     return tensors, {**entry, "format": FORMAT_VERSION}
 
 
@@ -94,7 +93,7 @@ def read_scheme(entry, source: str) -> tuple[str, int | None, bool, str]:
         raise QuantizationError(f"{source}: quantization method {entry.get('method')!r} is unknown; expected one of "
                                 f"{METHODS}")
     try:
-        check_activations(entry.get("activations", "exact"), entry["scheme"])
+        check_activations(entry.get("activations", DEFAULT_ACTIVATIONS), entry["scheme"])
     except ValueError as e:
         raise QuantizationError(f"{source}: {e}") from None
     return entry["scheme"], entry["group_size"], entry["tied"], entry["head"]
@@ -155,19 +154,13 @@ GELU_MIN = 0.17
 def _row_norms(sd: dict, path: str, scheme: str, group_size: int | None, rows: int = 4096) -> torch.Tensor:
     """``‖deq(W)[n, :]‖₂`` of every output channel n of the quantized layer at ``path``, as
     float64 ``[N]`` (computed in float32, ``rows`` rows at a time: a bound needs no more
-    precision; a dequantized value beyond float32 gives inf, which is beyond every limit too)."""
-    w = sd[path + ".weight"]
-    if scheme == "int8":                        # ‖q[n]‖ · scale[n]
-        q = torch.cat([torch.linalg.vector_norm(w[i:i + rows].float(), dim=1) for i in range(0, w.shape[0], rows)])
-        return q.double() * sd[path + ".scales"].double()
-    sz = sd[path + ".scale_zero"]
-    return torch.cat([torch.linalg.vector_norm(dequantize_int4(unpack_int4(w[i:i + rows]), sz[:, i:i + rows],
-                                                               group_size), dim=1)
-                      for i in range(0, w.shape[0], rows)]).double()
+    precision; a dequantized value beyond float32 gives inf, which is beyond every limit too):
+    the scheme's :meth:`~.linear.QuantizedLinear.row_norms`."""
+    return layer_class(scheme).row_norms(sd, path, group_size, rows)
 
 
 def overflow_problems(sd: dict[str, torch.Tensor], config, scheme: str, group_size: int | None,
-                      tied: bool, head: str = "int8") -> list[str]:
+                      tied: bool, head: str = HEAD_SCHEME) -> list[str]:
     """Whether any value the model computes can overflow with these scales and zeros, for any
     input: worst-case magnitudes in float64, from first principles, each compared with
     :data:`KERNEL_MAX`. Returns the problems, each naming the scale tensor that causes it.
@@ -189,7 +182,7 @@ def overflow_problems(sd: dict[str, torch.Tensor], config, scheme: str, group_si
 
     def blame(paths) -> str:                    # of the layers a value passed through: the largest gain
         path = max(paths, key=lambda q: gains.get(q, 0.0))
-        return f"{path}.{'scales' if (head if path == 'lm_head' else scheme) == 'int8' else 'scale_zero'}"
+        return f"{path}.{layer_class(head if path == 'lm_head' else scheme).scale_buffer}"
 
     def flag(paths, what: str, value: float) -> None:
         problems.append(f"{blame(paths)}: {what} can reach {value:.3g}, beyond the {KERNEL_MAX:.3g} the kernels' "
@@ -279,7 +272,7 @@ def load_state(model, entry, sd: dict[str, torch.Tensor], source: str, dtype: to
         if overflow:
             raise QuantizationError(f"{source}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
     model.quantization["method"] = entry.get("method", "rtn")
-    set_activations(model, entry.get("activations", "exact"))
+    set_activations(model, entry.get("activations", DEFAULT_ACTIVATIONS))
     return model.to(dtype).eval()
 
 

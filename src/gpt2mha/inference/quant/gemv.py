@@ -181,6 +181,10 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     return torch.ops.gpt2mha.int8_gemv(x, weight, scales, bias)
 
 
+#: :func:`int4_gemv`'s operator and the multiple its group size must be of, by ``activations``.
+INT4_GEMV = {"exact": ("int4_gemv", 16), "per_block": ("int4_gemv_a8", 32)}
+
+
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, activations: str = "exact") -> torch.Tensor:
     """``x @ deq(W)ᵀ + bias`` in float32 by ``int4_products.cpp`` for an int4 weight, ``deq(W) = (q − 8)·s + z``.
@@ -214,11 +218,11 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
             contiguous, an empty x or weight, NaN or ±inf in ``scale_zero``, a group size the
             weight cannot have, an unknown ``activations``, or ``x`` requiring grad.
     """
-    if activations not in ("exact", "per_block"):
+    if activations not in tuple(INT4_GEMV):
         raise ValueError(f"activations={activations!r}: expected 'exact' or 'per_block'")
+    name, unit = INT4_GEMV[activations]
     _check_x(x, "int4")
     K = x.shape[1]
-    unit = 32 if activations == "per_block" else 16
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < unit or group_size % unit \
             or K % group_size:
         raise ValueError(f"group_size={group_size!r}: expected a multiple of {unit} dividing K={K}")
@@ -236,5 +240,4 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, g
                              or not bias.is_contiguous() or bias.device.type != "cpu"):
         raise ValueError(f"bias must be a contiguous float32 CPU tensor [N={N}]; got {bias.dtype} {tuple(bias.shape)}")
     _check_finite(scale_zero=scale_zero)
-    op = torch.ops.gpt2mha.int4_gemv if activations == "exact" else torch.ops.gpt2mha.int4_gemv_a8
-    return op(x, weight, scale_zero, group_size, bias)
+    return getattr(torch.ops.gpt2mha, name)(x, weight, scale_zero, group_size, bias)

@@ -6,15 +6,34 @@ Transformers", Algorithm 1, in this package's int8 / int4 storage (:mod:`.scheme
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Callable
 
-from .schemes import KERNEL_DTYPE, int4_params, quantize_int8
+import torch
 
 
 #: GPTQ's dampening: ``damp · mean(diag H)`` is added to H's diagonal (Frantar et al., §4 "Step 3").
 GPTQ_DAMP = 0.01
 #: Columns quantized between two lazy batch updates of the rest (Frantar et al., "Step 2").
 GPTQ_BLOCK = 128
+
+
+@dataclass
+class Grid:
+    """The values a scheme rounds a weight column to, for :func:`gptq` (each scheme's
+    ``gptq_grid(w, group_size)`` makes one): integers ``q`` in ``[qmin, qmax]`` standing for
+    ``(q − offset)·scale + zero``, with ``(scale, zero)`` (each ``[N]``) either ``fixed`` for
+    every column or computed by ``group_params(columns [N, group_size])`` when a group's first
+    column is reached; ``finish(Q, groups)`` turns the rounded ``Q [N, K]`` (float) and the
+    groups' ``(scale, zero)`` into what the scheme's rounding to nearest returns."""
+
+    qmin: int
+    qmax: int
+    offset: int
+    finish: Callable
+    fixed: tuple | None = None
+    group_size: int | None = None
+    group_params: Callable | None = None
 
 
 @torch.no_grad()
@@ -42,6 +61,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | 
     Raises:
         ValueError: a hessian that is not ``[K, K]`` or holds NaN/inf.
     """
+    from .linear import layer_class
     W = w.detach().float().clone()
     N, K = W.shape
     if hessian.shape != (K, K):
@@ -66,22 +86,16 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | 
         raise ValueError("hessian: its inverse is not finite (activations of extreme magnitude); "
                          "quantize with method='rtn'")
     Q = torch.empty(N, K, device=W.device)
-    if scheme == "int8":
-        _, scales = quantize_int8(w)
-        s = scales.float()
-        params = (s, torch.zeros_like(s))                      # w ≈ q·s, q in -127..127
-        qmin, qmax, offset = -127, 127, 0
-    else:
-        groups = []                                             # (scale, zero) per group, [N] each
-        qmin, qmax, offset = 0, 15, 8                          # w ≈ (q − 8)·scale + zero
-    block = max(GPTQ_BLOCK, group_size or 0)
+    grid = layer_class(scheme).gptq_grid(w, group_size)
+    params, groups, g = grid.fixed, [], grid.group_size          # groups: (scale, zero) per group, [N] each
+    qmin, qmax, offset = grid.qmin, grid.qmax, grid.offset
+    block = max(GPTQ_BLOCK, g or 0)
     for i1 in range(0, K, block):
         i2 = min(i1 + block, K)
         W1, E1, Hi = W[:, i1:i2].clone(), torch.empty(N, i2 - i1, device=W.device), Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            if scheme == "int4" and (i1 + i) % group_size == 0:
-                g = W1[:, i:i + group_size]
-                params = int4_params(g.amin(-1), g.amax(-1))
+            if g and (i1 + i) % g == 0:
+                params = grid.group_params(W1[:, i:i + g])
                 groups.append(params)
             scale, zero = params
             col = W1[:, i]
@@ -91,9 +105,6 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | 
             W1[:, i:] -= err[:, None] * Hi[i, i:][None]
             E1[:, i] = err
         W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
-    if scheme == "int8":
-        return Q.to(torch.int8), scales
-    scale_zero = torch.stack([torch.stack(p, -1) for p in groups])            # [K/g, N, 2]
-    return Q.to(torch.int32), scale_zero.to(KERNEL_DTYPE)
+    return grid.finish(Q, groups)
 
 

@@ -1,10 +1,23 @@
-"""The quantized dense layer (:class:`QuantizedLinear`, one class for int8 and int4 weights) and
-its quantized LM head. int8 layers multiply through :mod:`.int8_products` (integer pieces that
-keep float32 activations exact to ~14 bits, or per_row's W7A8), int4 layers on PyTorch's CPU int4
-kernel. One-token steps (decode) of int8 layers run gpt2mha's own GEMV kernel where it builds
-(:mod:`.gemv`: float32 activations times the dequantized weight, no rounding of the activations at
-all; 2.9x faster than the pieces at batch 1 on the AVX2 Zen 3, RESULTS.md, "A kernel of our own");
-int4 layers' one-token steps too (float32 activations where torch's int4 kernel takes bf16).
+"""The quantized dense layer: :class:`QuantizedLinear`, the base of one class per weight scheme
+and activation treatment, and the registry that maps ``(scheme, activations)`` to those classes.
+
+Each scheme lives in a file of its own that registers its classes (:func:`register`,
+:func:`register_head`): :mod:`.int8_linear` (:class:`~.int8_linear.Int8Linear`, exact;
+:class:`~.int8_linear.W7A8Linear`, ``per_row``; :class:`~.int8_linear.AutoInt8Linear`,
+``auto``) and :mod:`.int4_linear` (:class:`~.int4_linear.Int4Linear`, exact;
+:class:`~.int4_linear.W4A8Linear`, ``per_block``). Each class owns its product
+(:meth:`QuantizedLinear._product`), the tensors it hands the native forward
+(:meth:`~QuantizedLinear.native_tensors`) and the layer it hands the compiled step
+(:meth:`~QuantizedLinear.compiled_layer`); the scheme's base class owns its buffers, its rounding
+and what a checkpoint of it must hold. Setting :attr:`QuantizedLinear.activations` converts a
+layer to the class of the new treatment in place (the same module, its buffers untouched).
+
+``QuantizedLinear(n_in, n_out, scheme, group_size)`` and ``QuantizedLinear.from_float(w, b,
+scheme, group_size)`` give the scheme's exact class; :class:`QuantizedHead` likewise gives its
+head class (float32 logits). The int8 products are re-exported here by name
+(:mod:`.int8_products`), and so are the scheme tables (:data:`SCHEMES`,
+:data:`SCHEME_ACTIVATIONS`, :data:`DEFAULT_GROUP_SIZE`, :data:`DEQUANTIZE_FROM_ROWS`, …),
+made from the registered classes.
 """
 
 from __future__ import annotations
@@ -16,50 +29,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gemv
-from .gptq import gptq
-# The int8 products, imported by name: QuantizedLinear looks them up here (benchmarks swap
-# ``linear.int8_matmul`` for a variant: what QuantizedLinear calls, not what int8_matmul calls
-# inside), and imports of the public names from this module keep working.
+# The int8 products, importable from here by name (the int8 layers look them up in
+# :mod:`.int8_linear`: benchmarks swap ``int8_linear.int8_matmul`` for a variant).
 from .int8_products import (INT8_KERNEL_ENV, INT8_KERNELS, MAX_PIECES, PIECE_LEVELS, WIDE_ROW,  # noqa: F401
                             fbgemm_available, fbgemm_pack, int8_kernel, int8_matmul, int8_matmul_per_row,
                             pieces_for, split_activations, weight_7bit)
-from .schemes import (KERNEL_DTYPE, check_scheme, dequantize_int4, pack_int4, quantize_int4,
-                      quantize_int8, unpack_int4)
+from .schemes import KERNEL_DTYPE
 
-
-#: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized weight
-#: (:meth:`QuantizedLinear.dequantize_for`) instead of the quantized kernel. Measured on an
-#: AVX2 Zen 3 (``python benchmarks/quant_prefill.py kernels``: the 48 block matrices of 124M,
-#: 1 thread; RESULTS.md, "Prefill on an AVX2-only host"): int8's two 7-bit pieces on FBGEMM
-#: 1.24x float32 at 16 rows, 0.91x at 32, 0.86x at 64, 0.75x at 512; the dequantized weight
-#: 0.85x, 0.70x, 0.93x, 0.89x (three runs put the crossing at 64 rows, two of them for the
-#: dequantized weight there); int4's bf16 kernel 0.79x / 0.58x / 0.55x / 0.39x, its dequantized
-#: weight 0.43x / 0.51x / 0.68x / 0.78x (a tie at 32 in another run).
-DEQUANTIZE_FROM_ROWS = {"int8": 64, "int4": 32}
 #: Largest number of float32 weights dequantized at once (16 MiB: a whole block matrix of GPT-2
 #: 124M or medium): a larger weight (the LM head, the MLP of GPT-2 large and XL) is dequantized
 #: and multiplied in slices of output channels, so each thread's scratch (:func:`_scratch`)
 #: stays this small.
 DEQUANTIZE_CHUNK = 1 << 22
-#: How int8 products treat the activations (:attr:`QuantizedLinear.activations`): ``"exact"``
-#: never rounds them (decode steps: float32 times the dequantized weight on the GEMV kernel,
-#: :mod:`.gemv`; else integer pieces, :func:`int8_matmul`); ``"per_row"`` rounds each row to 8
-#: bits with its own scale and zero point, over the weights re-rounded to 7 bits
-#: (:func:`int8_matmul_per_row`, W7A8): faster, not exact; ``"auto"`` picks per shape: the exact
-#: pieces where ``"exact"`` runs them (decode), W7A8 where ``"exact"`` would fall back to the
-#: dequantized float32 GEMM (:meth:`QuantizedLinear.dequantize_for`: prefill of many tokens on
-#: CPUs without VNNI).
-ACTIVATIONS = ("exact", "per_row", "auto", "per_block")
-#: The values each scheme's layers take: ``"per_block"`` is int4's W4A8 (:func:`~.gemv.int4_gemv`), every product.
-SCHEME_ACTIVATIONS = {"int8": ("exact", "per_row", "auto"), "int4": ("exact", "per_block")}
-
+#: How a layer treats its activations when none is asked (:attr:`QuantizedLinear.activations`):
+#: every scheme's first class, the one that never rounds them.
+DEFAULT_ACTIVATIONS = "exact"
 
 
 def _scratch(numel: int, device: torch.device) -> torch.Tensor:
     """A float32 buffer of at least ``numel`` elements on ``device``, kept per thread and
-    reused by every layer (the dequantized weights of :meth:`QuantizedLinear.dequantize_for`
-    products): no fresh allocation, and so no page faults, per product. Made outside
-    inference mode so that it can be written in place in and out of it."""
+    reused by every layer (the dequantized weights of :meth:`QuantizedLinear.dequantized_product`):
+    no fresh allocation, and so no page faults, per product. Made outside inference mode so that
+    it can be written in place in and out of it."""
     store = _SCRATCH.__dict__
     buf = store.get(device)
     if buf is None or buf.numel() < numel:
@@ -72,7 +63,6 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 _SCRATCH = threading.local()
 
 
-# ------------------------------------------------------------------ the quantized layer
 def _version(t: torch.Tensor) -> int:
     """``t``'s in-place write counter (-1 for inference tensors, which have none)."""
     try:
@@ -85,8 +75,95 @@ def _pad_rows(n: int, multiple: int = 16) -> int:
     return -(-n // multiple) * multiple
 
 
+# ------------------------------------------------------------------ the registry
+#: The layer class of each ``(scheme, activations)``, in the order the schemes register them.
+_LAYERS: dict[tuple[str, str], type] = {}
+#: The head class (:class:`QuantizedHead`) of each layer class.
+_HEADS: dict[type, type] = {}
+#: The activation treatments each scheme's layers take (its classes' ``activations_mode``, the
+#: first its default), filled as the schemes register them: ``int8``: exact, per_row, auto;
+#: ``int4``: exact, per_block.
+SCHEME_ACTIVATIONS: dict[str, tuple[str, ...]] = {}
+
+
+def register(cls: type) -> type:
+    """Class decorator: ``cls`` (a :class:`QuantizedLinear` with ``scheme`` and
+    ``activations_mode`` set) serves that pair. A scheme registers its default
+    (:data:`DEFAULT_ACTIVATIONS`) class first.
+
+    Raises:
+        ValueError: the pair is taken, or a scheme's first class is not its default one.
+    """
+    key = (cls.scheme, cls.activations_mode)
+    if key in _LAYERS:
+        raise ValueError(f"{cls.__name__}: {key} is served by {_LAYERS[key].__name__} already")
+    if cls.scheme not in SCHEME_ACTIVATIONS and cls.activations_mode != DEFAULT_ACTIVATIONS:
+        raise ValueError(f"{cls.__name__}: register {cls.scheme}'s {DEFAULT_ACTIVATIONS!r} class first")
+    _LAYERS[key] = cls
+    SCHEME_ACTIVATIONS[cls.scheme] = SCHEME_ACTIVATIONS.get(cls.scheme, ()) + (cls.activations_mode,)
+    return cls
+
+
+def register_head(cls: type) -> type:
+    """Class decorator: ``cls`` (a subclass of :class:`QuantizedHead` and of one registered
+    layer class) is that class's LM head."""
+    layer = next(c for c in cls.__mro__[1:] if c in _LAYERS.values())
+    _HEADS[layer] = cls
+    return cls
+
+
+def layer_class(scheme: str, activations: str = DEFAULT_ACTIVATIONS, head: bool = False) -> type:
+    """The class of ``scheme``'s layers with ``activations`` (its :class:`QuantizedHead` class
+    with ``head=True``).
+
+    Raises:
+        ValueError: an unknown scheme, or activations the scheme does not take (named).
+    """
+    schemes = tuple(SCHEME_ACTIVATIONS)
+    if scheme not in schemes:
+        raise ValueError(f"scheme={scheme!r} is unknown; expected one of {schemes}")
+    if activations not in SCHEME_ACTIVATIONS[scheme]:
+        raise ValueError(f"activations={activations!r}: an {scheme} layer takes one of {SCHEME_ACTIVATIONS[scheme]}")
+    cls = _LAYERS[scheme, activations]
+    return _HEADS[cls] if head else cls
+
+
+def record_class(quantization) -> type | None:
+    """The class of the block layers a model's quantization record (``model.quantization``:
+    ``"scheme"``, ``"activations"``) names; None for a float model's (None or empty) or a record
+    this version does not know."""
+    if not quantization:
+        return None
+    try:
+        return layer_class(quantization.get("scheme"), quantization.get("activations", DEFAULT_ACTIVATIONS))
+    except (ValueError, TypeError):
+        return None
+
+
+def check_scheme(scheme, group_size, n_in: int | None = None) -> None:
+    """Raises ValueError naming the argument for an unknown scheme or a group size the scheme
+    or its kernel cannot use (int8: None; int4: one of
+    :data:`~.schemes.INT4_GROUP_SIZES` dividing ``n_in``)."""
+    layer_class(scheme).check_group_size(group_size, n_in)
+
+
+def check_head(head, scheme) -> None:
+    """Raises ValueError naming the argument for a head scheme that is unknown or does not go with
+    the blocks' ``scheme`` (a head in groups takes the blocks' group size: int4 blocks)."""
+    from .schemes import HEAD_SCHEME
+    heads = tuple(SCHEME_ACTIVATIONS)
+    if head not in heads:
+        raise ValueError(f"head={head!r} is unknown; expected one of {heads}")
+    if layer_class(head).grouped and scheme != head:
+        raise ValueError(f"head={head!r} needs scheme={head!r} (the head takes the blocks' group_size); got "
+                         f"scheme={scheme!r}: use head={HEAD_SCHEME!r}")
+
+
+# ------------------------------------------------------------------ the quantized layer
 class QuantizedLinear(nn.Module):
-    """A dense layer with a weight-only quantized weight: ``y = x @ deq(W)ᵀ + b``.
+    """A dense layer with a weight-only quantized weight: ``y = x @ deq(W)ᵀ + b``; the base of
+    the scheme classes (``QuantizedLinear(...)`` and :meth:`from_float` give the scheme's
+    class for :data:`DEFAULT_ACTIVATIONS`).
 
     Args:
         n_in, n_out: input and output widths (K and N).
@@ -94,115 +171,142 @@ class QuantizedLinear(nn.Module):
         group_size: int4's group of inputs sharing a scale (must divide ``n_in``); None for int8.
         bias: whether the layer adds a float bias ``[n_out]``.
 
-    Buffers (what the checkpoint stores): int8 ``weight`` int8 ``[n_out, n_in]`` and ``scales``
-    ``[n_out]``; int4 ``weight`` uint8 ``[n_out, n_in / 2]`` (:func:`pack_int4`) and
-    ``scale_zero [n_in / group_size, n_out, 2]``; scales in :data:`KERNEL_DTYPE` whatever the
-    model's dtype. ``bias`` is a parameter without grad, in the model's dtype. For the int4
-    kernel the weight is also kept in its CPU-specific packed layout (rows padded to a multiple
-    of 16), rebuilt whenever the buffers are loaded.
+    Buffers (what the checkpoint stores, the scheme's): int8 ``weight`` int8 ``[n_out, n_in]``
+    and ``scales`` ``[n_out]``; int4 ``weight`` uint8 ``[n_out, n_in / 2]``
+    (:func:`~.schemes.pack_int4`) and ``scale_zero [n_in / group_size, n_out, 2]``; scales in
+    :data:`~.schemes.KERNEL_DTYPE` whatever the model's dtype. ``bias`` is a parameter without
+    grad, in the model's dtype.
 
-    Forward: ``[..., n_in]`` → ``[..., n_out]`` in x's dtype. On CPU int8 runs
-    :func:`int8_matmul` (float32 result; :func:`int8_matmul_per_row` with
-    ``activations="per_row"``, and with ``"auto"`` where the dequantized product would run);
-    one token per sequence (a decode step: ``[B, 1, n_in]``, or a 2-D input of one row) with
-    ``"exact"`` or ``"auto"`` runs the GEMV kernel instead where it builds
-    (:func:`~.gemv.int8_gemv`: the float32 product of the dequantized weight, closer to float32
-    than the pieces; decided per sequence, never by the batch size, so batch invariance holds);
-    int4 decode steps likewise run :func:`~.gemv.int4_gemv` (float32 activations), other int4
-    products hand torch's int4 kernel :data:`KERNEL_DTYPE` activations; int4 with
-    ``activations="per_block"`` runs every product (steps and prompts) on the W4A8 kernel over
-    its packed copy (:meth:`a8_packed`) where it builds; on CPUs
-    without VNNI/AMX, inputs of :data:`DEQUANTIZE_FROM_ROWS` rows or more run
-    :meth:`dequantized_product` instead. The product comes back to x's dtype before the bias is
-    added (float32 bias and residual stream for a float32 model). Elsewhere the weight is
-    dequantized for each call (correct, not fast).
+    Forward: ``[..., n_in]`` → ``[..., n_out]`` in x's dtype. On the CPU the class's product
+    (:meth:`_product`, see each class); elsewhere the weight is dequantized for each call
+    (:data:`~.schemes.KERNEL_DTYPE` products: correct, not fast). The product comes back to x's
+    dtype before the bias is added (float32 bias and residual stream for a float32 model); the
+    kernels that take the bias add a float32 bias to a float32 output themselves.
 
     Raises:
+        ValueError: a scheme or group size :func:`check_scheme` refuses, or a scheme that is
+            not the class's.
         RuntimeError: in forward, if autograd would need a gradient through the layer
             (quantized weights are for inference; train the float model).
     """
 
+    #: The weight scheme of the class's layers (None: the base, not a scheme).
+    scheme: str | None = None
+    #: How the class's products treat the activations (:attr:`activations`).
+    activations_mode: str = DEFAULT_ACTIVATIONS
+    #: The buffer holding the scales (kept in :data:`~.schemes.KERNEL_DTYPE` by ``.to(dtype)``).
+    scale_buffer = "scales"
+    #: Whether the scheme's weights come in groups of ``group_size`` inputs (an LM head in that
+    #: scheme takes the blocks' group size).
+    grouped = False
+    #: The group size :meth:`GPT2.quantize <gpt2mha.GPT2.quantize>` uses when none is given.
+    default_group_size: int | None = None
+    #: Robust relative error (:func:`~.model.error_row`) above which a tensor is reported as abnormal.
+    abnormal_error = 0.0
+    #: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized weight
+    #: (:meth:`dequantize_for`, through :data:`DEQUANTIZE_FROM_ROWS`).
+    dequantize_from_rows = 0
+    #: The kind of product ``cached_forward`` (:mod:`~gpt2mha.inference.native`) runs for blocks of
+    #: this class ("w4a8", "w7a8"), None where they do not run there.
+    native_kind: str | None = None
+    #: ``(scheme, activations)`` of the LM heads the native forward takes with blocks of this class.
+    native_heads: tuple[tuple[str, str], ...] = ()
+
+    def __new__(cls, *args, **kwargs):
+        # QuantizedLinear(n_in, n_out, scheme, ...) and QuantizedHead(...): the scheme's class
+        if cls.scheme is None and (len(args) > 2 or "scheme" in kwargs):
+            scheme = args[2] if len(args) > 2 else kwargs["scheme"]
+            cls = layer_class(scheme, head=issubclass(cls, QuantizedHead))
+        return super().__new__(cls)
+
     def __init__(self, n_in: int, n_out: int, scheme: str, group_size: int | None = None, bias: bool = True):
         super().__init__()
         check_scheme(scheme, group_size, n_in)
-        self.n_in, self.n_out, self.scheme, self.group_size = n_in, n_out, scheme, group_size
-        if scheme == "int8":
-            self.register_buffer("weight", torch.zeros(n_out, n_in, dtype=torch.int8))
-            self.register_buffer("scales", torch.ones(n_out, dtype=KERNEL_DTYPE))
-        else:
-            self.register_buffer("weight", torch.zeros(n_out, n_in // 2, dtype=torch.uint8))
-            self.register_buffer("scale_zero", torch.ones(n_in // group_size, n_out, 2, dtype=KERNEL_DTYPE))
-            self.register_buffer("packed", None, persistent=False)
+        if scheme != self.scheme:
+            raise ValueError(f"scheme={scheme!r}: {type(self).__name__} holds {self.scheme} weights")
+        self.n_in, self.n_out, self.group_size = n_in, n_out, group_size
+        self._make_buffers()
         self.bias = nn.Parameter(torch.zeros(n_out), requires_grad=False) if bias else None
-        self._activations = "exact"
 
+    # --- what each scheme defines
+    def _make_buffers(self) -> None:
+        """Register the scheme's buffers (zeros, shapes from ``n_in``, ``n_out``, ``group_size``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_group_size(cls, group_size, n_in: int | None) -> None:
+        """Raises ValueError naming ``group_size`` where the scheme cannot use it (for a layer of
+        ``n_in`` inputs when given)."""
+        raise NotImplementedError
+
+    def set_weight(self, w: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
+        """Round ``w [n_out, n_in]`` into the buffers: to nearest, or by :func:`~.gptq.gptq`
+        when the inputs' ``hessian [n_in, n_in]`` is given."""
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight ``[n_out, n_in]`` this layer multiplies by."""
+        raise NotImplementedError
+
+    def _product(self, x2: torch.Tensor, tokens: int, bias: torch.Tensor | None,
+                 gelu: bool) -> tuple[torch.Tensor, bool, bool]:
+        """The CPU product of ``x2 [M, n_in]`` (``tokens`` per sequence, never the batch):
+        ``(y [M, n_out], whether it added bias, whether it applied GELU)``. ``bias``: the float32
+        bias a kernel may add itself (None where the forward adds it); ``gelu``: whether the
+        product may apply GPT-2's GELU itself (float32 out)."""
+        raise NotImplementedError
+
+    @classmethod
+    def row_norms(cls, sd: dict, path: str, group_size: int | None, rows: int = 4096) -> torch.Tensor:
+        """``‖deq(W)[n, :]‖₂`` of every output channel n of the layer stored at ``path`` of the
+        state dict ``sd``, float64 ``[N]`` (:func:`~.checkpoint.overflow_problems`)."""
+        raise NotImplementedError
+
+    # --- the treatment of the activations
     @property
     def activations(self) -> str:
-        """How this layer's products treat the activations, one of :data:`ACTIVATIONS`. int8:
-        ``"exact"`` (default; the GEMV kernel for one token per sequence where it builds,
-        :mod:`.gemv`, else integer pieces, :func:`int8_matmul`, or the dequantized weight for
-        many rows, :meth:`dequantize_for`), ``"per_row"`` (8 bits per row with a zero point over
-        7-bit weights, :func:`int8_matmul_per_row`, at every size) or ``"auto"`` (per shape:
-        ``"exact"``'s integer pieces where it runs them, ``"per_row"`` where it would run the
-        dequantized weight). int4 layers take ``"exact"`` (float32 activations on the GEMV kernel
-        for decode steps) or ``"per_block"`` (every product, decode steps and prompts, on the
-        kernel's W4A8 product, each activation row rounded to 8 bits per group of
-        ``group_size``, as llama.cpp's q8_0 activations; on the CPU where gpt2mha's kernels
-        load, else as ``"exact"``): :data:`SCHEME_ACTIVATIONS`.
+        """How this layer's products treat the activations: its class's ``activations_mode``,
+        one of :data:`SCHEME_ACTIVATIONS` of its scheme (each class says what its products do).
+        Setting it converts the layer in place to the scheme's class for the new value
+        (:func:`layer_class`; a head stays a head): the same module and buffers.
 
         Raises:
-            ValueError: (on setting) a value this layer's scheme does not take (:data:`SCHEME_ACTIVATIONS`).
+            ValueError: (on setting) a value this layer's scheme does not take.
         """
-        return self._activations
+        return self.activations_mode
 
     @activations.setter
     def activations(self, value: str) -> None:
-        if value not in SCHEME_ACTIVATIONS[self.scheme]:
-            raise ValueError(f"activations={value!r}: an {self.scheme} layer takes one of {SCHEME_ACTIVATIONS[self.scheme]}")
-        self._activations = value
+        self.__class__ = layer_class(self.scheme, value, head=isinstance(self, QuantizedHead))
+
+    @property
+    def fuses_gelu(self) -> bool:
+        """Whether :meth:`forward` with ``gelu=True`` may fuse the activation into the product."""
+        return False
 
     @classmethod
     def from_float(cls, w: torch.Tensor, b: torch.Tensor | None, scheme: str,
                    group_size: int | None = None, hessian: torch.Tensor | None = None) -> "QuantizedLinear":
-        """Quantize ``w [n_out, n_in]`` (and keep ``b [n_out]`` as it is) into a new layer:
-        rounded to nearest, or by :func:`gptq` when the inputs' ``hessian [n_in, n_in]`` is given."""
+        """Quantize ``w [n_out, n_in]`` (and keep ``b [n_out]`` as it is) into a new layer of
+        ``scheme``'s class: rounded to nearest, or by :func:`~.gptq.gptq` when the inputs'
+        ``hessian [n_in, n_in]`` is given."""
         n_out, n_in = w.shape
         layer = cls(n_in, n_out, scheme, group_size, bias=b is not None).to(w.device)
         with torch.no_grad():
-            if hessian is not None:
-                q, params = gptq(w, hessian, scheme, group_size)
-            else:
-                q, params = quantize_int8(w) if scheme == "int8" else quantize_int4(w, group_size)
-            if scheme == "int8":
-                layer.weight, layer.scales = q, params
-            else:
-                layer.scale_zero = params
-                layer.weight = pack_int4(q)
-                layer.repack()
+            layer.set_weight(w, hessian)
             if b is not None:
                 layer.bias = nn.Parameter(b.detach().clone(), requires_grad=False)
         return layer
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weight ``[n_out, n_in]`` this layer multiplies by."""
-        if self.scheme == "int8":
-            return self.weight.float().mul_(self.scales.float()[:, None])     # dequantize_int8, one allocation
-        return dequantize_int4(unpack_int4(self.weight), self.scale_zero, self.group_size)
-
     def repack(self) -> None:
-        """Rebuild the int4 kernel's packed weight from ``weight`` and ``scale_zero`` (CPU only)."""
-        if self.scheme != "int4" or self.weight.device.type != "cpu" or self.weight.is_meta:
-            self.packed = None
-            return
-        q = unpack_int4(self.weight)
-        pad = _pad_rows(self.n_out) - self.n_out                         # the kernel needs N % 16 == 0
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(F.pad(q, (0, 0, 0, pad)), 1)
+        """Rebuild any copy of the weight the scheme keeps in a kernel's layout (the buffers
+        were loaded or moved); nothing by default."""
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """``x [..., n_in]`` → ``[..., n_out]`` (see the class); ``gelu``: GPT-2's GELU applied
         to the result (an MLP's ``c_fc`` with its activation,
-        :class:`~gpt2mha.inference.fast.GeluFusedMLP`): inside per_row's operator where the
-        layer runs it (float32 out), else ``F.gelu(approximate="tanh")`` after."""
+        :class:`~gpt2mha.inference.fast.GeluFusedMLP`): inside the product where the class's
+        kernel applies it (float32 out), else ``F.gelu(approximate="tanh")`` after."""
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError(f"this layer's weight is quantized ({self.scheme}): autograd cannot flow through "
                                f"it; quantized models are for inference (train the float model, then quantize)")
@@ -211,61 +315,17 @@ class QuantizedLinear(nn.Module):
         # gpt2mha's operators add a float32 bias to a float32 output themselves (one pass less)
         bias = self.bias if self.bias is not None and self.bias.dtype == torch.float32 \
             and self.out_dtype(x.dtype) == torch.float32 else None
-        fused = in_op = False
-        many = (x.device.type == "cpu" and self.activations != "per_row"      # (per_row never asks)
-                and self.dequantize_for(tokens))
         if x.device.type != "cpu":
-            y = F.linear(x2.to(KERNEL_DTYPE), self.dequantized().to(KERNEL_DTYPE))
-        elif self.scheme == "int8" and (self.activations == "per_row" or self.activations == "auto" and many):
-            if gemv.vnni():
-                # the same W7A8 product in one call (rounding, exact integer sums on the packed
-                # copy, rescale): faster than _int_mm and the ops around it at every size
-                # measured, 1 to 512 rows (RESULTS.md, "Packed weights for per_row decode")
-                in_op = gelu and x.dtype == torch.float32 and (self.bias is None or bias is not None)
-                y = torch.ops.gpt2mha.int8_per_row(x2.float().contiguous(), *self.per_row_packed(), bias, in_op)
-                fused = True
-            else:
-                q7, scales7, packed, wsum = self.per_row_weights()
-                y = int8_matmul_per_row(x2, q7, scales7, int8_kernel(), packed, wsum)
-        elif self.activations == "per_block" and gemv.available() and x2.shape[0] > 0:
-            # W4A8 on the packed copy, every row count (prompts as decode steps; RESULTS.md,
-            # "W4A8 on packed tiles")
-            y = torch.ops.gpt2mha.int4_a8_packed(x2.float().contiguous(), *self.a8_packed(), self.group_size,
-                                                 self.n_out, bias)
-            fused = True
-        elif many:
-            y = self.dequantized_product(x2.float())
-        elif tokens == 1 and self.weight.is_contiguous() and gemv.available():
-            # decode: float32 x @ deq(W)ᵀ on the GEMV kernel
-            if self.scheme == "int8":
-                y = torch.ops.gpt2mha.int8_gemv(x2.float(), self.weight, self.gemv_scales(), bias)
-            else:
-                y = torch.ops.gpt2mha.int4_gemv(x2.float(), self.weight, self.gemv_scales(), self.group_size, bias)
-            fused = True
-        elif self.scheme == "int8":
-            kernel = int8_kernel()
-            y = int8_matmul(x2, self.weight, self.scales, kernel,
-                            self.fbgemm_packed() if kernel == "fbgemm" else None)
+            y, added, in_op = F.linear(x2.to(KERNEL_DTYPE), self.dequantized().to(KERNEL_DTYPE)), False, False
         else:
-            x2 = x2.to(KERNEL_DTYPE).contiguous()
-            pad = self.packed.shape[0] - self.n_out                    # rows padded to a multiple of 16
-            scale_zero = F.pad(self.scale_zero, (0, 0, 0, pad)) if pad else self.scale_zero
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, scale_zero)
-            y = y[:, :self.n_out]
+            in_op = gelu and x.dtype == torch.float32 and (self.bias is None or bias is not None)
+            y, added, in_op = self._product(x2, tokens, bias, in_op)
         y = y.to(self.out_dtype(x.dtype))
-        if self.bias is not None and not (fused and bias is not None):
+        if self.bias is not None and not added:
             y = y + self.bias
         if gelu and not in_op:
             y = F.gelu(y, approximate="tanh")
         return y.view(*x.shape[:-1], self.n_out)
-
-    @property
-    def fuses_gelu(self) -> bool:
-        """Whether :meth:`forward` with ``gelu=True`` may fuse the activation into the product
-        (per_row's operator: an int8 layer with per_row or auto activations on a CPU with
-        AVX-512 VNNI where gpt2mha's kernel builds)."""
-        return (self.scheme == "int8" and self.activations in ("per_row", "auto")
-                and self.weight.device.type == "cpu" and gemv.vnni())
 
     def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the output for inputs in ``dtype``: the same."""
@@ -274,7 +334,7 @@ class QuantizedLinear(nn.Module):
     def dequantize_for(self, rows: int) -> bool:
         """Whether a product over ``rows`` input rows runs as a float32 GEMM over the
         dequantized weight (:meth:`dequantized_product`) rather than the quantized kernel: on
-        CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from
+        CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from the scheme's
         :data:`DEQUANTIZE_FROM_ROWS` rows on, where the float32 GEMM outruns the two integer
         pieces (int8) and the bf16 int4 kernel (int4) in prefill (RESULTS.md, "Prefill on an
         AVX2-only host"). Products with ``activations="per_row"`` never do (faster still), and
@@ -286,155 +346,117 @@ class QuantizedLinear(nn.Module):
         result does not depend on how many rows share the call (batch invariance)."""
         return rows >= DEQUANTIZE_FROM_ROWS[self.scheme] and int8_kernel() == "fbgemm"
 
+    def bf16_output_for(self, rows: int) -> bool:
+        """Whether a product over ``rows`` rows would take a kernel whose output is rounded to
+        bf16 (:class:`QuantizedHead` dequantizes there instead); none by default."""
+        return False
+
     def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, n_in] @ deq(W)ᵀ`` → float32 ``[M, n_out]`` (no bias) by float32 GEMMs over
         the weight dequantized into a reused per-thread scratch (:func:`_scratch`), at most
-        :data:`DEQUANTIZE_CHUNK` weights at a time (slices of output channels).
-
-        int8: the integer weight is converted to float32 and the per-channel scales multiply
-        the outputs (the same product as ``x @ dequantized()ᵀ`` up to float32 rounding, ~1e-7
-        relative); the conversion is a plain int8 → float32 copy. int4: the low nibbles (even
-        inputs) and the high nibbles (odd inputs) are converted into two contiguous ``[N, K/2]``
-        halves (no strided writes), scaled per group in place and multiplied by the even and
-        odd inputs; the zeros enter as ``Σ_group x · offset`` (``offset = z − 8·s``), one small
-        ``[M, K/g] @ [K/g, N]`` product instead of a pass over the weight.
-        """
+        :data:`DEQUANTIZE_CHUNK` weights at a time (slices of output channels; each scheme's
+        :meth:`_dequantized_chunk` says how it fills one)."""
         N, K = self.n_out, self.n_in
         step = max(1, min(N, DEQUANTIZE_CHUNK // K))
-        if self.scheme == "int4":
-            g = self.group_size
-            even, odd = x[:, 0::2], x[:, 1::2]                                   # the low and the high nibbles' inputs
-            sz = self.scale_zero.float()                                          # [K/g, N, 2]
-            scale = sz[..., 0].t().contiguous()                                   # [N, K/g]
-            offset = (sz[..., 1] - 8 * sz[..., 0]).t()                            # (q − 8)·s + z = q·s + offset
-            group_sums = x.view(x.shape[0], K // g, g).sum(-1)                    # Σ x over each group [M, K/g]
-            nibbles = torch.empty(min(N, step), K // 2, dtype=torch.uint8, device=x.device)
+        prep = self._dequantize_prep(x, min(N, step))
         outs = []
         for n0 in range(0, N, step):
             n1 = min(N, n0 + step)
             w = _scratch((n1 - n0) * K, x.device).view(n1 - n0, K)
-            if self.scheme == "int8":
-                outs.append(F.linear(x, w.copy_(self.weight[n0:n1])).mul_(self.scales[n0:n1].float()))
-                continue
-            packed, bits = self.weight[n0:n1], nibbles[:n1 - n0]
-            lo, hi = w.view(2, n1 - n0, K // 2)                                   # contiguous halves
-            lo.copy_(torch.bitwise_and(packed, 15, out=bits))
-            hi.copy_(torch.bitwise_right_shift(packed, 4, out=bits))
-            w.view(2, n1 - n0, K // g, g // 2).mul_(scale[n0:n1, :, None])
-            y = group_sums @ offset[n0:n1].t()
-            outs.append(y.addmm_(even, lo.t()).addmm_(odd, hi.t()))
+            outs.append(self._dequantized_chunk(x, prep, n0, n1, w))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def per_row_weights(self):
-        """``(q7, scales7, packed, wsum)`` for :func:`int8_matmul_per_row`: the weight re-rounded
-        to 7 bits (:func:`weight_7bit`; None on FBGEMM, which reads only its packed copy),
-        FBGEMM's packed copy (None where the kernel is ``_int_mm``) and the row sums; made on
-        first use and again whenever ``weight`` or ``scales`` change (as :meth:`fbgemm_packed`).
-        Not part of the state dict."""
-        key = (self.weight, self.scales, _version(self.weight), _version(self.scales), self.weight.data_ptr(),
-               self.scales.data_ptr(), int8_kernel())                  # the kernel last: read below
-        cached = self.__dict__.get("_per_row")
-        if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
-            with torch.inference_mode(False), torch.no_grad():
-                q7, scales7 = weight_7bit(self.weight, self.scales)
-                packed = fbgemm_pack(q7, scales7) if key[-1] == "fbgemm" else None
-                wsum = q7.float().mul_(scales7[:, None]).sum(1)
-                cached = (key, (None if packed is not None else q7, scales7, packed, wsum))
-            self.__dict__["_per_row"] = cached
-        return cached[1]
+    def _dequantize_prep(self, x: torch.Tensor, rows: int):
+        """What every chunk of :meth:`dequantized_product` over ``x`` shares (chunks of at most
+        ``rows`` output channels); None by default."""
+        return None
 
-    def per_row_packed(self):
-        """``(packed, qsum, scales7, wsum)`` for ``torch.ops.gpt2mha.int8_per_row``
-        (:func:`~.gemv.int8_per_row`): the 7-bit weight (:func:`weight_7bit`) packed for the
-        kernel (:func:`~.gemv.pack_rows`, int8 ``[ceil(n_out/32), ceil(n_in/4), 32, 4]``), its row
-        sums as int32, the 7-bit scales as float32 and the float row sums of ``q7 · scales7``;
-        made on first use and again whenever ``weight`` or ``scales`` change (as
-        :meth:`per_row_weights`). Not part of the state dict."""
-        key = (self.weight, self.scales, _version(self.weight), _version(self.scales), self.weight.data_ptr(),
-               self.scales.data_ptr())
-        cached = self.__dict__.get("_per_row_packed")
-        if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
-            with torch.inference_mode(False), torch.no_grad():
-                q7, scales7 = weight_7bit(self.weight, self.scales)
-                scales7 = scales7.float().contiguous()
-                cached = (key, (gemv.pack_rows(q7), q7.sum(1, dtype=torch.int32), scales7,
-                                q7.float().mul_(scales7[:, None]).sum(1)))
-            self.__dict__["_per_row_packed"] = cached
-        return cached[1]
+    def _dequantized_chunk(self, x: torch.Tensor, prep, n0: int, n1: int, w: torch.Tensor) -> torch.Tensor:
+        """``x @ deq(W)[n0:n1]ᵀ`` (float32 ``[M, n1 − n0]``), the weight dequantized into the
+        scratch ``w [n1 − n0, n_in]``."""
+        raise NotImplementedError
 
-    def a8_packed(self):
-        """``(packed, params)`` for ``torch.ops.gpt2mha.int4_a8_packed`` (an int4 layer's W4A8
-        product, ``activations="per_block"``): the nibbles in tiles of 32 output channels by 4
-        inputs, uint8 ``[ceil(n_out/32), n_in/4, 64]``, and per tile and group the channels'
-        scales and offsets ``z − 8·s``, float32 ``[ceil(n_out/32), n_in/group_size, 2, 32]``
-        (``kernels/w4a8_products.cpp`` describes the layout). Made on first use and again whenever
-        ``weight`` or ``scale_zero`` change: another tensor, a write in place, new data
-        (``p.data = t``); every call for inference-mode tensors, which count no writes. Not part
-        of the state dict."""
-        key = (self.weight, self.scale_zero, _version(self.weight), _version(self.scale_zero), self.weight.data_ptr(),
-               self.scale_zero.data_ptr())
-        cached = self.__dict__.get("_a8_packed")
-        if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:] \
-                or self.weight.is_inference() or self.scale_zero.is_inference():
+    # --- weights in the kernels' layouts, made on first use
+    def _cached(self, slot: str, tensors: tuple, make, extra: tuple = (), always: bool = False):
+        """``make()`` (run outside inference mode, without grad), kept under ``slot`` and made
+        again whenever one of ``tensors`` is another tensor, was written in place or got new
+        data (``p.data = t``), or ``extra`` changed; every call with ``always``. Not part of the
+        state dict, nor of pickles and copies (:meth:`__getstate__`)."""
+        key = (*tensors, *(_version(t) for t in tensors), *(t.data_ptr() for t in tensors), *extra)
+        n = len(tensors)
+        derived = self.__dict__.setdefault("_derived", {})
+        cached = derived.get(slot)
+        if cached is None or always or any(a is not b for a, b in zip(cached[0][:n], key[:n])) \
+                or cached[0][n:] != key[n:]:
             with torch.inference_mode(False), torch.no_grad():
-                cached = (key, torch.ops.gpt2mha.int4_pack_a8(self.weight.contiguous(),
-                                                              self.scale_zero.transpose(0, 1).contiguous(),
-                                                              self.group_size))
-            self.__dict__["_a8_packed"] = cached
-        return cached[1]
-
-    def fbgemm_packed(self):
-        """FBGEMM's packed copy of the int8 weight (:func:`fbgemm_pack`), made on first use and
-        made again whenever ``weight`` or ``scales`` is another tensor or was written in place
-        (a packed copy is never stale). Not part of the state dict; copies of the layer
-        (``copy.deepcopy``, pickling) make their own."""
-        key = (self.weight, self.scales, _version(self.weight), _version(self.scales), self.weight.data_ptr(),
-               self.scales.data_ptr())
-        cached = self.__dict__.get("_fbgemm")
-        if cached is None or any(a is not b for a, b in zip(cached[0][:2], key[:2])) or cached[0][2:] != key[2:]:
-            with torch.inference_mode(False), torch.no_grad():
-                cached = (key, fbgemm_pack(self.weight, self.scales))
-            self.__dict__["_fbgemm"] = cached
+                cached = (key, make())
+            derived[slot] = cached
         return cached[1]
 
     def gemv_scales(self) -> torch.Tensor:
-        """The scales in the GEMV kernel's layout (:mod:`.gemv`): int8's as float32 ``[n_out]``;
-        int4's ``scale_zero`` as bfloat16 ``[n_out, n_in / group_size, 2]`` (each output
-        channel's groups together, the order the kernel streams them). Made on first use and
-        again whenever the buffer is another tensor or was written in place (made at every call
-        for an inference-mode tensor, which counts no writes)."""
-        scales = self.scales if self.scheme == "int8" else self.scale_zero
-        convert = (lambda t: t.float().contiguous()) if self.scheme == "int8" else \
-            (lambda t: t.transpose(0, 1).contiguous())
+        """The scales in the GEMV kernel's layout (:mod:`.gemv`; each scheme's
+        :meth:`_gemv_layout`). Made on first use and again whenever the buffer is another tensor
+        or was written in place (made at every call for an inference-mode tensor, which counts
+        no writes)."""
+        scales = getattr(self, self.scale_buffer)
         if scales.is_inference():                # no version counter: a write in place would go unseen
-            return convert(scales)
+            return self._gemv_layout(scales)
         key = (scales, _version(scales), scales.data_ptr())
-        cached = self.__dict__.get("_gemv")
+        derived = self.__dict__.setdefault("_derived", {})
+        cached = derived.get("gemv")
         if cached is None or cached[0][0] is not key[0] or cached[0][1:] != key[1:]:
-            cached = (key, convert(scales))
-            self.__dict__["_gemv"] = cached
+            cached = (key, self._gemv_layout(scales))
+            derived["gemv"] = cached
         return cached[1]
 
+    def _gemv_layout(self, scales: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- what the native forward and the compiled step get
+    def native_tensors(self) -> list[torch.Tensor]:
+        """The layer's tensors in ``kernels/cached_forward.cpp``'s layout (before its bias)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run on the native forward")
+
+    def native_group_size(self) -> int:
+        """The group size of this layer's products on ``cached_forward`` (0: no groups)."""
+        return 0
+
+    def compiled_layer(self) -> nn.Module | None:
+        """The module the compiled decode step (:func:`~gpt2mha.inference.compiled.decode_view`)
+        runs in place of this CPU layer; None: the layer itself."""
+        return None
+
+    @classmethod
+    def model_compile_options(cls) -> dict:
+        """Inductor options for the compiled step of a model whose blocks are of this class."""
+        return {}
+
+    def compile_options(self) -> dict:
+        """Inductor options the compiled step of a model holding this layer needs."""
+        return {}
+
+    def quantized_buffers(self) -> tuple[str, ...]:
+        """The names of the buffers a checkpoint stores as they are (not in the model's dtype)."""
+        return ("weight", self.scale_buffer)
+
+    # --- module plumbing
     def __getstate__(self):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
-        state.pop("_fbgemm", None)
-        state.pop("_per_row", None)
-        state.pop("_per_row_packed", None)
-        state.pop("_a8_packed", None)
-        state.pop("_gemv", None)
+        state.pop("_derived", None)
         return state
 
     def _apply(self, fn, recurse=True):
         """As any module (device moves, ``.to(dtype)``), except that the scales keep
-        :data:`KERNEL_DTYPE`: ``.half()`` or ``.float()`` convert only the bias."""
-        name = "scales" if self.scheme == "int8" else "scale_zero"
-        scales = self._buffers.pop(name)
+        :data:`~.schemes.KERNEL_DTYPE`: ``.half()`` or ``.float()`` convert only the bias."""
+        scales = self._buffers.pop(self.scale_buffer)
         super()._apply(fn, recurse)
-        self._buffers[name] = fn(scales.view(torch.int16)).view(KERNEL_DTYPE)   # an int view: dtype kept
-        if self.scheme == "int4" and (self.packed is None or self.packed.device != self.weight.device):
-            self.repack()
+        self._buffers[self.scale_buffer] = fn(scales.view(torch.int16)).view(KERNEL_DTYPE)   # an int view: dtype kept
+        self._moved()
         return self
+
+    def _moved(self) -> None:
+        """After :meth:`_apply`: rebuild what the scheme keeps on the weight's device."""
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -442,16 +464,15 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
-        a = f", activations={self.activations}" if self.activations != "exact" else ""
+        a = f", activations={self.activations}" if self.activations != DEFAULT_ACTIVATIONS else ""
         return f"n_in={self.n_in}, n_out={self.n_out}, scheme={self.scheme}{g}, bias={self.bias is not None}{a}"
-
-
 
 
 class QuantizedHead(QuantizedLinear):
     """A quantized LM head: a :class:`QuantizedLinear` without bias whose logits come out in
     float32 (float64 for float64 inputs), as the float model's
-    :class:`~gpt2mha.core.model.LMHead` gives them."""
+    :class:`~gpt2mha.core.model.LMHead` gives them. ``QuantizedHead(...)`` and
+    :meth:`from_float` give the scheme's head class (:func:`register_head`)."""
 
     def __init__(self, n_in: int, n_out: int, scheme: str, group_size: int | None = None, bias: bool = False):
         super().__init__(n_in, n_out, scheme, group_size, bias=False)
@@ -460,9 +481,32 @@ class QuantizedHead(QuantizedLinear):
         return torch.promote_types(dtype, torch.float32)
 
     def dequantize_for(self, rows: int) -> bool:
-        """As :meth:`QuantizedLinear.dequantize_for`; an int4 head also from 2 rows on, and at 1
-        where gpt2mha's kernels are not loaded, wherever the layer would take torch's
-        bf16-activation kernel, whose bf16 *output* rounding left ~78 distinct logits of 256 per
-        row and ties for the top token (a break-it review): the float32 product of the
-        dequantized weight keeps logits float32 as the float head's."""
-        return (self.scheme == "int4" and (rows >= 2 or not gemv.available())) or super().dequantize_for(rows)
+        """As :meth:`QuantizedLinear.dequantize_for`; also wherever the layer would take a kernel
+        whose output is rounded to bf16 (:meth:`~QuantizedLinear.bf16_output_for`: torch's int4
+        kernel, whose bf16 *output* rounding left ~78 distinct logits of 256 per row and ties
+        for the top token): the float32 product of the dequantized weight keeps logits float32
+        as the float head's."""
+        return self.bf16_output_for(rows) or super().dequantize_for(rows)
+
+
+# The schemes: each registers its classes (imported here, after what they build on).
+from . import int8_linear, int4_linear  # noqa: E402,F401
+from .int8_linear import AutoInt8Linear, Int8Linear, W7A8Linear  # noqa: E402,F401
+from .int4_linear import Int4Linear, W4A8Linear  # noqa: E402,F401
+
+#: Schemes accepted by :meth:`gpt2mha.GPT2.quantize`.
+SCHEMES = tuple(SCHEME_ACTIVATIONS)
+#: Schemes the LM head takes (``quantize(..., head=)``): any; a scheme in groups only with blocks
+#: of that scheme (:func:`check_head`).
+HEAD_SCHEMES = SCHEMES
+#: Every activation treatment of any scheme (:data:`SCHEME_ACTIVATIONS` says which scheme takes which).
+ACTIVATIONS = tuple(dict.fromkeys(a for acts in SCHEME_ACTIVATIONS.values() for a in acts))
+#: Group size used when none is given, per scheme (:attr:`QuantizedLinear.default_group_size`).
+DEFAULT_GROUP_SIZE = {s: layer_class(s).default_group_size for s in SCHEMES}
+#: Robust relative error above which a tensor is reported as abnormal, per scheme
+#: (:attr:`QuantizedLinear.abnormal_error`).
+ABNORMAL_ERROR = {s: layer_class(s).abnormal_error for s in SCHEMES}
+#: Input rows from which a CPU without VNNI/AMX multiplies by the dequantized weight, per
+#: scheme (:meth:`QuantizedLinear.dequantize_for` reads it here: benchmarks/quant_prefill.py
+#: changes it to force a route; each scheme's ``dequantize_from_rows`` says what was measured).
+DEQUANTIZE_FROM_ROWS = {s: layer_class(s).dequantize_from_rows for s in SCHEMES}

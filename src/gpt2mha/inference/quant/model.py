@@ -14,9 +14,9 @@ from torch import nn
 from ...core.hooks import HookPoint, record
 from ...progress import progress_bar
 
-from .linear import ACTIVATIONS, SCHEME_ACTIVATIONS, QuantizedHead, QuantizedLinear
-from .schemes import (ABNORMAL_ERROR, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, HEAD_SCHEME, METHODS, SCHEMES,
-                      check_head, check_scheme)
+from .linear import (ABNORMAL_ERROR, ACTIVATIONS, DEFAULT_ACTIVATIONS, DEFAULT_GROUP_SIZE, SCHEME_ACTIVATIONS,
+                     SCHEMES, QuantizedHead, QuantizedLinear, check_head, check_scheme, layer_class)
+from .schemes import DEFAULT_CALIBRATION, HEAD_SCHEME, METHODS
 
 #: The four Conv1Ds of a block, by their path inside it.
 BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -48,12 +48,12 @@ def error_row(name: str, w: torch.Tensor, layer: QuantizedLinear, hessian: torch
         out = float(((err @ h) * err).sum().clamp(min=0).sqrt() / ((w @ h) * w).sum().clamp(min=1e-30).sqrt())
     return dict(name=name, shape=list(w.shape), scheme=layer.scheme, rel_error=rel, robust_rel_error=robust,
                 max_abs_error=float(err.abs().max()), output_rel_error=out,
-                abnormal=not robust <= ABNORMAL_ERROR[layer.scheme])
+                abnormal=not robust <= layer.abnormal_error)
 
 
 def head_group(head: str, group_size: int | None) -> int | None:
-    """The head's group size: the blocks' ``group_size`` for an int4 head, None for int8."""
-    return group_size if head == "int4" else None
+    """The head's group size: the blocks' ``group_size`` for a head in groups (int4), None for int8."""
+    return group_size if layer_class(head).grouped else None
 
 
 def quantized_layers(model, scheme: str, group_size: int | None, head: str = HEAD_SCHEME) -> dict[str, QuantizedLinear]:
@@ -319,7 +319,7 @@ def _plan(model, scheme, group_size, method, calibration, head=HEAD_SCHEME):
 
 @torch.no_grad()
 def quantize_model(model, scheme: str, group_size: int | None = None, method: str = "gptq", calibration=None,
-                   activations: str = "exact", head: str = HEAD_SCHEME, progress: bool = False):
+                   activations: str = DEFAULT_ACTIVATIONS, head: str = HEAD_SCHEME, progress: bool = False):
     """Weight-only quantize ``model`` in place: every block Conv1D (``c_attn``, ``attn.c_proj``,
     ``c_fc``, ``mlp.c_proj``) becomes a :class:`QuantizedLinear` and the LM head a
     :class:`QuantizedHead`.

@@ -12,14 +12,8 @@ import math
 
 import torch
 
-#: Schemes accepted by :meth:`gpt2mha.GPT2.quantize`.
-SCHEMES = ("int8", "int4")
 #: How the weights are rounded: "gptq" (:func:`gptq`, on calibration text) or "rtn" (to nearest).
 METHODS = ("gptq", "rtn")
-#: Group size used when none is given (int8 has one scale per output channel, no groups).
-#: int4's 32 is the size that reached 97% top-1 agreement with float32 on the built-in model with
-#: GPTQ (64: 96.7%), and decodes as fast as 64 on this CPU (RESULTS.md, "Quantized decode").
-DEFAULT_GROUP_SIZE = {"int8": None, "int4": 32}
 #: The calibration text GPTQ uses when none is given: the first 16 KiB of Tiny Shakespeare,
 #: inside the built-in model's training split (package data ``gpt2mha/data/calibration.txt``).
 DEFAULT_CALIBRATION = "calibration.txt"
@@ -30,16 +24,11 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 #: to the model's dtype; the bias and the residual stream stay in it.
 KERNEL_DTYPE = torch.bfloat16
 #: The LM head's scheme when none is asked: int8 in both schemes. A tied embedding then carries
-#: int8's ~1% error.
+#: int8's ~1% error. With int4 blocks the head may be int4 in their groups
+#: (``quantize(..., head="int4")``): a 24 MB head on 124M instead of 38.6 (of a decode step's 92
+#: MB), for ~1.5 points of top-1 agreement with float32 on the built-in model (RESULTS.md, "An
+#: int4 head").
 HEAD_SCHEME = "int8"
-#: Schemes the LM head takes (``quantize(..., head=)``): int8, or with int4 blocks int4 in the
-#: blocks' groups, a 24 MB head on 124M instead of 38.6 (of a decode step's 92 MB), for ~1.5 points of
-#: top-1 agreement with float32 on the built-in model (RESULTS.md, "An int4 head").
-HEAD_SCHEMES = ("int8", "int4")
-#: Robust relative error (:func:`error_row`) above which a tensor is reported as abnormal. A
-#: Gaussian weight gives ~0.01 in int8 (per channel) and ~0.09 in int4 (group 64, asymmetric);
-#: an outlier stretching a channel's or a group's range pushes it well past these limits.
-ABNORMAL_ERROR = {"int8": 0.03, "int4": 0.20}
 
 
 class QuantizationError(ValueError):
@@ -128,32 +117,13 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1).to(torch.int32)
 
 
-def check_scheme(scheme, group_size, n_in: int | None = None) -> None:
-    """Raises ValueError naming the argument for an unknown scheme or a group size the scheme
-    or the kernel cannot use (int4: one of :data:`INT4_GROUP_SIZES` dividing ``n_in``)."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme={scheme!r} is unknown; expected one of {SCHEMES}")
-    if scheme == "int8":
-        if group_size is not None:
-            raise ValueError(f"group_size={group_size!r}: int8 has one scale per output channel, no groups; "
-                             f"leave group_size as None")
-        return
-    if isinstance(group_size, bool) or group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"group_size={group_size!r}: int4 needs one of {INT4_GROUP_SIZES} (the CPU kernel's sizes)")
-    if n_in is not None and n_in % group_size:
-        fits = [g for g in INT4_GROUP_SIZES if n_in % g == 0]
-        raise ValueError(f"group_size={group_size} does not divide the layer's input width {n_in} (n_embd or "
-                         f"4·n_embd); " + (f"choose one of {fits}" if fits else
-                                           f"no int4 group size {INT4_GROUP_SIZES} does: use int8"))
+#: The scheme tables and checks: :mod:`.linear` makes them from the registered layer classes;
+#: importable from here too.
+_MOVED = ("SCHEMES", "DEFAULT_GROUP_SIZE", "HEAD_SCHEMES", "ABNORMAL_ERROR", "check_scheme", "check_head")
 
 
-
-
-def check_head(head, scheme) -> None:
-    """Raises ValueError naming the argument for a head scheme that is unknown or does not go with
-    the blocks' ``scheme`` (an int4 head takes the int4 blocks' group size)."""
-    if head not in HEAD_SCHEMES:
-        raise ValueError(f"head={head!r} is unknown; expected one of {HEAD_SCHEMES}")
-    if head == "int4" and scheme != "int4":
-        raise ValueError(f"head='int4' needs scheme='int4' (the head takes the blocks' group_size); got "
-                         f"scheme={scheme!r}: use head='int8'")
+def __getattr__(name: str):
+    if name in _MOVED:
+        from . import linear
+        return getattr(linear, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

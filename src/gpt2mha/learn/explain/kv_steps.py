@@ -12,13 +12,11 @@ read at ``hook_attn_scores`` / ``hook_pattern`` of every layer.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ...core import checks
 from ...core.attention import attention_mask
 from ...core.hooks import record
+from ...inference.params import SamplingParams
 from ...inference.sampling import MIN_TEMPERATURE, sample_next, top_k_logits, top_p_logits
 from ..heads import token_labels
 from .tensors import encode
@@ -28,16 +26,15 @@ VIEW_TOKENS = 30
 
 
 def check_sampling(temperature, top_k, top_p, seed=None) -> tuple[float, int, float, int | None]:
-    """The sampling fields of a request, checked (:func:`gpt2mha.core.checks.sampling`, a finite
-    temperature, ``seed`` None or in ``[0, 2**63)``); returns ``(temperature, top_k, top_p, seed)``.
+    """The sampling fields of a request, checked as every entry point checks them
+    (:class:`~gpt2mha.inference.params.SamplingParams`: a finite temperature >= 0, top_k >= 0,
+    top_p in (0, 1], ``seed`` None or in ``[0, 2**63)``); returns ``(temperature, top_k, top_p, seed)``.
 
     Raises:
         ValueError: naming the field and its value.
     """
-    temperature, top_k, top_p, _ = checks.sampling(temperature, top_k, top_p)
-    if math.isinf(temperature):                         # JSON's 1e400: every token as likely, -inf/inf NaN
-        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 means greedy)")
-    return temperature, top_k, top_p, checks.seed(seed)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return params.temperature, params.top_k, params.top_p, params.seed
 
 
 def filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
