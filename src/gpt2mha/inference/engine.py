@@ -62,6 +62,9 @@ class Engine:
             it is zeroed before a decoder that reads masked keys runs on it).
         eos_token_id: the end-of-text id, which a sequence's ``min_tokens`` bans (with its
             ``stop_token_ids``) unless it has ``ignore_eos`` (None: none).
+        tokenizer: the model's tokenizer, for sequences with ``structured_outputs`` (their grammar
+            is compiled for its tokens: :func:`~gpt2mha.inference.structured.compile_for`); None:
+            such sequences are refused.
 
     Attributes:
         route: the :class:`~gpt2mha.inference.decoders.Route` (decoder and why not the others).
@@ -77,7 +80,8 @@ class Engine:
     """
 
     def __init__(self, model, cache: KVCache | int, route: Route | None = None, vocab_size: int | None = None,
-                 batch_invariant: bool | None = None, zeroed: bool = True, eos_token_id: int | None = None):
+                 batch_invariant: bool | None = None, zeroed: bool = True, eos_token_id: int | None = None,
+                 tokenizer=None):
         c = model.config
         vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
@@ -97,6 +101,7 @@ class Engine:
         self._zeroed = zeroed
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.tokenizer = tokenizer
         n = cache.batch_size
         self.samplers: list[RowSampler | None] = [None] * n
         self.last: list[int] = [0] * n                          # each slot's newest token: its next input
@@ -143,11 +148,15 @@ class Engine:
         the generated ones (None: the prompt :meth:`prefill` is given; ``generate`` gives the
         whole prompt where a sliding window prefills only its end). ``adapter``: the index of the
         LoRA adapter the slot's rows take (:mod:`~gpt2mha.inference.lora`; None: the model's
-        default, the base model unless :func:`~gpt2mha.inference.lora.using` says otherwise).
+        default, the base model unless :func:`~gpt2mha.inference.lora.using` says otherwise). With
+        ``params.structured_outputs`` the sampler takes its own state of the grammar compiled for
+        the engine's tokenizer (compiled once per constraint and kept).
 
         Raises:
             ValueError: the slot is out of range or in use (not released since it was opened),
-                or a logit_bias id is outside the vocabulary.
+                a logit_bias id is outside the vocabulary, or ``structured_outputs`` on an engine
+                without a tokenizer; :class:`~gpt2mha.inference.params.GrammarError` for a grammar
+                llguidance refuses for this tokenizer.
         """
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot={slot} is out of range [0, {self.slots})")
@@ -156,8 +165,22 @@ class Engine:
         params.check_vocab(self.vocab_size)
         self.samplers[slot] = RowSampler(params, seed, self.vocab_size, self.device,
                                          params.logprobs if logprobs is None else logprobs, row, self.eos_token_id,
-                                         prompt)
+                                         prompt, self.grammar(params))
         self.adapters[slot] = adapter
+
+    def grammar(self, params: SamplingParams):
+        """``params.structured_outputs`` compiled for the engine's tokenizer (None without one).
+
+        Raises:
+            ValueError: structured outputs on an engine without a tokenizer.
+            GrammarError: llguidance refuses the grammar for this tokenizer.
+        """
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer: this engine was made without one")
+        from .structured import compile_for
+        return compile_for(params.structured_outputs, self.tokenizer)
 
     def release(self, slot: int) -> None:
         """Empty ``slot``: its row's length is 0 again and its sampler is dropped. For a decoder

@@ -24,6 +24,7 @@ from .protocol import (CLIP, MAX_STOP, APIError, check_prompt_count, check_reque
                        usage)
 from .operate import request_id
 from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown, pick_choices
+from .structured import check_grammar
 from .text_stream import CANCELLED, ERROR
 
 log = logging.getLogger("gpt2mha.serve")
@@ -176,12 +177,14 @@ class Completions:
 
     def check(self, body) -> None:
         """The checks of a parsed request (:mod:`.protocol`): model, values, stop strings (at
-        most ``max_stop``), ``stream_options`` only with ``stream``, and the prompt count."""
+        most ``max_stop``), ``stream_options`` only with ``stream``, the prompt count, and its
+        structured output's grammar compiled for the served tokenizer (:mod:`.structured`)."""
         s = self.scheduler
-        check_request(body, self.served_name(body.model), s.engine.vocab_size, self.MAX_LOGPROBS)
+        params = check_request(body, self.served_name(body.model), s.engine.vocab_size, self.MAX_LOGPROBS)
         check_stop(body, self.max_stop)
         check_stream_options(body)
         check_prompt_count(body, s.capacity, s.max_batch, s.max_queue)
+        check_grammar(params, s.engine, body)
 
     def whole_choice(self, index: int, seq: Sequence) -> dict:
         """A finished sequence as ``choices[index]`` of a whole answer."""

@@ -73,6 +73,9 @@ class RequestFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # ---- structured outputs (OpenAI's response_format, vLLM's structured_outputs: .structured)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
     # ---- accepted at its neutral value (clients send it by default)
     user: str | None = None
 
@@ -98,6 +101,8 @@ EXPECTED = {
     "repetition_penalty": "a number", "no_repeat_ngram_size": "an integer", "min_tokens": "an integer",
     "ignore_eos": "a boolean", "stop_token_ids": "a list of token ids (integers)",
     "include_stop_str_in_output": "a boolean",
+    "response_format": "an object {type: 'text', 'json_object' or 'json_schema', json_schema: {name, schema}}",
+    "structured_outputs": "an object with one of json, regex, choice, grammar, json_object",
     "suffix": "a string", "user": "a string",
 }
 
@@ -396,15 +401,19 @@ def stop_strings(body: CompletionRequest) -> tuple[str, ...]:
 
 def sampling_params(body: CompletionRequest) -> SamplingParams:
     """The request's :class:`~gpt2mha.inference.params.SamplingParams`: every field of it taken
-    from the request's field of the same name (``stop`` and ``stop_token_ids`` as tuples).
+    from the request's field of the same name (``stop`` and ``stop_token_ids`` as tuples;
+    ``structured_outputs`` from it or from ``response_format``: :mod:`.structured`).
 
     Raises:
         APIError: 400 naming the field a :class:`~gpt2mha.inference.params.ParamError` names.
     """
+    from .structured import structured_request
+
     values = {name: getattr(body, name) for name in SAMPLING_FIELDS}      # every one: a request field
     try:
         return SamplingParams(**{**values, "stop": stop_strings(body), "logit_bias": body.logit_bias or {},
-                                 "stop_token_ids": tuple(body.stop_token_ids or ())})
+                                 "stop_token_ids": tuple(body.stop_token_ids or ()),
+                                 "structured_outputs": structured_request(body)})
     except ParamError as e:
         raise APIError(400, str(e), e.param) from None
 

@@ -11,7 +11,8 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
    own keys);
 4. turn each new token into UTF-8-safe text (:class:`~gpt2mha.serving.text_stream.TextStream`),
    send it, and free the slot of every sequence that finished (length, end of text, a stop
-   string) at once.
+   string, a ``structured_outputs`` grammar that is complete: ``"stop"``, even at its
+   ``max_tokens``-th token) at once.
 
 A sequence's logits are, bit for bit, the ones ``generate`` computes for its prompt alone,
 whatever else runs beside it, in whichever slot, admitted whenever (batch invariance: the
@@ -165,7 +166,8 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.n_ctx, self.n_vocab = model.config.n_ctx, model.config.n_vocab
         self.engine = Engine(model, self.max_batch, route, vocab_size=min(tokenizer.n_vocab, self.n_vocab),
-                             batch_invariant=batch_invariant, eos_token_id=getattr(tokenizer, "eot_token", None))
+                             batch_invariant=batch_invariant, eos_token_id=getattr(tokenizer, "eot_token", None),
+                             tokenizer=tokenizer)
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
@@ -191,7 +193,9 @@ class Scheduler:
 
         Raises:
             ValueError: ``params`` not a :class:`~gpt2mha.inference.params.SamplingParams` (which
-                checked its own fields), a logit_bias id outside the vocabulary, an empty prompt,
+                checked its own fields), a logit_bias id outside the vocabulary, a
+                ``structured_outputs`` grammar refused for this tokenizer
+                (:class:`~gpt2mha.inference.params.GrammarError`), an empty prompt,
                 ids that are not integers or outside the vocabulary, or prompt + max_tokens
                 longer than n_ctx (with ``clip``: a prompt longer than n_ctx; the caller checks
                 these first for clear HTTP errors).
@@ -227,6 +231,7 @@ class Scheduler:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
         params.check_vocab(self.engine.vocab_size)
+        self.engine.grammar(params)                     # compiled (and kept) before any slot is taken
         m = params.per_prompt
         if len(prompts) * m > self.capacity:
             each = f" x {m} sequences each (best_of/n)" if m > 1 else ""
@@ -482,6 +487,8 @@ class Scheduler:
             self._recent.append(now)
             self._forget_old(now)
         delta, reason = seq.stream.add(token)
+        if reason != STOP and self.engine.samplers[seq.slot].complete:
+            reason = STOP                               # its grammar is complete: nothing can follow
         if reason is not None:
             return self._finish(seq, reason, text=delta)
         if delta:
