@@ -451,9 +451,8 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
 
 #: The KV cache storage of the last finished :func:`generate` on CPU, by dtype: the next call whose
 #: cache fits in it reuses it (:func:`new_cache`), as llama.cpp keeps its context's cache and ONNX
-#: Runtime its arena. A new 124M cache for a 128-token prompt cost ~1 ms of page faults and
-#: zeroing, 4% of its time to the first token (benchmarks/RESULTS.md, "Prefill: causal
-#: attention of our own").
+#: Runtime its arena. A new 124M cache for a 128-token prompt costs page faults and zeroing, a
+#: few percent of its time to the first token.
 _SPARE: dict = {}
 #: Storage larger than this (bytes) is not kept between calls.
 SPARE_BYTES = 128 << 20
