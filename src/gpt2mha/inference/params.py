@@ -27,6 +27,8 @@ import numbers
 import operator
 from dataclasses import dataclass, fields
 
+from .errors import GrammarError, ParamError  # noqa: F401  (raised here; importable from here too)
+
 #: OpenAI's range of ``presence_penalty`` / ``frequency_penalty``.
 MAX_PENALTY = 2.0
 #: OpenAI's range of a ``logit_bias`` value.
@@ -43,14 +45,6 @@ MIN_TEMPERATURE = 2.0 ** -126
 #: A ``logit_bias`` key longer than this many digits is refused unread (``int()`` of a
 #: 4300-digit string raises; no vocabulary has ids of 20 digits).
 MAX_ID_DIGITS = 20
-
-
-class ParamError(ValueError):
-    """A :class:`SamplingParams` field out of its range; :attr:`param` names the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 def _int(name: str, value, low: int, high: int | None = None) -> int:
@@ -161,17 +155,6 @@ def logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
             raise ParamError("logit_bias", f"logit_bias names token {token} twice ({_show(key)} and an earlier key)")
         out[token] = float(value)
     return tuple(sorted(out.items()))
-
-
-class GrammarError(ParamError):
-    """A :class:`StructuredOutputs` whose constraint is not one this server can compile (a bad
-    JSON schema, regular expression or grammar, an unsupported keyword): :attr:`key` names the
-    constraint (``json``, ``regex``, ``choice``, ``grammar``), :attr:`detail` says what is wrong,
-    so that a caller can name its own field (a request's ``response_format``)."""
-
-    def __init__(self, key: str, detail: str):
-        super().__init__("structured_outputs", f"structured_outputs{'.' + key if key else ''}: {detail}")
-        self.key, self.detail = key, detail
 
 
 #: The constraints of :class:`StructuredOutputs`, one of which is given.

@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from .params import GrammarError
+from .errors import GrammarError
 
 #: Whitespace allowed between JSON tokens: nothing or one space (as ``json.dumps`` writes ``", "`` and ``": "``).
 JSON_WHITESPACE = r" ?"
@@ -124,7 +124,7 @@ def grammar_of(kind: str, spec) -> str:
 
 
 def check_constraint(kind: str, spec) -> None:
-    """Raises :class:`~gpt2mha.inference.params.GrammarError` unless the constraint compiles
+    """Raises :class:`~gpt2mha.inference.errors.GrammarError` unless the constraint compiles
     (:func:`grammar_of`)."""
     grammar_of(kind, spec)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import pickle
 import re
 import tempfile
 from typing import Callable, NamedTuple
@@ -30,11 +29,12 @@ import huggingface_hub
 from huggingface_hub import constants, split_torch_state_dict_into_shards
 from huggingface_hub.errors import EntryNotFoundError
 from huggingface_hub.serialization._base import parse_size_to_int
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..core.model import GPT2, GPT2Config
 from .classifiers import classifier_from_hf, classifier_tensors, classifier_to_hf, is_hf_classifier
 from .state_dicts import CheckpointError, as_dtype, check_state_dict, load_into, model_class, normalize_keys
+from .state_dicts import read_state_dict
 from .state_dicts import resolve_lm_head
 from ..core.classifier import ClassifierConfig
 from .tokenizer import HF_TOKENIZER_FILES, hf_tokenizer_files, tokenizer_class
@@ -183,30 +183,6 @@ def tokenizer_fits(config: GPT2Config) -> bool:
 
 
 # ---------------------------------------------------------------------------------- weights
-def read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a ``.safetensors`` file, or of a ``.bin`` read with ``weights_only=True``.
-
-    Raises:
-        CheckpointError: truncated/corrupt file, or a pickle that would run code.
-    """
-    if path.endswith(".safetensors"):
-        try:
-            return load_file(path)
-        except Exception as e:  # safetensors raises its own SafetensorError on bad headers/lengths
-            raise CheckpointError(f"{path}: not a valid safetensors file (truncated or corrupt?): {e}") from None
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path}: refused: this pickle asks to run code or build objects other than "
-                              f"tensors ({str(e).splitlines()[-1] if str(e) else 'unsafe'}); convert it to "
-                              f"safetensors from a trusted source") from None
-    except Exception as e:
-        raise CheckpointError(f"{path}: could not be read as a PyTorch state dict (truncated or corrupt?): {e}") from None
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"{path}: expected a dict of tensors")
-    return sd
-
-
 def _weight_map(index_path: str) -> dict[str, str]:
     """``weight_map`` of a sharded checkpoint's index, checked: an object of tensor name → shard
     file name, each shard a plain file name (nothing outside the directory is read), no tensor

@@ -26,6 +26,7 @@ from .lora import is_book_lora, merge_state_dict, split_book_lora
 from .layouts import conv1d_to_linear_state_dict, linear_to_conv1d_state_dict, strip_wrapper_prefixes
 from .state_dicts import CheckpointError, check_tensors, read_torch_file, tie_head
 from .state_dicts import tensor_shapes, detached_state_dict
+from .state_dicts import book_config_path, book_state_dict_of  # noqa: F401  (importable from here too)
 
 
 BOOK_CONFIG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers", "drop_rate", "qkv_bias")
@@ -41,23 +42,6 @@ BOOK_LORA_KEYS = ("lora_alpha",)
 #: The book's pad id (chapter 6's ``SpamDataset(..., pad_token_id=50256)``).
 BOOK_PAD_TOKEN_ID = 50256
 
-
-def book_state_dict_of(obj):
-    """The state dict inside a loaded book checkpoint (a plain state dict, or chapter 5's
-    ``{"model_state_dict": ...}``), with the per-head wrapper's prefixes stripped; None when
-    ``obj`` is neither.
-
-    Raises:
-        CheckpointError: the wrapper's keys cannot be read (:func:`~gpt2mha.io.layouts.strip_wrapper_prefixes`).
-    """
-    if isinstance(obj, dict) and isinstance(obj.get("model_state_dict"), dict):
-        obj = obj["model_state_dict"]                             # ch. 5's model_and_optimizer.pth
-    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj) and obj:
-        try:
-            return strip_wrapper_prefixes(obj)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
-    return None
 
 
 def book_config(sd: dict[str, torch.Tensor], cfg: dict | None, source: str) -> dict:
@@ -252,11 +236,6 @@ def gpt2_to_book(model: GPT2) -> tuple[dict[str, torch.Tensor], dict]:
         cfg.update({k: v for k, v in (("labels", c.labels and list(c.labels)), ("pad_token_id", c.pad_token_id),
                                       ("max_length", c.max_length)) if v is not None})
     return out, cfg
-
-
-def book_config_path(path: str) -> str:
-    """Where the config dict of a book checkpoint ``DIR/NAME.pth`` lives: ``DIR/NAME.json``."""
-    return os.path.splitext(path)[0] + ".json"
 
 
 def read_book(path: str, cfg: dict | None = None, obj=None) -> tuple[dict[str, torch.Tensor], GPT2Config, dict]:

@@ -44,7 +44,7 @@ import torch
 
 from ..core.classifier import ClassifierConfig
 from ..core.model import GPT2Config
-from .state_dicts import CheckpointError, read_torch_file
+from .state_dicts import CheckpointError, book_config_path, book_state_dict_of, read_state_dict, read_torch_file
 
 #: The module names a LoRA layer may target in gpt2mha's model.
 TARGETS = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)|lm_head")
@@ -125,8 +125,6 @@ def read_peft(directory: str) -> LoraAdapter:
                     if os.path.isfile(os.path.join(directory, n))), None)
     if weights is None:
         raise CheckpointError(f"{directory}: no {ADAPTER_WEIGHTS} (or {LEGACY_ADAPTER_WEIGHTS}) beside {ADAPTER_CONFIG}")
-    from .checkpoints import read_state_dict
-
     sd = read_state_dict(weights)
     pairs, head, copies = {}, {}, {}
     for key, t in sd.items():
@@ -259,8 +257,6 @@ def read_adapter(path: str, book_config: dict | None = None) -> LoraAdapter:
     if is_peft_dir(path):
         return read_peft(path)
     if os.path.isfile(path):
-        from .learner_formats import book_config_path, book_state_dict_of
-
         sd = book_state_dict_of(read_torch_file(path))
         if sd is not None and is_book_lora(sd):
             cfg = dict(book_config or {})

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import re
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..inference.params import FIELDS as SAMPLING_FIELDS
 from ..inference.params import MAX_COMPLETION_LOGPROBS, MAX_LOGPROBS, ParamError, SamplingParams
+from .errors import APIError  # noqa: F401  (raised here; importable from here too)
 from .scheduler import ExceedsCapacity, QueueFull, Sequence, ShuttingDown
 from .text_stream import CANCELLED, ERROR, TextStream
 
@@ -105,22 +105,6 @@ EXPECTED = {
     "structured_outputs": "an object with one of json, regex, choice, grammar, json_object",
     "suffix": "a string", "user": "a string",
 }
-
-
-class APIError(Exception):
-    """An error answered as OpenAI's ``{"error": {...}}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # ------------------------------------------------------------------------------ requests

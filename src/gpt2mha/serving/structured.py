@@ -20,7 +20,7 @@ Sources: OpenAI's API reference (``response_format``, Structured Outputs), vLLM'
 from __future__ import annotations
 
 from ..inference.params import GrammarError, StructuredOutputs
-from .protocol import APIError
+from .errors import APIError
 
 #: The keys of OpenAI's ``response_format`` object and of its ``json_schema``.
 RESPONSE_FORMAT_KEYS = ("type", "json_schema")
