@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -178,7 +179,11 @@ def main(argv=None) -> int:
               f"{r['sequence_start_us']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "seeds": args.seeds, "rows": rows}, f, indent=1)
+            json.dump({"benchmark": "structured", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "host": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                       "command": "python benchmarks/structured.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "source": "measured by this script", "threads": args.threads, "seeds": args.seeds,
+                       "rows": rows}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
     return 0
