@@ -138,13 +138,21 @@ def hf_random_gpt2(seed=0, **cfg):
     torch.manual_seed(seed)
     config = HFConfig(**{**dict(vocab_size=300, n_positions=64, n_embd=48, n_head=4, n_layer=2,
                                 bos_token_id=None, eos_token_id=None), **cfg})
-    model = GPT2LMHeadModel(config).eval()
+    return randomize_norms_and_biases(GPT2LMHeadModel(config).eval())
+
+
+def randomize_norms_and_biases(model, **stds):
+    """``model`` (a transformers GPT-2) with random LayerNorm weights (mean 1) and biases (std 0.1)
+    instead of transformers' 1 and 0, so a checkpoint test sees every tensor; ``stds``: other
+    parameters by name and the std of their normal draw. Returns the model."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".ln_" in name or "ln_f" in name:
                 p.normal_(mean=1.0 if name.endswith("weight") else 0.0, std=0.3)
             elif name.endswith("bias"):
                 p.normal_(std=0.1)
+            elif name in stds:
+                p.normal_(std=stds[name])
     return model
 
 

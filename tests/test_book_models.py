@@ -18,6 +18,8 @@ from gpt2mha import GPT2, GPT2Classifier
 from gpt2mha.cli import main
 from gpt2mha.io.checkpoints import CheckpointError
 
+from conftest import randomize_norms_and_biases
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
 from book_gpt import GPTModel  # noqa: E402
 
@@ -163,16 +165,7 @@ def hf_classifier(num_labels=3, pad_token_id=0, seed=0, **cfg):
     torch.manual_seed(seed)
     config = HFConfig(**{**dict(vocab_size=256, n_positions=128, n_embd=32, n_head=4, n_layer=2, num_labels=num_labels,
                                 pad_token_id=pad_token_id, bos_token_id=None, eos_token_id=None), **cfg})
-    model = GPT2ForSequenceClassification(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln_" in name or "ln_f" in name:
-                p.normal_(mean=1.0 if name.endswith("weight") else 0.0, std=0.3)
-            elif name.endswith("bias"):
-                p.normal_(std=0.1)
-            elif name == "score.weight":
-                p.normal_(std=0.5)
-    return model
+    return randomize_norms_and_biases(GPT2ForSequenceClassification(config).eval(), **{"score.weight": 0.5})
 
 
 def hf_batch(texts, pad_token_id):
