@@ -38,6 +38,7 @@ from ..core import checks
 from ..core.kv_cache import KVCache
 from .decoders import Route, ViewDecoder, choose_decoder, hook_watch
 from .params import SamplingParams
+from .prefix_cache import why_inexact
 from .sampling import RowSampler, sample_rows, token_logprobs
 
 #: One token's log-probability and the most probable ids with theirs: ``(logprob, [(id, logprob), ...])``.
@@ -61,6 +62,10 @@ class Engine:
             it is zeroed before a decoder that reads masked keys runs on it).
         eos_token_id: the end-of-text id, which a sequence's ``min_tokens`` bans (with its
             ``stop_token_ids``) unless it has ``ignore_eos`` (None: none).
+        prefix_cache: a :class:`~gpt2mha.inference.prefix_cache.PrefixCache` prompts take their
+            stored prefixes from and leave their blocks in (None: none); dropped where the route
+            cannot keep a suffix's bits (:func:`~gpt2mha.inference.prefix_cache.why_inexact`,
+            then kept in :attr:`prefix_cache_off`).
 
     Attributes:
         route: the :class:`~gpt2mha.inference.decoders.Route` (decoder and why not the others).
@@ -69,6 +74,8 @@ class Engine:
             slots; 38 MB for the built-in model).
         samplers: each slot's :class:`~gpt2mha.inference.sampling.RowSampler` (None: free).
         logprobs: each slot's newest :data:`TokenLogprob` (when opened with ``logprobs``).
+        prefix_cache: the prefix cache prefills use (None: none).
+        prefix_cache_off: why a prefix cache given was dropped ("" when it was not).
 
     Raises:
         ValueError: slots < 1, a vocab_size outside ``[1, n_vocab]``, a batch_invariant that is
@@ -76,7 +83,8 @@ class Engine:
     """
 
     def __init__(self, model, cache: KVCache | int, route: Route | None = None, vocab_size: int | None = None,
-                 batch_invariant: bool | None = None, zeroed: bool = True, eos_token_id: int | None = None):
+                 batch_invariant: bool | None = None, zeroed: bool = True, eos_token_id: int | None = None,
+                 prefix_cache=None):
         c = model.config
         vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
@@ -105,6 +113,8 @@ class Engine:
         self._view_hooks = None
         self._score_view: ViewDecoder | None = None
         self._rows: dict[int, KVCache] = {}                     # cache.rows(n) by n (2 · n_layer views each)
+        self.prefix_cache_off = "" if prefix_cache is None else why_inexact(self.route.decoder)
+        self.prefix_cache = None if self.prefix_cache_off else prefix_cache
 
     @property
     def slots(self) -> int:
@@ -187,13 +197,23 @@ class Engine:
 
     @torch.inference_mode()
     def prefill_logits(self, slots: list[int], prompts: list) -> torch.Tensor:
-        """:meth:`prefill`'s forward alone: each prompt into its slot, logits ``[len(slots), V]``."""
+        """:meth:`prefill`'s forward alone: each prompt into its slot, logits ``[len(slots), V]``.
+        With a prefix cache (on the route's own decoder: no hooks attached), a prompt's stored
+        prefix is copied into its slot and only the rest is prefilled, then its blocks are kept."""
         logits = []
         decoder = self.decoder
+        store = self.prefix_cache if decoder is self.route.decoder else None
         try:
             for slot, prompt in zip(slots, prompts):
                 ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)   # [1, T]
-                logits.append(decoder.prefill(ids, self.cache.row(slot)))
+                row = self.cache.row(slot)
+                if store is None:
+                    logits.append(decoder.prefill(ids, row))
+                    continue
+                tokens = ids[0].tolist()
+                n = store.load(tokens, row)
+                logits.append(decoder.prefill(ids[:, n:], row))
+                store.store(tokens, row)
         except Exception:
             for slot in slots:                                  # nothing half-written stays in a slot
                 self.cache.reset(slot)

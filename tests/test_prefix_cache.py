@@ -1,0 +1,208 @@
+"""Exact prefix caching (gpt2mha.inference.prefix_cache): a request served from stored blocks gets
+bitwise the tokens and logits of the same request on a cold server, on every route that keeps a
+suffix's bits; elsewhere the cache is off.
+
+Reference: the same plan on a cold :class:`Scheduler` (``prefix_cache_mb=0``), whose sequences are
+batch invariant (tests/test_batch_invariance.py). The model is a random 2-layer one with n_ctx 512
+(the built-in model's 256 cannot hold the 400-token prefix the issue asks for).
+"""
+
+import random
+
+import pytest
+import torch
+
+from conftest import small_model
+from gpt2mha.inference.decoders import NATIVE, Route, ViewDecoder, choose_decoder
+from gpt2mha.inference.dense import has_bf16_dot
+from gpt2mha.inference.engine import Engine
+from gpt2mha.inference.params import SamplingParams
+from gpt2mha.inference.prefix_cache import BLOCK, PrefixCache, why_inexact
+from gpt2mha.io.tokenizer import get_tokenizer
+from gpt2mha.serving.scheduler import Scheduler
+
+pytestmark = pytest.mark.skipif(not __import__("gpt2mha.inference.quant.gemv", fromlist=["x"]).available(),
+                                reason="the native forward needs the C++ kernels")
+
+#: the exact routes: (dtype, weight format, activations) on the native forward
+EXACT = [(torch.float32, "float", None), (torch.float16, "float", None),
+         (torch.float32, "int8", "per_row"), (torch.float32, "int4", "per_block")]
+
+
+@pytest.fixture(autouse=True)
+def threads(one_thread):
+    """One intra-op thread (a busy 2-core box)."""
+
+
+def model_of(dtype, fmt, activations=None):
+    model = small_model(3, n_vocab=256, n_ctx=512, n_embd=64, n_head=4, n_layer=2, noise="all", scale=0.05).to(dtype)
+    if fmt != "float":
+        kw = {"activations": activations} if activations else {}
+        model.quantize(fmt, method="rtn", **({"group_size": 32} if fmt == "int4" else {}), **kw)
+    return model
+
+
+def serve(model, plan, prefix_cache_mb, monkeypatch):
+    """Drive a Scheduler of 4 slots through ``plan`` (per request: steps to run first, prompt,
+    max_tokens, steps after which to cancel it or None); each request's tokens and the logits
+    [n, V] its tokens were chosen from, and the scheduler."""
+    seen = {}
+    real = Engine.sample
+
+    def sample(self, slots, logits, rows):
+        for slot, row in zip(slots, rows):
+            seen.setdefault(id(sched.slots[slot]), []).append(logits[row].clone())
+        return real(self, slots, logits, rows)
+    monkeypatch.setattr(Engine, "sample", sample)
+    sched = Scheduler(model, get_tokenizer("bytes"), max_batch=4, max_queue=64, batch_invariant=True,
+                      prefix_cache_mb=prefix_cache_mb)
+    seqs, cancels = [], []
+    for i, (steps, ids, n, cancel_after) in enumerate(plan):
+        for _ in range(steps):
+            sched.step()
+            for seq, at in [c for c in cancels if c[1] <= sched.counts["steps"]]:
+                sched.cancel(seq)
+        seq, = sched.submit([ids], SamplingParams(max_tokens=n, temperature=0, logprobs=2), lambda *a: None)
+        seqs.append(seq)
+        if cancel_after is not None:
+            cancels.append((seq, sched.counts["steps"] + cancel_after))
+    for _ in range(200):
+        if sched.idle():
+            break
+        sched.step()
+        for seq, at in [c for c in cancels if c[1] <= sched.counts["steps"]]:
+            sched.cancel(seq)
+    assert sched.idle()
+    monkeypatch.setattr(Engine, "sample", real)
+    return [(s.tokens, torch.stack(seen[id(s)]) if id(s) in seen else None, s) for s in seqs], sched
+
+
+def shared_prefix_plan(seed=0, n=30, prefix=405):
+    """30 requests on one 405-token prefix (25 blocks and 5 tokens: it ends mid-block) with
+    suffixes of 0 … 40 tokens (12 and 28: a prompt of whole blocks and one token) cut from two
+    tails (so whole prompts recur too), in a shuffled order: some submitted together
+    (concurrent), some steps apart, a few cancelled a step after admission (while their blocks
+    are stored)."""
+    rnd = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(0, 256, (prefix,), generator=gen).tolist()
+    tail = torch.randint(0, 256, (40,), generator=gen).tolist()
+    others = torch.randint(0, 256, (30,), generator=gen).tolist()
+    plan = []
+    for i in range(n):
+        k = rnd.choice([0, 1, 2, 3, 11, 12, 16, 17, 28, 40])
+        suffix = tail[:k] if i % 2 else others[:k]          # prompts recur whole, or part past the prefix
+        plan.append((rnd.choice([0, 0, 1, 2]), head + suffix, rnd.randint(2, 5), 1 if i % 7 == 3 else None))
+    return plan
+
+
+@pytest.mark.parametrize("budget", ["small", "ample"])
+@pytest.mark.parametrize("dtype,fmt,activations", EXACT, ids=["float32", "fp16", "int8-per_row", "int4-per_block"])
+def test_shared_prefix_requests_equal_a_cold_server_bitwise(dtype, fmt, activations, budget, monkeypatch):
+    """Every request not cancelled: tokens, logits and logprobs bitwise equal to a cold server's;
+    the cache hit; a small budget (16 blocks of this model) evicted, an ample one served whole
+    prefixes (suffixes down to MIN_SUFFIX tokens)."""
+    model = model_of(dtype, fmt, activations)
+    plan = shared_prefix_plan()
+    block_mb = 2 * 2 * 64 * BLOCK * model.wte.weight.element_size() / 2**20    # K and V, 2 layers, n_embd 64
+    cold, cold_sched = serve(model, plan, 0, monkeypatch)
+    warm, sched = serve(model, plan, 16 * block_mb if budget == "small" else 8, monkeypatch)
+    assert sched.engine.route.decoder.name == NATIVE and cold_sched.engine.prefix_cache is None
+    stats = sched.prefix_cache_stats()
+    if budget == "small":
+        assert stats["hits"] >= 20 * 256 and stats["evictions"] > 0, stats
+    else:
+        assert stats["hits"] >= 25 * 400 and stats["evictions"] == 0, stats
+    for i, ((tok_c, log_c, seq_c), (tok_w, log_w, seq_w)) in enumerate(zip(cold, warm)):
+        if plan[i][3] is not None:
+            continue
+        assert tok_w == tok_c, f"request {i}"
+        assert torch.equal(log_w, log_c), f"request {i}"
+        assert seq_w.logprobs == seq_c.logprobs, f"request {i}"
+
+
+def test_a_one_token_suffix_and_a_prompt_of_whole_blocks_are_prefilled_not_loaded():
+    """A prompt of stored blocks and one token still prefills its last MIN_SUFFIX (2) tokens or
+    more: a one-token suffix would run the decode step's path (other bits)."""
+    model = model_of(torch.float32, "float")
+    store = PrefixCache(8)
+    engine = Engine(model, 1, prefix_cache=store)
+    prompt = torch.randint(0, 256, (8 * BLOCK + 1,), generator=torch.Generator().manual_seed(2)).tolist()
+    engine.open(0, SamplingParams(max_tokens=1, temperature=0), 0)
+    cold = engine.prefill_logits([0], [prompt])
+    engine.release(0)
+    assert store.stats()["blocks"] == 8
+    engine.open(0, SamplingParams(max_tokens=1, temperature=0), 0)
+    warm = engine.prefill_logits([0], [prompt])
+    assert store.hits == 7 * BLOCK and torch.equal(warm, cold)
+
+
+@pytest.mark.parametrize("dtype,fmt,activations", [(torch.float32, "int8", "exact"), (torch.float32, "int4", "exact")])
+def test_routes_whose_prompt_products_block_rows_have_no_prefix_cache(dtype, fmt, activations):
+    """The decode view (MKL's float32 GEMM, the dequantized int8/int4 products) blocks a prompt's
+    rows by its length: measured there, a suffix's logits differ by ~1e-4; the cache is off."""
+    model = model_of(dtype, fmt, activations)
+    engine = Engine(model, 1, prefix_cache=PrefixCache(8))
+    assert engine.route.decoder.name != NATIVE
+    assert engine.prefix_cache is None and "block rows" in engine.prefix_cache_off
+    view = Engine(model_of(torch.float32, "float"), 1, Route(ViewDecoder(model, True), {}), prefix_cache=PrefixCache(8))
+    assert view.prefix_cache is None
+
+
+def test_bf16_native_prompts_keep_the_cache_only_with_avx512_bf16():
+    """Without AVX-512 BF16 a bf16 prompt of 32 rows or more takes oneDNN's GEMM (rows blocked by
+    count: measured 4 of 48 splits differing here); with it every product is row-alone."""
+    engine = Engine(model_of(torch.bfloat16, "float"), 1, prefix_cache=PrefixCache(8))
+    assert (engine.prefix_cache is not None) == has_bf16_dot()
+    assert why_inexact(engine.route.decoder) == ("" if has_bf16_dot() else engine.prefix_cache_off)
+
+
+def test_hooks_attached_bypass_the_cache():
+    model = model_of(torch.float32, "float")
+    store = PrefixCache(8)
+    engine = Engine(model, 1, prefix_cache=store)
+    handle = model.h[0].register_forward_hook(lambda *a: None)
+    try:
+        engine.open(0, SamplingParams(max_tokens=1, temperature=0), 0)
+        engine.prefill_logits([0], [list(range(40))])
+    finally:
+        handle.remove()
+    assert store.queries == 0 and not store.blocks
+
+
+def test_budget_is_checked_and_least_recently_used_blocks_go_first():
+    with pytest.raises(ValueError, match="budget_mb"):
+        PrefixCache(0)
+    model = model_of(torch.float32, "float")
+    block_mb = 2 * 2 * 64 * BLOCK * 4 / 2**20                  # K and V, 2 layers, n_embd 64, float32
+    store = PrefixCache(block_mb * 3)
+    engine = Engine(model, 1, prefix_cache=store)
+    for prompt in (list(range(2 * BLOCK + 2)), list(range(100, 100 + 2 * BLOCK + 2))):
+        engine.open(0, SamplingParams(max_tokens=1, temperature=0), 0)
+        engine.prefill_logits([0], [prompt])
+        engine.release(0)
+    assert store.evictions == 1                                 # the first prompt's leaf went first, its root stays
+    assert [tokens[0] for _, tokens in store.blocks] == [0, 100 + BLOCK, 100]
+
+
+def test_generate_over_prompts_that_share_a_prefix_uses_the_cache_and_equals_each_alone(monkeypatch):
+    """Offline generate: the second prompt takes the first's blocks; every row's tokens are its
+    prompt's alone."""
+    from gpt2mha.inference import prefix_cache
+    model = model_of(torch.float32, "int8", "per_row")
+    gen = torch.Generator().manual_seed(5)
+    head = torch.randint(0, 256, (70,), generator=gen).tolist()
+    prompts = [head + [1, 2, 3], head + [9] * 11]
+    made = []
+    real = prefix_cache.PrefixCache.load
+
+    def load(self, prompt, cache):
+        n = real(self, prompt, cache)
+        made.append(n)
+        return n
+    monkeypatch.setattr(prefix_cache.PrefixCache, "load", load)
+    both = model.generate(prompts, 6, temperature=0)
+    assert made == [0, 64]
+    for b, p in enumerate(prompts):
+        alone = model.generate([p], 6, temperature=0)
+        assert both[b, -6:].tolist() == alone[0, -6:].tolist()
