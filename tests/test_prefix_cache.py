@@ -7,6 +7,7 @@ batch invariant (tests/test_batch_invariance.py). The model is a random 2-layer 
 (the built-in model's 256 cannot hold the 400-token prefix the issue asks for).
 """
 
+import logging
 import random
 
 import pytest
@@ -206,3 +207,53 @@ def test_generate_over_prompts_that_share_a_prefix_uses_the_cache_and_equals_eac
     for b, p in enumerate(prompts):
         alone = model.generate([p], 6, temperature=0)
         assert both[b, -6:].tolist() == alone[0, -6:].tolist()
+
+
+# ------------------------------------------------------------------------------ serving
+def test_metrics_and_log_count_queries_and_hits_and_the_second_answer_is_the_first(caplog):
+    """A live server (built-in model, float32: the native forward) answers one 150-byte prompt
+    twice: the same greedy text; ``gpt2mha:prefix_cache_queries_total`` counts both prompts'
+    tokens and ``..._hits_total`` the second's whole blocks but its last 2 tokens (one token a
+    byte: 150 = 9 blocks and 6); the request log says cached_tokens. With a budget of 0: off,
+    both counters 0."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    parser = pytest.importorskip("prometheus_client.parser")
+    from gpt2mha import DEFAULT_MODEL, GPT2
+    from gpt2mha.serving.server import serve_in_thread
+
+    model, tok = GPT2.from_pretrained(DEFAULT_MODEL), get_tokenizer("bytes")
+    prompt = ("ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+              "Arise, fair sun, and kill the envious moon, who is already sick.")[:150]
+    assert len(tok.encode(prompt)) == 150
+
+    def counters(url):
+        families = parser.text_string_to_metric_families(httpx.get(url + "/metrics").text)
+        return {s.name: s.value for f in families for s in f.samples if "prefix_cache" in s.name}
+
+    for budget, hits in ((4, 9 * BLOCK), (0, 0)):
+        sched = Scheduler(model, tok, max_batch=2, max_queue=4, prefix_cache_mb=budget)
+        with caplog.at_level(logging.INFO, logger="gpt2mha.serve"), serve_in_thread(sched, DEFAULT_MODEL) as url:
+            texts = [httpx.post(url + "/v1/completions", timeout=60, json={
+                "prompt": prompt, "max_tokens": 8, "temperature": 0}).json()["choices"][0]["text"] for _ in range(2)]
+            got = counters(url)
+        assert texts[0] == texts[1]
+        assert got == {"gpt2mha:prefix_cache_queries_total": 300.0 if budget else 0.0,
+                       "gpt2mha:prefix_cache_hits_total": float(hits)}
+        lines = [r.getMessage() for r in caplog.records if "cached_tokens=" in r.getMessage()]
+        assert [int(line.split("cached_tokens=")[1].split()[0]) for line in lines[-2:]] == [0, hits]
+
+
+def test_cli_serve_prefix_cache_flags_reach_serve(monkeypatch):
+    """``--prefix-cache-mb 64`` gives serve 64, ``--no-prefix-cache`` 0, neither None (the default
+    sized from free memory); a negative budget is a usage error."""
+    import gpt2mha.serving.server as server
+    from gpt2mha.cli import build_parser, main
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda *a, **kw: seen.append(kw["prefix_cache_mb"]))
+    for argv in ([], ["--prefix-cache-mb", "64"], ["--no-prefix-cache"]):
+        assert main(["serve", "--port", "0", *argv]) == 0
+    assert seen == [None, 64.0, 0]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--prefix-cache-mb", "-1"])

@@ -76,6 +76,7 @@ class Engine:
         logprobs: each slot's newest :data:`TokenLogprob` (when opened with ``logprobs``).
         prefix_cache: the prefix cache prefills use (None: none).
         prefix_cache_off: why a prefix cache given was dropped ("" when it was not).
+        cached: each slot's prompt tokens its last prefill took from the prefix cache.
 
     Raises:
         ValueError: slots < 1, a vocab_size outside ``[1, n_vocab]``, a batch_invariant that is
@@ -113,6 +114,7 @@ class Engine:
         self._view_hooks = None
         self._score_view: ViewDecoder | None = None
         self._rows: dict[int, KVCache] = {}                     # cache.rows(n) by n (2 · n_layer views each)
+        self.cached: list[int] = [0] * n                        # each slot's prompt tokens loaded from the prefix cache
         self.prefix_cache_off = "" if prefix_cache is None else why_inexact(self.route.decoder)
         self.prefix_cache = None if self.prefix_cache_off else prefix_cache
 
@@ -207,11 +209,12 @@ class Engine:
             for slot, prompt in zip(slots, prompts):
                 ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)   # [1, T]
                 row = self.cache.row(slot)
+                self.cached[slot] = 0
                 if store is None:
                     logits.append(decoder.prefill(ids, row))
                     continue
                 tokens = ids[0].tolist()
-                n = store.load(tokens, row)
+                n = self.cached[slot] = store.load(tokens, row)
                 logits.append(decoder.prefill(ids[:, n:], row))
                 store.store(tokens, row)
         except Exception:
@@ -263,13 +266,16 @@ class Engine:
     def warm_up(self) -> None:
         """One greedy prefill of one token and one decode step in the first free slot, then the
         slot emptied: loads what the route loads and compiles what it compiles (a compiled
-        step: 10–60 s), so that no request pays for it. Nothing stays in the cache."""
+        step: 10–60 s), so that no request pays for it. Nothing stays in the cache, and the
+        prefix cache counts nothing."""
         slot = self.samplers.index(None)
         self.open(slot, SamplingParams(max_tokens=2, temperature=0), None)
+        store, self.prefix_cache = self.prefix_cache, None
         try:
             self.prefill([slot], [[0]])
             self.decode([slot])
         finally:
+            self.prefix_cache = store
             self.release(slot)
 
     @torch.inference_mode()

@@ -106,6 +106,7 @@ class Sequence:
     t_first: float | None = None
     t_last: float | None = None
     t_end: float | None = None
+    cached_tokens: int = 0
     stream: TextStream | None = None
 
     @property
@@ -457,6 +458,7 @@ class Scheduler:
         """Prefill ``seqs`` into their slots (one engine call) and accept each first token."""
         results = self.engine.prefill([s.slot for s in seqs], [s.prompt_ids for s in seqs])
         for seq, token in zip(seqs, results):
+            seq.cached_tokens = self.engine.cached[seq.slot]
             self._take(seq, token)
 
     def _decode(self) -> None:
