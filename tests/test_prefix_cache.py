@@ -257,3 +257,23 @@ def test_cli_serve_prefix_cache_flags_reach_serve(monkeypatch):
     assert seen == [None, 64.0, 0]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--prefix-cache-mb", "-1"])
+
+
+def test_warm_up_measures_exactness_and_drops_a_cache_a_route_would_change(monkeypatch, caplog):
+    """At warm-up the engine prefills a probe prompt whole and split: on the float32 native
+    forward they agree and the cache stays; a prefill that rounds a suffix otherwise (here one
+    that adds 1e-6 to the logits when the row already holds keys) drops it, and the log says so."""
+    from gpt2mha.inference.decoders import NativeDecoder
+
+    model = model_of(torch.float32, "float")
+    sched = Scheduler(model, get_tokenizer("bytes"), max_batch=2, prefix_cache_mb=4)
+    sched.warm_up()
+    assert sched.engine.prefix_cache is not None and sched.engine.prefix_cache.queries == 0
+    real = NativeDecoder.prefill
+    monkeypatch.setattr(NativeDecoder, "prefill",
+                        lambda self, ids, cache: real(self, ids, cache) + (1e-6 if cache.lengths[0] > ids.shape[1] else 0))
+    sched = Scheduler(model, get_tokenizer("bytes"), max_batch=2, prefix_cache_mb=4)
+    with caplog.at_level(logging.INFO, logger="gpt2mha.serve"):
+        sched.warm_up()
+    assert sched.engine.prefix_cache is None and "measured here" in sched.prefix_cache_stats()["off"]
+    assert any("prefix cache: off (measured here" in r.getMessage() for r in caplog.records)

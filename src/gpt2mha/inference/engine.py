@@ -38,7 +38,7 @@ from ..core import checks
 from ..core.kv_cache import KVCache
 from .decoders import Route, ViewDecoder, choose_decoder, hook_watch
 from .params import SamplingParams
-from .prefix_cache import why_inexact
+from .prefix_cache import BLOCK, MIN_SUFFIX, why_inexact
 from .sampling import RowSampler, sample_rows, token_logprobs
 
 #: One token's log-probability and the most probable ids with theirs: ``(logprob, [(id, logprob), ...])``.
@@ -266,8 +266,8 @@ class Engine:
     def warm_up(self) -> None:
         """One greedy prefill of one token and one decode step in the first free slot, then the
         slot emptied: loads what the route loads and compiles what it compiles (a compiled
-        step: 10–60 s), so that no request pays for it. Nothing stays in the cache, and the
-        prefix cache counts nothing."""
+        step: 10–60 s), so that no request pays for it; then, with a prefix cache,
+        :meth:`check_prefix_cache`. Nothing stays in the cache, and the prefix cache counts nothing."""
         slot = self.samplers.index(None)
         self.open(slot, SamplingParams(max_tokens=2, temperature=0), None)
         store, self.prefix_cache = self.prefix_cache, None
@@ -277,6 +277,39 @@ class Engine:
         finally:
             self.prefix_cache = store
             self.release(slot)
+        if store is not None:
+            self.check_prefix_cache(slot)
+
+    @torch.inference_mode()
+    def check_prefix_cache(self, slot: int) -> bool:
+        """Measure on this machine what :func:`~gpt2mha.inference.prefix_cache.why_inexact`
+        reasons: a random prompt (up to 69 tokens) prefilled whole into the free ``slot``, then
+        prefilled as a prefix and the rest, cut at 16, 32 and 37 tokens: the last logits and
+        every key and value must be equal. If not, the prefix cache is dropped
+        (:attr:`prefix_cache_off` says so). Nothing stays in the slot. Returns whether it is kept."""
+        if self.prefix_cache is None:
+            return False
+        n = min(self.model.config.n_ctx, 3 * BLOCK + 21)
+        prompt = torch.randint(0, self.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+        decoder, row = self.route.decoder, self.cache.row(slot)
+
+        def fill(parts):
+            try:
+                for part in parts:
+                    logits = decoder.prefill(torch.tensor([part], dtype=torch.long, device=self.device), row)
+                m = row.lengths[0]
+                return logits, row.k[:, 0, :, :m].clone(), row.v[:, 0, :, :m].clone()
+            finally:
+                self.cache.reset(slot)
+        whole = fill([prompt])
+        for cut in (c for c in (BLOCK, 2 * BLOCK, 37) if c <= n - MIN_SUFFIX):
+            split = fill([prompt[:cut], prompt[cut:]])
+            if not all(torch.equal(a, b) for a, b in zip(whole, split)):
+                self.prefix_cache_off = (f"measured here: a prompt's last {n - cut} tokens prefilled after its first "
+                                         f"{cut} differed from the whole prompt's")
+                self.prefix_cache = None
+                return False
+        return True
 
     @torch.inference_mode()
     def score(self, prompt: list[int], k: int) -> list[TokenLogprob]:

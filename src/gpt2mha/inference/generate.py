@@ -20,7 +20,7 @@ from .decoders import NATIVE, choose_decoder
 from .engine import Engine
 from .parallel import tp_group
 from .params import FIELDS, TEXT_FIELDS, SamplingParams
-from .prefix_cache import BLOCK, MIN_SUFFIX, PrefixCache
+from .prefix_cache import BLOCK, MIN_SUFFIX, PrefixCache, default_budget_mb
 from .sampling import row_seed
 
 def as_prompts(idx) -> list[list[int]]:
@@ -363,14 +363,15 @@ def check_fits(T: int, max_new_tokens: int, n_ctx: int, sliding_window: bool = F
 def shared_prefixes(prompts: list[torch.Tensor], config, weight: torch.Tensor):
     """A :class:`~gpt2mha.inference.prefix_cache.PrefixCache` for one call's ``prompts`` where two
     of them start with the same block of tokens (later rows then take the earlier rows' blocks),
-    sized to hold every block of the call (no eviction); else None. The engine drops it on a
-    route that cannot keep a suffix's bits."""
+    sized to hold every block of the call (at most the server's default budget,
+    :func:`~gpt2mha.inference.prefix_cache.default_budget_mb`); else None. The engine drops it on
+    a route that cannot keep a suffix's bits."""
     firsts = [tuple(p[:BLOCK].tolist()) for p in prompts if len(p) >= BLOCK + MIN_SUFFIX]
     if len(firsts) == len(set(firsts)):
         return None
     tokens = sum(len(p) for p in prompts)
     mb = 2 * config.n_layer * config.n_embd * tokens * weight.element_size() / 2**20
-    return PrefixCache(mb + 1)
+    return PrefixCache(min(mb + 1, default_budget_mb()))
 
 
 def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed, eos_token_id, on_token,

@@ -60,6 +60,8 @@ def why_inexact(decoder) -> str:
     if decoder.name != NATIVE:
         return (f"the {decoder.name}'s prompt products block rows by the prompt's length (a suffix's rows "
                 "would differ from a whole prompt's in the last bits)")
+    if decoder.native.prefill is None or decoder.native.prefill_from > MIN_SUFFIX:
+        return "the native forward does not run every prompt (short ones take the model's own products)"
     if decoder.native.kind == "bf16" and not has_bf16_dot():
         return "a bf16 prompt of 32 rows or more takes oneDNN's GEMM on CPUs without AVX-512 BF16 (rows blocked by count)"
     return ""
@@ -115,11 +117,10 @@ class PrefixCache:
         self.queries += len(prompt)
         if not found:
             return 0
-        k = torch.cat([b[1] for _, b in found], dim=2)          # [n_layer, n_head, n, head_dim]
-        v = torch.cat([b[2] for _, b in found], dim=2)
-        n = k.shape[2]
-        cache.k[:, 0, :, :n] = k
-        cache.v[:, 0, :, :n] = v
+        for i, (_, (_, k, v)) in enumerate(found):              # each [n_layer, n_head, BLOCK, head_dim]
+            cache.k[:, 0, :, i * BLOCK:(i + 1) * BLOCK] = k
+            cache.v[:, 0, :, i * BLOCK:(i + 1) * BLOCK] = v
+        n = len(found) * BLOCK
         cache.advance(n)
         for key, _ in reversed(found):                          # parents stay more recent than children
             self.blocks.move_to_end(key)

@@ -287,6 +287,13 @@ class Scheduler:
                         generated_tokens=self.counts["tokens"], decode_steps=self.counts["steps"],
                         prefix_cache=self.prefix_cache_stats())
 
+    def describe_prefix_cache(self) -> str:
+        """One line for the log: the prefix cache's budget, or why it is off."""
+        store = self.engine.prefix_cache
+        if store is None:
+            return f"off ({self.engine.prefix_cache_off or '--no-prefix-cache'})"
+        return f"on, {store.budget / 2**20:g} MiB, exact on the {self.engine.route.decoder.name}"
+
     def prefix_cache_stats(self) -> dict:
         """The prefix cache's ``{"queries", "hits", "blocks", "used_mb", "evictions"}`` (token
         counts; :meth:`~gpt2mha.inference.prefix_cache.PrefixCache.stats`), or ``{"off": why}``."""
@@ -316,11 +323,13 @@ class Scheduler:
 
     def warm_up(self) -> None:
         """Run the engine once (:meth:`~gpt2mha.inference.engine.Engine.warm_up`: its kernels
-        loaded, a compiled step compiled) so that no request pays for it, and log the route."""
+        loaded, a compiled step compiled, the prefix cache's exactness measured) so that no
+        request pays for it, and log the route and the prefix cache."""
         if not self.ready:
             t0 = time.monotonic()
             self.engine.warm_up()
             log.info("route: %s; warmed up in %.1f s", self.engine.route.describe(), time.monotonic() - t0)
+            log.info("prefix cache: %s", self.describe_prefix_cache())
             self._ready.set()
 
     def wait_ready(self, timeout: float | None = None) -> bool:

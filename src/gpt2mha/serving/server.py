@@ -356,14 +356,6 @@ def operated_app(scheduler: Scheduler, model_name: str, api_key: str | None = No
     return ops
 
 
-def describe_prefix_cache(scheduler) -> str:
-    """One line for the log: the prefix cache's budget, or why it is off."""
-    store = scheduler.engine.prefix_cache
-    if store is None:
-        return f"off ({scheduler.engine.prefix_cache_off or '--no-prefix-cache'})"
-    return f"on, {store.budget / 2**20:.0f} MiB, exact on the {scheduler.engine.route.decoder.name}"
-
-
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16,
           max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
@@ -424,7 +416,6 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
             route = choose_decoder(m.eval(), compile=compile, batch_invariant=batch_invariant)
             scheduler = Scheduler(m, tok, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
                                   route=route, prefix_cache_mb=prefix_cache_mb)
-            log.info("prefix cache: %s", describe_prefix_cache(scheduler))
             app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
                              max_stop=max_stop, max_tokens_overflow=max_tokens_overflow)
             log.info("model %s loaded in %.1f s; warming up", model_name, time.monotonic() - t0)
