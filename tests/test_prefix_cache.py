@@ -25,9 +25,14 @@ from gpt2mha.serving.scheduler import Scheduler
 pytestmark = pytest.mark.skipif(not __import__("gpt2mha.inference.quant.gemv", fromlist=["x"]).available(),
                                 reason="the native forward needs the C++ kernels")
 
-#: the exact routes: (dtype, weight format, activations) on the native forward
-EXACT = [(torch.float32, "float", None), (torch.float16, "float", None),
-         (torch.float32, "int8", "per_row"), (torch.float32, "int4", "per_block")]
+#: the routes the server takes by default: (dtype, weight format, activations); the native forward
+#: for float32, bf16, fp16, int8 per_row and int4 per_block, the decode view for the others
+ROUTES = [(torch.float32, "float", None), (torch.bfloat16, "float", None), (torch.float16, "float", None),
+          (torch.float32, "int8", "per_row"), (torch.float32, "int4", "per_block"),
+          (torch.float32, "int8", None), (torch.float32, "int4", None), (torch.bfloat16, "int8", None)]
+ROUTE_IDS = ["float32", "bf16", "fp16", "int8-per_row", "int4-per_block", "int8", "int4", "bf16-int8"]
+#: where the cache is on: the native forward's exact kinds (bf16 with AVX-512 BF16 only)
+EXACT = {"float32", "fp16", "int8-per_row", "int4-per_block"} | ({"bf16"} if has_bf16_dot() else set())
 
 
 @pytest.fixture(autouse=True)
@@ -98,19 +103,22 @@ def shared_prefix_plan(seed=0, n=30, prefix=405):
 
 
 @pytest.mark.parametrize("budget", ["small", "ample"])
-@pytest.mark.parametrize("dtype,fmt,activations", EXACT, ids=["float32", "fp16", "int8-per_row", "int4-per_block"])
-def test_shared_prefix_requests_equal_a_cold_server_bitwise(dtype, fmt, activations, budget, monkeypatch):
-    """Every request not cancelled: tokens, logits and logprobs bitwise equal to a cold server's;
-    the cache hit; a small budget (16 blocks of this model) evicted, an ample one served whole
-    prefixes (suffixes down to MIN_SUFFIX tokens)."""
+@pytest.mark.parametrize("dtype,fmt,activations", ROUTES, ids=ROUTE_IDS)
+def test_shared_prefix_requests_equal_a_cold_server_bitwise(dtype, fmt, activations, budget, monkeypatch, request):
+    """Every request not cancelled: tokens, logits and logprobs bitwise equal to a cold server's.
+    Where the cache is on (EXACT) it hit; a small budget (16 blocks of this model) evicted, an
+    ample one served whole prefixes (suffixes down to MIN_SUFFIX tokens). Elsewhere it is off."""
+    route_id = request.node.callspec.id.rsplit("-", 1)[0]
     model = model_of(dtype, fmt, activations)
     plan = shared_prefix_plan()
     block_mb = 2 * 2 * 64 * BLOCK * model.wte.weight.element_size() / 2**20    # K and V, 2 layers, n_embd 64
     cold, cold_sched = serve(model, plan, 0, monkeypatch)
     warm, sched = serve(model, plan, 16 * block_mb if budget == "small" else 8, monkeypatch)
-    assert sched.engine.route.decoder.name == NATIVE and cold_sched.engine.prefix_cache is None
+    assert cold_sched.engine.prefix_cache is None
     stats = sched.prefix_cache_stats()
-    if budget == "small":
+    if route_id not in EXACT:
+        assert "off" in stats, stats
+    elif budget == "small":
         assert stats["hits"] >= 20 * 256 and stats["evictions"] > 0, stats
     else:
         assert stats["hits"] >= 25 * 400 and stats["evictions"] == 0, stats
@@ -277,3 +285,12 @@ def test_warm_up_measures_exactness_and_drops_a_cache_a_route_would_change(monke
         sched.warm_up()
     assert sched.engine.prefix_cache is None and "measured here" in sched.prefix_cache_stats()["off"]
     assert any("prefix cache: off (measured here" in r.getMessage() for r in caplog.records)
+
+
+def test_info_says_whether_the_route_keeps_the_prefix_cache(capsys):
+    from gpt2mha.cli import main
+
+    assert main(["info"]) == 0                                  # float32: the native forward
+    assert "prefix cache exact here" in capsys.readouterr().out
+    assert main(["info", "--quantize", "int8", "--quantize-method", "rtn"]) == 0    # the decode view
+    assert "prefix cache off: the decode view's prompt products block rows" in capsys.readouterr().out

@@ -479,6 +479,9 @@ def cmd_info(args) -> int:
     print(f"decode       the {d.name} ({'batch invariant' if d.batch_invariant else 'not batch invariant'}, "
           f"{'hooks act' if d.runs_hooks else 'while a hook is attached: the decode view'})")
     print("prefill      " + route.describe().split("prefill: ")[1].split(";")[0])
+    from ..inference.prefix_cache import why_inexact
+    why = why_inexact(d)
+    print("prefix cache " + (f"off: {why}" if why else "exact here (gpt2mha serve keeps it on; --no-prefix-cache)"))
     for name, why in route.why_not.items():
         print(f"not the {name}: {why}")
     return 0
