@@ -267,10 +267,11 @@ def test_cli_serve_prefix_cache_flags_reach_serve(monkeypatch):
         build_parser().parse_args(["serve", "--prefix-cache-mb", "-1"])
 
 
-def test_warm_up_measures_exactness_and_drops_a_cache_a_route_would_change(monkeypatch, caplog):
-    """At warm-up the engine prefills a probe prompt whole and split: on the float32 native
-    forward they agree and the cache stays; a prefill that rounds a suffix otherwise (here one
-    that adds 1e-6 to the logits when the row already holds keys) drops it, and the log says so."""
+def test_the_engine_measures_exactness_and_drops_a_cache_a_route_would_change(monkeypatch, caplog):
+    """A new engine with a prefix cache prefills a probe prompt whole and split (once per native
+    forward): on the float32 native forward they agree and the cache stays; a prefill that rounds
+    a suffix otherwise (here one that adds 1e-6 to the logits when the row already holds keys)
+    drops it, and the start log says so."""
     from gpt2mha.inference.decoders import NativeDecoder
 
     model = model_of(torch.float32, "float")
@@ -280,6 +281,7 @@ def test_warm_up_measures_exactness_and_drops_a_cache_a_route_would_change(monke
     real = NativeDecoder.prefill
     monkeypatch.setattr(NativeDecoder, "prefill",
                         lambda self, ids, cache: real(self, ids, cache) + (1e-6 if cache.lengths[0] > ids.shape[1] else 0))
+    model = small_model(4, n_vocab=256, n_ctx=512, n_embd=64, n_head=4, n_layer=2)     # another native forward
     sched = Scheduler(model, get_tokenizer("bytes"), max_batch=2, prefix_cache_mb=4)
     with caplog.at_level(logging.INFO, logger="gpt2mha.serve"):
         sched.warm_up()

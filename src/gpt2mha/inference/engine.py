@@ -117,6 +117,8 @@ class Engine:
         self.cached: list[int] = [0] * n                        # each slot's prompt tokens loaded from the prefix cache
         self.prefix_cache_off = "" if prefix_cache is None else why_inexact(self.route.decoder)
         self.prefix_cache = None if self.prefix_cache_off else prefix_cache
+        if self.prefix_cache is not None:
+            self.check_prefix_cache(0)
 
     @property
     def slots(self) -> int:
@@ -266,8 +268,8 @@ class Engine:
     def warm_up(self) -> None:
         """One greedy prefill of one token and one decode step in the first free slot, then the
         slot emptied: loads what the route loads and compiles what it compiles (a compiled
-        step: 10–60 s), so that no request pays for it; then, with a prefix cache,
-        :meth:`check_prefix_cache`. Nothing stays in the cache, and the prefix cache counts nothing."""
+        step: 10–60 s), so that no request pays for it. Nothing stays in the cache, and the
+        prefix cache counts nothing."""
         slot = self.samplers.index(None)
         self.open(slot, SamplingParams(max_tokens=2, temperature=0), None)
         store, self.prefix_cache = self.prefix_cache, None
@@ -277,8 +279,6 @@ class Engine:
         finally:
             self.prefix_cache = store
             self.release(slot)
-        if store is not None:
-            self.check_prefix_cache(slot)
 
     @torch.inference_mode()
     def check_prefix_cache(self, slot: int) -> bool:
@@ -286,10 +286,26 @@ class Engine:
         reasons: a random prompt (up to 69 tokens) prefilled whole into the free ``slot``, then
         prefilled as a prefix and the rest, cut at 16, 32 and 37 tokens: the last logits and
         every key and value must be equal. If not, the prefix cache is dropped
-        (:attr:`prefix_cache_off` says so). Nothing stays in the slot. Returns whether it is kept."""
+        (:attr:`prefix_cache_off` says so). Nothing stays in the slot. Measured once for the
+        route's native forward (kept on it: one model's weights); skipped where the cache's rows
+        are too short for a cut or the slot holds a sequence. Returns whether the cache is kept."""
         if self.prefix_cache is None:
             return False
-        n = min(self.model.config.n_ctx, 3 * BLOCK + 21)
+        native = getattr(self.route.decoder, "native", None)
+        why = getattr(native, "prefix_cache_differs", None)
+        if why is None:
+            why = self._measure_prefix_cache(slot)
+            if why is not None and native is not None:
+                native.prefix_cache_differs = why
+        if why:
+            self.prefix_cache_off, self.prefix_cache = why, None
+        return self.prefix_cache is not None
+
+    def _measure_prefix_cache(self, slot: int) -> str | None:
+        # check_prefix_cache's measurement: "" (equal), why not, or None (no room for a cut)
+        n = min(self.model.config.n_ctx, self.cache.max_len, 3 * BLOCK + 21)
+        if n < BLOCK + MIN_SUFFIX or self.cache.lengths[slot]:
+            return None
         prompt = torch.randint(0, self.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
         decoder, row = self.route.decoder, self.cache.row(slot)
 
@@ -305,11 +321,9 @@ class Engine:
         for cut in (c for c in (BLOCK, 2 * BLOCK, 37) if c <= n - MIN_SUFFIX):
             split = fill([prompt[:cut], prompt[cut:]])
             if not all(torch.equal(a, b) for a, b in zip(whole, split)):
-                self.prefix_cache_off = (f"measured here: a prompt's last {n - cut} tokens prefilled after its first "
-                                         f"{cut} differed from the whole prompt's")
-                self.prefix_cache = None
-                return False
-        return True
+                return (f"measured here: a prompt's last {n - cut} tokens prefilled after its first {cut} differed "
+                        "from the whole prompt's")
+        return ""
 
     @torch.inference_mode()
     def score(self, prompt: list[int], k: int) -> list[TokenLogprob]:
