@@ -12,7 +12,8 @@ in one mixed batch against each alone (rows whose tokens or logits differ), per 
 format. ``cost``: decode and prefill throughput of the invariant path (what ``generate`` and the
 server run) against the previous one (a left-padded prefill, one attention call over the longest
 row's span with a mask, float32 products on the batch's own row count), at batch 1, 8 and 16.
-Results and conditions: benchmarks/RESULTS.md, "Batch invariance".
+What it costs: docs/explanation/batch-invariance.md; the runs, with their conditions:
+benchmarks/archive/RESULTS-2026-11-29-to-12-02.md, "Batch invariance".
 """
 
 from __future__ import annotations

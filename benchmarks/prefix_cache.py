@@ -2,8 +2,8 @@
 prompt on each route (``survey``), and how much sooner the second request of a chat with a long
 system prompt reaches its first token (``ttft``).
 
-    python benchmarks/prefix_cache.py survey [--threads 1]
-    python benchmarks/prefix_cache.py ttft [--system 500 --turns 6 --threads 2]
+    python benchmarks/prefix_cache.py survey [--threads 1] [--json FILE]
+    python benchmarks/prefix_cache.py ttft [--system 500 --turns 6 --threads 2] [--json FILE]
 
 ``survey``: a random 2-layer model (n_ctx 512, width 64) per dtype and weight format, on the route
 ``generate`` takes and on the decode view; for 40 random (prefix, suffix) splits of a 510-token
@@ -14,7 +14,8 @@ after and the whole row of keys and values compared with ``torch.equal``.
 with the byte tokenizer (n_ctx 1024): a chat whose system prompt is ``--system`` bytes (one
 token a byte) and turns of a short user message each, streamed; the time from sending each
 request to its first content chunk, with the prefix cache (default budget) and without (0),
-and the hit rate from ``/metrics``. Results: benchmarks/RESULTS.md, "Exact prefix caching".
+and the hit rate from ``/metrics``. ``--json FILE`` adds the run (date, host, command, figures)
+under its subcommand's key to FILE (benchmarks/results/prefix_cache.json).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import random
 import sys
 import time
@@ -75,6 +77,7 @@ def survey(args):
     rnd = random.Random(1)
     splits = [(rnd.randint(1, 440), rnd.randint(2, 64)) for _ in range(40)]
     ones = [(p, 1) for p in range(16, 480, 16)]
+    rows = []
     for name, dtype, fmt, act in ROUTES:
         model = small(dtype, fmt, act)
         for how in ("route", "view"):
@@ -93,6 +96,9 @@ def survey(args):
                 counts.append(f"{same}/{len(cases)}")
             print(f"{name:15s} {route.decoder.name:15s} suffix 2-64: {counts[0]:6s} exact; suffix 1: {counts[1]} exact",
                   flush=True)
+            rows.append({"model": name, "route": route.decoder.name, "suffix_2_to_64_exact": counts[0],
+                         "suffix_1_exact": counts[1]})
+    return {"threads": args.threads, "prompt_tokens": 510, "routes": rows}
 
 
 def ttft(args):
@@ -134,12 +140,18 @@ def ttft(args):
         key = "cache" if budget is None else "no cache"
         results[key] = times
         hit = counters["prefix_cache_hits_total"] / max(1.0, counters["prefix_cache_queries_total"])
+        if budget is None:
+            hit_rate = hit
         print(f"{key:9s} ttft ms: {' '.join(f'{1000 * t:.1f}' for t in times)}; hit rate {hit:.3f} "
               f"({counters['prefix_cache_hits_total']:.0f} / {counters['prefix_cache_queries_total']:.0f} tokens)",
               flush=True)
     first, later = results["cache"][0], sorted(results["cache"][1:])[len(results["cache"][1:]) // 2]
     print(f"with the cache: first {1000 * first:.1f} ms, later turns' median {1000 * later:.1f} ms: "
           f"{first / later:.1f}x sooner")
+    return {"threads": args.threads, "system_tokens": args.system, "model": "random 124M shape, float32, bytes",
+            "ttft_ms": {k: [round(1000 * t, 1) for t in v] for k, v in results.items()},
+            "second_turn_speedup": round(results["cache"][0] / results["cache"][1], 2),
+            "hit_rate": round(hit_rate, 3)}
 
 
 def main():
@@ -147,12 +159,25 @@ def main():
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("survey")
     s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--json", help="add the run to this JSON file")
     t = sub.add_parser("ttft")
     t.add_argument("--system", type=int, default=500, help="system prompt tokens (bytes)")
     t.add_argument("--turns", type=int, default=6)
     t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--json", help="add the run to this JSON file")
     args = p.parse_args()
-    {"survey": survey, "ttft": ttft}[args.cmd](args)
+    out = {"survey": survey, "ttft": ttft}[args.cmd](args)
+    if args.json:
+        old = json.load(open(args.json)) if os.path.exists(args.json) else {}
+        run = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
+               "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+               "load_average": round(os.getloadavg()[0], 2), "torch": torch.__version__,
+               "command": "python benchmarks/prefix_cache.py " + " ".join(sys.argv[1:])}
+        old.update(benchmark="prefix_cache", source="benchmarks/prefix_cache.py", date=run["date"],
+                   command=" ; ".join(sorted({old.get("command", run["command"]), run["command"]})))
+        old[args.cmd] = {**run, **out}
+        with open(args.json, "w") as f:
+            json.dump(old, f, indent=1)
 
 
 if __name__ == "__main__":

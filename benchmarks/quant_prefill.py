@@ -13,8 +13,8 @@ its ``activations="per_row"`` option, on CPUs whose int8 kernel is FBGEMM (no VN
   prefilling ``T`` tokens into a ``KVCache`` with last-position logits, for each ``--lengths``;
   quantized models with the default per-shape choice and with each route forced.
 - ``quality``: the built-in ``shakespeare-byte`` model, int8 RTN (``--method``), top-1
-  agreement with float32 and bits/byte on its last 8192 held-out bytes (as RESULTS.md's peers
-  table: windows of n_ctx, a window's first byte unscored), for ``activations="exact"`` and
+  agreement with float32 and bits/byte on its last 8192 held-out bytes (as benchmarks/results/quality.json's
+  peers' rows: windows of n_ctx, a window's first byte unscored), for ``activations="exact"`` and
   ``"per_row"``, and for other activation roundings (over the 8-bit weights) simulated in float (``x`` rounded and
   dequantized, then ``x̂ @ deq(W)ᵀ``: the integer products' result up to float32 rounding).
   Every product runs on the quantized kernels here (the dequantized route is forbidden), so

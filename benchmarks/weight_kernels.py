@@ -10,7 +10,8 @@ times a plain reduction over 340 MB (``torch.sum``), the memory bandwidth any ke
 for. Each figure is the median of ``--repeats`` passes; the variants are timed in turn
 (round-robin) so a slow spell of the shared machine hits them all alike.
 
-This is the evidence behind benchmarks/RESULTS.md's "What stands in the way": on the 2-core
+This is the evidence behind "What stands in the way" in
+benchmarks/archive/RESULTS-2026-11-29-to-12-02.md: on the 2-core
 machine the float32 kernels read ~25 GB/s at one row (the bandwidth), the bf16/fp16 ones about
 half that although they read half the bytes, and 8-row float32 matmuls about half.
 """

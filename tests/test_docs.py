@@ -204,7 +204,8 @@ def test_the_guides_code_runs(page, tmp_path, one_thread):
                 assert url is not None, f"{where}: a `run server` block before the page's `server` block"
                 code = code.replace(SERVER_URL, url)
             if lang == "python":
-                exec(compile(code, where, "exec"), namespace)
+                exec(compile(code, where, "exec", dont_inherit=True), namespace)   # as a script runs it: not
+                                                                                    # this file's __future__
             elif lang in ("bash", "sh"):
                 run_bash(code, tmp_path, where, requests=marker[1:2] == ["server"])
             else:

@@ -44,7 +44,6 @@ def test_the_installed_library_was_built_against_this_torch_with_warnings_as_err
                                            ("False", "off"), ("no", "off"), ("build", "build"),
                                            ("/tmp/k.so", "/tmp/k.so"), ("k.so", "k.so")])
 def test_the_switch_reads_off_on_build_or_a_path(monkeypatch, value, meaning):
-    monkeypatch.delenv(loader.FORMER_ENV, raising=False)
     if value is None:
         monkeypatch.delenv(kernels.ENV, raising=False)
     else:
@@ -52,19 +51,14 @@ def test_the_switch_reads_off_on_build_or_a_path(monkeypatch, value, meaning):
     assert loader.setting() == meaning
 
 
-def test_a_switch_it_cannot_read_is_an_error_and_the_former_name_still_works(monkeypatch):
+def test_a_switch_it_cannot_read_is_an_error(monkeypatch):
     monkeypatch.setenv(kernels.ENV, "maybe")
     with pytest.raises(ValueError, match=r"GPT2MHA_KERNELS='maybe': expected 1 .*, 0 .*, build .* or the path"):
         loader.setting()
-    monkeypatch.delenv(kernels.ENV)
-    monkeypatch.setenv(loader.FORMER_ENV, "0")
-    with pytest.warns(DeprecationWarning, match="GPT2MHA_GEMV is now GPT2MHA_KERNELS"):
-        assert loader.setting() == "off"
 
 
 def test_by_default_a_call_loads_the_installed_library_and_compiles_nothing(monkeypatch):
     monkeypatch.delenv(kernels.ENV, raising=False)
-    monkeypatch.delenv(loader.FORMER_ENV, raising=False)
 
     def no(*args, **kwargs):
         raise AssertionError("compiled inside a call")

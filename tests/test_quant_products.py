@@ -279,8 +279,8 @@ def test_quantize_with_per_row_activations_round_trips_and_names_errors(tmp_path
 
 
 # Measured on these 4096 held-out bytes (round to nearest): per_row 97.6% top-1 agreement with
-# float32 (exact activations 99.5%); RESULTS.md gives the figures on 8192 bytes, with the
-# peers' (llama.cpp q8_0 98.30%, ONNX Runtime int8 96.25%, CTranslate2 int8 95.84%).
+# float32 (exact activations 99.5%); benchmarks/results/quality.json holds the figures on 8192
+# bytes, with the peers' (llama.cpp q8_0 98.30%, ONNX Runtime int8 96.25%, CTranslate2 int8 95.84%).
 def test_builtin_model_with_per_row_activations_agrees_with_float32():
     from gpt2mha import DEFAULT_MODEL
     from gpt2mha.io.checkpoints import builtin_models

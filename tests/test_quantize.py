@@ -57,7 +57,7 @@ def builtin():
 # Measured here on these 4096 held-out bytes with the defaults (GPTQ on the packaged text):
 # int8 99.75% top-1 agreement, +0.0001 nats; int4 (group 32, int8 head) 97.9%, -0.0016 nats
 # (round to nearest: 99.53% / 94.7%). The bounds leave room for other CPUs' summation order;
-# `gpt2mha bench` and RESULTS.md report the figures on the bench's 8192 held-out bytes.
+# `gpt2mha bench` and benchmarks/results/quality.json report the figures on the bench's 8192 held-out bytes.
 # With the int4 head: 96.08% top-1, +0.0092 nats on those bytes (llama.cpp q4_0: 94.0% on the bench's
 # 8192).
 @pytest.mark.parametrize("scheme,head,min_agree,max_extra_nats", [("int8", "int8", 0.99, 0.005),

@@ -83,7 +83,7 @@ def test_template_names_and_none_and_their_errors():
     from gpt2mha.cli import build_parser
 
     assert load_chat_template("none") is None
-    with pytest.raises(ValueError, match=r"'chatm'.*cannot read.*built-in templates: chatml, plain"):
+    with pytest.raises(ValueError, match=r"'chatm'.*cannot read.*built-in templates: alpaca, chatml, plain"):
         load_chat_template("chatm")
     assert build_parser().parse_args(["serve"]).chat_template == "plain"
 
@@ -270,7 +270,8 @@ def test_chat_logprobs_shapes_and_errors(server, builtin):
 CHAT_VALUES = {"max_tokens": 12, "temperature": 0.9, "top_k": 20, "top_p": 0.9, "min_p": 0.2, "presence_penalty": 0.5,
                "frequency_penalty": 0.5, "logit_bias": {"101": -100}, "seed": 3, "stop": ["e\n"], "logprobs": True,
                "echo": False, "n": 2, "best_of": 3, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2,
-               "min_tokens": 4, "ignore_eos": True, "stop_token_ids": [10], "include_stop_str_in_output": True}
+               "min_tokens": 4, "ignore_eos": True, "stop_token_ids": [10], "include_stop_str_in_output": True,
+               "structured_outputs": {"regex": "[a-z ]+"}}
 
 
 def test_chat_takes_every_sampling_field_completions_takes(server, builtin):

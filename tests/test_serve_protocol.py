@@ -347,7 +347,7 @@ def test_chat_without_a_template_is_a_400_saying_how_to_serve_chat(bare_app):
         c.chat.completions.create(model="tiny-bpe", messages=MESSAGES, max_tokens=4)
     body = e.value.body
     assert body["code"] == "chat_template_missing" and body["type"] == "invalid_request_error"
-    for word in ("completions model", "--chat-template none", "--chat-template chatml or plain", "/v1/completions"):
+    for word in ("completions model", "--chat-template none", "--chat-template alpaca or chatml or plain", "/v1/completions"):
         assert word in body["message"], (word, body["message"])
     assert_error(bare_app.post("/tokenize", json={"messages": MESSAGES}), 400, "messages", "--chat-template none")
     assert "chat_template" not in bare_app.get("/tokenizer_info").json()

@@ -23,7 +23,7 @@ _LAZY = {
     "split_heads": "core.attention", "merge_heads": "core.attention",
     "CausalAttention": "learn.book", "MultiHeadAttentionWrapper": "learn.book", "MultiHeadAttention": "learn.book",
     "KVCache": "core.kv_cache", "HookPoint": "core.hooks", "ActivationCache": "learn.activations",
-    "GPT2": "api", "GPT2Config": "core.model", "GPT2Output": "core.model", "PRESETS": "core.model",
+    "GPT2": "api", "GPT2Classifier": "api", "ClassifierConfig": "core.classifier", "GPT2Config": "core.model", "GPT2Output": "core.model", "PRESETS": "core.model",
 }
 
 __all__ = [*_LAZY, "DEFAULT_MODEL"]

@@ -10,8 +10,11 @@ import contextlib
 
 import torch
 
+from .core import classifier as core_classifier
 from .core import hooks as _hooks
 from .core import model as core
+from .inference import classify as _classify
+from .inference import lora as _lora
 from .inference.generate import generate as _generate
 from .inference.quant import quantize_model
 from .io.checkpoints import save_pretrained
@@ -121,3 +124,46 @@ class GPT2(core.GPT2):
     def reset_hooks(self) -> None:
         """Remove every hook from every capture point."""
         _hooks.reset_hooks(self)
+
+    def add_adapters(self, adapters: dict, book_config: dict | None = None) -> "_lora.LoraState":
+        """Apply LoRA adapters unmerged, ``{name: PEFT directory, the book's appendix-E .pth, or
+        LoraAdapter}``: each row of a batch may then take its own (:meth:`adapter`, the engine's
+        slots, ``gpt2mha serve --lora name=DIR``). Merged instead: ``from_pretrained(...,
+        lora=PATH)``. See :func:`gpt2mha.inference.lora.apply_lora`."""
+        return _lora.apply_lora(self, adapters, book_config)
+
+    def adapter(self, name: str | None):
+        """``with model.adapter("name"):`` every forward and ``generate`` in the block runs with
+        that adapter (None: the base model). See :func:`gpt2mha.inference.lora.using`."""
+        return _lora.using(self, name)
+
+
+class GPT2Classifier(core_classifier.GPT2Classifier, GPT2):
+    """GPT-2 as a sequence classifier (:class:`gpt2mha.core.classifier.GPT2Classifier`: the
+    model with a ``[n_labels, n_embd]`` head in the LM head's place) with :class:`GPT2`'s
+    loading, saving and hooks, plus :meth:`classify`. ``GPT2.from_pretrained`` returns one for a
+    classifier checkpoint: the book's chapter-6 ``.pth`` (``out_head`` of ``num_classes`` rows)
+    or a ``GPT2ForSequenceClassification`` directory."""
+
+    def classify(self, texts, max_length: int | None = None, truncate: int | None = None, labels=None,
+                 batch_size: int = _classify.DEFAULT_BATCH_SIZE) -> "_classify.Classification":
+        """Classify ``texts`` (a string or a list of strings/token-id lists): ``(labels, probs
+        [N, C], logits [N, C], n_tokens)``. See :func:`gpt2mha.inference.classify.classify`."""
+        return _classify.classify(self, texts, max_length=max_length, truncate=truncate, labels=labels,
+                                  batch_size=batch_size)
+
+    def quantize(self, *args, **kwargs):
+        """Raises ValueError: the quantized layers hold a language model's head (no bias, n_vocab rows)."""
+        raise ValueError("this model is a classifier: gpt2mha quantizes language models only; classify with the float "
+                         "model")
+
+    def generate(self, *args, **kwargs):
+        """Raises ValueError: a classifier's head scores labels, not next tokens."""
+        raise ValueError(f"this model is a classifier ({self.config.n_labels} labels), not a language model: it "
+                         f"classifies texts (model.classify, gpt2mha classify, POST /v1/classify) and does not "
+                         f"generate")
+
+
+#: The class ``GPT2.from_pretrained`` builds for a classifier checkpoint
+#: (:func:`gpt2mha.io.state_dicts.model_class`).
+GPT2.classifier_class = GPT2Classifier

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from . import explain, generation, tools
+from . import classify, explain, generation, tools
 from .common import DTYPES, Parser, is_rank0, read_text
 from .generation import read_prompt_file
 from .tools import BENCH_SECTIONS, add_bench_arguments
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generation.add_commands(sub)
     tools.add_commands(sub)
+    classify.add_commands(sub)
     explain.add_commands(sub)
     return parser
 
@@ -36,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 #: PyTorch's switch for 2 MiB pages (``c10``'s CPU allocator: allocations of 2 MiB and more are
 #: ``madvise(MADV_HUGEPAGE)``d, so the whole 2 MiB stretches inside them get huge pages; torch 2.13 aligns
 #: them to 4 KiB only), read once, when torch makes its first tensor. A decode step
-#: streams every weight once; with 4 KiB pages the TLB misses cost float32 and int8 decode 13-22% on an
-#: AVX2 Zen 3 (alternating processes; benchmarks/RESULTS.md, "float32 on AVX2, 2 MiB pages, whole answers"). The command turns it on
+#: streams every weight once; with 4 KiB pages the TLB misses slow float32 and int8 decode (measured:
+#: docs/how-to/choose-configuration.md, "2 MiB pages"). The command turns it on
 #: before it imports torch unless the environment says otherwise (``THP_MEM_ALLOC_ENABLE=0``).
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 

@@ -138,13 +138,60 @@ def sampling_params_of(args):
 
     if isinstance(args.logit_bias, str):
         args.logit_bias = logit_bias_json(args.logit_bias)
-    values = {name: getattr(args, param_flag(name)[2:].replace("-", "_")) for name in FIELDS}
-    values.update(logit_bias=args.logit_bias or {}, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids))
+    values = {name: getattr(args, param_flag(name)[2:].replace("-", "_")) for name in FIELDS if name not in STRUCTURED}
+    values.update(logit_bias=args.logit_bias or {}, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
+                  structured_outputs=structured_of(args))
     try:
         return SamplingParams(**values)
     except ParamError as e:                   # the fields it names, as their flags: "n=3" -> "--num-samples=3"
         message = re.sub(r"\b(%s)=" % "|".join(values), lambda m: param_flag(m.group(1)) + "=", str(e))
         raise ValueError(message if message.startswith("--") else f"{param_flag(e.param)}: {message}") from None
+
+
+#: The field set by one of ``generate``'s structured-output flags (:data:`STRUCTURED_FLAGS`).
+STRUCTURED = "structured_outputs"
+#: ``generate``'s flags of :class:`~gpt2mha.inference.params.StructuredOutputs`: flag → (its
+#: argparse dest, the constraint it gives).
+STRUCTURED_FLAGS = {"--json-schema": ("json_schema", "json"), "--json-object": ("json_object", "json_object"),
+                    "--regex": ("regex", "regex"), "--choice": ("choice", "choice"), "--grammar": ("grammar", "grammar")}
+
+
+def structured_of(args):
+    """``generate``'s ``--json-schema FILE``, ``--json-object``, ``--regex R``, ``--choice A,B``
+    (repeatable) or ``--grammar FILE`` as one :class:`~gpt2mha.inference.params.StructuredOutputs`
+    (None for none), its grammar checked (no torch).
+
+    Raises:
+        ValueError: naming the flag: two of them, a file that cannot be read, or a schema, regex,
+            choice or grammar that llguidance refuses (its message).
+    """
+    from ..inference.params import GrammarError, StructuredOutputs
+
+    given = [(flag, getattr(args, dest, None)) for flag, (dest, _) in STRUCTURED_FLAGS.items()]
+    given = [(flag, value) for flag, value in given if value]
+    if len(given) > 1:
+        raise ValueError(f"{given[0][0]} and {given[1][0]} both constrain the text; give one of them")
+    if not given:
+        return None
+    flag, value = given[0]
+    key = STRUCTURED_FLAGS[flag][1]
+    if flag in ("--json-schema", "--grammar"):
+        try:
+            with open(value, "rb") as f:
+                spec = f.read().decode("utf-8")
+        except OSError as e:
+            raise ValueError(f"{flag} {value!r}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{flag} {value!r} is not UTF-8 text (byte {e.start})") from None
+    elif flag == "--choice":
+        spec = [c for part in value for c in part.split(",")]
+    else:
+        spec = value
+    try:
+        return StructuredOutputs(**{key: spec})
+    except GrammarError as e:
+        shown = "" if flag == "--json-object" else f" {value!r}" if flag != "--choice" else f" {','.join(spec)!r}"
+        raise ValueError(f"{flag}{shown}: {e.detail}") from None
 
 
 def check_sampling(args) -> None:
@@ -284,6 +331,9 @@ def check_convert_args(args) -> None:
     that is not a non-empty directory unless ``--overwrite``."""
     check_quantize_args(args)
     json_arg(args.book_config, "--book-config")
+    for path in args.lora or ():
+        if not os.path.exists(path):
+            raise ValueError(f"--lora {path}: no such file or directory")
     if args.to == "hf" and not args.overwrite and os.path.isdir(args.dst) and os.listdir(args.dst):
         raise ValueError(f"{args.dst} is not empty; refusing to overwrite it (pass --overwrite)")
 

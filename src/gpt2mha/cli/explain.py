@@ -66,7 +66,12 @@ def cmd_explain(args) -> int:
     from .common import load_model
 
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
-    entry = ModelEntry(load_model(args.model), args.model or DEFAULT_MODEL)
+    if args.lora:                                             # merged: the page reads the weights it shows
+        from ..api import GPT2
+        model = GPT2.from_pretrained(args.model or DEFAULT_MODEL, lora=args.lora)
+    else:
+        model = load_model(args.model)
+    entry = ModelEntry(model, args.model or DEFAULT_MODEL)
     if args.export is not None:
         info = export(Sequence(entry, entry.encode_prompt(prompt)), args.export, prompt)
         url = "file://" + os.path.abspath(info["index"])
@@ -101,6 +106,9 @@ def add_commands(sub) -> None:
     p.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
                    help="text to look at (default: a line of Romeo and Juliet); the page can change it")
     model_arg(p)
+    p.add_argument("--lora", action="append", default=None, metavar="ADAPTER",
+                   help="a LoRA adapter (a PEFT directory or the book's appendix-E .pth) merged into the model's "
+                        "weights, which the page then shows; repeat to merge several")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free one)")
     p.add_argument("--host", default=DEFAULT_HOST,
                    help="address to listen on (default 127.0.0.1). Any other address lets other machines reach the "

@@ -7,8 +7,8 @@ import json
 import re
 import sys
 
-from .checks import (check_compile, check_perplexity_args, check_sampling, check_train_args, param_flag,
-                     sampling_params_of, token_id_list)
+from .checks import (STRUCTURED_FLAGS, check_compile, check_perplexity_args, check_sampling, check_train_args,
+                     param_flag, sampling_params_of, token_id_list)
 from .common import (batch_invariant_arg, DTYPES, DefaultsHelpFormatter, check_quantize_args, load_model, model_arg, quantize_args, quantized,
                      quiet_arg, read_text)
 
@@ -36,7 +36,9 @@ def check_generate_args(args) -> None:
     served = [flag for flag, on in (("--stop", args.stop), ("--logprobs", args.logprobs is not None),
                                     ("--echo", args.echo), ("--best-of", args.best_of is not None),
                                     ("--stop-token-ids", args.stop_token_ids),
-                                    ("--include-stop-str-in-output", args.include_stop_str_in_output)) if on]
+                                    ("--include-stop-str-in-output", args.include_stop_str_in_output),
+                                    *((flag, getattr(args, dest)) for flag, (dest, _) in STRUCTURED_FLAGS.items()))
+              if on]
     for flag, on in (("--sliding-window", args.sliding_window), (f"--tp {args.tp}", args.tp > 1),
                      ("--unconditional", args.unconditional)):
         if served and on:
@@ -92,7 +94,7 @@ def cmd_generate(args) -> int:
     seed = distributed.shared_seed(args.seed)
     params = dataclasses.replace(params, seed=seed)
     if params.stop or params.logprobs is not None or params.best_of is not None or params.stop_token_ids or \
-            params.include_stop_str_in_output:
+            params.include_stop_str_in_output or params.structured_outputs is not None:
         from .served import generate_served
         return generate_served(args, model, tok, encoded, params)
     if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
@@ -300,6 +302,18 @@ def add_commands(sub) -> None:
     g.add_argument("--best-of", type=int, default=None, metavar="N",
                    help="sample N candidates per PROMPT and print the --num-samples of highest mean "
                         "log-probability (OpenAI's best_of); runs on the serving scheduler")
+    s = g.add_argument_group("structured outputs (one of them; each runs on the serving scheduler, as a request to "
+                             "gpt2mha serve with structured_outputs: the text follows it and ends where it is complete)")
+    s.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the text is JSON valid for the JSON schema in FILE (OpenAI's response_format json_schema)")
+    s.add_argument("--json-object", action="store_true", help="the text is a JSON object (response_format json_object)")
+    s.add_argument("--regex", default=None, metavar="R",
+                   help="the whole text matches the regular expression R (Rust regex syntax, as llguidance reads it)")
+    s.add_argument("--choice", action="append", default=None, metavar="A,B",
+                   help="the text is one of these strings, separated by commas (the flag may be repeated: its "
+                        "strings are added)")
+    s.add_argument("--grammar", default=None, metavar="FILE",
+                   help="the text follows the Lark (llguidance's) or GBNF (llama.cpp's) grammar in FILE")
     g.add_argument("--sliding-window", action="store_true",
                    help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
     batch_invariant_arg(g)

@@ -210,7 +210,8 @@ def cmd_convert(args) -> int:
     # --activations alone sets the mode on a model saved int8 (and names the flag for a float one)
     written = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, src_format=args.src_format,
                       book_config=json_arg(args.book_config, "--book-config"),
-                      quantize=(lambda m: quantized(m, args)) if args.quantize or args.activations else None)
+                      quantize=(lambda m: quantized(m, args)) if args.quantize or args.activations else None,
+                      lora=args.lora)
     print("wrote " + ", ".join(written))
     return 0
 
@@ -243,6 +244,11 @@ def _add_formats_commands(sub) -> None:
                     help="the book's config dict (JSON or a JSON file), e.g. '{\"n_heads\": 12}'; only n_heads "
                          "is needed, the other sizes are read off the tensors")
     cv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    cv.add_argument("--lora", action="append", default=None, metavar="ADAPTER",
+                    help="merge a LoRA adapter into SRC's weights first, so DST is a plain checkpoint: a PEFT adapter "
+                         "directory (adapter_config.json + adapter_model.safetensors) or the book's appendix-E .pth "
+                         "(lora_alpha from --book-config or NAME.json); repeat to merge several, in order. The book's "
+                         "appendix-E .pth as SRC is merged without it")
     quantize_args(cv)
     quiet_arg(cv)
     cv.set_defaults(func=cmd_convert, check=check_convert_args)
@@ -305,12 +311,31 @@ def cmd_serve(args) -> int:
               max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
               chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant,
               compile=args.compile, api_key=args.api_key, metrics=not args.no_metrics, load=load,
-              max_tokens_overflow=args.max_tokens_overflow,
+              max_tokens_overflow=args.max_tokens_overflow, lora=lora_args(args.lora),
               prefix_cache_mb=0 if args.no_prefix_cache else args.prefix_cache_mb)
     except RuntimeError as e:                 # could not bind: uvicorn logged why
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def lora_args(specs: list[str] | None) -> dict[str, str]:
+    """``--lora name=DIR`` flags → ``{name: DIR}``.
+
+    Raises:
+        ValueError: a flag without ``name=``, a name given twice, a path that does not exist.
+    """
+    out = {}
+    for spec in specs or ():
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {spec!r}: expected NAME=DIR (the model id requests use, then the adapter)")
+        if name in out:
+            raise ValueError(f"--lora {spec!r}: the name {name!r} is given twice")
+        if not os.path.exists(path):
+            raise ValueError(f"--lora {spec!r}: {path}: no such file or directory")
+        out[name] = path
+    return out
 
 
 def served_model(args):
@@ -333,6 +358,10 @@ def check_serve_args(args) -> None:
 
     check_quantize_args(args)
     check_compile(args)
+    lora_args(args.lora)
+    if args.lora and args.compile:
+        raise ValueError("--lora with --compile: the compiled step runs no adapters; serve adapters on the decode view "
+                         "(drop --compile)")
     check_address(args.host, args.port)
     args.api_key = serve_api_key(args)
 
@@ -412,7 +441,8 @@ def _add_serve_command(sub) -> None:
                    help="the model's name in /v1/models and requests' 'model' field (default: --model as given)")
     s.add_argument("--chat-template", default="plain", metavar="NAME|FILE",
                    help="the chat template of POST /v1/chat/completions: a built-in one by name (plain: 'role: "
-                        "content' lines then 'assistant:'; chatml: ChatML turns), none (no chat: that route answers "
+                        "content' lines then 'assistant:'; chatml: ChatML turns; alpaca: the book's chapter-7 "
+                        "instruction format, format_input then '### Response:'), none (no chat: that route answers "
                         "400), or a Jinja file (transformers' apply_chat_template semantics: messages, "
                         "add_generation_prompt, bos_token, eos_token; a .json file: its 'chat_template')")
     s.add_argument("--max-stop", type=number(int, 1), default=DEFAULT_MAX_STOP, metavar="N",
@@ -424,6 +454,12 @@ def _add_serve_command(sub) -> None:
                         "(its completion ends where the context does, finish_reason 'length', as llama.cpp's "
                         "server; clients' defaults such as LangChain's max_tokens=256 then work on small-context "
                         "models) or refuse (HTTP 400 context_length_exceeded, as OpenAI's API and vLLM)")
+    s.add_argument("--lora", action="append", default=None, metavar="NAME=DIR",
+                   help="serve a LoRA adapter (a PEFT directory, or the book's appendix-E .pth with lora_alpha in its "
+                        "NAME.json) unmerged over the one base model as model id NAME; repeat for several. Requests "
+                        "pick one by 'model' (the base by its own name); rows of different adapters batch together, "
+                        "each with the tokens it gets alone under --batch-invariant. Quantized bases apply adapters "
+                        "in float")
     s.add_argument("--compile", action="store_true",
                    help="serve on the compiled decode step (as generate --compile), compiled before /health says ok")
     s.add_argument("--api-key", default=None, metavar="KEY",

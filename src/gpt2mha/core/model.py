@@ -33,8 +33,7 @@ def logits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the logits a model with parameters in ``dtype`` returns (float32 or float64).
 
     A bf16/fp16 model runs ``ln_f`` in its own dtype, then its head in float32: rounding the
-    logits themselves to bf16's 8 significant bits flips near-ties between the top tokens
-    (benchmarks/RESULTS.md measures how often).
+    logits themselves to bf16's 8 significant bits flips near-ties between the top tokens.
     """
     return torch.promote_types(dtype, torch.float32)
 

@@ -3,9 +3,7 @@ gpt-fast's ``decode_one_token``.
 
 Inductor (torch's compiler) turns the step into generated C++ for this CPU: the per-layer small
 ops (LayerNorm, GELU, residual adds, the cache write) fuse into a few loops, where the eager
-path spends much of a batch-1 step outside its products. On an AVX2-only Zen 3 (2 cores,
-2 threads) a 124M int8 step took 8–10 ms compiled against 13 ms eager (benchmarks/RESULTS.md,
-"Compiled decode" and "A kernel of our own").
+path spends much of a batch-1 step outside its products: compiled, the step spends less there.
 
 What each model gets (:func:`decode_view`):
 
@@ -16,7 +14,7 @@ What each model gets (:func:`decode_view`):
   template for weight-only int8 (``aten._weight_int8pack_mm``, lowered under ``freezing`` and
   ``max_autotune``) with **bf16 activations** (its contract), float32 accumulation, the
   product rounded to bf16 and the bias and residual stream kept in float32 (~2e-3 relative
-  per product; top-1 agreement with float32 in RESULTS.md).
+  per product).
 * int8 with ``activations="per_row"``: :class:`PerRowInt8Linear` (W7A8, FBGEMM's integer GEMM).
 * int4 blocks: :class:`GemvInt4Linear`, gpt2mha's int4 GEMV kernel (float32 activations, the
   nibbles converted in registers) where it builds; else the eager decode view's bf16 kernel.
@@ -64,13 +62,11 @@ from .quant.linear import DEFAULT_ACTIVATIONS, QuantizedLinear, int8_kernel, rec
 SPAN_MULTIPLE = 64
 #: Largest batch whose W7A8 products a compiled step runs on gpt2mha's kernel
 #: (``torch.ops.gpt2mha.int8_per_row``) rather than FBGEMM's GEMM or ``torch._int_mm`` (the
-#: same exact integer sums, bitwise equal), on CPUs without AVX-512 VNNI. The 49 products of
-#: 124M on the AVX2 Zen 3, 2 threads: 6.2 / 9.1 / 10.2 / 13.3 ms at 1 / 2 / 4 / 8 rows against
-#: FBGEMM's 8.2 / 10.8 / 11.1 / 11.8 (RESULTS.md, "A kernel of our own").
+#: same exact integer sums, bitwise equal), on CPUs without AVX-512 VNNI: over the 49 products
+#: of 124M on an AVX2 CPU the kernel is faster than FBGEMM's GEMM up to 4 rows and slower at 8.
 GEMV_ROWS = 4
-#: The same on AVX-512 VNNI CPUs: the 49 products of 124M and the head on the Zen 4, 2 threads,
-#: 3.4 / 4.1 / 5.4 ms at 1 / 8 / 16 rows against ``torch._int_mm``'s 9.9 (RESULTS.md, "Packed
-#: weights for per_row decode").
+#: The same on AVX-512 VNNI CPUs: over the 49 products of 124M and the head the kernel is
+#: faster than ``torch._int_mm`` at every row count up to 16.
 GEMV_ROWS_VNNI = 16
 #: A compiled step reads the cached keys up to the longest row's, rounded up to a multiple of this.
 SPAN_STEP = 16
@@ -383,7 +379,7 @@ def options(model: nn.Module) -> dict:
     another model of the same shapes: measured, tests/test_compiled.py), and for an int8
     model max-autotune over inductor's C++ GEMM templates only (max-autotune times its
     candidates on weights hot in cache, where ATen's eager kernel looks faster than it is when
-    the weights stream from memory: measured, RESULTS.md); for a per_row model on
+    the weights stream from memory); for a per_row model on
     ``torch._int_mm`` (VNNI CPUs), no freezing (it broke that step)."""
     opts = {"freezing": True, "fx_graph_cache": False}
     blocks = record_class(getattr(model, "quantization", None))

@@ -23,8 +23,8 @@ Each output is summed in one fixed order (see the C++ file), so a row's result i
 whatever the other rows, the number of threads or the instruction set (AVX2 or AVX-512); against
 torch's products (MKL's order) the results differ by float32 rounding only. Made for decode
 sizes (1–16 rows), where a product is a read of the weights: at one row they read 124M's
-weights near the memory's speed, where torch's GEMV from Python read them at about half of it
-(benchmarks/RESULTS.md, "float32 at memory speed").
+weights near the memory's speed, where torch's GEMV called from Python reads them at about half
+of it (docs/performance.md, a step's products against torch's GEMMs).
 """
 
 from __future__ import annotations

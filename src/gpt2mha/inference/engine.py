@@ -37,6 +37,7 @@ import torch
 from ..core import checks
 from ..core.kv_cache import KVCache
 from .decoders import Route, ViewDecoder, choose_decoder, hook_watch
+from .lora import select as select_lora
 from .params import SamplingParams
 from .prefix_cache import BLOCK, MIN_SUFFIX, why_inexact
 from .sampling import RowSampler, sample_rows, token_logprobs
@@ -62,10 +63,14 @@ class Engine:
             it is zeroed before a decoder that reads masked keys runs on it).
         eos_token_id: the end-of-text id, which a sequence's ``min_tokens`` bans (with its
             ``stop_token_ids``) unless it has ``ignore_eos`` (None: none).
+        tokenizer: the model's tokenizer, for sequences with ``structured_outputs`` (their grammar
+            is compiled for its tokens: :func:`~gpt2mha.inference.structured.compile_for`); None:
+            such sequences are refused.
         prefix_cache: a :class:`~gpt2mha.inference.prefix_cache.PrefixCache` prompts take their
             stored prefixes from and leave their blocks in (None: none); dropped where the route
             cannot keep a suffix's bits (:func:`~gpt2mha.inference.prefix_cache.why_inexact`,
-            then kept in :attr:`prefix_cache_off`).
+            then kept in :attr:`prefix_cache_off`). A slot with a LoRA adapter neither takes
+            nor leaves blocks (its keys are the adapter's).
 
     Attributes:
         route: the :class:`~gpt2mha.inference.decoders.Route` (decoder and why not the others).
@@ -85,7 +90,7 @@ class Engine:
 
     def __init__(self, model, cache: KVCache | int, route: Route | None = None, vocab_size: int | None = None,
                  batch_invariant: bool | None = None, zeroed: bool = True, eos_token_id: int | None = None,
-                 prefix_cache=None):
+                 tokenizer=None, prefix_cache=None):
         c = model.config
         vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
@@ -105,9 +110,11 @@ class Engine:
         self._zeroed = zeroed
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.tokenizer = tokenizer
         n = cache.batch_size
         self.samplers: list[RowSampler | None] = [None] * n
         self.last: list[int] = [0] * n                          # each slot's newest token: its next input
+        self.adapters: list[int | None] = [None] * n            # each slot's LoRA adapter (inference/lora.py)
         self._hooked = hook_watch(self.model)
         self._hooks_at_start = self._hooked()                   # what the route's decoder was made with
         self._view: ViewDecoder | None = None
@@ -146,18 +153,24 @@ class Engine:
         return self._view
 
     def open(self, slot: int, params: SamplingParams, seed: int | None, logprobs: int | None = None,
-             row: int | None = None, prompt=None) -> None:
+             row: int | None = None, prompt=None, adapter: int | None = None) -> None:
         """Give ``slot`` its sampler: ``params`` (checked; logit_bias and stop ids below
         ``vocab_size``) and a generator seeded with ``seed`` (None: torch's global one). The row
         itself is filled by :meth:`prefill`. ``logprobs``: k to record each token's logprob and
         the k most likely ids (default ``params.logprobs``). ``row``: the row its errors name.
         ``prompt``: the tokens ``repetition_penalty`` and ``no_repeat_ngram_size`` read before
         the generated ones (None: the prompt :meth:`prefill` is given; ``generate`` gives the
-        whole prompt where a sliding window prefills only its end).
+        whole prompt where a sliding window prefills only its end). ``adapter``: the index of the
+        LoRA adapter the slot's rows take (:mod:`~gpt2mha.inference.lora`; None: the model's
+        default, the base model unless :func:`~gpt2mha.inference.lora.using` says otherwise). With
+        ``params.structured_outputs`` the sampler takes its own state of the grammar compiled for
+        the engine's tokenizer (compiled once per constraint and kept).
 
         Raises:
             ValueError: the slot is out of range or in use (not released since it was opened),
-                or a logit_bias id is outside the vocabulary.
+                a logit_bias id is outside the vocabulary, or ``structured_outputs`` on an engine
+                without a tokenizer; :class:`~gpt2mha.inference.params.GrammarError` for a grammar
+                llguidance refuses for this tokenizer.
         """
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot={slot} is out of range [0, {self.slots})")
@@ -166,7 +179,22 @@ class Engine:
         params.check_vocab(self.vocab_size)
         self.samplers[slot] = RowSampler(params, seed, self.vocab_size, self.device,
                                          params.logprobs if logprobs is None else logprobs, row, self.eos_token_id,
-                                         prompt)
+                                         prompt, self.grammar(params))
+        self.adapters[slot] = adapter
+
+    def grammar(self, params: SamplingParams):
+        """``params.structured_outputs`` compiled for the engine's tokenizer (None without one).
+
+        Raises:
+            ValueError: structured outputs on an engine without a tokenizer.
+            GrammarError: llguidance refuses the grammar for this tokenizer.
+        """
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer: this engine was made without one")
+        from .structured import compile_for
+        return compile_for(params.structured_outputs, self.tokenizer)
 
     def release(self, slot: int) -> None:
         """Empty ``slot``: its row's length is 0 again and its sampler is dropped. For a decoder
@@ -179,6 +207,7 @@ class Engine:
         self.cache.reset(slot)
         self.samplers[slot] = None
         self.last[slot] = 0
+        self.adapters[slot] = None
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list) -> list[int | Exception]:
@@ -210,9 +239,10 @@ class Engine:
         try:
             for slot, prompt in zip(slots, prompts):
                 ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)   # [1, T]
+                select_lora(self.model, [self.adapters[slot]])
                 row = self.cache.row(slot)
                 self.cached[slot] = 0
-                if store is None:
+                if store is None or self.adapters[slot] is not None:
                     logits.append(decoder.prefill(ids, row))
                     continue
                 tokens = ids[0].tolist()
@@ -245,6 +275,7 @@ class Engine:
             rows = self._rows[n] = self.cache if n == self.slots else self.cache.rows(n)
         before = rows.lengths
         ids = torch.tensor(self.last[:n], dtype=torch.long, device=self.device)[:, None]    # [n, 1]
+        select_lora(self.model, self.adapters[:n])
         logits = decoder.step(ids, rows)                                                     # [n, V]
         asked = set(slots)
         if len(asked) < n:
@@ -326,11 +357,12 @@ class Engine:
         return ""
 
     @torch.inference_mode()
-    def score(self, prompt: list[int], k: int) -> list[TokenLogprob]:
+    def score(self, prompt: list[int], k: int, adapter: int | None = None) -> list[TokenLogprob]:
         """The model's log-probability of each token of ``prompt`` after the ones before it, and
         the ``k`` most probable ids there: ``len(prompt) - 1`` entries, for tokens 1 … T-1
         (token 0 has no context). One forward of ``[1, T]`` through the decode view, without the
-        cache and apart from every slot, so a prompt scores the same whatever else is running.
+        cache and apart from every slot, so a prompt scores the same whatever else is running;
+        with LoRA ``adapter`` (an index, as :meth:`open` takes).
 
         Source: ``log_softmax`` of the logits at position t-1 read at token t, as the loss of
         :class:`~gpt2mha.core.model.GPT2` (and lm-evaluation-harness's ``loglikelihood``).
@@ -343,6 +375,7 @@ class Engine:
                 self._score_view = ViewDecoder(self.model, self.batch_invariant)
             view = self._score_view
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        select_lora(self.model, [adapter])
         logits = view.view(ids, validate=False).logits[0, :-1, :self.vocab_size]      # [T-1, V]
         chosen, top = token_logprobs(logits, ids[0, 1:], k)
         return list(zip(chosen, top))

@@ -25,8 +25,7 @@ added. bf16/fp16 products and the quantized kernels need no padding.
 The copies are taken when the view is made and belong to it: ``generate`` makes one per call
 and the serving scheduler one per server, so they are never stale and the user's model is never
 changed. The same products in another layout: results agree with the model's own to float
-rounding (tests hold them to it). The figures behind each choice are in benchmarks/RESULTS.md.
-Quantized layers (:mod:`gpt2mha.inference.quant`) already hold their kernels' layouts and are
+rounding (tests hold them to it). Quantized layers (:mod:`gpt2mha.inference.quant`) already hold their kernels' layouts and are
 left as they are. In the spirit of gpt-fast's ``convert_for_runtime``.
 """
 
@@ -48,7 +47,7 @@ def transposed_copy(w: torch.Tensor, dtype: torch.dtype | None = None, block: in
     """A new contiguous ``[C, R]`` copy of a 2-D ``w [R, C]`` (no grad), in ``dtype`` if given.
 
     Copied ``block`` rows at a time: a blocked transpose keeps both sides in cache, faster than
-    ``w.t().contiguous()`` for GPT-2's wte and block matrices (benchmarks/RESULTS.md).
+    ``w.t().contiguous()`` for GPT-2's wte and block matrices, which it reads with long strides.
     """
     w = w.detach()
     out = torch.empty(w.shape[1], w.shape[0], dtype=dtype or w.dtype, device=w.device)
@@ -134,9 +133,8 @@ def causal_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int 
     softmax-weighted sums as ``is_causal=True`` (float32 rounding apart).
 
     Why: PyTorch's CPU flash kernel skips masked keys only in blocks of 512, so a 512-token
-    prefill computes every score and drops half; in blocks of 64 queries a 124M prefill's
-    attention takes 3.9 against 5.8 ms a layer (2 threads, benchmarks/RESULTS.md, "Prefill:
-    causal attention of our own").
+    prefill computes every score and drops half; in blocks of 64 queries each block computes
+    only the scores up to its last query (56% of them at 512 tokens).
     """
     T = q.shape[-2]
     # block s:e sees mask[s:e, :e]; as 0 / -inf added to the scores (SDPA would turn each bool block into that)
@@ -164,8 +162,8 @@ class PrefillAttention(CausalSelfAttention):
     many keys, OpenAI's causal mask, nothing hooked, no grad) attend by gpt2mha's kernel
     ``torch.ops.gpt2mha.causal_attention`` (float32, head_dim a multiple of 8, each head's rows
     contiguous, where :func:`~.quant.gemv.available`): each query
-    computes only the scores it keeps, ~2× SDPA's speed at 128 and 512 tokens (2 threads,
-    benchmarks/RESULTS.md, "Prefill: causal attention of our own"); else, from
+    computes only the scores it keeps, where SDPA's CPU kernel computes a block of 512 keys
+    whole and drops the masked ones; else, from
     :data:`BLOCKED_FROM` tokens, in blocks of
     queries (:func:`causal_blocks`). Every other call attends as the original does. Made by
     :func:`for_decoding` (:meth:`view_of`). Inference only."""
@@ -190,9 +188,7 @@ class PrefillAttention(CausalSelfAttention):
 class GeluFusedMLP(MLP):
     """An :class:`~gpt2mha.core.model.MLP` (the same parameters and capture points) whose
     ``c_fc`` applies the GELU itself (``c_fc(x, gelu=True)``: per_row's operator computes it as
-    it writes each output, one pass over ``[B, T, 4·n_embd]`` less: a 512-token 124M prefill
-    ~18 ms faster on 2 threads, benchmarks/RESULTS.md, "Prefill: causal attention of our
-    own"). While ``hook_pre`` or
+    it writes each output, one pass over ``[B, T, 4·n_embd]`` less). While ``hook_pre`` or
     ``c_fc`` has hooks (which must see the activation's input) it runs as the original.
     Made by :func:`for_decoding` for layers whose :attr:`fuses_gelu` is true. Inference only."""
 
@@ -247,8 +243,9 @@ def global_hooks() -> bool:
 def invariant_by_default(model: nn.Module) -> bool:
     """Whether ``generate`` and the server pad float32 products (``batch_invariant=None``): for
     every model whose block weights are not float32. A float32 model's decode step at batch 1
-    runs every product as a GEMV; padded to 4 rows MKL's GEMM takes ~3× as long on 124M
-    (benchmarks/RESULTS.md, "Batch invariance"), so float32 asks for it with ``batch_invariant=True``."""
+    runs every product as a GEMV; padded to 4 rows MKL's GEMM takes several times as long on 124M
+    (docs/explanation/batch-invariance.md, "The cost"), so float32 asks for it with
+    ``batch_invariant=True``."""
     w = getattr(model.h[0].attn.c_attn, "weight", None)
     return not (isinstance(w, torch.Tensor) and w.dtype == torch.float32)
 

@@ -235,8 +235,9 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             twice), ``min_tokens`` (``eos_token_id`` and ``stop_token_ids`` banned until that
             many new tokens), ``ignore_eos`` (``eos_token_id`` neither stops a row nor is
             banned by ``min_tokens``), ``stop_token_ids`` (ids that finish a row, as
-            ``eos_token_id`` does). Order of the adjustments: :meth:`RowSampler.adjust
-            <gpt2mha.inference.sampling.RowSampler.adjust>`.
+            ``eos_token_id`` does), ``structured_outputs`` (every row's tokens follow a JSON
+            schema, a regex, a choice or a grammar: below). Order of the adjustments:
+            :meth:`RowSampler.adjust <gpt2mha.inference.sampling.RowSampler.adjust>`.
         eos_token_id: once a row emits it (or one of ``stop_token_ids``), the row is finished
             and keeps emitting that token; the loop stops early when every row is finished (the
             result is still padded to full length).
@@ -266,6 +267,15 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     ``batch_invariant`` every row's logits at every step are bitwise those of its prompt
     generated alone (and its greedy or seeded tokens the same), whatever the other prompts,
     their lengths and order.
+
+    Structured outputs: with ``structured_outputs`` (a
+    :class:`~gpt2mha.inference.params.StructuredOutputs` or a mapping of its fields:
+    ``{"json": schema}``, ``{"regex": r}``, ``{"choice": [...]}``, ``{"grammar": g}``,
+    ``{"json_object": True}``) every row's tokens follow the grammar, compiled for the model's
+    tokenizer (``model.config.tokenizer``); each row has its own state of it. A row whose grammar
+    is complete (nothing can follow, or it took the tokenizer's end-of-text token where the
+    grammar may end) is finished: its remaining columns hold ``eos_token_id``, else the
+    tokenizer's end-of-text token, else 0 (the byte tokenizer has none).
 
     Returns:
         ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens (an
@@ -396,9 +406,16 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
     c = model.config
     storage, cache = new_cache((c.n_layer, B, c.n_head, max_len, c.head_dim), model.wte.weight.dtype,
                                model.wte.weight.device, zero=decoder.name != NATIVE)   # the native forward reads only
+    tok = None
+    if params.structured_outputs is not None:                  # the grammar is compiled for its tokens
+        from ..io.tokenizer import get_tokenizer
+        tok = get_tokenizer(model.config.tokenizer)
+    pad = eos_token_id if eos_token_id is not None else tok.eot_token if tok is not None and \
+        tok.eot_token is not None else 0                        # after a row's grammar is complete
     try:                                                                              # what it wrote
         engine = Engine(model, cache, route, vocab_size, batch_invariant, zeroed=decoder.name != NATIVE,
-                        eos_token_id=eos_token_id, prefix_cache=shared_prefixes(prompts, c, model.wte.weight))
+                        eos_token_id=eos_token_id, tokenizer=tok,
+                        prefix_cache=shared_prefixes(prompts, c, model.wte.weight))
         for b in range(B):
             engine.open(b, params, None if seed is None else row_seed(seed, b), row=b, prompt=prompts[b])
         tokens = engine.prefill(list(range(B)), [ids[-n_ctx:] for ids in prompts])
@@ -417,6 +434,8 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
                     tokens[b] = engine.last[b] = finished[b]
                 elif t in ends:
                     finished[b] = t
+                elif engine.samplers[b].complete:               # its grammar takes nothing more
+                    finished[b] = pad
             chosen.append(list(tokens))
             if on_token is not None:
                 out[:, pos] = torch.tensor(tokens)
@@ -448,9 +467,8 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
 
 #: The KV cache storage of the last finished :func:`generate` on CPU, by dtype: the next call whose
 #: cache fits in it reuses it (:func:`new_cache`), as llama.cpp keeps its context's cache and ONNX
-#: Runtime its arena. A new 124M cache for a 128-token prompt cost ~1 ms of page faults and
-#: zeroing, 4% of its time to the first token (benchmarks/RESULTS.md, "Prefill: causal
-#: attention of our own").
+#: Runtime its arena. A new 124M cache for a 128-token prompt costs page faults and zeroing, a
+#: few percent of its time to the first token.
 _SPARE: dict = {}
 #: Storage larger than this (bytes) is not kept between calls.
 SPARE_BYTES = 128 << 20

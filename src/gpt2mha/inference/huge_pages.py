@@ -2,12 +2,13 @@
 forward reads every step (:func:`~gpt2mha.inference.native.native_step` starts it, in a thread of
 its own, the first time it makes a model's step).
 
-Why (benchmarks/RESULTS.md, "The weights in 2 MiB pages from Python"): a decode step at batch 1
+Why: a decode step at batch 1
 streams every weight once (497 MB for a float32 124M), and through 4 KiB pages each 4 KiB of it
 costs a TLB miss and a page walk. The ``gpt2mha`` command asks torch for 2 MiB pages before torch
 starts (``THP_MEM_ALLOC_ENABLE=1``: torch reads it once, at its first allocation, so a library
-imported after torch cannot ask for it), but ``generate`` called from Python got 4 KiB pages:
-there, collapsing the weights made every float dtype's steps faster.
+imported after torch cannot ask for it), but ``generate`` called from Python gets 4 KiB pages:
+there, collapsing the weights makes every float dtype's steps faster (by a few percent on a Zen 4:
+docs/how-to/choose-configuration.md, "2 MiB pages").
 
 ``MADV_COLLAPSE`` (Linux 6.1 on) copies each 2 MiB-aligned block of a range into one huge page and
 maps it in place: the same addresses, the same bytes, nothing for torch or the tensors' owners to

@@ -11,17 +11,16 @@ steps, as the model's own layers take them), the embedding, every block (LayerNo
 attention over the row's own cached keys, GELU, the residual adds), ``ln_f`` and the head at
 each row's last token, in one call.
 
-Why: at batch 1 a 124M int4 step reads ~92 MB of weights, ~2.3 ms at this machine's memory
-speed, and the rest of a step in Python or inductor's compiled code cost ~0.8 ms more (48
-operator calls, the small ops between them, the wrapper), more than llama.cpp's whole margin;
-a 128-token prompt spent ~3 ms of ~24 outside its products and attention (benchmarks/RESULTS.md,
-"The forward in one call"). The arithmetic is the model's: the same W4A8, W7A8 and int8 product
+Why: at batch 1 a 124M int4 step reads ~92 MB of weights, a few milliseconds at a CPU's memory
+speed, and a step driven from Python or inductor's compiled code spends about a third as much
+again outside its products (48 operator calls, the small ops between them, the wrapper), a
+prompt likewise outside its products and attention; one C++ call leaves only their arithmetic
+(docs/explanation/routes.md). The arithmetic is the model's: the same W4A8, W7A8 and int8 product
 kernels the model's layers call, LayerNorm, GPT-2's GELU and the softmax in float32 with sums in
 other orders: activations a last bit apart, which the products' 8-bit rounding of each activation
 row now and then turns into one rounding step of a value, so most steps' logits agree with the
 model's to ~1e-6 and a few differ by up to ~1e-2 relative (as the compiled step's do); greedy
-tokens part from the model's only at near ties, and quality is the same (benchmarks/RESULTS.md;
-tests/test_native.py).
+tokens part from the model's only at near ties, and quality is the same (tests/test_native.py).
 
 A float32 model's steps take the same route with float32 products (``conv1d_f32`` over each
 Conv1D's ``[in, out]`` weight as the model holds it, ``linear_f32`` over the head's ``[n_vocab,
@@ -30,9 +29,9 @@ the other rows or the threads (batch invariant, where the decode view's MKL prod
 Nothing rounds activations there: logits agree with the model's own forward to ~1e-6 relative
 (sums in another order) and greedy tokens are the model's but at exact near-ties. Its prompts
 run on it too (the same products on every prompt row, GELU fused into ``c_fc``, gpt2mha's causal
-attention kernel): on 512 tokens ``conv1d_f32`` ran ~1.3x faster than MKL's ``addmm``. Why: MKL's
-GEMV, called from Python 49 times a step, read 124M's 497 MB at about half the memory's speed
-(benchmarks/RESULTS.md, "float32 at memory speed").
+attention kernel): on 512 tokens ``conv1d_f32`` outruns MKL's ``addmm``. Why: MKL's GEMV,
+called from Python 49 times a step, reads 124M's 497 MB at about half the memory's speed
+(docs/performance.md, a step's products against torch's GEMMs).
 
 A bf16 model's steps likewise: its products on AVX-512 BF16's ``vdpbf16ps`` where the CPU has it
 (the same adds on 8 float32 lanes where not), every value the model rounds to bf16 rounded at the
@@ -44,9 +43,9 @@ value; batch invariant likewise.
 A fp16 model's steps and prompts the same way at fp16's rounding points: its products are the
 float32 products' sums over each fp16 weight converted exactly (F16C's ``vcvtph2ps``; no CPU here
 multiplies fp16 natively), each output rounded to fp16 once, as torch's fp16 GEMM on the CPU
-rounds its float32 sums; its KV cache in fp16. Before this route a fp16 model decoded through
-torch's fp16 products at ~0.4x float32's speed; on it, at bf16's (benchmarks/RESULTS.md, "fp16
-on the native forward").
+rounds its float32 sums; its KV cache in fp16. torch's own fp16 products on such a CPU run well
+below float32's speed; on this route a fp16 step runs at about bf16's, reading as many bytes
+(benchmarks/results/float_routes.json: the native route against the decode view).
 
 Source: the loop of gpt-fast's ``decode_one_token`` and llama.cpp's graph for GPT-2, with the
 arithmetic of openai/gpt-2's ``model.py`` (``block``, ``attn``, ``norm``, ``gelu``).

@@ -5,7 +5,9 @@ The fields are OpenAI's completions fields (``max_tokens``, ``temperature``, ``t
 ``stop``, ``n``, ``best_of``, ``logprobs``, ``echo``, the penalties, ``logit_bias``, ``seed``)
 plus ``top_k`` and ``min_p`` (as vLLM's ``SamplingParams`` and llama.cpp's server take them) and
 vLLM's repetition control: ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, and transformers' ``no_repeat_ngram_size``.
+``stop_token_ids``, ``include_stop_str_in_output``, transformers' ``no_repeat_ngram_size``, and
+vLLM's ``structured_outputs`` (:class:`StructuredOutputs`: a JSON schema, any JSON object, a
+regular expression, a choice of strings or a grammar that the text must follow).
 Every range is checked once, in :meth:`SamplingParams.__post_init__`; a bad value raises
 :class:`ParamError` (a ValueError) naming the field, which the server answers as OpenAI's 400
 with that ``param``. What depends on the model (a ``logit_bias`` id below its vocabulary, a
@@ -13,16 +15,19 @@ prompt that fits n_ctx) is checked by :meth:`SamplingParams.check_vocab` and by 
 
 Imports no torch: the CLI checks its flags with it before torch loads.
 
-Source: OpenAI's API reference (completions), vLLM's ``SamplingParams``, transformers'
-``GenerationConfig`` (``no_repeat_ngram_size``).
+Source: OpenAI's API reference (completions), vLLM's ``SamplingParams`` and
+``StructuredOutputsParams``, transformers' ``GenerationConfig`` (``no_repeat_ngram_size``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import operator
 from dataclasses import dataclass, fields
+
+from .errors import GrammarError, ParamError  # noqa: F401  (raised here; importable from here too)
 
 #: OpenAI's range of ``presence_penalty`` / ``frequency_penalty``.
 MAX_PENALTY = 2.0
@@ -40,14 +45,6 @@ MIN_TEMPERATURE = 2.0 ** -126
 #: A ``logit_bias`` key longer than this many digits is refused unread (``int()`` of a
 #: 4300-digit string raises; no vocabulary has ids of 20 digits).
 MAX_ID_DIGITS = 20
-
-
-class ParamError(ValueError):
-    """A :class:`SamplingParams` field out of its range; :attr:`param` names the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 def _int(name: str, value, low: int, high: int | None = None) -> int:
@@ -160,6 +157,108 @@ def logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+#: The constraints of :class:`StructuredOutputs`, one of which is given.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the generated text must be (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text); kept as compact JSON text (its keys in
+            their order: a JSON object's properties are generated in the schema's order), so that
+            the parameters stay hashable and a schema sent again compiles once.
+        regex: a regular expression the whole text matches (Rust ``regex`` syntax, as llguidance
+            reads it).
+        choice: strings, one of which is the whole text; kept as a tuple.
+        grammar: a Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's).
+        json_object: True: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+
+    The constraint is compiled here (by llguidance, once per constraint: :mod:`~gpt2mha.inference.structured`)
+    to check it; a tokenizer's token mask is built from it when a sequence starts.
+
+    Raises:
+        GrammarError: (a :class:`ParamError` naming ``structured_outputs``) none or several
+            given, a value of the wrong type, or a constraint llguidance refuses, with its message.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        put = object.__setattr__
+        if not isinstance(self.json_object, bool):
+            raise GrammarError("json_object", f"{_show(self.json_object)} must be true or false")
+        given = [k for k in STRUCTURED_KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
+        if len(given) != 1:
+            got = ", ".join(given) if given else "none"
+            raise GrammarError("", f"give exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                                                                  f"got {got}")
+        if self.json is not None:
+            put(self, "json", _schema_text(self.json))
+        for key in ("regex", "grammar"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise GrammarError(key, f"{_show(value)} must be a non-empty string")
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not isinstance(choice, (list, tuple)) or not choice or \
+                    any(not isinstance(c, str) for c in choice):
+                raise GrammarError("choice", f"{_show(choice)} must be a non-empty list of strings")
+            put(self, "choice", tuple(choice))
+        from .structured import check_constraint
+        check_constraint(self.kind, self.spec)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is given: one of :data:`STRUCTURED_KINDS`."""
+        return next(k for k in STRUCTURED_KINDS if (getattr(self, k) is not None if k != "json_object"
+                                                     else self.json_object))
+
+    @property
+    def spec(self):
+        """The constraint's value (the schema's JSON text, the regex, the choices, the grammar;
+        True for ``json_object``)."""
+        return getattr(self, self.kind)
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutputs | None":
+        """``value`` as a :class:`StructuredOutputs`: one itself, None, or a mapping of its
+        fields (a request's ``structured_outputs`` object).
+
+        Raises:
+            GrammarError: not a mapping, an unknown key, or the fields' own errors.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if not hasattr(value, "items"):
+            raise GrammarError("", f"{_show(value)} must be an object with one of {', '.join(STRUCTURED_KINDS)}")
+        unknown = [k for k in value if k not in STRUCTURED_KINDS]
+        if unknown:
+            raise GrammarError(str(unknown[0]), f"{_show(unknown[0])} is not supported; give one of "
+                                                f"{', '.join(STRUCTURED_KINDS)}")
+        return cls(**value)
+
+
+def _schema_text(schema) -> str:
+    """A JSON schema (a dict or a bool, or JSON text of one) as JSON text, its keys in order."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise GrammarError("json", f"is not JSON text ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError("json", f"json={_show(schema)} must be a JSON schema (an object)")
+    try:
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise GrammarError("json", f"is not a JSON value ({e})") from None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to continue one prompt: every field checked when it is made.
@@ -198,6 +297,11 @@ class SamplingParams:
         n: completions per prompt, in [1, 128].
         best_of: None, or candidates per prompt in [1, 20] (>= n) of which the n of highest
             mean log-probability are returned.
+        structured_outputs: None, or a :class:`StructuredOutputs` (or a mapping of its fields):
+            each step's tokens are masked to those its grammar allows next (after every other
+            adjustment, before temperature and the filters), the end-of-text token only where
+            the grammar may end; a sequence whose grammar is complete (nothing can follow) ends
+            there with finish reason ``"stop"``.
 
     Raises:
         ParamError: (a ValueError) naming the field and what it must be.
@@ -223,6 +327,7 @@ class SamplingParams:
     echo: bool = False
     n: int = 1
     best_of: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         put = object.__setattr__
@@ -261,6 +366,7 @@ class SamplingParams:
             put(self, "best_of", _int("best_of", self.best_of, 1, MAX_BEST_OF))
             if self.best_of < self.n:
                 raise ParamError("best_of", f"best_of={self.best_of} must be greater than or equal to n={self.n}")
+        put(self, "structured_outputs", StructuredOutputs.of(self.structured_outputs))
 
     @property
     def greedy(self) -> bool:
@@ -269,9 +375,9 @@ class SamplingParams:
 
     @property
     def adjusted(self) -> bool:
-        """Whether penalties, a logit bias or bans change the logits before sampling."""
+        """Whether penalties, a logit bias, bans or a grammar's mask change the logits before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.repetition_penalty != 1
-                    or self.no_repeat_ngram_size or self.min_tokens)
+                    or self.no_repeat_ngram_size or self.min_tokens or self.structured_outputs is not None)
 
     @property
     def per_prompt(self) -> int:

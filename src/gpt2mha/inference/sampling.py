@@ -14,7 +14,10 @@ Before all of that the raw logits may be adjusted (:meth:`RowSampler.adjust`), i
 2. OpenAI's presence/frequency penalties for the tokens generated so far, then ``logit_bias``
    added per token id (:func:`adjust_logits`);
 3. bans, -inf: a token that would repeat an n-gram (``no_repeat_ngram_size``,
-   :func:`ngram_bans`), and the end-of-text and stop tokens before ``min_tokens`` new tokens.
+   :func:`ngram_bans`), and the end-of-text and stop tokens before ``min_tokens`` new tokens;
+4. ``structured_outputs``' mask, -inf: every token its grammar does not accept next
+   (:mod:`~gpt2mha.inference.structured`; where vLLM applies its grammar bitmask too, before
+   temperature and the filters, so that top-k/top-p/min-p choose among allowed tokens only).
 
 Each field alone equals transformers' processor and vLLM's. transformers and vLLM add
 ``logit_bias`` before the repetition penalty; here the OpenAI adjustments keep their place (and
@@ -273,14 +276,21 @@ class RowSampler:
         eos_token_id: the end-of-text id that ``min_tokens`` bans with ``stop_token_ids`` (None:
             none; ignored with ``ignore_eos``).
         prompt: the tokens before the first one sampled (:meth:`begin`), or None to give them later.
+        grammar: with ``params.structured_outputs``, its
+            :class:`~gpt2mha.inference.structured.Grammar` compiled for the tokenizer (this row
+            takes its own state of it); None without.
 
     Attributes:
         steps: tokens sampled so far (the step a :class:`NonFiniteLogitsError` names).
         begun: whether :meth:`begin` has been given the prompt.
+        grammar: this row's :class:`~gpt2mha.inference.structured.GrammarState`, or None.
+
+    Raises:
+        ValueError: ``params.structured_outputs`` without a ``grammar``.
     """
 
     def __init__(self, params: SamplingParams, seed: int | None, vocab_size: int, device, logprobs: int | None = None,
-                 row: int | None = None, eos_token_id: int | None = None, prompt=None):
+                 row: int | None = None, eos_token_id: int | None = None, prompt=None, grammar=None):
         self.params, self.vocab_size, self.logprobs = params, vocab_size, logprobs
         self.label = [] if row is None else [row]               # the row an error names (generate's batch row)
         self.generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
@@ -296,6 +306,10 @@ class RowSampler:
         self.steps = 0
         self.begun = False
         self.last_logprob = None
+        if params.structured_outputs is not None and grammar is None:
+            raise ValueError("structured_outputs needs its grammar compiled for the model's tokenizer "
+                             "(gpt2mha.inference.structured.compile_for)")
+        self.grammar = grammar.start() if params.structured_outputs is not None else None
         if prompt is not None:
             self.begin(prompt)
 
@@ -336,10 +350,14 @@ class RowSampler:
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
         """The row's logits ``[1, V]`` after, in this order, its repetition penalty
         (:func:`repetition_penalty_logits`), its presence/frequency penalties and bias
-        (:func:`adjust_logits`), and its bans set to -inf (:meth:`banned`).
+        (:func:`adjust_logits`), its bans set to -inf (:meth:`banned`), and every token its
+        grammar does not accept next set to -inf (``structured_outputs``; with ``ignore_eos``
+        the end-of-text token too).
 
         Raises:
-            NoTokenAllowedError: every token is banned.
+            NoTokenAllowedError: every token is banned, or the grammar allows none of those left.
+            ValueError: the grammar's matcher failed (:meth:`GrammarState.allowed
+                <gpt2mha.inference.structured.GrammarState.allowed>`).
         """
         p = self.params
         if not p.adjusted:
@@ -348,10 +366,39 @@ class RowSampler:
             logits = repetition_penalty_logits(logits.float(), self.seen, p.repetition_penalty)
         logits = adjust_logits(logits, self.counts, p.presence_penalty, p.frequency_penalty, self.bias)
         bans = self.banned()
+        if self.grammar is not None:
+            return self.mask(logits, bans)
         if bans:
             logits = logits.index_fill(-1, torch.tensor(sorted(bans), dtype=torch.long, device=logits.device),
                                        float("-inf"))
         return logits
+
+    def mask(self, logits: torch.Tensor, bans: set[int]) -> torch.Tensor:
+        """``logits [1, V]`` with -inf wherever the grammar does not accept the token next or
+        ``bans`` holds it (a new tensor; this row's mask alone, the cost one bit mask of V bits).
+
+        Raises:
+            NoTokenAllowedError: no token is left.
+        """
+        allowed = self.grammar.allowed(self.vocab_size, end=not self.params.ignore_eos)      # bool [V]
+        if bans:
+            allowed[sorted(bans)] = False
+        if not allowed.any():
+            why = f" with the bans of no_repeat_ngram_size / min_tokens ({len(bans)} tokens)" if bans else ""
+            raise NoTokenAllowedError(f"no token can be sampled at step {self.steps}: the structured output's "
+                                      f"grammar allows none of the {self.vocab_size} tokens{why}")
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+            # NumPy's select over a view of the same memory: ~20 µs for 50,257 logits against
+            # ~2 ms for masked_fill with 2 busy threads (each torch op starts the OpenMP team)
+            return torch.from_numpy(np.where(allowed, logits.numpy(), np.float32(-np.inf)))
+        keep = torch.from_numpy(allowed).to(logits.device)
+        return logits.masked_fill(~keep, float("-inf"))
+
+    @property
+    def complete(self) -> bool:
+        """Whether this row's grammar is complete (``structured_outputs``: nothing can follow,
+        or its end token was taken): the sequence ends here, finish reason ``"stop"``."""
+        return self.grammar is not None and self.grammar.complete
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token from this row's raw logits ``[1, V']`` (cut to ``vocab_size``):
@@ -378,7 +425,13 @@ class RowSampler:
 
     def accept(self, logits: torch.Tensor | None, token: int) -> None:
         """Record ``token``, chosen from raw ``logits [1, V]``: its count, its logprobs, its
-        n-gram, the step (``logits`` is read only for the logprobs: None without them)."""
+        n-gram, its grammar's next state, the step (``logits`` is read only for the logprobs:
+        None without them).
+
+        Raises:
+            ValueError: the row's grammar does not allow ``token`` here (nothing is recorded)."""
+        if self.grammar is not None:
+            self.grammar.accept(token)
         if self.logprobs is not None:
             chosen, top = token_logprobs(logits[:, :self.vocab_size], torch.tensor([token]), self.logprobs)
             self.last_logprob = (chosen[0], top[0])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import pickle
 import re
 import tempfile
 from typing import Callable, NamedTuple
@@ -30,10 +29,14 @@ import huggingface_hub
 from huggingface_hub import constants, split_torch_state_dict_into_shards
 from huggingface_hub.errors import EntryNotFoundError
 from huggingface_hub.serialization._base import parse_size_to_int
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..core.model import GPT2, GPT2Config
-from .state_dicts import CheckpointError, as_dtype, check_state_dict, load_into, normalize_keys, resolve_lm_head
+from .classifiers import classifier_from_hf, classifier_tensors, classifier_to_hf, is_hf_classifier
+from .state_dicts import CheckpointError, as_dtype, check_state_dict, load_into, model_class, normalize_keys
+from .state_dicts import read_state_dict
+from .state_dicts import resolve_lm_head
+from ..core.classifier import ClassifierConfig
 from .tokenizer import HF_TOKENIZER_FILES, hf_tokenizer_files, tokenizer_class
 
 
@@ -180,30 +183,6 @@ def tokenizer_fits(config: GPT2Config) -> bool:
 
 
 # ---------------------------------------------------------------------------------- weights
-def read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a ``.safetensors`` file, or of a ``.bin`` read with ``weights_only=True``.
-
-    Raises:
-        CheckpointError: truncated/corrupt file, or a pickle that would run code.
-    """
-    if path.endswith(".safetensors"):
-        try:
-            return load_file(path)
-        except Exception as e:  # safetensors raises its own SafetensorError on bad headers/lengths
-            raise CheckpointError(f"{path}: not a valid safetensors file (truncated or corrupt?): {e}") from None
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path}: refused: this pickle asks to run code or build objects other than "
-                              f"tensors ({str(e).splitlines()[-1] if str(e) else 'unsafe'}); convert it to "
-                              f"safetensors from a trusted source") from None
-    except Exception as e:
-        raise CheckpointError(f"{path}: could not be read as a PyTorch state dict (truncated or corrupt?): {e}") from None
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"{path}: expected a dict of tensors")
-    return sd
-
-
 def _weight_map(index_path: str) -> dict[str, str]:
     """``weight_map`` of a sharded checkpoint's index, checked: an object of tensor name → shard
     file name, each shard a plain file name (nothing outside the directory is read), no tensor
@@ -431,9 +410,12 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         with torch.device("meta"):
             model = model_cls(config)
         return quantized_format().load(model, cfg["gpt2mha"]["quantization"], sd, weights_path, dtype)
-    sd, config = resolve_lm_head(sd, config, weights_path)
+    if is_hf_classifier(cfg, sd):                                 # GPT2ForSequenceClassification: score, id2label
+        sd, config = classifier_from_hf(cfg, config, sd, weights_path)
+    else:
+        sd, config = resolve_lm_head(sd, config, weights_path)
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_class(config, model_cls, weights_path)(config)
     check_state_dict(model, sd, weights_path)
     if dtype != torch.float32:
         overflow = [k for k, v in sd.items() if not torch.isfinite(v.to(dtype)).all()]
@@ -518,6 +500,8 @@ def save_pretrained(model: GPT2, directory: str, overwrite: bool = False,
         raise ValueError(f"dtype={dtype} must be a floating-point torch dtype")
     shard_size = None if max_shard_size is None else shard_size_bytes(max_shard_size)
     hf_config = config_to_hf(model.config)
+    if isinstance(model.config, ClassifierConfig):               # GPT2ForSequenceClassification's layout
+        hf_config = classifier_to_hf(model.config, hf_config)
     tensors = _tensors_to_save(model, dtype, hf_config)
     os.makedirs(directory, exist_ok=True)
     written = _write_weights(directory, tensors, shard_size)
@@ -549,6 +533,8 @@ def _tensors_to_save(model: GPT2, dtype: torch.dtype, hf_config: dict) -> dict[s
         tensors = {f"transformer.{k}": v for k, v in tensors.items()}
         hf_config["gpt2mha"]["quantization"] = entry
         hf_config["quantization_config"] = {"quant_method": "gpt2mha", **entry}   # transformers cannot load it
+    elif isinstance(model.config, ClassifierConfig):
+        tensors = {k: v.detach().to(dtype).contiguous() for k, v in classifier_tensors(model.state_dict()).items()}
     else:
         tensors = {k if k == "lm_head.weight" else f"transformer.{k}": v.detach().to(dtype).contiguous()
                    for k, v in model.state_dict().items()}

@@ -7,8 +7,12 @@
   ``model/wte [n_vocab, n_embd]``, ``model/wpe [n_ctx, n_embd]``, ``model/h{i}/ln_1/g|b``,
   ``model/h{i}/attn/c_attn/w [1, n_embd, 3·n_embd]`` (conv1d's ``[1, nx, nf]``), ``…/b``,
   ``attn/c_proj``, ``ln_2``, ``mlp/c_fc``, ``mlp/c_proj``, ``model/ln_f/g|b``. Read only.
-* ``book`` (the book's ``GPTModel`` state dict) and ``nanogpt`` (nanoGPT's ``ckpt.pt``): their
-  layouts are described in :mod:`gpt2mha.io.learner_formats`, which reads and writes them.
+* ``book`` (the book's ``GPTModel`` state dict: chapter 5's language model or chapter 6's
+  classifier, whose ``out_head`` has ``num_classes`` rows) and ``nanogpt`` (nanoGPT's
+  ``ckpt.pt``): their layouts are described in :mod:`gpt2mha.io.learner_formats`, which reads
+  and writes them. A classifier (the book's, or transformers' ``GPT2ForSequenceClassification``
+  directory, :mod:`gpt2mha.io.classifiers`) loads as a
+  :class:`~gpt2mha.core.classifier.GPT2Classifier`.
   nanoGPT's MLP uses the exact (erf) GELU where GPT-2 uses the tanh approximation; the weights are the same, the activations differ a little at
   every MLP (``gpt2mha check-model`` shows where).
 
@@ -27,12 +31,13 @@ import torch
 from ..core.model import GPT2
 from .checkpoints import CONFIG_NAME, builtin_models, load_pretrained, save_pretrained
 from .learner_formats import book_state_dict_of, read_book, read_nanogpt, save_book, save_nanogpt
+from .lora import merge_state_dict, read_adapter
 from .openai_tf import OPENAI_FILES, is_openai_dir, load_openai
 from .state_dicts import CheckpointError, CheckpointWarning, as_dtype, model_from_state_dict, read_torch_file
 
 #: Re-exported: what readers of a format other than Hugging Face's may want from this module.
 __all__ = ["FORMATS", "WRITABLE", "CheckpointWarning", "convert", "detect_format", "source_format", "read_any",
-           "load_any", "read_book", "read_torch_file", "load_openai"]
+           "load_any", "merge_lora", "read_book", "read_torch_file", "load_openai"]
 
 
 FORMATS = ("hf", "openai", "book", "nanogpt")
@@ -94,8 +99,11 @@ def _detect_object(obj, source: str) -> str:
 
 
 def read_any(src: str, fmt: str | None = None, book_config: dict | None = None,
-             model_cls=GPT2) -> tuple[GPT2, str]:
+             model_cls=GPT2, lora=None) -> tuple[GPT2, str]:
     """Load any of :data:`FORMATS` as a float32 model of ``model_cls``; returns ``(model, format)``.
+
+    ``lora``: a LoRA adapter (a PEFT directory or the book's appendix-E ``.pth``), or a list of
+    them, merged into the weights in that order (:func:`merge_lora`).
 
     Raises:
         CheckpointError: an unknown ``fmt`` or anything its reader refuses.
@@ -104,28 +112,45 @@ def read_any(src: str, fmt: str | None = None, book_config: dict | None = None,
         raise CheckpointError(f"format={fmt!r}; expected one of {FORMATS}")
     fmt = fmt or source_format(src)                              # a built-in name or hub id, as --model takes
     if fmt == "hf":
-        return load_pretrained(src, model_cls), fmt
-    if fmt == "openai":
-        return load_openai(src, model_cls=model_cls), fmt
-    if fmt == "book":
-        sd, config, _ = read_book(src, book_config)
+        model = load_pretrained(src, model_cls)
+    elif fmt == "openai":
+        model = load_openai(src, model_cls=model_cls)
     else:
-        sd, config = read_nanogpt(src)
-    return model_from_state_dict(sd, config, src, model_cls=model_cls), fmt
+        sd, config = read_book(src, book_config)[:2] if fmt == "book" else read_nanogpt(src)
+        model = model_from_state_dict(sd, config, src, model_cls=model_cls)
+    return (merge_lora(model, lora, book_config, model_cls) if lora else model), fmt
+
+
+def merge_lora(model: GPT2, lora, book_config: dict | None = None, model_cls=GPT2) -> GPT2:
+    """A new float32 model of ``model_cls``: ``model`` with each adapter of ``lora`` (a path or a
+    list of paths: :func:`gpt2mha.io.lora.read_adapter`) merged into its weights, in order
+    (:func:`gpt2mha.io.lora.merge_state_dict`).
+
+    Raises:
+        CheckpointError: a quantized base (merge into the float model, then quantize), or what
+            :func:`~gpt2mha.io.lora.read_adapter` / :func:`~gpt2mha.io.lora.check_adapter` refuse.
+    """
+    if getattr(model, "quantization", None):
+        raise CheckpointError(f"the base model is quantized ({model.quantization['scheme']}); LoRA merges into float "
+                              f"weights: merge into the float model, then quantize it")
+    sd, config = {k: v.detach().float() for k, v in model.state_dict().items()}, model.config
+    for path in [lora] if isinstance(lora, (str, os.PathLike)) else lora:
+        sd, config = merge_state_dict(sd, config, read_adapter(os.fspath(path), book_config))
+    return model_from_state_dict(sd, config, "the merged model", model_cls=model_cls)
 
 
 def load_any(src: str, dtype: torch.dtype = torch.float32, book_config: dict | None = None,
-             model_cls=GPT2) -> GPT2:
+             model_cls=GPT2, lora=None) -> GPT2:
     """Any model a user names → a model of ``model_cls`` in ``dtype`` (eval mode): a built-in
     name, a Hugging Face directory or hub id (:func:`~gpt2mha.io.checkpoints.load_pretrained`),
     or a local checkpoint in another of :data:`FORMATS` (detected: OpenAI's directory,
-    nanoGPT's ``ckpt.pt`` or ``out_dir``, a book ``.pth``). What ``GPT2.from_pretrained`` and
-    ``--model`` call.
+    nanoGPT's ``ckpt.pt`` or ``out_dir``, a book ``.pth``), with ``lora`` adapters merged
+    (:func:`merge_lora`). What ``GPT2.from_pretrained`` and ``--model`` call.
     """
-    if not os.path.exists(src) or os.path.isfile(os.path.join(src, CONFIG_NAME)):
+    if not lora and (not os.path.exists(src) or os.path.isfile(os.path.join(src, CONFIG_NAME))):
         return load_pretrained(src, model_cls, as_dtype(dtype))
     dtype = as_dtype(dtype)
-    model, _ = read_any(src, book_config=book_config, model_cls=model_cls)
+    model, _ = read_any(src, book_config=book_config, model_cls=model_cls, lora=lora)
     if dtype != torch.float32:
         overflow = [k for k, v in model.state_dict().items() if not torch.isfinite(v.to(dtype)).all()]
         if overflow:
@@ -134,7 +159,7 @@ def load_any(src: str, dtype: torch.dtype = torch.float32, book_config: dict | N
 
 
 def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_format: str | None = None,
-            book_config: dict | None = None, quantize=None) -> list[str]:
+            book_config: dict | None = None, quantize=None, lora=None) -> list[str]:
     """Read ``src`` (any of :data:`FORMATS`) and write it to ``dst`` as ``to`` (``hf``: a
     directory ``GPT2LMHeadModel`` loads, with the tokenizer and generation files that
     transformers' ``pipeline`` and ``AutoTokenizer`` read, :func:`~gpt2mha.io.checkpoints.save_pretrained`;
@@ -144,6 +169,9 @@ def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_for
     ``quantize``: a function applied to the float model before an ``hf`` directory is written
     (e.g. ``lambda m: m.quantize("int8")``), so the directory holds a quantized model
     (gpt2mha reads it; transformers does not).
+
+    ``lora``: LoRA adapters merged into the weights first (:func:`merge_lora`), so ``dst`` is a
+    plain checkpoint (the book's appendix-E ``.pth`` as ``src`` is merged without it).
 
     Raises:
         FileExistsError: ``dst`` exists (a non-empty directory for ``hf``), unless ``overwrite``.
@@ -158,7 +186,7 @@ def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_for
         raise ValueError(f"quantize: only the hf format holds quantized weights, not {to!r}")
     if to == "hf" and os.path.isdir(dst) and os.listdir(dst) and not overwrite:
         raise FileExistsError(f"{dst} is not empty; refusing to overwrite it (pass --overwrite / overwrite=True)")
-    model, _ = read_any(src, src_format, book_config)
+    model, _ = read_any(src, src_format, book_config, lora=lora)
     if quantize is not None:
         model = quantize(model)
     if to != "hf" and getattr(model, "quantization", None):

@@ -20,31 +20,28 @@ import os
 
 import torch
 
+from ..core.classifier import ClassifierConfig
 from ..core.model import GPT2, GPT2Config
+from .lora import is_book_lora, merge_state_dict, split_book_lora
 from .layouts import conv1d_to_linear_state_dict, linear_to_conv1d_state_dict, strip_wrapper_prefixes
 from .state_dicts import CheckpointError, check_tensors, read_torch_file, tie_head
 from .state_dicts import tensor_shapes, detached_state_dict
+from .state_dicts import book_config_path, book_state_dict_of  # noqa: F401  (importable from here too)
 
 
 BOOK_CONFIG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers", "drop_rate", "qkv_bias")
+#: Keys of a chapter-6 classifier's settings that may sit in the config dict beside the book's:
+#: ``labels`` (a list of names) or ``id2label`` (``{"0": name, …}``, transformers' spelling),
+#: ``pad_token_id`` (default 50256, the book's, for a GPT-2 vocabulary) and ``max_length``
+#: (the book pads every text to the training set's length: ``classify_review(...,
+#: max_length=train_dataset.max_length)``).
+BOOK_CLASSIFIER_KEYS = ("labels", "id2label", "pad_token_id", "max_length")
+#: The key of appendix E's LoRA scale in the config dict: ``replace_linear_with_lora(model,
+#: rank, alpha)`` keeps ``alpha`` as a plain attribute, so it is in no tensor.
+BOOK_LORA_KEYS = ("lora_alpha",)
+#: The book's pad id (chapter 6's ``SpamDataset(..., pad_token_id=50256)``).
+BOOK_PAD_TOKEN_ID = 50256
 
-
-def book_state_dict_of(obj):
-    """The state dict inside a loaded book checkpoint (a plain state dict, or chapter 5's
-    ``{"model_state_dict": ...}``), with the per-head wrapper's prefixes stripped; None when
-    ``obj`` is neither.
-
-    Raises:
-        CheckpointError: the wrapper's keys cannot be read (:func:`~gpt2mha.io.layouts.strip_wrapper_prefixes`).
-    """
-    if isinstance(obj, dict) and isinstance(obj.get("model_state_dict"), dict):
-        obj = obj["model_state_dict"]                             # ch. 5's model_and_optimizer.pth
-    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj) and obj:
-        try:
-            return strip_wrapper_prefixes(obj)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
-    return None
 
 
 def book_config(sd: dict[str, torch.Tensor], cfg: dict | None, source: str) -> dict:
@@ -55,9 +52,10 @@ def book_config(sd: dict[str, torch.Tensor], cfg: dict | None, source: str) -> d
         CheckpointError: no ``n_heads``, an unknown key, or a value contradicting the tensors.
     """
     cfg = dict(cfg or {})
-    unknown = sorted(set(cfg) - set(BOOK_CONFIG_KEYS))
+    unknown = sorted(set(cfg) - set(BOOK_CONFIG_KEYS) - set(BOOK_CLASSIFIER_KEYS) - set(BOOK_LORA_KEYS))
     if unknown:
-        raise CheckpointError(f"{source}: unknown book config keys {unknown}; expected {list(BOOK_CONFIG_KEYS)}")
+        raise CheckpointError(f"{source}: unknown book config keys {unknown}; expected {list(BOOK_CONFIG_KEYS)} "
+                              f"(and for a classifier {list(BOOK_CLASSIFIER_KEYS)})")
     for k in ("tok_emb.weight", "pos_emb.weight"):
         if k not in sd or sd[k].dim() != 2:
             raise CheckpointError(f"{source}: no 2-D {k}; not the book's GPTModel state dict")
@@ -91,8 +89,12 @@ def book_to_gpt2(sd: dict[str, torch.Tensor], cfg: dict | None = None,
     """
     cfg = book_config(sd, cfg, source)
     C, V, T, L = cfg["emb_dim"], cfg["vocab_size"], cfg["context_length"], cfg["n_layers"]
+    head = book_head(sd, cfg, source)
     norms = lambda p: {p + ".scale": (C,), p + ".shift": (C,)}  # noqa: E731
-    expected = {"tok_emb.weight": (V, C), "pos_emb.weight": (T, C), **norms("final_norm"), "out_head.weight": (V, C)}
+    expected = {"tok_emb.weight": (V, C), "pos_emb.weight": (T, C), **norms("final_norm"),
+                "out_head.weight": (V if head is None else head["n_labels"], C)}
+    if head is not None and head["head_bias"]:
+        expected["out_head.bias"] = (head["n_labels"],)
     optional = {}
     for i in range(L):
         b = f"trf_blocks.{i}."
@@ -107,14 +109,17 @@ def book_to_gpt2(sd: dict[str, torch.Tensor], cfg: dict | None = None,
         optional[b + "att.mask"] = (T, T)
     check_tensors(tensor_shapes(sd), expected, source, optional)
     try:
-        config = GPT2Config(n_vocab=V, n_ctx=T, n_embd=C, n_head=cfg["n_heads"], n_layer=L,
-                            embd_pdrop=cfg["drop_rate"], attn_pdrop=cfg["drop_rate"], resid_pdrop=cfg["drop_rate"],
-                            tokenizer="gpt2" if V >= 50257 else "bytes")
+        config = (GPT2Config if head is None else ClassifierConfig)(
+            n_vocab=V, n_ctx=T, n_embd=C, n_head=cfg["n_heads"], n_layer=L, embd_pdrop=cfg["drop_rate"],
+            attn_pdrop=cfg["drop_rate"], resid_pdrop=cfg["drop_rate"], tokenizer="gpt2" if V >= 50257 else "bytes",
+            **(head or {}))
     except ValueError as e:
         raise CheckpointError(f"{source}: book config: {e}") from None
     out = {"wte.weight": sd["tok_emb.weight"], "wpe.weight": sd["pos_emb.weight"],
            "ln_f.weight": sd["final_norm.scale"], "ln_f.bias": sd["final_norm.shift"],
            "lm_head.weight": sd["out_head.weight"]}
+    if head is not None and head["head_bias"]:
+        out["lm_head.bias"] = sd["out_head.bias"]
     for i in range(L):
         b, h = f"trf_blocks.{i}.", f"h.{i}."
         qkv = [b + f"att.{w}" for w in ("W_query", "W_key", "W_value")]
@@ -128,7 +133,63 @@ def book_to_gpt2(sd: dict[str, torch.Tensor], cfg: dict | None = None,
         for mine, theirs in (("mlp.c_fc", "ff.layers.0"), ("mlp.c_proj", "ff.layers.2")):
             out[h + mine + ".weight"] = sd[b + theirs + ".weight"].t().contiguous()
             out[h + mine + ".bias"] = sd[b + theirs + ".bias"]
-    return tie_head(out, config)
+    return (out, config) if head is not None else tie_head(out, config)
+
+
+def book_head(sd: dict[str, torch.Tensor], cfg: dict, source: str) -> dict | None:
+    """What the book's ``out_head`` is: None for chapter 5's language model (``[vocab_size,
+    emb_dim]``, no bias), else chapter 6's classifier head (``model.out_head =
+    torch.nn.Linear(emb_dim, num_classes)``: another row count, or a bias) as
+    :class:`~gpt2mha.core.classifier.ClassifierConfig`'s fields: ``n_labels``, ``head_bias``,
+    ``labels`` (from ``cfg``'s ``labels`` or ``id2label``), ``pad_token_id`` (default 50256 for
+    a GPT-2 vocabulary, the book's), ``max_length``, ``pooling="last"`` (the book reads
+    ``logits[:, -1, :]``).
+
+    Raises:
+        CheckpointError: one line naming the file and the tensor: ``out_head.weight`` not 2-D
+            or not reading ``emb_dim`` features, an ``out_head.bias`` that is not one value per
+            row, or labels of another count than the rows.
+    """
+    w, b = sd.get("out_head.weight"), sd.get("out_head.bias")
+    C, V = cfg["emb_dim"], cfg["vocab_size"]
+    if not isinstance(w, torch.Tensor):
+        return None                                              # reported as missing by check_tensors
+    if w.dim() != 2 or w.shape[1] != C:
+        raise CheckpointError(f"{source}: out_head.weight has shape {list(w.shape)}; the head reads emb_dim={C} "
+                              f"features: expected [vocab_size={V}, {C}] (a language model) or [n_labels, {C}] "
+                              f"(a classifier)")
+    if isinstance(b, torch.Tensor) and tuple(b.shape) != (w.shape[0],):
+        raise CheckpointError(f"{source}: out_head.bias has shape {list(b.shape)} but out_head.weight "
+                              f"{list(w.shape)} has {w.shape[0]} rows: expected [{w.shape[0]}]")
+    if w.shape[0] == V and b is None:
+        return None
+    n = w.shape[0]
+    labels = cfg.get("labels")
+    if labels is None and isinstance(cfg.get("id2label"), dict):
+        labels = id2label_names(cfg["id2label"], n, source)
+    if labels is not None and (not isinstance(labels, (list, tuple)) or len(labels) != n):
+        raise CheckpointError(f"{source}: labels={labels!r} but out_head.weight {list(w.shape)} has {n} rows: expected "
+                              f"{n} names, one per row")
+    pad = cfg.get("pad_token_id", BOOK_PAD_TOKEN_ID if V > BOOK_PAD_TOKEN_ID else None)
+    return {"n_labels": n, "head_bias": b is not None, "labels": None if labels is None else tuple(labels),
+            "pad_token_id": pad, "pooling": "last", "max_length": cfg.get("max_length")}
+
+
+def id2label_names(id2label: dict, n: int, source: str) -> list[str]:
+    """transformers' ``id2label`` (``{"0": name, …}``, keys as strings or ints) → the ``n`` names
+    in id order.
+
+    Raises:
+        CheckpointError: keys other than ``0 … n-1``.
+    """
+    try:
+        names = {int(k): v for k, v in id2label.items()}
+    except (TypeError, ValueError):
+        names = {}
+    if sorted(names) != list(range(n)):
+        raise CheckpointError(f"{source}: id2label={id2label!r}: expected the ids 0 … {n - 1}, one per output of the "
+                              f"head")
+    return [names[i] for i in range(n)]
 
 
 def gpt2_to_book(model: GPT2) -> tuple[dict[str, torch.Tensor], dict]:
@@ -169,19 +230,21 @@ def gpt2_to_book(model: GPT2) -> tuple[dict[str, torch.Tensor], dict]:
             out[b + norm + ".scale"], out[b + norm + ".shift"] = sd[h + ln + ".weight"], sd[h + ln + ".bias"]
     out["final_norm.scale"], out["final_norm.shift"] = sd["ln_f.weight"], sd["ln_f.bias"]
     out["out_head.weight"] = model.output_weight().detach()
+    if isinstance(c, ClassifierConfig):                          # chapter 6's head and its settings
+        if c.head_bias:
+            out["out_head.bias"] = sd["lm_head.bias"]
+        cfg.update({k: v for k, v in (("labels", c.labels and list(c.labels)), ("pad_token_id", c.pad_token_id),
+                                      ("max_length", c.max_length)) if v is not None})
     return out, cfg
-
-
-def book_config_path(path: str) -> str:
-    """Where the config dict of a book checkpoint ``DIR/NAME.pth`` lives: ``DIR/NAME.json``."""
-    return os.path.splitext(path)[0] + ".json"
 
 
 def read_book(path: str, cfg: dict | None = None, obj=None) -> tuple[dict[str, torch.Tensor], GPT2Config, dict]:
     """A book checkpoint file → (gpt2mha state dict, config, the book's config dict).
 
     The config dict comes from ``cfg``, else a ``"config"``/``"cfg"`` dict stored in the file,
-    else :func:`book_config_path` beside it (``cfg`` entries win over the stored ones).
+    else :func:`book_config_path` beside it (``cfg`` entries win over the stored ones). Appendix
+    E's ``LinearWithLoRA`` layers are merged into the weights (:mod:`gpt2mha.io.lora`, with the
+    config's ``lora_alpha``).
 
     Raises:
         CheckpointError: see :func:`read_torch_file`, :func:`book_to_gpt2`.
@@ -198,8 +261,14 @@ def read_book(path: str, cfg: dict | None = None, obj=None) -> tuple[dict[str, t
                 stored = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{side}: cannot read JSON: {e}") from None
-    full = book_config(sd, {**(stored or {}), **(cfg or {})}, path)
+    merged = {**(stored or {}), **(cfg or {})}
+    adapter = None
+    if is_book_lora(sd):                                          # appendix E: merged into the plain weights
+        sd, adapter = split_book_lora(sd, merged.get("lora_alpha"), path)
+    full = book_config(sd, merged, path)
     sd_ours, config = book_to_gpt2(sd, full, path)
+    if adapter is not None:
+        sd_ours, config = merge_state_dict(sd_ours, config, adapter)
     return sd_ours, config, full
 
 

@@ -6,12 +6,16 @@ every reader runs before anything is copied, and the model they become. Every ch
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import warnings
 
 import torch
+from safetensors.torch import load_file
 
+from ..core.classifier import ClassifierConfig, GPT2Classifier
 from ..core.model import GPT2, GPT2Config
+from .layouts import strip_wrapper_prefixes
 
 
 class CheckpointError(ValueError):
@@ -195,9 +199,28 @@ def model_from_state_dict(sd: dict[str, torch.Tensor], config: GPT2Config, sourc
         CheckpointError: see :func:`gpt2mha.io.checkpoints.check_state_dict`.
     """
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_class(config, model_cls, source)(config)
     check_state_dict(model, sd, source)
     return load_into(model, sd, dtype)
+
+
+def model_class(config: GPT2Config, model_cls=GPT2, source: str = "checkpoint") -> type:
+    """The class a loader builds for ``config``: ``model_cls`` for a language model; for a
+    :class:`~gpt2mha.core.classifier.ClassifierConfig`, ``model_cls`` when it is a classifier
+    class, else its ``classifier_class`` attribute (the public ``gpt2mha.GPT2`` names
+    ``gpt2mha.GPT2Classifier`` there), else the core :class:`~gpt2mha.core.classifier.GPT2Classifier`.
+
+    Raises:
+        CheckpointError: a classifier class asked for a language model's checkpoint.
+    """
+    if isinstance(config, ClassifierConfig):
+        if issubclass(model_cls, GPT2Classifier):
+            return model_cls
+        return getattr(model_cls, "classifier_class", None) or GPT2Classifier
+    if issubclass(model_cls, GPT2Classifier):
+        raise CheckpointError(f"{source}: a language model (its head has n_vocab={config.n_vocab} outputs), not a "
+                              f"classifier; load it with GPT2.from_pretrained")
+    return model_cls
 
 
 def read_torch_file(path: str):
@@ -220,3 +243,50 @@ def read_torch_file(path: str):
 def detached_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A model's state dict, detached, keys as the model names them."""
     return {k: v.detach() for k, v in sd.items()}
+
+
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a ``.safetensors`` file, or of a ``.bin`` read with ``weights_only=True``.
+
+    Raises:
+        CheckpointError: truncated/corrupt file, or a pickle that would run code.
+    """
+    if path.endswith(".safetensors"):
+        try:
+            return load_file(path)
+        except Exception as e:  # safetensors raises its own SafetensorError on bad headers/lengths
+            raise CheckpointError(f"{path}: not a valid safetensors file (truncated or corrupt?): {e}") from None
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: refused: this pickle asks to run code or build objects other than "
+                              f"tensors ({str(e).splitlines()[-1] if str(e) else 'unsafe'}); convert it to "
+                              f"safetensors from a trusted source") from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: could not be read as a PyTorch state dict (truncated or corrupt?): {e}") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{path}: expected a dict of tensors")
+    return sd
+
+
+def book_config_path(path: str) -> str:
+    """Where the config dict of a book checkpoint ``DIR/NAME.pth`` lives: ``DIR/NAME.json``."""
+    return os.path.splitext(path)[0] + ".json"
+
+
+def book_state_dict_of(obj):
+    """The state dict inside a loaded book checkpoint (a plain state dict, or chapter 5's
+    ``{"model_state_dict": ...}``), with the per-head wrapper's prefixes stripped; None when
+    ``obj`` is neither.
+
+    Raises:
+        CheckpointError: the wrapper's keys cannot be read (:func:`~gpt2mha.io.layouts.strip_wrapper_prefixes`).
+    """
+    if isinstance(obj, dict) and isinstance(obj.get("model_state_dict"), dict):
+        obj = obj["model_state_dict"]                             # ch. 5's model_and_optimizer.pth
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj) and obj:
+        try:
+            return strip_wrapper_prefixes(obj)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    return None

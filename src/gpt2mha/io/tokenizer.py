@@ -139,12 +139,37 @@ def tokenizer_for(config):
 #: (transformers' names); a save removes those of an earlier save that the new tokenizer lacks.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
+#: The preamble of the book's chapter-7 prompts (``format_input``), the Alpaca dataset's.
+ALPACA_PREAMBLE = ("Below is an instruction that describes a task. "
+                   "Write a response that appropriately completes the request.")
+#: "Build a Large Language Model (From Scratch)", chapter 7 (``format_input``, Alpaca's prompt
+#: style): the preamble (or a leading system message's text instead), then per user message
+#: ``"\n\n### Instruction:\n" + content`` and, when the message has a non-empty ``input``
+#: field (an extra field of the message, as ``entry['input']``), ``"\n\n### Input:\n" +
+#: input``; per assistant message ``"\n\n### Response:\n" + content`` (the book's training
+#: text appends ``entry['output']`` so); the generation prompt ``"\n\n### Response:\n"``. One
+#: user message renders exactly ``format_input(entry)``, plus the response header the book's
+#: fine-tuned model writes next, so the reply is the book's ``generate`` output after it.
+ALPACA_TEMPLATE = (
+    "{% set system = messages and messages[0]['role'] == 'system' %}"
+    "{{ (messages[0]['content'] or '') if system else '" + ALPACA_PREAMBLE + "' }}"
+    "{% for message in messages[(1 if system else 0):] %}"
+    "{% if message['role'] == 'user' %}"
+    r"{{ '\n\n### Instruction:\n' + (message['content'] or '') }}"
+    r"{% if message['input'] %}{{ '\n\n### Input:\n' + message['input'] }}{% endif %}"
+    "{% elif message['role'] == 'assistant' %}"
+    r"{{ '\n\n### Response:\n' + (message['content'] or '') }}"
+    "{% else %}{{ raise_exception('the alpaca template takes a first system message, then user and assistant "
+    "messages; got role ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+    r"{% if add_generation_prompt %}{{ '\n\n### Response:\n' }}{% endif %}")
 #: gpt2mha's built-in chat templates, by name (``gpt2mha serve --chat-template NAME``,
 #: :mod:`gpt2mha.serving.chat`), in transformers' Jinja dialect. ``plain``: one "role: content"
 #: line per message, then ``assistant:`` (text a base model such as GPT-2 reads as a dialogue to
 #: continue); ``chatml``: OpenAI's ChatML turns, ``<|im_start|>role\ncontent<|im_end|>\n``, then
 #: ``<|im_start|>assistant\n`` (the layout of chat models tuned on it; to GPT-2's tokenizer its
-#: markers are ordinary text).
+#: markers are ordinary text); ``alpaca``: the book's chapter-7 instruction format
+#: (:data:`ALPACA_TEMPLATE`).
 CHAT_TEMPLATES = {
     "plain": ("{% for message in messages %}"
               r"{{ message['role'] + ': ' + (message['content'] or '') + '\n' }}"
@@ -154,6 +179,7 @@ CHAT_TEMPLATES = {
                r"{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
                "{% endfor %}"
                r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+    "alpaca": ALPACA_TEMPLATE,
 }
 #: The chat template ``gpt2mha serve`` renders chat with by default, and the one
 #: :func:`hf_tokenizer_files` writes into ``tokenizer_config.json`` (so that transformers'

@@ -13,7 +13,7 @@
  * instruction takes the odd product, then the even one, each a fused multiply-add): acc = bias (or 0),
  * then for k = 0, 2, 4, ...: acc = fma(x[k], w[k], fma(x[k+1], w[k+1], acc)). (A product of two bf16
  * values is exact in float32, so fused or not differs only where a product overflows or falls below
- * float32's normal range; a break-it review found the instruction fused there, and the other path
+ * float32's normal range: the instruction is fused there too, so the other path fuses as well, never
  * rounding the product first.) CPUs without AVX-512 BF16 take the same fmas on 8 float32 lanes (the
  * same bits, but where the instruction flushes a subnormal input or sum to zero). conv1d_bf16's lanes
  * are output columns (no horizontal sum): the two rows k, k+1 of w are interleaved in registers
@@ -23,11 +23,10 @@
  * of a row are the same whichever tile holds it. linear_bf16's 16 lanes each take the pairs at k = 32j +
  * 2l, then (l, l + 8), (l, l + 4), (l, l + 2), (0, 1) are added (float_products.cpp's tree), + bias.
  *
- * Why (benchmarks/RESULTS.md, "bf16 at memory speed"): a bf16 124M step reads 249 MB, half of float32's,
- * yet the decode view's bf16 products (torch's, from Python) ran slower than float32's. The 8-row tiles
- * ran at ~55 GMAC/s until their loops stopped storing accumulators (RESULTS.md, "bf16 products without
- * stored accumulators"): ~110 at 8 rows, ~300 at 512 on 2 threads (oneDNN's ~330; vdpbf16ps peaks at
- * ~234 a core here). */
+ * Why: a bf16 124M step reads 249 MB, half of float32's, yet torch's bf16 products called from Python
+ * run slower than float32's. The tiles' loops keep their accumulators in registers (a loop that stores
+ * them at every step runs at half the speed: docs/reference/kernels.md says how to check); the
+ * products against oneDNN's at 1, 8 and 512 rows are on docs/performance.md. */
 #include "simd.h" /* first: its note on immintrin.h says why */
 
 #include <ATen/core/Tensor.h>
@@ -433,9 +432,8 @@ void conv1d_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
         return;
     }
     /* below a prompt, and every M without AVX-512 BF16: walk.h's walk, tiles of 32 columns (vdpbf16ps; one
-     * row: 96, 192 bytes of each weight row as float32's 48 columns: RESULTS.md, "The last block, the prompt
-     * strips and the one-row tiles") or 24 (faster than 16-row blocks at 1 and 8 rows: RESULTS.md, "Prefetch
-     * into L2"); each span's outputs, once whole: bf16, GELU */
+     * row: 96, 192 bytes of each weight row as float32's 48 columns) or 24 (faster than 16-row blocks at 1
+     * and 8 rows); each span's outputs, once whole: bf16, GELU */
     const bool one = dot && M == 1;
     walk(M, K, N, one ? 96 : dot ? 32 : 24, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
         if (one) {

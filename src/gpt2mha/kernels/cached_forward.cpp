@@ -10,11 +10,11 @@
  * weights' exact float32 values, each output rounded to fp16 as a fp16 model's GEMM rounds it); a
  * 16-bit model's activations, embeddings and cache rounded where its own forward rounds them.
  *
- * Why it exists (benchmarks/RESULTS.md, "The forward in one call"): at batch 1 an int4 124M
- * step reads ~92 MB, about 2.3 ms at this machine's memory speed, and the compiled step
- * (inductor's kernels, its Python wrapper, the operator calls) spent ~0.8 ms more around them;
- * llama.cpp's whole step takes ~2.7. A 128-token prompt spent ~3 ms of its ~24 outside the
- * products and attention (LayerNorm, residual adds, module calls).
+ * Why it exists: at batch 1 an int4 124M step reads ~92 MB, a few milliseconds at a CPU's memory
+ * speed, and a compiled step (inductor's kernels, its Python wrapper, the operator calls) spends
+ * about a third as much again around them, enough to put it behind llama.cpp's whole step.
+ * A prompt likewise spends a share of its time outside the products and attention (LayerNorm,
+ * residual adds, module calls).
  *
  * Per row b (its new tokens at positions lengths[b] ..) and layer l:
  *   h = ln_1(x); qkv = c_attn(h); write k, v at the new positions of row b's cache;
@@ -206,9 +206,8 @@ static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t>
  * float_products.cpp, bf16_products.cpp). */
 static const int64_t FLOAT32 = -1, BF16 = -2, FP16 = -3;
 /* a bf16 prompt of this many rows or more multiplies by torch's addmm (oneDNN) on CPUs without AVX-512
- * BF16 (conv1d_bf16 adds on 8 float32 lanes there); with it, conv1d_bf16's packed strips are level with
- * oneDNN (RESULTS.md, "bf16 products without stored accumulators") and give a row's products the bits it
- * has alone */
+ * BF16 (conv1d_bf16 adds on 8 float32 lanes there); with it, conv1d_bf16's packed strips run close to
+ * oneDNN's speed (docs/performance.md) and give a row's products the bits it has alone */
 static const int64_t ONEDNN_ROWS = 32;
 struct Product {
     int64_t G;               /* group size: W4A8; 0: per_row; FLOAT32; BF16; FP16 */
@@ -490,8 +489,8 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
                 kk = at::from_blob(kd + l * kl, {B, H, S, D}, {kb, Tm * D, D, 1}, opts);
                 vv = at::from_blob(vd + l * vl, {B, H, S, D}, {vb, Tm * D, D, 1}, opts);
             }
-            /* a bf16 model's on vdpbf16ps where the CPU has it (RESULTS.md, "A bf16 prompt's attention on
-             * vdpbf16ps"), else on float32 lanes */
+            /* a bf16 model's on vdpbf16ps where the CPU has it (faster: two multiply-adds an instruction),
+             * else on float32 lanes */
             const auto attention = [&](const at::Tensor &qq) {
                 return hf == Half::bf16 && bf16_dot_products() ? causal_attention_bf16(qq, kk, vv) : causal_attention(qq, kk, vv);
             };

@@ -7,8 +7,7 @@
  * bottom-right causal mask (query i sees keys 0 .. i + S - T); o float32 [B, h, T, D], laid out
  * [B, T, h, D] (the heads merge with a free reshape).
  *
- * Why (benchmarks/RESULTS.md, "Prefill: causal attention of our own"): PyTorch's CPU flash
- * kernel skips masked keys only in
+ * Why: PyTorch's CPU flash kernel skips masked keys only in
  * blocks of 512, so up to 512 tokens it computes every score of the square and drops half;
  * split into blocks of queries, each SDPA call costs more than its share. Here each query row
  * computes only the scores it keeps. Each head's keys are first copied transposed (kt [D, S]
@@ -21,9 +20,9 @@
  * threads are (batch invariance). On AVX-512 CPUs (unless use_vnni(false)) the same sums run on
  * 16 lanes: 8 rows x 32 keys per scores pass, 4 rows x 64 dims per o pass, exp on 16 lanes; each
  * lane's operations are those of the AVX2 path, so both give the same bits. A 512-bit FMA does
- * twice a 256-bit one's work on Zen 5 (one 256-bit FMA's on Zen 4): 124M's 12 layers of prefill
- * attention took 2.55 -> 1.67-1.96 ms at 128 tokens, 38.4 -> 20.8-24.6 at 512 (2 threads; RESULTS.md,
- * "AVX-512 in the float parts").
+ * twice a 256-bit one's work on Zen 5 (one 256-bit FMA's on Zen 4), where the 16-lane path takes
+ * between about half and three quarters of the 8-lane path's time over 124M's 12 layers of prefill
+ * attention.
  *
  * causal_attention_bf16 (the operator of that name; cached_forward.cpp runs it for a bf16 model's prompts
  * where the CPU has AVX-512 BF16): the same tasks for q, k, v holding bf16 values (rounded to bf16 first),
@@ -35,7 +34,8 @@
  *   o: 4 rows x 64 dims per pass over pairs of keys (2m, 2m + 1) in order, odd key first; a row whose
  *     last pair has one of its keys zeroes the other's weight and value (a later value cannot reach it).
  * A row's result is the same in any batch, tile or block (the native forward's last block computes the
- * last query alone). Why, and what it gained: RESULTS.md, "A bf16 prompt's attention on vdpbf16ps".
+ * last query alone). Why: on float32 lanes a bf16 prompt's attention is a large share of what its
+ * prefill spends beyond the products (docs/performance.md, where the float steps' time goes).
  */
 #include "simd.h" /* first: its note on immintrin.h says why */
 

@@ -11,9 +11,9 @@
  * rounds each output to fp16 once (a fp16 model's GEMM), GELU after it, rounded again. The operators
  * round x to fp16 first; cached_forward's activations already are.
  *
- * Why they exist (benchmarks/RESULTS.md, "float32 at memory speed"): a float32 124M decode step reads
- * 497 MB of weights, and torch's products (MKL's GEMV and small GEMMs, called 49 times from Python) read
- * them at about half the memory's speed; at eight rows MKL's small GEMM ran slower than at one.
+ * Why they exist: a float32 124M decode step reads 497 MB of weights, and torch's products (MKL's GEMV
+ * and small GEMMs, called 49 times from Python) read them at about half the memory's speed; at eight rows
+ * MKL's small GEMM runs slower than at one (docs/performance.md: a step's products against torch's).
  *
  * Every output is summed in one fixed order whatever M, the threads or the instruction set, so a row's
  * result never depends on the other rows (batch invariance) and the AVX2 and AVX-512 paths give the same
@@ -24,13 +24,13 @@
  *   partial sums are kept in y between blocks of weight rows (float32 stores: exact).
  *   One row of float32 on AVX-512 (a decode step: bound by the weights' reads): each thread takes one
  *   contiguous span of the columns and reads KB rows at a time along the whole span, one vector of each
- *   row in turn (row16: KB long sequential streams; x's KB values in registers; RESULTS.md, "One row as
- *   KB streams"). Everything else below a prompt (walk.h): each thread one contiguous span of the
+ *   row in turn (row16: KB long sequential streams; x's KB values in registers: on a Zen 4 tiles read one
+ *   row's weights at about half a sum's speed, these streams half as fast again: docs/performance.md).
+ *   Everything else below a prompt (walk.h): each thread one contiguous span of the
  *   columns, walked KB_ROWS weight rows at a time in tiles of 8 rows x 3 vectors (4 x 3 on AVX2), each
  *   weight tile used for every row of x while it is in L1, every tile prefetching into L2 the weights of
- *   the tile PREFETCH_TILES ahead in its thread's walk (RESULTS.md, "Prefetch into L2": faster than tiles
- *   that did not at 2-63 rows, and at one row than KB streams for fp16 and on AVX2, not for float32 on
- *   AVX-512). A prompt (PROMPT_ROWS rows or more, AVX-512) copies each 48-column
+ *   the tile PREFETCH_TILES ahead in its thread's walk (faster than tiles that do not at 2-63 rows, and
+ *   at one row than KB streams for fp16 and on AVX2, not for float32 on AVX-512). A prompt (PROMPT_ROWS rows or more, AVX-512) copies each 48-column
  *   strip once into a contiguous buffer and runs every row down the whole of K on it.
  * - linear_f32 and linear_f16 (the head): head_products.cpp says their order.
  *
@@ -253,8 +253,7 @@ F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int6
     if constexpr (std::is_same_v<W, float>)            /* one row of float32: KB streams (fp16: walked, faster) */
         if (M == 1)
             return spans(1, K, N, 16, [&](int64_t c0, int64_t c1) { row16(x, K, w, N, c0, c1, bias, gelu, y); });
-    /* one row of fp16: tiles of 96 columns, 192 bytes of each weight row as float32's 48 (RESULTS.md, "The
-     * last block, the prompt strips and the one-row tiles") */
+    /* one row of fp16: tiles of 96 columns, 192 bytes of each weight row as float32's 48 */
     if constexpr (!std::is_same_v<W, float>)
         if (M == 1)
             return walk(1, K, N, 96, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {

@@ -141,7 +141,7 @@ F512 static void linear16(const float *x, int64_t M, int64_t K, const W *w, int6
  * through its chunk: its 1-2 chains per row are not the limit there (K / 16 fmas a row, ~4 cycles each),
  * the memory is: interleaving R rows (R chains in flight, R streams 2K or 4K bytes apart) read slower
  * cold on a Zen 4, on both paths. 2+ rows of x: tiles of R weight rows, each prefetching the next R rows
- * into L2 (into L1, slower) (benchmarks/RESULTS.md, "Prefetch into L2"). */
+ * into L2 (into L1, slower). */
 template <typename W>
 static void linear_any(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, float *y) {
     const int64_t chunk = std::max<int64_t>(8, chunk_rows(K * (int64_t)sizeof(W), N) / 8 * 8);   /* ~128 KiB */

@@ -17,8 +17,6 @@ import torch
 from . import build
 
 ENV = "GPT2MHA_KERNELS"
-#: The switch's former name, still honoured (with a warning) where ``GPT2MHA_KERNELS`` is unset.
-FORMER_ENV = "GPT2MHA_GEMV"
 OFF = ("0", "false", "off", "no")
 ON = ("", "1", "true", "on", "yes")
 #: What runs where the kernels are not loaded (said once, with the reason).
@@ -32,19 +30,13 @@ class KernelsUnavailable(RuntimeWarning):
 
 
 def setting() -> str:
-    """``GPT2MHA_KERNELS`` (else ``GPT2MHA_GEMV``) as ``"on"``, ``"off"``, ``"build"`` or a
+    """``GPT2MHA_KERNELS`` as ``"on"``, ``"off"``, ``"build"`` or a
     library's path.
 
     Raises:
         ValueError: any other value.
     """
-    value = os.environ.get(ENV)
-    name = ENV
-    if value is None and os.environ.get(FORMER_ENV) is not None:
-        value, name = os.environ[FORMER_ENV], FORMER_ENV
-        warnings.warn(f"{FORMER_ENV} is now {ENV} (it switches all of gpt2mha's native code); "
-                      f"{FORMER_ENV}={value} is taken as {ENV}={value}", DeprecationWarning, stacklevel=2)
-    value = (value or "").strip()
+    value = os.environ.get(ENV, "").strip()
     if value.lower() in OFF:
         return "off"
     if value.lower() in ON:
@@ -53,7 +45,7 @@ def setting() -> str:
         return "build"
     if value.endswith(".so") or os.sep in value:
         return value
-    raise ValueError(f"{name}={value!r}: expected 1 (the library built at install), 0 (none), build (compile the "
+    raise ValueError(f"{ENV}={value!r}: expected 1 (the library built at install), 0 (none), build (compile the "
                      f"sources into the cache) or the path of a built library (.so)")
 
 

@@ -11,11 +11,11 @@
  * this is the float32 product with the dequantized weight, each int8 weight converted to float
  * in registers (no rounding of x, unlike the bf16 activations of inductor's template).
  *
- * Why it exists (benchmarks/RESULTS.md, "A kernel of our own"): at one to eight rows the product
+ * Why it exists: at one to eight rows the product
  * is a read of the weights, and on an AVX2-only CPU no kernel torch ships streams them near the
  * memory's speed. Reading each weight row start to end, one row after the next, keeps the reads
  * one sequential stream the hardware prefetcher follows; the same loop over four interleaved rows
- * ran at half the speed.
+ * runs at half the speed.
  *
  * Every row of x is summed in the same order whatever M is (four 8-lane accumulators over
  * k mod 32, then a fixed reduction), so a row's result does not depend on the other rows
@@ -46,9 +46,9 @@
  * than it saves, and on a loaded machine much more (a waiting thread must be scheduled before
  * the call can end). A chunk holds about CHUNK_BYTES of weights, which keeps each thread's reads
  * one long sequential run the prefetcher follows (chunks of 32 rows, 24 KiB of the 768-wide
- * head, left two threads no faster than one: RESULTS.md, "int4 and chunks"), and the number of
+ * head, leave two threads no faster than one), and the number of
  * chunks is a multiple of the threads, so that on an idle machine they finish together (a
- * 768x2304 int4 matrix in 128 KiB chunks is 6.75 of them: one thread did 4, the other 3). Which
+ * 768x2304 int4 matrix in 128 KiB chunks would be 6.75 of them: one thread doing 4, the other 3). Which
  * thread computes a channel changes no sum. */
 static const int64_t CHUNK_BYTES = 1 << 17;
 static const int64_t PARALLEL_MACS = 1 << 18;
@@ -148,9 +148,9 @@ static bool use_vnni = true;
  * multiplies want them, as oneDNN and FBGEMM pack theirs: P [N/32, K/4, 32, 4] (both rounded
  * up, zero-padded; pack_rows in gemv.py), four consecutive inputs of 32 output channels per 128
  * bytes. Four bytes of a row of u, broadcast, times 128 bytes of P add into the int32 sums of 32
- * channels at once (two vpdpbusd, or four vpmaddubsw + vpmaddwd on AVX2): no horizontal sums (a
- * kernel over row-major weights spent about as long on them as on the products at eight rows:
- * RESULTS.md, "Packed weights for per_row decode"), and each 128-byte step of P is read once for
+ * channels at once (two vpdpbusd, or four vpmaddubsw + vpmaddwd on AVX2): no horizontal sums (over
+ * row-major weights they take about as long as the products at eight rows), and each 128-byte step
+ * of P is read once for
  * up to eight rows of u. A tile of 32 channels is one sequential run of 32 K bytes. Exact integer
  * sums make the result independent of the order, hence of the other rows, the threads and the
  * instructions (the same sums as FBGEMM's and torch._int_mm's); the rounding and the rescale

@@ -14,9 +14,9 @@
  * vpdpbusd and AVX2's vpmaddubsw give the same bits: the integer sums are exact and the float
  * operations the same per lane).
  *
- * Why packed (benchmarks/RESULTS.md, "W4A8 on packed tiles"): the first W4A8 kernel read each
- * weight row along K and reduced every output at the end, ~8 instructions per 64 weight bytes per
- * activation row: 95 GMAC/s at 8 rows and 79 at 512, slower than float32 for prompts. Here 32
+ * Why packed: a kernel that reads each weight row along K and reduces every output at the end
+ * spends ~8 instructions per 64 weight bytes per activation row, slower than float32 for prompts
+ * (benchmarks/results/w4a8_products.json has the packed kernel against float32). Here 32
  * output channels' nibbles for 4 inputs lie in one 64-byte step, the low nibbles channels 0-15
  * and the high ones 16-31, so a step is two vpdpbusd per activation row against 4 bytes of it
  * broadcast (the layout llama.cpp's and oneDNN's int8 GEMMs use), and a tile's weights serve up

@@ -6,7 +6,7 @@
  * weights of the tile PREFETCH_TILES further along its thread's walk (past the end of a block: the next
  * block's first tiles), and prefetches those into L2 row by row as it goes: the memory's latency then
  * overlaps the tile's arithmetic (over cold weights, tiles without it read at about half the speed, and
- * prefetching into L1 gained nothing: benchmarks/RESULTS.md, "Prefetch into L2"); long blocks keep each
+ * prefetching into L1 gains nothing); long blocks keep each
  * tile's entry and exit (its partial sums loaded from y and stored back) rare. The walk changes no sum:
  * every output is one chain over k in order whatever the walk, so its bits do not depend on it. */
 #pragma once

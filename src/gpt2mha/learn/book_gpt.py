@@ -88,3 +88,39 @@ class GPTModel(nn.Module):
         x = self.tok_emb(in_idx) + self.pos_emb(torch.arange(T, device=in_idx.device))   # (b, T, C)
         x = self.trf_blocks(self.drop_emb(x))
         return self.out_head(self.final_norm(x))                    # (b, T, vocab_size)
+
+
+class LoRALayer(nn.Module):
+    """Appendix E's LoRA: ``alpha · (x @ A @ B)``, ``A [in_dim, rank]`` (Kaiming-uniform),
+    ``B [rank, out_dim]`` (zeros), ``alpha`` a plain attribute (in no state dict)."""
+
+    def __init__(self, in_dim: int, out_dim: int, rank: int, alpha: float):
+        super().__init__()
+        self.A = nn.Parameter(torch.empty(in_dim, rank))
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+        self.B = nn.Parameter(torch.zeros(rank, out_dim))
+        self.alpha = alpha
+
+    def forward(self, x):
+        return self.alpha * (x @ self.A @ self.B)
+
+
+class LinearWithLoRA(nn.Module):
+    """Appendix E: ``linear(x) + lora(x)`` around an ``nn.Linear``."""
+
+    def __init__(self, linear: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.linear = linear
+        self.lora = LoRALayer(linear.in_features, linear.out_features, rank, alpha)
+
+    def forward(self, x):
+        return self.linear(x) + self.lora(x)
+
+
+def replace_linear_with_lora(model: nn.Module, rank: int, alpha: float) -> None:
+    """Appendix E: every ``nn.Linear`` of ``model`` (recursively) becomes a :class:`LinearWithLoRA`."""
+    for name, module in model.named_children():
+        if isinstance(module, nn.Linear):
+            setattr(model, name, LinearWithLoRA(module, rank, alpha))
+        else:
+            replace_linear_with_lora(module, rank, alpha)

@@ -218,7 +218,7 @@ def reference_stages(sd: dict[str, torch.Tensor], n_head: int, idx: torch.Tensor
         out.update({f"block {i} attn": a, f"block {i} mlp": m, f"block {i} out": x})
     x = R.norm(x, p["ln_f.weight"], p["ln_f.bias"])
     head = p.get("lm_head.weight", p["wte.weight"])
-    out["ln_f"], out["logits"] = x, x @ head.T
+    out["ln_f"], out["logits"] = x, x @ head.T + p.get("lm_head.bias", 0.0)     # a classifier's head may have one
     return {k: torch.from_numpy(np.asarray(v)) for k, v in out.items()}
 
 
@@ -390,6 +390,7 @@ def _learner_model(src: str, fmt: str, cls: str | None, book_config: dict | None
     if fmt == "book":
         _, _, cfg = read_book(src, book_config, obj=obj)
         model, sd = cls_obj(cfg), book_state_dict_of(obj)
+        book_extras(model, sd, cfg)
     else:
         from ..io.layouts import strip_wrapper_prefixes
         module = sys.modules.get(cls_obj.__module__)
@@ -407,6 +408,22 @@ def _learner_model(src: str, fmt: str, cls: str | None, book_config: dict | None
     if missing or result.unexpected_keys:
         raise ValueError(f"{ref}.load_state_dict: missing {missing}, unexpected {result.unexpected_keys}")
     return model, ref
+
+
+def book_extras(model: torch.nn.Module, sd: dict, cfg: dict) -> None:
+    """Give the learner's chapter-4 ``GPTModel`` what the state dict holds beyond it, as the book
+    does: chapter 6's classifier head (``model.out_head = nn.Linear(emb_dim, num_classes)``)
+    and appendix E's LoRA layers (``replace_linear_with_lora(model, rank, alpha)``: rank from
+    the shapes, alpha from the config's ``lora_alpha``), in the book's order."""
+    w = sd.get("out_head.linear.weight", sd.get("out_head.weight"))
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and (
+            w.shape[0] != cfg["vocab_size"] or "out_head.bias" in sd or "out_head.linear.bias" in sd):
+        model.out_head = torch.nn.Linear(w.shape[1], w.shape[0],
+                                         bias="out_head.bias" in sd or "out_head.linear.bias" in sd)
+    ranks = [t.shape[1] for k, t in sd.items() if k.endswith(".lora.A")]
+    if ranks:
+        from .book_gpt import replace_linear_with_lora
+        replace_linear_with_lora(model, rank=ranks[0], alpha=cfg["lora_alpha"])
 
 
 def format_model_report(r: ModelReport) -> str:

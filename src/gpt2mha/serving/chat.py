@@ -3,7 +3,8 @@ into one prompt, which the server continues as ``/v1/completions`` does; the ans
 as OpenAI's ``chat.completion`` (or ``chat.completion.chunk`` events when streamed).
 
 GPT-2 has no chat template of its own. The server ships built-in ones, selected by name
-(:data:`BUILTIN_TEMPLATES`: ``plain``, "role: content" lines, the default, and ``chatml``), and
+(:data:`BUILTIN_TEMPLATES`: ``plain``, "role: content" lines, the default, ``chatml``, and
+``alpaca``, the book's chapter-7 instruction format), and
 takes a Jinja file as vLLM's ``--chat-template`` does (``gpt2mha serve --chat-template
 NAME|FILE``); with ``--chat-template none`` the route answers 400 (:func:`no_template_error`).
 The template is rendered as transformers'
@@ -37,9 +38,9 @@ from .scheduler import Sequence
 
 
 # ------------------------------------------------------------------------------ template
-#: The built-in chat templates, by name (``gpt2mha serve --chat-template NAME``): ``plain`` and
-#: ``chatml`` (:data:`gpt2mha.io.tokenizer.CHAT_TEMPLATES`, where the tokenizer files take the
-#: default from).
+#: The built-in chat templates, by name (``gpt2mha serve --chat-template NAME``): ``plain``,
+#: ``chatml`` and ``alpaca`` (:data:`gpt2mha.io.tokenizer.CHAT_TEMPLATES`, where the tokenizer files
+#: take the default from).
 BUILTIN_TEMPLATES = CHAT_TEMPLATES
 #: The template ``gpt2mha serve`` and :func:`~gpt2mha.serving.server.create_app` serve chat with by
 #: default: chat-first clients (the openai client's chat, LangChain's ``ChatOpenAI``, litellm)
@@ -367,7 +368,7 @@ class ChatCompletions(Completions):
         """
         s = self.scheduler
         body = parse_chat_request(raw)
-        check_model(body.model, self.model_name)                 # before rendering anything
+        check_model(body.model, self.served_name(body.model))    # before rendering anything
         request = completion_request(body, self.template, s.tokenizer, s.n_ctx)
         self.check(request)
         return request, encode_prompts(request, s.tokenizer, s.n_ctx, overflow=self.overflow)

@@ -24,6 +24,7 @@ from .protocol import (CLIP, MAX_STOP, APIError, check_prompt_count, check_reque
                        usage)
 from .operate import request_id
 from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown, pick_choices
+from .structured import check_grammar
 from .text_stream import CANCELLED, ERROR
 
 log = logging.getLogger("gpt2mha.serve")
@@ -116,10 +117,17 @@ class Completions:
     MAX_LOGPROBS = MAX_COMPLETION_LOGPROBS
 
     def __init__(self, scheduler: Scheduler, model_name: str, max_body_bytes: int, max_stop: int = MAX_STOP,
-                 relay: Relay | None = None, max_tokens_overflow: str = CLIP):
+                 relay: Relay | None = None, max_tokens_overflow: str = CLIP,
+                 adapters: dict[str, int] | None = None):
         self.scheduler, self.model_name, self.max_body_bytes = scheduler, model_name, max_body_bytes
         self.max_stop, self.overflow = max_stop, max_tokens_overflow
         self.relay = Relay() if relay is None else relay
+        self.adapters = dict(adapters or {})          # LoRA adapter name → index (serve --lora name=DIR)
+
+    def served_name(self, name: str | None) -> str:
+        """The name a request's ``model`` is checked against: itself when it names a LoRA
+        adapter of this server, else the base model's."""
+        return name if name in self.adapters else self.model_name
 
     async def handle(self, request: Request):
         """The answer to one request (raises :class:`~gpt2mha.serving.protocol.APIError`, which
@@ -138,11 +146,12 @@ class Completions:
                 self.relay.send(events, (seq, text, done))
 
         try:
-            seqs = self.scheduler.submit(prompts, sampling_params(body), on_event, clip=self.overflow == CLIP)
+            seqs = self.scheduler.submit(prompts, sampling_params(body), on_event, clip=self.overflow == CLIP,
+                                         adapter=self.adapters.get(body.model))
         except (ExceedsCapacity, QueueFull, ShuttingDown) as e:
             raise submit_error(e) from None
         head = {"id": f"{self.ID_PREFIX}{secrets.token_hex(12)}", "object": self.OBJECT, "created": int(time.time()),
-                "model": self.model_name}
+                "model": self.served_name(body.model)}
         clipped = sorted({s.params.max_tokens for s in seqs if s.params.max_tokens < body.max_tokens})
         if clipped:
             log.info("request %s max_tokens=%d clipped to %s: the room its prompts leave in the %d-token context "
@@ -168,12 +177,14 @@ class Completions:
 
     def check(self, body) -> None:
         """The checks of a parsed request (:mod:`.protocol`): model, values, stop strings (at
-        most ``max_stop``), ``stream_options`` only with ``stream``, and the prompt count."""
+        most ``max_stop``), ``stream_options`` only with ``stream``, the prompt count, and its
+        structured output's grammar compiled for the served tokenizer (:mod:`.structured`)."""
         s = self.scheduler
-        check_request(body, self.model_name, s.engine.vocab_size, self.MAX_LOGPROBS)
+        params = check_request(body, self.served_name(body.model), s.engine.vocab_size, self.MAX_LOGPROBS)
         check_stop(body, self.max_stop)
         check_stream_options(body)
         check_prompt_count(body, s.capacity, s.max_batch, s.max_queue)
+        check_grammar(params, s.engine, body)
 
     def whole_choice(self, index: int, seq: Sequence) -> dict:
         """A finished sequence as ``choices[index]`` of a whole answer."""

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import re
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..inference.params import FIELDS as SAMPLING_FIELDS
 from ..inference.params import MAX_COMPLETION_LOGPROBS, MAX_LOGPROBS, ParamError, SamplingParams
+from .errors import APIError  # noqa: F401  (raised here; importable from here too)
 from .scheduler import ExceedsCapacity, QueueFull, Sequence, ShuttingDown
 from .text_stream import CANCELLED, ERROR, TextStream
 
@@ -73,6 +73,9 @@ class RequestFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # ---- structured outputs (OpenAI's response_format, vLLM's structured_outputs: .structured)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
     # ---- accepted at its neutral value (clients send it by default)
     user: str | None = None
 
@@ -98,24 +101,10 @@ EXPECTED = {
     "repetition_penalty": "a number", "no_repeat_ngram_size": "an integer", "min_tokens": "an integer",
     "ignore_eos": "a boolean", "stop_token_ids": "a list of token ids (integers)",
     "include_stop_str_in_output": "a boolean",
+    "response_format": "an object {type: 'text', 'json_object' or 'json_schema', json_schema: {name, schema}}",
+    "structured_outputs": "an object with one of json, regex, choice, grammar, json_object",
     "suffix": "a string", "user": "a string",
 }
-
-
-class APIError(Exception):
-    """An error answered as OpenAI's ``{"error": {...}}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # ------------------------------------------------------------------------------ requests
@@ -396,15 +385,19 @@ def stop_strings(body: CompletionRequest) -> tuple[str, ...]:
 
 def sampling_params(body: CompletionRequest) -> SamplingParams:
     """The request's :class:`~gpt2mha.inference.params.SamplingParams`: every field of it taken
-    from the request's field of the same name (``stop`` and ``stop_token_ids`` as tuples).
+    from the request's field of the same name (``stop`` and ``stop_token_ids`` as tuples;
+    ``structured_outputs`` from it or from ``response_format``: :mod:`.structured`).
 
     Raises:
         APIError: 400 naming the field a :class:`~gpt2mha.inference.params.ParamError` names.
     """
+    from .structured import structured_request
+
     values = {name: getattr(body, name) for name in SAMPLING_FIELDS}      # every one: a request field
     try:
         return SamplingParams(**{**values, "stop": stop_strings(body), "logit_bias": body.logit_bias or {},
-                                 "stop_token_ids": tuple(body.stop_token_ids or ())})
+                                 "stop_token_ids": tuple(body.stop_token_ids or ()),
+                                 "structured_outputs": structured_request(body)})
     except ParamError as e:
         raise APIError(400, str(e), e.param) from None
 

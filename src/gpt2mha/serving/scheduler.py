@@ -11,7 +11,8 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
    own keys);
 4. turn each new token into UTF-8-safe text (:class:`~gpt2mha.serving.text_stream.TextStream`),
    send it, and free the slot of every sequence that finished (length, end of text, a stop
-   string) at once.
+   string, a ``structured_outputs`` grammar that is complete: ``"stop"``, even at its
+   ``max_tokens``-th token) at once.
 
 A sequence's logits are, bit for bit, the ones ``generate`` computes for its prompt alone,
 whatever else runs beside it, in whichever slot, admitted whenever (batch invariance: the
@@ -108,6 +109,7 @@ class Sequence:
     t_end: float | None = None
     cached_tokens: int = 0
     stream: TextStream | None = None
+    adapter: int | None = None                  # the LoRA adapter's index (inference/lora.py; None: the base)
 
     @property
     def done(self) -> bool:
@@ -176,7 +178,7 @@ class Scheduler:
         store = PrefixCache(prefix_cache_mb) if prefix_cache_mb else None
         self.engine = Engine(model, self.max_batch, route, vocab_size=min(tokenizer.n_vocab, self.n_vocab),
                              batch_invariant=batch_invariant, eos_token_id=getattr(tokenizer, "eot_token", None),
-                             prefix_cache=store)
+                             tokenizer=tokenizer, prefix_cache=store)
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
@@ -190,16 +192,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------------- app side
     def submit(self, prompts: list[list[int]], params: SamplingParams,
-               on_event: Callable[[Sequence, str, bool], None], clip: bool = False) -> list[Sequence]:
+               on_event: Callable[[Sequence, str, bool], None], clip: bool = False,
+               adapter: int | None = None) -> list[Sequence]:
         """Queue ``params.per_prompt`` sequences per prompt (all or none) and return them in
         order: prompt i's candidate j has ``index = i * per_prompt + j`` (its seed rule) and
         ``prompt_index = i``. With ``clip``, a prompt whose ``max_tokens`` goes past the context
         runs with ``max_tokens`` the room left (``n_ctx - len(prompt)``; its ``params`` say so),
-        ending with finish_reason ``"length"`` where the context ends.
+        ending with finish_reason ``"length"`` where the context ends. ``adapter``: the LoRA
+        adapter they run with (an index of the model's :class:`~gpt2mha.inference.lora.LoraState`;
+        None: the base model).
 
         Raises:
             ValueError: ``params`` not a :class:`~gpt2mha.inference.params.SamplingParams` (which
-                checked its own fields), a logit_bias id outside the vocabulary, an empty prompt,
+                checked its own fields), a logit_bias id outside the vocabulary, a
+                ``structured_outputs`` grammar refused for this tokenizer
+                (:class:`~gpt2mha.inference.params.GrammarError`), an empty prompt,
                 ids that are not integers or outside the vocabulary, or prompt + max_tokens
                 longer than n_ctx (with ``clip``: a prompt longer than n_ctx; the caller checks
                 these first for clear HTTP errors).
@@ -211,7 +218,7 @@ class Scheduler:
         now = time.monotonic()
         m = params.per_prompt
         seqs = [Sequence(ids, self._fitted(params, ids) if clip else params, on_event, index=i * m + j,
-                         prompt_index=i, t_submit=now)
+                         prompt_index=i, t_submit=now, adapter=adapter)
                 for i, ids in enumerate(prompts) for j in range(m)]
         with self._cv:
             if self._stopping:
@@ -235,6 +242,7 @@ class Scheduler:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
         params.check_vocab(self.engine.vocab_size)
+        self.engine.grammar(params)                     # compiled (and kept) before any slot is taken
         m = params.per_prompt
         if len(prompts) * m > self.capacity:
             each = f" x {m} sequences each (best_of/n)" if m > 1 else ""
@@ -447,13 +455,13 @@ class Scheduler:
                 seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens, p.stop_token_ids, p.ignore_eos,
                                         p.min_tokens, p.include_stop_str_in_output)
                 if p.echo and p.logprobs is not None:
-                    seq.prompt_logprobs = self.engine.score(seq.prompt_ids, p.logprobs)
+                    seq.prompt_logprobs = self.engine.score(seq.prompt_ids, p.logprobs, adapter=seq.adapter)
                 if p.max_tokens == 0:
                     self._finish(seq, LENGTH)
                     continue
                 seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
                 logprobs = p.logprobs if p.logprobs is not None else 0 if p.ranked else None
-                self.engine.open(seq.slot, p, seed, logprobs=logprobs, prompt=seq.prompt_ids)
+                self.engine.open(seq.slot, p, seed, logprobs=logprobs, prompt=seq.prompt_ids, adapter=seq.adapter)
                 live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
@@ -509,6 +517,8 @@ class Scheduler:
             self._recent.append(now)
             self._forget_old(now)
         delta, reason = seq.stream.add(token)
+        if reason != STOP and self.engine.samplers[seq.slot].complete:
+            reason = STOP                               # its grammar is complete: nothing can follow
         if reason is not None:
             return self._finish(seq, reason, text=delta)
         if delta:

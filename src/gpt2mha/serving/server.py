@@ -62,6 +62,7 @@ from starlette.exceptions import HTTPException
 
 from .. import kernels
 from ..core import checks
+from ..core.classifier import ClassifierConfig
 from ..inference.decoders import choose_decoder
 from . import chat, tokens
 from .address import check_address
@@ -123,7 +124,7 @@ class AnswerCancelled:
 
 def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
-               max_tokens_overflow: str = CLIP) -> FastAPI:
+               max_tokens_overflow: str = CLIP, classifier=None) -> FastAPI:
     """The ASGI app serving ``scheduler``'s model as ``model_name``; request bodies over
     ``max_body_bytes`` get 413; requests may carry up to ``max_stop`` stop strings;
     ``/v1/chat/completions`` renders messages with ``chat_template`` (Jinja source, default the
@@ -132,7 +133,9 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     leaves in the context is clipped to it (``max_tokens_overflow="clip"``, the default: the
     completion ends with ``finish_reason: "length"`` where the context does, as llama.cpp's
     server) or refused with a 400 (``"refuse"``, as OpenAI and vLLM;
-    :data:`~gpt2mha.serving.protocol.MAX_TOKENS_OVERFLOW`).
+    :data:`~gpt2mha.serving.protocol.MAX_TOKENS_OVERFLOW`); ``classifier``: a
+    :class:`~gpt2mha.core.classifier.GPT2Classifier` served at ``/v1/classify`` instead of the
+    generation routes (:mod:`.classify`).
 
     Every error, the app's own and the router's (404 unknown route, 405 wrong method), is
     OpenAI's ``{"error": {"message", "type", "param", "code"}}`` object.
@@ -158,6 +161,8 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     template = None if chat_template is None else chat.ChatTemplate(
         chat_template, chat.special_tokens(tok.name, n_ctx))
     info = tokens.tokenizer_info(tok, n_ctx, n_vocab, chat_template)
+    lora = getattr(scheduler.engine.model, "lora_state", None)          # serve --lora name=DIR: one model id each
+    adapters = {name: i for i, name in enumerate(lora.names)} if lora is not None else {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -168,9 +173,10 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
         finally:
             await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
 
-    def card():
-        return {"id": model_name, "object": "model", "created": int(started[0]), "owned_by": "gpt2mha",
-                "max_model_len": n_ctx}
+    def card(name=model_name):
+        parent = {"parent": model_name} if name != model_name else {}
+        return {"id": name, "object": "model", "created": int(started[0]), "owned_by": "gpt2mha",
+                "max_model_len": n_ctx, **parent}
 
     async def health():                               # 503 "loading" until the engine is warmed up
         stats = scheduler.stats()
@@ -179,13 +185,13 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
         return {"status": "ok", "model": model_name, **stats}
 
     async def models():
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(), *map(card, adapters)]}
 
     async def model(model_id: str):
-        if model_id != model_name:
+        if model_id != model_name and model_id not in adapters:
             raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{model_name}'",
                            "model", code="model_not_found")
-        return card()
+        return card(model_id)
 
     async def no_chat(request: Request):
         await read_body(request, max_body_bytes)
@@ -205,7 +211,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
         return info
 
     relay = Relay()
-    completions = Completions(scheduler, model_name, max_body_bytes, max_stop, relay, max_tokens_overflow)
+    completions = Completions(scheduler, model_name, max_body_bytes, max_stop, relay, max_tokens_overflow, adapters)
     app = FastAPI(title="gpt2mha", description="OpenAI-compatible completions over gpt2mha", lifespan=lifespan)
     app.add_middleware(AnswerCancelled)
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -217,10 +223,14 @@ def create_app(scheduler: Scheduler, model_name: str, max_body_bytes: int = DEFA
     app.add_api_route("/v1/models/{model_id:path}", model, methods=READ)
     app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
     app.add_api_route("/v1/chat/completions", no_chat if template is None else chat.ChatCompletions(
-        template, scheduler, model_name, max_body_bytes, max_stop, relay, max_tokens_overflow).handle, methods=["POST"])
+        template, scheduler, model_name, max_body_bytes, max_stop, relay, max_tokens_overflow, adapters).handle,
+        methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", tokenizer_info, methods=READ)
+    if classifier is not None:
+        from . import classify
+        classify.add_routes(app, classifier, tok, model_name, max_body_bytes)
     return app
 
 
@@ -360,7 +370,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
           max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
           batch_invariant: bool | None = None, compile: bool = False, api_key: str | None = None,
-          metrics: bool = True, load=None, max_tokens_overflow: str = CLIP,
+          metrics: bool = True, load=None, max_tokens_overflow: str = CLIP, lora: dict | None = None,
           prefix_cache_mb: float | None = None) -> None:
     """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``).
 
@@ -380,7 +390,10 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     as :class:`~gpt2mha.serving.scheduler.Scheduler`; ``compile``: decode on the compiled step
     (:func:`~gpt2mha.inference.decoders.choose_decoder`, as ``generate(compile=True)``);
     ``api_key``: the key every route but the probes, ``/version`` and ``/metrics`` needs
-    (``Authorization: Bearer``); ``metrics``: serve ``/metrics``; ``prefix_cache_mb``: as
+    (``Authorization: Bearer``); ``metrics``: serve ``/metrics``; ``lora``: ``{name: adapter
+    path}`` applied unmerged (:func:`~gpt2mha.inference.lora.apply_lora`), each served as its own
+    model id over the one base. A classifier (:class:`~gpt2mha.core.classifier.GPT2Classifier`)
+    is served at ``/v1/classify`` (:mod:`.classify`); ``prefix_cache_mb``: as
     :class:`~gpt2mha.serving.scheduler.Scheduler` (None: sized from free memory; 0: off).
 
     Raises:
@@ -400,6 +413,8 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     check_graceful_timeout(graceful_timeout)
     check_address(host, port)                     # a port in use: ValueError now, not after the app starts
     max_body_bytes = checks.as_int(max_body_bytes, "max_body_bytes", minimum=1)
+    if lora and compile:
+        raise ValueError("lora with compile: the compiled step runs no adapters; serve them on the decode view")
     max_stop = checks.as_int(max_stop, "max_stop", minimum=1)
     ops = Operations(model_name, api_key=api_key, metrics=metrics)
     config = uvicorn.Config(ops, host=host, port=port, access_log=False, log_level="info")
@@ -413,11 +428,15 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
         t0 = time.monotonic()
         try:
             m, tok = load() if load is not None else (model, tokenizer)
+            if lora:
+                from ..inference.lora import apply_lora
+                apply_lora(m, lora)
             route = choose_decoder(m.eval(), compile=compile, batch_invariant=batch_invariant)
             scheduler = Scheduler(m, tok, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
                                   route=route, prefix_cache_mb=prefix_cache_mb)
             app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
-                             max_stop=max_stop, max_tokens_overflow=max_tokens_overflow)
+                             max_stop=max_stop, max_tokens_overflow=max_tokens_overflow,
+                             classifier=m if isinstance(m.config, ClassifierConfig) else None)
             log.info("model %s loaded in %.1f s; warming up", model_name, time.monotonic() - t0)
             ops.attach(scheduler, app)            # starts the scheduler in this thread, which warms it up
         except BaseException as e:                # the server stops; serve() raises it
@@ -445,14 +464,15 @@ def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.
                     timeout: float = 30.0, graceful_timeout: float | None = None,
                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
                     max_stop: int = MAX_STOP, api_key: str | None = None, metrics: bool = True,
-                    max_tokens_overflow: str = CLIP):
+                    max_tokens_overflow: str = CLIP, classifier=None):
     """Run the app (:func:`operated_app`: the API behind the probes, ``/metrics`` and
     ``api_key``) with uvicorn in a background thread for the ``with`` block; yields the base URL
     (``http://host:port``, the real port when ``port`` is 0). For tests and scripts that want the
     real server in their own process. On exit the server shuts down as ``gpt2mha serve`` does on
     SIGTERM (it drains: in-flight responses get ``graceful_timeout`` seconds, default
     ``timeout``, then are cancelled: :class:`GracefulServer`) and the scheduler is stopped.
-    ``max_body_bytes``, ``chat_template``, ``max_stop``, ``max_tokens_overflow``: as :func:`create_app`.
+    ``max_body_bytes``, ``chat_template``, ``max_stop``, ``max_tokens_overflow``, ``classifier``: as
+    :func:`create_app`.
 
     The block starts once the engine is warmed up (``/health`` answers ``"ok"``), or once
     ``timeout`` has passed.
@@ -462,7 +482,8 @@ def serve_in_thread(scheduler: Scheduler, model_name: str, host: str = "127.0.0.
     """
     graceful_timeout = timeout if graceful_timeout is None else graceful_timeout
     ops = operated_app(scheduler, model_name, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes,
-                       chat_template=chat_template, max_stop=max_stop, max_tokens_overflow=max_tokens_overflow)
+                       chat_template=chat_template, max_stop=max_stop, max_tokens_overflow=max_tokens_overflow,
+                       classifier=classifier)
     config = uvicorn.Config(ops, host=host, port=port, access_log=False, log_level="warning")
     server = GracefulServer(config, ops, graceful_timeout)
     thread = threading.Thread(target=server.run, name="gpt2mha-uvicorn", daemon=True)

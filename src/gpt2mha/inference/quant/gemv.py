@@ -7,10 +7,9 @@ packing and the AVX-512 switch. The library is built at install and loaded by
 
 At one to eight input rows a product is a read of the int8 weights. On an AVX2-only CPU none of
 the kernels torch ships streams them near the memory's speed (inductor's weight-only int8
-template ~13–15 GB/s, FBGEMM and oneDNN less); ``products.cpp`` reads each weight row start to
-end and converts it to float32 in registers (17–18 GB/s on the same host, with float32
-activations where the template rounds them to bf16: benchmarks/RESULTS.md, "A kernel of our
-own"). int4 weights (two per byte, a bf16 scale and zero per group) are unpacked the same way,
+template comes closest, FBGEMM and oneDNN less); ``products.cpp`` reads each weight row start to
+end and converts it to float32 in registers, faster than the template and with float32
+activations where the template rounds them to bf16. int4 weights (two per byte, a bf16 scale and zero per group) are unpacked the same way,
 where torch's int4 kernel takes bf16 activations, emulated and slow on CPUs without AVX-512
 BF16.
 

@@ -35,15 +35,15 @@ class Int4Linear(QuantizedLinear):
     scheme = "int4"
     scale_buffer = "scale_zero"
     grouped = True
-    #: 32 is the size that reached 97% top-1 agreement with float32 on the built-in model with
-    #: GPTQ (64: 96.7%), and decodes as fast as 64 on this CPU (RESULTS.md, "Quantized decode").
+    #: 32: with GPTQ, top-1 agreement with float32 on the built-in model 97.3% against group
+    #: 64's 96.6% (benchmarks/results/quality.json), decoding as fast as 64.
     default_group_size = 32
     #: A Gaussian weight gives ~0.09 (group 64, asymmetric); an outlier stretching a group's
     #: range pushes it well past this.
     abnormal_error = 0.20
-    #: Measured as int8's (:attr:`.int8_linear.Int8Linear.dequantize_from_rows`): int4's bf16
-    #: kernel 0.79x / 0.58x / 0.55x / 0.39x float32 at 16 / 32 / 64 / 512 rows, its dequantized
-    #: weight 0.43x / 0.51x / 0.68x / 0.78x (a tie at 32 in another run).
+    #: Measured as int8's (:attr:`.int8_linear.Int8Linear.dequantize_from_rows`): from about 32
+    #: rows the float32 GEMM over the dequantized weight is level with int4's bf16 kernel, and
+    #: ahead of it beyond.
     dequantize_from_rows = 32
 
     def _make_buffers(self) -> None:
@@ -176,8 +176,8 @@ class Int4Linear(QuantizedLinear):
 @register
 class W4A8Linear(Int4Linear):
     """An int4 layer with ``activations="per_block"``: every product, decode steps and prompts,
-    on the W4A8 kernel over its packed copy (:meth:`~Int4Linear.a8_packed`; RESULTS.md, "W4A8
-    on packed tiles"), each activation row rounded to 8 bits per group of ``group_size`` inputs,
+    on the W4A8 kernel over its packed copy (:meth:`~Int4Linear.a8_packed`; its speed against
+    the other products: benchmarks/results/w4a8_products.json), each activation row rounded to 8 bits per group of ``group_size`` inputs,
     as llama.cpp's q8_0 activations against its q4_0 weights; where gpt2mha's kernels do not
     load, as :class:`Int4Linear`. Runs on the native forward, with an int4 head of its own
     class or an exact int8 head."""

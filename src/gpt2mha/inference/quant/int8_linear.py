@@ -7,8 +7,8 @@ Products: integer pieces that keep float32 activations exact to ~14 bits
 (:func:`~.int8_products.int8_matmul`), per_row's W7A8 (:func:`~.int8_products.int8_matmul_per_row`,
 or gpt2mha's ``int8_per_row`` kernel in one call where it builds with AVX-512 VNNI); one-token
 steps (decode) of exact layers run gpt2mha's own GEMV kernel where it builds (:mod:`.gemv`:
-float32 activations times the dequantized weight, no rounding of the activations at all; 2.9x
-faster than the pieces at batch 1 on the AVX2 Zen 3, RESULTS.md, "A kernel of our own").
+float32 activations times the dequantized weight, no rounding of the activations at all; faster
+than the pieces at batch 1 on an AVX2 CPU).
 """
 
 from __future__ import annotations
@@ -45,11 +45,9 @@ class Int8Linear(QuantizedLinear):
     #: A Gaussian weight gives ~0.01 (per channel); an outlier stretching a channel's range
     #: pushes it well past this.
     abnormal_error = 0.03
-    #: Measured on an AVX2 Zen 3 (``python benchmarks/quant_prefill.py kernels``: the 48 block
-    #: matrices of 124M, 1 thread; RESULTS.md, "Prefill on an AVX2-only host"): int8's two
-    #: 7-bit pieces on FBGEMM 1.24x float32 at 16 rows, 0.91x at 32, 0.86x at 64, 0.75x at 512;
-    #: the dequantized weight 0.85x, 0.70x, 0.93x, 0.89x (three runs put the crossing at 64
-    #: rows, two of them for the dequantized weight there).
+    #: The row count from which the float32 GEMM over the dequantized weight outruns int8's two
+    #: 7-bit pieces on FBGEMM (both by then slower than float32 itself), measured on an AVX2 CPU
+    #: by ``python benchmarks/quant_prefill.py kernels`` (the 48 block matrices of 124M, 1 thread).
     dequantize_from_rows = 64
 
     def _make_buffers(self) -> None:
@@ -98,8 +96,8 @@ class Int8Linear(QuantizedLinear):
         # W7A8: each row rounded to 8 bits with its own scale and zero point, over 7-bit weights
         if gemv.vnni():
             # the same W7A8 product in one call (rounding, exact integer sums on the packed
-            # copy, rescale): faster than _int_mm and the ops around it at every size
-            # measured, 1 to 512 rows (RESULTS.md, "Packed weights for per_row decode")
+            # copy, rescale): faster than _int_mm and the ops around it at every size from
+            # 1 to 512 rows
             y = torch.ops.gpt2mha.int8_per_row(x2.float().contiguous(), *self.per_row_packed(), bias, gelu)
             return y, bias is not None, gelu
         q7, scales7, packed, wsum = self.per_row_weights()
@@ -163,7 +161,7 @@ class Int8Linear(QuantizedLinear):
     def model_compile_options(cls) -> dict:
         """Without gpt2mha's GEMV kernel, max-autotune over inductor's C++ GEMM templates only
         (max-autotune times its candidates on weights hot in cache, where ATen's eager kernel
-        looks faster than it is when the weights stream from memory: measured, RESULTS.md)."""
+        looks faster than it is when the weights stream from memory)."""
         return {} if gemv.available() else {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 

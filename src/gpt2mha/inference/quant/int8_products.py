@@ -5,8 +5,8 @@ int32 sums (:func:`int8_matmul`), and per_row's faster W7A8 product (:func:`int8
 Which integer kernel runs them depends on the CPU (:func:`int8_kernel`): ``torch._int_mm`` where
 it has AVX-512 VNNI or AMX, FBGEMM's int8 GEMM (``quantized::`` ops, the kernels of ``torch.ao``
 dynamic quantization) on other x86 CPUs, where ``_int_mm`` has no fast path: on an AVX2-only
-Zen 3 it ran 6–12x slower than the float32 matmul, FBGEMM 1.2–6x faster than it
-(benchmarks/RESULTS.md, "Kernels per CPU"). :class:`~.linear.QuantizedLinear` calls them.
+CPU it runs several times slower than the float32 matmul, and FBGEMM faster than the float32
+matmul at decode sizes. :class:`~.linear.QuantizedLinear` calls them.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def int8_kernel() -> str:
 
     ``"int_mm"`` (``torch._int_mm``, oneDNN) where the CPU has AVX-512 VNNI or AMX
     (``torch.cpu._is_vnni_supported`` / ``_is_amx_tile_supported``) or FBGEMM is missing (ARM
-    builds); ``"fbgemm"`` on other x86 CPUs. Measured: Zen 4 with VNNI, ``_int_mm`` 3.1 ms for
-    the 48 block matrices of 124M at one row; AVX2 Zen 3, ``_int_mm`` 6–12x slower than float32,
-    FBGEMM 1.2x faster at one row and 2–6x at eight (RESULTS.md). The environment variable
+    builds); ``"fbgemm"`` on other x86 CPUs, where ``_int_mm`` runs several times slower than
+    the float32 matmul and FBGEMM faster than it at one and eight rows (``python
+    benchmarks/quant_kernels.py`` measures them on this CPU). The environment variable
     ``GPT2MHA_INT8_KERNEL`` (``int_mm`` or ``fbgemm``) overrides the choice.
 
     Raises:
@@ -215,11 +215,11 @@ def int8_matmul_per_row(x: torch.Tensor, q7: torch.Tensor | None, scales7: torch
     dynamic quantization makes the other trade, 7-bit activations). A row's result does not
     depend on the other rows. Rows holding NaN or ±inf give NaN rows.
 
-    Measured on the built-in model (RESULTS.md, "Prefill on an AVX2-only host"): top-1
-    agreement with float32 97.4% against the exact pieces' 99.4% (8-bit weights with
-    asymmetric 7-bit rows: 96.3%; symmetric 7-bit rows: 94.9%); llama.cpp q8_0 (8 bits per block
-    of 32) 98.30%, ONNX Runtime int8 96.25%, CTranslate2 int8 (symmetric 8 bits per row) 95.84%
-    on the same bytes.
+    Top-1 agreement with float32 on the built-in model (benchmarks/results/quality.json): 97.4%
+    against the exact pieces' 99.4%; llama.cpp q8_0 (8 bits per block of 32) 98.30%, ONNX Runtime
+    int8 96.25%, CTranslate2 int8 (symmetric 8 bits per row) 95.84% on the same bytes. Rounding
+    the activation rows to 7 bits over the 8-bit weights instead agrees less (``python
+    benchmarks/quant_prefill.py quality`` simulates the other roundings).
 
     Raises:
         ValueError: an unknown ``kernel``; ``q7`` outside [-63, 63] (checked when neither ``packed``

@@ -350,8 +350,8 @@ class QuantizedLinear(nn.Module):
         dequantized weight (:meth:`dequantized_product`) rather than the quantized kernel: on
         CPUs whose int8 kernel is FBGEMM (no VNNI/AMX, :func:`int8_kernel`) from the scheme's
         :data:`DEQUANTIZE_FROM_ROWS` rows on, where the float32 GEMM outruns the two integer
-        pieces (int8) and the bf16 int4 kernel (int4) in prefill (RESULTS.md, "Prefill on an
-        AVX2-only host"). Products with ``activations="per_row"`` never do (faster still), and
+        pieces (int8) and the bf16 int4 kernel (int4) in prefill (``python
+        benchmarks/quant_prefill.py kernels`` measures them). Products with ``activations="per_row"`` never do (faster still), and
         with ``"auto"`` run W7A8 there instead.
 
         The forward counts the tokens of one sequence (``x.shape[-2]`` of ``[B, T, n_in]``;

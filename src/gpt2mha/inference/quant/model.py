@@ -422,10 +422,10 @@ def set_activations(model, activations: str) -> None:
     - ``"per_row"``: each activation row rounded to 8 bits with its own scale and zero point,
       over the weights re-rounded to 7 bits per output channel (:func:`~.int8_products.int8_matmul_per_row`;
       W7A8, in the spirit of CTranslate2's per-row int8), for every product: decode steps as
-      well as prefill. One integer product instead of two: on an AVX2 CPU ~1.3–1.7x float32
-      in prefill of 64–512 tokens, where the exact route is ~0.9x; less close to float32:
+      well as prefill. One integer product instead of two: on an AVX2 CPU faster than float32
+      in prefill of 64–512 tokens, where the exact route is slower; less close to float32:
       97.4% top-1 agreement on the built-in model against 99.4% (llama.cpp q8_0 98.3%, ONNX
-      Runtime int8 96.3%, CTranslate2 int8 95.8%; RESULTS.md, "Prefill on an AVX2-only host").
+      Runtime int8 96.3%, CTranslate2 int8 95.8%; benchmarks/results/quality.json).
     - ``"auto"``: per shape, the exact path for decode and the fast one for prefill:
       ``"exact"``'s integer pieces wherever ``"exact"`` runs them (decode steps,
       short prompts), ``"per_row"``'s W7A8 where ``"exact"`` would multiply by the dequantized
@@ -439,7 +439,7 @@ def set_activations(model, activations: str) -> None:
       (:func:`~.gemv.int4_gemv`), each step and prompt in one C++ call on the CPU
       (:mod:`~gpt2mha.inference.native`); an int8 head stays exact, an int4 one
       (``head="int4"``) takes W4A8 as the blocks. Where the kernel does not build it changes
-      nothing (RESULTS.md, "W4A8 on packed tiles").
+      nothing.
 
     Set on the layers of the model's scheme (an int4 model's int8 head keeps ``"exact"``; an int4
     head takes it).

@@ -20,14 +20,14 @@ DEFAULT_CALIBRATION = "calibration.txt"
 #: Group sizes the int4 CPU kernel takes.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 #: Dtype of the stored scales, and of the activations handed to the int4 kernel, which runs
-#: much faster on bf16 than on float32 activations (RESULTS.md). The product is converted back
+#: much faster on bf16 than on float32 activations. The product is converted back
 #: to the model's dtype; the bias and the residual stream stay in it.
 KERNEL_DTYPE = torch.bfloat16
 #: The LM head's scheme when none is asked: int8 in both schemes. A tied embedding then carries
 #: int8's ~1% error. With int4 blocks the head may be int4 in their groups
 #: (``quantize(..., head="int4")``): a 24 MB head on 124M instead of 38.6 (of a decode step's 92
-#: MB), for ~1.5 points of top-1 agreement with float32 on the built-in model (RESULTS.md, "An
-#: int4 head").
+#: MB), for about 2 points of top-1 agreement with float32 on the built-in model
+#: (benchmarks/results/quality.json).
 HEAD_SCHEME = "int8"
 
 

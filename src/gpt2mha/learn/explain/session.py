@@ -19,8 +19,8 @@ import torch
 from ...io.tokenizer import tokenizer_for
 from ..interventions import ablate_heads, logit_lens, next_token_shift, parse_heads
 from . import heads_view, kv_steps
-from .tensors import (capture_layers, check_finite, check_ids, config_dict, encode, head_unit, layer_unit, pipeline_unit,
-                      token_pieces)
+from .tensors import (capture_layers, check_finite, check_ids, config_dict, encode, head_unit, layer_unit, output_names,
+                      pipeline_unit, token_pieces)
 
 #: Layer captures kept per sequence (each is ``[n_head, T, T]`` x2 plus a few ``[T, n_embd]``), and
 #: the bytes they may hold together (the last one asked for is always kept): 124M at 1024 tokens
@@ -36,6 +36,9 @@ class ModelEntry:
     """A model the explainer runs: ``model`` (eval mode), ``tok``, ``name`` and ``lock``."""
 
     def __init__(self, model, name: str):
+        if getattr(model, "lora_state", None) is not None:        # adapters unmerged: explained as merged weights
+            from ...inference.lora import merged_model
+            model = merged_model(model)
         self.model, self.name = model.eval(), name
         self.tok = tokenizer_for(model.config)
         self.lock = threading.RLock()
@@ -136,6 +139,13 @@ class Sequence:
             self._logits, self._past = kv_steps.prefill(self.entry.model, self.idx)
         return self._past
 
+    def check_generates(self) -> None:
+        """Raises ValueError for a classifier (its head scores labels, not next tokens)."""
+        names = output_names(self.entry.config)
+        if names:
+            raise ValueError(f"this model is a classifier ({', '.join(names)}): its last view shows the labels' "
+                             f"probabilities; it does not draw next tokens")
+
     def check_layer_head(self, layer, head=None) -> None:
         """Raises ValueError unless ``layer`` (and ``head``) are integers inside the model."""
         c = self.entry.config
@@ -181,6 +191,10 @@ class Sequence:
         and the final stream, each position's top :data:`LENS_TOP` tokens and the probability of
         the token that follows it."""
         e = self.entry
+        names = output_names(e.config)
+        if names:
+            raise ValueError(f"this model is a classifier ({', '.join(names)}): the lens decodes next tokens; its "
+                             f"head's view is the pipeline's last one")
         with torch.no_grad():
             lens = logit_lens(e.model, self.idx, top_k=min(LENS_TOP, e.config.n_vocab))
         ids = lens.ids[:, 0]                                              # [L + 1, T, k]
@@ -217,6 +231,7 @@ class Sequence:
     def sampling(self, temperature, top_k, top_p) -> dict:
         """:func:`~.kv_steps.sampling_view` of the last position's logits."""
         t, k, p, _ = kv_steps.check_sampling(temperature, top_k, top_p)
+        self.check_generates()
         with self.entry.lock:
             return kv_steps.sampling_view(self.entry.tok, self.logits()[-1], t, k, p)
 
@@ -238,6 +253,7 @@ class Sequence:
         """
         t, k, p, seed = kv_steps.check_sampling(temperature, top_k, top_p, seed)
         self.check_layer_head(layer)
+        self.check_generates()
         c = self.entry.config
         if len(self.ids) >= c.n_ctx:
             raise ValueError(f"the sequence fills the model's context (n_ctx={c.n_ctx} tokens): reset it or start "

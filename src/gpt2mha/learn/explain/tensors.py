@@ -172,12 +172,18 @@ def token_pieces(tok, ids) -> list[dict]:
     return [{"id": int(i), "label": lab, "bytes": tok.decode_bytes([i]).hex(" ")} for i, lab in zip(ids, labels)]
 
 
-def top_tokens(tok, logits: torch.Tensor, n: int = TOP_NEXT) -> list[dict]:
-    """The ``n`` most probable tokens of ``softmax(logits [n_vocab])``: ``{"id", "label", "p", "logit"}``."""
+def output_names(config) -> tuple[str, ...] | None:
+    """A classifier's label names (its head's outputs), None for a language model."""
+    return getattr(config, "label_names", None)
+
+
+def top_tokens(tok, logits: torch.Tensor, n: int = TOP_NEXT, names=None) -> list[dict]:
+    """The ``n`` most probable tokens of ``softmax(logits [n_vocab])``: ``{"id", "label", "p",
+    "logit"}``; with ``names`` (a classifier's labels) the outputs are labelled by them."""
     probs = logits.float().softmax(-1)
     top = probs.topk(min(n, probs.shape[-1]))
     ids = top.indices.tolist()
-    labels = token_labels(tok, ids)
+    labels = [names[i] for i in ids] if names else token_labels(tok, ids)
     return [{"id": i, "label": lab, "p": float(p), "logit": float(logits[i])}
             for i, lab, p in zip(ids, labels, top.values.tolist())]
 
@@ -187,7 +193,8 @@ def pipeline_unit(model, tok, idx: torch.Tensor) -> tuple[dict, torch.Tensor]:
     (``hook_embed``: ``wte[ids]``), ``pos`` (``hook_pos_embed``: ``wpe[0..T-1]``), ``h0`` (their
     sum, block 0's input), ``ln_f`` (``ln_f.hook_normalized``), each ``[T, n_embd]``, and the
     next-token distribution of the last position (:func:`top_tokens`) and its logits
-    ``last_logits [n_vocab]`` (an exported page filters them itself).
+    ``last_logits [n_vocab]`` (an exported page filters them itself). For a classifier the last
+    view is its head's: ``next`` lists the labels by probability (``classifier``: their names).
 
     Returns:
         ``(unit, logits [T, n_vocab])``.
@@ -199,5 +206,8 @@ def pipeline_unit(model, tok, idx: torch.Tensor) -> tuple[dict, torch.Tensor]:
     unit = {"config": config_dict(model.config), "tokens": token_pieces(tok, ids), "T": len(ids),
             "embed": encode(cache["hook_embed"][0]), "pos": encode(cache["hook_pos_embed"][0]),
             "h0": encode(cache["h.0.hook_resid_pre"][0]), "ln_f": encode(cache["ln_f.hook_normalized"][0]),
-            "next": top_tokens(tok, logits[0, -1]), "last_logits": encode(logits[0, -1])}
+            "next": top_tokens(tok, logits[0, -1], names=output_names(model.config)),
+            "last_logits": encode(logits[0, -1])}
+    if output_names(model.config):
+        unit["classifier"] = list(output_names(model.config))
     return unit, logits[0].float()
