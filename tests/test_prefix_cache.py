@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import small_model
-from gpt2mha.inference.decoders import NATIVE, Route, ViewDecoder, choose_decoder
+from gpt2mha.inference.decoders import NATIVE, Route, ViewDecoder
 from gpt2mha.inference.dense import has_bf16_dot
 from gpt2mha.inference.engine import Engine
 from gpt2mha.inference.params import SamplingParams
