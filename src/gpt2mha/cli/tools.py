@@ -311,7 +311,8 @@ def cmd_serve(args) -> int:
               max_queue=args.max_queue, graceful_timeout=args.graceful_timeout, max_body_bytes=args.max_body_bytes,
               chat_template=template, max_stop=args.max_stop, batch_invariant=args.batch_invariant,
               compile=args.compile, api_key=args.api_key, metrics=not args.no_metrics, load=load,
-              max_tokens_overflow=args.max_tokens_overflow, lora=lora_args(args.lora))
+              max_tokens_overflow=args.max_tokens_overflow, lora=lora_args(args.lora),
+              prefix_cache_mb=0 if args.no_prefix_cache else args.prefix_cache_mb)
     except RuntimeError as e:                 # could not bind: uvicorn logged why
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -422,6 +423,12 @@ def _add_serve_command(sub) -> None:
     s.add_argument("--max-queue", type=number(int, 0), default=256,
                    help="sequences that may wait for a slot; beyond it requests get HTTP 429 (retry later). A "
                         "request with more prompts than --max-batch + --max-queue gets 400: it can never fit")
+    s.add_argument("--prefix-cache-mb", type=number(float, 0), default=None,
+                   help="MiB of keys and values of prompt prefixes kept for later prompts that start the same "
+                        "(least recently used evicted; default: a tenth of the memory available, at most 1024; "
+                        "0: off). Exact: on only on routes where a prompt served from it gets the same bits "
+                        "(docs/explanation/prefix-caching.md)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache (as --prefix-cache-mb 0)")
     s.add_argument("--threads", type=number(int, 1), default=None,
                    help="torch's intra-op threads for the model (default: torch's choice, one per core); on a "
                         "machine shared with other work, fewer threads than cores avoid oversubscription")
@@ -508,6 +515,9 @@ def cmd_info(args) -> int:
     print(f"decode       the {d.name} ({'batch invariant' if d.batch_invariant else 'not batch invariant'}, "
           f"{'hooks act' if d.runs_hooks else 'while a hook is attached: the decode view'})")
     print("prefill      " + route.describe().split("prefill: ")[1].split(";")[0])
+    from ..inference.prefix_cache import why_inexact
+    why = why_inexact(d)
+    print("prefix cache " + (f"off: {why}" if why else "exact here (gpt2mha serve keeps it on; --no-prefix-cache)"))
     for name, why in route.why_not.items():
         print(f"not the {name}: {why}")
     return 0

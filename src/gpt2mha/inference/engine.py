@@ -39,6 +39,7 @@ from ..core.kv_cache import KVCache
 from .decoders import Route, ViewDecoder, choose_decoder, hook_watch
 from .lora import select as select_lora
 from .params import SamplingParams
+from .prefix_cache import BLOCK, MIN_SUFFIX, why_inexact
 from .sampling import RowSampler, sample_rows, token_logprobs
 
 #: One token's log-probability and the most probable ids with theirs: ``(logprob, [(id, logprob), ...])``.
@@ -65,6 +66,11 @@ class Engine:
         tokenizer: the model's tokenizer, for sequences with ``structured_outputs`` (their grammar
             is compiled for its tokens: :func:`~gpt2mha.inference.structured.compile_for`); None:
             such sequences are refused.
+        prefix_cache: a :class:`~gpt2mha.inference.prefix_cache.PrefixCache` prompts take their
+            stored prefixes from and leave their blocks in (None: none); dropped where the route
+            cannot keep a suffix's bits (:func:`~gpt2mha.inference.prefix_cache.why_inexact`,
+            then kept in :attr:`prefix_cache_off`). A slot with a LoRA adapter neither takes
+            nor leaves blocks (its keys are the adapter's).
 
     Attributes:
         route: the :class:`~gpt2mha.inference.decoders.Route` (decoder and why not the others).
@@ -73,6 +79,9 @@ class Engine:
             slots; 38 MB for the built-in model).
         samplers: each slot's :class:`~gpt2mha.inference.sampling.RowSampler` (None: free).
         logprobs: each slot's newest :data:`TokenLogprob` (when opened with ``logprobs``).
+        prefix_cache: the prefix cache prefills use (None: none).
+        prefix_cache_off: why a prefix cache given was dropped ("" when it was not).
+        cached: each slot's prompt tokens its last prefill took from the prefix cache.
 
     Raises:
         ValueError: slots < 1, a vocab_size outside ``[1, n_vocab]``, a batch_invariant that is
@@ -81,7 +90,7 @@ class Engine:
 
     def __init__(self, model, cache: KVCache | int, route: Route | None = None, vocab_size: int | None = None,
                  batch_invariant: bool | None = None, zeroed: bool = True, eos_token_id: int | None = None,
-                 tokenizer=None):
+                 tokenizer=None, prefix_cache=None):
         c = model.config
         vocab_size = c.n_vocab if vocab_size is None else checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
@@ -112,6 +121,11 @@ class Engine:
         self._view_hooks = None
         self._score_view: ViewDecoder | None = None
         self._rows: dict[int, KVCache] = {}                     # cache.rows(n) by n (2 · n_layer views each)
+        self.cached: list[int] = [0] * n                        # each slot's prompt tokens loaded from the prefix cache
+        self.prefix_cache_off = "" if prefix_cache is None else why_inexact(self.route.decoder)
+        self.prefix_cache = None if self.prefix_cache_off else prefix_cache
+        if self.prefix_cache is not None:
+            self.check_prefix_cache(0)
 
     @property
     def slots(self) -> int:
@@ -216,14 +230,25 @@ class Engine:
 
     @torch.inference_mode()
     def prefill_logits(self, slots: list[int], prompts: list) -> torch.Tensor:
-        """:meth:`prefill`'s forward alone: each prompt into its slot, logits ``[len(slots), V]``."""
+        """:meth:`prefill`'s forward alone: each prompt into its slot, logits ``[len(slots), V]``.
+        With a prefix cache (on the route's own decoder: no hooks attached), a prompt's stored
+        prefix is copied into its slot and only the rest is prefilled, then its blocks are kept."""
         logits = []
         decoder = self.decoder
+        store = self.prefix_cache if decoder is self.route.decoder else None
         try:
             for slot, prompt in zip(slots, prompts):
                 ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)   # [1, T]
                 select_lora(self.model, [self.adapters[slot]])
-                logits.append(decoder.prefill(ids, self.cache.row(slot)))
+                row = self.cache.row(slot)
+                self.cached[slot] = 0
+                if store is None or self.adapters[slot] is not None:
+                    logits.append(decoder.prefill(ids, row))
+                    continue
+                tokens = ids[0].tolist()
+                n = self.cached[slot] = store.load(tokens, row)
+                logits.append(decoder.prefill(ids[:, n:], row))
+                store.store(tokens, row)
         except Exception:
             for slot in slots:                                  # nothing half-written stays in a slot
                 self.cache.reset(slot)
@@ -274,14 +299,62 @@ class Engine:
     def warm_up(self) -> None:
         """One greedy prefill of one token and one decode step in the first free slot, then the
         slot emptied: loads what the route loads and compiles what it compiles (a compiled
-        step: 10–60 s), so that no request pays for it. Nothing stays in the cache."""
+        step: 10–60 s), so that no request pays for it. Nothing stays in the cache, and the
+        prefix cache counts nothing."""
         slot = self.samplers.index(None)
         self.open(slot, SamplingParams(max_tokens=2, temperature=0), None)
+        store, self.prefix_cache = self.prefix_cache, None
         try:
             self.prefill([slot], [[0]])
             self.decode([slot])
         finally:
+            self.prefix_cache = store
             self.release(slot)
+
+    @torch.inference_mode()
+    def check_prefix_cache(self, slot: int) -> bool:
+        """Measure on this machine what :func:`~gpt2mha.inference.prefix_cache.why_inexact`
+        reasons: a random prompt (up to 69 tokens) prefilled whole into the free ``slot``, then
+        prefilled as a prefix and the rest, cut at 16, 32 and 37 tokens: the last logits and
+        every key and value must be equal. If not, the prefix cache is dropped
+        (:attr:`prefix_cache_off` says so). Nothing stays in the slot. Measured once for the
+        route's native forward (kept on it: one model's weights); skipped where the cache's rows
+        are too short for a cut or the slot holds a sequence. Returns whether the cache is kept."""
+        if self.prefix_cache is None:
+            return False
+        native = getattr(self.route.decoder, "native", None)
+        why = getattr(native, "prefix_cache_differs", None)
+        if why is None:
+            why = self._measure_prefix_cache(slot)
+            if why is not None and native is not None:
+                native.prefix_cache_differs = why
+        if why:
+            self.prefix_cache_off, self.prefix_cache = why, None
+        return self.prefix_cache is not None
+
+    def _measure_prefix_cache(self, slot: int) -> str | None:
+        # check_prefix_cache's measurement: "" (equal), why not, or None (no room for a cut)
+        n = min(self.model.config.n_ctx, self.cache.max_len, 3 * BLOCK + 21)
+        if n < BLOCK + MIN_SUFFIX or self.cache.lengths[slot]:
+            return None
+        prompt = torch.randint(0, self.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+        decoder, row = self.route.decoder, self.cache.row(slot)
+
+        def fill(parts):
+            try:
+                for part in parts:
+                    logits = decoder.prefill(torch.tensor([part], dtype=torch.long, device=self.device), row)
+                m = row.lengths[0]
+                return logits, row.k[:, 0, :, :m].clone(), row.v[:, 0, :, :m].clone()
+            finally:
+                self.cache.reset(slot)
+        whole = fill([prompt])
+        for cut in (c for c in (BLOCK, 2 * BLOCK, 37) if c <= n - MIN_SUFFIX):
+            split = fill([prompt[:cut], prompt[cut:]])
+            if not all(torch.equal(a, b) for a, b in zip(whole, split)):
+                return (f"measured here: a prompt's last {n - cut} tokens prefilled after its first {cut} differed "
+                        "from the whole prompt's")
+        return ""
 
     @torch.inference_mode()
     def score(self, prompt: list[int], k: int, adapter: int | None = None) -> list[TokenLogprob]:

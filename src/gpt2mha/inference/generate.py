@@ -20,6 +20,7 @@ from .decoders import NATIVE, choose_decoder
 from .engine import Engine
 from .parallel import tp_group
 from .params import FIELDS, TEXT_FIELDS, SamplingParams
+from .prefix_cache import BLOCK, MIN_SUFFIX, PrefixCache, default_budget_mb
 from .sampling import row_seed
 
 def as_prompts(idx) -> list[list[int]]:
@@ -369,6 +370,20 @@ def check_fits(T: int, max_new_tokens: int, n_ctx: int, sliding_window: bool = F
                          f"(CLI: --sliding-window)")
 
 
+def shared_prefixes(prompts: list[torch.Tensor], config, weight: torch.Tensor):
+    """A :class:`~gpt2mha.inference.prefix_cache.PrefixCache` for one call's ``prompts`` where two
+    of them start with the same block of tokens (later rows then take the earlier rows' blocks),
+    sized to hold every block of the call (at most the server's default budget,
+    :func:`~gpt2mha.inference.prefix_cache.default_budget_mb`); else None. The engine drops it on
+    a route that cannot keep a suffix's bits."""
+    firsts = [tuple(p[:BLOCK].tolist()) for p in prompts if len(p) >= BLOCK + MIN_SUFFIX]
+    if len(firsts) == len(set(firsts)):
+        return None
+    tokens = sum(len(p) for p in prompts)
+    mb = 2 * config.n_layer * config.n_embd * tokens * weight.element_size() / 2**20
+    return PrefixCache(min(mb + 1, default_budget_mb()))
+
+
 def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed, eos_token_id, on_token,
                 vocab_size, batch_invariant=None) -> torch.Tensor:
     """The loop of :func:`generate` after its checks: an :class:`~gpt2mha.inference.engine.Engine`
@@ -399,7 +414,8 @@ def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed,
         tok.eot_token is not None else 0                        # after a row's grammar is complete
     try:                                                                              # what it wrote
         engine = Engine(model, cache, route, vocab_size, batch_invariant, zeroed=decoder.name != NATIVE,
-                        eos_token_id=eos_token_id, tokenizer=tok)
+                        eos_token_id=eos_token_id, tokenizer=tok,
+                        prefix_cache=shared_prefixes(prompts, c, model.wte.weight))
         for b in range(B):
             engine.open(b, params, None if seed is None else row_seed(seed, b), row=b, prompt=prompts[b])
         tokens = engine.prefill(list(range(B)), [ids[-n_ctx:] for ids in prompts])

@@ -223,6 +223,9 @@ class NativeStep:
         self.prefill_from = 1
         #: native_step's collapse of these weights into 2 MB pages (huge_pages.Collapse), if any
         self.huge_pages = None
+        #: Engine.check_prefix_cache's measurement on this step: "" (a suffix's bits are a whole
+        #: prompt's), why not, or None (not measured)
+        self.prefix_cache_differs = None
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         L, _, h, _, hd = cache.k.shape

@@ -287,11 +287,12 @@ async def disconnected(request: Request) -> None:
 
 def log_request(rid: str, seqs: list[Sequence], t0: float, status: int) -> None:
     """One log line for a request: its id, its ``X-Request-Id`` (:data:`~gpt2mha.serving.operate.request_id`),
-    status, tokens, queue wait, time to first token, total time, finish reasons."""
+    status, tokens (and those of the prompts served from the prefix cache), queue wait, time to
+    first token, total time, finish reasons."""
     starts = [s.t_admit - s.t_submit for s in seqs if s.t_admit is not None]
     firsts = [s.t_first - s.t_submit for s in seqs if s.t_first is not None]
     ms = lambda xs: f"{1000 * max(xs):.1f}ms" if xs else "-"           # noqa: E731
-    log.info("request %s request_id=%s status=%s prompts=%d prompt_tokens=%d generated_tokens=%d queue_wait=%s "
-             "ttft=%s total=%.1fms finish=%s", rid, request_id.get(), status, len(seqs), sum(len(s.prompt_ids) for s in seqs),
-             sum(len(s.tokens) for s in seqs), ms(starts), ms(firsts), 1000 * (time.monotonic() - t0),
+    log.info("request %s request_id=%s status=%s prompts=%d prompt_tokens=%d cached_tokens=%d generated_tokens=%d "
+             "queue_wait=%s ttft=%s total=%.1fms finish=%s", rid, request_id.get(), status, len(seqs),
+             sum(len(s.prompt_ids) for s in seqs), sum(s.cached_tokens for s in seqs), sum(len(s.tokens) for s in seqs), ms(starts), ms(firsts), 1000 * (time.monotonic() - t0),
              ",".join(str(s.finish_reason) for s in seqs))

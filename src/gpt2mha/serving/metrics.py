@@ -9,6 +9,9 @@ alert or router written for vLLM reads gpt2mha by swapping the prefix (``vllm:``
 - counters ``prompt_tokens_total``, ``generation_tokens_total`` and ``request_success_total``
   by ``finished_reason``: ``stop``, ``length``, ``abort`` (cancelled: a client that hung up, a
   shutdown) and ``error``, vLLM's values;
+- counters ``prefix_cache_queries_total`` and ``prefix_cache_hits_total``: prompt tokens looked
+  up in the prefix cache and those served from it (vLLM's, in tokens; both 0 while it is off:
+  :mod:`gpt2mha.inference.prefix_cache`), read from the scheduler when scraped;
 - histograms ``time_to_first_token_seconds`` (submission to first token),
   ``inter_token_latency_seconds`` (between a sequence's consecutive tokens),
   ``e2e_request_latency_seconds`` (submission to finish) and ``request_queue_time_seconds``
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import ProcessCollector
+from prometheus_client.core import CounterMetricFamily
 
 from .text_stream import CANCELLED, ERROR, LENGTH, STOP
 
@@ -86,6 +90,7 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Submission to finish, seconds.", REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Submission to admission into a slot, seconds.",
                                REQUEST_BUCKETS)
+        r.register(_PrefixCacheCounters(self, model_name))
 
     def watch(self, scheduler) -> None:
         """Read the gauges from ``scheduler`` (a :class:`~gpt2mha.serving.scheduler.Scheduler`)
@@ -115,7 +120,31 @@ class ServerMetrics:
         self.success[seq.finish_reason].inc()
         self.e2e.observe(seq.t_end - seq.t_submit)
 
+    def prefix_cache(self) -> tuple[int, int]:
+        """``(queries, hits)`` of the watched scheduler's prefix cache, in tokens (0, 0: none)."""
+        stats = {} if self.scheduler is None else self.scheduler.prefix_cache_stats()
+        return stats.get("queries", 0), stats.get("hits", 0)
+
     # ------------------------------------------------------------------------ the route
     def exposition(self) -> tuple[bytes, str]:
         """The registry in Prometheus' text format and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _PrefixCacheCounters:
+    """The prefix cache's two counters, read from :meth:`ServerMetrics.prefix_cache` when scraped
+    (the engine counts them as it prefills)."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str):
+        self.metrics, self.model_name = metrics, model_name
+
+    def describe(self):
+        return self.collect()
+
+    def collect(self):
+        queries, hits = self.metrics.prefix_cache()
+        for name, doc, value in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
+                                 ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", hits)):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

@@ -44,6 +44,7 @@ from ..inference.decoders import Route
 from ..inference.engine import Engine
 from ..inference.generate import as_prompts
 from ..inference.params import SamplingParams
+from ..inference.prefix_cache import PrefixCache, default_budget_mb
 from ..inference.sampling import row_seed
 from ..inference.threads import adopt_threads, release_openmp_workers
 from .text_stream import CANCELLED, ERROR, LENGTH, STOP, TextStream
@@ -106,6 +107,7 @@ class Sequence:
     t_first: float | None = None
     t_last: float | None = None
     t_end: float | None = None
+    cached_tokens: int = 0
     stream: TextStream | None = None
     adapter: int | None = None                  # the LoRA adapter's index (inference/lora.py; None: the base)
 
@@ -151,6 +153,11 @@ class Scheduler:
             weights are float32).
         route: the decoder (:func:`~gpt2mha.inference.decoders.choose_decoder`; None: chosen for
             the model as ``generate`` chooses it).
+        prefix_cache_mb: the prefix cache's budget in MiB
+            (:class:`~gpt2mha.inference.prefix_cache.PrefixCache`; None: sized from the memory
+            available, :func:`~gpt2mha.inference.prefix_cache.default_budget_mb`; 0: no prefix
+            cache). On a route that cannot keep a suffix's bits it is off whatever the budget
+            (``engine.prefix_cache_off`` says why).
 
     Memory: see :class:`~gpt2mha.inference.engine.Engine` (38 MB of cache for the built-in model
     with 16 slots, 1.2 GB for 124M in float32).
@@ -160,14 +167,18 @@ class Scheduler:
     """
 
     def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 256,
-                 batch_invariant: bool | None = None, route: Route | None = None):
+                 batch_invariant: bool | None = None, route: Route | None = None,
+                 prefix_cache_mb: float | None = None):
         self.max_batch = checks.as_int(max_batch, "max_batch", minimum=1)
         self.max_queue = checks.as_int(max_queue, "max_queue")
         self.tokenizer = tokenizer
         self.n_ctx, self.n_vocab = model.config.n_ctx, model.config.n_vocab
+        if prefix_cache_mb is None:
+            prefix_cache_mb = default_budget_mb()
+        store = PrefixCache(prefix_cache_mb) if prefix_cache_mb else None
         self.engine = Engine(model, self.max_batch, route, vocab_size=min(tokenizer.n_vocab, self.n_vocab),
                              batch_invariant=batch_invariant, eos_token_id=getattr(tokenizer, "eot_token", None),
-                             tokenizer=tokenizer)
+                             tokenizer=tokenizer, prefix_cache=store)
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
@@ -281,7 +292,23 @@ class Scheduler:
                         max_queue=self.max_queue, tokens_per_second=round(len(self._recent) / RATE_WINDOW_S, 2),
                         completed=self.counts[STOP] + self.counts[LENGTH], cancelled=self.counts[CANCELLED],
                         failed=self.counts[ERROR], rejected=self.counts["rejected"],
-                        generated_tokens=self.counts["tokens"], decode_steps=self.counts["steps"])
+                        generated_tokens=self.counts["tokens"], decode_steps=self.counts["steps"],
+                        prefix_cache=self.prefix_cache_stats())
+
+    def describe_prefix_cache(self) -> str:
+        """One line for the log: the prefix cache's budget, or why it is off."""
+        store = self.engine.prefix_cache
+        if store is None:
+            return f"off ({self.engine.prefix_cache_off or '--no-prefix-cache'})"
+        return f"on, {store.budget / 2**20:g} MiB, exact on the {self.engine.route.decoder.name}"
+
+    def prefix_cache_stats(self) -> dict:
+        """The prefix cache's ``{"queries", "hits", "blocks", "used_mb", "evictions"}`` (token
+        counts; :meth:`~gpt2mha.inference.prefix_cache.PrefixCache.stats`), or ``{"off": why}``."""
+        store = self.engine.prefix_cache
+        if store is None:
+            return {"off": self.engine.prefix_cache_off or "--no-prefix-cache"}
+        return store.stats()
 
     def occupancy(self) -> tuple[int, int, float]:
         """``(running, queued, kv_cache_usage)`` now: sequences in a slot, sequences waiting for
@@ -304,11 +331,13 @@ class Scheduler:
 
     def warm_up(self) -> None:
         """Run the engine once (:meth:`~gpt2mha.inference.engine.Engine.warm_up`: its kernels
-        loaded, a compiled step compiled) so that no request pays for it, and log the route."""
+        loaded, a compiled step compiled, the prefix cache's exactness measured) so that no
+        request pays for it, and log the route and the prefix cache."""
         if not self.ready:
             t0 = time.monotonic()
             self.engine.warm_up()
             log.info("route: %s; warmed up in %.1f s", self.engine.route.describe(), time.monotonic() - t0)
+            log.info("prefix cache: %s", self.describe_prefix_cache())
             self._ready.set()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -446,6 +475,7 @@ class Scheduler:
         """Prefill ``seqs`` into their slots (one engine call) and accept each first token."""
         results = self.engine.prefill([s.slot for s in seqs], [s.prompt_ids for s in seqs])
         for seq, token in zip(seqs, results):
+            seq.cached_tokens = self.engine.cached[seq.slot]
             self._take(seq, token)
 
     def _decode(self) -> None:

@@ -370,7 +370,8 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
           max_queue: int = 256, graceful_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           chat_template: str | None = DEFAULT_CHAT_TEMPLATE, max_stop: int = MAX_STOP,
           batch_invariant: bool | None = None, compile: bool = False, api_key: str | None = None,
-          metrics: bool = True, load=None, max_tokens_overflow: str = CLIP, lora: dict | None = None) -> None:
+          metrics: bool = True, load=None, max_tokens_overflow: str = CLIP, lora: dict | None = None,
+          prefix_cache_mb: float | None = None) -> None:
     """Serve ``model`` until SIGINT/SIGTERM (``gpt2mha serve``).
 
     The port opens at once, behind :class:`~gpt2mha.serving.operate.Operations`: ``/live`` answers
@@ -392,7 +393,8 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     (``Authorization: Bearer``); ``metrics``: serve ``/metrics``; ``lora``: ``{name: adapter
     path}`` applied unmerged (:func:`~gpt2mha.inference.lora.apply_lora`), each served as its own
     model id over the one base. A classifier (:class:`~gpt2mha.core.classifier.GPT2Classifier`)
-    is served at ``/v1/classify`` (:mod:`.classify`).
+    is served at ``/v1/classify`` (:mod:`.classify`); ``prefix_cache_mb``: as
+    :class:`~gpt2mha.serving.scheduler.Scheduler` (None: sized from free memory; 0: off).
 
     Raises:
         ValueError: a port outside [0, 65535] or one that cannot be listened on now (in use,
@@ -431,7 +433,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
                 apply_lora(m, lora)
             route = choose_decoder(m.eval(), compile=compile, batch_invariant=batch_invariant)
             scheduler = Scheduler(m, tok, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
-                                  route=route)
+                                  route=route, prefix_cache_mb=prefix_cache_mb)
             app = create_app(scheduler, model_name, max_body_bytes=max_body_bytes, chat_template=chat_template,
                              max_stop=max_stop, max_tokens_overflow=max_tokens_overflow,
                              classifier=m if isinstance(m.config, ClassifierConfig) else None)
