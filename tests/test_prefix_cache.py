@@ -222,8 +222,8 @@ def test_metrics_and_log_count_queries_and_hits_and_the_second_answer_is_the_fir
     """A live server (built-in model, float32: the native forward) answers one 150-byte prompt
     twice: the same greedy text; ``gpt2mha:prefix_cache_queries_total`` counts both prompts'
     tokens and ``..._hits_total`` the second's whole blocks but its last 2 tokens (one token a
-    byte: 150 = 9 blocks and 6); the request log says cached_tokens. With a budget of 0: off,
-    both counters 0."""
+    byte: 150 = 9 blocks and 6); the request log and the answer's
+    ``usage.prompt_tokens_details.cached_tokens`` say so. With a budget of 0: off, both counters 0."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     parser = pytest.importorskip("prometheus_client.parser")
@@ -242,10 +242,12 @@ def test_metrics_and_log_count_queries_and_hits_and_the_second_answer_is_the_fir
     for budget, hits in ((4, 9 * BLOCK), (0, 0)):
         sched = Scheduler(model, tok, max_batch=2, max_queue=4, prefix_cache_mb=budget)
         with caplog.at_level(logging.INFO, logger="gpt2mha.serve"), serve_in_thread(sched, DEFAULT_MODEL) as url:
-            texts = [httpx.post(url + "/v1/completions", timeout=60, json={
-                "prompt": prompt, "max_tokens": 8, "temperature": 0}).json()["choices"][0]["text"] for _ in range(2)]
+            answers = [httpx.post(url + "/v1/completions", timeout=60, json={
+                "prompt": prompt, "max_tokens": 8, "temperature": 0}).json() for _ in range(2)]
             got = counters(url)
+        texts = [a["choices"][0]["text"] for a in answers]
         assert texts[0] == texts[1]
+        assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers] == [0, hits]
         assert got == {"gpt2mha:prefix_cache_queries_total": 300.0 if budget else 0.0,
                        "gpt2mha:prefix_cache_hits_total": float(hits)}
         lines = [r.getMessage() for r in caplog.records if "cached_tokens=" in r.getMessage()]

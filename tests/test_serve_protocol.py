@@ -163,7 +163,8 @@ def test_max_tokens_past_the_context_is_clipped_by_default_and_refused_on_reques
     long = [{"role": "user", "content": "x" * 230}]                 # "user: x…x\nassistant:" is 247 tokens
     r = post(server, "/v1/chat/completions", {"messages": long, "max_tokens": 16, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 247, "completion_tokens": 9,
-                                                          "total_tokens": 256}, r.text
+                                                          "total_tokens": 256,
+                                                          "prompt_tokens_details": {"cached_tokens": 0}}, r.text
     with TestClient(create_app(Scheduler(model, tok, max_batch=2), DEFAULT_MODEL, max_tokens_overflow="refuse")) as app:
         for path, body in (("/v1/completions", {"prompt": prompts[0], "max_tokens": 7}),
                            ("/v1/chat/completions", {"messages": long, "max_tokens": 16})):

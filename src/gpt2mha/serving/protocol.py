@@ -437,10 +437,14 @@ def failure(seqs: list[Sequence]) -> APIError | None:
 
 def usage(seqs: list[Sequence]) -> dict:
     """OpenAI's ``usage``: prompt tokens (each prompt once, however many choices it has),
-    completion tokens (of every sequence run, best_of's unreturned ones too) and their total."""
-    p = sum(len(s.prompt_ids) for s in {s.prompt_index: s for s in seqs}.values())
+    completion tokens (of every sequence run, best_of's unreturned ones too), their total, and
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens taken from the prefix cache (each
+    prompt's first sequence; :mod:`~gpt2mha.inference.prefix_cache`)."""
+    first = {s.prompt_index: s for s in reversed(seqs)}.values()
+    p = sum(len(s.prompt_ids) for s in first)
     c = sum(len(s.tokens) for s in seqs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in first)}}
 
 
 def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
