@@ -26,14 +26,14 @@ import datetime
 import json
 import os
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from ..inference.params import MAX_LOGPROBS
 from ..io.tokenizer import CHAT_TEMPLATES
 from ..io.tokenizer import DEFAULT_CHAT_TEMPLATE as TOKENIZER_CHAT_TEMPLATE
 from .completions import Completions
-from .protocol import (EXPECTED, APIError, CompletionRequest, RequestFields, check_model, check_unicode, drop_nulls,
-                       encode_prompts, encode_text, parse_json, token_text, validation_error)
+from .protocol import (EXPECTED, APIError, CompletionRequest, RequestFields, check_model, encode_prompts, encode_text,
+                       parse_body, token_text)
 from .scheduler import Sequence
 
 
@@ -234,12 +234,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
             ``top_logprobs`` without ``logprobs: true`` or outside ``[0, MAX_TOP_LOGPROBS]`` (each
             naming the field).
     """
-    data = parse_json(raw)
-    check_unicode(data)
-    try:
-        body = ChatRequest.model_validate(drop_nulls(data))
-    except ValidationError as e:
-        raise validation_error(e.errors(), CHAT_EXPECTED) from None
+    body = parse_body(raw, ChatRequest, CHAT_EXPECTED)
     check_messages(body.messages)
     if body.echo:
         raise APIError(400, "echo=true is a /v1/completions field (the prompt's text before the completion); a chat "

@@ -23,11 +23,11 @@ import time
 import uuid
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from ..inference.classify import classify_ids, encode_texts
 from .completions import read_body
-from .protocol import APIError, check_model, check_unicode, drop_nulls, parse_json, validation_error
+from .protocol import APIError, check_model, parse_body
 
 #: What each field must be, for the messages of type errors.
 CLASSIFY_EXPECTED = {"model": "a string", "input": "a string, a list of strings, a list of token ids or a list of "
@@ -56,12 +56,7 @@ def parse_classify_request(raw: bytes) -> ClassifyRequest:
         APIError: 400 naming the field: malformed JSON, a wrong type, an unknown field, a
             missing or empty ``input``, a string that is not Unicode text.
     """
-    data = parse_json(raw)
-    check_unicode(data)
-    try:
-        body = ClassifyRequest.model_validate(drop_nulls(data))
-    except ValidationError as e:
-        raise validation_error(e.errors(), CLASSIFY_EXPECTED) from None
+    body = parse_body(raw, ClassifyRequest, CLASSIFY_EXPECTED)
     if body.input == [] or body.input == "":
         raise APIError(400, "input is empty; give a text, a list of texts or token ids to classify", "input")
     return body

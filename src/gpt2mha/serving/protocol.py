@@ -108,19 +108,26 @@ EXPECTED = {
 
 
 # ------------------------------------------------------------------------------ requests
-def parse_request(raw: bytes) -> CompletionRequest:
-    """The request body (JSON, whatever the Content-Type) as a :class:`CompletionRequest`.
+def parse_body(raw: bytes, schema: type[BaseModel], expected: dict | None = None) -> BaseModel:
+    """A request body (JSON, whatever the Content-Type) as ``schema``: nulls read as missing,
+    every string checked for Unicode text, pydantic's first error a 400 naming the field
+    (``expected``: each field's type in words, :data:`EXPECTED` by default).
 
     Raises:
-        APIError: 400 for malformed JSON (no param) or a field of the wrong type, an unknown
-            field, a missing prompt, a string that is not Unicode text (param = that field).
+        APIError: 400 for malformed JSON (no param) or a field of the wrong type, an unknown or
+            missing field, a string that is not Unicode text (param = that field).
     """
     data = parse_json(raw)
     check_unicode(data)
     try:
-        return CompletionRequest.model_validate(drop_nulls(data))
+        return schema.model_validate(drop_nulls(data))
     except ValidationError as e:
-        raise validation_error(e.errors()) from None
+        raise validation_error(e.errors(), expected) from None
+
+
+def parse_request(raw: bytes) -> CompletionRequest:
+    """The ``/v1/completions`` body as a :class:`CompletionRequest` (:func:`parse_body`)."""
+    return parse_body(raw, CompletionRequest)
 
 
 def parse_json(raw: bytes):

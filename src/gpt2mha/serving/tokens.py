@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import json
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from .chat import MESSAGE_EXPECTED, Message, check_messages, template_messages
-from .protocol import APIError, check_model, check_token_ids, check_unicode, drop_nulls, parse_json, validation_error
+from .protocol import APIError, check_model, check_token_ids, parse_body
 
 #: What each field must be, for the messages of type errors.
 EXPECTED = {**MESSAGE_EXPECTED, "model": "a string", "prompt": "a string", "add_special_tokens": "a boolean",
@@ -53,13 +53,9 @@ class DetokenizeRequest(BaseModel):
 
 
 def parse(raw: bytes, schema):
-    """``raw`` as ``schema`` (nulls read as missing; 400 naming the field otherwise)."""
-    data = parse_json(raw)
-    check_unicode(data)
-    try:
-        return schema.model_validate(drop_nulls(data))
-    except ValidationError as e:
-        raise validation_error(e.errors(), EXPECTED) from None
+    """``raw`` as ``schema`` (:func:`~gpt2mha.serving.protocol.parse_body` with this module's
+    field types)."""
+    return parse_body(raw, schema, EXPECTED)
 
 
 def tokenize(raw: bytes, tokenizer, model_name: str, n_ctx: int, template=None) -> dict:
