@@ -223,3 +223,19 @@ def cli_continuation(prompt: str, directory: str, n: int, *flags: str) -> str:
     out = buf.getvalue()
     assert code == 0 and out.startswith(prompt) and out.endswith("\n"), out
     return out[len(prompt):-1]
+
+
+def record_sampled_logits(monkeypatch, slots_of):
+    """Spy on ``Engine.sample``: returns ``{id(sequence): [logits row, ...]}``, filled with the
+    logits each sequence's tokens are chosen from; ``slots_of()`` gives the scheduler's slots
+    (the sequence in each slot) when a step samples."""
+    from gpt2mha.inference.engine import Engine
+
+    seen, real = {}, Engine.sample
+
+    def sample(self, slots, logits, rows):
+        for slot, row in zip(slots, rows):
+            seen.setdefault(id(slots_of()[slot]), []).append(logits[row].clone())
+        return real(self, slots, logits, rows)
+    monkeypatch.setattr(Engine, "sample", sample)
+    return seen

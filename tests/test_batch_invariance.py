@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from conftest import small_model
+from conftest import record_sampled_logits, small_model
 from gpt2mha import GPT2
 from gpt2mha.inference.generate import left_pad
 from gpt2mha.inference.sampling import row_seed
@@ -240,14 +240,8 @@ def test_sliding_window_rows_equal_their_prompt_alone(spy):
 def served_logits(model, tok, plan, monkeypatch, max_batch=4):
     """Drive a :class:`Scheduler` through ``plan``: a list of (steps to run first, prompt ids,
     max_tokens); returns each sequence's tokens and the logits its tokens were chosen from."""
-    seen = {}
     real = Engine.sample
-
-    def next_tokens(self, slots, logits, rows):
-        for slot, row in zip(slots, rows):
-            seen.setdefault(id(sched.slots[slot]), []).append(logits[row].clone())
-        return real(self, slots, logits, rows)
-    monkeypatch.setattr(Engine, "sample", next_tokens)
+    seen = record_sampled_logits(monkeypatch, lambda: sched.slots)
     sched = Scheduler(model, tok, max_batch=max_batch, max_queue=32, batch_invariant=True)
     seqs = []
     for steps, ids, n in plan:

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from conftest import small_model
+from conftest import record_sampled_logits, small_model
 from gpt2mha.inference.decoders import NATIVE, Route, ViewDecoder
 from gpt2mha.inference.dense import has_bf16_dot
 from gpt2mha.inference.engine import Engine
@@ -52,14 +52,8 @@ def serve(model, plan, prefix_cache_mb, monkeypatch):
     """Drive a Scheduler of 4 slots through ``plan`` (per request: steps to run first, prompt,
     max_tokens, steps after which to cancel it or None); each request's tokens and the logits
     [n, V] its tokens were chosen from, and the scheduler."""
-    seen = {}
     real = Engine.sample
-
-    def sample(self, slots, logits, rows):
-        for slot, row in zip(slots, rows):
-            seen.setdefault(id(sched.slots[slot]), []).append(logits[row].clone())
-        return real(self, slots, logits, rows)
-    monkeypatch.setattr(Engine, "sample", sample)
+    seen = record_sampled_logits(monkeypatch, lambda: sched.slots)
     sched = Scheduler(model, get_tokenizer("bytes"), max_batch=4, max_queue=64, batch_invariant=True,
                       prefix_cache_mb=prefix_cache_mb)
     seqs, cancels = [], []
