@@ -33,9 +33,10 @@ from safetensors.torch import save_file
 
 from ..core.model import GPT2, GPT2Config
 from .classifiers import classifier_from_hf, classifier_tensors, classifier_to_hf, is_hf_classifier
-from .state_dicts import CheckpointError, as_dtype, check_state_dict, load_into, model_class, normalize_keys
-from .state_dicts import read_state_dict
-from .state_dicts import resolve_lm_head
+from .files import (CONFIG_NAME, SHARD_PATTERN, WEIGHTS_FILES, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, find_weights,
+                    read_weight_map, read_weights)
+from .registry import CheckpointFormat, Source, as_dtype, read_checkpoint, register_format
+from .state_dicts import Checkpoint, CheckpointError, build_model
 from ..core.classifier import ClassifierConfig
 from .tokenizer import HF_TOKENIZER_FILES, hf_tokenizer_files, tokenizer_class
 
@@ -45,8 +46,9 @@ class QuantizedFormat(NamedTuple):
     above this one) with :func:`register_quantized_format`.
 
     Attributes:
-        load: ``load(model, entry, sd, source, dtype) -> model``: the quantized model from the
-            float ``model`` on the meta device, the ``config.json`` entry and the tensors.
+        load: ``load(checkpoint, dtype, model_cls) -> model``: the quantized model of a
+            :class:`~.state_dicts.Checkpoint` whose ``quantization`` is the ``config.json``
+            entry (:func:`read_quantized`), its float tensors in ``dtype``.
         save: ``save(model, dtype) -> (tensors, entry)``: what ``save_pretrained`` writes.
     """
 
@@ -59,8 +61,11 @@ _QUANTIZED: list[QuantizedFormat] = []
 
 def register_quantized_format(fmt: QuantizedFormat) -> None:
     """Make ``fmt`` the reader and writer of quantized checkpoints (called once, by
-    :mod:`gpt2mha.inference.quant.checkpoint` when it is imported)."""
+    :mod:`gpt2mha.inference.quant.checkpoint` when it is imported): ``save_pretrained`` writes
+    with it, and the registry's ``quantized`` record (detected before a plain Hugging Face
+    directory: :func:`is_quantized_dir`) reads with :func:`read_quantized` and builds with it."""
     _QUANTIZED[:] = [fmt]
+    register_format(CheckpointFormat("hf", "quantized", is_quantized_dir, read_quantized, order=0, build=fmt.load))
 
 
 def quantized_format() -> QuantizedFormat:
@@ -76,19 +81,8 @@ def quantized_format() -> QuantizedFormat:
 
 #: Built-in models shipped inside the package (``gpt2mha/models/<name>/``).
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
-WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, CONFIG_NAME = "model.safetensors", "pytorch_model.bin", "config.json"
 #: transformers' generation defaults for the checkpoint (:func:`generation_config_to_hf`).
 GENERATION_CONFIG_NAME = "generation_config.json"
-#: The index of a sharded checkpoint (transformers' names): ``{"metadata": …, "weight_map":
-#: {tensor name: shard file name}}``, beside shards ``model-00001-of-00003.safetensors`` ….
-WEIGHTS_INDEX_NAME, LEGACY_WEIGHTS_INDEX_NAME = WEIGHTS_NAME + ".index.json", LEGACY_WEIGHTS_NAME + ".index.json"
-#: Weight files in the order transformers prefers them: one safetensors file, sharded
-#: safetensors, one .bin, sharded .bin.
-WEIGHTS_FILES = (WEIGHTS_NAME, WEIGHTS_INDEX_NAME, LEGACY_WEIGHTS_NAME, LEGACY_WEIGHTS_INDEX_NAME)
-#: A shard's file name as transformers and huggingface_hub write it.
-SHARD_PATTERN = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
-
-
 
 
 def builtin_models() -> list[str]:
@@ -182,116 +176,6 @@ def tokenizer_fits(config: GPT2Config) -> bool:
     return config.n_vocab >= tokenizer_class(config.tokenizer).n_vocab
 
 
-# ---------------------------------------------------------------------------------- weights
-def _weight_map(index_path: str) -> dict[str, str]:
-    """``weight_map`` of a sharded checkpoint's index, checked: an object of tensor name → shard
-    file name, each shard a plain file name (nothing outside the directory is read), no tensor
-    listed twice.
-
-    Raises:
-        CheckpointError: unreadable JSON, no ``weight_map``, a shard path, a duplicate name.
-    """
-    duplicates = []
-
-    def pairs(items):
-        seen = {}
-        for k, v in items:
-            if k in seen:
-                duplicates.append((k, seen[k], v))
-            seen[k] = v
-        return seen
-
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f, object_pairs_hook=pairs)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index_path}: cannot read JSON: {e}") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index_path}: expected an object with a non-empty \"weight_map\" (tensor name → shard "
-                              f"file), as transformers writes it")
-    for k, a, b in duplicates:
-        if isinstance(a, str) and isinstance(b, str):
-            raise CheckpointError(f"{index_path}: tensor {k} is listed twice in weight_map ({a} and {b}); refusing to "
-                                  f"guess which one is meant")
-    bad = [f"{k}: {v!r}" for k, v in weight_map.items()
-           if not isinstance(v, str) or not v or os.path.basename(v) != v or v in (".", "..")]
-    if bad:
-        raise CheckpointError(f"{index_path}: weight_map must name shard files in this directory (plain file names); "
-                              f"got {', '.join(bad[:3])}")
-    return weight_map
-
-
-def read_sharded(index_path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a sharded checkpoint: every shard the index's ``weight_map`` names, read from
-    the index's directory (:func:`read_state_dict` each), checked against the index.
-
-    Raises:
-        CheckpointError: see :func:`_weight_map`; a missing shard (named, with how many tensors
-            it should hold), a tensor found in two shards (both named), a tensor the index puts
-            in a shard that does not hold it, or one a shard holds that the index does not list.
-    """
-    directory = os.path.dirname(index_path)
-    weight_map = _weight_map(index_path)
-    shards = list(dict.fromkeys(weight_map.values()))
-    missing = [f for f in shards if not os.path.isfile(os.path.join(directory, f))]
-    if missing:
-        counts = {f: sum(v == f for v in weight_map.values()) for f in missing}
-        raise CheckpointError(f"{index_path}: missing shard{'s' if len(missing) > 1 else ''} "
-                              + ", ".join(f"{f} ({counts[f]} tensors, e.g. "
-                                          f"{next(k for k, v in weight_map.items() if v == f)})" for f in missing)
-                              + f" in {directory}")
-    sd, where, problems = {}, {}, []
-    for shard in shards:
-        for k, t in read_state_dict(os.path.join(directory, shard)).items():
-            if k in where:
-                raise CheckpointError(f"{index_path}: tensor {k} is in two shards, {where[k]} and {shard}; refusing to "
-                                      f"guess which one is meant")
-            where[k] = shard
-            if k not in weight_map:
-                problems.append(f"{shard} holds {k}, which the index does not list")
-            elif weight_map[k] != shard:
-                problems.append(f"the index puts {k} in {weight_map[k]}, but {shard} holds it")
-            sd[k] = t
-    problems += [f"the index puts {k} in {v}, which does not hold it" for k, v in weight_map.items() if k not in where]
-    if problems:
-        raise CheckpointError(f"{index_path}: the shards do not match the index:\n  " + "\n  ".join(problems[:10])
-                              + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""))
-    return sd
-
-
-def find_weights(directory: str) -> str:
-    """The weights of a checkpoint directory: the first of :data:`WEIGHTS_FILES` present.
-
-    Raises:
-        CheckpointError: none of them (naming what was looked for).
-    """
-    for name in WEIGHTS_FILES:
-        if os.path.isfile(os.path.join(directory, name)):
-            return os.path.join(directory, name)
-    raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {WEIGHTS_INDEX_NAME} with its shards, "
-                          f"{LEGACY_WEIGHTS_NAME}, {LEGACY_WEIGHTS_INDEX_NAME}) next to {CONFIG_NAME}")
-
-
-def read_weights(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a weights file or of a sharded checkpoint's index (:func:`read_sharded`)."""
-    return read_sharded(path) if path.endswith(".index.json") else read_state_dict(path)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # ---------------------------------------------------------------------------------- resolve
 def resolve(name_or_dir: str) -> str:
     """A local directory, a built-in name or a hub id (in that order) → a local directory.
@@ -358,7 +242,7 @@ def download(repo_id: str) -> str:
                     raise
                 continue
             if name.endswith(".index.json"):      # then every shard it names
-                for shard in dict.fromkeys(_weight_map(path).values()):
+                for shard in dict.fromkeys(read_weight_map(path).values()):
                     huggingface_hub.hf_hub_download(repo_id, shard, local_files_only=local_only)
             break
     except CheckpointError:
@@ -376,7 +260,8 @@ def download(repo_id: str) -> str:
 
 
 def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch.float32) -> GPT2:
-    """Build a model from a built-in name, a local Hugging Face directory, or a hub id.
+    """Build a model from a built-in name, a local Hugging Face directory, or a hub id: the
+    registry's pass (:func:`~.registry.read_checkpoint`) over the Hugging Face formats only.
 
     Args:
         name_or_dir: e.g. ``"shakespeare-byte"``, ``"./my-gpt2"``, ``"openai-community/gpt2"``
@@ -384,44 +269,90 @@ def load_pretrained(name_or_dir: str, model_cls=GPT2, dtype: torch.dtype = torch
         model_cls: the class to build (:class:`~gpt2mha.core.model.GPT2` or a subclass, e.g.
             the public ``gpt2mha.GPT2``).
         dtype: parameter dtype of the returned model (float32 by default): a torch dtype or a
-            name such as ``"bf16"`` (:func:`as_dtype`).
+            name such as ``"bf16"`` (:func:`~.registry.as_dtype`).
 
     Returns:
         The model in eval mode.
 
     Raises:
-        CheckpointError: see :func:`resolve`, :func:`config_from_hf`, :func:`find_weights`,
-            :func:`read_state_dict`, :func:`read_sharded`, :func:`check_state_dict`.
+        CheckpointError: see :func:`resolve`, :func:`read_hf`, :func:`~.state_dicts.build_model`.
     """
     dtype = as_dtype(dtype)
-    directory = resolve(name_or_dir)
+    return build_model(read_checkpoint(name_or_dir, "hf", any_name=True), dtype, model_cls)
+
+
+# ---------------------------------------------------------------------------------- read
+def is_model_name(src: str) -> bool:
+    """Whether ``src`` (no such path) names a model :func:`resolve` finds: a built-in model or a
+    hub id (``owner/name``, no file extension)."""
+    if src in builtin_models():
+        return True
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", src)) and not os.path.splitext(src)[1]
+
+
+def is_quantized_config(cfg: dict) -> bool:
+    """Whether a ``config.json`` dict is a quantized model's (``gpt2mha.quantization``, written
+    by ``save_pretrained`` after ``GPT2.quantize``)."""
+    extra = cfg.get("gpt2mha")
+    return isinstance(extra, dict) and "quantization" in extra
+
+
+def is_quantized_dir(source: Source) -> bool:
+    """Whether a probed directory is a quantized gpt2mha checkpoint (:func:`is_quantized_config`)."""
+    return source.config is not None and is_quantized_config(source.config)
+
+
+def is_hf_dir(source: Source) -> bool:
+    """Whether a probed path is a Hugging Face directory (``config.json`` in it)."""
+    return source.is_dir and os.path.isfile(os.path.join(source.path, CONFIG_NAME))
+
+
+def _read_directory(source: Source) -> tuple[dict, GPT2Config, str, dict[str, torch.Tensor]]:
+    """``(config.json dict, config, weights path, tensors as stored)`` of a Hugging Face
+    directory; a path that is not one gets :func:`resolve`'s error."""
+    directory = source.path if source.config is not None else resolve(source.path)
     config_path = os.path.join(directory, CONFIG_NAME)
-    try:
-        with open(config_path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{config_path}: cannot read JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{config_path}: expected a JSON object")
+    cfg = source.config
+    if cfg is None:
+        try:
+            with open(config_path) as f:
+                cfg = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{config_path}: cannot read JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{config_path}: expected a JSON object")
     config = config_from_hf(cfg, config_path)
     weights_path = find_weights(directory)
-    sd = normalize_keys(read_weights(weights_path), weights_path)
-    if "quantization" in cfg.get("gpt2mha", {}):                  # saved after GPT2.quantize
-        with torch.device("meta"):
-            model = model_cls(config)
-        return quantized_format().load(model, cfg["gpt2mha"]["quantization"], sd, weights_path, dtype)
+    return cfg, config, weights_path, read_weights(weights_path)
+
+
+def read_hf(source: Source, options: dict | None = None) -> Checkpoint:
+    """A Hugging Face GPT-2 directory → :class:`~.state_dicts.Checkpoint`: ``config.json``
+    (:func:`config_from_hf`), the weights (:func:`find_weights`, :func:`read_weights`), a
+    ``GPT2ForSequenceClassification``'s head and labels (:mod:`.classifiers`).
+
+    Raises:
+        CheckpointError: see :func:`resolve`, :func:`config_from_hf`, :func:`find_weights`,
+            :func:`read_weights`, :func:`~.classifiers.classifier_from_hf`; a quantized
+            directory with no quantized format registered.
+    """
+    cfg, config, weights_path, sd = _read_directory(source)
+    if is_quantized_config(cfg):                                  # the quantized record claims it when registered
+        return Checkpoint(sd, config, weights_path, cfg["gpt2mha"]["quantization"], quantized_format().load)
     if is_hf_classifier(cfg, sd):                                 # GPT2ForSequenceClassification: score, id2label
         sd, config = classifier_from_hf(cfg, config, sd, weights_path)
-    else:
-        sd, config = resolve_lm_head(sd, config, weights_path)
-    with torch.device("meta"):
-        model = model_class(config, model_cls, weights_path)(config)
-    check_state_dict(model, sd, weights_path)
-    if dtype != torch.float32:
-        overflow = [k for k, v in sd.items() if not torch.isfinite(v.to(dtype)).all()]
-        if overflow:
-            raise CheckpointError(f"{weights_path}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
-    return load_into(model, sd, dtype)
+    return Checkpoint(sd, config, weights_path)
+
+
+def read_quantized(source: Source, options: dict | None = None) -> Checkpoint:
+    """A quantized gpt2mha directory → :class:`~.state_dicts.Checkpoint` with its
+    ``quantization`` entry; the registered :class:`QuantizedFormat` checks and builds it.
+
+    Raises:
+        CheckpointError: see :func:`read_hf`.
+    """
+    cfg, config, weights_path, sd = _read_directory(source)
+    return Checkpoint(sd, config, weights_path, cfg["gpt2mha"]["quantization"])
 
 
 def is_checkpoint_dir(directory: str) -> bool:
@@ -585,3 +516,7 @@ def _write_text(path: str, text: str) -> None:
 def _write_bytes(path: str, content: str | bytes) -> None:
     with open(path, "wb") as f:
         f.write(content.encode("utf-8") if isinstance(content, str) else content)
+
+
+register_format(CheckpointFormat("hf", "hf", is_hf_dir, read_hf, order=10, names=is_model_name, resolve=resolve,
+                                 describe={"dir": f"a Hugging Face GPT-2 checkpoint ({CONFIG_NAME} + {WEIGHTS_NAME})"}))

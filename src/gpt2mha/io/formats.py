@@ -1,5 +1,9 @@
-"""Checkpoint formats learners have, other than Hugging Face's: read, write, convert.
+"""Any checkpoint format, read, written and converted: the public face of the registry
+(:mod:`.registry`); importing this module registers every built-in format.
 
+* ``hf``: a Hugging Face GPT-2 directory (:mod:`gpt2mha.io.checkpoints`), a built-in model name
+  or a hub id; a quantized gpt2mha directory is read by the format
+  :mod:`gpt2mha.inference.quant` registers.
 * ``openai``: the directory OpenAI's ``download_model.py`` writes (``checkpoint``,
   ``model.ckpt.index``, ``model.ckpt.data-00000-of-00001``, ``hparams.json``, ``encoder.json``,
   ``vocab.bpe``), read with TensorFlow's own ``tf.train.load_checkpoint`` (``pip install
@@ -24,20 +28,23 @@ an exact copy or transpose (no arithmetic), so a round trip is bitwise.
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 
 from ..core.model import GPT2
-from .checkpoints import CONFIG_NAME, builtin_models, load_pretrained, save_pretrained
-from .learner_formats import book_state_dict_of, read_book, read_nanogpt, save_book, save_nanogpt
-from .lora import merge_state_dict, read_adapter
-from .openai_tf import OPENAI_FILES, is_openai_dir, load_openai
-from .state_dicts import CheckpointError, CheckpointWarning, as_dtype, model_from_state_dict, read_torch_file
+from .checkpoints import save_pretrained
+from .files import read_torch_file
+from .layouts import book_state_dict_of
+from .learner_formats import read_book, read_nanogpt, save_book, save_nanogpt
+from .lora import merge_adapters
+from .openai_tf import load_openai
+from .registry import as_dtype, detect_format, read_checkpoint, source_format
+from .state_dicts import Checkpoint, CheckpointError, CheckpointWarning, build_model
 
 #: Re-exported: what readers of a format other than Hugging Face's may want from this module.
 __all__ = ["FORMATS", "WRITABLE", "CheckpointWarning", "convert", "detect_format", "source_format", "read_any",
-           "load_any", "merge_lora", "read_book", "read_torch_file", "load_openai"]
+           "load_any", "merge_lora", "read_book", "read_nanogpt", "read_torch_file", "load_openai",
+           "book_state_dict_of"]
 
 
 FORMATS = ("hf", "openai", "book", "nanogpt")
@@ -46,116 +53,64 @@ FORMATS = ("hf", "openai", "book", "nanogpt")
 WRITABLE = ("hf", "book", "nanogpt")
 
 
-def detect_format(path: str) -> str:
-    """Which of :data:`FORMATS` ``path`` holds: a directory with ``config.json`` → ``hf``; with
-    ``hparams.json`` + a TF checkpoint → ``openai``; with ``ckpt.pt`` (nanoGPT's ``out_dir``),
-    or a file with ``model_args`` + ``model`` → ``nanogpt``; a file whose tensors are named
-    ``tok_emb.weight``, ``trf_blocks.…`` → ``book``.
-
-    Raises:
-        CheckpointError: none of these (naming what was looked for), or a path that does not exist.
-    """
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, CONFIG_NAME)):
-            return "hf"
-        if is_openai_dir(path):
-            return "openai"
-        if os.path.isfile(os.path.join(path, "ckpt.pt")):
-            return "nanogpt"
-        raise CheckpointError(f"{path}: no {CONFIG_NAME} in this directory; expected a Hugging Face GPT-2 checkpoint "
-                              f"({CONFIG_NAME} + model.safetensors), OpenAI's checkpoint directory "
-                              f"({', '.join(OPENAI_FILES)}) or nanoGPT's out_dir (ckpt.pt)")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such file or directory")
-    obj = read_torch_file(path)
-    return _detect_object(obj, path)
-
-
-def source_format(src: str) -> str:
-    """:func:`detect_format` for a path; ``"hf"`` for what ``--model`` takes besides paths: a
-    built-in model name (a local path of that name wins) or a hub id (``owner/name``, no file
-    extension).
-
-    Raises:
-        CheckpointError: see :func:`detect_format` (e.g. no such file or directory).
-    """
-    if not os.path.exists(src):
-        if src in builtin_models():
-            return "hf"
-        if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", src) and not os.path.splitext(src)[1]:
-            return "hf"
-    return detect_format(src)
-
-
-def _detect_object(obj, source: str) -> str:
-    if isinstance(obj, dict) and "model_args" in obj and "model" in obj:
-        return "nanogpt"
-    sd = book_state_dict_of(obj)
-    if sd is not None and any(k.endswith("tok_emb.weight") for k in sd):
-        return "book"
-    keys = list(obj)[:5] if isinstance(obj, dict) else type(obj).__name__
-    raise CheckpointError(f"{source}: neither nanoGPT's ckpt.pt (model_args + model) nor the book's GPTModel state "
-                          f"dict (tok_emb.weight, trf_blocks.…); found {keys}")
-
-
 def read_any(src: str, fmt: str | None = None, book_config: dict | None = None,
              model_cls=GPT2, lora=None) -> tuple[GPT2, str]:
     """Load any of :data:`FORMATS` as a float32 model of ``model_cls``; returns ``(model, format)``.
 
-    ``lora``: a LoRA adapter (a PEFT directory or the book's appendix-E ``.pth``), or a list of
-    them, merged into the weights in that order (:func:`merge_lora`).
+    ``src``: a path, or a built-in model name or hub id (:func:`~.registry.source_format`).
+    ``fmt``: the format, instead of detecting it. ``lora``: a LoRA adapter (a PEFT directory
+    or the book's appendix-E ``.pth``), or a list of them, merged into the weights in that
+    order (:func:`~.lora.merge_adapters`).
 
     Raises:
         CheckpointError: an unknown ``fmt`` or anything its reader refuses.
     """
     if fmt is not None and fmt not in FORMATS:
         raise CheckpointError(f"format={fmt!r}; expected one of {FORMATS}")
-    fmt = fmt or source_format(src)                              # a built-in name or hub id, as --model takes
-    if fmt == "hf":
-        model = load_pretrained(src, model_cls)
-    elif fmt == "openai":
-        model = load_openai(src, model_cls=model_cls)
-    else:
-        sd, config = read_book(src, book_config)[:2] if fmt == "book" else read_nanogpt(src)
-        model = model_from_state_dict(sd, config, src, model_cls=model_cls)
-    return (merge_lora(model, lora, book_config, model_cls) if lora else model), fmt
+    checkpoint = read_checkpoint(src, fmt, book_config)
+    if lora:
+        checkpoint = merge_adapters(checkpoint, lora, book_config)
+    return build_model(checkpoint, torch.float32, model_cls), checkpoint.format
 
 
 def merge_lora(model: GPT2, lora, book_config: dict | None = None, model_cls=GPT2) -> GPT2:
     """A new float32 model of ``model_cls``: ``model`` with each adapter of ``lora`` (a path or a
     list of paths: :func:`gpt2mha.io.lora.read_adapter`) merged into its weights, in order
-    (:func:`gpt2mha.io.lora.merge_state_dict`).
+    (:func:`gpt2mha.io.lora.merge_adapters`).
 
     Raises:
         CheckpointError: a quantized base (merge into the float model, then quantize), or what
             :func:`~gpt2mha.io.lora.read_adapter` / :func:`~gpt2mha.io.lora.check_adapter` refuse.
     """
-    if getattr(model, "quantization", None):
-        raise CheckpointError(f"the base model is quantized ({model.quantization['scheme']}); LoRA merges into float "
-                              f"weights: merge into the float model, then quantize it")
-    sd, config = {k: v.detach().float() for k, v in model.state_dict().items()}, model.config
-    for path in [lora] if isinstance(lora, (str, os.PathLike)) else lora:
-        sd, config = merge_state_dict(sd, config, read_adapter(os.fspath(path), book_config))
-    return model_from_state_dict(sd, config, "the merged model", model_cls=model_cls)
+    quantization = getattr(model, "quantization", None)
+    sd = {} if quantization else {k: v.detach().float() for k, v in model.state_dict().items()}
+    merged = merge_adapters(Checkpoint(sd, model.config, "the merged model", quantization), lora, book_config)
+    return build_model(merged, torch.float32, model_cls)
 
 
 def load_any(src: str, dtype: torch.dtype = torch.float32, book_config: dict | None = None,
              model_cls=GPT2, lora=None) -> GPT2:
     """Any model a user names → a model of ``model_cls`` in ``dtype`` (eval mode): a built-in
-    name, a Hugging Face directory or hub id (:func:`~gpt2mha.io.checkpoints.load_pretrained`),
-    or a local checkpoint in another of :data:`FORMATS` (detected: OpenAI's directory,
-    nanoGPT's ``ckpt.pt`` or ``out_dir``, a book ``.pth``), with ``lora`` adapters merged
-    (:func:`merge_lora`). What ``GPT2.from_pretrained`` and ``--model`` call.
+    name, a Hugging Face directory or hub id (:func:`~gpt2mha.io.checkpoints.resolve`), or a
+    local checkpoint in another of :data:`FORMATS` (detected: OpenAI's directory, nanoGPT's
+    ``ckpt.pt`` or ``out_dir``, a book ``.pth``), with ``lora`` adapters merged. What
+    ``GPT2.from_pretrained`` and ``--model`` call.
+
+    One pass (:mod:`.registry`): locate, probe, detect, read and normalise the keys once
+    (:func:`~.registry.read_checkpoint`), merge the adapters (:func:`~.lora.merge_adapters`),
+    build the model with each tensor converted once, to ``dtype``
+    (:func:`~.state_dicts.build_model`).
+
+    Raises:
+        ValueError: ``dtype`` is not a floating dtype or one of its names.
+        CheckpointError: what :func:`~.registry.read_checkpoint`, the adapters or
+            :func:`~.state_dicts.build_model` refuse (e.g. values that overflow ``dtype``).
     """
-    if not lora and (not os.path.exists(src) or os.path.isfile(os.path.join(src, CONFIG_NAME))):
-        return load_pretrained(src, model_cls, as_dtype(dtype))
     dtype = as_dtype(dtype)
-    model, _ = read_any(src, book_config=book_config, model_cls=model_cls, lora=lora)
-    if dtype != torch.float32:
-        overflow = [k for k, v in model.state_dict().items() if not torch.isfinite(v.to(dtype)).all()]
-        if overflow:
-            raise CheckpointError(f"{src}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
-    return model.to(dtype)
+    checkpoint = read_checkpoint(src, book_config=book_config, any_name=True)
+    if lora:
+        checkpoint = merge_adapters(checkpoint, lora, book_config)
+    return build_model(checkpoint, dtype, model_cls)
 
 
 def convert(src: str, dst: str, to: str = "hf", overwrite: bool = False, src_format: str | None = None,

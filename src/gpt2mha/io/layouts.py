@@ -1,14 +1,22 @@
-"""Exact conversions of whole-model state dicts between GPT-2's Conv1D layout (``[in, out]``,
-used as ``x @ W + b``) and nn.Linear's (``[out, in]``), and the per-head wrapper's key prefixes.
-The attention modules' own conversions (the book's classes and GPT-2's fused attention) are
-:mod:`gpt2mha.learn.attention_layouts`.
+"""What a format's reader needs on its way to the canonical state dict (:mod:`.state_dicts`):
+exact conversions of whole-model state dicts between GPT-2's Conv1D layout (``[in, out]``, used
+as ``x @ W + b``) and nn.Linear's (``[out, in]``), the wrapper's key prefixes (``torch.compile``,
+DDP), the check of a file's tensors by the format's own names and shapes before anything is
+mapped, the head tied to ``wte`` when it is a copy, and the book's state dict inside a loaded
+file. The attention modules' own conversions (the book's classes and GPT-2's fused attention)
+are :mod:`gpt2mha.learn.attention_layouts`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 
 import torch
+
+from ..core.model import GPT2Config
+from .state_dicts import CheckpointError
 
 #: The four weights per block that GPT-2 stores as Conv1D ``[in, out]`` and nn.Linear as
 #: ``[out, in]`` (nanoGPT's ``from_pretrained`` transposes exactly these).
@@ -109,3 +117,70 @@ def linear_to_conv1d_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.
             block weight under an unknown prefix (named), or a mix of prefixed and plain keys.
     """
     return _convert_state_dict(sd, to_linear=False)
+
+
+def check_tensors(shapes: dict[str, tuple], expected: dict[str, tuple], source: str,
+                  optional: dict[str, tuple] | None = None) -> None:
+    """Every name of ``expected`` present with its shape and nothing else (``optional`` names
+    may be absent); names are the format's own. ``shapes``: name → shape of what the file holds.
+    (Dtypes and finiteness are checked after mapping, by :func:`~.state_dicts.check_state_dict`.)
+
+    Raises:
+        CheckpointError: listing every missing, unexpected or mis-shaped tensor.
+    """
+    optional = optional or {}
+    problems = [f"missing tensor {k} {list(s)}" for k, s in expected.items() if k not in shapes]
+    problems += [f"unexpected tensor {k} {list(s)}" for k, s in shapes.items() if k not in expected and k not in optional]
+    for k, s in shapes.items():
+        want = expected.get(k, optional.get(k))
+        if want is not None and tuple(s) != tuple(want):
+            problems.append(f"{k}: shape {list(s)} != expected {list(want)}")
+    if problems:
+        raise CheckpointError(f"{source}: cannot load:\n  " + "\n  ".join(problems))
+
+
+def tensor_shapes(sd: dict) -> dict[str, tuple]:
+    """name → shape; a value that is not a tensor is reported by name."""
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"{', '.join(map(str, bad[:5]))}: not tensors; expected a state dict")
+    return {k: tuple(v.shape) for k, v in sd.items()}
+
+
+def tie_head(sd: dict[str, torch.Tensor], config: GPT2Config) -> tuple[dict, GPT2Config]:
+    """Tie ``lm_head.weight`` to ``wte.weight`` when they are equal (drop it), else untie the
+    config (``tie_word_embeddings=False``): the book's ``out_head`` is its own parameter."""
+    sd = dict(sd)
+    head = sd.pop("lm_head.weight", None)
+    if head is None or torch.equal(head, sd["wte.weight"]):
+        return sd, dataclasses.replace(config, tie_word_embeddings=True)
+    sd["lm_head.weight"] = head
+    return sd, dataclasses.replace(config, tie_word_embeddings=False)
+
+
+def book_config_path(path: str) -> str:
+    """Where the config dict of a book checkpoint ``DIR/NAME.pth`` lives: ``DIR/NAME.json``."""
+    return os.path.splitext(path)[0] + ".json"
+
+
+def book_state_dict_of(obj):
+    """The state dict inside a loaded book checkpoint (a plain state dict, or chapter 5's
+    ``{"model_state_dict": ...}``), with the per-head wrapper's prefixes stripped; None when
+    ``obj`` is neither.
+
+    Raises:
+        CheckpointError: the wrapper's keys cannot be read (:func:`strip_wrapper_prefixes`).
+    """
+    if isinstance(obj, dict) and isinstance(obj.get("model_state_dict"), dict):
+        obj = obj["model_state_dict"]                             # ch. 5's model_and_optimizer.pth
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj) and obj:
+        try:
+            return strip_wrapper_prefixes(obj)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    return None
+
+
+def is_book_lora(sd: dict) -> bool:
+    """Whether a book state dict holds appendix E's ``LinearWithLoRA`` layers (``….lora.A``)."""
+    return any(k.endswith(".lora.A") for k in sd)

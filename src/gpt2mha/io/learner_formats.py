@@ -22,11 +22,12 @@ import torch
 
 from ..core.classifier import ClassifierConfig
 from ..core.model import GPT2, GPT2Config
-from .lora import is_book_lora, merge_state_dict, split_book_lora
-from .layouts import conv1d_to_linear_state_dict, linear_to_conv1d_state_dict, strip_wrapper_prefixes
-from .state_dicts import CheckpointError, check_tensors, read_torch_file, tie_head
-from .state_dicts import tensor_shapes, detached_state_dict
-from .state_dicts import book_config_path, book_state_dict_of  # noqa: F401  (importable from here too)
+from .files import read_torch_file
+from .layouts import book_config_path, book_state_dict_of, check_tensors, conv1d_to_linear_state_dict, is_book_lora
+from .layouts import linear_to_conv1d_state_dict, strip_wrapper_prefixes, tensor_shapes, tie_head
+from .lora import merge_state_dict, split_book_lora
+from .registry import CheckpointFormat, Source, register_format
+from .state_dicts import Checkpoint, CheckpointError, detached_state_dict
 
 
 BOOK_CONFIG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers", "drop_rate", "qkv_bias")
@@ -405,3 +406,38 @@ def _refuse_existing(paths: list[str], overwrite: bool) -> None:
 def _mkdir_for(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
+
+
+# ------------------------------------------------------------------------------ the registry
+def is_nanogpt_file(source: Source) -> bool:
+    """Whether a probed file is nanoGPT's checkpoint dict (``model_args`` + ``model``)."""
+    return isinstance(source.obj, dict) and "model_args" in source.obj and "model" in source.obj
+
+
+def is_book_file(source: Source) -> bool:
+    """Whether a probed file is the book's GPTModel state dict (or chapter 5's
+    ``{"model_state_dict": …}``): a key ending in ``tok_emb.weight``, wrapper prefixes or not."""
+    obj = source.obj
+    if isinstance(obj, dict) and isinstance(obj.get("model_state_dict"), dict):
+        obj = obj["model_state_dict"]
+    return isinstance(obj, dict) and any(isinstance(k, str) and k.endswith("tok_emb.weight") for k in obj)
+
+
+def read_nanogpt_source(source: Source, options: dict | None = None) -> Checkpoint:
+    """The registry's reader: :func:`read_nanogpt` of a probed ``ckpt.pt``."""
+    sd, config = read_nanogpt(source.path, source.obj)
+    return Checkpoint(sd, config, source.path)
+
+
+def read_book_source(source: Source, options: dict | None = None) -> Checkpoint:
+    """The registry's reader: :func:`read_book` of a probed file, with ``options["book_config"]``."""
+    sd, config, _ = read_book(source.path, (options or {}).get("book_config"), source.obj)
+    return Checkpoint(sd, config, source.path)
+
+
+register_format(CheckpointFormat("nanogpt", "nanogpt", is_nanogpt_file, read_nanogpt_source, order=30, file="ckpt.pt",
+                                 kinds=("dir", "file"),
+                                 describe={"dir": "nanoGPT's out_dir (ckpt.pt)",
+                                           "file": "nanoGPT's ckpt.pt (model_args + model)"}))
+register_format(CheckpointFormat("book", "book", is_book_file, read_book_source, order=40, kinds=("file",),
+                                 describe={"file": "the book's GPTModel state dict (tok_emb.weight, trf_blocks.…)"}))

@@ -44,7 +44,9 @@ import torch
 
 from ..core.classifier import ClassifierConfig
 from ..core.model import GPT2Config
-from .state_dicts import CheckpointError, book_config_path, book_state_dict_of, read_state_dict, read_torch_file
+from .files import read_state_dict, read_torch_file
+from .layouts import book_config_path, book_state_dict_of, is_book_lora
+from .state_dicts import Checkpoint, CheckpointError
 
 #: The module names a LoRA layer may target in gpt2mha's model.
 TARGETS = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)|lm_head")
@@ -167,11 +169,6 @@ def _check_target(name: str, source: str, key: str) -> None:
 
 
 # ------------------------------------------------------------------------------- book
-def is_book_lora(sd: dict) -> bool:
-    """Whether a book state dict holds appendix E's ``LinearWithLoRA`` layers (``….lora.A``)."""
-    return any(k.endswith(".lora.A") for k in sd)
-
-
 def split_book_lora(sd: dict[str, torch.Tensor], alpha, source: str) -> tuple[dict[str, torch.Tensor], LoraAdapter]:
     """Appendix E's state dict → (the plain GPTModel state dict, the adapter in gpt2mha's names).
 
@@ -344,3 +341,21 @@ def merge_state_dict(sd: dict[str, torch.Tensor], config: GPT2Config,
         else:
             sd[target + ".weight"] = (sd[target + ".weight"].double() + delta.t()).float()
     return sd, config
+
+
+def merge_adapters(checkpoint: Checkpoint, lora, book_config: dict | None = None) -> Checkpoint:
+    """``checkpoint`` (canonical: :func:`~.state_dicts.canonical`) with each adapter of ``lora``
+    (a path or a list of paths: :func:`read_adapter`) merged into its tensors, in order
+    (:func:`merge_state_dict`): the loading pass's step between reading and building.
+
+    Raises:
+        CheckpointError: a quantized base (merge into the float model, then quantize), or what
+            :func:`read_adapter` / :func:`check_adapter` refuse.
+    """
+    if checkpoint.quantization:
+        raise CheckpointError(f"the base model is quantized ({checkpoint.quantization['scheme']}); LoRA merges into "
+                              f"float weights: merge into the float model, then quantize it")
+    sd, config = checkpoint.state_dict, checkpoint.config
+    for path in [lora] if isinstance(lora, (str, os.PathLike)) else lora:
+        sd, config = merge_state_dict(sd, config, read_adapter(os.fspath(path), book_config))
+    return checkpoint._replace(state_dict=sd, config=config)

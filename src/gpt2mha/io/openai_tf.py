@@ -19,7 +19,9 @@ import warnings
 import torch
 
 from ..core.model import GPT2, GPT2Config
-from .state_dicts import CheckpointError, CheckpointWarning, check_tensors, model_from_state_dict
+from .layouts import check_tensors
+from .registry import CheckpointFormat, Source, register_format
+from .state_dicts import Checkpoint, CheckpointError, CheckpointWarning, model_from_state_dict
 from .tokenizer import ENCODER_JSON_SHA256, VOCAB_BPE_SHA256
 
 
@@ -185,3 +187,13 @@ def load_openai(directory: str, dtype: torch.dtype = torch.float32, model_cls=GP
 
     sd, config = read_openai(directory)
     return model_from_state_dict(sd, config, directory, dtype, model_cls)
+
+
+def read_openai_source(source: Source, options: dict | None = None) -> Checkpoint:
+    """The registry's reader: :func:`read_openai` of a probed directory."""
+    sd, config = read_openai(source.path)
+    return Checkpoint(sd, config, source.path)
+
+
+register_format(CheckpointFormat("openai", "openai", lambda source: is_openai_dir(source.path), read_openai_source,
+                                 order=20, describe={"dir": f"OpenAI's checkpoint directory ({', '.join(OPENAI_FILES)})"}))

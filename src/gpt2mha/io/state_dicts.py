@@ -1,47 +1,58 @@
-"""State dicts in gpt2mha's names (Conv1D layout, ``h.{i}.attn.c_attn.weight`` …): the checks
-every reader runs before anything is copied, and the model they become. Every checkpoint format
-(:mod:`.checkpoints`, :mod:`.openai_tf`, :mod:`.learner_formats`) ends here.
+"""The canonical state dict (gpt2mha's names, Conv1D layout: ``h.{i}.attn.c_attn.weight`` …)
+and the model it becomes: the last two steps of every load (:mod:`.registry`). Every format's
+reader returns a :class:`Checkpoint`; :func:`canonical` normalises its keys once;
+:func:`build_model` checks every tensor against the model, then copies each into the model's
+dtype (the one dtype conversion of the load).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import pickle
 import warnings
+from typing import Callable, NamedTuple
 
 import torch
-from safetensors.torch import load_file
 
 from ..core.classifier import ClassifierConfig, GPT2Classifier
 from ..core.model import GPT2, GPT2Config
-from .layouts import strip_wrapper_prefixes
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is; the message names the file or tensor."""
 
 
+class CheckpointWarning(UserWarning):
+    """A checkpoint that loads, but not the way its files say (e.g. TF's ``checkpoint`` file
+    naming another directory's files)."""
+
+
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
-#: dtype names accepted wherever a dtype is given as text (API and CLI).
-DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+class Checkpoint(NamedTuple):
+    """A checkpoint as a format's reader returns it (:class:`~.registry.CheckpointFormat`).
 
-
-def as_dtype(dtype) -> torch.dtype:
-    """A floating torch dtype from a dtype or one of :data:`DTYPE_NAMES` (``"bf16"``, …).
-
-    Raises:
-        ValueError: naming the value and the accepted names.
+    Attributes:
+        state_dict: the tensors, in the file's dtypes, named as gpt2mha names them or as
+            Hugging Face's files do (``transformer.`` prefixes, the legacy ``attn.bias``
+            buffers: :func:`canonical` drops them).
+        config: the model's :class:`~gpt2mha.core.model.GPT2Config` (a
+            :class:`~gpt2mha.core.classifier.ClassifierConfig` for a classifier).
+        source: the file errors name.
+        quantization: config.json's ``gpt2mha.quantization`` entry when the tensors are a
+            quantized model's (:mod:`gpt2mha.inference.quant.checkpoint`), else None.
+        builder: ``builder(checkpoint, dtype, model_cls) -> model`` when the format builds its
+            own model (a quantized one); None: :func:`build_model`'s float model.
+        format: the name of the format that read it (``"hf"``, ``"openai"``, ``"book"``,
+            ``"nanogpt"``), set by the registry.
     """
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPE_NAMES:
-        return DTYPE_NAMES[dtype.removeprefix("torch.")]
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    raise ValueError(f"dtype={dtype!r}; expected a floating torch dtype or one of {sorted(DTYPE_NAMES)}")
+
+    state_dict: dict[str, torch.Tensor]
+    config: GPT2Config
+    source: str
+    quantization: dict | None = None
+    builder: Callable | None = None
+    format: str | None = None
 
 
 def normalize_keys(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[str, torch.Tensor]:
@@ -96,7 +107,7 @@ def resolve_lm_head(sd: dict[str, torch.Tensor], config: GPT2Config,
 
 
 def check_state_dict(model: GPT2, sd: dict[str, torch.Tensor], source: str) -> None:
-    """Compare ``sd`` with the model's parameters before copying anything.
+    """Compare ``sd`` with the model's parameters (names and shapes) before copying anything.
 
     Raises:
         CheckpointError: listing every missing, unexpected or mis-shaped tensor (with both
@@ -139,69 +150,57 @@ def config_mismatch(config: GPT2Config, sd: dict[str, torch.Tensor]) -> str:
     return ("config.json says " + "; ".join(said)) if said else ""
 
 
-def load_into(model: GPT2, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> GPT2:
-    """Fill a model built on the meta device with ``sd`` (checked by :func:`check_state_dict`):
-    real storage on the CPU, float32 values converted to ``dtype``; eval mode."""
-    model = model.to_empty(device="cpu")
-    model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
-    return model.to(dtype).eval()
-
-
-class CheckpointWarning(UserWarning):
-    """A checkpoint that loads, but not the way its files say (e.g. TF's ``checkpoint`` file
-    naming another directory's files)."""
-
-
-def check_tensors(shapes: dict[str, tuple], expected: dict[str, tuple], source: str,
-                  optional: dict[str, tuple] | None = None) -> None:
-    """Every name of ``expected`` present with its shape and nothing else (``optional`` names
-    may be absent); names are the format's own. ``shapes``: name → shape of what the file holds.
-    (Dtypes and finiteness are checked after mapping, by :func:`model_from_state_dict`.)
+def canonical(checkpoint: Checkpoint) -> Checkpoint:
+    """A reader's checkpoint in gpt2mha's names, done once per load: :func:`normalize_keys`,
+    then (a float model's) the LM head decided as transformers decides it
+    (:func:`resolve_lm_head`); a quantized checkpoint's head is the quantized format's to read.
 
     Raises:
-        CheckpointError: listing every missing, unexpected or mis-shaped tensor.
+        CheckpointError: see :func:`normalize_keys`.
     """
-    optional = optional or {}
-    problems = [f"missing tensor {k} {list(s)}" for k, s in expected.items() if k not in shapes]
-    problems += [f"unexpected tensor {k} {list(s)}" for k, s in shapes.items() if k not in expected and k not in optional]
-    for k, s in shapes.items():
-        want = expected.get(k, optional.get(k))
-        if want is not None and tuple(s) != tuple(want):
-            problems.append(f"{k}: shape {list(s)} != expected {list(want)}")
-    if problems:
-        raise CheckpointError(f"{source}: cannot load:\n  " + "\n  ".join(problems))
+    sd = normalize_keys(checkpoint.state_dict, checkpoint.source)
+    config = checkpoint.config
+    if checkpoint.quantization is None:
+        sd, config = resolve_lm_head(sd, config, checkpoint.source)
+    return checkpoint._replace(state_dict=sd, config=config)
 
 
-def tensor_shapes(sd: dict) -> dict[str, tuple]:
-    """name → shape; a value that is not a tensor is reported by name."""
-    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise CheckpointError(f"{', '.join(map(str, bad[:5]))}: not tensors; expected a state dict")
-    return {k: tuple(v.shape) for k, v in sd.items()}
+def build_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, model_cls=GPT2) -> GPT2:
+    """The model of a canonical :class:`Checkpoint` (:func:`canonical`), in ``dtype``, eval mode:
+    the checkpoint's own ``builder`` when it has one (a quantized model), else a model of
+    :func:`model_class` built on the meta device, every tensor checked
+    (:func:`check_state_dict`) before any is copied, then each copied once into its parameter,
+    which converts it from the file's dtype to ``dtype`` (the one conversion of the load).
 
-
-def tie_head(sd: dict[str, torch.Tensor], config: GPT2Config) -> tuple[dict, GPT2Config]:
-    """Tie ``lm_head.weight`` to ``wte.weight`` when they are equal (drop it), else untie the
-    config (``tie_word_embeddings=False``): the book's ``out_head`` is its own parameter."""
-    sd = dict(sd)
-    head = sd.pop("lm_head.weight", None)
-    if head is None or torch.equal(head, sd["wte.weight"]):
-        return sd, dataclasses.replace(config, tie_word_embeddings=True)
-    sd["lm_head.weight"] = head
-    return sd, dataclasses.replace(config, tie_word_embeddings=False)
+    Raises:
+        CheckpointError: see :func:`model_class`, :func:`check_state_dict`; a value that
+            overflows ``dtype`` (e.g. beyond float16's ±65504), naming the tensors.
+    """
+    if checkpoint.builder is not None:
+        return checkpoint.builder(checkpoint, dtype, model_cls)
+    sd, config, source = checkpoint.state_dict, checkpoint.config, checkpoint.source
+    with torch.device("meta"):
+        model = model_class(config, model_cls, source)(config).to(dtype)
+    check_state_dict(model, sd, source)
+    model = model.to_empty(device="cpu")
+    model.load_state_dict(sd, strict=True)
+    if dtype != torch.float32:                                   # every tensor was finite (check_state_dict)
+        state = model.state_dict()
+        overflow = [k for k in sd if not bool(torch.isfinite(state[k]).all())]
+        if overflow:
+            raise CheckpointError(f"{source}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
+    return model.eval()
 
 
 def model_from_state_dict(sd: dict[str, torch.Tensor], config: GPT2Config, source: str,
                           dtype: torch.dtype = torch.float32, model_cls=GPT2) -> GPT2:
-    """A model of ``model_cls`` in eval mode from a state dict in gpt2mha's names (Conv1D layout).
+    """A model of ``model_cls`` in eval mode from a state dict in gpt2mha's names (Conv1D
+    layout): :func:`build_model` of ``Checkpoint(sd, config, source)``.
 
     Raises:
-        CheckpointError: see :func:`gpt2mha.io.checkpoints.check_state_dict`.
+        CheckpointError: see :func:`build_model`.
     """
-    with torch.device("meta"):
-        model = model_class(config, model_cls, source)(config)
-    check_state_dict(model, sd, source)
-    return load_into(model, sd, dtype)
+    return build_model(Checkpoint(sd, config, source), dtype, model_cls)
 
 
 def model_class(config: GPT2Config, model_cls=GPT2, source: str = "checkpoint") -> type:
@@ -223,70 +222,6 @@ def model_class(config: GPT2Config, model_cls=GPT2, source: str = "checkpoint") 
     return model_cls
 
 
-def read_torch_file(path: str):
-    """``torch.load(path, map_location="cpu", weights_only=True)`` with errors naming the file.
-
-    Raises:
-        CheckpointError: unreadable, truncated, or a pickle that asks to run code.
-    """
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path}: refused: this pickle asks to run code or build objects other than tensors "
-                              f"and plain containers ({str(e).splitlines()[-1] if str(e) else 'unsafe'})") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: {e.strerror or e}") from None
-    except Exception as e:
-        raise CheckpointError(f"{path}: could not be read with torch.load (truncated or corrupt?): {e}") from None
-
-
 def detached_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A model's state dict, detached, keys as the model names them."""
     return {k: v.detach() for k, v in sd.items()}
-
-
-def read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a ``.safetensors`` file, or of a ``.bin`` read with ``weights_only=True``.
-
-    Raises:
-        CheckpointError: truncated/corrupt file, or a pickle that would run code.
-    """
-    if path.endswith(".safetensors"):
-        try:
-            return load_file(path)
-        except Exception as e:  # safetensors raises its own SafetensorError on bad headers/lengths
-            raise CheckpointError(f"{path}: not a valid safetensors file (truncated or corrupt?): {e}") from None
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path}: refused: this pickle asks to run code or build objects other than "
-                              f"tensors ({str(e).splitlines()[-1] if str(e) else 'unsafe'}); convert it to "
-                              f"safetensors from a trusted source") from None
-    except Exception as e:
-        raise CheckpointError(f"{path}: could not be read as a PyTorch state dict (truncated or corrupt?): {e}") from None
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"{path}: expected a dict of tensors")
-    return sd
-
-
-def book_config_path(path: str) -> str:
-    """Where the config dict of a book checkpoint ``DIR/NAME.pth`` lives: ``DIR/NAME.json``."""
-    return os.path.splitext(path)[0] + ".json"
-
-
-def book_state_dict_of(obj):
-    """The state dict inside a loaded book checkpoint (a plain state dict, or chapter 5's
-    ``{"model_state_dict": ...}``), with the per-head wrapper's prefixes stripped; None when
-    ``obj`` is neither.
-
-    Raises:
-        CheckpointError: the wrapper's keys cannot be read (:func:`~gpt2mha.io.layouts.strip_wrapper_prefixes`).
-    """
-    if isinstance(obj, dict) and isinstance(obj.get("model_state_dict"), dict):
-        obj = obj["model_state_dict"]                             # ch. 5's model_and_optimizer.pth
-    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj) and obj:
-        try:
-            return strip_wrapper_prefixes(obj)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
-    return None

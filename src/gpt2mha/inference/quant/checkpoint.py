@@ -260,21 +260,30 @@ def load_state(model, entry, sd: dict[str, torch.Tensor], source: str, dtype: to
     with torch.device("meta"):
         install(model, quantized_layers(model, scheme, group_size, head), scheme, group_size, tied, head)
     check_state(model, sd, source, tied)
-    model = model.to_empty(device="cpu")
+    model = model.to(dtype).to_empty(device="cpu")             # the scales keep KERNEL_DTYPE (QuantizedLinear._apply)
     quantized = {k for k, v in model.state_dict().items() if not v.is_floating_point() or
                  k.endswith((".scales", ".scale_zero"))}
     with torch.no_grad():
-        model.load_state_dict({k: v if k in quantized else v.to(torch.float32) for k, v in sd.items()}, strict=False)
+        model.load_state_dict(sd, strict=False)                 # each float tensor converted once, into dtype
         if tied:
             model.wte.weight.copy_(model.lm_head.dequantized())
     if dtype != torch.float32:                  # the float tensors (a tied wte: the dequantized head) in dtype
         overflow = [k for k, v in model.state_dict().items() if k not in quantized and v.is_floating_point()
-                    and not bool(torch.isfinite(v.to(dtype)).all())]
+                    and not bool(torch.isfinite(v).all())]
         if overflow:
             raise QuantizationError(f"{source}: values of {', '.join(overflow)} overflow {dtype}; load in float32")
     model.quantization["method"] = entry.get("method", "rtn")
     set_activations(model, entry.get("activations", DEFAULT_ACTIVATIONS))
-    return model.to(dtype).eval()
+    return model.eval()
 
 
-register_quantized_format(QuantizedFormat(load=load_state, save=state_to_save))
+def load_checkpoint(checkpoint, dtype: torch.dtype, model_cls):
+    """The quantized model of a :class:`~gpt2mha.io.state_dicts.Checkpoint` the registry read
+    (:func:`gpt2mha.io.checkpoints.read_quantized`): a ``model_cls`` built on the meta device,
+    then :func:`load_state` with the checkpoint's ``quantization`` entry."""
+    with torch.device("meta"):
+        model = model_cls(checkpoint.config)
+    return load_state(model, checkpoint.quantization, checkpoint.state_dict, checkpoint.source, dtype)
+
+
+register_quantized_format(QuantizedFormat(load=load_checkpoint, save=state_to_save))
