@@ -107,7 +107,8 @@ def nanogpt_file(path):
 
 def int8_directory(path):
     torch.manual_seed(0)
-    GPT2(GPT2Config.from_preset("tiny")).eval().quantize("int8", method="rtn").save_pretrained(path, dtype=torch.float16)
+    model = GPT2(GPT2Config.from_preset("tiny")).eval().quantize("int8", method="rtn")
+    model.save_pretrained(path, dtype=torch.float16)
     return path
 
 

@@ -196,4 +196,5 @@ def read_openai_source(source: Source, options: dict | None = None) -> Checkpoin
 
 
 register_format(CheckpointFormat("openai", "openai", lambda source: is_openai_dir(source.path), read_openai_source,
-                                 order=20, describe={"dir": f"OpenAI's checkpoint directory ({', '.join(OPENAI_FILES)})"}))
+                                 order=20,
+                                 describe={"dir": f"OpenAI's checkpoint directory ({', '.join(OPENAI_FILES)})"}))

@@ -10,9 +10,11 @@ registered with :func:`register_format` by the module that reads it, when it is 
 
 A load is one pass (:func:`read_checkpoint`, then :func:`~.state_dicts.build_model`): locate the
 path (a built-in name or hub id is resolved by the format that has ``resolve``), probe it once
-(a directory's ``config.json`` parsed, a file loaded with ``torch.load``, :class:`Source`), detect its
-format once (the first record, in ``order``, that claims it), read it once, normalise its keys
-once (:func:`~.state_dicts.canonical`), build the model with the dtype applied once.
+(a directory's ``config.json`` parsed, a file loaded with ``torch.load``: :class:`Source`),
+detect its format once (the first record, in ``order``, that claims it), read it once,
+normalise its keys once (:func:`~.state_dicts.canonical`), build the model with the dtype
+applied once. The pass walks down the modules (registry, the format's module, files and
+layouts, state_dicts) and never returns to one it left (``tests/test_loading_walk.py``).
 """
 
 from __future__ import annotations
@@ -76,9 +78,9 @@ class CheckpointFormat(NamedTuple):
             and reading only what the source holds.
         read: ``read(source, options) -> Checkpoint``; ``options``: ``{"book_config": …}``.
         order: detectors run in increasing order (a quantized directory before a plain one).
-        kinds: what it reads, ``("dir",)``, ``("file",)`` or both: only its kind of path is
-            offered to its ``detect``, and a file is read with ``torch.load`` only for a format that
-            reads files.
+        kinds: what it reads, ``("dir",)``, ``("file",)`` or both: only its kinds of path are
+            offered to its ``detect``, and a file is read with ``torch.load`` only for a
+            format that reads files.
         describe: ``{"dir": …, "file": …}``: how the error for an undetected path names the
             format, for each kind it reads (none: a case of another format, not named).
         build: ``build(checkpoint, dtype, model_cls) -> model`` when the format builds its own
@@ -230,7 +232,8 @@ def read_checkpoint(src: str, fmt: str | None = None, book_config: dict | None =
     """
     formats = [f for f in _FORMATS if fmt is None or f.family == fmt]
     if not formats:
-        raise CheckpointError(f"format={fmt!r}: no reader is registered for it (import gpt2mha.io.formats)")
+        raise CheckpointError(f"no checkpoint format is registered{f' as {fmt!r}' if fmt else ''}: import "
+                              f"gpt2mha.io.formats (importing it registers every built-in format)")
     source = probe(locate(src, any_name), formats)
     record = detect(source, formats)
     if record is None and fmt is None:
