@@ -4,7 +4,7 @@ A checkpoint directory holds ``config.json`` (transformers' ``GPT2Config`` keys)
 ``model.safetensors`` (or a legacy ``pytorch_model.bin``, read only with
 ``torch.load(weights_only=True)``), or either sharded as transformers writes large models:
 ``model.safetensors.index.json`` (``weight_map``: tensor name → shard file) beside
-``model-00001-of-0000N.safetensors`` … (:func:`read_sharded`; ``save_pretrained(…,
+``model-00001-of-0000N.safetensors`` … (:func:`~.files.read_sharded`; ``save_pretrained(…,
 max_shard_size=…)`` writes them). Keys may be spelled ``h.0.…`` (OpenAI's conversion) or
 ``transformer.h.0.…`` (``GPT2LMHeadModel``); the legacy buffers ``attn.bias`` /
 ``attn.masked_bias`` are ignored. The LM head follows transformers: tied to ``wte`` unless
@@ -13,6 +13,11 @@ max_shard_size=…)`` writes them). Keys may be spelled ``h.0.…`` (OpenAI's co
 ``lm_head.weight`` (what ``safetensors.torch.save_model`` writes) is read as ``wte.weight``.
 Every tensor is checked (names, shapes, dtype, finiteness) before anything is copied, so a bad
 file never leaves a half-loaded model.
+
+The module registers the ``hf`` format with the registry (:mod:`.registry`: :func:`is_hf_dir`,
+:func:`read_hf`, names resolved by :func:`resolve`), and the ``quantized`` one when
+:mod:`gpt2mha.inference.quant` registers its :class:`QuantizedFormat`
+(:func:`register_quantized_format`).
 """
 
 from __future__ import annotations
@@ -328,12 +333,12 @@ def _read_directory(source: Source) -> tuple[dict, GPT2Config, str, dict[str, to
 
 def read_hf(source: Source, options: dict | None = None) -> Checkpoint:
     """A Hugging Face GPT-2 directory → :class:`~.state_dicts.Checkpoint`: ``config.json``
-    (:func:`config_from_hf`), the weights (:func:`find_weights`, :func:`read_weights`), a
+    (:func:`config_from_hf`), the weights (:func:`~.files.find_weights`, :func:`~.files.read_weights`), a
     ``GPT2ForSequenceClassification``'s head and labels (:mod:`.classifiers`).
 
     Raises:
-        CheckpointError: see :func:`resolve`, :func:`config_from_hf`, :func:`find_weights`,
-            :func:`read_weights`, :func:`~.classifiers.classifier_from_hf`; a quantized
+        CheckpointError: see :func:`resolve`, :func:`config_from_hf`, :func:`~.files.find_weights`,
+            :func:`~.files.read_weights`, :func:`~.classifiers.classifier_from_hf`; a quantized
             directory with no quantized format registered.
     """
     cfg, config, weights_path, sd = _read_directory(source)

@@ -243,12 +243,12 @@ def read_book(path: str, cfg: dict | None = None, obj=None) -> tuple[dict[str, t
     """A book checkpoint file → (gpt2mha state dict, config, the book's config dict).
 
     The config dict comes from ``cfg``, else a ``"config"``/``"cfg"`` dict stored in the file,
-    else :func:`book_config_path` beside it (``cfg`` entries win over the stored ones). Appendix
+    else :func:`~.layouts.book_config_path` beside it (``cfg`` entries win over the stored ones). Appendix
     E's ``LinearWithLoRA`` layers are merged into the weights (:mod:`gpt2mha.io.lora`, with the
     config's ``lora_alpha``).
 
     Raises:
-        CheckpointError: see :func:`read_torch_file`, :func:`book_to_gpt2`.
+        CheckpointError: see :func:`~.files.read_torch_file`, :func:`book_to_gpt2`.
     """
     obj = read_torch_file(path) if obj is None else obj
     sd = book_state_dict_of(obj)
@@ -276,7 +276,7 @@ def read_book(path: str, cfg: dict | None = None, obj=None) -> tuple[dict[str, t
 def save_book(model: GPT2, path: str, overwrite: bool = False) -> tuple[str, str]:
     """Write the book's GPTModel state dict to ``path`` (``torch.save``; the book loads it with
     ``model.load_state_dict(torch.load(path, weights_only=True))``) and its config dict to
-    :func:`book_config_path`. Returns both paths.
+    :func:`~.layouts.book_config_path`. Returns both paths.
 
     Raises:
         FileExistsError: either file exists, unless ``overwrite``.
