@@ -7,8 +7,8 @@ address,undefined OUT``).
 Standard library only at import (``setup.py`` loads this file by its path in the build
 environment, before gpt2mha is installed); torch is imported where its headers are needed.
 
-The library needs AVX2, FMA and F16C (``-mavx2 -mfma -mf16c``; every AVX2 CPU has F16C); the AVX-512 VNNI paths are
-compiled for their own targets (``__attribute__((target(...)))``) and chosen at run time.
+The library needs AVX2, FMA and F16C (``-mavx2 -mfma -mf16c``; every AVX2 CPU has F16C); the AVX-512
+paths are compiled for their own targets and chosen at run time (``dispatch.h``).
 """
 
 from __future__ import annotations
@@ -27,11 +27,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-#: The library's sources, all compiled into one library (products.cpp: int8 GEMV and
-#: W7A8 products; int4_products.cpp: int4 GEMV and W4A8 operators; w4a8_products.cpp: W4A8 on packed tiles; causal_attention.cpp: prefill attention; cached_forward.cpp: the forward in one
-#: call) and the headers they share (kernels.h: what cached_forward.cpp calls in the others;
-#: simd.h: exp, GELU and sums on vectors; walk.h: how the threads walk a product's weights).
-SOURCES = ("products.cpp", "int4_products.cpp", "w4a8_products.cpp", "causal_attention.cpp", "cached_forward.cpp", "float_products.cpp", "head_products.cpp", "bf16_products.cpp", "kernels.h", "simd.h", "walk.h")
+#: The library's sources, all compiled into one library (products.cpp: int8 GEMV and W7A8
+#: products; int4_products.cpp: int4 GEMV and W4A8 operators; w4a8_products.cpp: W4A8 on packed
+#: tiles; causal_attention.cpp: prefill attention; cached_forward.cpp: the forward in one call;
+#: float_products.cpp, head_products.cpp, bf16_products.cpp: float32, fp16 and bf16 products;
+#: dispatch.cpp: the CPU features and paths as operators) and the headers they share (kernels.h:
+#: what cached_forward.cpp calls in the others; simd.h: exp, GELU and sums on vectors; walk.h: how
+#: the threads walk a product's weights; dispatch.h: the CPU features, targets and switches).
+SOURCES = ("products.cpp", "int4_products.cpp", "w4a8_products.cpp", "causal_attention.cpp", "cached_forward.cpp",
+           "float_products.cpp", "head_products.cpp", "bf16_products.cpp", "dispatch.cpp", "kernels.h", "simd.h",
+           "walk.h", "dispatch.h")
 #: The extension's module name (setup.py) and so its file: ``_kernels.abi3.so`` beside this file.
 MODULE = "gpt2mha.kernels._kernels"
 #: What a build writes beside its library, named after it (:func:`record_path`).
