@@ -4,20 +4,20 @@ Every kernel has an AVX2 path (AVX2, FMA and F16C: the library needs them); some
 one for a CPU feature beyond, chosen at run time by one switch per path that asks exactly the
 features its code uses (the same bits either way):
 
-========================  ===============================  =========================================
-switch                    path (its features)              the kernels it chooses for
-========================  ===============================  =========================================
-``conv1d``                ``avx512``                       ``conv1d_f32``, ``conv1d_f16``
-``linear``                ``avx512``                       ``linear_f32``, ``linear_f16``
-``gelu``                  ``avx512``                       the GELU after ``conv1d_f16`` and ``conv1d_bf16``
-``causal_attention``      ``avx512``                       ``causal_attention``
-``per_row_rounding``      ``avx512``                       ``int8_per_row``'s rounding of its rows
-``per_row``               ``avx512_vnni`` (and avx512)     ``int8_per_row``'s product and rescale
-``w4a8``                  ``avx512_vnni`` (and avx512)     ``int4_a8_packed``, ``int4_gemv_a8``
-``bf16``                  ``avx512_bf16`` (and avx512)     ``conv1d_bf16``, ``linear_bf16``; the one-call
-                                                           forward's bf16 prompts (else oneDNN)
-``causal_attention_bf16`` ``avx512_bf16`` (and avx512)     ``causal_attention_bf16`` (else refused)
-========================  ===============================  =========================================
+=========================== ===============================  =========================================
+switch                      path (its features)              the kernels it chooses for
+=========================== ===============================  =========================================
+``conv1d``                  ``avx512``                       ``conv1d_f32``, ``conv1d_f16``
+``linear``                  ``avx512``                       ``linear_f32``, ``linear_f16``
+``gelu``                    ``avx512``                       the GELU after ``conv1d_f16`` and ``conv1d_bf16``
+``causal_attention``        ``avx512``                       ``causal_attention``
+``per_row_rounding``        ``avx512``                       ``int8_per_row``'s rounding of its rows
+``per_row``                 ``avx512_vnni`` (and avx512)     ``int8_per_row``'s product and rescale
+``w4a8``                    ``avx512_vnni`` (and avx512)     ``int4_a8_packed``, ``int4_gemv_a8``
+``bf16``                    ``avx512_bf16`` (and avx512)     ``conv1d_bf16``, ``linear_bf16``; the one-call
+                                                             forward's bf16 prompts (else oneDNN)
+``causal_attention_bf16``   ``avx512_bf16`` (and avx512)     ``causal_attention_bf16`` (else refused)
+=========================== ===============================  =========================================
 
 The kernels take the CPU's features as far as :func:`allowed` (all by default; ``GPT2MHA_CPU_FEATURES``
 at load, :func:`allow` and :func:`limited` after): tests run the AVX2 paths, or AVX-512 without
