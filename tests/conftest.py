@@ -59,17 +59,14 @@ def threads():
 @pytest.fixture
 def both_paths():
     """``both_paths(fn)``: ``(fn() on the kernels' AVX-512 paths (where the CPU has them), fn() on
-    their AVX2 paths)``; the AVX-512 paths restored after."""
-    from gpt2mha.inference.quant import gemv
+    their AVX2 paths)``; the features allowed before restored after."""
+    from gpt2mha.kernels import dispatch
 
     def run(fn):
-        try:
-            gemv.use_vnni(True)
+        with dispatch.limited(None):
             wide = fn()
-            gemv.use_vnni(False)
+        with dispatch.limited(()):
             return wide, fn()
-        finally:
-            gemv.use_vnni(True)
     return run
 
 

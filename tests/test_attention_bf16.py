@@ -15,10 +15,11 @@ import torch
 from gpt2mha import attention_mask
 from gpt2mha.inference.dense import has_bf16_dot
 from gpt2mha.inference.quant import gemv
+from gpt2mha.kernels import dispatch
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"the kernels are not loaded: {gemv.unavailable_reason()}")
 needs_bf16 = pytest.mark.skipif(not (gemv.available() and has_bf16_dot()),
-                                reason="the CPU has no AVX-512 BF16 (or the AVX-512 paths are off)")
+                                reason="the CPU has no AVX-512 BF16 (or it is not allowed: gpt2mha.kernels.dispatch)")
 attention = (lambda q, k, v: torch.ops.gpt2mha.causal_attention_bf16(q, k, v))
 
 
@@ -125,14 +126,10 @@ def test_bad_arguments_are_named_and_it_needs_the_instruction():
         attention(q, k[:, :, :3], v[:, :, :3])
     with pytest.raises(RuntimeError, match=r"causal_attention_bf16: head_dim=6 must be a positive multiple of 8"):
         attention(q[..., :6], k[..., :6], v[..., :6])
-    on = gemv.use_vnni(True)
-    try:
-        gemv.use_vnni(False)
-        with pytest.raises(RuntimeError, match=r"needs a CPU with AVX-512 BF16 and the AVX-512 paths on "
-                                               r"\(gpt2mha\.inference\.quant\.gemv\.use_vnni\)"):
-            attention(q, k, v)
-    finally:
-        gemv.use_vnni(on)
+    with dispatch.limited(["avx512", "avx512_vnni"]), \
+            pytest.raises(RuntimeError, match=r"needs a CPU with AVX-512 and AVX-512 BF16, both allowed "
+                                              r"\(gpt2mha\.kernels\.dispatch\.allow\)"):
+        attention(q, k, v)
 
 
 @needs_bf16

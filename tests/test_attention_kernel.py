@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from gpt2mha import attention_mask
 from gpt2mha.inference.quant import gemv
+from gpt2mha.kernels import dispatch
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"the kernels are not loaded: {gemv.unavailable_reason()}")
 
@@ -54,15 +55,14 @@ def test_the_kernel_is_causal_attention(B, h, T, S, D):
 def test_the_avx512_and_avx2_paths_give_the_same_bits(B, h, T, S, D):
     # 16-lane tiles (32 keys, 64 dims, exp on 16 lanes) against the 8-lane ones: each lane's
     # operations are the same, so are the results; sizes that leave 16-key, 16-dim and 8-dim tails
-    if not gemv.use_vnni(True):
-        pytest.skip("the CPU has no AVX-512 VNNI: the kernels have one path here")
+    if "avx512" not in dispatch.cpu():
+        pytest.skip("the CPU has no AVX-512: the kernel has one path here")
     q, k, v = _qkv(B, h, T, S, D, seed=7 * T + S, strided=D == 64)
-    try:
+    with dispatch.limited(["avx512"]):
+        assert dispatch.paths()["causal_attention"] == "avx512"
         wide = torch.ops.gpt2mha.causal_attention(q * 3, k, v)
-        assert not gemv.use_vnni(False)
+    with dispatch.limited(()):
         narrow = torch.ops.gpt2mha.causal_attention(q * 3, k, v)
-    finally:
-        gemv.use_vnni(True)
     assert torch.equal(wide, narrow)
     assert (wide.double() - _reference64(q * 3, k, v)).abs().max() <= 1e-5
 
@@ -70,17 +70,15 @@ def test_the_avx512_and_avx2_paths_give_the_same_bits(B, h, T, S, D):
 def test_nan_rows_are_the_same_nan_on_both_paths():
     # an infinite score makes a NaN row (as SDPA's); its NaNs took the sign of whichever operand
     # each path's multiply kept (0xffc00000 on AVX2, 0x7fc00000 on AVX-512: a break-it review)
-    if not gemv.use_vnni(True):
-        pytest.skip("the CPU has no AVX-512 VNNI: the kernels have one path here")
+    if "avx512" not in dispatch.cpu():
+        pytest.skip("the CPU has no AVX-512: the kernel has one path here")
     q, k, v = _qkv(1, 2, 9, 25, 56, seed=3)
     q[0, 0, 8, 3] = float("inf")
     k[0, 1, 0, 5] = float("nan")                     # key 0, which every query of head 1 sees
-    try:
+    with dispatch.limited(["avx512"]):
         wide = torch.ops.gpt2mha.causal_attention(q, k, v)
-        assert not gemv.use_vnni(False)
+    with dispatch.limited(()):
         narrow = torch.ops.gpt2mha.causal_attention(q, k, v)
-    finally:
-        gemv.use_vnni(True)
     nan = wide.isnan()
     assert nan[0, 0, 8].all() and nan[0, 1].all() and nan.sum() == 56 * 10      # row 8 of head 0, all of head 1
     assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))        # every bit, NaNs included

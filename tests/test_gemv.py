@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpt2mha.inference.quant import gemv
+from gpt2mha.kernels import dispatch
 
 needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"the kernels are not loaded: {gemv.unavailable_reason()}")
 
@@ -207,11 +208,12 @@ def test_packing_puts_four_inputs_of_32_channels_together():
 @pytest.fixture
 def both_paths():
     """Runs a test's body on the AVX-512 VNNI paths and on the AVX2 ones (skips where the CPU
-    has no VNNI): yields a function that sets the path, and restores the default after."""
-    if not gemv.available() or not gemv.use_vnni(True):
+    has no AVX-512 VNNI): yields a function that allows every feature (True) or none (False) and
+    returns whether the VNNI paths are taken then; the features allowed before restored after."""
+    if not gemv.available() or not {"avx512", "avx512_vnni"} <= dispatch.cpu():
         pytest.skip("the CPU has no AVX-512 VNNI: the kernels have one path here")
-    yield gemv.use_vnni
-    gemv.use_vnni(True)
+    with dispatch.limited(None):
+        yield lambda on: dispatch.allow(None if on else ()) >= {"avx512", "avx512_vnni"}
 
 
 @needs_kernel
@@ -418,8 +420,6 @@ def test_the_per_block_kernels_vnni_and_avx2_paths_give_the_same_bits(both_paths
     assert not both_paths(False)
     avx2 = gemv.int4_gemv(x, packed, sz, G, b, activations="per_block")
     assert torch.equal(avx2, vnni)
-    with pytest.raises(TypeError, match="on=1: expected True or False"):
-        gemv.use_vnni(1)
 
 
 @needs_kernel

@@ -59,8 +59,10 @@ def test_a_tensor_on_the_meta_device_beside_cpu_ones_is_refused_not_answered(nam
         getattr(torch.ops.gpt2mha, name)(*args)
 
 
-#: The operators checked by a test below without a case in _cases, and the switches (no tensors).
-ELSEWHERE = {"cached_forward", "use_vnni", "has_vnni"}
+#: The operators that take no tensors: the CPU features and paths (kernels/dispatch.cpp).
+DISPATCH = {"cpu_features", "allowed_cpu_features", "allow_cpu_features", "kernel_paths"}
+#: The operators checked by a test below without a case in _cases.
+ELSEWHERE = {"cached_forward", *DISPATCH}
 
 
 def test_every_operator_of_the_library_is_checked_here_and_has_a_fake():
@@ -72,7 +74,7 @@ def test_every_operator_of_the_library_is_checked_here_and_has_a_fake():
     assert {"int8_gemv", "causal_attention", "cached_forward"} <= defined
     unchecked = defined - set(_cases()) - ELSEWHERE
     assert not unchecked, f"operators without an opcheck case in tests/test_kernel_ops.py: {sorted(unchecked)}"
-    takes_tensors = defined - {"use_vnni", "has_vnni"}
+    takes_tensors = defined - DISPATCH
     assert takes_tensors <= set(fakes.FAKES), f"operators without a fake in kernels/fakes.py: " \
                                               f"{sorted(takes_tensors - set(fakes.FAKES))}"
 
@@ -111,13 +113,14 @@ def test_the_one_call_forward_passes_opcheck():
     torch.library.opcheck(torch.ops.gpt2mha.cached_forward.default, args)
 
 
-def test_the_switches_pass_opcheck():
-    was = gemv.vnni()
-    try:
-        torch.library.opcheck(torch.ops.gpt2mha.use_vnni.default, (was,))
-        torch.library.opcheck(torch.ops.gpt2mha.has_vnni.default, ())
-    finally:
-        gemv.use_vnni(was)
+def test_the_dispatch_operators_pass_opcheck():
+    # no tensors: AOT dispatch (which traces tensors, and takes no str arguments) does not apply
+    from gpt2mha.kernels import dispatch
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    with dispatch.limited(None):
+        for op, args in (("cpu_features", ()), ("allowed_cpu_features", ()), ("allow_cpu_features", (["avx512"],)),
+                         ("kernel_paths", (["avx512", "avx512_vnni"],)), ("kernel_paths", (None,))):
+            torch.library.opcheck(getattr(torch.ops.gpt2mha, op).default, args, test_utils=checks)
 
 
 def test_compiled_graphs_around_the_operators_match_eager():

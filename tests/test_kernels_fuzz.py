@@ -1,5 +1,6 @@
 """A seeded random sweep of every kernel against a PyTorch reference: shapes (ragged K and N, 1
-to 20 rows), group sizes, bias or none, thread counts 1 to 4, the AVX-512 and AVX2 paths, batch
+to 20 rows), group sizes, bias or none, thread counts 1 to 4, the paths of any subset of the CPU's
+features (AVX2 alone, AVX-512 without VNNI, ...), batch
 rows against each row alone, cache lengths; and tampered arguments (dtypes, shapes, strides,
 NaN/inf scales, empty tensors, group sizes that do not divide), each refused by name before the
 kernel reads anything. CI runs it twice: in the suite, and under AddressSanitizer and
@@ -22,30 +23,31 @@ from gpt2mha import attention_mask
 from gpt2mha.inference.quant import gemv
 from gpt2mha.inference.quant.linear import int8_matmul_per_row
 from gpt2mha.inference.quant.schemes import pack_int4, quantize_int4
+from gpt2mha.kernels import dispatch
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"the kernels are not loaded: {gemv.unavailable_reason()}")
 
 CASES = int(os.environ.get("GPT2MHA_FUZZ_CASES", "30"))
 SEED = int(os.environ.get("GPT2MHA_FUZZ_SEED", "40"))
-VNNI = bool(torch.ops.gpt2mha.has_vnni()) if gemv.available() else False
+CPU = sorted(dispatch.cpu())
 
 
 def _sweep(op: str):
     """(case seed, its random.Random, a torch.Generator) for each case of ``op``, each run with a
-    random thread count and, on VNNI CPUs, a random path; the process's settings restored after."""
-    threads, path = torch.get_num_threads(), gemv.vnni()
+    random thread count and, on AVX-512 CPUs, the paths of a random subset of the CPU's features;
+    the process's settings restored after."""
+    threads, allowed = torch.get_num_threads(), dispatch.allowed()
     try:
         for i in range(CASES):
             seed = zlib.crc32(f"{SEED}/{op}/{i}".encode())
             r = random.Random(seed)
             torch.set_num_threads(r.randint(1, 4))
-            if VNNI:
-                gemv.use_vnni(r.random() < 0.5)
+            if CPU:
+                dispatch.allow([f for f in CPU if r.random() < 0.5])
             yield seed, r, torch.Generator().manual_seed(seed)
     finally:
         torch.set_num_threads(threads)
-        if VNNI:
-            gemv.use_vnni(path)
+        dispatch.allow(allowed)
 
 
 def _rows_alone(fn, x, y, r, what):
@@ -248,8 +250,8 @@ def test_causal_attention_bf16_sweep():
     # query alone: the same bits
     from gpt2mha.inference.dense import has_bf16_dot
     for seed, r, g in _sweep("causal_attention_bf16"):
-        if not has_bf16_dot():                                   # no AVX-512 BF16, or the sweep's path is AVX2
-            with pytest.raises(RuntimeError, match="needs a CPU with AVX-512 BF16 and the AVX-512 paths on"):
+        if not has_bf16_dot():                                   # no AVX-512 BF16, or not in the sweep's features
+            with pytest.raises(RuntimeError, match="needs a CPU with AVX-512 and AVX-512 BF16, both allowed"):
                 torch.ops.gpt2mha.causal_attention_bf16(*(torch.randn(1, 1, 2, 8, generator=g) for _ in range(3)))
             continue
         B, h, T, D = r.randint(1, 3), r.randint(1, 4), r.randint(1, 48), r.choice((8, 16, 24, 32, 40, 64, 128))

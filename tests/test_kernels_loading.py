@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,3 +272,63 @@ def test_a_reinstall_reuses_the_library_built_from_the_same_sources(tmp_path):
     build.record_path(library).write_text(json.dumps(good))
     (tmp_path / "walk.h").write_text("// edited\n")                 # a source edited since the build
     assert build.reusable(tmp_path, library.name, "2.13.0", good["compiler"]) is None
+
+
+def _setup_build(sources, out):
+    """setup.py's build_ext (build.setuptools_command) run on one extension into ``out``, its
+    reuse judged by the library beside ``sources``; returns the library it leaves."""
+    from setuptools import Distribution, Extension
+    extension = Extension(build.MODULE, ["products.cpp"], py_limited_api=True)
+    dist = Distribution({"name": "gpt2mha", "ext_modules": [extension],
+                         "cmdclass": {"build_ext": build.setuptools_command(sources)}})
+    command = dist.get_command_obj("build_ext")
+    command.build_lib, command.build_temp = str(out), str(out / "temp")
+    command.ensure_finalized()
+    command.run()
+    return Path(command.get_ext_fullpath(build.MODULE))
+
+
+def test_setup_the_cache_and_the_sanitizer_build_are_one_build(monkeypatch, tmp_path):
+    # each goes through build.build_library (the compiler commands and flags of build.py), the
+    # sanitizer build with its sanitizers added
+    monkeypatch.setenv("GPT2MHA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "compiler", lambda: "/usr/bin/c++")
+    monkeypatch.setattr(build, "compiler_version", lambda cxx: "c++ 12.2.0")
+    builds = []
+
+    def build_library(out, sanitize="", timeout=900):
+        builds.append((Path(out).name, sanitize))
+        Path(out).write_bytes(b"a library")
+        build.record(Path(out), "/usr/bin/c++", 0.1, sanitize)
+        return 0.1
+
+    monkeypatch.setattr(build, "build_library", build_library)
+    cache.build_library()
+    assert build.main(["--sanitize", "address,undefined", str(tmp_path / "asan.so")]) == 0
+    library = _setup_build(tmp_path / "no-library-here", tmp_path / "lib")
+    assert builds == [(cache.library_path("/usr/bin/c++").name, ""), ("asan.so", "address,undefined"),
+                      ("_kernels.abi3.so", "")]
+    assert json.loads(build.record_path(library).read_text())["flags"] == build.flags()
+    assert "build.setuptools_command(" in (Path(__file__).parents[1] / "setup.py").read_text()
+
+
+def test_setup_reuses_the_library_built_from_the_same_sources_and_compiles_edited_ones(stand_in_compiler, tmp_path,
+                                                                                      monkeypatch):
+    # an editable install's library beside its sources, built from them with this torch, compiler
+    # and flags: setup.py's build copies it (compiles nothing); edited sources compile again
+    sources = tmp_path / "kernels"
+    sources.mkdir()
+    for name in build.SOURCES:
+        (sources / name).write_bytes((build.HERE / name).read_bytes())
+    monkeypatch.setattr(build, "HERE", sources)
+    library = _setup_build(sources, tmp_path / "lib")
+    record = json.loads(build.record_path(library).read_text())
+    assert len(stand_in_compiler) == 1 and record["sources"] == build.sources_digest(sources)
+    assert record["flags"] == build.flags() and record["sha256"] == cache._sha256(library)
+    for path in (library, build.record_path(library)):                   # what an editable install leaves
+        (sources / path.name).write_bytes(path.read_bytes())
+    again = _setup_build(sources, tmp_path / "lib2")
+    assert len(stand_in_compiler) == 1 and again.read_bytes() == library.read_bytes()
+    (sources / "dispatch.h").write_text("// edited\n")
+    _setup_build(sources, tmp_path / "lib3")
+    assert len(stand_in_compiler) == 2

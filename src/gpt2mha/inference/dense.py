@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from .quant import gemv
 
 
@@ -87,15 +88,10 @@ _OPS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 def has_bf16_dot() -> bool:
-    """Whether the bf16 products take AVX-512 BF16's ``vdpbf16ps`` now: the kernels take their
-    AVX-512 paths (:func:`~.quant.gemv.vnni`) and the CPU has AVX-512 BF16 (``/proc/cpuinfo``)."""
-    if not gemv.vnni():
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
-    except OSError:
-        return False
+    """Whether the bf16 products take AVX-512 BF16's ``vdpbf16ps`` now: the CPU has AVX-512 and
+    AVX-512 BF16, both allowed (:mod:`gpt2mha.kernels.dispatch`). False where the kernels are
+    not loaded."""
+    return kernels.dispatch.paths().get("bf16") == "avx512_bf16"
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv: bool) -> None:

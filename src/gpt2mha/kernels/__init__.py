@@ -16,11 +16,17 @@ forward in one call (``cached_forward.cpp``). Nothing is compiled while a progra
   for source trees whose C++ was edited since the install;
 - a path: that library (``python -m gpt2mha.kernels build``'s, e.g. CI's sanitizer build).
 
+Which paths the kernels take is chosen at run time by the CPU's features (:mod:`.dispatch`:
+AVX2 everywhere, AVX-512, AVX-512 VNNI and AVX-512 BF16 where the CPU has them, the same bits
+either way); ``GPT2MHA_CPU_FEATURES`` narrows them (``avx2``: the AVX2 paths only; or a
+comma-separated list of ``avx512``, ``avx512_vnni``, ``avx512_bf16``).
+
 Where no library loads, gpt2mha says so once (a :class:`KernelsUnavailable` warning naming the
 reason and the routes taken instead) and runs PyTorch's kernels. ``python -m gpt2mha.kernels``
 prints which library is loaded, how it was built, or why none is.
 """
 
+from . import dispatch
 from .loader import ENV, KernelsUnavailable, available, load, loaded_library, unavailable_reason
 
-__all__ = ["ENV", "KernelsUnavailable", "available", "load", "loaded_library", "unavailable_reason"]
+__all__ = ["ENV", "KernelsUnavailable", "available", "dispatch", "load", "loaded_library", "unavailable_reason"]

@@ -7,16 +7,17 @@ import json
 import sys
 import warnings
 
-import torch
-
-from . import build, loader
+from . import build, dispatch, loader
 
 
 def main() -> int:
     """Prints the library's state (see the module's docstring) and returns the exit status."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", loader.KernelsUnavailable)   # said below instead
-        why = loader.load()
+        try:
+            why = loader.load()
+        except ValueError as e:                                       # GPT2MHA_KERNELS or GPT2MHA_CPU_FEATURES
+            why = str(e)
     if why:
         print(f"gpt2mha's C++ kernels: not loaded: {why}")
         return 1
@@ -29,7 +30,10 @@ def main() -> int:
     if record:
         print(f"  built in {record.get('seconds')} s by {record.get('compiler')} against torch {record.get('torch')}")
         print(f"  flags: {' '.join(record.get('flags', []))}")
-    print(f"  AVX-512 VNNI paths: {'yes' if torch.ops.gpt2mha.has_vnni() else 'no (AVX2)'}")
+    print(f"  CPU features beyond AVX2: {', '.join(sorted(dispatch.cpu())) or 'none'}"
+          + (f" (allowed: {', '.join(sorted(dispatch.allowed())) or 'none'})" if dispatch.allowed() < set(loader.FEATURES)
+             else ""))
+    print(f"  paths: {', '.join(f'{name} {path}' for name, path in dispatch.paths().items())}")
     return 0
 
 

@@ -41,10 +41,9 @@
 #include <memory>
 #include <optional>
 
+#include "dispatch.h"
 #include "kernels.h"
 #include "walk.h"
-
-#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
 
 static const int64_t PARALLEL_MACS = 1 << 18, HEAD_CHUNK_BYTES = 1 << 16;
 /* from PROMPT_ROWS rows: prompt_bf16 (packed strips) with AVX-512 BF16; walk.h's walk on 8 lanes without
@@ -55,14 +54,6 @@ static inline int64_t chunk_of(int64_t units, int64_t per) {
     const int64_t T = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1, chunks = T * ((units + T * per - 1) / (T * per));
     return std::max<int64_t>(1, (units + chunks - 1) / chunks);
 }
-
-/* whether the products take vdpbf16ps: the CPU has AVX-512 BF16 and the AVX-512 paths are on */
-static bool bf16_dot() {
-    static const bool has = __builtin_cpu_supports("avx512bf16");
-    return has && avx512_paths();
-}
-
-bool bf16_dot_products() { return bf16_dot(); }
 
 /* ---- rounding to bf16 ---- */
 
@@ -102,7 +93,7 @@ static std::unique_ptr<uint16_t[]> x_bits(const float *x, int64_t M, int64_t K, 
 }
 
 /* round8 on 16 lanes (AVX-512 CPUs; the same bits) */
-AVX512_TARGET static inline __m512 round16(__m512 f) {
+TARGET_AVX512 static inline __m512 round16(__m512 f) {
     const __m512i u = _mm512_castps_si512(f);
     const __m512i r = _mm512_srli_epi32(
         _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
@@ -112,7 +103,7 @@ AVX512_TARGET static inline __m512 round16(__m512 f) {
 }
 
 /* gelu_round on 16 lanes (a 512-row prompt's GELUs: ~12 ms of its ~180 on 8 lanes) */
-AVX512_TARGET static void gelu_round16(float *y, int64_t n) {
+TARGET_AVX512 static void gelu_round16(float *y, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, round16(gelu16(_mm512_loadu_ps(y + i))));
     for (int64_t r = i; r < n; r++) y[r] = gelu1(y[r]);
@@ -122,7 +113,7 @@ AVX512_TARGET static void gelu_round16(float *y, int64_t n) {
 /* y[0 .. n) (bf16 values as float32) -> bf16(gelu(y)), on 16 or 8 lanes then one by one (gelu16 = gelu8 =
  * gelu1) */
 static void gelu_round(float *y, int64_t n) {
-    if (avx512_paths()) {
+    if (dispatch::on(dispatch::GELU)) {
         gelu_round16(y, n);
         return;
     }
@@ -150,11 +141,11 @@ alignas(64) static const int32_t NAT1[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 1
 static inline int tile_rows(int64_t M, int64_t m0) { return M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : 1; }
 
 /* 16 lanes of bits1 (in the low halves of 32-bit lanes), as 16 bf16: 8 pairs */
-BF16_TARGET static inline __m256i bits16(__m512 f) { return _mm512_cvtepi32_epi16(bf16_lanes(f)); }
+TARGET_AVX512_BF16 static inline __m256i bits16(__m512 f) { return _mm512_cvtepi32_epi16(bf16_lanes(f)); }
 
 /* an 8-row group's pairs: 8 pairs of each row (16 inputs from k), transposed 8 x 8 so that each pair
  * index's 8 rows are one store */
-BF16_TARGET static void pairs8(const float *x, int64_t K, int64_t Kp, uint32_t *t) {
+TARGET_AVX512_BF16 static void pairs8(const float *x, int64_t K, int64_t Kp, uint32_t *t) {
     for (int64_t k = 0; k < Kp; k += 16, t += 64) {
         const __mmask16 mk = K - k >= 16 ? (__mmask16)0xFFFF : K > k ? (__mmask16)((1u << (K - k)) - 1) : 0;
         __m256i r[8], a[8], b[8];
@@ -206,7 +197,7 @@ static std::unique_ptr<uint32_t[]> x_pairs(const float *x, int64_t M, int64_t K,
  * does not: GCC 12 treats a masked load as reading any memory and then stored every accumulator
  * before each one. */
 template <int MR, int NB, bool FULL>
-BF16_TARGET __attribute__((always_inline)) static inline void pair_step(__m512 (&lo)[MR][NB], __m512 (&hi)[MR][NB],
+TARGET_AVX512_BF16 __attribute__((always_inline)) static inline void pair_step(__m512 (&lo)[MR][NB], __m512 (&hi)[MR][NB],
                                                                        const uint16_t *wk, int64_t N, bool second,
                                                                        const __mmask32 *m32, const uint32_t *xk,
                                                                        int64_t pfo) {
@@ -235,7 +226,7 @@ BF16_TARGET __attribute__((always_inline)) static inline void pair_step(__m512 (
  * j .. j + 32 NB (cols of them real; FULL: cols = 32 NB); acc kept in y (stride N) between blocks in
  * natural order; pfo (not 0): walk.h's prefetch */
 template <int MR, int NB, bool FULL>
-BF16_TARGET static void tile_bf16(const uint32_t *xp, const uint16_t *w, int64_t K, int64_t N, int64_t k0,
+TARGET_AVX512_BF16 static void tile_bf16(const uint32_t *xp, const uint16_t *w, int64_t K, int64_t N, int64_t k0,
                                   int64_t k1, int64_t j, int64_t cols, const float *bias, bool first, float *y,
                                   int64_t pfo) {
     __m512 lo[MR][NB], hi[MR][NB];
@@ -275,7 +266,7 @@ BF16_TARGET static void tile_bf16(const uint32_t *xp, const uint16_t *w, int64_t
 
 /* every row of x over w's rows [k0, k1) at columns j .. j + 32 (fewer at N), in tiles of 8, 4, 1 rows;
  * the first prefetches (pfo: walk.h's) */
-BF16_TARGET static void rows_bf16(const uint32_t *xp, int64_t Kp, int64_t M, const uint16_t *w, int64_t K, int64_t N,
+TARGET_AVX512_BF16 static void rows_bf16(const uint32_t *xp, int64_t Kp, int64_t M, const uint16_t *w, int64_t K, int64_t N,
                                   int64_t k0, int64_t k1, int64_t j, int64_t pfo, const float *bias, float *y) {
     const int64_t cols = std::min<int64_t>(32, N - j);
     const bool full = cols == 32, first = k0 == 0;
@@ -296,7 +287,7 @@ BF16_TARGET static void rows_bf16(const uint32_t *xp, int64_t Kp, int64_t M, con
 
 /* w's columns [j, j + cols) (cols <= 32) as tile_bf16's steps hold them after vpunpck{l,h}wd: per pair
  * of rows p, 64 bf16 (the lo register, then the hi one), zeros past K and past cols; [ceil(K/2)][64] */
-BF16_TARGET static void pack_strip(const uint16_t *w, int64_t K, int64_t N, int64_t j, int64_t cols, uint16_t *out) {
+TARGET_AVX512_BF16 static void pack_strip(const uint16_t *w, int64_t K, int64_t N, int64_t j, int64_t cols, uint16_t *out) {
     const __mmask32 mk = cols == 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << cols) - 1);
     for (int64_t k = 0; k < K; k += 2, out += 64) {
         const __m512i r0 = _mm512_maskz_loadu_epi16(mk, w + k * N + j);
@@ -310,7 +301,7 @@ BF16_TARGET static void pack_strip(const uint16_t *w, int64_t K, int64_t N, int6
  * in tile_bf16's order (the same instructions on the same lanes), then bf16(GELU) if gelu: each output
  * rounded as it leaves its register (gelu_round's bits; a pass over y after cost ~10% of a c_fc) */
 template <int MR>
-BF16_TARGET static void tile_packed(const uint32_t *xp, const uint16_t *strip, int64_t pairs, int64_t N, int64_t j,
+TARGET_AVX512_BF16 static void tile_packed(const uint32_t *xp, const uint16_t *strip, int64_t pairs, int64_t N, int64_t j,
                                     int64_t cols, const float *bias, bool gelu, float *y) {
     const __mmask16 ma = (__mmask16)((1u << std::min<int64_t>(cols, 16)) - 1);
     const __mmask16 mb = (__mmask16)((1u << std::clamp<int64_t>(cols - 16, 0, 16)) - 1);
@@ -341,7 +332,7 @@ BF16_TARGET static void tile_packed(const uint32_t *xp, const uint16_t *strip, i
  * for all the row groups after; read from w in place, a strip's lines 2 N bytes apart fall in few cache
  * sets: 768 x 3072 ran at ~2/3 of 768 x 2304's speed), then runs every row group on it, each group
  * prefetching into L2 its share of the next strip's rows (the packing's reads were cold, strided). */
-BF16_TARGET static void prompt_bf16(const uint32_t *xp, int64_t Kp, int64_t M, const uint16_t *w, int64_t K,
+TARGET_AVX512_BF16 static void prompt_bf16(const uint32_t *xp, int64_t Kp, int64_t M, const uint16_t *w, int64_t K,
                                     int64_t N, const float *bias, bool gelu, float *y) {
     const int64_t pairs = (K + 1) / 2, strips = (N + 31) / 32;
     const int64_t groups = M / 8 + (M % 8 >= 4) + M % 4, per_group = (K + groups - 1) / groups;
@@ -424,7 +415,7 @@ static void tile8(const uint16_t *xb, int64_t Kp, const uint16_t *w, int64_t K, 
 void conv1d_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, bool gelu,
                  float *y) {
     const int64_t Kp = (K + 31) / 32 * 32;
-    const bool dot = bf16_dot();
+    const bool dot = dispatch::on(dispatch::BF16);
     const auto xb = dot ? nullptr : x_bits(x, M, K, Kp);
     const auto xp = dot ? x_pairs(x, M, K, Kp) : nullptr;
     if (dot && M >= PROMPT_ROWS) {
@@ -467,7 +458,7 @@ static inline float hsum8(__m256 a) {
 /* one step of dots_bf16: 32 inputs from k (the first n of them: n < 32 loads masked; GCC 12 treats a
  * masked load as reading any memory and then stored every accumulator before each one) */
 template <int MR, int R>
-BF16_TARGET __attribute__((always_inline)) static inline void dots_step(__m512 (&acc)[MR][R], const uint16_t *xb,
+TARGET_AVX512_BF16 __attribute__((always_inline)) static inline void dots_step(__m512 (&acc)[MR][R], const uint16_t *xb,
                                                                        int64_t Kp, const uint16_t *wn, int64_t K,
                                                                        int64_t k, int64_t n) {
     const __mmask32 mk = n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1);
@@ -483,7 +474,7 @@ BF16_TARGET __attribute__((always_inline)) static inline void dots_step(__m512 (
 
 /* MR rows of x (bits, stride Kp) times R rows of w from wn (stride K): out[m * R + r] */
 template <int MR, int R>
-BF16_TARGET static void dots_bf16(const uint16_t *xb, int64_t Kp, const uint16_t *wn, int64_t K, float *out) {
+TARGET_AVX512_BF16 static void dots_bf16(const uint16_t *xb, int64_t Kp, const uint16_t *wn, int64_t K, float *out) {
     __m512 acc[MR][R];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
@@ -515,7 +506,7 @@ static float dot8(const uint16_t *xb, const uint16_t *wn, int64_t K) {
 }
 
 template <int MR, int R>
-BF16_TARGET static void linear_rows(const uint16_t *xb, int64_t Kp, int64_t M, int64_t K, const uint16_t *w,
+TARGET_AVX512_BF16 static void linear_rows(const uint16_t *xb, int64_t Kp, int64_t M, int64_t K, const uint16_t *w,
                                     int64_t n0, int64_t n1, int64_t N, const float *bias, float *y) {
     float out[MR * R];
     int64_t n = n0;
@@ -541,7 +532,7 @@ BF16_TARGET static void linear_rows(const uint16_t *xb, int64_t Kp, int64_t M, i
 void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, float *y) {
     const int64_t Kp = (K + 31) / 32 * 32;
     const auto xb = x_bits(x, M, K, Kp);
-    const bool dot = bf16_dot();
+    const bool dot = dispatch::on(dispatch::BF16);
     const int64_t rows = std::max<int64_t>(8, HEAD_CHUNK_BYTES / std::max<int64_t>(1, K * 2));
     const int64_t chunk = std::max<int64_t>(8, chunk_of(N, rows) / 8 * 8);
     #pragma omp parallel for schedule(dynamic, 1) if (M * K * N >= PARALLEL_MACS)

@@ -1,14 +1,19 @@
-"""How gpt2mha's C++ kernels are compiled: the sources, the flags, the compiler command and the
-record kept beside a built library. One place for every build: ``setup.py`` (the build at
-install, torch's ``CppExtension``), the opt-in build into the cache (``GPT2MHA_KERNELS=build``,
-:mod:`.cache`) and CI's sanitizer build (``python -m gpt2mha.kernels build --sanitize
-address,undefined OUT``).
+"""How gpt2mha's C++ kernels are compiled: the sources, the flags, the compiler commands and the
+record kept beside a built library. Every build is :func:`build_library`'s, with the same
+commands and flags: ``setup.py``'s at install (:func:`setuptools_command`), the opt-in build
+into the cache (``GPT2MHA_KERNELS=build``, :mod:`.cache`) and CI's sanitizer build (``python -m
+gpt2mha.kernels build --sanitize address,undefined OUT``, which adds the sanitizers' flags).
+torch's ``cpp_extension`` gives the headers and libraries (:func:`torch_include_flags`,
+:func:`link_command`); its ``BuildExtension`` is not used: it is a setuptools command (the cache
+and sanitizer builds run outside setuptools) that adds Python's own compiler flags to ours and
+links ``libtorch_python``, and its ``load()`` loads the library into the process that builds it
+(a sanitizer build loads only under its runtime, ``.ci/sanitize``).
 
 Standard library only at import (``setup.py`` loads this file by its path in the build
-environment, before gpt2mha is installed); torch is imported where its headers are needed.
+environment, before gpt2mha is installed); torch and setuptools are imported where needed.
 
-The library needs AVX2, FMA and F16C (``-mavx2 -mfma -mf16c``; every AVX2 CPU has F16C); the AVX-512 VNNI paths are
-compiled for their own targets (``__attribute__((target(...)))``) and chosen at run time.
+The library needs AVX2, FMA and F16C (``-mavx2 -mfma -mf16c``; every AVX2 CPU has F16C); the AVX-512
+paths are compiled for their own targets and chosen at run time (``dispatch.h``).
 """
 
 from __future__ import annotations
@@ -27,11 +32,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-#: The library's sources, all compiled into one library (products.cpp: int8 GEMV and
-#: W7A8 products; int4_products.cpp: int4 GEMV and W4A8 operators; w4a8_products.cpp: W4A8 on packed tiles; causal_attention.cpp: prefill attention; cached_forward.cpp: the forward in one
-#: call) and the headers they share (kernels.h: what cached_forward.cpp calls in the others;
-#: simd.h: exp, GELU and sums on vectors; walk.h: how the threads walk a product's weights).
-SOURCES = ("products.cpp", "int4_products.cpp", "w4a8_products.cpp", "causal_attention.cpp", "cached_forward.cpp", "float_products.cpp", "head_products.cpp", "bf16_products.cpp", "kernels.h", "simd.h", "walk.h")
+#: The library's sources, all compiled into one library (products.cpp: int8 GEMV and W7A8
+#: products; int4_products.cpp: int4 GEMV and W4A8 operators; w4a8_products.cpp: W4A8 on packed
+#: tiles; causal_attention.cpp: prefill attention; cached_forward.cpp: the forward in one call;
+#: float_products.cpp, head_products.cpp, bf16_products.cpp: float32, fp16 and bf16 products;
+#: dispatch.cpp: the CPU features and paths as operators) and the headers they share (kernels.h:
+#: what cached_forward.cpp calls in the others; simd.h: exp, GELU and sums on vectors; walk.h: how
+#: the threads walk a product's weights; dispatch.h: the CPU features, targets and switches).
+SOURCES = ("products.cpp", "int4_products.cpp", "w4a8_products.cpp", "causal_attention.cpp", "cached_forward.cpp",
+           "float_products.cpp", "head_products.cpp", "bf16_products.cpp", "dispatch.cpp", "kernels.h", "simd.h",
+           "walk.h", "dispatch.h")
 #: The extension's module name (setup.py) and so its file: ``_kernels.abi3.so`` beside this file.
 MODULE = "gpt2mha.kernels._kernels"
 #: What a build writes beside its library, named after it (:func:`record_path`).
@@ -39,14 +49,15 @@ RECORD_SUFFIX = ".json"
 #: Our sources compile warning-free: warnings are errors. torch's headers are system headers
 #: (``-isystem``), outside these rules. ``-ffp-contract=off``: the compiler fuses no multiply-add
 #: the sources do not write (the AVX2 and AVX-512 paths give the same bits). ``-g0``: no debug
-#: information (Python's own flags ask for it: 7.8 MB against ~0.5).
-CXX_FLAGS = ("-O3", "-g0", "-std=c++20", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC",
-             "-Wall", "-Wextra", "-Werror")
+#: information (7.8 MB against ~0.5). ``-DNDEBUG``: a release build (torch's headers' debug-only
+#: checks compiled out; the sanitizer build keeps them, :data:`SANITIZE_FLAGS`).
+CXX_FLAGS = ("-O3", "-g0", "-DNDEBUG", "-std=c++20", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
+             "-fPIC", "-Wall", "-Wextra", "-Werror")
 #: Linked against libgomp.so.1: at run time the one torch has loaded (its OpenMP threads are ours).
 LINK_FLAGS = ("-fopenmp",)
 #: ``--sanitize`` values and their flags: every report stops the process (``-fno-sanitize-recover``).
 SANITIZERS = ("address", "undefined", "thread")
-SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
+SANITIZE_FLAGS = ("-O1", "-g", "-UNDEBUG", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
 
 
 def platform_supported() -> str:
@@ -56,11 +67,12 @@ def platform_supported() -> str:
     return ""
 
 
-def sources_digest(directory: Path = HERE) -> str:
-    """sha256 over :data:`SOURCES` in ``directory`` (names and bytes), or "" when one is missing."""
+def sources_digest(directory: Path | None = None) -> str:
+    """sha256 over :data:`SOURCES` in ``directory`` (default :data:`HERE`; names and bytes), or ""
+    when one is missing."""
     h = hashlib.sha256()
     for name in SOURCES:
-        path = directory / name
+        path = Path(directory or HERE) / name
         if not path.is_file():
             return ""
         h.update(name.encode() + b"\0" + path.read_bytes())
@@ -111,8 +123,7 @@ def compiler_version(cxx: str) -> str:
 
 
 def compile_command(cxx: str, source: str, obj: str, sanitize: str = "") -> list[str]:
-    """The command that compiles one source into the object file ``obj`` (the opt-in cache build
-    and the sanitizer build; setup.py passes the same flags to setuptools)."""
+    """The command that compiles one source into the object file ``obj`` (every build's)."""
     return [cxx, *CXX_FLAGS, *sanitize_flags(sanitize), *torch_include_flags(), "-c", source, "-o", obj]
 
 
@@ -144,16 +155,17 @@ def flags(sanitize: str = "") -> list[str]:
     return [*CXX_FLAGS, *sanitize_flags(sanitize), *LINK_FLAGS]
 
 
-def record(library: Path, cxx: str, seconds: float, sanitize: str = "", **extra: str) -> Path:
+def record(library: Path, cxx: str, seconds: float, sanitize: str = "") -> Path:
     """Writes :func:`record_path` of ``library``: the torch it was built against (its C++ ABI is
-    that version's), the sources' digest, the compiler, the flags, the sanitizers and the
-    build's seconds (and ``extra``), read at load (:mod:`.loader`) and by ``python -m
-    gpt2mha.kernels``. Written whole or not at all. Returns its path."""
+    that version's), the sources' digest, the compiler, the flags, the sanitizers, the build's
+    seconds and the library's sha256, read at load (:mod:`.loader`), by the cache
+    (:mod:`.cache`) and by ``python -m gpt2mha.kernels``. Written whole or not at all. Returns
+    its path."""
     import torch
     path = record_path(library)
     data = {"library": library.name, "torch": torch.__version__, "sources": sources_digest(),
             "compiler": compiler_version(cxx), "flags": flags(sanitize), "sanitize": sanitize,
-            "seconds": round(seconds, 1), **extra}
+            "seconds": round(seconds, 1), "sha256": hashlib.sha256(Path(library).read_bytes()).hexdigest()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     os.replace(tmp, path)
@@ -208,6 +220,72 @@ def compile_library(out: Path, sanitize: str = "", timeout: float = 900) -> floa
     return time.monotonic() - start
 
 
+def build_library(out: Path, sanitize: str = "", timeout: float = 900) -> float:
+    """The build: compiles the sources into ``out`` (:func:`compile_library`: written whole or
+    not at all) and writes its record beside it (:func:`record`); returns the seconds it took.
+    setup.py's (:func:`setuptools_command`), the cache's (:mod:`.cache`) and ``python -m
+    gpt2mha.kernels build``'s.
+
+    Raises:
+        FileNotFoundError: no compiler (:func:`compiler`).
+        RuntimeError: the compiler failed (its last lines of output) or ran past ``timeout`` s.
+        ValueError: ``sanitize`` is not a list of :data:`SANITIZERS` (:func:`sanitize_flags`).
+    """
+    sanitize_flags(sanitize)
+    cxx = compiler()
+    seconds = compile_library(Path(out), sanitize, timeout)
+    record(Path(out), cxx, seconds, sanitize)
+    return seconds
+
+
+def setuptools_command(directory: Path | None = None):
+    """setup.py's ``build_ext``: each extension's library built by :func:`build_library` where
+    it is written (the package's directory under ``build/``; beside the sources for an editable
+    install), its record beside it, the build's time printed; or, where the library beside the
+    sources in ``directory`` (default :data:`HERE`) is :func:`reusable`, that one copied instead
+    of compiling the same sources again (an editable install's library sits beside its sources:
+    ``pip install -e ".[test]"`` after ``pip install -e .`` compiles nothing)."""
+    from setuptools.command.build_ext import build_ext
+
+    sources = Path(directory or HERE)
+
+    class BuildKernels(build_ext):
+        def build_extension(self, ext) -> None:
+            library = Path(self.get_ext_fullpath(ext.name))
+            library.parent.mkdir(parents=True, exist_ok=True)
+            if not self._reuse(library):
+                print(f"gpt2mha: compiling its C++ kernels ({', '.join(n for n in SOURCES if n.endswith('.cpp'))}) "
+                      f"...", flush=True)
+                try:
+                    seconds = build_library(library)
+                except (FileNotFoundError, RuntimeError) as e:
+                    raise RuntimeError(f"gpt2mha: compiling its C++ kernels failed ({e}). Install without them with "
+                                       f"GPT2MHA_KERNELS=0 set (PyTorch's routes run instead, slower)") from e
+                print(f"gpt2mha: compiled its C++ kernels into {library.name} in {seconds:.0f} s", flush=True)
+            self.records = [*getattr(self, "records", []), record_path(library)]
+
+        def _reuse(self, library: Path) -> bool:
+            import torch
+            found = reusable(sources, library.name, torch.__version__, compiler_version(compiler()))
+            if found is None:
+                return False
+            print(f"gpt2mha: reusing its C++ kernels {found} (built from the same sources, torch, compiler and "
+                  f"flags; delete it to compile again)", flush=True)
+            if not (library.exists() and library.samefile(found)):
+                shutil.copy2(found, library)
+                shutil.copy2(record_path(found), record_path(library))
+            return True
+
+        def copy_extensions_to_source(self) -> None:
+            """Editable installs: the library goes beside its sources, and its record with it."""
+            super().copy_extensions_to_source()
+            for path in getattr(self, "records", []):
+                if not (sources / path.name).exists() or not (sources / path.name).samefile(path):
+                    self.copy_file(str(path), str(sources / path.name), level=self.verbose)
+
+    return BuildKernels
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m gpt2mha.kernels build [--sanitize LIST] OUT``: compiles the library into OUT
     (with its record beside it) and prints the time; load it with ``GPT2MHA_KERNELS=OUT``."""
@@ -221,12 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sanitize_flags(args.sanitize)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        seconds = compile_library(args.out, args.sanitize)
+        seconds = build_library(args.out, args.sanitize)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"gpt2mha: {e}", file=sys.stderr)
         return 1
-    cxx = compiler()
-    record(args.out, cxx, seconds, args.sanitize)
     print(f"gpt2mha: compiled its C++ kernels into {args.out} in {seconds:.0f} s"
           + (f" (sanitizers: {args.sanitize})" if args.sanitize else ""))
     return 0

@@ -44,6 +44,7 @@
 #include <utility>
 #include <vector>
 
+#include "dispatch.h"
 #include "kernels.h"
 
 /* Attention runs on the threads from this many multiply-adds (~10 keys at 124M's sizes): at one query it
@@ -214,7 +215,7 @@ struct Product {
     bool prompt = false;     /* T > 1: without AVX-512 BF16, a bf16 prompt of ONEDNN_ROWS rows takes oneDNN's GEMM */
     int count() const { return G < 0 ? 2 : G ? 3 : 5; }
     /* M rows of a bf16 prompt on oneDNN's GEMM (no AVX-512 BF16): a row's sums are not the 8-lane kernel's */
-    bool onednn(int64_t M) const { return G == BF16 && prompt && M >= ONEDNN_ROWS && !bf16_dot_products(); }
+    bool onednn(int64_t M) const { return G == BF16 && prompt && M >= ONEDNN_ROWS && !dispatch::on(dispatch::BF16); }
     void check(const at::Tensor *t, int64_t N, int64_t K, const std::string &name, int64_t layer, bool bias = true) const {
         if (G < 0) {
             need(t[0], G == BF16 ? at::kBFloat16 : G == FP16 ? at::kHalf : at::kFloat, {K, N}, name + " weight", layer);
@@ -492,7 +493,8 @@ static at::Tensor cached_forward(const at::Tensor &tokens, const at::Tensor &wte
             /* a bf16 model's on vdpbf16ps where the CPU has it (faster: two multiply-adds an instruction),
              * else on float32 lanes */
             const auto attention = [&](const at::Tensor &qq) {
-                return hf == Half::bf16 && bf16_dot_products() ? causal_attention_bf16(qq, kk, vv) : causal_attention(qq, kk, vv);
+                return hf == Half::bf16 && dispatch::on(dispatch::ATTENTION_BF16) ? causal_attention_bf16(qq, kk, vv)
+                                                                                  : causal_attention(qq, kk, vv);
             };
             if (l + 1 < L || product.onednn(M)) {      /* (oneDNN's products: every row stays) */
                 o = attention(q);                       /* [B, T, h, D] in memory: the rows of z */

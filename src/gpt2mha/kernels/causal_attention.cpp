@@ -17,7 +17,7 @@
  *     reduction; a NaN score or a non-finite max gives a NaN row (as SDPA),
  *   o: 4 rows x 16 dims per pass, FMAs over each row's own keys in order, divided by its sum.
  * Every value a row gets is computed the same way whatever the other rows, heads, batch and
- * threads are (batch invariance). On AVX-512 CPUs (unless use_vnni(false)) the same sums run on
+ * threads are (batch invariance). On AVX-512 CPUs (dispatch.h's ATTENTION) the same sums run on
  * 16 lanes: 8 rows x 32 keys per scores pass, 4 rows x 64 dims per o pass, exp on 16 lanes; each
  * lane's operations are those of the AVX2 path, so both give the same bits. A 512-bit FMA does
  * twice a 256-bit one's work on Zen 5 (one 256-bit FMA's on Zen 4), where the 16-lane path takes
@@ -51,6 +51,7 @@
 #include <memory>
 #include <vector>
 
+#include "dispatch.h"
 #include "kernels.h"
 
 namespace {
@@ -139,7 +140,7 @@ float softmax_row(float *s, int64_t n, float scale) {
 
 /* softmax_row's operations with the exps on 16 lanes: the same bits (each 16 added to the 8-lane
  * sum as its two halves, in order) */
-AVX512_TARGET static float softmax_row16(float *s, int64_t n, float scale) {
+TARGET_AVX512 static float softmax_row16(float *s, int64_t n, float scale) {
     float m;
     if (!row_max(s, n, m))
         return NAN;
@@ -289,7 +290,7 @@ static void block(const Head &H, const float *kt, int64_t n16, int64_t i0, int64
 /* The same on 16 lanes (AVX-512): scores of MT rows x 16 KT keys from j0 (kt: D rows of nk keys),
  * each lane's FMAs over d in order as scores_tile's */
 template <int MT, int KT>
-AVX512_TARGET static inline void scores_tile16(const float *const *qr, const float *kt, int64_t nk, int64_t D,
+TARGET_AVX512 static inline void scores_tile16(const float *const *qr, const float *kt, int64_t nk, int64_t D,
                                                int64_t j0, float *const *sr) {
     __m512 acc[MT][KT];
     for (int r = 0; r < MT; r++)
@@ -308,7 +309,7 @@ AVX512_TARGET static inline void scores_tile16(const float *const *qr, const flo
 
 /* out_tile on 16 lanes: o[r][d0 .. d0 + 16 DT) for MT rows, each lane's sum over the row's keys in order */
 template <int MT, int DT>
-AVX512_TARGET static inline void out_tile16(const float *const *pr, const float *v, int64_t vs, int64_t n0, int64_t d0,
+TARGET_AVX512 static inline void out_tile16(const float *const *pr, const float *v, int64_t vs, int64_t n0, int64_t d0,
                                             const float *inv, float *const *orow) {
     __m512 acc[MT][DT];
     for (int r = 0; r < MT; r++)
@@ -338,7 +339,7 @@ AVX512_TARGET static inline void out_tile16(const float *const *pr, const float 
 
 /* block() on 16 lanes (kt padded to nk, a multiple of 32 keys): the same values */
 constexpr int SC_ROWS16 = 8;
-AVX512_TARGET static void block16(const Head &H, const float *kt, int64_t nk, int64_t i0, int64_t i1, int64_t off,
+TARGET_AVX512 static void block16(const Head &H, const float *kt, int64_t nk, int64_t i0, int64_t i1, int64_t off,
                                   int64_t D, float scale, std::vector<float> &sc) {
     sc.resize(ROWS * nk);
     const float *qr[SC_ROWS16];
@@ -401,11 +402,9 @@ AVX512_TARGET static void block16(const Head &H, const float *kt, int64_t nk, in
 
 /* ---- a bf16 model's prompt attention on AVX-512 BF16 (causal_attention_bf16) ---- */
 
-#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
-
 /* x [0 .. n) as bf16 into out [0 .. n2) (n2 >= n, a multiple of 2), zeros from n: in memory the pairs
  * (x[2m], x[2m + 1]) vdpbf16ps multiplies, the even one in the low half */
-BF16_TARGET static void bf16_row(const float *x, int64_t n, int64_t n2, uint16_t *out) {
+TARGET_AVX512_BF16 static void bf16_row(const float *x, int64_t n, int64_t n2, uint16_t *out) {
     for (int64_t i = 0; i < n2; i += 16) {
         const int64_t left = std::min<int64_t>(16, n2 - i), have = std::clamp<int64_t>(n - i, 0, 16);
         const __m512 f = _mm512_maskz_loadu_ps((__mmask16)((1u << have) - 1), x + i);
@@ -414,7 +413,7 @@ BF16_TARGET static void bf16_row(const float *x, int64_t n, int64_t n2, uint16_t
 }
 
 /* two rows a, b [0 .. n) (b NULL: zeros) as n pairs (a[i], b[i]) of bf16, a in the low half */
-BF16_TARGET static void bf16_pairs(const float *a, const float *b, int64_t n, uint32_t *out) {
+TARGET_AVX512_BF16 static void bf16_pairs(const float *a, const float *b, int64_t n, uint32_t *out) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 mk = (__mmask16)((1u << std::min<int64_t>(16, n - i)) - 1);
         const __m512i lo = bf16_lanes(_mm512_maskz_loadu_ps(mk, a + i));
@@ -427,7 +426,7 @@ BF16_TARGET static void bf16_pairs(const float *a, const float *b, int64_t n, ui
  * [D2, nk] each key's pairs (k[j][2m], k[j][2m + 1]); per score acc = 0, then for m = 0, 1, ..: vdpbf16ps
  * adds the odd product, then the even one */
 template <int MT, int KT>
-BF16_TARGET static inline void scores_pairs(const uint32_t *const *qp, const uint32_t *kp, int64_t nk, int64_t D2,
+TARGET_AVX512_BF16 static inline void scores_pairs(const uint32_t *const *qp, const uint32_t *kp, int64_t nk, int64_t D2,
                                             int64_t j0, float *const *sr) {
     __m512 acc[MT][KT];
     for (int r = 0; r < MT; r++)
@@ -450,7 +449,7 @@ BF16_TARGET static inline void scores_pairs(const uint32_t *const *qp, const uin
  * sees, then each row its own last pairs; a pair with only its even key seen has its odd value zeroed
  * too (0 x 0: a non-finite later value cannot reach the row). A row's chain is the same in any tile. */
 template <int MT, int DT, bool FULL>
-BF16_TARGET static inline void out_pairs(const uint32_t *const *pp, const uint32_t *vp, int64_t D, int64_t n0,
+TARGET_AVX512_BF16 static inline void out_pairs(const uint32_t *const *pp, const uint32_t *vp, int64_t D, int64_t n0,
                                          int64_t d0, const float *inv, float *const *orow) {
     const __mmask16 last = FULL ? (__mmask16)0xFFFF : (__mmask16)0xFF;     /* a part tile: the last 8 dims */
     /* (whole tiles load unmasked: GCC 12 takes a masked load as reading any memory, then stores every
@@ -495,7 +494,7 @@ BF16_TARGET static inline void out_pairs(const uint32_t *const *pp, const uint32
  * values' pairs; qb, pb scratch. Scores and p v by vdpbf16ps, the softmax on float32 (softmax_row16's),
  * each row's exps rounded to bf16 before p v (as SDPA's flash kernel and the decode step's attend do),
  * its sum taken before rounding. */
-BF16_TARGET static void block_bf16(const Head &H, const uint32_t *kp, const uint32_t *vp, int64_t nk, int64_t i0,
+TARGET_AVX512_BF16 static void block_bf16(const Head &H, const uint32_t *kp, const uint32_t *vp, int64_t nk, int64_t i0,
                                    int64_t i1, int64_t off, int64_t D, float scale, std::vector<float> &sc,
                                    std::vector<uint16_t> &qb, std::vector<uint16_t> &pb) {
     const int64_t D2 = D / 2;
@@ -584,8 +583,8 @@ static void check_all(const at::Tensor &q, const at::Tensor &k, const at::Tensor
 
 at::Tensor causal_attention_bf16(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
     check_all(q, k, v, "causal_attention_bf16");
-    TORCH_CHECK(bf16_dot_products(), "causal_attention_bf16: needs a CPU with AVX-512 BF16 and the AVX-512 paths on "
-                "(gpt2mha.inference.quant.gemv.use_vnni); causal_attention is the float32 kernel");
+    TORCH_CHECK(dispatch::on(dispatch::ATTENTION_BF16), "causal_attention_bf16: needs a CPU with AVX-512 and AVX-512 "
+                "BF16, both allowed (gpt2mha.kernels.dispatch.allow); causal_attention is the float32 kernel");
     const int64_t B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), S = k.size(2);
     at::Tensor o = at::empty({B, T, h, D}, q.options());
     const float scale = 1.0f / std::sqrt((float)D);
@@ -630,7 +629,7 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
     const int64_t blocks = (T + ROWS - 1) / ROWS, tasks = B * h * blocks;
     const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
     float *op = o.data_ptr<float>();
-    const bool wide = avx512_paths();
+    const bool wide = dispatch::on(dispatch::ATTENTION);
     const int64_t n16 = wide ? (S + 31) / 32 * 32 : (S + 15) / 16 * 16;   /* keys padded to whole tiles */
     at::Tensor kt = at::empty({B * h, D, n16}, q.options());        /* each head's keys, transposed */
     float *ktp = kt.data_ptr<float>();

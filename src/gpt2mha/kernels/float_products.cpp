@@ -55,11 +55,9 @@
 #include <optional>
 #include <type_traits>
 
+#include "dispatch.h"
 #include "kernels.h"
 #include "walk.h"
-
-/* the AVX-512 paths' target (float32 FMAs on 16 lanes, masked tails) */
-#define F512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 
 /* Weight rows per block of row16 (x's KB values in registers); the tiles' blocks are walk.h's KB_ROWS
  * (tiles of 8 rows x 3 vectors on AVX-512, 24 accumulators; 4 x 3 on AVX2, 12 of 16 registers) */
@@ -71,7 +69,7 @@ static const int64_t PROMPT_ROWS = 64;
 /* ---- conv1d_f32, AVX-512 ---- */
 
 /* the mask of vector r of a tile whose last vector holds `tail` lanes (1 .. 16) of nv */
-F512 static inline __mmask16 lane_mask(int r, int nv, int tail) {
+TARGET_AVX512 static inline __mmask16 lane_mask(int r, int nv, int tail) {
     return r < nv - 1 ? (__mmask16)0xFFFF : r == nv - 1 ? (__mmask16)((1u << tail) - 1) : (__mmask16)0;
 }
 
@@ -80,7 +78,7 @@ F512 static inline __mmask16 lane_mask(int r, int nv, int tail) {
  * NR vectors whole; else the tile holds nv vectors, the last `tail` lanes (masked loads and stores).
  * pfo (not 0): each weight row's lines at pfo elements on are prefetched into L2 (walk's tile ahead). */
 template <int MR, int NR, bool FULL, typename W>
-F512 static void tile16(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
+TARGET_AVX512 static void tile16(const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0, int64_t k1, int64_t j,
                         int nv, int tail, const float *bias, bool first, bool last, bool gelu, float *y, int64_t pfo) {
     __m512 acc[MR][NR];
     __mmask16 mk[NR];
@@ -112,7 +110,7 @@ F512 static void tile16(const float *x, int64_t ldx, const W *w, int64_t N, int6
 
 /* tile16 for a whole tile or an edge one */
 template <int MR, int NR, typename W>
-F512 static inline void tile16_any(bool full, const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0,
+TARGET_AVX512 static inline void tile16_any(bool full, const float *x, int64_t ldx, const W *w, int64_t N, int64_t k0,
                                    int64_t k1, int64_t j, int nv, int tail, const float *bias, bool first, bool last,
                                    bool gelu, float *y, int64_t pfo) {
     if (full)
@@ -124,7 +122,7 @@ F512 static inline void tile16_any(bool full, const float *x, int64_t ldx, const
 /* every row of x over w's rows [k0, k1) at columns j .. j + 48 (fewer at N), 8 rows at a time; the
  * first 8 prefetch (pfo: walk's) */
 template <typename W>
-F512 static void rows16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, int64_t k0, int64_t k1,
+TARGET_AVX512 static void rows16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, int64_t k0, int64_t k1,
                         int64_t j, int64_t pfo, const float *bias, bool gelu, float *y) {
     const bool first = k0 == 0, last = k1 == K;
     const int64_t cols = std::min<int64_t>(48, N - j);
@@ -151,7 +149,7 @@ F512 static void rows16(const float *x, int64_t M, int64_t K, const W *w, int64_
 
 /* w's columns [j, j + cols) (cols <= 48) as a contiguous strip [K][48], zeros past cols */
 template <typename W>
-F512 static void pack_strip(const W *w, int64_t K, int64_t N, int64_t j, int64_t cols, float *out) {
+TARGET_AVX512 static void pack_strip(const W *w, int64_t K, int64_t N, int64_t j, int64_t cols, float *out) {
     __mmask16 mk[3];
     for (int r = 0; r < 3; r++) mk[r] = (__mmask16)((1u << std::clamp<int64_t>(cols - 16 * r, 0, 16)) - 1);
     for (int64_t k = 0; k < K; k++)
@@ -161,7 +159,7 @@ F512 static void pack_strip(const W *w, int64_t K, int64_t N, int64_t j, int64_t
 /* MR rows of x times a packed strip over all of K: tile16's chains (bias, then one fma per k in order),
  * written once (GELU if gelu) */
 template <int MR>
-F512 static void tile_packed(const float *x, int64_t ldx, const float *strip, int64_t K, int64_t N, int64_t j,
+TARGET_AVX512 static void tile_packed(const float *x, int64_t ldx, const float *strip, int64_t K, int64_t N, int64_t j,
                              int64_t cols, const float *bias, bool gelu, float *y) {
     __m512 acc[MR][3];
     __mmask16 mk[3];
@@ -187,7 +185,7 @@ F512 static void tile_packed(const float *x, int64_t ldx, const float *strip, in
 /* The strips over the threads; each packs its strip once (then in L2 for every row group; read in place,
  * a strip's lines lie 4N bytes apart and fall in few cache sets), then runs all rows on it, 8 at a time. */
 template <typename W>
-F512 static void prompt16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
+TARGET_AVX512 static void prompt16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
                           bool gelu, float *y) {
     const int64_t strips = (N + 47) / 48;
     #pragma omp parallel
@@ -218,7 +216,7 @@ F512 static void prompt16(const float *x, int64_t M, int64_t K, const W *w, int6
 /* One row of float32 (AVX-512): each thread one contiguous span of the columns, the weights read KB rows
  * at a time along the whole span, one vector of each row in turn (KB sequential streams; the partial sums
  * in y, in L1), x's KB values broadcast once a block: tile16's chains. */
-F512 static void row16(const float *x, int64_t K, const float *w, int64_t N, int64_t c0, int64_t c1,
+TARGET_AVX512 static void row16(const float *x, int64_t K, const float *w, int64_t N, int64_t c0, int64_t c1,
                        const float *bias, bool gelu, float *y) {
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
         const int64_t kn = std::min(KB, K - k0);
@@ -244,7 +242,7 @@ F512 static void row16(const float *x, int64_t K, const float *w, int64_t N, int
 }
 
 template <typename W>
-F512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
+TARGET_AVX512 static void conv1d16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
                           bool gelu, float *y) {
     if (M >= PROMPT_ROWS) {                            /* a prompt: packed strips (~1.06x the blocks below) */
         prompt16(x, M, K, w, N, bias, gelu, y);
@@ -332,7 +330,7 @@ static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N,
 
 void conv1d_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, bool gelu,
                 float *y) {
-    if (avx512_paths())
+    if (dispatch::on(dispatch::CONV1D))
         conv1d16(x, M, K, w, N, bias, gelu, y);
     else
         conv1d8(x, M, K, w, N, bias, gelu, y);
@@ -345,14 +343,14 @@ void round_fp16(float *p, int64_t n) {
     for (; i < n; i++) p[i] = _cvtsh_ss(_cvtss_sh(p[i], _MM_FROUND_TO_NEAREST_INT));
 }
 
-F512 static void gelu_all16(float *y, int64_t n) {
+TARGET_AVX512 static void gelu_all16(float *y, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, gelu16(_mm512_loadu_ps(y + i)));
     for (; i < n; i++) y[i] = gelu1(y[i]);
 }
 
 void gelu_all(float *y, int64_t n) {
-    if (avx512_paths())
+    if (dispatch::on(dispatch::GELU))
         return gelu_all16(y, n);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, gelu8(_mm256_loadu_ps(y + i)));
@@ -361,7 +359,7 @@ void gelu_all(float *y, int64_t n) {
 
 void conv1d_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, bool gelu,
                 float *y) {
-    if (avx512_paths())
+    if (dispatch::on(dispatch::CONV1D))
         conv1d16(x, M, K, w, N, bias, false, y);
     else
         conv1d8(x, M, K, w, N, bias, false, y);

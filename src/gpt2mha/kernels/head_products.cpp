@@ -19,9 +19,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "dispatch.h"
 #include "kernels.h"
-
-#define F512 AVX512_TARGET
 
 static inline float hsum8(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -32,7 +31,7 @@ static inline float hsum8(__m256 a) {
 
 /* one 16-block of k (the lanes of mask mk) of dots16 */
 template <int MR, int R, bool FULL, typename W>
-F512 static inline void dot_step(const float *x, int64_t K, const W *wn, int64_t k, __mmask16 mk, __m512 (&acc)[MR][R]) {
+TARGET_AVX512 static inline void dot_step(const float *x, int64_t K, const W *wn, int64_t k, __mmask16 mk, __m512 (&acc)[MR][R]) {
     __m512 xv[MR];
     for (int m = 0; m < MR; m++) xv[m] = ld16<FULL>(mk, x + m * K + k);
     for (int r = 0; r < R; r++) {
@@ -45,7 +44,7 @@ F512 static inline void dot_step(const float *x, int64_t K, const W *wn, int64_t
 
 /* R rows of w (from wn, stride K) times MR rows of x (stride K): out[m * R + r] */
 template <int MR, int R, typename W>
-F512 static void dots16(const float *x, int64_t K, const W *wn, float *out) {
+TARGET_AVX512 static void dots16(const float *x, int64_t K, const W *wn, float *out) {
     __m512 acc[MR][R];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
@@ -123,7 +122,7 @@ static void linear_rows(const float *x, int64_t M, int64_t K, const W *w, int64_
 }
 
 template <typename W>
-F512 static void linear16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
+TARGET_AVX512 static void linear16(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias,
                           float *y, int64_t chunk) {
     #pragma omp parallel for schedule(dynamic, 1) if (parallel_worth(M, K, N))
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
@@ -145,7 +144,7 @@ F512 static void linear16(const float *x, int64_t M, int64_t K, const W *w, int6
 template <typename W>
 static void linear_any(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, float *y) {
     const int64_t chunk = std::max<int64_t>(8, chunk_rows(K * (int64_t)sizeof(W), N) / 8 * 8);   /* ~128 KiB */
-    if (avx512_paths())
+    if (dispatch::on(dispatch::LINEAR))
         return linear16(x, M, K, w, N, bias, y, chunk);
     #pragma omp parallel for schedule(dynamic, 1) if (parallel_worth(M, K, N))
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {

@@ -48,7 +48,7 @@ void conv1d_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t
  * fp16 values; linear_f32's sums (head_products.cpp, the operator linear_f16: a fp16 model's head). */
 void linear_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, float *y);
 
-/* y[0 .. n) = GPT-2's GELU of y (simd.h's): on 16 lanes where the AVX-512 paths are on, else 8, the rest one
+/* y[0 .. n) = GPT-2's GELU of y (simd.h's): on 16 lanes where dispatch.h's GELU is on, else 8, the rest one
  * at a time, the same bits every way (float_products.cpp) */
 void gelu_all(float *y, int64_t n);
 
@@ -67,9 +67,6 @@ void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
 
 /* p[0 .. n) rounded to the nearest bf16 (ties to even), kept as float32 (bf16_products.cpp) */
 void round_bf16(float *p, int64_t n);
-/* whether conv1d_bf16, linear_bf16 and causal_attention_bf16 take AVX-512 BF16's vdpbf16ps now (the CPU
- * has it and the AVX-512 paths are on; causal_attention_bf16 refuses to run otherwise) */
-bool bf16_dot_products();
 
 /* Causal attention of q [B, h, T, D] over k, v [B, h, S, D] (S >= T, OpenAI's bottom-right
  * mask), last dimensions contiguous; returns o [B, T, h, D] permuted to [B, h, T, D]
@@ -78,7 +75,7 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
 
 /* causal_attention for a bf16 model (q, k, v float32 holding bf16 values, rounded to bf16 first): scores
  * and p v by AVX-512 BF16's vdpbf16ps, each row's exps rounded to bf16 before p v (causal_attention.cpp,
- * the operator causal_attention_bf16); only where bf16_dot_products() */
+ * the operator causal_attention_bf16); only where dispatch.h's ATTENTION_BF16 is on */
 at::Tensor causal_attention_bf16(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v);
 
 /* s [0 .. n) -> exp(scale * (s - max)) in place; returns their sum, or NaN when a score is NaN or
@@ -95,7 +92,3 @@ bool parallel_worth(int64_t M, int64_t K, int64_t N);
 /* an operator's check of its optional float32 bias [N] (a clear message naming op, never a read out of
  * bounds): its data, or NULL for None (products.cpp) */
 const float *bias_of(const char *op, const std::optional<at::Tensor> &bias, int64_t N);
-
-/* whether the kernels take their AVX-512 paths now: the CPU has AVX-512 VNNI and use_vnni has not
- * turned them off (products.cpp) */
-bool avx512_paths();

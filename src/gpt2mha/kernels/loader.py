@@ -1,7 +1,8 @@
 """Finding and loading gpt2mha's kernel library (see the package's docstring for
-``GPT2MHA_KERNELS``): once per process, thread-safe, checked against the torch it runs with
-and the sources beside it, the fake (meta) implementations registered after it
-(:mod:`.fakes`), and one :class:`KernelsUnavailable` warning where none loads."""
+``GPT2MHA_KERNELS`` and ``GPT2MHA_CPU_FEATURES``): once per process, thread-safe, checked against
+the torch it runs with and the sources beside it, the CPU features it may take narrowed as
+``GPT2MHA_CPU_FEATURES`` says (:mod:`.dispatch`), the fake (meta) implementations registered
+after it (:mod:`.fakes`), and one :class:`KernelsUnavailable` warning where none loads."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ import torch
 from . import build
 
 ENV = "GPT2MHA_KERNELS"
+#: The CPU features the kernels may take, comma-separated (:func:`features_setting`).
+FEATURES_ENV = "GPT2MHA_CPU_FEATURES"
+#: The CPU features the kernels' paths ask for beyond AVX2, FMA and F16C (every path has those):
+#: AVX-512 F/BW/DQ/VL, AVX-512 VNNI, AVX-512 BF16 (``dispatch.h``'s names).
+FEATURES = ("avx512", "avx512_vnni", "avx512_bf16")
+BASELINE = "avx2"
 OFF = ("0", "false", "off", "no")
 ON = ("", "1", "true", "on", "yes")
 #: What runs where the kernels are not loaded (said once, with the reason).
@@ -47,6 +54,26 @@ def setting() -> str:
         return value
     raise ValueError(f"{ENV}={value!r}: expected 1 (the library built at install), 0 (none), build (compile the "
                      f"sources into the cache) or the path of a built library (.so)")
+
+
+def features_setting() -> tuple[str, ...] | None:
+    """``GPT2MHA_CPU_FEATURES`` as the features the kernels may take (None where it is unset or
+    empty: every feature the CPU has): a comma-separated list of :data:`FEATURES`, or ``avx2``
+    (the AVX2 paths only; ``avx2`` in a list changes nothing). An AVX-512 VNNI or BF16 path needs
+    ``avx512`` too.
+
+    Raises:
+        ValueError: a name not in :data:`FEATURES` or ``avx2``.
+    """
+    value = os.environ.get(FEATURES_ENV, "").strip()
+    if not value:
+        return None
+    names = [n.strip().lower() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in (BASELINE, *FEATURES)]
+    if bad:
+        raise ValueError(f"{FEATURES_ENV}={value!r}: {bad[0]!r} is not one of {BASELINE}, {', '.join(FEATURES)} "
+                         f"(comma-separated: the CPU features the kernels may take)")
+    return tuple(n for n in FEATURES if n in names)
 
 
 def installed_library() -> Path | None:
@@ -116,6 +143,7 @@ def _recovery(library: Path, origin: str) -> str:
 
 
 def _load() -> str:
+    features = features_setting()
     library, origin, why = _find()
     if library is None:
         return why
@@ -126,6 +154,8 @@ def _load() -> str:
         torch.ops.load_library(str(library))
     except OSError as e:
         return f"{library} does not load ({str(e).splitlines()[0][:300]}): {_recovery(library, origin)}"
+    if features is not None:
+        torch.ops.gpt2mha.allow_cpu_features(list(features))
     from . import fakes
     fakes.register()
     _LOADED["library"] = library
@@ -152,7 +182,8 @@ def load() -> str:
     returns "" or why it is not loaded. Compiles nothing unless ``GPT2MHA_KERNELS=build``.
 
     Raises:
-        ValueError: ``GPT2MHA_KERNELS`` holds something it cannot mean (:func:`setting`).
+        ValueError: ``GPT2MHA_KERNELS`` or ``GPT2MHA_CPU_FEATURES`` holds something it cannot mean
+            (:func:`setting`, :func:`features_setting`).
     """
     with _LOCK:
         return _loaded()

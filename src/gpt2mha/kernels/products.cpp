@@ -1,6 +1,6 @@
 /* gpt2mha's int8 products (inference/quant/gemv.py wraps them): int8_gemv (float32 activations) and
  * int8_per_row (W7A8), each described where it is defined, the threads' note the other products
- * follow, and the switch of the AVX-512 paths (use_vnni). The int4 operators are int4_products.cpp's,
+ * follow. The int4 operators are int4_products.cpp's,
  * the W4A8 kernel w4a8_products.cpp's. First, the int8 weight-only product for
  * decode-sized inputs on AVX2 CPUs, the operator torch.ops.gpt2mha.int8_gemv:
  *
@@ -38,6 +38,7 @@
 #include <optional>
 #include <vector>
 
+#include "dispatch.h"
 #include "kernels.h"
 
 /* Threads: output channels are handed out in chunks as threads come free (a thread the OS holds
@@ -126,19 +127,6 @@ void gemv(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N, cons
     }
 }
 
-/* AVX-512 VNNI (vpdpbusd: four u8 x s8 products added into each int32 lane, no int16 step), where
- * the CPU has it: the functions that use it are compiled for it whatever the build flags and
- * chosen at run time. use_vnni(false) keeps to the AVX2 paths on such a CPU too (tests compare
- * them: each path gives the same bits). */
-static bool vnni() {
-    static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                            __builtin_cpu_supports("avx512vnni");
-    return has;
-}
-
-static bool use_vnni = true;
-
 /* The per_row (W7A8) layer for decode sizes (the operator int8_per_row): x's rows rounded to
  * 8 bits with their own step and minimum (round_rows, below), u in 0..255, times 7-bit weights q
  * in [-63, 63] (weight_7bit; the caller's promise: wider weights would saturate vpmaddubsw's
@@ -188,7 +176,7 @@ struct Rescale {
         }
     }
     /* the same on 16 lanes (AVX-512; GELU's div and exp were ~1.3 of a 128-token prompt's ~22 ms on 8) */
-    AVX512_TARGET inline void apply16(int64_t m, int64_t n0, int64_t nn, const int32_t *s, float *y) const {
+    TARGET_AVX512 inline void apply16(int64_t m, int64_t n0, int64_t nn, const int32_t *s, float *y) const {
         const __m512 av = _mm512_set1_ps(a[m]), cv = _mm512_set1_ps(c[m]);
         int64_t j = 0;
         for (; j + 16 <= nn; j += 16) {
@@ -212,8 +200,10 @@ static inline void prefetch_step(const int8_t *pf, int64_t q) {
     _mm_prefetch((const char *)(pf + 128 * q + 64), _MM_HINT_T1);
 }
 
+/* AVX-512 VNNI (vpdpbusd: four u8 x s8 products added into each int32 lane, no int16 step) where the
+ * CPU has it (dispatch.h's PER_ROW), else AVX2's vpmaddubsw + vpmaddwd: the same exact sums */
 template <int MT>
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
+TARGET_AVX512_VNNI
 static inline void packed_tile_vnni(const uint8_t *u8, int64_t ustride, int64_t Kq, const int8_t *pt, int32_t *sums,
                                     const int8_t *pf) {
     __m512i acc[2 * MT];
@@ -273,7 +263,7 @@ static inline void packed_tile(const uint8_t *u8, int64_t ustride, int64_t Kq, c
         }                                                                              \
     }
 
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
+TARGET_AVX512_VNNI
 static void packed_rows_vnni(const uint8_t *u8, int64_t M, int64_t ustride, int64_t Kq, const int8_t *P, int64_t N,
                              const Rescale &r, float *y, int64_t t0, int64_t t1) {
     PACKED_ROWS(8, apply16, switch (mt) {
@@ -298,7 +288,7 @@ static void gemv_packed(const uint8_t *u8, int64_t M, int64_t ustride, int64_t K
                         const Rescale &r, float *y) {
     const int64_t Kq = (K + 3) / 4, tiles = (N + 31) / 32;
     const int64_t per = chunk_rows(Kq * 128, tiles), chunks = (tiles + per - 1) / per;
-    const bool v = use_vnni && vnni();
+    const bool v = dispatch::on(dispatch::PER_ROW);
     #pragma omp parallel for schedule(dynamic, 1) if (parallel_worth(M, K, N))
     for (int64_t i = 0; i < chunks; i++) {
         const int64_t t0 = i * per, t1 = t0 + per < tiles ? t0 + per : tiles;
@@ -409,7 +399,7 @@ static void round_row(const float *xr, int64_t K, uint8_t *ur, int64_t ustride, 
 
 /* the same on 16 lanes (AVX-512): the same bytes and steps (min and max in any order are the same
  * values; each value's subtract, divide and round are the 8-lane path's) */
-AVX512_TARGET static void round_row16(const float *xr, int64_t K, uint8_t *ur, int64_t ustride, float *ra, float *rc) {
+TARGET_AVX512 static void round_row16(const float *xr, int64_t K, uint8_t *ur, int64_t ustride, float *ra, float *rc) {
     std::memset(ur + K, 0, (size_t)(ustride - K));
     __m512 lo16 = _mm512_set1_ps(INFINITY), hi16 = _mm512_set1_ps(-INFINITY);
     __mmask16 bad16 = 0;
@@ -447,7 +437,7 @@ AVX512_TARGET static void round_row16(const float *xr, int64_t K, uint8_t *ur, i
  * 0..255 (round half to even, as torch.round), into rows of ustride bytes; a[m] and c[m] = a * 128
  * + lo for the rescale; a row with a non-finite value gets u = 0 and a = c = NaN. */
 static void round_rows(const float *x, int64_t M, int64_t K, uint8_t *u8, int64_t ustride, float *ra, float *rc) {
-    const bool wide = use_vnni && vnni();
+    const bool wide = dispatch::on(dispatch::PER_ROW_ROUNDING);
     /* rows on the threads for prefill sizes (a 512 x 3072 input took ~0.5 ms on one) */
     #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_ROUND)
     for (int64_t m = 0; m < M; m++) {
@@ -493,33 +483,12 @@ static at::Tensor int8_per_row(const at::Tensor &x, const at::Tensor &packed, co
     return y;
 }
 
-/* has_vnni(): whether the kernels now take their AVX-512 VNNI paths (the CPU has them and
- * use_vnni has not turned them off) */
-static bool has_vnni() { return use_vnni && vnni(); }
-
-bool avx512_paths() { return use_vnni && vnni(); }
-
-/* use_vnni(on): whether the kernels may take their AVX-512 VNNI paths (default true); returns
- * whether they now do (false on a CPU without VNNI). The results are the same bits either way:
- * tests switch it off to compare. */
-static bool set_use_vnni(bool on) {
-    use_vnni = on;
-    return on && vnni();
-}
-
 TORCH_LIBRARY_FRAGMENT(gpt2mha, m) {
     m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
     m.def("int8_per_row(Tensor x, Tensor packed, Tensor qsum, Tensor scales, Tensor wsum, Tensor? bias, bool gelu=False) -> Tensor");
-    m.def("use_vnni(bool on) -> bool");
-    m.def("has_vnni() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(gpt2mha, CPU, m) {
     m.impl("int8_gemv", &int8_gemv);
     m.impl("int8_per_row", &int8_per_row);
-}
-
-TORCH_LIBRARY_IMPL(gpt2mha, CompositeExplicitAutograd, m) {
-    m.impl("use_vnni", &set_use_vnni);
-    m.impl("has_vnni", &has_vnni);
 }

@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dispatch.h"
+
 /* exp by Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial (about
  * 1 ulp); below -87.3 it gives exp(-87.3) (about 1e-38), past 88.4 inf. */
 static const float EXP_HI = 88.8f, EXP_LO = -87.3f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f,
@@ -37,8 +39,7 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* exp8's operations on 16 lanes (AVX-512 CPUs; the same bits per lane as exp8 and exp1) */
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
-AVX512_TARGET static inline __m512 exp16(__m512 x) {
+TARGET_AVX512 static inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
@@ -88,7 +89,7 @@ static inline __m256 gelu8(__m256 x) {
 }
 
 /* gelu8's operations on 16 lanes (AVX-512 CPUs) */
-AVX512_TARGET static inline __m512 gelu16(__m512 x) {
+TARGET_AVX512 static inline __m512 gelu16(__m512 x) {
     const __m512 inner = _mm512_fmadd_ps(_mm512_set1_ps(GELU_K), _mm512_mul_ps(_mm512_mul_ps(x, x), x), x);
     return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_mul_ps(_mm512_set1_ps(GELU_2C), inner))));
 }
@@ -102,7 +103,7 @@ static inline float gelu1(float x) {
 
 /* 16 floats -> the nearest bf16 (ties to even; a NaN stays a quiet NaN) as the low halves of 32-bit
  * lanes: integer arithmetic, so a subnormal input is rounded, not flushed (as vcvtneps2bf16 would) */
-AVX512_TARGET static inline __m512i bf16_lanes(__m512 f) {
+TARGET_AVX512 static inline __m512i bf16_lanes(__m512 f) {
     const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
                                                          _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
@@ -115,12 +116,12 @@ AVX512_TARGET static inline __m512i bf16_lanes(__m512 f) {
 
 /* 16 floats at p, or those of mask mk (zeros elsewhere) */
 template <bool FULL>
-AVX512_TARGET static inline __m512 ld16(__mmask16 mk, const float *p) {
+TARGET_AVX512 static inline __m512 ld16(__mmask16 mk, const float *p) {
     return FULL ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mk, p);
 }
 /* 16 fp16 weights at p (their bits) as float32 (exact), or those of mask mk (zeros elsewhere) */
 template <bool FULL>
-AVX512_TARGET static inline __m512 ld16(__mmask16 mk, const uint16_t *p) {
+TARGET_AVX512 static inline __m512 ld16(__mmask16 mk, const uint16_t *p) {
     return _mm512_cvtph_ps(FULL ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(mk, p));
 }
 

@@ -42,9 +42,8 @@
 #include <optional>
 #include <tuple>
 
+#include "dispatch.h"
 #include "kernels.h"
-
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
 static inline float bf16_bits(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -128,7 +127,7 @@ struct Rows {
  * cumulative, in sums [g1 - g0, 2 MT, 16]; acc keeps them for the next call. Cumulative, never zeroed between
  * groups: with the accumulators zeroed at each group GCC copied every one at every step and spilled some. */
 template <int MT>
-VNNI_TARGET static inline void sums_vnni(const int8_t *e, int64_t K, const uint8_t *pt, int64_t steps, int64_t g0,
+TARGET_AVX512_VNNI static inline void sums_vnni(const int8_t *e, int64_t K, const uint8_t *pt, int64_t steps, int64_t g0,
                                          int64_t g1, int32_t *state, int32_t *sums) {
     const __m512i low = _mm512_set1_epi8(15);
     __m512i acc[2 * MT];
@@ -151,7 +150,7 @@ VNNI_TARGET static inline void sums_vnni(const int8_t *e, int64_t K, const uint8
 /* MT rows of a (from m0) times tile pt [K/4, 64] with its params pp [ng, 2, 32]: out [MT, 32]. Groups in
  * blocks of GROUPS: their cumulative sums (sums_vnni), then each group's (this one's less the last) scaled. */
 template <int MT>
-VNNI_TARGET static inline void tile_vnni(const Rows &A, int64_t m0, const uint8_t *pt, const float *pp, float *out) {
+TARGET_AVX512_VNNI static inline void tile_vnni(const Rows &A, int64_t m0, const uint8_t *pt, const float *pp, float *out) {
     constexpr int64_t GROUPS = 8;
     const int64_t steps = A.G / 4;
     int32_t state[2 * MT * 16], sums[GROUPS * 2 * MT * 16], last[2 * MT * 16];
@@ -224,7 +223,7 @@ static inline void tile_avx2(const Rows &A, int64_t m0, const uint8_t *pt, const
 }
 
 /* tiles t0..t1-1 times every row: y [M, N] (+ bias) */
-VNNI_TARGET static void tiles_vnni(const Rows &A, int64_t M, const uint8_t *packed, const float *params, int64_t N,
+TARGET_AVX512_VNNI static void tiles_vnni(const Rows &A, int64_t M, const uint8_t *packed, const float *params, int64_t N,
                                    const float *bias, float *y, int64_t t0, int64_t t1) {
     float s[8 * 32];
     for (int64_t t = t0; t < t1; t++) {
@@ -279,7 +278,7 @@ void w4a8(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *packed
     const Rows A{e.get(), dd.get(), dd.get() + M * ng, K, G, ng};
     /* threads take chunks of tiles of about 128 KiB of weights (products.cpp's note on threads) */
     const int64_t T = (N + 31) / 32, per = chunk_rows(K * 16, T), chunks = (T + per - 1) / per;
-    const bool v = avx512_paths();
+    const bool v = dispatch::on(dispatch::W4A8);
     #pragma omp parallel for schedule(dynamic, 1) if (many)
     for (int64_t i = 0; i < chunks; i++) {
         const int64_t t0 = i * per, t1 = t0 + per < T ? t0 + per : T;

@@ -1,7 +1,7 @@
 """The Python side of gpt2mha's C++ products (``src/gpt2mha/kernels/products.cpp``): the
 operators ``torch.ops.gpt2mha.int8_gemv`` and ``int4_gemv`` (float32 activations),
 ``int4_gemv_a8`` (W4A8) and ``int8_per_row`` (W7A8) behind checked wrappers, per_row's weight
-packing and the AVX-512 switch. The library is built at install and loaded by
+packing. The library is built at install and loaded by
 :mod:`gpt2mha.kernels`; :func:`available` says whether it is, :func:`unavailable_reason` why not
 (then callers keep torch's kernels, and gpt2mha has said so once).
 
@@ -59,15 +59,10 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
 
 
 def vnni() -> bool:
-    """Whether the kernels take their AVX-512 VNNI paths (``vpdpbusd``): the CPU has AVX-512
-    VNNI and :func:`use_vnni` has not turned them off. False where the kernel is not available.
-    Asked once, then kept (layers ask it on every call)."""
-    if _VNNI["on"] is None:
-        _VNNI["on"] = available() and bool(torch.ops.gpt2mha.has_vnni())
-    return _VNNI["on"]
-
-
-_VNNI: dict = {"on": None}
+    """Whether :func:`int8_per_row` takes its AVX-512 VNNI path (``vpdpbusd``) now: the CPU has
+    AVX-512 and AVX-512 VNNI, both allowed (:mod:`gpt2mha.kernels.dispatch`). False where the
+    kernels are not loaded."""
+    return kernels.dispatch.paths().get("per_row") == "avx512_vnni"
 
 
 def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scales7: torch.Tensor,
@@ -105,24 +100,6 @@ def int8_per_row(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scal
         raise ValueError("qsum is empty: N=0 output channels; expected at least one")
     _check_finite(scales7=scales7, wsum=wsum)
     return torch.ops.gpt2mha.int8_per_row(x, packed, qsum, scales7, wsum, bias, gelu)
-
-
-def use_vnni(on: bool) -> bool:
-    """Let the kernels take their AVX-512 paths where the CPU has AVX-512 VNNI (``on=True``, the
-    default): ``vpdpbusd`` in the products, 16-lane FMAs and exps in the prefill attention
-    (``causal_attention``); or keep to AVX2 (``False``: tests compare the two; the same bits).
-    Returns whether they now take them. Process-wide, for every thread.
-
-    Raises:
-        RuntimeError: the kernel is not available.
-        TypeError: ``on`` is not a bool.
-    """
-    if not isinstance(on, bool):
-        raise TypeError(f"on={on!r}: expected True or False")
-    if not available():
-        raise RuntimeError(f"the GEMV kernel is not available: {unavailable_reason()}")
-    _VNNI["on"] = bool(torch.ops.gpt2mha.use_vnni(on))
-    return _VNNI["on"]
 
 
 def _check_x(x: torch.Tensor, scheme: str) -> None:
