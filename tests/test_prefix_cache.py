@@ -199,10 +199,10 @@ def test_generate_over_prompts_that_share_a_prefix_uses_the_cache_and_equals_eac
     made = []
     real = prefix_cache.PrefixCache.load
 
-    def load(self, prompt, cache):
-        n = real(self, prompt, cache)
-        made.append(n)
-        return n
+    def load(self, prompt, cache, *args, **kwargs):
+        blocks = real(self, prompt, cache, *args, **kwargs)
+        made.append(BLOCK * len(blocks))
+        return blocks
     monkeypatch.setattr(prefix_cache.PrefixCache, "load", load)
     both = model.generate(prompts, 6, temperature=0)
     assert made == [0, 64]
