@@ -303,6 +303,119 @@ def test_hooks_attached_bypass_the_cache():
     assert store.queries == 0 and not store.blocks
 
 
+# ------------------------------------------------------------------------------ invalidation
+def prefill_and_score(engine, prompt, k=2):
+    """Slot 0's prefill logits and the prompt's score entries on ``engine`` (the slot emptied)."""
+    engine.open(0, SamplingParams(max_tokens=1, temperature=0), 0)
+    try:
+        logits = engine.prefill_logits([0], [prompt])
+    finally:
+        engine.release(0)
+    return logits, engine.score(prompt, k)
+
+
+def shared_prompts(seed=7, n=3, prefix=5 * BLOCK + 3):
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(0, 256, (prefix,), generator=gen).tolist()
+    return [head + torch.randint(0, 256, (5,), generator=gen).tolist() for _ in range(n)]
+
+
+def assert_same(warm, cold):
+    assert torch.equal(warm[0], cold[0]) and warm[1] == cold[1]
+
+
+def test_a_weight_edited_in_place_empties_the_store():
+    """A live server's model edited in place (the native forward reads the float32 weights
+    themselves): prompts after the edit get a cold server's answers for the edited model, not
+    blocks computed before it (prefill and scoring alike)."""
+    model = model_of(torch.float32, "float")
+    engine = Engine(model, 1, prefix_cache=PrefixCache(8))
+    first, second, _ = shared_prompts()
+    prefill_and_score(engine, first)
+    with torch.no_grad():
+        model.h[0].mlp.c_fc.weight.mul_(1.5)
+    warm = prefill_and_score(engine, second)
+    assert_same(warm, prefill_and_score(Engine(model, 1), second))
+    assert engine.prefix_cache.flushes == 1 and engine.cached[0] == 0 and engine.score_cached == 0
+    assert_same(prefill_and_score(engine, second), warm)             # the edited model's blocks serve again
+    assert engine.cached[0] > 0 and engine.score_cached > 0
+
+
+def test_a_model_quantized_in_place_scores_on_its_new_layers_from_an_empty_store():
+    """``model.quantize`` on a live engine's model: the scorer is made again for the quantized
+    layers and takes nothing the float32 model stored: its entries are a cold engine's on the
+    quantized model."""
+    model = model_of(torch.float32, "float")
+    engine = Engine(model, 1, prefix_cache=PrefixCache(8))
+    first, second, _ = shared_prompts()
+    engine.score(first, 2)
+    model.quantize("int8", method="rtn", activations="per_row")
+    warm = engine.score(second, 2)
+    assert warm == Engine(model, 1).score(second, 2)
+    assert engine.prefix_cache.flushes == 1 and engine.score_cached == 0
+
+
+def test_another_dtype_sharing_a_store_takes_none_of_its_blocks():
+    """One store given to a float32 engine and then to an fp16 engine of the same weights: the
+    fp16 engine's answers are a cold fp16 engine's (a float32 block copied into its fp16 cache
+    would round otherwise)."""
+    import copy
+
+    model = model_of(torch.float32, "float")
+    half = copy.deepcopy(model).half()
+    store = PrefixCache(8)
+    first, second, _ = shared_prompts()
+    prefill_and_score(Engine(model, 1, prefix_cache=store), first)
+    engine = Engine(half, 1, prefix_cache=store)
+    assert_same(prefill_and_score(engine, second), prefill_and_score(Engine(half, 1), second))
+    assert store.flushes == 1 and engine.cached[0] == 0 and engine.score_cached == 0
+
+
+def test_steering_hooks_bypass_the_store_for_scoring_too():
+    """A steering hook (a vector added to block 0's output) on a live engine's model: prefill and
+    scoring run the decode view with the hook acting and touch no stored block (their answers
+    are a cold engine's with the same hook); once it is removed, the blocks stored before it serve
+    again, with a cold engine's answers."""
+    model = model_of(torch.float32, "float")
+    engine = Engine(model, 1, prefix_cache=PrefixCache(8))
+    first, second, third = shared_prompts()
+    prefill_and_score(engine, first)
+    before = dict(engine.prefix_cache.stats())
+    steer = torch.randn(model.config.n_embd, generator=torch.Generator().manual_seed(0))
+    handle = model.h[0].register_forward_hook(lambda m, args, out: (out[0] + steer, *out[1:]))
+    try:
+        hooked = prefill_and_score(engine, second)
+        assert engine.prefix_cache.stats() == before
+        assert_same(hooked, prefill_and_score(Engine(model, 1), second))
+    finally:
+        handle.remove()
+    assert_same(prefill_and_score(engine, third), prefill_and_score(Engine(model, 1), third))
+    assert engine.cached[0] == 5 * BLOCK and engine.score_cached == 5 * BLOCK
+
+
+def test_lora_adapters_keep_the_store_off_and_score_on_the_decode_view():
+    """A model with LoRA adapters runs on the decode view (the native forward does not run
+    wrapped layers), where the cache is off; scoring with and without an adapter takes nothing
+    from a store, and gives a cold engine's entries."""
+    from gpt2mha.inference.lora import apply_lora
+    from gpt2mha.io.lora import LoraAdapter, LoraLayer
+
+    model = model_of(torch.float32, "float")
+    gen = torch.Generator().manual_seed(1)
+    E = model.config.n_embd
+    layers = {f"h.{i}.attn.c_attn": LoraLayer(torch.randn(4, E, generator=gen), torch.randn(3 * E, 4, generator=gen), 0.5)
+              for i in range(model.config.n_layer)}
+    apply_lora(model, {"x": LoraAdapter(layers, "test")})
+    engine = Engine(model, 1, prefix_cache=PrefixCache(8))
+    assert engine.prefix_cache is None and engine.scorer() is None
+    first, second, _ = shared_prompts()
+    for adapter in (None, 0):
+        engine.score(first, 2, adapter=adapter)
+        assert engine.score(second, 2, adapter=adapter) == Engine(model, 1).score(second, 2, adapter=adapter)
+        assert engine.score_cached == 0
+    assert engine.score(second, 2, adapter=0) != engine.score(second, 2)
+
+
 def test_budget_is_checked_and_least_recently_used_blocks_go_first():
     with pytest.raises(ValueError, match="budget_mb"):
         PrefixCache(0)
