@@ -364,14 +364,16 @@ class Engine:
                         "from the whole prompt's")
         return ""
 
-    def computed_by(self) -> tuple:
+    def computed_by(self, signature: tuple | None = None) -> tuple:
         """What the prefix cache's blocks depend on, as a comparable value: the model's signature
         (which tensors, their writes in place, their storage, each int8 layer's activations,
-        each LayerNorm's eps: :func:`~gpt2mha.inference.compiled.model_signature`), the route and
-        the cache's dtype. The store is emptied when it changes
-        (:meth:`~gpt2mha.inference.prefix_cache.PrefixCache.bind`)."""
+        each LayerNorm's eps: :func:`~gpt2mha.inference.compiled.model_signature`; ``signature``
+        where the caller has it), the route and the cache's dtype. The store is emptied when it
+        changes (:meth:`~gpt2mha.inference.prefix_cache.PrefixCache.bind`). A tensor made in
+        inference mode counts no writes: an edit in place of such a weight goes unseen."""
         from .compiled import model_signature
-        return (id(self.model), model_signature(self.model), self.route.decoder.name, self.cache.k.dtype)
+        sig = model_signature(self.model) if signature is None else signature
+        return (id(self.model), sig, self.route.decoder.name, self.cache.k.dtype)
 
     def scorer(self):
         """The :class:`~gpt2mha.inference.scoring.Scorer` :meth:`score` runs for the model as it
@@ -469,7 +471,7 @@ class Engine:
         store = self.prefix_cache
         if store is None:
             return None
-        store.bind(self.computed_by())
+        store.bind(self.computed_by(self._scorer[0]))
         if scorer.differs is None:
             scorer.differs = self._measure_scorer(scorer)
         return store if scorer.differs == "" else None
