@@ -22,8 +22,9 @@ Tiny Shakespeare (GPT-2 BPE; the context ends a few words into the next line, th
 next word against 3 words drawn from the text), against ``gpt2mha serve`` (a subprocess on a free
 port of 127.0.0.1) on a random 124M-shaped float32 model with GPT-2's tokenizer, with the prefix
 cache (``--prefix-cache-mb``) and with ``--no-prefix-cache``: lm_eval's wall time, the time its
-requests spent in the server (``e2e_request_latency_seconds_sum``), the hit rate from
-``/metrics``; the two runs' accuracies and every per-choice loglikelihood must be identical
+requests spent in the server (``e2e_request_latency_seconds_sum``), the server's CPU seconds
+while lm_eval ran (``process_cpu_seconds_total``: less sensitive than wall time to what else runs
+on the machine), the hit rate from ``/metrics``; the two runs' accuracies and every per-choice loglikelihood must be identical
 (exit 1 otherwise). ``--json FILE`` adds the run (date, host, command, figures)
 under its subcommand's key to FILE (benchmarks/results/prefix_cache.json).
 """
@@ -213,6 +214,11 @@ def mc_items(tok, n: int, context: int, seed: int = 0) -> list[dict]:
     return items
 
 
+def cpu_seconds(metrics: str) -> float:
+    """The server process's CPU seconds (``process_cpu_seconds_total`` of its ``/metrics``)."""
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("process_cpu_seconds_total"))
+
+
 def lmeval(args):
     import glob
     import subprocess
@@ -243,7 +249,7 @@ def lmeval(args):
                "OMP_NUM_THREADS": "1"}
         for key, extra in (("cache", ("--prefix-cache-mb", str(args.budget))), ("no cache", ("--no-prefix-cache",))):
             out = os.path.join(tmp, key.replace(" ", "-"))
-            log = out + ".log"
+            log = os.path.join(args.logs or tmp, key.replace(" ", "-") + ".log")
             load = os.getloadavg()[0]
             server = Server(model_dir, max_batch=4, log_path=log, threads=args.threads, extra=extra)
             try:
@@ -251,10 +257,12 @@ def lmeval(args):
                        f"model={model_dir},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
                        f"tokenizer={model_dir},max_length=1024", "--include_path", tmp, "--tasks", TASK,
                        "--output_path", out, "--log_samples"]
+                cpu0 = cpu_seconds(httpx.get(server.url + "/metrics").text)
                 t0 = time.perf_counter()
                 run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
                 wall = time.perf_counter() - t0
                 metrics = httpx.get(server.url + "/metrics").text
+                cpu = cpu_seconds(metrics) - cpu0
             finally:
                 rc = server.stop()
             if run.returncode != 0 or rc != 0:
@@ -272,18 +280,19 @@ def lmeval(args):
                 res = json.load(f)["results"][TASK]
             with open(samples) as f:
                 resps = {s["doc_id"]: s["resps"] for s in map(json.loads, f)}
-            runs[key] = {"wall_s": wall, "serve_s": values["e2e_request_latency_seconds_sum"],
+            runs[key] = {"wall_s": wall, "serve_s": values["e2e_request_latency_seconds_sum"], "cpu_s": cpu,
                          "requests": values["e2e_request_latency_seconds_count"],
                          "queries": values["prefix_cache_queries_total"], "hits": values["prefix_cache_hits_total"],
                          "acc": res["acc,none"], "acc_norm": res["acc_norm,none"], "resps": resps, "load": load}
-            print(f"{key:9s} lm_eval {wall:.1f} s, requests in the server {runs[key]['serve_s']:.1f} s "
+            print(f"{key:9s} lm_eval {wall:.1f} s, requests in the server {runs[key]['serve_s']:.1f} s, "
+                  f"its CPU {cpu:.1f} s "
                   f"({runs[key]['requests']:.0f}); acc {res['acc,none']:.4f} acc_norm {res['acc_norm,none']:.4f}; "
                   f"hits {runs[key]['hits']:.0f} / {runs[key]['queries']:.0f} tokens; load before {load:.2f}", flush=True)
     same = runs["cache"]["resps"] == runs["no cache"]["resps"]
     c, n = runs["cache"], runs["no cache"]
     hit_rate = c["hits"] / c["queries"]
     print(f"with the cache: lm_eval {n['wall_s'] / c['wall_s']:.2f}x sooner end to end, its requests "
-          f"{n['serve_s'] / c['serve_s']:.2f}x; hit rate {hit_rate:.3f}; accuracies and every loglikelihood "
+          f"{n['serve_s'] / c['serve_s']:.2f}x, the server's CPU {n['cpu_s'] / c['cpu_s']:.2f}x less; hit rate {hit_rate:.3f}; accuracies and every loglikelihood "
           f"{'identical' if same else 'DIFFER'}")
     if not same or c["acc"] != n["acc"] or c["acc_norm"] != n["acc_norm"]:
         raise SystemExit("the runs with and without the prefix cache differ")
@@ -291,6 +300,7 @@ def lmeval(args):
             "items": args.items, "choices": 4, "context_tokens": ctx_tokens,
             "wall_s": {k: round(v["wall_s"], 2) for k, v in runs.items()},
             "serve_s": {k: round(v["serve_s"], 2) for k, v in runs.items()},
+            "server_cpu_s": {k: round(v["cpu_s"], 2) for k, v in runs.items()},
             "requests": int(c["requests"]), "queries": int(c["queries"]), "hits": int(c["hits"]),
             "hit_rate": round(hit_rate, 3), "acc": c["acc"], "acc_norm": c["acc_norm"],
             "identical_loglikelihoods": same,
@@ -313,6 +323,7 @@ def main():
     e.add_argument("--context", type=int, default=400, help="tokens of each item's shared context (at least)")
     e.add_argument("--threads", type=int, default=2)
     e.add_argument("--budget", type=float, default=1024, help="--prefix-cache-mb of the run with the cache")
+    e.add_argument("--logs", help="keep the servers' logs in this directory (cache.log, no-cache.log)")
     e.add_argument("--json", help="add the run to this JSON file")
     args = p.parse_args()
     out = {"survey": survey, "ttft": ttft, "lmeval": lmeval}[args.cmd](args)

@@ -315,7 +315,7 @@ class Engine:
         finally:
             self.prefix_cache = store
             self.release(slot)
-        scorer = self.scorer()
+        scorer = self.scorer() if self.prefix_cache is not None else None
         if scorer is not None:
             self._score_store(scorer)                           # measured now, not in a request
 

@@ -21,6 +21,12 @@ and the int8/int4 dequantized products block rows by count), nor is the compiled
 invariant: there the cache is off (:func:`why_inexact`). docs/explanation/prefix-caching.md has
 the measurements.
 
+Scored prompts (``echo`` with ``logprobs``) keep their blocks under a root of their own
+(:meth:`PrefixCache.root`): computed by the scoring forward
+(:class:`~gpt2mha.inference.scoring.Scorer`), with each position's hidden state and the
+entries of the block's tokens (:class:`Block`). :meth:`PrefixCache.bind` empties the store
+when what computes its blocks changes (the model's weights, the route, the cache's dtype).
+
 Source: vLLM's automatic prefix caching (block hashes chained by parent, LRU eviction of free
 blocks); SGLang's RadixAttention for the alternative.
 """
