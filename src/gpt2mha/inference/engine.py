@@ -14,7 +14,9 @@ sequence in slot ``s``, from cache index 0 at its own length, and answers:
   rows ``0 … n-1`` (n = highest slot asked + 1, or every slot for a decoder of one shape),
   each row at its own position over exactly its own keys, then each asked slot's next token;
 - :meth:`Engine.release`: the slot's row emptied;
-- :meth:`Engine.score`: the model's log-probabilities of a prompt's own tokens (``echo``).
+- :meth:`Engine.score`: the model's log-probabilities of a prompt's own tokens (``echo``), on
+  the native forward's route from the prefix cache's scored blocks where it has them
+  (:mod:`~gpt2mha.inference.scoring`).
 
 Slots and token ids go in and out as Python ints. No row's numbers depend on the others on a
 batch-invariant decoder: a prompt is prefilled alone, a step attends each row over its own
@@ -82,6 +84,7 @@ class Engine:
         prefix_cache: the prefix cache prefills use (None: none).
         prefix_cache_off: why a prefix cache given was dropped ("" when it was not).
         cached: each slot's prompt tokens its last prefill took from the prefix cache.
+        score_cached: the prompt tokens the last :meth:`score` took from the prefix cache.
 
     Raises:
         ValueError: slots < 1, a vocab_size outside ``[1, n_vocab]``, a batch_invariant that is
