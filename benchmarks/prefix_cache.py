@@ -4,6 +4,7 @@ system prompt reaches its first token (``ttft``).
 
     python benchmarks/prefix_cache.py survey [--threads 1] [--json FILE]
     python benchmarks/prefix_cache.py ttft [--system 500 --turns 6 --threads 2] [--json FILE]
+    python benchmarks/prefix_cache.py lmeval [--items 12 --context 400 --threads 2] [--json FILE]
 
 ``survey``: a random 2-layer model (n_ctx 512, width 64) per dtype and weight format, on the route
 ``generate`` takes and on the decode view; for 40 random (prefix, suffix) splits of a 510-token
@@ -14,7 +15,17 @@ after and the whole row of keys and values compared with ``torch.equal``.
 with the byte tokenizer (n_ctx 1024): a chat whose system prompt is ``--system`` bytes (one
 token a byte) and turns of a short user message each, streamed; the time from sending each
 request to its first content chunk, with the prefix cache (default budget) and without (0),
-and the hit rate from ``/metrics``. ``--json FILE`` adds the run (date, host, command, figures)
+and the hit rate from ``/metrics``. ``lmeval``: lm-evaluation-harness itself (``local-completions``, its loglikelihood requests: each
+choice's context and continuation with ``echo``, ``logprobs=1``, ``max_tokens=1``, one at a time)
+on a local multiple-choice task whose 4 choices of each item share a ``--context``-token passage of
+Tiny Shakespeare (GPT-2 BPE; the context ends a few words into the next line, the answer is its
+next word against 3 words drawn from the text), against ``gpt2mha serve`` (a subprocess on a free
+port of 127.0.0.1) on a random 124M-shaped float32 model with GPT-2's tokenizer, with the prefix
+cache (``--prefix-cache-mb``) and with ``--no-prefix-cache``: lm_eval's wall time, the time its
+requests spent in the server (``e2e_request_latency_seconds_sum``), the server's CPU seconds
+while lm_eval ran (``process_cpu_seconds_total``: less sensitive than wall time to what else runs
+on the machine), the hit rate from ``/metrics``; the two runs' accuracies and every per-choice loglikelihood must be identical
+(exit 1 otherwise). ``--json FILE`` adds the run (date, host, command, figures)
 under its subcommand's key to FILE (benchmarks/results/prefix_cache.json).
 """
 
@@ -154,6 +165,148 @@ def ttft(args):
             "hit_rate": round(hit_rate, 3)}
 
 
+TASK = "gpt2mha_prefix_cache_mc"
+TASK_YAML = """task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: label
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def mc_items(tok, n: int, context: int, seed: int = 0) -> list[dict]:
+    """``n`` items over Tiny Shakespeare: a passage of whole lines of at least ``context`` GPT-2
+    tokens, then the first words of the next line; the choices are that line's next word and 3
+    other words of the text (shuffled)."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "data", "tinyshakespeare.txt"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    words = sorted({w for line in lines[:4000] for w in line.split() if w.isalpha() and len(w) > 2})
+    rnd = random.Random(seed)
+    items = []
+    while len(items) < n:
+        start = rnd.randrange(0, len(lines) - 400)
+        end = start
+        while len(tok.encode("\n".join(lines[start:end]))) < context:
+            end += 1
+        cue = lines[end].split()
+        if len(cue) < 4 or not cue[2].isalpha():
+            continue
+        answer = cue[2]
+        choices = [answer] + rnd.sample([w for w in words if w != answer], 3)
+        rnd.shuffle(choices)
+        items.append({"context": "\n".join(lines[start:end]) + "\n" + " ".join(cue[:2]), "choices": choices,
+                      "label": choices.index(answer)})
+    return items
+
+
+def cpu_seconds(metrics: str) -> float:
+    """The server process's CPU seconds (``process_cpu_seconds_total`` of its ``/metrics``)."""
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("process_cpu_seconds_total"))
+
+
+def lmeval(args):
+    import glob
+    import subprocess
+    import tempfile
+
+    import httpx
+
+    from gpt2mha.io.tokenizer import get_tokenizer
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from serve_load import Server
+
+    tok = get_tokenizer("gpt2")
+    items = mc_items(tok, args.items, args.context)
+    ctx_tokens = [len(tok.encode(item["context"])) for item in items]
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=50257, n_ctx=1024, n_embd=768, n_head=12, n_layer=12)).eval()
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "random-124M")
+        model.save_pretrained(model_dir)
+        data = os.path.join(tmp, "items.jsonl")
+        with open(data, "w") as f:
+            f.writelines(json.dumps(item) + "\n" for item in items)
+        with open(os.path.join(tmp, TASK + ".yaml"), "w") as f:
+            f.write(TASK_YAML.format(task=TASK, data=data))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_DATASETS_CACHE": os.path.join(tmp, "datasets"), "TOKENIZERS_PARALLELISM": "false",
+               "OMP_NUM_THREADS": "1"}
+        for key, extra in (("cache", ("--prefix-cache-mb", str(args.budget))), ("no cache", ("--no-prefix-cache",))):
+            out = os.path.join(tmp, key.replace(" ", "-"))
+            log = os.path.join(args.logs or tmp, key.replace(" ", "-") + ".log")
+            load = os.getloadavg()[0]
+            server = Server(model_dir, max_batch=4, log_path=log, threads=args.threads, extra=extra)
+            try:
+                cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+                       f"model={model_dir},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+                       f"tokenizer={model_dir},max_length=1024", "--include_path", tmp, "--tasks", TASK,
+                       "--output_path", out, "--log_samples"]
+                cpu0 = cpu_seconds(httpx.get(server.url + "/metrics").text)
+                t0 = time.perf_counter()
+                run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+                wall = time.perf_counter() - t0
+                metrics = httpx.get(server.url + "/metrics").text
+                cpu = cpu_seconds(metrics) - cpu0
+            finally:
+                rc = server.stop()
+            if run.returncode != 0 or rc != 0:
+                print(run.stderr[-3000:], open(log).read()[-3000:], file=sys.stderr)
+                raise SystemExit(f"lm_eval exited {run.returncode}, the server {rc}")
+            values = {}
+            for line in metrics.splitlines():
+                name = line.split("{")[0].split(" ")[0].removeprefix("gpt2mha:")
+                if name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "e2e_request_latency_seconds_sum",
+                            "e2e_request_latency_seconds_count"):
+                    values[name] = float(line.split()[-1])
+            (results,) = glob.glob(os.path.join(out, "*", "results_*.json"))
+            (samples,) = glob.glob(os.path.join(out, "*", f"samples_{TASK}_*.jsonl"))
+            with open(results) as f:
+                res = json.load(f)["results"][TASK]
+            with open(samples) as f:
+                resps = {s["doc_id"]: s["resps"] for s in map(json.loads, f)}
+            runs[key] = {"wall_s": wall, "serve_s": values["e2e_request_latency_seconds_sum"], "cpu_s": cpu,
+                         "requests": values["e2e_request_latency_seconds_count"],
+                         "queries": values["prefix_cache_queries_total"], "hits": values["prefix_cache_hits_total"],
+                         "acc": res["acc,none"], "acc_norm": res["acc_norm,none"], "resps": resps, "load": load}
+            print(f"{key:9s} lm_eval {wall:.1f} s, requests in the server {runs[key]['serve_s']:.1f} s, "
+                  f"its CPU {cpu:.1f} s "
+                  f"({runs[key]['requests']:.0f}); acc {res['acc,none']:.4f} acc_norm {res['acc_norm,none']:.4f}; "
+                  f"hits {runs[key]['hits']:.0f} / {runs[key]['queries']:.0f} tokens; load before {load:.2f}", flush=True)
+    same = runs["cache"]["resps"] == runs["no cache"]["resps"]
+    c, n = runs["cache"], runs["no cache"]
+    hit_rate = c["hits"] / c["queries"]
+    print(f"with the cache: lm_eval {n['wall_s'] / c['wall_s']:.2f}x sooner end to end, its requests "
+          f"{n['serve_s'] / c['serve_s']:.2f}x, the server's CPU {n['cpu_s'] / c['cpu_s']:.2f}x less; hit rate {hit_rate:.3f}; accuracies and every loglikelihood "
+          f"{'identical' if same else 'DIFFER'}")
+    if not same or c["acc"] != n["acc"] or c["acc_norm"] != n["acc_norm"]:
+        raise SystemExit("the runs with and without the prefix cache differ")
+    return {"threads": args.threads, "model": "random 124M shape, float32, GPT-2 BPE", "budget_mb": args.budget,
+            "items": args.items, "choices": 4, "context_tokens": ctx_tokens,
+            "wall_s": {k: round(v["wall_s"], 2) for k, v in runs.items()},
+            "serve_s": {k: round(v["serve_s"], 2) for k, v in runs.items()},
+            "server_cpu_s": {k: round(v["cpu_s"], 2) for k, v in runs.items()},
+            "requests": int(c["requests"]), "queries": int(c["queries"]), "hits": int(c["hits"]),
+            "hit_rate": round(hit_rate, 3), "acc": c["acc"], "acc_norm": c["acc_norm"],
+            "identical_loglikelihoods": same,
+            "load_average_before": {k: round(v["load"], 2) for k, v in runs.items()}}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -165,8 +318,15 @@ def main():
     t.add_argument("--turns", type=int, default=6)
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--json", help="add the run to this JSON file")
+    e = sub.add_parser("lmeval")
+    e.add_argument("--items", type=int, default=12, help="multiple-choice items (4 choices each)")
+    e.add_argument("--context", type=int, default=400, help="tokens of each item's shared context (at least)")
+    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--budget", type=float, default=1024, help="--prefix-cache-mb of the run with the cache")
+    e.add_argument("--logs", help="keep the servers' logs in this directory (cache.log, no-cache.log)")
+    e.add_argument("--json", help="add the run to this JSON file")
     args = p.parse_args()
-    out = {"survey": survey, "ttft": ttft}[args.cmd](args)
+    out = {"survey": survey, "ttft": ttft, "lmeval": lmeval}[args.cmd](args)
     if args.json:
         old = json.load(open(args.json)) if os.path.exists(args.json) else {}
         run = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),

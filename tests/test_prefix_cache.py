@@ -124,6 +124,136 @@ def test_shared_prefix_requests_equal_a_cold_server_bitwise(dtype, fmt, activati
         assert seq_w.logprobs == seq_c.logprobs, f"request {i}"
 
 
+def echo_plan(seed=1, n=16, prefix=405):
+    """lm-evaluation-harness's requests over shared contexts: a 405-token context (it ends
+    mid-block) then continuations of 1 … 30 tokens, scored with ``echo`` and ``logprobs`` k of 1
+    (lm_eval's), 2 or 5, generating 0 or 1 tokens; one prompt of whole blocks and one token, one
+    prompt recurring with another k. Per request: (prompt, k, max_tokens)."""
+    rnd = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, 256, (prefix,), generator=gen).tolist()
+    plan = []
+    for i in range(n):
+        cont = torch.randint(0, 256, (rnd.choice([1, 2, 7, 12, 30]),), generator=gen).tolist()
+        plan.append((context + cont, rnd.choice([1, 1, 2, 5]), i % 2))
+    plan += [(context[:25 * BLOCK + 1], 1, 0), (plan[3][0], 5 if plan[3][1] != 5 else 2, 0)]
+    return plan
+
+
+def serve_echo(model, plan, prefix_cache_mb):
+    """Drive a Scheduler of 4 slots through ``plan`` (echo_plan's), four requests at a time: each
+    request's finished Sequence, and the scheduler."""
+    sched = Scheduler(model, get_tokenizer("bytes"), max_batch=4, max_queue=64, batch_invariant=True,
+                      prefix_cache_mb=prefix_cache_mb)
+    seqs = []
+    for at in range(0, len(plan), 4):
+        for ids, k, n in plan[at:at + 4]:
+            seqs += sched.submit([ids], SamplingParams(max_tokens=n, temperature=0, logprobs=k, echo=True),
+                                 lambda *a: None)
+        for _ in range(50):
+            if sched.idle():
+                break
+            sched.step()
+        assert sched.idle()
+    return seqs, sched
+
+
+@pytest.mark.parametrize("dtype,fmt,activations", ROUTES, ids=ROUTE_IDS)
+def test_echo_logprobs_of_shared_contexts_equal_a_cold_server_bitwise(dtype, fmt, activations, request):
+    """Scored prompts (``echo`` + ``logprobs``: lm_eval's ``loglikelihood``) over a shared
+    405-token context: every prompt entry (token logprob and top-k, the prompt's every position)
+    and generated token bitwise a cold server's. Where the cache is on (EXACT) the scores took
+    the context's blocks: each request after the first scored from its whole blocks (its
+    ``cached_tokens``), and a k asked again recomputes its entries from the stored hidden states.
+    Independent reference: the model's own forward (log_softmax in float64), to float rounding."""
+    route_id = request.node.callspec.id
+    model = model_of(dtype, fmt, activations)
+    plan = echo_plan()
+    cold, cold_sched = serve_echo(model, plan, 0)
+    warm, sched = serve_echo(model, plan, 8)
+    for i, (c, w) in enumerate(zip(cold, warm)):
+        assert c.finish_reason == w.finish_reason == "length" and c.error is None, f"request {i}"
+        assert w.prompt_logprobs == c.prompt_logprobs, f"request {i}"
+        assert w.tokens == c.tokens and w.logprobs == c.logprobs, f"request {i}"
+    stats = sched.prefix_cache_stats()
+    if route_id not in EXACT:
+        assert "off" in stats, stats
+        assert all(w.cached_tokens == 0 for w in warm)
+    else:
+        assert all(w.cached_tokens >= 25 * BLOCK for w in warm[4:]), [w.cached_tokens for w in warm]
+        assert all(c.cached_tokens == 0 for c in cold)
+    ids, k, _ = plan[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)            # [T, V]
+    tol = 1e-4 if dtype == torch.float32 and fmt == "float" else 0.1
+    got = torch.tensor([lp for lp, _ in warm[0].prompt_logprobs], dtype=torch.float64)
+    assert torch.allclose(got, ref[torch.arange(len(ids) - 1), ids[1:]], atol=tol)
+
+
+def test_a_scored_prompt_served_whole_from_the_store_recomputes_no_block():
+    """A prompt scored again takes every whole block but its last token's (a scored suffix of
+    one token is exact: row-alone products), and a prompt of 16·m + 1 tokens takes m blocks."""
+    model = model_of(torch.float32, "float")
+    engine = Engine(model, 1, prefix_cache=PrefixCache(8))
+    cold = Engine(model, 1)
+    prompt = torch.randint(0, 256, (8 * BLOCK + 1,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert engine.score(prompt, 1) == cold.score(prompt, 1) and engine.score_cached == 0
+    assert engine.score(prompt, 1) == cold.score(prompt, 1) and engine.score_cached == 8 * BLOCK
+    assert engine.score(prompt[:8 * BLOCK], 1) == cold.score(prompt[:8 * BLOCK], 1) and engine.score_cached == 7 * BLOCK
+
+
+def test_a_scorer_whose_suffix_would_differ_takes_nothing_from_the_store(monkeypatch):
+    """The engine measures the scorer before a scored prompt takes stored blocks: one whose
+    suffix rounds otherwise (here 1e-6 added to its hidden states when the row already holds
+    keys) is measured so and scores every prompt whole."""
+    from gpt2mha.inference.scoring import Scorer
+
+    real = Scorer.hidden
+    monkeypatch.setattr(Scorer, "hidden",
+                        lambda self, ids, cache: real(self, ids, cache) + (1e-6 if cache.lengths[0] > ids.shape[1] else 0))
+    engine = Engine(model_of(torch.float32, "float"), 1, prefix_cache=PrefixCache(8))
+    prompt = list(range(3 * BLOCK + 5))
+    first = engine.score(prompt, 1)
+    assert engine.score(prompt, 1) == first and engine.score_cached == 0
+    assert engine.scorer().differs.startswith("measured here") and engine.prefix_cache.queries == 0
+
+
+def test_completions_echo_requests_as_lm_eval_sends_them_equal_a_cold_server():
+    """lm_eval's ``local-completions`` request (``echo``, ``logprobs=1``, ``max_tokens=1``,
+    ``temperature=0``, the prompt as token ids) for 4 choices after one 220-byte context, against a
+    live server (built-in model, float32) with the prefix cache and one without: the JSON
+    ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset) equal; every request after
+    the first reports the context's whole blocks as ``cached_tokens``, and the store counts two
+    look-ups a request (its scoring and its prefill), both hits after the first request."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from gpt2mha import DEFAULT_MODEL, GPT2
+    from gpt2mha.serving.server import serve_in_thread
+
+    model, tok = GPT2.from_pretrained(DEFAULT_MODEL), get_tokenizer("bytes")
+    context = ("KING RICHARD III:\nNow is the winter of our discontent made glorious summer by this sun of York; "
+               "and all the clouds that lour'd upon our house in the deep bosom of the ocean buried. Now are our "
+               "brows bound with victorious wreaths, our bruised arms hung up for monuments, our stern alarums "
+               "changed to merry meetings, our dreadful marches to delightful measures.")[:220]
+    choices = [" crown", " horse", " kingdom", " song"]
+    answers, stats = {}, {}
+    for budget in (16, 0):
+        sched = Scheduler(model, tok, max_batch=2, max_queue=8, prefix_cache_mb=budget)
+        with serve_in_thread(sched, DEFAULT_MODEL) as url:
+            answers[budget] = [httpx.post(url + "/v1/completions", timeout=60, json={
+                "prompt": tok.encode(context + c), "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True,
+                "seed": 1234}).json() for c in choices]
+        stats[budget] = sched.prefix_cache_stats()
+    for warm, cold in zip(answers[16], answers[0]):
+        assert warm["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
+        assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers[16]]
+    assert cached[0] == 0 and all(n == 13 * BLOCK for n in cached[1:]), cached
+    # each request looked up twice (its scoring, then its prefill), and both found the context
+    assert stats[16]["queries"] == 2 * sum(len(tok.encode(context + c)) for c in choices)
+    assert stats[16]["hits"] == 2 * 3 * 13 * BLOCK
+
+
 def test_a_one_token_suffix_and_a_prompt_of_whole_blocks_are_prefilled_not_loaded():
     """A prompt of stored blocks and one token still prefills its last MIN_SUFFIX (2) tokens or
     more: a one-token suffix would run the decode step's path (other bits)."""
@@ -173,6 +303,119 @@ def test_hooks_attached_bypass_the_cache():
     assert store.queries == 0 and not store.blocks
 
 
+# ------------------------------------------------------------------------------ invalidation
+def prefill_and_score(engine, prompt, k=2):
+    """Slot 0's prefill logits and the prompt's score entries on ``engine`` (the slot emptied)."""
+    engine.open(0, SamplingParams(max_tokens=1, temperature=0), 0)
+    try:
+        logits = engine.prefill_logits([0], [prompt])
+    finally:
+        engine.release(0)
+    return logits, engine.score(prompt, k)
+
+
+def shared_prompts(seed=7, n=3, prefix=5 * BLOCK + 3):
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(0, 256, (prefix,), generator=gen).tolist()
+    return [head + torch.randint(0, 256, (5,), generator=gen).tolist() for _ in range(n)]
+
+
+def assert_same(warm, cold):
+    assert torch.equal(warm[0], cold[0]) and warm[1] == cold[1]
+
+
+def test_a_weight_edited_in_place_empties_the_store():
+    """A live server's model edited in place (the native forward reads the float32 weights
+    themselves): prompts after the edit get a cold server's answers for the edited model, not
+    blocks computed before it (prefill and scoring alike)."""
+    model = model_of(torch.float32, "float")
+    engine = Engine(model, 1, prefix_cache=PrefixCache(8))
+    first, second, _ = shared_prompts()
+    prefill_and_score(engine, first)
+    with torch.no_grad():
+        model.h[0].mlp.c_fc.weight.mul_(1.5)
+    warm = prefill_and_score(engine, second)
+    assert_same(warm, prefill_and_score(Engine(model, 1), second))
+    assert engine.prefix_cache.flushes == 1 and engine.cached[0] == 0 and engine.score_cached == 0
+    assert_same(prefill_and_score(engine, second), warm)             # the edited model's blocks serve again
+    assert engine.cached[0] > 0 and engine.score_cached > 0
+
+
+def test_a_model_quantized_in_place_scores_on_its_new_layers_from_an_empty_store():
+    """``model.quantize`` on a live engine's model: the scorer is made again for the quantized
+    layers and takes nothing the float32 model stored: its entries are a cold engine's on the
+    quantized model."""
+    model = model_of(torch.float32, "float")
+    engine = Engine(model, 1, prefix_cache=PrefixCache(8))
+    first, second, _ = shared_prompts()
+    engine.score(first, 2)
+    model.quantize("int8", method="rtn", activations="per_row")
+    warm = engine.score(second, 2)
+    assert warm == Engine(model, 1).score(second, 2)
+    assert engine.prefix_cache.flushes == 1 and engine.score_cached == 0
+
+
+def test_another_dtype_sharing_a_store_takes_none_of_its_blocks():
+    """One store given to a float32 engine and then to an fp16 engine of the same weights: the
+    fp16 engine's answers are a cold fp16 engine's (a float32 block copied into its fp16 cache
+    would round otherwise)."""
+    import copy
+
+    model = model_of(torch.float32, "float")
+    half = copy.deepcopy(model).half()
+    store = PrefixCache(8)
+    first, second, _ = shared_prompts()
+    prefill_and_score(Engine(model, 1, prefix_cache=store), first)
+    engine = Engine(half, 1, prefix_cache=store)
+    assert_same(prefill_and_score(engine, second), prefill_and_score(Engine(half, 1), second))
+    assert store.flushes == 1 and engine.cached[0] == 0 and engine.score_cached == 0
+
+
+def test_steering_hooks_bypass_the_store_for_scoring_too():
+    """A steering hook (a vector added to block 0's output) on a live engine's model: prefill and
+    scoring run the decode view with the hook acting and touch no stored block (their answers
+    are a cold engine's with the same hook); once it is removed, the blocks stored before it serve
+    again, with a cold engine's answers."""
+    model = model_of(torch.float32, "float")
+    engine = Engine(model, 1, prefix_cache=PrefixCache(8))
+    first, second, third = shared_prompts()
+    prefill_and_score(engine, first)
+    before = dict(engine.prefix_cache.stats())
+    steer = torch.randn(model.config.n_embd, generator=torch.Generator().manual_seed(0))
+    handle = model.h[0].register_forward_hook(lambda m, args, out: (out[0] + steer, *out[1:]))
+    try:
+        hooked = prefill_and_score(engine, second)
+        assert engine.prefix_cache.stats() == before
+        assert_same(hooked, prefill_and_score(Engine(model, 1), second))
+    finally:
+        handle.remove()
+    assert_same(prefill_and_score(engine, third), prefill_and_score(Engine(model, 1), third))
+    assert engine.cached[0] == 5 * BLOCK and engine.score_cached == 5 * BLOCK
+
+
+def test_lora_adapters_keep_the_store_off_and_score_on_the_decode_view():
+    """A model with LoRA adapters runs on the decode view (the native forward does not run
+    wrapped layers), where the cache is off; scoring with and without an adapter takes nothing
+    from a store, and gives a cold engine's entries."""
+    from gpt2mha.inference.lora import apply_lora
+    from gpt2mha.io.lora import LoraAdapter, LoraLayer
+
+    model = model_of(torch.float32, "float")
+    gen = torch.Generator().manual_seed(1)
+    E = model.config.n_embd
+    layers = {f"h.{i}.attn.c_attn": LoraLayer(torch.randn(4, E, generator=gen), torch.randn(3 * E, 4, generator=gen), 0.5)
+              for i in range(model.config.n_layer)}
+    apply_lora(model, {"x": LoraAdapter(layers, "test")})
+    engine = Engine(model, 1, prefix_cache=PrefixCache(8))
+    assert engine.prefix_cache is None and engine.scorer() is None
+    first, second, _ = shared_prompts()
+    for adapter in (None, 0):
+        engine.score(first, 2, adapter=adapter)
+        assert engine.score(second, 2, adapter=adapter) == Engine(model, 1).score(second, 2, adapter=adapter)
+        assert engine.score_cached == 0
+    assert engine.score(second, 2, adapter=0) != engine.score(second, 2)
+
+
 def test_budget_is_checked_and_least_recently_used_blocks_go_first():
     with pytest.raises(ValueError, match="budget_mb"):
         PrefixCache(0)
@@ -199,10 +442,10 @@ def test_generate_over_prompts_that_share_a_prefix_uses_the_cache_and_equals_eac
     made = []
     real = prefix_cache.PrefixCache.load
 
-    def load(self, prompt, cache):
-        n = real(self, prompt, cache)
-        made.append(n)
-        return n
+    def load(self, prompt, cache, *args, **kwargs):
+        blocks = real(self, prompt, cache, *args, **kwargs)
+        made.append(BLOCK * len(blocks))
+        return blocks
     monkeypatch.setattr(prefix_cache.PrefixCache, "load", load)
     both = model.generate(prompts, 6, temperature=0)
     assert made == [0, 64]

@@ -14,7 +14,9 @@ sequence in slot ``s``, from cache index 0 at its own length, and answers:
   rows ``0 … n-1`` (n = highest slot asked + 1, or every slot for a decoder of one shape),
   each row at its own position over exactly its own keys, then each asked slot's next token;
 - :meth:`Engine.release`: the slot's row emptied;
-- :meth:`Engine.score`: the model's log-probabilities of a prompt's own tokens (``echo``).
+- :meth:`Engine.score`: the model's log-probabilities of a prompt's own tokens (``echo``), on
+  the native forward's route from the prefix cache's scored blocks where it has them
+  (:mod:`~gpt2mha.inference.scoring`).
 
 Slots and token ids go in and out as Python ints. No row's numbers depend on the others on a
 batch-invariant decoder: a prompt is prefilled alone, a step attends each row over its own
@@ -36,7 +38,7 @@ import torch
 
 from ..core import checks
 from ..core.kv_cache import KVCache
-from .decoders import Route, ViewDecoder, choose_decoder, hook_watch
+from .decoders import NATIVE, Route, ViewDecoder, choose_decoder, hook_watch
 from .lora import select as select_lora
 from .params import SamplingParams
 from .prefix_cache import BLOCK, MIN_SUFFIX, why_inexact
@@ -82,6 +84,7 @@ class Engine:
         prefix_cache: the prefix cache prefills use (None: none).
         prefix_cache_off: why a prefix cache given was dropped ("" when it was not).
         cached: each slot's prompt tokens its last prefill took from the prefix cache.
+        score_cached: the prompt tokens the last :meth:`score` took from the prefix cache.
 
     Raises:
         ValueError: slots < 1, a vocab_size outside ``[1, n_vocab]``, a batch_invariant that is
@@ -120,6 +123,8 @@ class Engine:
         self._view: ViewDecoder | None = None
         self._view_hooks = None
         self._score_view: ViewDecoder | None = None
+        self._scorer = None                                     # (model signature, Scorer, its one-row cache)
+        self.score_cached = 0                                   # the last score's prompt tokens from the prefix cache
         self._rows: dict[int, KVCache] = {}                     # cache.rows(n) by n (2 · n_layer views each)
         self.cached: list[int] = [0] * n                        # each slot's prompt tokens loaded from the prefix cache
         self.prefix_cache_off = "" if prefix_cache is None else why_inexact(self.route.decoder)
@@ -236,6 +241,8 @@ class Engine:
         logits = []
         decoder = self.decoder
         store = self.prefix_cache if decoder is self.route.decoder else None
+        if store is not None:
+            store.bind(self.computed_by())
         try:
             for slot, prompt in zip(slots, prompts):
                 ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)   # [1, T]
@@ -246,7 +253,7 @@ class Engine:
                     logits.append(decoder.prefill(ids, row))
                     continue
                 tokens = ids[0].tolist()
-                n = self.cached[slot] = store.load(tokens, row)
+                n = self.cached[slot] = BLOCK * len(store.load(tokens, row))
                 logits.append(decoder.prefill(ids[:, n:], row))
                 store.store(tokens, row)
         except Exception:
@@ -299,7 +306,8 @@ class Engine:
     def warm_up(self) -> None:
         """One greedy prefill of one token and one decode step in the first free slot, then the
         slot emptied: loads what the route loads and compiles what it compiles (a compiled
-        step: 10–60 s), so that no request pays for it. Nothing stays in the cache, and the
+        step: 10–60 s), and measures the scorer's exactness with the prefix cache
+        (:meth:`score`), so that no request pays for it. Nothing stays in the cache, and the
         prefix cache counts nothing."""
         slot = self.samplers.index(None)
         self.open(slot, SamplingParams(max_tokens=2, temperature=0), None)
@@ -310,6 +318,9 @@ class Engine:
         finally:
             self.prefix_cache = store
             self.release(slot)
+        scorer = self.scorer() if self.prefix_cache is not None else None
+        if scorer is not None:
+            self._score_store(scorer)                           # measured now, not in a request
 
     @torch.inference_mode()
     def check_prefix_cache(self, slot: int) -> bool:
@@ -356,19 +367,61 @@ class Engine:
                         "from the whole prompt's")
         return ""
 
+    def computed_by(self, signature: tuple | None = None) -> tuple:
+        """What the prefix cache's blocks depend on, as a comparable value: the model's signature
+        (which tensors, their writes in place, their storage, each int8 layer's activations,
+        each LayerNorm's eps: :func:`~gpt2mha.inference.compiled.model_signature`; ``signature``
+        where the caller has it), the route and the cache's dtype. The store is emptied when it
+        changes (:meth:`~gpt2mha.inference.prefix_cache.PrefixCache.bind`). A tensor made in
+        inference mode counts no writes: an edit in place of such a weight goes unseen."""
+        from .compiled import model_signature
+        sig = model_signature(self.model) if signature is None else signature
+        return (id(self.model), sig, self.route.decoder.name, self.cache.k.dtype)
+
+    def scorer(self):
+        """The :class:`~gpt2mha.inference.scoring.Scorer` :meth:`score` runs for the model as it
+        is now, or None: only where the route is the native forward and nothing is hooked (the
+        decode view scores otherwise). Made again when the model's signature changed."""
+        from .compiled import model_signature
+        from .scoring import Scorer, why_not
+        if self.route.decoder.name != NATIVE or self._hooked() != self._hooks_at_start:
+            return None
+        sig = model_signature(self.model)
+        if self._scorer is None or self._scorer[0] != sig:
+            if why_not(self.model):
+                return None
+            c = self.model.config
+            row = KVCache(c.n_layer, 1, c.n_head, c.n_ctx, c.head_dim, dtype=self.model.wte.weight.dtype,
+                          device=self.device)
+            self._scorer = (sig, Scorer(self.model), row)
+        return self._scorer[1]
+
     @torch.inference_mode()
     def score(self, prompt: list[int], k: int, adapter: int | None = None) -> list[TokenLogprob]:
         """The model's log-probability of each token of ``prompt`` after the ones before it, and
         the ``k`` most probable ids there: ``len(prompt) - 1`` entries, for tokens 1 … T-1
-        (token 0 has no context). One forward of ``[1, T]`` through the decode view, without the
-        cache and apart from every slot, so a prompt scores the same whatever else is running;
-        with LoRA ``adapter`` (an index, as :meth:`open` takes).
+        (token 0 has no context); apart from every slot, so a prompt scores the same whatever
+        else is running. With LoRA ``adapter`` (an index, as :meth:`open` takes).
+
+        On the native forward's route (nothing hooked) the prompt runs through the
+        :meth:`scorer` (every row's bits its own), and with a prefix cache its stored scored
+        blocks are taken: their keys and values, each position's hidden state and their
+        entries for this k, so only the rest is computed, with the same bits as the prompt
+        scored whole (:attr:`score_cached` says how many tokens came from the store). Elsewhere
+        one forward of ``[1, T]`` through the decode view.
 
         Source: ``log_softmax`` of the logits at position t-1 read at token t, as the loss of
         :class:`~gpt2mha.core.model.GPT2` (and lm-evaluation-harness's ``loglikelihood``).
+
+        Raises:
+            NonFiniteLogitsError: a position's logits hold NaN or +inf (nothing is stored).
         """
+        self.score_cached = 0
         if len(prompt) < 2:
             return []
+        scorer = self.scorer() if adapter is None else None
+        if scorer is not None:
+            return self._score_rows(scorer, list(prompt), k)
         view = self.decoder
         if not isinstance(view, ViewDecoder):                   # the native or compiled route: its view
             if self._score_view is None:
@@ -379,3 +432,73 @@ class Engine:
         logits = view.view(ids, validate=False).logits[0, :-1, :self.vocab_size]      # [T-1, V]
         chosen, top = token_logprobs(logits, ids[0, 1:], k)
         return list(zip(chosen, top))
+
+    def _score_rows(self, scorer, prompt: list[int], k: int) -> list[TokenLogprob]:
+        # score on the scorer: blocks from the store where it may serve, the rest computed, then
+        # the prompt's whole blocks kept (keys and values from the scorer's row, hidden states, entries)
+        store = self._score_store(scorer)
+        root = store.root(("score", self.vocab_size)) if store is not None else 0
+        row = self._scorer[2]
+        ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
+        row.reset(0)
+        try:
+            blocks = store.load(prompt, row, root, keep=1) if store is not None else []
+            n = len(blocks) * BLOCK
+            hidden = scorer.hidden(ids[None, n:], row)                       # [T-n, E]
+            stored = torch.cat([b.hidden for b in blocks]) if blocks else hidden[:0]   # [n, E]
+            # the logits at positions max(n-1, 0) … T-2, read at tokens max(n, 1) … T-1
+            logits = scorer.head(torch.cat([stored[-1:], hidden[:-1]]))[:, :self.vocab_size]
+            chosen, top = token_logprobs(logits, ids[max(n, 1):], k)
+            entries = [None] + self._stored_entries(scorer, blocks, stored, ids, k) + list(zip(chosen, top))
+            if store is not None:
+                store.store(prompt, row, root, hidden=torch.cat([stored, hidden]), rows=(k, entries))
+        finally:
+            row.reset(0)
+        self.score_cached = n
+        return entries[1:]
+
+    def _stored_entries(self, scorer, blocks, stored: torch.Tensor, ids: torch.Tensor, k: int) -> list:
+        # the entries of tokens 1 … n-1 (n: the tokens of the blocks loaded): kept for k, or
+        # computed again from the stored hidden states (the same rows, the same bits)
+        if not blocks:
+            return []
+        if all(k in b.rows for b in blocks):
+            return [e for b in blocks for e in b.rows[k]][1:]
+        n = len(blocks) * BLOCK
+        chosen, top = token_logprobs(scorer.head(stored[:-1])[:, :self.vocab_size], ids[1:n], k)
+        return list(zip(chosen, top))
+
+    def _score_store(self, scorer):
+        # the prefix cache where a scored prompt may take blocks from it: the engine holds one,
+        # and this scorer's suffixes were measured to have a whole prompt's bits
+        store = self.prefix_cache
+        if store is None:
+            return None
+        store.bind(self.computed_by(self._scorer[0]))
+        if scorer.differs is None:
+            scorer.differs = self._measure_scorer(scorer)
+        return store if scorer.differs == "" else None
+
+    @torch.inference_mode()
+    def _measure_scorer(self, scorer) -> str:
+        # a random prompt (up to 69 tokens) scored whole and as a prefix then the rest, cut at 1,
+        # 16, 37 and 68 tokens: every hidden state, key and value must be equal
+        row = self._scorer[2]
+        n = min(self.model.config.n_ctx, 3 * BLOCK + 21)
+        prompt = torch.randint(0, self.vocab_size, (n,), generator=torch.Generator().manual_seed(0),
+                               device=self.device)
+
+        def fill(parts):
+            row.reset(0)
+            try:
+                hidden = torch.cat([scorer.hidden(part[None], row) for part in parts])
+                return hidden, row.k[:, 0, :, :n].clone(), row.v[:, 0, :, :n].clone()
+            finally:
+                row.reset(0)
+        whole = fill([prompt])
+        for cut in (c for c in (1, BLOCK, 37, n - 1) if 0 < c < n):
+            split = fill([prompt[:cut], prompt[cut:]])
+            if not all(torch.equal(a, b) for a, b in zip(whole, split)):
+                return (f"measured here: a prompt's last {n - cut} tokens scored after its first {cut} differed "
+                        "from the whole prompt's")
+        return ""

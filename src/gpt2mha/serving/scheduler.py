@@ -456,6 +456,7 @@ class Scheduler:
                                         p.min_tokens, p.include_stop_str_in_output)
                 if p.echo and p.logprobs is not None:
                     seq.prompt_logprobs = self.engine.score(seq.prompt_ids, p.logprobs, adapter=seq.adapter)
+                    seq.cached_tokens = self.engine.score_cached
                 if p.max_tokens == 0:
                     self._finish(seq, LENGTH)
                     continue
