@@ -23,7 +23,7 @@ from gpt2mha.inference.generate import generate_with
 from gpt2mha.inference.params import ParamError, SamplingParams
 from gpt2mha.inference.sampling import NoTokenAllowedError, RowSampler, row_seed, token_logprobs
 from gpt2mha.io.tokenizer import tokenizer_for
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 
 lp = pytest.importorskip("transformers.generation.logits_process")
 

@@ -21,7 +21,7 @@ import torch
 from gpt2mha import DEFAULT_MODEL
 from gpt2mha.inference.sampling import RowSampler, row_seed
 from gpt2mha.io.tokenizer import ByteTokenizer
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 import serve_helpers
 from serve_helpers import _serve_load, assert_same_text, draw_in, offline, wait_for
 

@@ -22,7 +22,7 @@ from gpt2mha.core.model import GPT2Config
 from gpt2mha.inference.params import GrammarError, ParamError, SamplingParams, StructuredOutputs
 from gpt2mha.inference.structured import compile_for
 from gpt2mha.io.tokenizer import ByteTokenizer, get_tokenizer, tokenizer_for
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 
 jsonschema = pytest.importorskip("jsonschema")          # the 'test' extra
 

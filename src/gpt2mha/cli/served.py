@@ -1,5 +1,5 @@
 """``gpt2mha generate`` with ``--stop``, ``--logprobs``/``--echo`` or ``--best-of``: the request
-run in this process on the serving scheduler (:class:`~gpt2mha.serving.scheduler.Scheduler`:
+run in this process on the serving scheduler (:class:`~gpt2mha.inference.scheduler.Scheduler`:
 the engine, stop strings, log-probabilities and best-of that ``gpt2mha serve`` answers with),
 printed as text. The same prompt, flags and seed give the text a request to ``gpt2mha serve``
 gets, and the tokens ``generate()`` gives."""
@@ -16,7 +16,7 @@ def generate_served(args, model, tok, encoded: list[list[int]], params) -> int:
     ``--echo`` the prompt's tokens first). Returns 0, or 1 when a sequence failed (its error on
     stderr)."""
     from ..inference.decoders import choose_decoder
-    from ..serving.scheduler import Scheduler, pick_choices
+    from ..inference.scheduler import Scheduler, pick_choices
 
     route = choose_decoder(model, compile=args.compile, batch_invariant=args.batch_invariant)
     sched = Scheduler(model, tok, max_batch=len(encoded) * params.per_prompt, max_queue=0,

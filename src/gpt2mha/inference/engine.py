@@ -1,5 +1,5 @@
 """The engine: one KV cache of slots, a decoder, one sampler per slot. ``generate()`` runs it to
-completion over its prompts; the server's scheduler (:mod:`gpt2mha.serving.scheduler`) runs it
+completion over its prompts; the server's scheduler (:mod:`gpt2mha.inference.scheduler`) runs it
 continuously, admitting and finishing sequences between steps. Both therefore take the same
 route for a model (:func:`~gpt2mha.inference.decoders.choose_decoder`), sample with the same
 :class:`~gpt2mha.inference.sampling.RowSampler` and compute the same logits.

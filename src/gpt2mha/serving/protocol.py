@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..inference.params import FIELDS as SAMPLING_FIELDS
 from ..inference.params import MAX_COMPLETION_LOGPROBS, MAX_LOGPROBS, ParamError, SamplingParams
 from .errors import APIError  # noqa: F401  (raised here; importable from here too)
-from .scheduler import ExceedsCapacity, QueueFull, Sequence, ShuttingDown
-from .text_stream import CANCELLED, ERROR, TextStream
+from ..inference.scheduler import ExceedsCapacity, QueueFull, Sequence, ShuttingDown
+from ..inference.text_stream import CANCELLED, ERROR, TextStream
 
 #: The default limit of stop strings per request (``gpt2mha serve --max-stop N``). OpenAI's API
 #: takes 4, but lm-evaluation-harness's generate_until sends a task's ``until`` strings plus the
@@ -410,9 +410,9 @@ def sampling_params(body: CompletionRequest) -> SamplingParams:
 
 
 def submit_error(e: Exception) -> APIError:
-    """The answer to a refused submission: :class:`~gpt2mha.serving.scheduler.ExceedsCapacity`
-    400, :class:`~gpt2mha.serving.scheduler.QueueFull` 429 and
-    :class:`~gpt2mha.serving.scheduler.ShuttingDown` 503 (both with ``Retry-After``)."""
+    """The answer to a refused submission: :class:`~gpt2mha.inference.scheduler.ExceedsCapacity`
+    400, :class:`~gpt2mha.inference.scheduler.QueueFull` 429 and
+    :class:`~gpt2mha.inference.scheduler.ShuttingDown` 503 (both with ``Retry-After``)."""
     if isinstance(e, ExceedsCapacity):
         return APIError(400, str(e), "prompt", code="too_many_prompts")
     if isinstance(e, QueueFull):

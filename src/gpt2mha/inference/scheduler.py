@@ -9,7 +9,7 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
 3. one decode step for every running sequence at once (:meth:`Engine.decode
    <gpt2mha.inference.engine.Engine.decode>`: each row at its own position, attending only to its
    own keys);
-4. turn each new token into UTF-8-safe text (:class:`~gpt2mha.serving.text_stream.TextStream`),
+4. turn each new token into UTF-8-safe text (:class:`~gpt2mha.inference.text_stream.TextStream`),
    send it, and free the slot of every sequence that finished (length, end of text, a stop
    string, a ``structured_outputs`` grammar that is complete: ``"stop"``, even at its
    ``max_tokens``-th token) at once.
@@ -40,13 +40,13 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..core import checks
-from ..inference.decoders import Route
-from ..inference.engine import Engine
-from ..inference.generate import as_prompts
-from ..inference.params import SamplingParams
-from ..inference.prefix_cache import PrefixCache, default_budget_mb
-from ..inference.sampling import row_seed
-from ..inference.threads import adopt_threads, release_openmp_workers
+from .decoders import Route
+from .engine import Engine
+from .prompts import as_prompts
+from .params import SamplingParams
+from .prefix_cache import PrefixCache, default_budget_mb
+from .sampling import row_seed
+from .threads import adopt_threads, release_openmp_workers
 from .text_stream import CANCELLED, ERROR, LENGTH, STOP, TextStream
 
 log = logging.getLogger("gpt2mha.serve")
@@ -80,7 +80,7 @@ class Sequence:
     is left: the end-of-text token, a stop string with no text held back, a failure), so that
     a stream's last text chunk carries the finish reason, as OpenAI's do.
     Before each call the count of tokens whose text has been sent (:meth:`TextStream.released
-    <gpt2mha.serving.text_stream.TextStream.released>`) is appended to :attr:`marks`, so the
+    <gpt2mha.inference.text_stream.TextStream.released>`) is appended to :attr:`marks`, so the
     k-th event covers ``tokens[marks[k-1]:marks[k]]`` (for streamed logprobs).
 
     ``index`` is its place among the request's sequences (``prompt_index · per_prompt + j``);
