@@ -64,7 +64,7 @@ NON_DEFAULT = dict(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, min_p=0.05
                    frequency_penalty=-0.5, logit_bias={"5": 1.5}, repetition_penalty=1.3, no_repeat_ngram_size=3,
                    min_tokens=2, seed=11, stop=["\n\n", "END"], ignore_eos=True, stop_token_ids=[10, 46],
                    include_stop_str_in_output=True, logprobs=2, echo=True, n=2, best_of=3,
-                   structured_outputs={"regex": "[a-z]+"})
+                   structured_outputs={"regex": "[a-z]+"}, sliding_window=True)
 
 
 def test_the_server_accepts_every_field_and_passes_it_on():
@@ -92,7 +92,7 @@ def test_the_cli_accepts_every_field_and_passes_it_on():
              "--seed", "11", "--stop", "\n\n", "--stop", "END", "--logprobs", "2", "--echo",
              "--num-samples", "2", "--best-of", "3", "--repetition-penalty", "1.3", "--no-repeat-ngram-size", "3",
              "--min-tokens", "2", "--ignore-eos", "--stop-token-ids", "10", "--stop-token-ids", "46",
-             "--include-stop-str-in-output", "--regex", "[a-z]+"]
+             "--include-stop-str-in-output", "--regex", "[a-z]+", "--sliding-window"]
     args = build_parser().parse_args(["generate", "ROMEO:", *flags])
     want = SamplingParams(**NON_DEFAULT)
     assert sampling_params_of(args) == want

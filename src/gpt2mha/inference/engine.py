@@ -256,11 +256,16 @@ class Engine:
         return torch.cat(logits)
 
     @torch.inference_mode()
-    def forward(self, slots: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def forward(self, slots: list[int], windows: dict[int, list[int]] | None = None) -> tuple[torch.Tensor, list[int]]:
         """One decode step's forward for the sequences in ``slots`` (each prefilled, its last
         token known): rows ``0 … max(slots)`` (every row for a decoder of one shape), each
         with its newest token. Rows in between that were not asked (free: length 0, they read
         only their own key) are computed and keep their length.
+
+        ``windows``: slots whose context is full (a sliding window, ``SamplingParams.sliding_window``),
+        each with its last ``n_ctx`` tokens (its newest last): the slot's row of the cache is
+        emptied (no longer read) and its logits are the model's over those tokens alone,
+        positions restarting at 0 (:meth:`window_logits`; no cache: one forward of the window).
 
         Returns:
             ``(logits [n, V], rows)``: ``rows[i]`` is ``slots[i]``'s row of the logits.
@@ -268,6 +273,9 @@ class Engine:
         Raises:
             Exception: whatever the forward raised (then every asked slot has failed).
         """
+        if windows:
+            for slot in windows:                                # its row of the cache is no longer read
+                self.cache.reset(slot)
         decoder = self.decoder
         n = self.slots if decoder.fixed_batch else max(slots) + 1
         rows = self._rows.get(n)
@@ -277,10 +285,22 @@ class Engine:
         ids = torch.tensor(self.last[:n], dtype=torch.long, device=self.device)[:, None]    # [n, 1]
         select_lora(self.model, self.adapters[:n])
         logits = decoder.step(ids, rows)                                                     # [n, V]
-        asked = set(slots)
-        if len(asked) < n:
+        if len(slots) < n:
+            asked = set(slots)
             rows.trim([m + 1 if row in asked else m for row, m in enumerate(before)])   # the others keep theirs
-        return logits, list(slots)
+        if windows:
+            for slot in sorted(windows):
+                logits[slot] = self.window_logits(slot, windows[slot])
+        return logits, slots
+
+    @torch.inference_mode()
+    def window_logits(self, slot: int, tokens: list[int]) -> torch.Tensor:
+        """The model's next-token logits ``[V]`` after ``tokens`` (at most ``n_ctx``) alone, with
+        ``slot``'s LoRA adapter: one forward of ``[1, len(tokens)]`` without the cache, positions
+        0 … len-1 (a sliding window's step)."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        select_lora(self.model, [self.adapters[slot]])
+        return self.model(ids, last_only=True, validate=False).logits[0, -1]
 
     def sample(self, slots: list[int], logits: torch.Tensor, rows) -> list[int | Exception]:
         """Slot ``slots[i]``'s next token from ``logits[rows[i]]``: the token id, or the
@@ -291,9 +311,10 @@ class Engine:
                 self.last[slot] = token
         return out
 
-    def decode(self, slots: list[int]) -> list[int | Exception]:
-        """:meth:`forward` then :meth:`sample`: each asked slot's next token (or its exception)."""
-        logits, rows = self.forward(slots)
+    def decode(self, slots: list[int], windows: dict[int, list[int]] | None = None) -> list[int | Exception]:
+        """:meth:`forward` (``windows``: its sliding windows) then :meth:`sample`: each asked
+        slot's next token (or its exception)."""
+        logits, rows = self.forward(slots, windows)
         return self.sample(slots, logits, rows)
 
     def warm_up(self) -> None:

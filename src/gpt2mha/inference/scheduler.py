@@ -1,6 +1,11 @@
-"""Continuous batching: the queue, the slots and the loop that decides what runs.
+"""Continuous batching: the queue, the slots and the loop that decides what runs: the one
+driver of the :class:`~gpt2mha.inference.engine.Engine`. The server runs it continuously, in a
+thread of its own (:meth:`Scheduler.start`); ``generate()`` runs it to completion in the
+caller's thread (:meth:`Scheduler.run_until_idle`: every sequence submitted at once, admitted in
+order in the first step), so a sampling option, a stop rule or the sliding window acts the same
+offline, in the CLI and served.
 
-The loop (:meth:`Scheduler.step`, run by one background thread in the server):
+The loop (:meth:`Scheduler.step`):
 
 1. free the slots of cancelled sequences;
 2. admit waiting sequences into free slots: each gets a slot and a seed, then each is
@@ -8,7 +13,8 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
    ``generate()`` runs, on the route it takes), which samples its first token;
 3. one decode step for every running sequence at once (:meth:`Engine.decode
    <gpt2mha.inference.engine.Engine.decode>`: each row at its own position, attending only to its
-   own keys);
+   own keys); a sequence with ``sliding_window`` whose row of the cache is full is computed
+   alone over its last ``n_ctx`` tokens, positions restarting at 0, from then on;
 4. turn each new token into UTF-8-safe text (:class:`~gpt2mha.inference.text_stream.TextStream`),
    send it, and free the slot of every sequence that finished (length, end of text, a stop
    string, a ``structured_outputs`` grammar that is complete: ``"stop"``, even at its
@@ -110,6 +116,8 @@ class Sequence:
     cached_tokens: int = 0
     stream: TextStream | None = None
     adapter: int | None = None                  # the LoRA adapter's index (inference/lora.py; None: the base)
+    exception: Exception | None = None          # what failed it (finish_reason "error")
+    sliding: bool = False                       # its context is full: each step recomputes its window
 
     @property
     def done(self) -> bool:
@@ -145,7 +153,8 @@ class Scheduler:
     Args:
         model: a :class:`~gpt2mha.core.model.GPT2` (put in eval mode; used only by this scheduler).
         tokenizer: its tokenizer (for text and, with BPE, the end-of-text token that stops a
-            sequence with finish_reason ``"stop"``).
+            sequence with finish_reason ``"stop"``); None: no text (sequences with stop strings
+            or structured outputs are refused; ``generate()`` without them).
         max_batch: slots, i.e. sequences decoded together at most (>= 1).
         max_queue: sequences that may wait for a slot beyond the free ones (>= 0); more is
             refused with :class:`QueueFull`.
@@ -158,6 +167,20 @@ class Scheduler:
             available, :func:`~gpt2mha.inference.prefix_cache.default_budget_mb`; 0: no prefix
             cache). On a route that cannot keep a suffix's bits it is off whatever the budget
             (``engine.prefix_cache_off`` says why).
+        engine: run this :class:`~gpt2mha.inference.engine.Engine` (``generate()`` makes one
+            over a cache sized for its call) instead of making one: its slots are ``max_batch``,
+            its route, prefix cache and ``eos_token_id`` are the ones used (the arguments for
+            them are ignored).
+        draw_seeds: a sequence without a seed draws a random one of its own (the server); False:
+            it samples from torch's global generator (``generate()``'s rule, so that
+            ``torch.manual_seed`` fixes its tokens).
+
+    Attributes:
+        after_tokens: None, or a function called (in the loop's thread) after each engine call
+            that sampled tokens: the admissions' prefills of a step, then its decode step
+            (``generate()``'s ``on_token``).
+        log_failures: whether a failed sequence is logged (``generate()`` raises its exception
+            instead).
 
     Memory: see :class:`~gpt2mha.inference.engine.Engine` (38 MB of cache for the built-in model
     with 16 slots, 1.2 GB for 124M in float32).
@@ -168,17 +191,24 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 256,
                  batch_invariant: bool | None = None, route: Route | None = None,
-                 prefix_cache_mb: float | None = None):
-        self.max_batch = checks.as_int(max_batch, "max_batch", minimum=1)
+                 prefix_cache_mb: float | None = None, engine: Engine | None = None, draw_seeds: bool = True):
         self.max_queue = checks.as_int(max_queue, "max_queue")
+        self.draw_seeds = checks.flag(draw_seeds, "draw_seeds")
         self.tokenizer = tokenizer
         self.n_ctx, self.n_vocab = model.config.n_ctx, model.config.n_vocab
-        if prefix_cache_mb is None:
-            prefix_cache_mb = default_budget_mb()
-        store = PrefixCache(prefix_cache_mb) if prefix_cache_mb else None
-        self.engine = Engine(model, self.max_batch, route, vocab_size=min(tokenizer.n_vocab, self.n_vocab),
-                             batch_invariant=batch_invariant, eos_token_id=getattr(tokenizer, "eot_token", None),
-                             tokenizer=tokenizer, prefix_cache=store)
+        if engine is None:
+            self.max_batch = checks.as_int(max_batch, "max_batch", minimum=1)
+            if prefix_cache_mb is None:
+                prefix_cache_mb = default_budget_mb()
+            store = PrefixCache(prefix_cache_mb) if prefix_cache_mb else None
+            vocab = self.n_vocab if tokenizer is None else min(tokenizer.n_vocab, self.n_vocab)
+            engine = Engine(model, self.max_batch, route, vocab_size=vocab, batch_invariant=batch_invariant,
+                            eos_token_id=getattr(tokenizer, "eot_token", None), tokenizer=tokenizer,
+                            prefix_cache=store)
+        self.engine = engine
+        self.max_batch = engine.slots
+        self.after_tokens: Callable[[], None] | None = None
+        self.log_failures = True
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
@@ -198,7 +228,9 @@ class Scheduler:
         order: prompt i's candidate j has ``index = i * per_prompt + j`` (its seed rule) and
         ``prompt_index = i``. With ``clip``, a prompt whose ``max_tokens`` goes past the context
         runs with ``max_tokens`` the room left (``n_ctx - len(prompt)``; its ``params`` say so),
-        ending with finish_reason ``"length"`` where the context ends. ``adapter``: the LoRA
+        ending with finish_reason ``"length"`` where the context ends. A prompt with
+        ``params.sliding_window`` may run past the context, and be longer than it (its last
+        ``n_ctx`` tokens are prefilled). ``adapter``: the LoRA
         adapter they run with (an index of the model's :class:`~gpt2mha.inference.lora.LoraState`;
         None: the base model).
 
@@ -207,9 +239,10 @@ class Scheduler:
                 checked its own fields), a logit_bias id outside the vocabulary, a
                 ``structured_outputs`` grammar refused for this tokenizer
                 (:class:`~gpt2mha.inference.params.GrammarError`), an empty prompt,
-                ids that are not integers or outside the vocabulary, or prompt + max_tokens
-                longer than n_ctx (with ``clip``: a prompt longer than n_ctx; the caller checks
-                these first for clear HTTP errors).
+                ids that are not integers or outside the vocabulary, prompt + max_tokens
+                longer than n_ctx without ``sliding_window`` (with ``clip``: a prompt longer than
+                n_ctx; the caller checks these first for clear HTTP errors), or stop strings on a
+                scheduler without a tokenizer.
             ExceedsCapacity: more prompts than :attr:`capacity`, i.e. never admissible.
             QueueFull: not enough free slots plus queue room for all of them now.
             ShuttingDown: after :meth:`stop`.
@@ -235,13 +268,16 @@ class Scheduler:
     def _fitted(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
         """``params`` with ``max_tokens`` at most the room ``ids`` leave in the context."""
         room = self.n_ctx - len(ids)
-        return params if params.max_tokens <= room else replace(params, max_tokens=room)
+        return params if params.max_tokens <= room or params.sliding_window else replace(params, max_tokens=room)
 
     def _check(self, prompts, params: SamplingParams, clip: bool = False) -> list[list[int]]:
         """:meth:`submit`'s checks; returns the prompts as lists of Python ints."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
         params.check_vocab(self.engine.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r}: stop strings are found in the text, and this scheduler has no "
+                             f"tokenizer")
         self.engine.grammar(params)                     # compiled (and kept) before any slot is taken
         m = params.per_prompt
         if len(prompts) * m > self.capacity:
@@ -256,7 +292,7 @@ class Scheduler:
                 raise ValueError(f"prompt {i} is empty")
             if min(ids) < 0 or max(ids) >= self.n_vocab:
                 raise ValueError(f"prompt {i} has ids outside [0, n_vocab={self.n_vocab})")
-            if len(ids) + (0 if clip else params.max_tokens) > self.n_ctx:
+            if len(ids) + (0 if clip else params.max_tokens) > self.n_ctx and not params.sliding_window:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens={params.max_tokens} > n_ctx={self.n_ctx}")
         return prompts
 
@@ -442,8 +478,9 @@ class Scheduler:
             self._decode()
 
     def _admit(self, seqs: list[Sequence]) -> None:
-        """Give each new sequence (already in its slot) its text stream and seed, prefill each
-        alone (one that fails fails alone) and accept its first token."""
+        """Give each new sequence (already in its slot) its text stream and seed, prefill them
+        (one engine call; each prompt alone in its slot: one that fails fails alone) and accept
+        each first token."""
         now = time.monotonic()
         live = []
         for seq in seqs:
@@ -453,27 +490,36 @@ class Scheduler:
                 self.metrics.admitted(seq)
             try:
                 seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens, p.stop_token_ids, p.ignore_eos,
-                                        p.min_tokens, p.include_stop_str_in_output)
+                                        p.min_tokens, p.include_stop_str_in_output, self.engine.eos_token_id)
                 if p.echo and p.logprobs is not None:
                     seq.prompt_logprobs = self.engine.score(seq.prompt_ids, p.logprobs, adapter=seq.adapter)
                 if p.max_tokens == 0:
                     self._finish(seq, LENGTH)
                     continue
-                seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
+                seed = row_seed(p.seed, seq.index) if p.seed is not None else \
+                    secrets.randbits(63) if self.draw_seeds else None
                 logprobs = p.logprobs if p.logprobs is not None else 0 if p.ranked else None
-                self.engine.open(seq.slot, p, seed, logprobs=logprobs, prompt=seq.prompt_ids, adapter=seq.adapter)
+                self.engine.open(seq.slot, p, seed, logprobs=logprobs, row=seq.index, prompt=seq.prompt_ids,
+                                 adapter=seq.adapter)
                 live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
-        for seq in live:
+        if live:
             try:
-                self._prefill([seq])
-            except Exception as e:                   # this request fails; the others go on
-                self._fail(seq, e)
+                self._prefill(live)
+            except Exception:                        # a forward failed and nothing was kept: each alone,
+                for seq in live:                     # so that the one that fails fails and the others go on
+                    try:
+                        self._prefill([seq])
+                    except Exception as e:
+                        self._fail(seq, e)
+        if self.after_tokens is not None:
+            self.after_tokens()
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Prefill ``seqs`` into their slots (one engine call) and accept each first token."""
-        results = self.engine.prefill([s.slot for s in seqs], [s.prompt_ids for s in seqs])
+        n = self.n_ctx                                 # a longer prompt (sliding_window): its last n_ctx tokens
+        results = self.engine.prefill([s.slot for s in seqs], [s.prompt_ids[-n:] for s in seqs])
         for seq, token in zip(seqs, results):
             seq.cached_tokens = self.engine.cached[seq.slot]
             self._take(seq, token)
@@ -481,8 +527,9 @@ class Scheduler:
     def _decode(self) -> None:
         """One decode step over every running sequence."""
         running = [s for s in self.slots if s is not None]
+        windows = self._windows(running) if any(s.params.sliding_window for s in running) else None
         try:
-            results = self.engine.decode([s.slot for s in running])
+            results = self.engine.decode([s.slot for s in running], windows)
         except Exception as e:                       # the batched step itself failed: all of its rows fail
             for seq in running:
                 self._fail(seq, e)
@@ -490,6 +537,21 @@ class Scheduler:
         self.counts["steps"] += 1
         for seq, token in zip(running, results):
             self._take(seq, token)
+        if self.after_tokens is not None:
+            self.after_tokens()
+
+    def _windows(self, running: list[Sequence]) -> dict[int, list[int]]:
+        """The sliding windows of this step: ``{slot: its last n_ctx tokens}`` for each running
+        sequence with ``sliding_window`` whose row of the cache is full, or was (from then on
+        each step computes it alone over its window: :meth:`Engine.forward
+        <gpt2mha.inference.engine.Engine.forward>`)."""
+        lengths, full = self.engine.cache.lengths, self.engine.cache.max_len
+        out = {}
+        for seq in running:
+            if seq.params.sliding_window and (seq.sliding or lengths[seq.slot] >= full):
+                seq.sliding = True
+                out[seq.slot] = (seq.prompt_ids + seq.tokens)[-self.n_ctx:]
+        return out
 
     def _take(self, seq: Sequence, token: int | Exception) -> None:
         """An engine's result for ``seq``: accept the token, or fail the sequence."""
@@ -557,5 +619,8 @@ class Scheduler:
         seq.on_event(seq, text, done)
 
     def _fail(self, seq: Sequence, e: Exception) -> None:
-        log.error("sequence failed: %s: %s", type(e).__name__, e)
+        if self.log_failures:
+            log.error("sequence failed: %s: %s", type(e).__name__, e)
+        if seq.exception is None:
+            seq.exception = e
         self._finish(seq, ERROR, f"{type(e).__name__}: {e}")
