@@ -215,7 +215,12 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.counts = collections.Counter()          # finished sequences by finish_reason, tokens, steps
-        self._recent = collections.deque()           # times of the last tokens, for tokens/s
+        self._recent = collections.deque()           # (time, tokens) of the last engine calls, for tokens/s
+        self._recent_tokens = 0                      # the tokens _recent holds
+        self._cancels = 0                            # cancellations the loop has not handled yet
+        self._running: list[Sequence] | None = None  # the sequences in slots, in slot order (None: to list again)
+        self._running_slots: list[int] = []
+        self._sliding = False                        # whether one of them has sliding_window
         self._ready = threading.Event()              # set by warm_up
         #: what the sequences are reported to (:class:`~gpt2mha.serving.metrics.ServerMetrics`), or None
         self.metrics = None
@@ -312,6 +317,7 @@ class Scheduler:
         if not seq.done:
             seq.cancelled = True
             with self._cv:
+                self._cancels += 1
                 self._cv.notify()
 
     def stats(self) -> dict:
@@ -325,7 +331,7 @@ class Scheduler:
             running = sum(s is not None for s in self.slots)
             return dict(ready=self.ready, route=self.engine.route.decoder.name, running=running, queued=queued,
                         slots=self.max_batch, free_slots=self.max_batch - running,
-                        max_queue=self.max_queue, tokens_per_second=round(len(self._recent) / RATE_WINDOW_S, 2),
+                        max_queue=self.max_queue, tokens_per_second=round(self._recent_tokens / RATE_WINDOW_S, 2),
                         completed=self.counts[STOP] + self.counts[LENGTH], cancelled=self.counts[CANCELLED],
                         failed=self.counts[ERROR], rejected=self.counts["rejected"],
                         generated_tokens=self.counts["tokens"], decode_steps=self.counts["steps"],
@@ -356,8 +362,8 @@ class Scheduler:
             return len(held), len(self.waiting), sum(held) / (self.max_batch * self.n_ctx)
 
     def _forget_old(self, now: float) -> None:
-        while self._recent and self._recent[0] < now - RATE_WINDOW_S:
-            self._recent.popleft()
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent_tokens -= self._recent.popleft()[1]
 
     # ----------------------------------------------------------------------- the thread
     @property
@@ -402,6 +408,7 @@ class Scheduler:
             live = [s for s in list(self.waiting) + self.slots if s is not None and not s.cancelled and not s.done]
             for seq in live:
                 seq.cancelled = True
+            self._cancels += 1
             self._cv.notify()
         return len(live)
 
@@ -459,22 +466,30 @@ class Scheduler:
         Each move between the queue, the slots and the finished counts is made under the lock,
         so :meth:`stats` always sees every submitted sequence in exactly one of them.
         """
-        with self._cv:
-            for seq in self.slots:
-                if seq is not None and seq.cancelled:
+        if self.waiting or self._cancels:
+            with self._cv:
+                self._cancels = 0
+                for seq in self.slots:
+                    if seq is not None and seq.cancelled:
+                        self._finish(seq, CANCELLED)
+                for seq in [s for s in self.waiting if s.cancelled]:
+                    self.waiting.remove(seq)
                     self._finish(seq, CANCELLED)
-            for seq in [s for s in self.waiting if s.cancelled]:
-                self.waiting.remove(seq)
-                self._finish(seq, CANCELLED)
-            admit = []
-            while self.waiting and None in self.slots:
-                seq = self.waiting.popleft()
-                seq.slot = self.slots.index(None)
-                self.slots[seq.slot] = seq
-                admit.append(seq)
-        if admit:
-            self._admit(admit)
-        if any(s is not None for s in self.slots):
+                admit = []
+                while self.waiting and None in self.slots:
+                    seq = self.waiting.popleft()
+                    seq.slot = self.slots.index(None)
+                    self.slots[seq.slot] = seq
+                    admit.append(seq)
+                    self._running = None
+            if admit:
+                self._admit(admit)
+        if self._running is None:                    # the slots changed: list their sequences again
+            with self._cv:
+                running = self._running = [s for s in self.slots if s is not None]
+                self._running_slots = [s.slot for s in running]
+                self._sliding = any(s.params.sliding_window for s in running)
+        if self._running:
             self._decode()
 
     def _admit(self, seqs: list[Sequence]) -> None:
@@ -520,23 +535,21 @@ class Scheduler:
         """Prefill ``seqs`` into their slots (one engine call) and accept each first token."""
         n = self.n_ctx                                 # a longer prompt (sliding_window): its last n_ctx tokens
         results = self.engine.prefill([s.slot for s in seqs], [s.prompt_ids[-n:] for s in seqs])
-        for seq, token in zip(seqs, results):
+        for seq in seqs:
             seq.cached_tokens = self.engine.cached[seq.slot]
-            self._take(seq, token)
+        self._take(seqs, results)
 
     def _decode(self) -> None:
         """One decode step over every running sequence."""
-        running = [s for s in self.slots if s is not None]
-        windows = self._windows(running) if any(s.params.sliding_window for s in running) else None
+        running = self._running
+        windows = self._windows(running) if self._sliding else None
         try:
-            results = self.engine.decode([s.slot for s in running], windows)
+            results = self.engine.decode(self._running_slots, windows)
         except Exception as e:                       # the batched step itself failed: all of its rows fail
             for seq in running:
                 self._fail(seq, e)
             return
-        self.counts["steps"] += 1
-        for seq, token in zip(running, results):
-            self._take(seq, token)
+        self._take(running, results, step=1)
         if self.after_tokens is not None:
             self.after_tokens()
 
@@ -553,33 +566,40 @@ class Scheduler:
                 out[seq.slot] = (seq.prompt_ids + seq.tokens)[-self.n_ctx:]
         return out
 
-    def _take(self, seq: Sequence, token: int | Exception) -> None:
-        """An engine's result for ``seq``: accept the token, or fail the sequence."""
-        try:
-            if isinstance(token, Exception):
-                raise token
-            self._accept(seq, token)
-        except Exception as e:
-            self._fail(seq, e)
-
-    def _accept(self, seq: Sequence, token: int) -> bool:
-        """Record a sampled token, send its text; finish the sequence if it is done. Returns
-        whether it goes on."""
+    def _take(self, seqs: list[Sequence], results: list[int | Exception], step: int = 0) -> None:
+        """An engine call's results (``results[i]`` for ``seqs[i]``): accept each token, or fail
+        its sequence; then count the tokens (and ``step`` decode steps) under the lock."""
         now = time.monotonic()
+        samplers = self.engine.samplers
+        n = 0
+        for seq, token in zip(seqs, results):
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                n += 1
+                self._accept(seq, token, samplers[seq.slot], now)
+            except Exception as e:
+                self._fail(seq, e)
+        with self._cv:
+            self.counts["tokens"] += n
+            self.counts["steps"] += step
+            self._recent.append((now, n))
+            self._recent_tokens += n
+            self._forget_old(now)
+
+    def _accept(self, seq: Sequence, token: int, sampler, now: float) -> bool:
+        """Record a token ``sampler`` (the sequence's) sampled, send its text; finish the sequence
+        if it is done. Returns whether it goes on."""
         if seq.t_first is None:
             seq.t_first = now
         if self.metrics is not None:
             self.metrics.token(seq, now, seq.t_last)
         seq.t_last = now
         seq.tokens.append(token)
-        if self.engine.samplers[seq.slot].logprobs is not None:
-            seq.logprobs.append(self.engine.logprobs[seq.slot])
-        with self._cv:
-            self.counts["tokens"] += 1
-            self._recent.append(now)
-            self._forget_old(now)
+        if sampler.logprobs is not None:
+            seq.logprobs.append(sampler.last_logprob)
         delta, reason = seq.stream.add(token)
-        if reason != STOP and self.engine.samplers[seq.slot].complete:
+        if reason != STOP and sampler.complete:
             reason = STOP                               # its grammar is complete: nothing can follow
         if reason is not None:
             return self._finish(seq, reason, text=delta)
@@ -600,6 +620,7 @@ class Scheduler:
                 self.engine.release(seq.slot)
                 self.slots[seq.slot] = None
                 seq.slot = None
+                self._running = None
             if newly:
                 seq.finish_reason, seq.error, seq.t_end = reason, error, time.monotonic()
                 self.counts[reason] += 1
