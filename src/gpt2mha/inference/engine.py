@@ -1,8 +1,8 @@
-"""The engine: one KV cache of slots, a decoder, one sampler per slot. ``generate()`` runs it to
-completion over its prompts; the server's scheduler (:mod:`gpt2mha.inference.scheduler`) runs it
-continuously, admitting and finishing sequences between steps. Both therefore take the same
-route for a model (:func:`~gpt2mha.inference.decoders.choose_decoder`), sample with the same
-:class:`~gpt2mha.inference.sampling.RowSampler` and compute the same logits.
+"""The engine: one KV cache of slots, a decoder, one sampler per slot, driven by one
+:class:`~gpt2mha.inference.scheduler.Scheduler`: ``generate()`` runs it to completion over its
+prompts, the server runs it continuously, admitting and finishing sequences between steps. Both
+therefore take the same route for a model (:func:`~gpt2mha.inference.decoders.choose_decoder`),
+sample with the same :class:`~gpt2mha.inference.sampling.RowSampler` and compute the same logits.
 
 :class:`Engine` holds ONE :class:`~gpt2mha.core.kv_cache.KVCache` whose row ``s`` holds the
 sequence in slot ``s``, from cache index 0 at its own length, and answers:
@@ -159,7 +159,7 @@ class Engine:
         itself is filled by :meth:`prefill`. ``logprobs``: k to record each token's logprob and
         the k most likely ids (default ``params.logprobs``). ``row``: the row its errors name.
         ``prompt``: the tokens ``repetition_penalty`` and ``no_repeat_ngram_size`` read before
-        the generated ones (None: the prompt :meth:`prefill` is given; ``generate`` gives the
+        the generated ones (None: the prompt :meth:`prefill` is given; the scheduler gives the
         whole prompt where a sliding window prefills only its end). ``adapter``: the index of the
         LoRA adapter the slot's rows take (:mod:`~gpt2mha.inference.lora`; None: the model's
         default, the base model unless :func:`~gpt2mha.inference.lora.using` says otherwise). With
