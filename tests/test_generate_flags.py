@@ -161,7 +161,7 @@ def argv_of(run: dict, factors: dict, model: list[str]) -> list[str]:
 
 def test_every_pair_of_generate_flags_runs_and_agrees_with_the_run_without_its_text_flags(tmp_path, monkeypatch,
                                                                                         one_thread):
-    from gpt2mha.inference.scheduler import pick_choices
+    from gpt2mha.inference.sequence import pick_choices
 
     torch.manual_seed(0)
     bpe = str(tmp_path / "bpe")

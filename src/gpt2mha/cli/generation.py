@@ -95,7 +95,8 @@ def run_and_print(args, model, tok, encoded: list[list[int]], params) -> int:
 
     from ..inference import parallel
     from ..inference.generate import generate_sequences
-    from ..inference.scheduler import STOP, pick_choices
+    from ..inference.sequence import pick_choices
+    from ..inference.text_stream import STOP
     from .. import distributed
 
     out = distributed.rank0_stdout()

@@ -29,7 +29,8 @@ from .params import SamplingParams
 from .prefix_cache import BLOCK, MIN_SUFFIX, PrefixCache, default_budget_mb
 from .prompts import (as_prompts, check_fits, decode_rows, left_pad, prompt_batch,  # noqa: F401  (importable from here)
                       strip_padding)
-from .scheduler import Scheduler, Sequence, pick_choices
+from .scheduler import Scheduler
+from .sequence import Sequence, pick_choices
 
 
 def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
@@ -233,14 +234,14 @@ def generate_sequences(model, prompts, params: SamplingParams, *, eos_token_id: 
             ``stop_token_ids``), as :func:`generate`'s.
         on_token: called with each step's ids ``[len(prompts) · per_prompt]``, as :func:`generate`'s.
         on_event: ``on_event(seq, text, done)`` for each piece of a sequence's text (the
-            scheduler's :class:`~gpt2mha.inference.scheduler.Sequence` events), e.g. to stream it.
+            scheduler's :class:`~gpt2mha.inference.sequence.Sequence` events), e.g. to stream it.
         tokenizer: for the text (stop strings, ``on_event``'s pieces) and structured outputs;
             None: ``model.config.tokenizer``'s when ``params`` need one, else no text.
         vocab_size, batch_invariant, compile: as :func:`generate`.
 
     Returns:
         every sequence, in order (``seq.index``); with ``best_of``,
-        :func:`~gpt2mha.inference.scheduler.pick_choices` picks the returned ones.
+        :func:`~gpt2mha.inference.sequence.pick_choices` picks the returned ones.
 
     Raises:
         ValueError: as :func:`generate` (the prompts as
@@ -334,7 +335,8 @@ def ends_with(params: SamplingParams, eos_token_id: int | None, tokenizer) -> Ca
     return lambda s: s.tokens[-1] if s.tokens and s.tokens[-1] in ends else pad
 
 
-def columns(seqs: list[Sequence], fill: Callable[[Sequence], int], on_token, failed: list, device) -> Callable[[], None]:
+def columns(seqs: list[Sequence], fill: Callable[[Sequence], int], on_token, failed: list,
+            device) -> Callable[[], None]:
     """A :attr:`Scheduler.after_tokens <gpt2mha.inference.scheduler.Scheduler.after_tokens>` that
     calls ``on_token`` with each new column of ids ``[len(seqs)]`` (a finished sequence's:
     ``fill(seq)``), once every running sequence has its token there; none once one failed."""

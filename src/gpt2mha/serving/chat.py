@@ -34,7 +34,7 @@ from ..io.tokenizer import DEFAULT_CHAT_TEMPLATE as TOKENIZER_CHAT_TEMPLATE
 from .completions import Completions
 from .protocol import (EXPECTED, APIError, CompletionRequest, RequestFields, check_model, encode_prompts, encode_text,
                        parse_body, token_text)
-from ..inference.scheduler import Sequence
+from ..inference.sequence import Sequence
 
 
 # ------------------------------------------------------------------------------ template

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..inference.params import FIELDS as SAMPLING_FIELDS
 from ..inference.params import MAX_COMPLETION_LOGPROBS, MAX_LOGPROBS, ParamError, SamplingParams
 from .errors import APIError  # noqa: F401  (raised here; importable from here too)
-from ..inference.scheduler import ExceedsCapacity, QueueFull, Sequence, ShuttingDown
+from ..inference.scheduler import ExceedsCapacity, QueueFull, ShuttingDown
+from ..inference.sequence import Sequence
 from ..inference.text_stream import CANCELLED, ERROR, TextStream
 
 #: The default limit of stop strings per request (``gpt2mha serve --max-stop N``). OpenAI's API

@@ -10,7 +10,7 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
   (only with ``stream``), ``logprobs`` and ``echo``
   (:func:`~gpt2mha.serving.protocol.choice_answer`; a stream's chunks carry their own tokens'
   logprobs, :meth:`Completions.chunk`), ``n`` and ``best_of``
-  (:func:`~gpt2mha.inference.scheduler.pick_choices`), ``presence_penalty``,
+  (:func:`~gpt2mha.inference.sequence.pick_choices`), ``presence_penalty``,
   ``frequency_penalty``, ``logit_bias``, and as extensions ``top_k``, ``min_p`` and vLLM's
   repetition control (``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``include_stop_str_in_output``; transformers' ``no_repeat_ngram_size``,
