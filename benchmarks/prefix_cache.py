@@ -116,7 +116,7 @@ def ttft(args):
     import httpx
 
     from gpt2mha.io.tokenizer import get_tokenizer
-    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.inference.scheduler import Scheduler
     from gpt2mha.serving.server import serve_in_thread
 
     torch.set_num_threads(args.threads)

@@ -312,7 +312,7 @@ def engine(model, tokenizer, levels=(1, 4, 16), steps: int = 20, max_batch: int 
     """The scheduler alone, in this process (no HTTP): decode-step time and tokens/s with
     ``rows`` greedy sequences running, after prefill; the bound the server's figures approach."""
     from gpt2mha.inference.params import SamplingParams
-    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.inference.scheduler import Scheduler
 
     prompts = prompts_from_text(max(levels), 2, 10, 60)
     rows = []
@@ -338,7 +338,7 @@ def engine_workload(model, tokenizer, n_requests: int, max_tokens: int, levels=(
     ``c`` sequences in flight, a new one submitted as soon as one finishes, prefill included.
     The ceiling the server's ratio can reach for this workload; median of ``repeats`` rounds."""
     from gpt2mha.inference.params import SamplingParams
-    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.inference.scheduler import Scheduler
 
     prompts = [tokenizer.encode(p) for p in prompts_from_text(n_requests, seed, 10, 60)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0)

@@ -44,7 +44,7 @@ Also measured, in the same rounds:
   against the served single-client figures (end to end: tokens / request time; decode: the
   per-request decode rate); the served text is checked equal to offline generate's for each of
   those prompts (same engine, same route);
-* the scheduler alone (``gpt2mha.serving.scheduler.Scheduler``, no HTTP), in a thread of that
+* the scheduler alone (``gpt2mha.inference.scheduler.Scheduler``, no HTTP), in a thread of that
   worker, on each level's requests (``c`` in flight, the next submitted when one finishes): the
   bound the served figure approaches; served / scheduler-alone is what HTTP, SSE and the event
   loop cost;

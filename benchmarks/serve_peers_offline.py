@@ -43,7 +43,7 @@ def scheduler_cell(model, tok, prompts: list[str], new: int, clients: int) -> di
     """The same requests through the scheduler alone in this process (no HTTP): ``clients`` in
     flight, the next submitted as soon as one finishes (as serve_load.engine_workload)."""
     from gpt2mha.inference.params import SamplingParams
-    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.inference.scheduler import Scheduler
 
     params = SamplingParams(max_tokens=new, temperature=0)
     sched = Scheduler(model, tok, max_batch=16)

@@ -20,7 +20,7 @@ from gpt2mha.inference.generate import left_pad
 from gpt2mha.inference.sampling import row_seed
 from gpt2mha.inference.engine import Engine
 from gpt2mha.inference.params import SamplingParams
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 
 LENGTHS = [1, 2, 3, 4, 5, 7, 9, 16, 17, 31, 33, 64, 100, 129, 150, 200]
 #: batches of rows of PROMPTS, in the order given: 2, 4, 8 and 16 rows of mixed lengths

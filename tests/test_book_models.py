@@ -331,7 +331,7 @@ def test_served_alpaca_chat_answers_as_the_books_generate(tmp_path, bpe, one_thr
     openai = pytest.importorskip("openai")
     from conftest import greedy_margin
     from gpt2mha.serving.chat import load_chat_template
-    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.inference.scheduler import Scheduler
     from gpt2mha.serving.server import serve_in_thread
 
     cfg = {**BPE_CFG, "context_length": 96}
@@ -361,7 +361,7 @@ def test_v1_classify_equals_offline_classify(tmp_path, bpe, one_thread):
     truncate_prompt_tokens as vLLM takes them; the generation routes answer 400."""
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.inference.scheduler import Scheduler
     from gpt2mha.serving.server import serve_in_thread
 
     book = book_classifier(BPE_CFG, seed=6)

@@ -132,7 +132,7 @@ def test_the_serving_scheduler_on_cuda_answers_as_generate_on_cuda():
     from gpt2mha.inference.params import SamplingParams
     from gpt2mha.inference.sampling import row_seed
     from gpt2mha.io.tokenizer import tokenizer_for
-    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.inference.scheduler import Scheduler
 
     model = GPT2.from_pretrained(DEFAULT_MODEL).to(CUDA).eval()
     tok = tokenizer_for(model.config)

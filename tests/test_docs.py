@@ -137,7 +137,7 @@ def page_server(line: str, where: str):
     from gpt2mha.cli import build_parser
     from gpt2mha.cli.tools import served_model
     from gpt2mha.serving.chat import load_chat_template
-    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.inference.scheduler import Scheduler
     from gpt2mha.serving.server import serve_in_thread
 
     words = shlex.split(line, comments=True)

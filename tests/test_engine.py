@@ -20,7 +20,7 @@ from gpt2mha.inference.generate import generate_with
 from gpt2mha.inference.params import SamplingParams
 from gpt2mha.inference.sampling import row_seed, token_logprobs
 from gpt2mha.io.tokenizer import tokenizer_for
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo"]
 PARAMS = [SamplingParams(max_tokens=24, temperature=0, logprobs=3),

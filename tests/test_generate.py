@@ -449,17 +449,16 @@ def test_a_cache_over_given_storage():
         KVCache.over(k[:, :, :, :0], v[:, :, :, :0])
 
 
-def test_decode_loop_outside_inference_mode_after_generate():
+def test_the_loop_outside_inference_mode_after_generate():
     # the storage generate keeps was made in inference mode; a caller without it gets a new one
     import gpt2mha.inference.generate as G
-    from gpt2mha.inference.decoders import choose_decoder
     from gpt2mha.inference.params import SamplingParams
     model = small_model(**ROBUST)
     want = model.generate(IDX, 4, temperature=0)
     with torch.no_grad():
-        got = G.decode_loop(model, choose_decoder(model), IDX, None, SamplingParams(max_tokens=4, temperature=0), None,
-                            None, None, None)
-    assert torch.equal(got, want)
+        seqs = G.run_to_completion(model, IDX.tolist(), SamplingParams(max_tokens=4, temperature=0), None, None, None,
+                                   None, None, False, None)
+    assert seqs[0].tokens == want[0, IDX.shape[1]:].tolist()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -239,7 +239,7 @@ def test_the_server_loads_the_kernels_before_it_answers(monkeypatch):
     pytest.importorskip("fastapi")
     from conftest import small_model
     from gpt2mha.io.tokenizer import ByteTokenizer
-    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.inference.scheduler import Scheduler
     from gpt2mha.serving.server import create_app
     calls = []
     monkeypatch.setattr(kernels, "load", lambda: calls.append("load") or "")

@@ -302,7 +302,7 @@ def test_served_adapters_interleaved_equal_each_adapter_alone_bitwise(tmp_path, 
     from gpt2mha.inference.decoders import choose_decoder
     from gpt2mha.inference.params import SamplingParams
     from gpt2mha.io.tokenizer import tokenizer_for
-    from gpt2mha.serving.scheduler import Scheduler
+    from gpt2mha.inference.scheduler import Scheduler
     from gpt2mha.serving.server import serve_in_thread
 
     base_dir, adapters = adapters_server_setup(tmp_path)

@@ -352,6 +352,42 @@ def test_unseeded_tp2_generate_samples_one_seed_and_prints_what_one_process_prin
     assert "logits differed" in bad0["tokens"]
 
 
+def test_tp2_runs_the_schedulers_flags_as_one_process(tmp_path, capsys):
+    """--stop, --logprobs with --echo, --best-of, --stop-token-ids and --sliding-window with --tp 2
+    (one scheduler runs them all, stepping alike on every rank: every sequence admitted in the
+    first step, seeds from one shared seed): both ranks exit 0, rank 0 alone prints, and it
+    prints what one process prints with that seed (reference: the single-process CLI)."""
+    from gpt2mha.cli import main
+
+    commands = [["generate", "ROMEO:", "--tp", "2", "--max-new-tokens", "24", "--stop", "e,", "--logprobs", "2",
+                 "--echo", "--seed", "3"],
+                ["generate", "ROMEO:", "JULIET:", "--tp", "2", "--num-samples", "2", "--best-of", "3",
+                 "--max-new-tokens", "12", "--stop-token-ids", "10"],
+                ["generate", "ROMEO:", "--tp", "2", "--max-new-tokens", "258", "--sliding-window", "--temperature", "0",
+                 "--stop", "zz"]]
+    (r0, seeds0, _), (r1, seeds1, _) = values(run_ranks(unseeded_cli_ranks, 2, str(tmp_path), commands, timeout=240))
+    assert seeds0 == seeds1 and len(seeds0) == 3 and seeds0[0] == 3
+    for (code0, out0, err0), (code1, out1, err1), argv, seed in zip(r0, r1, commands, seeds0):
+        assert (code0, code1) == (0, 0), (err0, err1)
+        assert out1 == "" and err0 == err1 == ""
+        one = [a for i, a in enumerate(argv) if "--tp" not in argv[max(i - 1, 0):i + 1]]
+        one = [a for i, a in enumerate(one) if "--seed" not in one[max(i - 1, 0):i + 1]] + ["--seed", str(seed)]
+        assert main(one) == 0
+        assert_same_but_rounding(out0, capsys.readouterr().out)
+    assert "-- log-probabilities (prompt and new tokens" in r0[0][1] and r0[1][1].count("=" * 20) == 8
+
+
+def assert_same_but_rounding(tp: str, one: str, tol: float = 1e-3) -> None:
+    """The same text, except the printed log-probabilities (4 decimals), which may differ within
+    ``tol``: the ranks all-reduce their partial sums, in another order than one process adds them."""
+    import re
+
+    number = r"-?\d+\.\d{4}\b"
+    assert re.sub(number, "#", tp) == re.sub(number, "#", one)
+    for a, b in zip(re.findall(number, tp), re.findall(number, one)):
+        assert abs(float(a) - float(b)) <= tol, (a, b)
+
+
 def failing_rank_cli(rank, world, command, how, text_path):
     """Rank 1 dies (os._exit) or stalls past the 5 s collective timeout in the middle of
     ``gpt2mha generate --tp 2`` or ``perplexity``; every rank runs the CLI's main."""

@@ -64,7 +64,7 @@ NON_DEFAULT = dict(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, min_p=0.05
                    frequency_penalty=-0.5, logit_bias={"5": 1.5}, repetition_penalty=1.3, no_repeat_ngram_size=3,
                    min_tokens=2, seed=11, stop=["\n\n", "END"], ignore_eos=True, stop_token_ids=[10, 46],
                    include_stop_str_in_output=True, logprobs=2, echo=True, n=2, best_of=3,
-                   structured_outputs={"regex": "[a-z]+"})
+                   structured_outputs={"regex": "[a-z]+"}, sliding_window=True)
 
 
 def test_the_server_accepts_every_field_and_passes_it_on():
@@ -92,7 +92,67 @@ def test_the_cli_accepts_every_field_and_passes_it_on():
              "--seed", "11", "--stop", "\n\n", "--stop", "END", "--logprobs", "2", "--echo",
              "--num-samples", "2", "--best-of", "3", "--repetition-penalty", "1.3", "--no-repeat-ngram-size", "3",
              "--min-tokens", "2", "--ignore-eos", "--stop-token-ids", "10", "--stop-token-ids", "46",
-             "--include-stop-str-in-output", "--regex", "[a-z]+"]
+             "--include-stop-str-in-output", "--regex", "[a-z]+", "--sliding-window"]
     args = build_parser().parse_args(["generate", "ROMEO:", *flags])
     want = SamplingParams(**NON_DEFAULT)
     assert sampling_params_of(args) == want
+
+
+def test_a_field_added_to_sampling_params_reaches_every_rows_sampler_offline_and_in_the_cli(monkeypatch, one_thread):
+    """A subclass of SamplingParams with one more field stands in for a field added to the class
+    (the modules that read the class are pointed at it, nothing else changes): generate() takes
+    it as a keyword, generate_with() and the scheduler (the server's loop) carry it to every
+    row's sampler, and the CLI's parser, given its flag (the field's help text: the one line a
+    new option adds there), builds it and runs it. Reference: the params each RowSampler is made
+    with."""
+    import dataclasses
+
+    import torch
+
+    import gpt2mha.cli as cli
+    import gpt2mha.inference.generate as G
+    import gpt2mha.inference.params as P
+    from conftest import small_model
+    from gpt2mha.inference.sampling import RowSampler
+    from gpt2mha.inference.scheduler import Scheduler
+    from gpt2mha.io.tokenizer import get_tokenizer
+
+    @dataclasses.dataclass(frozen=True)
+    class WithDummy(SamplingParams):
+        dummy: int = 0
+
+    seen, real = [], RowSampler.__init__
+
+    def init(self, params, *args, **kwargs):
+        seen.append(params)
+        real(self, params, *args, **kwargs)
+    monkeypatch.setattr(RowSampler, "__init__", init)
+    for module in (G, P):
+        monkeypatch.setattr(module, "SamplingParams", WithDummy)
+    monkeypatch.setattr(P, "FIELDS", tuple(f.name for f in dataclasses.fields(WithDummy)))
+
+    model = small_model(n_vocab=256)
+    out = model.generate([[1, 2, 3], [4, 5]], 3, temperature=0, dummy=7)
+    assert out.shape == (2, 6) and [type(p) for p in seen] == [WithDummy] * 2 and {p.dummy for p in seen} == {7}
+    seen.clear()
+    G.generate_with(model, torch.tensor([[1, 2, 3]]), WithDummy(max_tokens=2, n=2, seed=1, dummy=5))
+    assert [p.dummy for p in seen] == [5, 5]
+    seen.clear()
+    sched = Scheduler(model, get_tokenizer("bytes"), max_batch=2, max_queue=0)
+    sched.submit([[1, 2]], WithDummy(max_tokens=2, dummy=6), lambda *a: None)
+    sched.run_until_idle()
+    assert [p.dummy for p in seen] == [6]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dumy'"):
+        model.generate([[1, 2, 3]], 3, dumy=7)
+
+    real_parser = cli.build_parser
+
+    def parser():
+        p = real_parser()
+        sub = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction")
+        sub.choices["generate"].add_argument("--dummy", type=int, default=0, help="the new field")
+        return p
+    monkeypatch.setattr(cli, "build_parser", parser)
+    seen.clear()
+    assert cli.main(["generate", "ROMEO:", "--max-new-tokens", "2", "--dummy", "9", "--temperature", "0"]) == 0
+    assert [(type(p), p.dummy) for p in seen] == [(WithDummy, 9)]

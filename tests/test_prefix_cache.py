@@ -20,7 +20,7 @@ from gpt2mha.inference.engine import Engine
 from gpt2mha.inference.params import SamplingParams
 from gpt2mha.inference.prefix_cache import BLOCK, PrefixCache, why_inexact
 from gpt2mha.io.tokenizer import get_tokenizer
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 
 pytestmark = pytest.mark.skipif(not __import__("gpt2mha.inference.quant.gemv", fromlist=["x"]).available(),
                                 reason="the native forward needs the C++ kernels")

@@ -23,7 +23,7 @@ from gpt2mha.inference.generate import generate_with
 from gpt2mha.inference.params import ParamError, SamplingParams
 from gpt2mha.inference.sampling import NoTokenAllowedError, RowSampler, row_seed, token_logprobs
 from gpt2mha.io.tokenizer import tokenizer_for
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 
 lp = pytest.importorskip("transformers.generation.logits_process")
 
@@ -180,13 +180,19 @@ def test_defaults_are_off_and_stop_ids_are_checked_against_the_vocabulary():
         SamplingParams(stop_token_ids=[3, 256]).check_vocab(256)
 
 
-def test_generate_takes_the_row_fields_and_refuses_the_schedulers_by_name(builtin):
-    """generate(**fields) for the row's fields (a typo or a text field is a TypeError naming it)."""
-    model, _ = builtin
+def test_generate_takes_every_field_and_refuses_a_typo_by_name(builtin):
+    """generate(**fields) for every SamplingParams field, the text's too (one scheduler runs them
+    all: ``stop`` ends a row at its string, the rest of the row padded); a typo, or max_tokens
+    beside max_new_tokens, is a TypeError naming it."""
+    model, tok = builtin
     ids = torch.tensor([list(b"ROMEO:")])
     assert model.generate(ids, 3, temperature=0, repetition_penalty=1.5).shape == (1, 9)
-    for name, value in (("stop", ["x"]), ("include_stop_str_in_output", True), ("repetition_penalt", 1.2),
-                        ("max_tokens", 3)):
+    full = model.generate(ids, 40, temperature=0)[0, 6:].tolist()
+    stop = tok.decode(full)[20:23]
+    cut = model.generate(ids, 40, temperature=0, stop=[stop], include_stop_str_in_output=True)[0, 6:].tolist()
+    end = tok.decode(full).index(stop) + len(stop)               # a byte model: one token a character
+    assert cut == full[:end] + [0] * (40 - end)                  # then the byte tokenizer's pad, 0
+    for name, value in (("repetition_penalt", 1.2), ("max_tokens", 3)):
         with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
             model.generate(ids, 3, **{name: value})
     with pytest.raises(ValueError, match=r"stop_token_ids\[0\]=300 is not a token id"):
@@ -425,11 +431,16 @@ def test_the_cli_flags_print_what_generate_and_the_scheduler_give(builtin, capsy
                        (["--min-tokens", "40"], "--min-tokens=40 must be less than or equal to --max-new-tokens=30"),
                        (["--stop-token-ids", "1,x"], "expected token ids separated by commas"),
                        (["--stop-token-ids", "256"], r"stop_token_ids\[0\]=256 is not a token id"),
-                       (["--ignore-eos", "--stop-at-eos"], "--ignore-eos and --stop-at-eos contradict"),
-                       (["--stop-token-ids", "5", "--sliding-window"], "--stop-token-ids runs on the serving")]:
+                       (["--ignore-eos", "--stop-at-eos"], "--ignore-eos and --stop-at-eos contradict")]:
         try:
             code = main(["generate", "ROMEO:", "--max-new-tokens", "30", *bad])
         except SystemExit as e:                                    # argparse's usage error
             code = e.code
         assert code == 2, bad
         assert re.search(match, capsys.readouterr().err), bad
+    # stop ids past the context, on the sliding window: generate()'s tokens (one scheduler runs both)
+    assert main(["generate", "ROMEO:", "--max-new-tokens", "300", "--temperature", "0", "--stop-token-ids", "5",
+                 "--sliding-window"]) == 0
+    ref = offline(model, tok.encode("ROMEO:"), SamplingParams(max_tokens=300, temperature=0, stop_token_ids=[5],
+                                                              sliding_window=True))
+    assert 5 not in ref and capsys.readouterr().out == "ROMEO:" + tok.decode(ref) + "\n"

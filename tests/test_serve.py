@@ -21,7 +21,7 @@ import torch
 from gpt2mha import DEFAULT_MODEL
 from gpt2mha.inference.sampling import RowSampler, row_seed
 from gpt2mha.io.tokenizer import ByteTokenizer
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 import serve_helpers
 from serve_helpers import _serve_load, assert_same_text, draw_in, offline, wait_for
 
@@ -77,6 +77,22 @@ def test_openai_client_plain_and_streamed_equal_offline_generate(server, builtin
     assert "the" in greedy and r.choices[0].text == greedy[:greedy.index("the")] and r.choices[0].finish_reason == "stop"
     health = httpx.get(url + "/health").json()
     assert health["status"] == "ok" and health["running"] == 0 and health["free_slots"] == health["slots"] == 4
+
+
+def test_sliding_window_runs_a_completion_past_the_context_as_generate_does(server, builtin):
+    """``sliding_window: true`` (the SamplingParams field, as ``--sliding-window``): a completion
+    past the built-in model's 256 positions is neither clipped nor refused, and its greedy text is
+    offline ``generate``'s with ``sliding_window`` (the reference: each token past the context
+    chosen from the last 256 alone); without it the same request is clipped where the context
+    ends, to the same text's first 250 tokens."""
+    url, _ = server
+    model, tok = builtin
+    body = {"prompt": "ROMEO:", "max_tokens": 270, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json={**body, "sliding_window": True}, timeout=120).json()
+    ref = model.generate([tok.encode("ROMEO:")], 270, temperature=0, sliding_window=True)[0, 6:].tolist()
+    assert r["choices"][0]["text"] == tok.decode(ref) and r["usage"]["completion_tokens"] == 270
+    clipped = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+    assert clipped["usage"]["completion_tokens"] == 250 and clipped["choices"][0]["text"] == tok.decode(ref[:250])
 
 
 def byte_token(i: int) -> str:

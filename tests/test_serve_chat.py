@@ -15,7 +15,7 @@ import torch
 
 from gpt2mha import GPT2, DEFAULT_MODEL
 from gpt2mha.io.tokenizer import hf_tokenizer_files, tokenizer_for
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 
 pytest.importorskip("fastapi")                  # the 'serve' extra (the 'test' extra installs it)
 openai = pytest.importorskip("openai")
@@ -271,7 +271,7 @@ CHAT_VALUES = {"max_tokens": 12, "temperature": 0.9, "top_k": 20, "top_p": 0.9, 
                "frequency_penalty": 0.5, "logit_bias": {"101": -100}, "seed": 3, "stop": ["e\n"], "logprobs": True,
                "echo": False, "n": 2, "best_of": 3, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2,
                "min_tokens": 4, "ignore_eos": True, "stop_token_ids": [10], "include_stop_str_in_output": True,
-               "structured_outputs": {"regex": "[a-z ]+"}}
+               "structured_outputs": {"regex": "[a-z ]+"}, "sliding_window": True}
 
 
 def test_chat_takes_every_sampling_field_completions_takes(server, builtin):

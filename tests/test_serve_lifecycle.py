@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from gpt2mha import DEFAULT_MODEL
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 import serve_helpers
 from serve_helpers import _serve_load, assert_same_text, offline, wait_for
 
@@ -181,7 +181,7 @@ def test_cli_serve_sigterm_finishes_in_flight_stream_and_exits_0(tmp_path):
 
 
 SLOW_SERVE = ("import sys, time\n"
-              "from gpt2mha.serving.scheduler import Scheduler\n"
+              "from gpt2mha.inference.scheduler import Scheduler\n"
               "real = Scheduler._decode\n"
               "Scheduler._decode = lambda self: (time.sleep(0.02), real(self))[1]   # 20 ms a step\n"
               "from gpt2mha.cli import main\n"

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from gpt2mha import DEFAULT_MODEL, __version__
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 import serve_helpers
 from serve_helpers import _serve_load, wait_for
 
@@ -330,7 +330,7 @@ def test_serve_api_key_from_the_flag_a_file_or_the_environment(tmp_path, monkeyp
 # ------------------------------------------------------------------------------ the CLI
 SLOW_LOAD = ("import sys, time\n"
              "import gpt2mha.cli.tools as tools\n"
-             "from gpt2mha.serving.scheduler import Scheduler\n"
+             "from gpt2mha.inference.scheduler import Scheduler\n"
              "load, decode = tools.load_model, Scheduler._decode\n"
              "tools.load_model = lambda *a, **k: (time.sleep(3), load(*a, **k))[1]     # a slow checkpoint\n"
              "Scheduler._decode = lambda self: (time.sleep(0.02), decode(self))[1]       # 20 ms a step\n"

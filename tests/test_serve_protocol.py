@@ -21,7 +21,7 @@ import torch
 from gpt2mha import GPT2, DEFAULT_MODEL, GPT2Config
 from gpt2mha.inference.sampling import row_seed
 from gpt2mha.io.tokenizer import get_tokenizer, hf_tokenizer_files, tokenizer_for
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 
 pytest.importorskip("fastapi")                  # the 'serve' extra (the 'test' extra installs it)
 openai = pytest.importorskip("openai")

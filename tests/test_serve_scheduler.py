@@ -17,8 +17,8 @@ from gpt2mha.inference.engine import Engine
 from gpt2mha.inference.params import SamplingParams
 from gpt2mha.inference.sampling import RowSampler
 from gpt2mha.io.tokenizer import ByteTokenizer, tokenizer_for
-from gpt2mha.serving.scheduler import ExceedsCapacity, QueueFull, Scheduler
-from gpt2mha.serving.text_stream import LENGTH, STOP, TextStream
+from gpt2mha.inference.scheduler import ExceedsCapacity, QueueFull, Scheduler
+from gpt2mha.inference.text_stream import LENGTH, STOP, TextStream
 import serve_helpers
 from serve_helpers import draw_in, offline
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import load_benchmark
 from gpt2mha import DEFAULT_MODEL, GPT2
 from gpt2mha.io.tokenizer import tokenizer_for
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 from gpt2mha.serving.server import serve_in_thread
 
 openai = pytest.importorskip("openai")

@@ -22,7 +22,7 @@ from gpt2mha.core.model import GPT2Config
 from gpt2mha.inference.params import GrammarError, ParamError, SamplingParams, StructuredOutputs
 from gpt2mha.inference.structured import compile_for
 from gpt2mha.io.tokenizer import ByteTokenizer, get_tokenizer, tokenizer_for
-from gpt2mha.serving.scheduler import Scheduler
+from gpt2mha.inference.scheduler import Scheduler
 
 jsonschema = pytest.importorskip("jsonschema")          # the 'test' extra
 
@@ -359,10 +359,13 @@ def test_cli_structured_flags_print_generates_text_and_name_bad_flags(builtin, t
                          (["--choice", "a", "--regex", "b"], "--regex and --choice both constrain the text"),
                          (["--json-schema", str(bad)], f"--json-schema {str(bad)!r}: Invalid type: foo"),
                          (["--json-schema", str(tmp_path / "none.json")], "No such file"),
-                         (["--grammar", str(schema)], "--grammar"),
-                         (["--json-object", "--sliding-window"], "--json-object runs on the serving scheduler")):
+                         (["--grammar", str(schema)], "--grammar")):
         code, out, err = run_cli(PROMPT, *flags)
         assert code == 2 and words in err, err
+    # with the sliding window too (one scheduler runs both): the same text while the context holds it
+    texts = [run_cli(PROMPT, "--json-object", "--seed", "4", "--max-new-tokens", "40", *more) for more in
+             ([], ["--sliding-window"])]
+    assert texts[0][0] == texts[1][0] == 0 and texts[0][1] == texts[1][1], texts
 
 
 # ------------------------------------------------------------------------ a random 124M checkpoint

@@ -72,7 +72,7 @@ def test_the_scheduler_thread_takes_the_starting_threads_count_and_its_workers_g
         from gpt2mha.api import GPT2
         from gpt2mha.io.tokenizer import tokenizer_for
         from gpt2mha.inference.threads import openmp_runtime
-        from gpt2mha.serving.scheduler import Scheduler
+        from gpt2mha.inference.scheduler import Scheduler
         torch.set_num_threads(5)                             # not the runtime's default on CI's 2 cores
         m = GPT2.from_pretrained("shakespeare-byte")
         a = torch.randn(512, 512); (a @ a).exp_()

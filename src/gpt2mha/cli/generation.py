@@ -7,8 +7,8 @@ import json
 import re
 import sys
 
-from .checks import (STRUCTURED_FLAGS, check_compile, check_perplexity_args, check_sampling, check_train_args,
-                     param_flag, sampling_params_of, token_id_list)
+from .checks import (check_compile, check_perplexity_args, check_sampling, check_train_args, param_flag,
+                     sampling_params_of, token_id_list)
 from .common import (batch_invariant_arg, DTYPES, DefaultsHelpFormatter, check_quantize_args, load_model, model_arg, quantize_args, quantized,
                      quiet_arg, read_text)
 
@@ -16,7 +16,8 @@ from .common import (batch_invariant_arg, DTYPES, DefaultsHelpFormatter, check_q
 def check_generate_args(args) -> None:
     """What ``generate``'s command line alone decides (raises ValueError naming the flags); run
     before torch is imported and before any process group is joined, so under torchrun it is
-    reported once, by rank 0."""
+    reported once, by rank 0. Every sampling flag goes with every other (one scheduler runs
+    them all); only flags that contradict each other are refused."""
     check_sampling(args)
     if args.prompt_file is not None:
         if args.prompt:
@@ -33,21 +34,8 @@ def check_generate_args(args) -> None:
         which = f"PROMPT {prompts.index('') + 1}" if len(prompts) > 1 else \
             f"--prompt-file {args.prompt_file}" if args.prompt_file is not None else "PROMPT"
         raise ValueError(f"{which} is empty; give at least one character to continue")
-    served = [flag for flag, on in (("--stop", args.stop), ("--logprobs", args.logprobs is not None),
-                                    ("--echo", args.echo), ("--best-of", args.best_of is not None),
-                                    ("--stop-token-ids", args.stop_token_ids),
-                                    ("--include-stop-str-in-output", args.include_stop_str_in_output),
-                                    *((flag, getattr(args, dest)) for flag, (dest, _) in STRUCTURED_FLAGS.items()))
-              if on]
-    for flag, on in (("--sliding-window", args.sliding_window), (f"--tp {args.tp}", args.tp > 1),
-                     ("--unconditional", args.unconditional)):
-        if served and on:
-            raise ValueError(f"{served[0]} runs on the serving scheduler (as gpt2mha serve), which does not take "
-                             f"{flag}; drop one of them")
     if args.ignore_eos and args.stop_at_eos:
         raise ValueError("--ignore-eos and --stop-at-eos contradict each other; drop one of them")
-    if args.echo and args.logprobs is None:
-        raise ValueError("--echo prints the prompt's log-probabilities: give --logprobs K with it")
     if args.quantize and args.tp > 1:
         raise ValueError(f"--quantize {args.quantize} with --tp {args.tp}: tensor parallelism shards float weights; "
                          f"quantized models run in one process")
@@ -56,12 +44,14 @@ def check_generate_args(args) -> None:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
+    """``gpt2mha generate``: the prompts run to completion on the scheduler ``gpt2mha serve`` runs
+    (:func:`~gpt2mha.inference.generate.generate_sequences`), every flag a field of one
+    :class:`~gpt2mha.inference.params.SamplingParams`; one sequence (one PROMPT, one sample) is
+    streamed as it is sampled, several are printed labelled once all are done."""
     from ..inference import parallel
-    from ..inference.generate import check_fits, generate_with
+    from ..inference.generate import check_fits
     from ..inference.params import FIELDS
-    from ..io.tokenizer import StreamDecoder, tokenizer_for
+    from ..io.tokenizer import tokenizer_for
     from .. import distributed
 
     prompts = args.prompt
@@ -89,66 +79,84 @@ def cmd_generate(args) -> int:
     # tensor-parallel ranks must sample the same tokens from their equal logits: same inputs, one seed
     distributed.agree({"the prompts' token ids": encoded, "the weights (checksum)": weights, "--dtype": args.dtype,
                        **{param_flag(name): getattr(params, name) for name in FIELDS if name != "seed"},
-                       **{f"--{k.replace('_', '-')}": getattr(args, k) for k in (
-                           "max_new_tokens", "num_samples", "stop_at_eos", "sliding_window", "unconditional")}})
-    seed = distributed.shared_seed(args.seed)
-    params = dataclasses.replace(params, seed=seed)
-    if params.stop or params.logprobs is not None or params.best_of is not None or params.stop_token_ids or \
-            params.include_stop_str_in_output or params.structured_outputs is not None:
-        from .served import generate_served
-        return generate_served(args, model, tok, encoded, params)
-    if args.unconditional or len(prompts) > 1 or args.num_samples > 1:
-        return _generate_samples(args, model, tok, encoded, params)
-    args.prompt = prompts[0]
-    idx = torch.tensor(encoded, dtype=torch.long, device=model.wte.weight.device)
-    stream, out, started = StreamDecoder(tok), distributed.rank0_stdout(), []
+                       **{f"--{k.replace('_', '-')}": getattr(args, k) for k in ("stop_at_eos", "unconditional")}})
+    params = dataclasses.replace(params, seed=distributed.shared_seed(args.seed))
+    return run_and_print(args, model, tok, encoded, params)
 
-    def on_token(token):
-        if not started:                       # the prompt is echoed once the arguments have held up
-            out.write(args.prompt)
+
+def run_and_print(args, model, tok, encoded: list[list[int]], params) -> int:
+    """Run ``encoded`` (one token list per PROMPT, or ``<|endoftext|>`` alone) with ``params`` to
+    the end and print each choice: PROMPT + its text (``--unconditional``: the text alone), after a
+    label line when there are several (several PROMPTs, ``--num-samples``, ``--unconditional``);
+    with ``--stop-at-eos`` a text that ended at ``<|endoftext|>`` shows it. One unlabelled
+    sequence is streamed as its text becomes certain (whole characters, no part of a stop
+    string). With ``--logprobs``, one line per token after each text (:func:`print_logprobs`)."""
+    import torch
+
+    from ..inference import parallel
+    from ..inference.generate import generate_sequences
+    from ..inference.sequence import pick_choices
+    from ..inference.text_stream import STOP
+    from .. import distributed
+
+    out = distributed.rank0_stdout()
+    eos = tok.eot_token if args.stop_at_eos else None
+    labelled = args.unconditional or len(encoded) > 1 or params.n > 1
+    streamed = not labelled and params.per_prompt == 1
+    started = []
+
+    def on_event(seq, text, done):
+        if not started:                               # the prompt is echoed once the arguments have held up
+            out.write(args.prompt[0])
             started.append(True)
-        out.write(stream.push(token.tolist()))
+        out.write(text)
         out.flush()
 
     try:
-        ids = generate_with(model, idx, params, eos_token_id=tok.eot_token if args.stop_at_eos else None,
-                            sliding_window=args.sliding_window, on_token=on_token, vocab_size=tok.n_vocab,
-                            batch_invariant=args.batch_invariant, compile=args.compile)
-    except BaseException:                     # (e.g. another rank died): end the streamed line first
+        seqs = generate_sequences(model, encoded, params, eos_token_id=eos, on_event=on_event if streamed else None,
+                                  vocab_size=tok.n_vocab, batch_invariant=args.batch_invariant, compile=args.compile,
+                                  tokenizer=tok)
+    except BaseException:                             # (e.g. another rank died): end the streamed line first
         if started:
             out.write("\n")
             out.flush()
         raise
-    parallel.check_same_tokens(ids)
-    out.write(("" if started else args.prompt) + stream.flush() + "\n")
+    longest = max(len(s.tokens) for s in seqs)
+    parallel.check_same_tokens(torch.tensor([s.tokens + [-1] * (longest - len(s.tokens)) for s in seqs]))
+
+    def ending(seq) -> str:                           # <|endoftext|>'s own text, where --stop-at-eos ended it
+        return tok.decode([eos]) if eos is not None and seq.finish_reason == STOP and seq.tokens[-1:] == [eos] else ""
+
+    for index, seq in pick_choices(seqs):
+        if streamed:
+            out.write(ending(seq) + "\n")
+        else:
+            if labelled:
+                label = f"sample {index % params.n + 1} of {params.n}"
+                if len(encoded) > 1:
+                    label = f"prompt {seq.prompt_index + 1} of {len(encoded)}, " + label
+                print(f"{'=' * 20} {label} {'=' * 20}", file=out)
+            prompt = "" if args.unconditional else args.prompt[seq.prompt_index]
+            print(prompt + seq.text + ending(seq), file=out)
+        if params.logprobs is not None:
+            print_logprobs(tok, seq, params.echo, out)
     return 0
 
 
-def _generate_samples(args, model, tok, encoded: list[list[int]], params) -> int:
-    """``--num-samples`` / several PROMPTs / ``--unconditional``: every (prompt, sample) is one
-    row of a left-padded batch (OpenAI's ``sample_sequence`` with ``batch_size``; unconditional
-    rows start from ``<|endoftext|>``, which is not printed). Each row is printed after a label
-    line, its padding dropped by :func:`gpt2mha.inference.generate.decode_rows`; with ``--stop-at-eos`` a
-    row ends at its first ``<|endoftext|>``."""
-    from ..inference import parallel
-    from ..inference.generate import decode_rows, generate_with, left_pad
-    from .. import distributed
-
-    rows = [ids for ids in encoded for _ in range(args.num_samples)]
-    idx, mask = (t.to(model.wte.weight.device) for t in left_pad(rows))
-    out = generate_with(model, idx, params, eos_token_id=tok.eot_token if args.stop_at_eos else None,
-                        attention_mask=mask, sliding_window=args.sliding_window, vocab_size=tok.n_vocab,
-                        batch_invariant=args.batch_invariant, compile=args.compile)
-    parallel.check_same_tokens(out)
-    texts = decode_rows(tok, out.cpu(), mask.cpu(), tok.eot_token if args.stop_at_eos else None)
-    skip = len(tok.decode([tok.eot_token])) if args.unconditional else 0     # the start token is not printed
-    stdout = distributed.rank0_stdout()
-    for i, text in enumerate(texts):
-        label = f"sample {i % args.num_samples + 1} of {args.num_samples}"
-        if not args.unconditional and len(args.prompt) > 1:
-            label = f"prompt {i // args.num_samples + 1} of {len(args.prompt)}, " + label
-        print(f"{'=' * 20} {label} {'=' * 20}", text[skip:], sep="\n", file=stdout)
-    return 0
+def print_logprobs(tok, seq, echo: bool, out=None) -> None:
+    """The sequence's per-token log-probabilities (``--echo``: the prompt's tokens after its
+    first, then the new ones its text holds: not a stop string's, as the server's answer), one
+    token a line: ``text  logprob  |  top1 lp1  top2 lp2 …``, to ``out`` (standard output)."""
+    rows = []
+    if echo and seq.prompt_logprobs:
+        rows += list(zip(seq.prompt_ids[1:], seq.prompt_logprobs))
+    released = seq.stream.released if seq.stream is not None else len(seq.tokens)   # a stop string's tokens: not
+    rows += list(zip(seq.tokens[:released], seq.logprobs[:released]))              # the text's, as the server's
+    print(f"-- log-probabilities ({'prompt and ' if echo else ''}new tokens; the model's own distribution) --",
+          file=out)
+    for token, (logprob, top) in rows:
+        alternatives = "  ".join(f"{tok.decode([i])!r} {lp:.4f}" for i, lp in top)
+        print(f"{tok.decode([token])!r:>12} {logprob:9.4f}  |  {alternatives}", file=out)
 
 
 def read_prompt_file(path: str) -> str:
@@ -272,17 +280,15 @@ def add_commands(sub) -> None:
                    help="ban a token that would repeat an N-gram of the prompt plus the new tokens (transformers' "
                         "no_repeat_ngram_size; 0: off)")
     g.add_argument("--min-tokens", type=int, default=0, metavar="N",
-                   help="ban <|endoftext|> (with --stop-at-eos, or served) and --stop-token-ids until N new tokens "
-                        "are generated; no --stop string ends the text before (vLLM's min_tokens)")
+                   help="ban <|endoftext|> (with --stop-at-eos) and --stop-token-ids until N new tokens are generated; "
+                        "no --stop string ends the text before (vLLM's min_tokens)")
     g.add_argument("--ignore-eos", action="store_true",
-                   help="<|endoftext|> does not end the text (vLLM's ignore_eos; for the requests run on the serving "
-                        "scheduler, which otherwise stop there)")
+                   help="<|endoftext|> is an ordinary token (vLLM's ignore_eos): min-tokens does not ban it and a "
+                        "grammar does not end on it")
     g.add_argument("--stop-token-ids", type=token_id_list, action="extend", default=[], metavar="IDS",
-                   help="token ids, separated by commas, that end the text when sampled (their text left out); runs on "
-                        "the serving scheduler")
+                   help="token ids, separated by commas, that end the text when sampled (their text left out)")
     g.add_argument("--include-stop-str-in-output", action="store_true",
-                   help="keep the --stop string (or stop token's text) that ended the text; runs on the serving "
-                        "scheduler")
+                   help="keep the --stop string (or stop token's text) that ended the text")
     g.add_argument("--seed", type=int, default=None,
                    help="seed for reproducible sampling (default: a random one; with --tp, rank 0 draws it for all); "
                         "row i of the batch (PROMPT p, sample s: i = p * --num-samples + s) uses "
@@ -293,17 +299,18 @@ def add_commands(sub) -> None:
                         "logits stay float32")
     g.add_argument("--stop-at-eos", action="store_true", help="stop when <|endoftext|> is sampled")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end the text before the first TEXT (repeat for several); runs on the serving scheduler, "
-                        "as a request to gpt2mha serve with this stop (which also ends at <|endoftext|>)")
+                   help="end the text before the first TEXT (repeat for several), as a request to gpt2mha serve with "
+                        "this stop (which also ends at <|endoftext|>: add --stop-at-eos for that)")
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="print each new token's log-probability and the K most likely tokens (0-20; the model's own "
-                        "distribution, as OpenAI's logprobs); runs on the serving scheduler")
-    g.add_argument("--echo", action="store_true", help="with --logprobs: the prompt's tokens' log-probabilities too")
+                        "distribution, as OpenAI's logprobs)")
+    g.add_argument("--echo", action="store_true",
+                   help="with --logprobs: the prompt's tokens' log-probabilities too (the prompt is printed anyway)")
     g.add_argument("--best-of", type=int, default=None, metavar="N",
                    help="sample N candidates per PROMPT and print the --num-samples of highest mean "
-                        "log-probability (OpenAI's best_of); runs on the serving scheduler")
-    s = g.add_argument_group("structured outputs (one of them; each runs on the serving scheduler, as a request to "
-                             "gpt2mha serve with structured_outputs: the text follows it and ends where it is complete)")
+                        "log-probability (OpenAI's best_of)")
+    s = g.add_argument_group("structured outputs (one of them, as a request to gpt2mha serve with structured_outputs: "
+                             "the text follows it and ends where it is complete)")
     s.add_argument("--json-schema", default=None, metavar="FILE",
                    help="the text is JSON valid for the JSON schema in FILE (OpenAI's response_format json_schema)")
     s.add_argument("--json-object", action="store_true", help="the text is a JSON object (response_format json_object)")
@@ -315,7 +322,9 @@ def add_commands(sub) -> None:
     s.add_argument("--grammar", default=None, metavar="FILE",
                    help="the text follows the Lark (llguidance's) or GBNF (llama.cpp's) grammar in FILE")
     g.add_argument("--sliding-window", action="store_true",
-                   help="allow prompt + new tokens beyond n_ctx by keeping only the last n_ctx tokens")
+                   help="allow prompt + new tokens beyond n_ctx: once the context is full, each token is chosen from "
+                        "the last n_ctx tokens alone, positions restarting at 0 (slower: no cache); the request field "
+                        "sliding_window")
     batch_invariant_arg(g)
     g.add_argument("--compile", action="store_true",
                    help="compile the decode step (torch.compile; CPU): 10-70 s to compile, then exact int8 and "

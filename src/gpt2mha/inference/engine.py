@@ -1,8 +1,8 @@
-"""The engine: one KV cache of slots, a decoder, one sampler per slot. ``generate()`` runs it to
-completion over its prompts; the server's scheduler (:mod:`gpt2mha.serving.scheduler`) runs it
-continuously, admitting and finishing sequences between steps. Both therefore take the same
-route for a model (:func:`~gpt2mha.inference.decoders.choose_decoder`), sample with the same
-:class:`~gpt2mha.inference.sampling.RowSampler` and compute the same logits.
+"""The engine: one KV cache of slots, a decoder, one sampler per slot, driven by one
+:class:`~gpt2mha.inference.scheduler.Scheduler`: ``generate()`` runs it to completion over its
+prompts, the server runs it continuously, admitting and finishing sequences between steps. Both
+therefore take the same route for a model (:func:`~gpt2mha.inference.decoders.choose_decoder`),
+sample with the same :class:`~gpt2mha.inference.sampling.RowSampler` and compute the same logits.
 
 :class:`Engine` holds ONE :class:`~gpt2mha.core.kv_cache.KVCache` whose row ``s`` holds the
 sequence in slot ``s``, from cache index 0 at its own length, and answers:
@@ -164,7 +164,7 @@ class Engine:
         itself is filled by :meth:`prefill`. ``logprobs``: k to record each token's logprob and
         the k most likely ids (default ``params.logprobs``). ``row``: the row its errors name.
         ``prompt``: the tokens ``repetition_penalty`` and ``no_repeat_ngram_size`` read before
-        the generated ones (None: the prompt :meth:`prefill` is given; ``generate`` gives the
+        the generated ones (None: the prompt :meth:`prefill` is given; the scheduler gives the
         whole prompt where a sliding window prefills only its end). ``adapter``: the index of the
         LoRA adapter the slot's rows take (:mod:`~gpt2mha.inference.lora`; None: the model's
         default, the base model unless :func:`~gpt2mha.inference.lora.using` says otherwise). With
@@ -263,11 +263,16 @@ class Engine:
         return torch.cat(logits)
 
     @torch.inference_mode()
-    def forward(self, slots: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def forward(self, slots: list[int], windows: dict[int, list[int]] | None = None) -> tuple[torch.Tensor, list[int]]:
         """One decode step's forward for the sequences in ``slots`` (each prefilled, its last
         token known): rows ``0 … max(slots)`` (every row for a decoder of one shape), each
         with its newest token. Rows in between that were not asked (free: length 0, they read
         only their own key) are computed and keep their length.
+
+        ``windows``: slots whose context is full (a sliding window, ``SamplingParams.sliding_window``),
+        each with its last ``n_ctx`` tokens (its newest last): the slot's row of the cache is
+        emptied (no longer read) and its logits are the model's over those tokens alone,
+        positions restarting at 0 (:meth:`window_logits`; no cache: one forward of the window).
 
         Returns:
             ``(logits [n, V], rows)``: ``rows[i]`` is ``slots[i]``'s row of the logits.
@@ -275,6 +280,9 @@ class Engine:
         Raises:
             Exception: whatever the forward raised (then every asked slot has failed).
         """
+        if windows:
+            for slot in windows:                                # its row of the cache is no longer read
+                self.cache.reset(slot)
         decoder = self.decoder
         n = self.slots if decoder.fixed_batch else max(slots) + 1
         rows = self._rows.get(n)
@@ -284,10 +292,22 @@ class Engine:
         ids = torch.tensor(self.last[:n], dtype=torch.long, device=self.device)[:, None]    # [n, 1]
         select_lora(self.model, self.adapters[:n])
         logits = decoder.step(ids, rows)                                                     # [n, V]
-        asked = set(slots)
-        if len(asked) < n:
+        if len(slots) < n:
+            asked = set(slots)
             rows.trim([m + 1 if row in asked else m for row, m in enumerate(before)])   # the others keep theirs
-        return logits, list(slots)
+        if windows:
+            for slot in sorted(windows):
+                logits[slot] = self.window_logits(slot, windows[slot])
+        return logits, slots
+
+    @torch.inference_mode()
+    def window_logits(self, slot: int, tokens: list[int]) -> torch.Tensor:
+        """The model's next-token logits ``[V]`` after ``tokens`` (at most ``n_ctx``) alone, with
+        ``slot``'s LoRA adapter: one forward of ``[1, len(tokens)]`` without the cache, positions
+        0 … len-1 (a sliding window's step)."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        select_lora(self.model, [self.adapters[slot]])
+        return self.model(ids, last_only=True, validate=False).logits[0, -1]
 
     def sample(self, slots: list[int], logits: torch.Tensor, rows) -> list[int | Exception]:
         """Slot ``slots[i]``'s next token from ``logits[rows[i]]``: the token id, or the
@@ -298,9 +318,10 @@ class Engine:
                 self.last[slot] = token
         return out
 
-    def decode(self, slots: list[int]) -> list[int | Exception]:
-        """:meth:`forward` then :meth:`sample`: each asked slot's next token (or its exception)."""
-        logits, rows = self.forward(slots)
+    def decode(self, slots: list[int], windows: dict[int, list[int]] | None = None) -> list[int | Exception]:
+        """:meth:`forward` (``windows``: its sliding windows) then :meth:`sample`: each asked
+        slot's next token (or its exception)."""
+        logits, rows = self.forward(slots, windows)
         return self.sample(slots, logits, rows)
 
     def warm_up(self) -> None:

@@ -1,14 +1,20 @@
-"""``generate()``: the engine run to completion (OpenAI's ``sample_sequence`` in ``src/sample.py``).
+"""``generate()``: the server's scheduler run to completion (OpenAI's ``sample_sequence`` in
+``src/sample.py``; vLLM's offline ``LLM`` over its server's engine).
 
 Each prompt is prefilled alone into its own row of a :class:`~gpt2mha.core.kv_cache.KVCache`;
-each later step feeds every row's newest token and reads the cache. The loop drives the
-:class:`~gpt2mha.inference.engine.Engine` the server's scheduler drives too, on the route
+each later step feeds every row's newest token and reads the cache. The loop is the
+:class:`~gpt2mha.inference.scheduler.Scheduler` the server runs, stepped in the calling thread
+until every sequence has finished (:func:`generate_sequences`), over an
+:class:`~gpt2mha.inference.engine.Engine` whose cache is sized for the call, on the route
 :func:`~gpt2mha.inference.decoders.choose_decoder` picks; sampling is :mod:`.sampling`'s
-:class:`~gpt2mha.inference.sampling.RowSampler`, one per row.
+:class:`~gpt2mha.inference.sampling.RowSampler`, one per row. So every
+:class:`~gpt2mha.inference.params.SamplingParams` field, the end-of-text rule and the sliding
+window act here as they do served.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Callable
 
 import torch
@@ -19,182 +25,12 @@ from ..distributed import shared_seed
 from .decoders import NATIVE, choose_decoder
 from .engine import Engine
 from .parallel import tp_group
-from .params import FIELDS, TEXT_FIELDS, SamplingParams
+from .params import SamplingParams
 from .prefix_cache import BLOCK, MIN_SUFFIX, PrefixCache, default_budget_mb
-from .sampling import row_seed
-
-def as_prompts(idx) -> list[list[int]]:
-    """Prompts given as a list of token lists, 1-D tensors, ``[1, T]`` tensors or numpy arrays →
-    lists of Python ints.
-
-    Raises:
-        ValueError: naming the prompt and the value when an id is not an integer (``1.7``
-            would otherwise be truncated to 1 silently) or a prompt is not 1-D.
-    """
-    prompts = []
-    for i, p in enumerate(idx):
-        if isinstance(p, torch.Tensor) or hasattr(p, "__array__"):
-            t = torch.as_tensor(p)
-            if t.dim() == 2 and t.shape[0] == 1:
-                t = t[0]
-            if t.dim() != 1:
-                raise ValueError(f"prompts[{i}] has shape {tuple(t.shape)}; expected a 1-D (or [1, T]) list of token ids")
-            if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
-                raise ValueError(f"prompts[{i}] holds {t.dtype} values; token ids must be integers")
-            prompts.append(t.tolist())
-            continue
-        if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
-            raise ValueError(f"prompts[{i}]={p!r} is not a list of token ids (encode text with the tokenizer first)")
-        ids = []
-        for j, v in enumerate(p):
-            try:
-                ids.append(checks.as_int(v, f"prompts[{i}][{j}]"))
-            except ValueError:
-                raise ValueError(f"prompts[{i}][{j}]={v!r} is not a token id; ids must be integers >= 0") from None
-        prompts.append(ids)
-    return prompts
-
-
-def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists of different lengths into a batch.
-
-    Returns:
-        ``idx [B, T_max]`` (int64) with ``pad_token_id`` on the left of shorter rows and
-        ``attention_mask [B, T_max]`` (1 real, 0 pad), so every row's last token is at the end.
-
-    Raises:
-        ValueError: no prompts, or an empty prompt (naming its index).
-    """
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty; give at least one prompt")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-    T = max(len(p) for p in prompts)
-    idx = torch.full((len(prompts), T), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), T, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        idx[i, T - len(p):] = torch.as_tensor(p, dtype=torch.long)
-        mask[i, T - len(p):] = 1
-    return idx, mask
-
-
-def strip_padding(out: torch.Tensor, prompts=None, *, attention_mask: torch.Tensor | None = None,
-                  new_only: bool = False, eos_token_id: int | None = None) -> list[list[int]]:
-    """Each row of a batch :func:`generate` returned, as a list of token ids without its left
-    padding: the prompt followed by the new tokens (or, with ``new_only``, the new tokens alone).
-
-    The pad id (0) is also a real token (the NUL byte, GPT-2's ``!``), so pads cannot be told
-    from tokens by value: say where each prompt starts with the prompts themselves or the mask.
-
-    Args:
-        out: ``[B, T + N]`` ids from ``generate`` (T the padded prompt width, N new tokens).
-        prompts: the prompts given to ``generate`` (token lists, tensors, arrays), for their
-            lengths; row i's prompt is its last ``len(prompts[i])`` columns of the first T.
-        attention_mask: instead of ``prompts``, ``[B, T]`` of 1 (real) / 0 (pad) over the
-            prompt columns, as :func:`left_pad` returns it. Neither: no padding, T unknown
-            (then ``new_only`` is an error).
-        new_only: return only the N new tokens of each row.
-        eos_token_id: cut each row after the first of its new tokens equal to it (a finished
-            row repeats it), keeping that one.
-
-    Returns:
-        ``B`` lists of Python ints.
-
-    Raises:
-        ValueError: both or (with ``new_only``) neither of prompts / attention_mask, a count
-            or shape that does not fit ``out``.
-    """
-    if not isinstance(out, torch.Tensor) or out.dim() != 2:
-        raise ValueError(f"out must be the [B, T + N] ids generate returned; got "
-                         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
-    if prompts is not None and attention_mask is not None:
-        raise ValueError("pass prompts or attention_mask, not both")
-    B, total = out.shape
-    if prompts is not None:
-        lengths = [len(p) for p in as_prompts(prompts)]
-        if len(lengths) != B:
-            raise ValueError(f"prompts has {len(lengths)} prompts for {B} rows of out")
-        T = max(lengths)
-        starts = [T - n for n in lengths]
-    elif attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or \
-                attention_mask.shape[0] != B or attention_mask.shape[1] > total:
-            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
-            raise ValueError(f"attention_mask has shape {shape}; expected [B={B}, T_mask <= {total}] over the "
-                             f"prompt columns")
-        T = attention_mask.shape[1]
-        keep = checks.bool_mask(attention_mask, "attention_mask").cpu()
-        starts = None
-    elif new_only:
-        raise ValueError("new_only needs prompts or attention_mask, to know where each prompt ends")
-    else:
-        T, starts = total, [0] * B
-    if T > total:
-        raise ValueError(f"the prompts are {T} tokens wide but out has {total} columns")
-    ids = out.tolist()
-    rows = []
-    for i, row in enumerate(ids):
-        new = row[T:]
-        if eos_token_id is not None and eos_token_id in new:
-            new = new[:new.index(eos_token_id) + 1]
-        if new_only:
-            rows.append(new)
-        elif starts is not None:
-            rows.append(row[starts[i]:T] + new)
-        else:
-            rows.append([t for t, k in zip(row[:T], keep[i].tolist()) if k] + new)
-    return rows
-
-
-def decode_rows(tokenizer, ids, attention_mask=None, eos_token_id: int | None = None) -> list[str]:
-    """Text of each row of ``ids [B, T]`` (e.g. ``generate``'s output) without its left padding.
-
-    Args:
-        ids: ``[B, T]`` token ids.
-        attention_mask: ``[B, T_mask]`` with ``T_mask <= T``, 1 for real tokens and 0 for pads
-            over the first ``T_mask`` columns (the padded prompts, as :func:`left_pad`
-            returns it); the columns after it (generated tokens) are all real. None: no padding.
-        eos_token_id: end each row at the first generated token equal to it (kept).
-
-    Raises:
-        ValueError: ``attention_mask`` rows or columns that do not fit ``ids``
-            (:func:`strip_padding`).
-    """
-    return [tokenizer.decode(row) for row in strip_padding(ids, attention_mask=attention_mask,
-                                                           eos_token_id=eos_token_id)]
-
-
-def prompt_batch(idx, attention_mask, n_vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The prompts of :func:`generate` as one checked batch ``(idx [B, T], mask [B, T] or None)``:
-    a list of prompts is left-padded (:func:`left_pad`), a tensor is checked with its mask.
-
-    Raises:
-        ValueError: text instead of ids, ids that are not integers or outside the vocabulary,
-            an empty prompt, a mask given with lists, a mask of the wrong shape or with values
-            other than 0/1, or a row that ends in padding.
-    """
-    if isinstance(idx, str):
-        raise ValueError(f"idx={idx[:40]!r} is text; generate takes token ids: encode it first, e.g. "
-                         f"torch.tensor([get_tokenizer(model.config.tokenizer).encode(text)])")
-    if isinstance(idx, (list, tuple)):
-        if attention_mask is not None:
-            raise ValueError("attention_mask is built from the lists; pass it only with a padded tensor")
-        idx, attention_mask = left_pad(as_prompts(idx))
-        idx, attention_mask = idx.to(device), attention_mask.to(device)
-    if not isinstance(idx, torch.Tensor):
-        raise ValueError(f"idx must be a [B, T] tensor of token ids or a list of prompts; got {type(idx).__name__}")
-    if idx.dim() == 2 and 0 in idx.shape:
-        raise ValueError(f"idx has shape {tuple(idx.shape)}; an empty prompt cannot be continued")
-    checks.token_ids(idx, n_vocab, on=device, one="prompt")
-    if attention_mask is None:
-        return idx, None
-    mask = checks.like_idx(attention_mask, "attention_mask", idx, (tuple(idx.shape),), integer=False)
-    if not bool(mask[:, -1].all()):
-        rows = torch.nonzero(~mask[:, -1]).flatten().tolist()
-        raise ValueError(f"attention_mask: rows {rows} end in padding; generation needs left padding "
-                         f"(pads first, every row's last token real)")
-    return idx, mask.long()
+from .prompts import (as_prompts, check_fits, decode_rows, left_pad, prompt_batch,  # noqa: F401  (importable from here)
+                      strip_padding)
+from .scheduler import Scheduler
+from .sequence import Sequence, pick_choices
 
 
 def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
@@ -227,24 +63,32 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             generator (for a model sharded over several ranks,
             :func:`gpt2mha.inference.parallel.shard_model`, a seed drawn by the group's first
             rank and shared, :func:`gpt2mha.distributed.shared_seed`).
-        **sampling: any other :class:`~gpt2mha.inference.params.SamplingParams` field that
-            acts on a row (not the serving scheduler's :data:`~gpt2mha.inference.params.TEXT_FIELDS`),
-            by name: ``repetition_penalty`` (> 0, 1: off; a logit of a token of the prompt or
+        **sampling: any other :class:`~gpt2mha.inference.params.SamplingParams` field, by name
+            (the keywords are the class's fields: a field added there is taken here):
+            ``repetition_penalty`` (> 0, 1: off; a logit of a token of the prompt or
             generated is divided by it when positive, multiplied when negative, as transformers'),
             ``no_repeat_ngram_size`` (n: no n-gram of the prompt plus the new tokens appears
             twice), ``min_tokens`` (``eos_token_id`` and ``stop_token_ids`` banned until that
             many new tokens), ``ignore_eos`` (``eos_token_id`` neither stops a row nor is
             banned by ``min_tokens``), ``stop_token_ids`` (ids that finish a row, as
-            ``eos_token_id`` does), ``structured_outputs`` (every row's tokens follow a JSON
-            schema, a regex, a choice or a grammar: below). Order of the adjustments:
-            :meth:`RowSampler.adjust <gpt2mha.inference.sampling.RowSampler.adjust>`.
+            ``eos_token_id`` does), ``stop`` (strings that finish a row once its text holds one:
+            the row keeps the tokens up to the one that completed it; the model's tokenizer
+            decodes the text), ``structured_outputs`` (every row's tokens follow a JSON
+            schema, a regex, a choice or a grammar: below), ``n`` (rows per prompt: prompt i's
+            j-th at row ``i·n + j``, seeded ``row_seed(seed, i·n + j)``), ``best_of`` (that many
+            candidates per prompt, the ``n`` of highest mean log-probability returned),
+            ``logprobs``, ``echo`` and ``include_stop_str_in_output`` (recorded on the sequences
+            :func:`generate_sequences` returns; the ids here are the same). Order of the
+            adjustments: :meth:`RowSampler.adjust <gpt2mha.inference.sampling.RowSampler.adjust>`.
         eos_token_id: once a row emits it (or one of ``stop_token_ids``), the row is finished
             and keeps emitting that token; the loop stops early when every row is finished (the
             result is still padded to full length).
         sliding_window: allow ``T + max_new_tokens > n_ctx`` (the prompt itself may be longer)
             by conditioning each step on the last n_ctx tokens only (positions restart at 0 for
-            that window; slower once the window slides: no cache).
-        on_token: called with each step's new ids ``[B]`` as soon as they are sampled.
+            that window; slower once the window slides: no cache); the field of the same name.
+        on_token: called with each step's new ids ``[B]`` (``[B·n]``, or every candidate's with
+            ``best_of``) as soon as they are sampled; a finished row's id is the one its later
+            columns hold.
         vocab_size: sample only ids below it (for embeddings padded past the tokenizer's
             vocabulary, e.g. nanoGPT's 50304 rows for GPT-2's 50257 ids).
         batch_invariant: run the decode view's float32 matrix products on a multiple of 4 rows
@@ -254,6 +98,10 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         compile: run the decode steps as one compiled step
             (:func:`~gpt2mha.inference.compiled.compiled_decoder`, CPU only): the first call
             compiles for 10–60 s; gives up the batch-invariance guarantee. Prefill stays eager.
+
+    The loop is the server's: a :class:`~gpt2mha.inference.scheduler.Scheduler` over one
+    :class:`~gpt2mha.inference.engine.Engine`, run to completion in the calling thread
+    (:func:`generate_sequences`).
 
     The route (:func:`~gpt2mha.inference.decoders.choose_decoder`): the compiled step with
     ``compile``, else the native forward for int8 per_row and int4 per_block models, else the
@@ -275,19 +123,20 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
     tokenizer (``model.config.tokenizer``); each row has its own state of it. A row whose grammar
     is complete (nothing can follow, or it took the tokenizer's end-of-text token where the
     grammar may end) is finished: its remaining columns hold ``eos_token_id``, else the
-    tokenizer's end-of-text token, else 0 (the byte tokenizer has none).
+    tokenizer's end-of-text token, else 0 (the byte tokenizer has none). So do the remaining
+    columns of a row a ``stop`` string finished.
 
     Returns:
-        ``[B, T + max_new_tokens]`` int64 ids: the prompt followed by the new tokens (an
-        ordinary tensor: it may be edited in place or used in training). A batch of prompts
-        keeps its left padding; :func:`strip_padding` gives each row without it.
+        ``[B, T + max_new_tokens]`` int64 ids (``[B·n, …]`` with ``n``): the prompt followed by
+        the new tokens (an ordinary tensor: it may be edited in place or used in training). A
+        batch of prompts keeps its left padding; :func:`strip_padding` gives each row without it.
 
     The model runs in eval mode for the call (dropout off, so a seed fixes the tokens) and is
     put back in the mode it was in.
 
     Raises:
-        TypeError: a keyword that is not a row's SamplingParams field (``stop``: the serving
-            scheduler's, :mod:`gpt2mha.serving.scheduler`).
+        TypeError: a keyword that is not a SamplingParams field (``max_tokens``: the number of
+            new tokens is ``max_new_tokens``).
         ValueError: naming the argument, before any work is done: bad sampling arguments
             (:class:`~gpt2mha.inference.params.ParamError`), a negative max_new_tokens, bad
             prompts (:func:`prompt_batch`: also a tensor on another device than the model's),
@@ -297,32 +146,58 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             forward hooks or not on the CPU.
         NonFiniteLogitsError: the model's logits hold NaN/inf at some step (naming it and the row).
     """
+    names = {f.name for f in fields(SamplingParams)}
     for name in sampling:
-        if name not in FIELDS or name == "max_tokens" or name in TEXT_FIELDS:
-            why = (f": {name} is acted on by the serving scheduler (gpt2mha.serving.scheduler.Scheduler, gpt2mha "
-                   f"serve), which runs the same engine") if name in TEXT_FIELDS else \
-                ": the number of new tokens is max_new_tokens" if name == "max_tokens" else ""
+        if name not in names or name == "max_tokens":
+            why = ": the number of new tokens is max_new_tokens" if name == "max_tokens" else ""
             raise TypeError(f"generate() got an unexpected keyword argument {name!r}{why}")
     max_new_tokens = checks.as_int(max_new_tokens, "max_new_tokens")
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                            logit_bias=logit_bias, seed=seed, **sampling)
+                            logit_bias=logit_bias, seed=seed, sliding_window=sliding_window, **sampling)
     return generate_with(model, idx, params, eos_token_id=eos_token_id, attention_mask=attention_mask,
-                         sliding_window=sliding_window, on_token=on_token, vocab_size=vocab_size,
-                         batch_invariant=batch_invariant, compile=compile)
+                         on_token=on_token, vocab_size=vocab_size, batch_invariant=batch_invariant, compile=compile)
 
 
 def generate_with(model, idx, params: SamplingParams, *, eos_token_id: int | None = None,
                   attention_mask: torch.Tensor | None = None, sliding_window: bool = False,
                   on_token: Callable[[torch.Tensor], None] | None = None, vocab_size: int | None = None,
-                  batch_invariant: bool | None = None, compile: bool = False) -> torch.Tensor:
+                  batch_invariant: bool | None = None, compile: bool = False, tokenizer=None) -> torch.Tensor:
     """:func:`generate` with its sampling given as one :class:`~gpt2mha.inference.params.SamplingParams`
-    (``params.max_tokens`` new tokens; the CLI builds one from its flags). The
-    :data:`~gpt2mha.inference.params.TEXT_FIELDS` (``n``, ``best_of``, ``stop``,
-    ``include_stop_str_in_output``, ``logprobs``, ``echo``) are the ones the server's scheduler
-    acts on; here each prompt is one row. Raises as :func:`generate`."""
+    (``params.max_tokens`` new tokens; every field acts as :func:`generate` says).
+    ``sliding_window=True`` sets the field of that name; ``tokenizer``: the one stop strings and
+    structured outputs read (None: ``model.config.tokenizer``'s). Raises as :func:`generate`."""
     c = model.config
     idx, attention_mask = prompt_batch(idx, attention_mask, c.n_vocab, model.wte.weight.device)
+    if checks.flag(sliding_window, "sliding_window") and not params.sliding_window:
+        params = replace(params, sliding_window=True)
+    check_run(model, params, eos_token_id, vocab_size, on_token, batch_invariant, compile)
+    B, T = idx.shape
+    check_fits(T, params.max_tokens, c.n_ctx, params.sliding_window)
+    n = params.n
+    if params.max_tokens == 0:
+        return idx.repeat_interleave(n, 0) if n > 1 else idx.clone()
+    keep = None if attention_mask is None else attention_mask.bool()
+    prompts = [(idx[b] if keep is None else idx[b][keep[b]]).tolist() for b in range(B)]    # each T_b ids
+    tokenizer = text_tokenizer(model, params, tokenizer)
+    seqs = generate_sequences(model, prompts, params, eos_token_id=eos_token_id, on_token=on_token,
+                              vocab_size=vocab_size, batch_invariant=batch_invariant, compile=compile,
+                              tokenizer=tokenizer)
+    chosen = [s for _, s in pick_choices(seqs)] if params.ranked else seqs
+    fill = ends_with(params, eos_token_id, tokenizer)
+    new = [s.tokens + [fill(s)] * (params.max_tokens - len(s.tokens)) for s in chosen]
+    out = torch.empty(len(chosen), T + params.max_tokens, dtype=torch.long, device=idx.device)
+    out[:, :T] = idx.repeat_interleave(n, 0) if n > 1 else idx
+    out[:, T:] = torch.tensor(new, dtype=torch.long)
+    return out
+
+
+def check_run(model, params: SamplingParams, eos_token_id, vocab_size, on_token, batch_invariant, compile) -> None:
+    """:func:`generate_sequences`' checks of its arguments other than the prompts (raises
+    ValueError naming the argument)."""
+    c = model.config
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
     if vocab_size is not None:
         vocab_size = checks.as_int(vocab_size, "vocab_size", minimum=1)
         if vocab_size > c.n_vocab:
@@ -334,135 +209,163 @@ def generate_with(model, idx, params: SamplingParams, *, eos_token_id: int | Non
             raise ValueError(f"eos_token_id={eos_token_id} must be a token id in [0, n_vocab={c.n_vocab})")
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be a function called with each step's ids [B]; got {type(on_token).__name__}")
-    checks.flag(sliding_window, "sliding_window")
     checks.flag(compile, "compile")
     if batch_invariant is not None:
         checks.flag(batch_invariant, "batch_invariant")
-    B, T = idx.shape
-    check_fits(T, params.max_tokens, c.n_ctx, sliding_window)
-    if params.max_tokens == 0:
-        return idx.clone()
-    seed = params.seed
-    if seed is None and not params.greedy:
+
+
+def generate_sequences(model, prompts, params: SamplingParams, *, eos_token_id: int | None = None,
+                       on_token: Callable[[torch.Tensor], None] | None = None, on_event=None,
+                       vocab_size: int | None = None, batch_invariant: bool | None = None, compile: bool = False,
+                       tokenizer=None) -> list[Sequence]:
+    """The server's scheduler run to completion over ``prompts`` (vLLM's offline ``LLM`` is its
+    server's engine the same way): a :class:`~gpt2mha.inference.scheduler.Scheduler` over an
+    :class:`~gpt2mha.inference.engine.Engine` whose cache is sized for this call, every
+    sequence submitted at once and admitted in order, stepped in the calling thread until
+    every one has finished. What :func:`generate` returns as ids, with each sequence's text,
+    finish reason, log-probabilities and prompt log-probabilities (``echo``).
+
+    Args:
+        prompts: token lists (or 1-D tensors, arrays: :func:`as_prompts`), each non-empty.
+        params: ``params.per_prompt`` sequences per prompt (prompt i's candidate j is sequence
+            ``i·m + j``, seeded ``row_seed(params.seed, i·m + j)``; no seed: torch's global
+            generator, or on a tensor-parallel model one seed its ranks share).
+        eos_token_id: the id that ends a sequence (finish reason ``"stop"``; None: none, unless
+            ``stop_token_ids``), as :func:`generate`'s.
+        on_token: called with each step's ids ``[len(prompts) · per_prompt]``, as :func:`generate`'s.
+        on_event: ``on_event(seq, text, done)`` for each piece of a sequence's text (the
+            scheduler's :class:`~gpt2mha.inference.sequence.Sequence` events), e.g. to stream it.
+        tokenizer: for the text (stop strings, ``on_event``'s pieces) and structured outputs;
+            None: ``model.config.tokenizer``'s when ``params`` need one, else no text.
+        vocab_size, batch_invariant, compile: as :func:`generate`.
+
+    Returns:
+        every sequence, in order (``seq.index``); with ``best_of``,
+        :func:`~gpt2mha.inference.sequence.pick_choices` picks the returned ones.
+
+    Raises:
+        ValueError: as :func:`generate` (the prompts as
+            :meth:`Scheduler.submit <gpt2mha.inference.scheduler.Scheduler.submit>` checks them).
+        Exception: the first failure of a sequence (e.g.
+            :class:`~gpt2mha.inference.sampling.NonFiniteLogitsError`), raised at the step it
+            happens.
+    """
+    check_run(model, params, eos_token_id, vocab_size, on_token, batch_invariant, compile)
+    prompts = as_prompts(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt")
+    if params.seed is None and not params.greedy:
         sharded, group = tp_group(model)
         if sharded:                                            # its ranks must draw the same tokens
-            seed = shared_seed(None, group)
+            params = replace(params, seed=shared_seed(None, group))
+    tokenizer = text_tokenizer(model, params, tokenizer)
     training = [m for m in model.modules() if m.training]     # restored exactly after (eval() walks ~1 ms for 124M)
     if training:
         model.eval()                                           # dropout off: a seed fixes the tokens
     try:
-        route = choose_decoder(model, compile=compile, batch_invariant=batch_invariant)
         with torch.inference_mode():
-            out = decode_loop(model, route, idx, attention_mask, params, seed, eos_token_id, on_token, vocab_size,
-                              batch_invariant)
+            return run_to_completion(model, prompts, params, eos_token_id, on_token, on_event, vocab_size,
+                                     batch_invariant, compile, tokenizer)
     finally:
         for m in training:
             m.training = True
-    return out.clone()                                         # outside inference mode: an ordinary tensor
 
 
-def check_fits(T: int, max_new_tokens: int, n_ctx: int, sliding_window: bool = False) -> None:
-    """Raises ValueError (naming the sizes and the ways out) when a prompt of ``T`` tokens and
-    ``max_new_tokens`` more do not fit in ``n_ctx`` positions without ``sliding_window``."""
-    if T + max_new_tokens > n_ctx and not sliding_window:
-        raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} > "
-                         f"n_ctx={n_ctx}; shorten the prompt, lower max_new_tokens, or use sliding_window=True "
-                         f"(CLI: --sliding-window)")
+def run_to_completion(model, prompts: list[list[int]], params: SamplingParams, eos_token_id, on_token, on_event,
+                      vocab_size, batch_invariant, compile, tokenizer) -> list[Sequence]:
+    """:func:`generate_sequences` after its checks, in inference mode: the engine over a cache of
+    one row per sequence (its storage the last call's when it fits: :func:`new_cache`), its
+    scheduler stepped until every sequence has finished."""
+    c = model.config
+    route = choose_decoder(model, compile=compile, batch_invariant=batch_invariant)
+    decoder, m = route.decoder, params.per_prompt
+    rows = [ids for ids in prompts for _ in range(m)]
+    max_len = decoder.cache_len(min(c.n_ctx, max(map(len, prompts)) + params.max_tokens))
+    weight = model.wte.weight
+    storage, cache = new_cache((c.n_layer, len(rows), c.n_head, max_len, c.head_dim), weight.dtype, weight.device,
+                               zero=decoder.name != NATIVE)   # the native forward reads only what it wrote
+    try:
+        engine = Engine(model, cache, route, vocab_size, batch_invariant, zeroed=decoder.name != NATIVE,
+                        eos_token_id=eos_token_id, tokenizer=tokenizer,
+                        prefix_cache=shared_prefixes(rows, c, weight))
+        sched = Scheduler(model, tokenizer, max_queue=0, engine=engine, draw_seeds=False)
+        sched.log_failures = False                             # raised here instead
+        left, failed = [len(rows)], []
+
+        def event(seq, text, done):
+            if on_event is not None:
+                on_event(seq, text, done)
+            if done:
+                left[0] -= 1
+                if seq.exception is not None:
+                    failed.append(seq)
+
+        seqs = sched.submit(prompts, params, event)
+        if on_token is not None:
+            sched.after_tokens = columns(seqs, ends_with(params, eos_token_id, tokenizer), on_token, failed,
+                                         weight.device)
+        while left[0]:
+            sched.step()
+            if failed:
+                raise failed[0].exception
+        return seqs
+    finally:
+        keep_for_next_call(storage)                            # its memory, for the next call
 
 
-def shared_prefixes(prompts: list[torch.Tensor], config, weight: torch.Tensor):
+def text_tokenizer(model, params: SamplingParams, tokenizer=None):
+    """``tokenizer``, else the model's (``model.config.tokenizer``) where ``params`` need one
+    (stop strings are found in the text, a grammar is compiled for the tokens), else None."""
+    if tokenizer is None and (params.stop or params.structured_outputs is not None):
+        from ..io.tokenizer import get_tokenizer
+        tokenizer = get_tokenizer(model.config.tokenizer)
+    return tokenizer
+
+
+def ends_with(params: SamplingParams, eos_token_id: int | None, tokenizer) -> Callable[[Sequence], int]:
+    """What a finished sequence's columns hold after its last token in :func:`generate`'s
+    result: the token that ended it (``eos_token_id`` or one of ``stop_token_ids``), else (a
+    grammar complete, a stop string) ``eos_token_id``, else the tokenizer's end-of-text token,
+    else 0."""
+    ends = set(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        ends.add(eos_token_id)
+    eot = getattr(tokenizer, "eot_token", None)
+    pad = eos_token_id if eos_token_id is not None else eot if eot is not None else 0
+    return lambda s: s.tokens[-1] if s.tokens and s.tokens[-1] in ends else pad
+
+
+def columns(seqs: list[Sequence], fill: Callable[[Sequence], int], on_token, failed: list,
+            device) -> Callable[[], None]:
+    """A :attr:`Scheduler.after_tokens <gpt2mha.inference.scheduler.Scheduler.after_tokens>` that
+    calls ``on_token`` with each new column of ids ``[len(seqs)]`` (a finished sequence's:
+    ``fill(seq)``), once every running sequence has its token there; none once one failed."""
+    done = [0]
+
+    def emit():
+        if failed:
+            return
+        k = max(len(s.tokens) for s in seqs)
+        while done[0] < k:
+            c = done[0]
+            on_token(torch.tensor([s.tokens[c] if c < len(s.tokens) else fill(s) for s in seqs], dtype=torch.long,
+                                  device=device))
+            done[0] += 1
+    return emit
+
+
+def shared_prefixes(prompts: list[list[int]], config, weight: torch.Tensor):
     """A :class:`~gpt2mha.inference.prefix_cache.PrefixCache` for one call's ``prompts`` where two
     of them start with the same block of tokens (later rows then take the earlier rows' blocks),
     sized to hold every block of the call (at most the server's default budget,
     :func:`~gpt2mha.inference.prefix_cache.default_budget_mb`); else None. The engine drops it on
     a route that cannot keep a suffix's bits."""
-    firsts = [tuple(p[:BLOCK].tolist()) for p in prompts if len(p) >= BLOCK + MIN_SUFFIX]
+    firsts = [tuple(p[:BLOCK]) for p in prompts if len(p) >= BLOCK + MIN_SUFFIX]
     if len(firsts) == len(set(firsts)):
         return None
     tokens = sum(len(p) for p in prompts)
     mb = 2 * config.n_layer * config.n_embd * tokens * weight.element_size() / 2**20
     return PrefixCache(min(mb + 1, default_budget_mb()))
-
-
-def decode_loop(model, route, idx, attention_mask, params: SamplingParams, seed, eos_token_id, on_token,
-                vocab_size, batch_invariant=None) -> torch.Tensor:
-    """The loop of :func:`generate` after its checks: an :class:`~gpt2mha.inference.engine.Engine`
-    of one slot per row, run to completion.
-
-    Each prompt (row ``b``'s real tokens, its padding dropped) is prefilled alone into row ``b``
-    of one :class:`KVCache`, from cache index 0; then every step feeds all rows' newest tokens
-    at once, each row at its own position, attending to its own keys only, and samples each
-    unfinished row with its own :class:`~gpt2mha.inference.sampling.RowSampler`. A row whose
-    window is full (``sliding_window``) is recomputed alone over its last n_ctx tokens.
-    """
-    B, T = idx.shape
-    n_ctx, n_new = model.config.n_ctx, params.max_tokens
-    keep = None if attention_mask is None else attention_mask.bool()
-    prompts = [idx[b] if keep is None else idx[b][keep[b]] for b in range(B)]      # each [T_b]
-    out = torch.empty(B, T + n_new, dtype=torch.long, device=idx.device)
-    out[:, :T] = idx
-    decoder = route.decoder
-    max_len = decoder.cache_len(min(n_ctx, max(len(ids) for ids in prompts) + n_new))
-    c = model.config
-    storage, cache = new_cache((c.n_layer, B, c.n_head, max_len, c.head_dim), model.wte.weight.dtype,
-                               model.wte.weight.device, zero=decoder.name != NATIVE)   # the native forward reads only
-    tok = None
-    if params.structured_outputs is not None:                  # the grammar is compiled for its tokens
-        from ..io.tokenizer import get_tokenizer
-        tok = get_tokenizer(model.config.tokenizer)
-    pad = eos_token_id if eos_token_id is not None else tok.eot_token if tok is not None and \
-        tok.eot_token is not None else 0                        # after a row's grammar is complete
-    try:                                                                              # what it wrote
-        engine = Engine(model, cache, route, vocab_size, batch_invariant, zeroed=decoder.name != NATIVE,
-                        eos_token_id=eos_token_id, tokenizer=tok,
-                        prefix_cache=shared_prefixes(prompts, c, model.wte.weight))
-        for b in range(B):
-            engine.open(b, params, None if seed is None else row_seed(seed, b), row=b, prompt=prompts[b])
-        tokens = engine.prefill(list(range(B)), [ids[-n_ctx:] for ids in prompts])
-        ends = set(params.stop_token_ids)                       # the tokens that finish a row
-        if eos_token_id is not None and not params.ignore_eos:
-            ends.add(eos_token_id)
-        finished: list[int | None] = [None] * B                 # the token that finished each row
-        sliding: set[int] = set()                               # rows recomputed over their last n_ctx tokens
-        chosen: list[list[int]] = []                            # each step's tokens, into ``out`` at the end
-        for step in range(n_new):
-            pos = T + step                                      # column of the token being chosen
-            for b, t in enumerate(tokens):
-                if isinstance(t, Exception):
-                    raise t
-                if finished[b] is not None:
-                    tokens[b] = engine.last[b] = finished[b]
-                elif t in ends:
-                    finished[b] = t
-                elif engine.samplers[b].complete:               # its grammar takes nothing more
-                    finished[b] = pad
-            chosen.append(list(tokens))
-            if on_token is not None:
-                out[:, pos] = torch.tensor(tokens)
-                on_token(out[:, pos])
-            if step == n_new - 1:
-                break
-            if None not in finished:
-                out[:, pos + 1:] = torch.tensor(finished, dtype=torch.long, device=out.device)[:, None]
-                break
-            sliding.update(b for b, n in enumerate(cache.lengths) if n == cache.max_len)
-            for b in sliding:                                   # its row of the cache is no longer read
-                cache.reset(b)
-            logits, rows = engine.forward(list(range(B)))
-            for b in sorted(sliding):                           # positions restart at 0 for the window
-                new = out[b, T:pos + 1] if on_token is not None else \
-                    torch.tensor([c[b] for c in chosen], dtype=torch.long, device=out.device)
-                window = torch.cat([prompts[b], new])[-n_ctx:]
-                logits[b] = model(window[None], last_only=True, validate=False).logits[0, -1]
-            live = [b for b in range(B) if finished[b] is None]
-            tokens = list(finished)
-            for b, t in zip(live, engine.sample(live, logits, live)):
-                tokens[b] = t
-        if chosen and on_token is None:                         # (with on_token each step's column was written then)
-            out[:, T:T + len(chosen)] = torch.tensor(chosen, dtype=torch.long).T  # one write, not one a step
-        return out
-    finally:
-        keep_for_next_call(storage)                            # its memory, for the next call
 
 
 #: The KV cache storage of the last finished :func:`generate` on CPU, by dtype: the next call whose

@@ -215,7 +215,7 @@ class NativeStep:
         self.kind = _kind(model)
         self.group_size = 0 if self.kind in FLOAT_DTYPES else model.h[0].attn.c_attn.native_group_size()
         self.eps = float(model.ln_f.eps)
-        # what decode_loop runs the prompts on: every prompt, on the products of the steps (per_row's
+        # what the engine prefills prompts with: every prompt, on the products of the steps (per_row's
         # W7A8, per_block's W4A8, as the model's own layers take prompts), a float32 or bf16
         # model's like its steps (conv1d_f32 at 512 rows outran MKL's addmm, ~1.3x; a bf16
         # prompt's head on its own forward converted wte to float32 every prompt)

@@ -7,7 +7,8 @@ plus ``top_k`` and ``min_p`` (as vLLM's ``SamplingParams`` and llama.cpp's serve
 vLLM's repetition control: ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, transformers' ``no_repeat_ngram_size``, and
 vLLM's ``structured_outputs`` (:class:`StructuredOutputs`: a JSON schema, any JSON object, a
-regular expression, a choice of strings or a grammar that the text must follow).
+regular expression, a choice of strings or a grammar that the text must follow), and
+``sliding_window`` (a sequence may run past the model's context, on its last ``n_ctx`` tokens).
 Every range is checked once, in :meth:`SamplingParams.__post_init__`; a bad value raises
 :class:`ParamError` (a ValueError) naming the field, which the server answers as OpenAI's 400
 with that ``param``. What depends on the model (a ``logit_bias`` id below its vocabulary, a
@@ -302,6 +303,11 @@ class SamplingParams:
             adjustment, before temperature and the filters), the end-of-text token only where
             the grammar may end; a sequence whose grammar is complete (nothing can follow) ends
             there with finish reason ``"stop"``.
+        sliding_window: the prompt plus the new tokens may run past the model's context (the
+            prompt itself may be longer): once a sequence's context is full, each step conditions
+            on its last ``n_ctx`` tokens only, positions restarting at 0 for that window (one
+            uncached forward of the window a step: slower once it slides). False: a prompt plus
+            ``max_tokens`` past the context is an error (or, served, clipped).
 
     Raises:
         ParamError: (a ValueError) naming the field and what it must be.
@@ -328,6 +334,7 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    sliding_window: bool = False
 
     def __post_init__(self):
         put = object.__setattr__
@@ -367,6 +374,7 @@ class SamplingParams:
             if self.best_of < self.n:
                 raise ParamError("best_of", f"best_of={self.best_of} must be greater than or equal to n={self.n}")
         put(self, "structured_outputs", StructuredOutputs.of(self.structured_outputs))
+        put(self, "sliding_window", _flag("sliding_window", self.sliding_window))
 
     @property
     def greedy(self) -> bool:
@@ -404,6 +412,3 @@ class SamplingParams:
 
 #: The names of :class:`SamplingParams`' fields, in order (what every entry point must accept).
 FIELDS = tuple(f.name for f in fields(SamplingParams))
-#: The fields the serving scheduler acts on (the text, several sequences per prompt, logprobs);
-#: ``generate()`` runs one row per prompt and acts on the others.
-TEXT_FIELDS = ("stop", "include_stop_str_in_output", "logprobs", "echo", "n", "best_of")

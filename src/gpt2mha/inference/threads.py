@@ -13,7 +13,7 @@ speed of the same model in the loading thread (int4 per_block 124M, 2 threads: 9
 
 :func:`release_openmp_workers` releases the calling thread's team (OpenMP 5.0's
 ``omp_pause_resource_all(omp_pause_soft)``); the runtime starts a new one the next time that
-thread runs a parallel region. :class:`~gpt2mha.serving.scheduler.Scheduler` calls it from the
+thread runs a parallel region. :class:`~gpt2mha.inference.scheduler.Scheduler` calls it from the
 thread that starts it, and sets its own thread's OpenMP thread count to the starting thread's
 (:func:`adopt_threads`): a new thread's count is the runtime's default (the CPU count, or
 ``OMP_NUM_THREADS``), not what ``torch.set_num_threads`` set in another thread.

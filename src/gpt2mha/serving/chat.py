@@ -34,7 +34,7 @@ from ..io.tokenizer import DEFAULT_CHAT_TEMPLATE as TOKENIZER_CHAT_TEMPLATE
 from .completions import Completions
 from .protocol import (EXPECTED, APIError, CompletionRequest, RequestFields, check_model, encode_prompts, encode_text,
                        parse_body, token_text)
-from .scheduler import Sequence
+from ..inference.sequence import Sequence
 
 
 # ------------------------------------------------------------------------------ template
@@ -370,7 +370,7 @@ class ChatCompletions(Completions):
 
     def whole_choice(self, index: int, seq: Sequence) -> dict:
         """A finished sequence as ``choices[index]``, with the logprobs of the tokens its text
-        covers (:attr:`TextStream.released <gpt2mha.serving.text_stream.TextStream.released>`) when asked."""
+        covers (:attr:`TextStream.released <gpt2mha.inference.text_stream.TextStream.released>`) when asked."""
         lp = None
         if seq.params.logprobs is not None:
             lp = logprobs_content(self.scheduler.tokenizer, seq, 0, seq.stream.released if seq.stream else 0)

@@ -23,9 +23,10 @@ from .protocol import (CLIP, MAX_STOP, APIError, check_prompt_count, check_reque
                        join_logprobs, parse_request, prompt_echo, sampling_params, sse, submit_error,
                        usage)
 from .operate import request_id
-from .scheduler import ExceedsCapacity, QueueFull, Scheduler, Sequence, ShuttingDown, pick_choices
+from ..inference.scheduler import ExceedsCapacity, QueueFull, Scheduler, ShuttingDown
+from ..inference.sequence import Sequence, pick_choices
 from .structured import check_grammar
-from .text_stream import CANCELLED, ERROR
+from ..inference.text_stream import CANCELLED, ERROR
 
 log = logging.getLogger("gpt2mha.serve")
 

@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 
-from .text_stream import CANCELLED, ERROR, LENGTH, STOP
+from ..inference.text_stream import CANCELLED, ERROR, LENGTH, STOP
 
 #: The prefix of every family (vLLM's is ``vllm:``).
 PREFIX = "gpt2mha:"
@@ -93,7 +93,7 @@ class ServerMetrics:
         r.register(_PrefixCacheCounters(self, model_name))
 
     def watch(self, scheduler) -> None:
-        """Read the gauges from ``scheduler`` (a :class:`~gpt2mha.serving.scheduler.Scheduler`)
+        """Read the gauges from ``scheduler`` (a :class:`~gpt2mha.inference.scheduler.Scheduler`)
         and have it report its sequences here."""
         self.scheduler = scheduler
         scheduler.metrics = self

@@ -47,7 +47,7 @@ import uuid
 from fastapi.responses import JSONResponse, Response
 
 from .protocol import RETRY_AFTER_S, APIError, submit_error
-from .scheduler import ShuttingDown
+from ..inference.scheduler import ShuttingDown
 
 log = logging.getLogger("gpt2mha.serve")
 
@@ -115,7 +115,7 @@ class Operations:
         """Serve ``api`` (the app of :func:`~gpt2mha.serving.server.create_app` over
         ``scheduler``) from now on. ``start``: start the scheduler now, in the calling thread
         (the one that loaded the model: :meth:`Scheduler.start
-        <gpt2mha.serving.scheduler.Scheduler.start>` releases its OpenMP workers); otherwise
+        <gpt2mha.inference.scheduler.Scheduler.start>` releases its OpenMP workers); otherwise
         the lifespan's startup starts it. Nothing is started once :meth:`close` has run."""
         if self.metrics is not None:
             self.metrics.watch(scheduler)

@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..inference.params import FIELDS as SAMPLING_FIELDS
 from ..inference.params import MAX_COMPLETION_LOGPROBS, MAX_LOGPROBS, ParamError, SamplingParams
 from .errors import APIError  # noqa: F401  (raised here; importable from here too)
-from .scheduler import ExceedsCapacity, QueueFull, Sequence, ShuttingDown
-from .text_stream import CANCELLED, ERROR, TextStream
+from ..inference.scheduler import ExceedsCapacity, QueueFull, ShuttingDown
+from ..inference.sequence import Sequence
+from ..inference.text_stream import CANCELLED, ERROR, TextStream
 
 #: The default limit of stop strings per request (``gpt2mha serve --max-stop N``). OpenAI's API
 #: takes 4, but lm-evaluation-harness's generate_until sends a task's ``until`` strings plus the
@@ -76,6 +77,8 @@ class RequestFields(BaseModel):
     # ---- structured outputs (OpenAI's response_format, vLLM's structured_outputs: .structured)
     response_format: dict | None = None
     structured_outputs: dict | None = None
+    # ---- past the context: each step on the last n_ctx tokens (SamplingParams.sliding_window)
+    sliding_window: bool = False
     # ---- accepted at its neutral value (clients send it by default)
     user: str | None = None
 
@@ -103,6 +106,7 @@ EXPECTED = {
     "include_stop_str_in_output": "a boolean",
     "response_format": "an object {type: 'text', 'json_object' or 'json_schema', json_schema: {name, schema}}",
     "structured_outputs": "an object with one of json, regex, choice, grammar, json_object",
+    "sliding_window": "a boolean",
     "suffix": "a string", "user": "a string",
 }
 
@@ -312,7 +316,8 @@ def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int 
     ``[0, n_vocab)`` (default the tokenizer's), a prompt longer than ``n_ctx``, or naming
     ``max_tokens`` for prompt + max_tokens beyond the context: with ``overflow="clip"`` (the
     server's default, :data:`MAX_TOKENS_OVERFLOW`) only when the prompt fills the context (the
-    scheduler clips the others' ``max_tokens`` to the room left).
+    scheduler clips the others' ``max_tokens`` to the room left); never with ``sliding_window``
+    (the completion runs past the context on its last ``n_ctx`` tokens).
 
     A text prompt whose UTF-8 length alone proves it longer than ``n_ctx`` tokens (at least
     ``ceil(bytes / tokenizer.max_token_bytes)`` of them) is refused without being tokenized, so
@@ -326,7 +331,8 @@ def encode_prompts(body: CompletionRequest, tokenizer, n_ctx: int, n_vocab: int 
         if len(ids) > n_ctx:
             raise APIError(400, f"{where} has {len(ids)} tokens; this model's maximum context length is "
                                 f"{n_ctx} tokens", "prompt", code="context_length_exceeded")
-        if len(ids) + body.max_tokens > n_ctx and (overflow == REFUSE or len(ids) == n_ctx):
+        if len(ids) + body.max_tokens > n_ctx and (overflow == REFUSE or len(ids) == n_ctx) and \
+                not body.sliding_window:
             hint = ("; lower max_tokens or shorten the prompt (a server started with --max-tokens-overflow clip "
                     "ends the completion where the context does)") if overflow == REFUSE else \
                 f"; the prompt fills the context, which leaves no room for max_tokens={body.max_tokens}: shorten it"
@@ -410,9 +416,9 @@ def sampling_params(body: CompletionRequest) -> SamplingParams:
 
 
 def submit_error(e: Exception) -> APIError:
-    """The answer to a refused submission: :class:`~gpt2mha.serving.scheduler.ExceedsCapacity`
-    400, :class:`~gpt2mha.serving.scheduler.QueueFull` 429 and
-    :class:`~gpt2mha.serving.scheduler.ShuttingDown` 503 (both with ``Retry-After``)."""
+    """The answer to a refused submission: :class:`~gpt2mha.inference.scheduler.ExceedsCapacity`
+    400, :class:`~gpt2mha.inference.scheduler.QueueFull` 429 and
+    :class:`~gpt2mha.inference.scheduler.ShuttingDown` 503 (both with ``Retry-After``)."""
     if isinstance(e, ExceedsCapacity):
         return APIError(400, str(e), "prompt", code="too_many_prompts")
     if isinstance(e, QueueFull):

@@ -10,7 +10,7 @@ Endpoints (the OpenAI completions API, as llama.cpp's server and vLLM expose it)
   (only with ``stream``), ``logprobs`` and ``echo``
   (:func:`~gpt2mha.serving.protocol.choice_answer`; a stream's chunks carry their own tokens'
   logprobs, :meth:`Completions.chunk`), ``n`` and ``best_of``
-  (:func:`~gpt2mha.serving.scheduler.pick_choices`), ``presence_penalty``,
+  (:func:`~gpt2mha.inference.sequence.pick_choices`), ``presence_penalty``,
   ``frequency_penalty``, ``logit_bias``, and as extensions ``top_k``, ``min_p`` and vLLM's
   repetition control (``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``include_stop_str_in_output``; transformers' ``no_repeat_ngram_size``,
@@ -32,7 +32,7 @@ another method, 405, in the same object; a body over ``max_body_bytes``, 413; a 
 that is full right now, 429 with ``Retry-After``; shutting down, 503. The app never touches
 tensors: its routes (:mod:`.completions`, :class:`~gpt2mha.serving.chat.ChatCompletions`) read
 the body, then parse, check and tokenize it in a worker thread (so a large body does not stall
-the event loop), submit to the :class:`~gpt2mha.serving.scheduler.Scheduler` thread, and relay
+the event loop), submit to the :class:`~gpt2mha.inference.scheduler.Scheduler` thread, and relay
 its text events. One log line per request (logger ``gpt2mha.serve``).
 
 ``gpt2mha serve`` runs this app behind :class:`~gpt2mha.serving.operate.Operations` (probes
@@ -69,7 +69,7 @@ from .address import check_address
 from .completions import DRAIN_BYTES, Completions, Relay, read_body   # noqa: F401  (DRAIN_BYTES: the API as before)
 from .operate import Operations, request_id
 from .protocol import CLIP, MAX_STOP, MAX_TOKENS_OVERFLOW, APIError, cancelled_error, sse, validation_error
-from .scheduler import Scheduler
+from ..inference.scheduler import Scheduler
 
 log = logging.getLogger("gpt2mha.serve")
 
@@ -296,7 +296,7 @@ class GracefulServer(uvicorn.Server):
     flight go on. Once none is left, or ``graceful_timeout`` seconds later, uvicorn's own shutdown
     runs (the port closes, the lifespan stops the scheduler); at the timeout the scheduler first
     cancels every sequence still queued or running
-    (:meth:`~gpt2mha.serving.scheduler.Scheduler.cancel_all`), so each request ends through its
+    (:meth:`~gpt2mha.inference.scheduler.Scheduler.cancel_all`), so each request ends through its
     own handler: a non-streamed one with a 503 error object, a stream with an error event then
     ``data: [DONE]``, one log line each. uvicorn's own cancellation of the request tasks comes
     :data:`CANCEL_GRACE_S` later, as a last resort (:class:`AnswerCancelled` answers those). A
@@ -387,20 +387,20 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     cancelled (503 / a stream's error event); the scheduler is stopped and this returns normally.
 
     ``chat_template``, ``max_stop``, ``max_body_bytes``, ``max_tokens_overflow``: as :func:`create_app`; ``batch_invariant``:
-    as :class:`~gpt2mha.serving.scheduler.Scheduler`; ``compile``: decode on the compiled step
+    as :class:`~gpt2mha.inference.scheduler.Scheduler`; ``compile``: decode on the compiled step
     (:func:`~gpt2mha.inference.decoders.choose_decoder`, as ``generate(compile=True)``);
     ``api_key``: the key every route but the probes, ``/version`` and ``/metrics`` needs
     (``Authorization: Bearer``); ``metrics``: serve ``/metrics``; ``lora``: ``{name: adapter
     path}`` applied unmerged (:func:`~gpt2mha.inference.lora.apply_lora`), each served as its own
     model id over the one base. A classifier (:class:`~gpt2mha.core.classifier.GPT2Classifier`)
     is served at ``/v1/classify`` (:mod:`.classify`); ``prefix_cache_mb``: as
-    :class:`~gpt2mha.serving.scheduler.Scheduler` (None: sized from free memory; 0: off).
+    :class:`~gpt2mha.inference.scheduler.Scheduler` (None: sized from free memory; 0: off).
 
     Raises:
         ValueError: a port outside [0, 65535] or one that cannot be listened on now (in use,
             :func:`~gpt2mha.serving.address.check_address`), a negative or non-finite graceful_timeout,
             a bad api_key, max_body_bytes < 1, max_stop < 1, a chat template that is not valid Jinja,
-            a max_tokens_overflow other than "clip" or "refuse", or bad max_batch/max_queue (:class:`~gpt2mha.serving.scheduler.Scheduler`); after the
+            a max_tokens_overflow other than "clip" or "refuse", or bad max_batch/max_queue (:class:`~gpt2mha.inference.scheduler.Scheduler`); after the
             server stopped, whatever ``load`` raised.
         RuntimeError: the server could not start (e.g. the address is in use or the host
             unknown; uvicorn logs the reason).

@@ -1,6 +1,11 @@
-"""Continuous batching: the queue, the slots and the loop that decides what runs.
+"""Continuous batching: the queue, the slots and the loop that decides what runs: the one
+driver of the :class:`~gpt2mha.inference.engine.Engine`. The server runs it continuously, in a
+thread of its own (:meth:`Scheduler.start`); ``generate()`` runs it to completion in the
+caller's thread (:meth:`Scheduler.run_until_idle`: every sequence submitted at once, admitted in
+order in the first step), so a sampling option, a stop rule or the sliding window acts the same
+offline, in the CLI and served.
 
-The loop (:meth:`Scheduler.step`, run by one background thread in the server):
+The loop (:meth:`Scheduler.step`):
 
 1. free the slots of cancelled sequences;
 2. admit waiting sequences into free slots: each gets a slot and a seed, then each is
@@ -8,8 +13,9 @@ The loop (:meth:`Scheduler.step`, run by one background thread in the server):
    ``generate()`` runs, on the route it takes), which samples its first token;
 3. one decode step for every running sequence at once (:meth:`Engine.decode
    <gpt2mha.inference.engine.Engine.decode>`: each row at its own position, attending only to its
-   own keys);
-4. turn each new token into UTF-8-safe text (:class:`~gpt2mha.serving.text_stream.TextStream`),
+   own keys); a sequence with ``sliding_window`` whose row of the cache is full is computed
+   alone over its last ``n_ctx`` tokens, positions restarting at 0, from then on;
+4. turn each new token into UTF-8-safe text (:class:`~gpt2mha.inference.text_stream.TextStream`),
    send it, and free the slot of every sequence that finished (length, end of text, a stop
    string, a ``structured_outputs`` grammar that is complete: ``"stop"``, even at its
    ``max_tokens``-th token) at once.
@@ -36,17 +42,18 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 from ..core import checks
-from ..inference.decoders import Route
-from ..inference.engine import Engine
-from ..inference.generate import as_prompts
-from ..inference.params import SamplingParams
-from ..inference.prefix_cache import PrefixCache, default_budget_mb
-from ..inference.sampling import row_seed
-from ..inference.threads import adopt_threads, release_openmp_workers
+from .decoders import Route
+from .engine import Engine
+from .prompts import as_prompts
+from .params import SamplingParams
+from .prefix_cache import PrefixCache, default_budget_mb
+from .sampling import row_seed
+from .threads import adopt_threads, release_openmp_workers
+from .sequence import Sequence
 from .text_stream import CANCELLED, ERROR, LENGTH, STOP, TextStream
 
 log = logging.getLogger("gpt2mha.serve")
@@ -69,74 +76,6 @@ class ShuttingDown(Exception):
     """The scheduler is stopping and takes no new work (HTTP 503)."""
 
 
-@dataclass(eq=False)
-class Sequence:
-    """One prompt being continued, from submission to its finish.
-
-    ``on_event(seq, text, done)`` is called from the scheduler's thread with each new piece
-    of text (never empty) and once with ``done=True`` (then :attr:`finish_reason` is
-    ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"``, with :attr:`error` set for the last).
-    The done event carries the text's last piece, sampled in the same step (empty when nothing
-    is left: the end-of-text token, a stop string with no text held back, a failure), so that
-    a stream's last text chunk carries the finish reason, as OpenAI's do.
-    Before each call the count of tokens whose text has been sent (:meth:`TextStream.released
-    <gpt2mha.serving.text_stream.TextStream.released>`) is appended to :attr:`marks`, so the
-    k-th event covers ``tokens[marks[k-1]:marks[k]]`` (for streamed logprobs).
-
-    ``index`` is its place among the request's sequences (``prompt_index · per_prompt + j``);
-    ``logprobs`` holds one :data:`~gpt2mha.inference.engine.TokenLogprob` per generated token when
-    asked (or ranked), ``prompt_logprobs`` one per prompt token after the first with ``echo``.
-    """
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    on_event: Callable[["Sequence", str, bool], None]
-    index: int = 0
-    prompt_index: int = 0
-    logprobs: list = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    marks: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    error: str | None = None
-    slot: int | None = None
-    cancelled: bool = False
-    t_submit: float = 0.0
-    t_admit: float | None = None
-    t_first: float | None = None
-    t_last: float | None = None
-    t_end: float | None = None
-    cached_tokens: int = 0
-    stream: TextStream | None = None
-    adapter: int | None = None                  # the LoRA adapter's index (inference/lora.py; None: the base)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-
-def mean_logprob(seq: Sequence) -> float:
-    """``best_of``'s ranking: the mean log-probability of the sequence's generated tokens (the
-    model's raw distribution; 0 for none)."""
-    return sum(e[0] for e in seq.logprobs) / len(seq.logprobs) if seq.logprobs else 0.0
-
-
-def pick_choices(seqs: list[Sequence]) -> list[tuple[int, Sequence]]:
-    """``(choice index, sequence)`` of a finished request: with ``best_of > n`` the n candidates
-    of each prompt with the highest :func:`mean_logprob` (ties: the earlier candidate), indexed
-    ``prompt_index · n + rank``; otherwise every sequence at its own index."""
-    params = seqs[0].params
-    if not params.ranked:
-        return [(s.index, s) for s in seqs]
-    out = []
-    for i in sorted({s.prompt_index for s in seqs}):
-        group = sorted((s for s in seqs if s.prompt_index == i), key=lambda s: (-mean_logprob(s), s.index))
-        out.extend((i * params.n + r, s) for r, s in enumerate(group[:params.n]))
-    return out
-
-
-
 class Scheduler:
     """Owns the queue of waiting sequences and the slots of running ones, and an
     :class:`~gpt2mha.inference.engine.Engine` (the model, its route and its cache, one row per
@@ -145,7 +84,8 @@ class Scheduler:
     Args:
         model: a :class:`~gpt2mha.core.model.GPT2` (put in eval mode; used only by this scheduler).
         tokenizer: its tokenizer (for text and, with BPE, the end-of-text token that stops a
-            sequence with finish_reason ``"stop"``).
+            sequence with finish_reason ``"stop"``); None: no text (sequences with stop strings
+            or structured outputs are refused; ``generate()`` without them).
         max_batch: slots, i.e. sequences decoded together at most (>= 1).
         max_queue: sequences that may wait for a slot beyond the free ones (>= 0); more is
             refused with :class:`QueueFull`.
@@ -158,6 +98,20 @@ class Scheduler:
             available, :func:`~gpt2mha.inference.prefix_cache.default_budget_mb`; 0: no prefix
             cache). On a route that cannot keep a suffix's bits it is off whatever the budget
             (``engine.prefix_cache_off`` says why).
+        engine: run this :class:`~gpt2mha.inference.engine.Engine` (``generate()`` makes one
+            over a cache sized for its call) instead of making one: its slots are ``max_batch``,
+            its route, prefix cache and ``eos_token_id`` are the ones used (the arguments for
+            them are ignored).
+        draw_seeds: a sequence without a seed draws a random one of its own (the server); False:
+            it samples from torch's global generator (``generate()``'s rule, so that
+            ``torch.manual_seed`` fixes its tokens).
+
+    Attributes:
+        after_tokens: None, or a function called (in the loop's thread) after each engine call
+            that sampled tokens: the admissions' prefills of a step, then its decode step
+            (``generate()``'s ``on_token``).
+        log_failures: whether a failed sequence is logged (``generate()`` raises its exception
+            instead).
 
     Memory: see :class:`~gpt2mha.inference.engine.Engine` (38 MB of cache for the built-in model
     with 16 slots, 1.2 GB for 124M in float32).
@@ -168,24 +122,36 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 256,
                  batch_invariant: bool | None = None, route: Route | None = None,
-                 prefix_cache_mb: float | None = None):
-        self.max_batch = checks.as_int(max_batch, "max_batch", minimum=1)
+                 prefix_cache_mb: float | None = None, engine: Engine | None = None, draw_seeds: bool = True):
         self.max_queue = checks.as_int(max_queue, "max_queue")
+        self.draw_seeds = checks.flag(draw_seeds, "draw_seeds")
         self.tokenizer = tokenizer
         self.n_ctx, self.n_vocab = model.config.n_ctx, model.config.n_vocab
-        if prefix_cache_mb is None:
-            prefix_cache_mb = default_budget_mb()
-        store = PrefixCache(prefix_cache_mb) if prefix_cache_mb else None
-        self.engine = Engine(model, self.max_batch, route, vocab_size=min(tokenizer.n_vocab, self.n_vocab),
-                             batch_invariant=batch_invariant, eos_token_id=getattr(tokenizer, "eot_token", None),
-                             tokenizer=tokenizer, prefix_cache=store)
+        if engine is None:
+            self.max_batch = checks.as_int(max_batch, "max_batch", minimum=1)
+            if prefix_cache_mb is None:
+                prefix_cache_mb = default_budget_mb()
+            store = PrefixCache(prefix_cache_mb) if prefix_cache_mb else None
+            vocab = self.n_vocab if tokenizer is None else min(tokenizer.n_vocab, self.n_vocab)
+            engine = Engine(model, self.max_batch, route, vocab_size=vocab, batch_invariant=batch_invariant,
+                            eos_token_id=getattr(tokenizer, "eot_token", None), tokenizer=tokenizer,
+                            prefix_cache=store)
+        self.engine = engine
+        self.max_batch = engine.slots
+        self.after_tokens: Callable[[], None] | None = None
+        self.log_failures = True
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.counts = collections.Counter()          # finished sequences by finish_reason, tokens, steps
-        self._recent = collections.deque()           # times of the last tokens, for tokens/s
+        self._recent = collections.deque()           # (time, tokens) of the last engine calls, for tokens/s
+        self._recent_tokens = 0                      # the tokens _recent holds
+        self._cancels = 0                            # cancellations the loop has not handled yet
+        self._running: list[Sequence] | None = None  # the sequences in slots, in slot order (None: to list again)
+        self._running_slots: list[int] = []
+        self._sliding = False                        # whether one of them has sliding_window
         self._ready = threading.Event()              # set by warm_up
         #: what the sequences are reported to (:class:`~gpt2mha.serving.metrics.ServerMetrics`), or None
         self.metrics = None
@@ -198,7 +164,9 @@ class Scheduler:
         order: prompt i's candidate j has ``index = i * per_prompt + j`` (its seed rule) and
         ``prompt_index = i``. With ``clip``, a prompt whose ``max_tokens`` goes past the context
         runs with ``max_tokens`` the room left (``n_ctx - len(prompt)``; its ``params`` say so),
-        ending with finish_reason ``"length"`` where the context ends. ``adapter``: the LoRA
+        ending with finish_reason ``"length"`` where the context ends. A prompt with
+        ``params.sliding_window`` may run past the context, and be longer than it (its last
+        ``n_ctx`` tokens are prefilled). ``adapter``: the LoRA
         adapter they run with (an index of the model's :class:`~gpt2mha.inference.lora.LoraState`;
         None: the base model).
 
@@ -207,9 +175,10 @@ class Scheduler:
                 checked its own fields), a logit_bias id outside the vocabulary, a
                 ``structured_outputs`` grammar refused for this tokenizer
                 (:class:`~gpt2mha.inference.params.GrammarError`), an empty prompt,
-                ids that are not integers or outside the vocabulary, or prompt + max_tokens
-                longer than n_ctx (with ``clip``: a prompt longer than n_ctx; the caller checks
-                these first for clear HTTP errors).
+                ids that are not integers or outside the vocabulary, prompt + max_tokens
+                longer than n_ctx without ``sliding_window`` (with ``clip``: a prompt longer than
+                n_ctx; the caller checks these first for clear HTTP errors), or stop strings on a
+                scheduler without a tokenizer.
             ExceedsCapacity: more prompts than :attr:`capacity`, i.e. never admissible.
             QueueFull: not enough free slots plus queue room for all of them now.
             ShuttingDown: after :meth:`stop`.
@@ -235,13 +204,16 @@ class Scheduler:
     def _fitted(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
         """``params`` with ``max_tokens`` at most the room ``ids`` leave in the context."""
         room = self.n_ctx - len(ids)
-        return params if params.max_tokens <= room else replace(params, max_tokens=room)
+        return params if params.max_tokens <= room or params.sliding_window else replace(params, max_tokens=room)
 
     def _check(self, prompts, params: SamplingParams, clip: bool = False) -> list[list[int]]:
         """:meth:`submit`'s checks; returns the prompts as lists of Python ints."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
         params.check_vocab(self.engine.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r}: stop strings are found in the text, and this scheduler has no "
+                             f"tokenizer")
         self.engine.grammar(params)                     # compiled (and kept) before any slot is taken
         m = params.per_prompt
         if len(prompts) * m > self.capacity:
@@ -256,7 +228,7 @@ class Scheduler:
                 raise ValueError(f"prompt {i} is empty")
             if min(ids) < 0 or max(ids) >= self.n_vocab:
                 raise ValueError(f"prompt {i} has ids outside [0, n_vocab={self.n_vocab})")
-            if len(ids) + (0 if clip else params.max_tokens) > self.n_ctx:
+            if len(ids) + (0 if clip else params.max_tokens) > self.n_ctx and not params.sliding_window:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens={params.max_tokens} > n_ctx={self.n_ctx}")
         return prompts
 
@@ -276,6 +248,7 @@ class Scheduler:
         if not seq.done:
             seq.cancelled = True
             with self._cv:
+                self._cancels += 1
                 self._cv.notify()
 
     def stats(self) -> dict:
@@ -289,7 +262,7 @@ class Scheduler:
             running = sum(s is not None for s in self.slots)
             return dict(ready=self.ready, route=self.engine.route.decoder.name, running=running, queued=queued,
                         slots=self.max_batch, free_slots=self.max_batch - running,
-                        max_queue=self.max_queue, tokens_per_second=round(len(self._recent) / RATE_WINDOW_S, 2),
+                        max_queue=self.max_queue, tokens_per_second=round(self._recent_tokens / RATE_WINDOW_S, 2),
                         completed=self.counts[STOP] + self.counts[LENGTH], cancelled=self.counts[CANCELLED],
                         failed=self.counts[ERROR], rejected=self.counts["rejected"],
                         generated_tokens=self.counts["tokens"], decode_steps=self.counts["steps"],
@@ -320,8 +293,8 @@ class Scheduler:
             return len(held), len(self.waiting), sum(held) / (self.max_batch * self.n_ctx)
 
     def _forget_old(self, now: float) -> None:
-        while self._recent and self._recent[0] < now - RATE_WINDOW_S:
-            self._recent.popleft()
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent_tokens -= self._recent.popleft()[1]
 
     # ----------------------------------------------------------------------- the thread
     @property
@@ -366,6 +339,7 @@ class Scheduler:
             live = [s for s in list(self.waiting) + self.slots if s is not None and not s.cancelled and not s.done]
             for seq in live:
                 seq.cancelled = True
+            self._cancels += 1
             self._cv.notify()
         return len(live)
 
@@ -423,27 +397,36 @@ class Scheduler:
         Each move between the queue, the slots and the finished counts is made under the lock,
         so :meth:`stats` always sees every submitted sequence in exactly one of them.
         """
-        with self._cv:
-            for seq in self.slots:
-                if seq is not None and seq.cancelled:
+        if self.waiting or self._cancels:
+            with self._cv:
+                self._cancels = 0
+                for seq in self.slots:
+                    if seq is not None and seq.cancelled:
+                        self._finish(seq, CANCELLED)
+                for seq in [s for s in self.waiting if s.cancelled]:
+                    self.waiting.remove(seq)
                     self._finish(seq, CANCELLED)
-            for seq in [s for s in self.waiting if s.cancelled]:
-                self.waiting.remove(seq)
-                self._finish(seq, CANCELLED)
-            admit = []
-            while self.waiting and None in self.slots:
-                seq = self.waiting.popleft()
-                seq.slot = self.slots.index(None)
-                self.slots[seq.slot] = seq
-                admit.append(seq)
-        if admit:
-            self._admit(admit)
-        if any(s is not None for s in self.slots):
+                admit = []
+                while self.waiting and None in self.slots:
+                    seq = self.waiting.popleft()
+                    seq.slot = self.slots.index(None)
+                    self.slots[seq.slot] = seq
+                    admit.append(seq)
+                    self._running = None
+            if admit:
+                self._admit(admit)
+        if self._running is None:                    # the slots changed: list their sequences again
+            with self._cv:
+                running = self._running = [s for s in self.slots if s is not None]
+                self._running_slots = [s.slot for s in running]
+                self._sliding = any(s.params.sliding_window for s in running)
+        if self._running:
             self._decode()
 
     def _admit(self, seqs: list[Sequence]) -> None:
-        """Give each new sequence (already in its slot) its text stream and seed, prefill each
-        alone (one that fails fails alone) and accept its first token."""
+        """Give each new sequence (already in its slot) its text stream and seed, prefill them
+        (one engine call; each prompt alone in its slot: one that fails fails alone) and accept
+        each first token."""
         now = time.monotonic()
         live = []
         for seq in seqs:
@@ -453,72 +436,102 @@ class Scheduler:
                 self.metrics.admitted(seq)
             try:
                 seq.stream = TextStream(self.tokenizer, p.stop, p.max_tokens, p.stop_token_ids, p.ignore_eos,
-                                        p.min_tokens, p.include_stop_str_in_output)
+                                        p.min_tokens, p.include_stop_str_in_output, self.engine.eos_token_id)
                 if p.echo and p.logprobs is not None:
                     seq.prompt_logprobs = self.engine.score(seq.prompt_ids, p.logprobs, adapter=seq.adapter)
                     seq.cached_tokens = self.engine.score_cached
                 if p.max_tokens == 0:
                     self._finish(seq, LENGTH)
                     continue
-                seed = row_seed(p.seed, seq.index) if p.seed is not None else secrets.randbits(63)
+                seed = row_seed(p.seed, seq.index) if p.seed is not None else \
+                    secrets.randbits(63) if self.draw_seeds else None
                 logprobs = p.logprobs if p.logprobs is not None else 0 if p.ranked else None
-                self.engine.open(seq.slot, p, seed, logprobs=logprobs, prompt=seq.prompt_ids, adapter=seq.adapter)
+                self.engine.open(seq.slot, p, seed, logprobs=logprobs, row=seq.index, prompt=seq.prompt_ids,
+                                 adapter=seq.adapter)
                 live.append(seq)
             except Exception as e:
                 self._fail(seq, e)
-        for seq in live:
+        if live:
             try:
-                self._prefill([seq])
-            except Exception as e:                   # this request fails; the others go on
-                self._fail(seq, e)
+                self._prefill(live)
+            except Exception:                        # a forward failed and nothing was kept: each alone,
+                for seq in live:                     # so that the one that fails fails and the others go on
+                    try:
+                        self._prefill([seq])
+                    except Exception as e:
+                        self._fail(seq, e)
+        if self.after_tokens is not None:
+            self.after_tokens()
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Prefill ``seqs`` into their slots (one engine call) and accept each first token."""
-        results = self.engine.prefill([s.slot for s in seqs], [s.prompt_ids for s in seqs])
-        for seq, token in zip(seqs, results):
+        n = self.n_ctx                                 # a longer prompt (sliding_window): its last n_ctx tokens
+        results = self.engine.prefill([s.slot for s in seqs], [s.prompt_ids[-n:] for s in seqs])
+        for seq in seqs:
             seq.cached_tokens = self.engine.cached[seq.slot]
-            self._take(seq, token)
+        self._take(seqs, results)
 
     def _decode(self) -> None:
         """One decode step over every running sequence."""
-        running = [s for s in self.slots if s is not None]
+        running = self._running
+        windows = self._windows(running) if self._sliding else None
         try:
-            results = self.engine.decode([s.slot for s in running])
+            results = self.engine.decode(self._running_slots, windows)
         except Exception as e:                       # the batched step itself failed: all of its rows fail
             for seq in running:
                 self._fail(seq, e)
             return
-        self.counts["steps"] += 1
-        for seq, token in zip(running, results):
-            self._take(seq, token)
+        self._take(running, results, step=1)
+        if self.after_tokens is not None:
+            self.after_tokens()
 
-    def _take(self, seq: Sequence, token: int | Exception) -> None:
-        """An engine's result for ``seq``: accept the token, or fail the sequence."""
-        try:
-            if isinstance(token, Exception):
-                raise token
-            self._accept(seq, token)
-        except Exception as e:
-            self._fail(seq, e)
+    def _windows(self, running: list[Sequence]) -> dict[int, list[int]]:
+        """The sliding windows of this step: ``{slot: its last n_ctx tokens}`` for each running
+        sequence with ``sliding_window`` whose row of the cache is full, or was (from then on
+        each step computes it alone over its window: :meth:`Engine.forward
+        <gpt2mha.inference.engine.Engine.forward>`)."""
+        lengths, full = self.engine.cache.lengths, self.engine.cache.max_len
+        out = {}
+        for seq in running:
+            if seq.params.sliding_window and (seq.sliding or lengths[seq.slot] >= full):
+                seq.sliding = True
+                out[seq.slot] = (seq.prompt_ids + seq.tokens)[-self.n_ctx:]
+        return out
 
-    def _accept(self, seq: Sequence, token: int) -> bool:
-        """Record a sampled token, send its text; finish the sequence if it is done. Returns
-        whether it goes on."""
+    def _take(self, seqs: list[Sequence], results: list[int | Exception], step: int = 0) -> None:
+        """An engine call's results (``results[i]`` for ``seqs[i]``): accept each token, or fail
+        its sequence; then count the tokens (and ``step`` decode steps) under the lock."""
         now = time.monotonic()
+        samplers = self.engine.samplers
+        n = 0
+        for seq, token in zip(seqs, results):
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                n += 1
+                self._accept(seq, token, samplers[seq.slot], now)
+            except Exception as e:
+                self._fail(seq, e)
+        with self._cv:
+            self.counts["tokens"] += n
+            self.counts["steps"] += step
+            self._recent.append((now, n))
+            self._recent_tokens += n
+            self._forget_old(now)
+
+    def _accept(self, seq: Sequence, token: int, sampler, now: float) -> bool:
+        """Record a token ``sampler`` (the sequence's) sampled, send its text; finish the sequence
+        if it is done. Returns whether it goes on."""
         if seq.t_first is None:
             seq.t_first = now
         if self.metrics is not None:
             self.metrics.token(seq, now, seq.t_last)
         seq.t_last = now
         seq.tokens.append(token)
-        if self.engine.samplers[seq.slot].logprobs is not None:
-            seq.logprobs.append(self.engine.logprobs[seq.slot])
-        with self._cv:
-            self.counts["tokens"] += 1
-            self._recent.append(now)
-            self._forget_old(now)
+        if sampler.logprobs is not None:
+            seq.logprobs.append(sampler.last_logprob)
         delta, reason = seq.stream.add(token)
-        if reason != STOP and self.engine.samplers[seq.slot].complete:
+        if reason != STOP and sampler.complete:
             reason = STOP                               # its grammar is complete: nothing can follow
         if reason is not None:
             return self._finish(seq, reason, text=delta)
@@ -539,6 +552,7 @@ class Scheduler:
                 self.engine.release(seq.slot)
                 self.slots[seq.slot] = None
                 seq.slot = None
+                self._running = None
             if newly:
                 seq.finish_reason, seq.error, seq.t_end = reason, error, time.monotonic()
                 self.counts[reason] += 1
@@ -558,5 +572,8 @@ class Scheduler:
         seq.on_event(seq, text, done)
 
     def _fail(self, seq: Sequence, e: Exception) -> None:
-        log.error("sequence failed: %s: %s", type(e).__name__, e)
+        if self.log_failures:
+            log.error("sequence failed: %s: %s", type(e).__name__, e)
+        if seq.exception is None:
+            seq.exception = e
         self._finish(seq, ERROR, f"{type(e).__name__}: {e}")

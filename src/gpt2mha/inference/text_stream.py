@@ -23,6 +23,8 @@ CANCELLED = "cancelled"
 #: An exception while running this sequence.
 ERROR = "error"
 FINISH_REASONS = (STOP, LENGTH, CANCELLED, ERROR)
+#: :class:`TextStream`'s default ``eos_token_id``: the tokenizer's end-of-text token.
+TOKENIZERS_EOS = "the tokenizer's"
 
 
 class TextStream:
@@ -36,7 +38,9 @@ class TextStream:
     sampled token together with the finish reason it causes.
 
     Args:
-        tokenizer: has ``decode_bytes(ids)``, and ``eot_token`` (an id, or None) for :meth:`add`.
+        tokenizer: has ``decode_bytes(ids)``, and ``eot_token`` (an id, or None) for :meth:`add`;
+            None: no text at all (the tokens alone end the stream: ``generate()`` without stop
+            strings decodes nothing).
         stop: strings that end the text (cut before the first one found).
         max_tokens: tokens after which :meth:`add` answers :data:`LENGTH` (None: no limit).
         stop_token_ids: ids that end the text when :meth:`add` is given one, as the end-of-text
@@ -46,6 +50,8 @@ class TextStream:
             this many tokens (vLLM's ``min_tokens``: the stop tokens are banned until then).
         include_stop: keep the stop string that ends the text, or the text of a stop token (not
             the end-of-text token's), at its end (vLLM's ``include_stop_str_in_output``).
+        eos_token_id: the id that ends the text as the end-of-text token (:data:`TOKENIZERS_EOS`:
+            the tokenizer's ``eot_token``; None: none).
 
     Attributes:
         text: all text decoded so far (cut at a stop string once found).
@@ -58,9 +64,13 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), max_tokens: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, min_tokens: int = 0,
-                 include_stop: bool = False):
-        self.decoder = StreamDecoder(tokenizer)
-        self.eot = None if ignore_eos else getattr(tokenizer, "eot_token", None)
+                 include_stop: bool = False, eos_token_id: int | None | str = TOKENIZERS_EOS):
+        if stop and tokenizer is None:
+            raise ValueError("stop strings are found in the text: give the tokenizer")
+        self.decoder = None if tokenizer is None else StreamDecoder(tokenizer)
+        if eos_token_id == TOKENIZERS_EOS:
+            eos_token_id = getattr(tokenizer, "eot_token", None)
+        self.eot = None if ignore_eos else eos_token_id
         self.stop_ids = frozenset(stop_token_ids)
         self.stop = tuple(stop)
         self.max_tokens = max_tokens
@@ -74,14 +84,14 @@ class TextStream:
 
     def push(self, ids) -> str:
         """The text that token ids ``ids`` make certain (possibly empty)."""
-        if self.stopped:
+        if self.stopped or self.decoder is None:
             return ""
         self.text += self.decoder.push(ids)
         return self._release(final=False)
 
     def finish(self) -> str:
         """The rest of the text, once no more tokens come."""
-        if not self.stopped:
+        if not self.stopped and self.decoder is not None:
             self.text += self.decoder.flush()
         return self._release(final=True)
 
