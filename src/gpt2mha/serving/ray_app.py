@@ -1,0 +1,242 @@
+"""gpt2mha's server as a Ray Serve application: the same app, one engine per replica, replicas
+across the cores of one machine or the machines of a Ray cluster.
+
+:class:`GPT2Replica` is a Ray Serve deployment (``@serve.deployment`` + ``@serve.ingress``) whose
+ASGI app is the one ``gpt2mha serve`` runs (:func:`~gpt2mha.serving.server.operated_app`: the
+completions and chat routes, streaming, logprobs, ``n``, the probes, ``/metrics``, API keys)
+over a :class:`~gpt2mha.serving.scheduler.Scheduler` of its own. Ray Serve does what lies around
+the replicas: its proxy routes each HTTP request to one (power of two choices on their ongoing
+requests), its controller calls each replica's :meth:`GPT2Replica.check_health`, restarts a
+replica that failed it or whose process died, scales the replica count on ongoing requests
+(``autoscaling_config``) and, on ``serve shutdown`` / ``serve.delete`` / a scale-down, stops
+routing to a replica, lets its requests in flight finish (``graceful_shutdown_timeout_s``), then
+stops its scheduler.
+
+Each replica reserves ``threads`` of Ray's CPUs (``num_cpus``) and runs that many threads in
+torch's products and gpt2mha's kernels (``OMP_NUM_THREADS`` in its environment, and
+:func:`~gpt2mha.inference.threads.adopt_threads` in the thread that starts its scheduler), so N
+replicas of K threads fill N·K cores without oversubscribing them.
+
+Metrics: ``GET /metrics`` through Ray's proxy answers with the metrics of the replica that got the
+request (:mod:`.metrics`). Every replica also records the same families in Ray's metrics system
+(:class:`ReplicaMetrics`, ``ray.serve.metrics``), tagged with its ``replica`` and
+``deployment``: scraped from each node's Ray metrics port together with Ray Serve's own
+(``ray_serve_*``), as ``ray_gpt2mha_*`` (the ``gpt2mha:`` prefix written ``gpt2mha_``: Ray
+refuses ``:`` in metric names).
+
+``gpt2mha serve --ray`` (:mod:`gpt2mha.cli.ray_serve`) starts this application; the YAML config
+shipped beside this module (:data:`CONFIG_FILE`) runs it with ``serve run`` / ``serve deploy``.
+
+Sources: Ray Serve's deployment, ``@serve.ingress``, health-check, autoscaling and custom-metrics
+documentation (ray 2.x); vLLM's Ray metrics wrappers (``vllm/v1/metrics/ray_wrappers.py``) for
+mirroring an engine's Prometheus families into Ray's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+from ray import serve
+from ray.serve import metrics as ray_metrics
+
+from ..core.classifier import ClassifierConfig
+from ..inference.decoders import choose_decoder
+from ..inference.threads import adopt_threads
+from .metrics import FINISHED_REASON, ITL_BUCKETS, PREFIX, REQUEST_BUCKETS, TTFT_BUCKETS, ServerMetrics
+from .operate import Operations
+from .scheduler import Scheduler
+from .server import create_app
+
+log = logging.getLogger("gpt2mha.serve")
+
+#: The application's name in Ray Serve (``serve status``, ``serve.delete``).
+APP_NAME = "gpt2mha"
+#: The Ray Serve config shipped in the package (``serve run`` / ``serve deploy``), beside this module.
+CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_serve.yaml")
+#: Seconds a new replica may take to load its model and warm its engine up before Ray counts it failed.
+WARM_UP_TIMEOUT_S = 600.0
+#: Ray's metric names: :data:`~gpt2mha.serving.metrics.PREFIX` without the colon Ray refuses.
+RAY_PREFIX = PREFIX.replace(":", "_")
+
+
+class ReplicaMetrics(ServerMetrics):
+    """:class:`~gpt2mha.serving.metrics.ServerMetrics` (the replica's own ``/metrics``) that also
+    records every family in Ray's metrics (``ray.serve.metrics``: tagged with the replica,
+    deployment and application), exported by each node's Ray metrics agent beside Ray Serve's
+    own. The gauges are set whenever a sequence is admitted or finishes, and by
+    :meth:`refresh` (the health check calls it)."""
+
+    def __init__(self, model_name: str):
+        super().__init__(model_name)
+        self.tags = {"model_name": model_name}
+        keys = ("model_name",)
+
+        def gauge(name, doc):
+            return ray_metrics.Gauge(RAY_PREFIX + name, doc, tag_keys=keys)
+
+        def counter(name, doc):
+            return ray_metrics.Counter(RAY_PREFIX + name, doc, tag_keys=keys)
+
+        def histogram(name, doc, buckets):
+            return ray_metrics.Histogram(RAY_PREFIX + name, doc, boundaries=list(buckets), tag_keys=keys)
+
+        self.ray_running = gauge("num_requests_running", "Sequences in a slot (prefilled or decoding).")
+        self.ray_waiting = gauge("num_requests_waiting", "Sequences queued for a slot.")
+        self.ray_kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV cache's positions in use (0-1).")
+        self.ray_prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (each sequence its own).")
+        self.ray_generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.ray_success = ray_metrics.Counter(RAY_PREFIX + "request_success", "Finished sequences by finished_reason.",
+                                               tag_keys=keys + ("finished_reason",))
+        self.ray_ttft = histogram("time_to_first_token_seconds", "Submission to first token, seconds.", TTFT_BUCKETS)
+        self.ray_itl = histogram("inter_token_latency_seconds", "Between a sequence's consecutive tokens, seconds.",
+                                 ITL_BUCKETS)
+        self.ray_e2e = histogram("e2e_request_latency_seconds", "Submission to finish, seconds.", REQUEST_BUCKETS)
+        self.ray_queue = histogram("request_queue_time_seconds", "Submission to admission into a slot, seconds.",
+                                   REQUEST_BUCKETS)
+
+    def refresh(self) -> None:
+        """Set Ray's gauges to the scheduler's occupancy now."""
+        running, waiting, usage = self._occupancy()
+        self.ray_running.set(running, tags=self.tags)
+        self.ray_waiting.set(waiting, tags=self.tags)
+        self.ray_kv_usage.set(usage, tags=self.tags)
+
+    def admitted(self, seq) -> None:
+        super().admitted(seq)
+        self.ray_queue.observe(seq.t_admit - seq.t_submit, tags=self.tags)
+        self.ray_prompt_tokens.inc(len(seq.prompt_ids), tags=self.tags)
+        self.refresh()
+
+    def token(self, seq, now: float, previous: float | None) -> None:
+        super().token(seq, now, previous)
+        self.ray_generation_tokens.inc(1, tags=self.tags)
+        if previous is None:
+            self.ray_ttft.observe(now - seq.t_submit, tags=self.tags)
+        else:
+            self.ray_itl.observe(now - previous, tags=self.tags)
+
+    def finished(self, seq) -> None:
+        super().finished(seq)
+        self.ray_success.inc(1, tags={**self.tags, "finished_reason": FINISHED_REASON[seq.finish_reason]})
+        self.ray_e2e.observe(seq.t_end - seq.t_submit, tags=self.tags)
+        self.refresh()
+
+
+def replica_problem(ops: Operations) -> str | None:
+    """Why a replica serving ``ops`` cannot take requests now (its health check fails), or None:
+    the model is not loaded or failed to, the engine has not warmed up, or the scheduler's thread
+    is not running (never started, stopped, or ended by an error)."""
+    if ops.error is not None:
+        return f"the model failed to load: {type(ops.error).__name__}: {ops.error}"
+    scheduler = ops.scheduler
+    if scheduler is None:
+        return "the model is loading"
+    if not scheduler.alive:
+        return "the scheduler's thread is not running"
+    if not scheduler.ready:
+        return "the engine is warming up"
+    return None
+
+
+def build_operations(load: Callable[[], tuple], model_name: str, threads: int, api_key: str | None = None,
+                     metrics: bool = True, max_batch: int = 16, max_queue: int = 256,
+                     batch_invariant: bool | None = None, compile: bool = False, lora: dict | None = None,
+                     prefix_cache_mb: float | None = None, **app_options) -> Operations:
+    """One replica's app: ``load()`` (``(model, tokenizer)``) and the scheduler over it, in the
+    calling thread with ``threads`` threads, behind :class:`~gpt2mha.serving.operate.Operations`
+    as ``gpt2mha serve`` builds it (``metrics``: :class:`ReplicaMetrics`). The scheduler is
+    started here (its thread warms the engine up); ``app_options``: :func:`~gpt2mha.serving.server.create_app`'s.
+
+    Raises:
+        ValueError: threads < 1, lora with compile, or as :func:`~gpt2mha.serving.server.create_app`,
+            :class:`~gpt2mha.serving.scheduler.Scheduler` and :class:`~gpt2mha.serving.operate.Operations`;
+            whatever ``load`` raises.
+    """
+    if lora and compile:
+        raise ValueError("lora with compile: the compiled step runs no adapters; serve them on the decode view")
+    adopt_threads(threads)
+    t0 = time.monotonic()
+    model, tok = load()
+    if lora:
+        from ..inference.lora import apply_lora
+        apply_lora(model, lora)
+    route = choose_decoder(model.eval(), compile=compile, batch_invariant=batch_invariant)
+    scheduler = Scheduler(model, tok, max_batch=max_batch, max_queue=max_queue, batch_invariant=batch_invariant,
+                          route=route, prefix_cache_mb=prefix_cache_mb)
+    classifier = model if isinstance(model.config, ClassifierConfig) else None
+    app = create_app(scheduler, model_name, classifier=classifier, **app_options)
+    ops = Operations(model_name, api_key=api_key, metrics=False)
+    if metrics:
+        ops.metrics = ReplicaMetrics(model_name)
+    log.info("model %s loaded in %.1f s on %d thread(s); warming up", model_name, time.monotonic() - t0, threads)
+    ops.attach(scheduler, app)                    # starts the scheduler from this thread (threads.py)
+    return ops
+
+
+@serve.deployment(name="GPT2Replica")
+@serve.ingress()
+class GPT2Replica:
+    """One replica: a model, its engine and scheduler, and the server's app over them
+    (:func:`build_operations`); Ray Serve routes HTTP requests to the app.
+
+    Args:
+        load: a function returning ``(model, tokenizer)``, called in the replica's process (it is
+            pickled: a module-level function, or a ``functools.partial`` of one).
+        model_name: the served name.
+        threads: torch's threads in the replica (its ``num_cpus``).
+        options: :func:`build_operations`'s keyword arguments (``api_key``, ``max_batch``,
+            ``chat_template``, ...).
+
+    The constructor returns once the engine is warmed up (Ray's first health check follows).
+    """
+
+    def __init__(self, load: Callable[[], tuple], model_name: str, threads: int = 1, options: dict | None = None):
+        self.ops = build_operations(load, model_name, threads, **(options or {}))
+        if not self.ops.scheduler.wait_ready(WARM_UP_TIMEOUT_S):
+            raise RuntimeError(f"the engine did not warm up within {WARM_UP_TIMEOUT_S:g} s")
+
+    def __serve_build_asgi_app__(self) -> Operations:
+        return self.ops
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: raises unless the replica's scheduler is running and warmed
+        up (:func:`replica_problem`); Ray restarts a replica that keeps failing it."""
+        problem = replica_problem(self.ops)
+        if problem is not None:
+            raise RuntimeError(f"replica unhealthy: {problem}")
+        if isinstance(self.ops.metrics, ReplicaMetrics):
+            self.ops.metrics.refresh()
+
+
+def application(load: Callable[[], tuple], model_name: str, replicas: int = 1, threads: int = 1,
+                autoscaling: dict | None = None, graceful_timeout: float = 30.0, max_ongoing_requests: int | None = None,
+                **options) -> "serve.Application":
+    """The Ray Serve application of ``model_name``: :class:`GPT2Replica` × ``replicas`` (or
+    autoscaled: ``autoscaling``, Ray's ``autoscaling_config`` — ``min_replicas``,
+    ``max_replicas``, ``target_ongoing_requests``, ``upscale_delay_s``, ... — which replaces
+    ``replicas``), each reserving ``threads`` CPUs and running that many threads; for
+    ``serve.run`` or a config file's ``import_path``.
+
+    ``graceful_timeout``: seconds a stopping replica's requests in flight may take to finish
+    (Ray's ``graceful_shutdown_timeout_s``). ``max_ongoing_requests``: requests Ray sends one
+    replica at once (default: its ``max_batch`` slots; more wait in Ray's router, where a new
+    replica can take them). ``options``: :func:`build_operations`'s keyword arguments.
+
+    Raises:
+        ValueError: replicas or threads < 1, or a negative graceful_timeout.
+    """
+    for value, name in ((replicas, "replicas"), (threads, "threads")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+    if not graceful_timeout >= 0:
+        raise ValueError(f"graceful_timeout={graceful_timeout!r}: expected seconds >= 0")
+    ongoing = max_ongoing_requests or options.get("max_batch", 16)
+    scaling = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}
+    env = {name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    deployment = GPT2Replica.options(
+        ray_actor_options={"num_cpus": threads, "runtime_env": {"env_vars": env}},
+        max_ongoing_requests=ongoing, graceful_shutdown_timeout_s=graceful_timeout, **scaling)
+    return deployment.bind(load, model_name, threads, options)
