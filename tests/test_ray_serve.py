@@ -27,11 +27,11 @@ import time
 
 import httpx
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
+yaml = pytest.importorskip("yaml")                # (Ray Serve depends on it)
 from ray.util.state import list_actors  # noqa: E402
 
 from gpt2mha import DEFAULT_MODEL  # noqa: E402
@@ -54,8 +54,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:D
 PROMPTS = ["ROMEO:", "JULIET:", "To be, or", "HAMLET:\n", "First Citizen:", "KING", "O, ", "What"]
 #: What Ray's controller and proxies push for autoscaling, every this many seconds (Ray's default: 10).
 METRIC_PUSH_S = "0.5"
-#: The fault test: concurrent users and the longest it runs (the issue's 16 users, 60 s).
-USERS, LOAD_S = 16, 60.0
+#: The fault test: concurrent users and the longest the load runs (the issue's 16 users, 60 s), and
+#: the longest Ray may take to replace the killed replica (a new process imports torch, Ray Serve and
+#: gpt2mha and loads the model: ~15 s on an idle 2-core machine, minutes on a loaded one).
+USERS, LOAD_S, RESTART_S = 16, 60.0, 240.0
 
 
 def free_port() -> int:
@@ -95,9 +97,10 @@ def cluster():
 
 
 def replicas(app: str) -> dict[str, int]:
-    """``{actor id: PID}`` of the application's live replicas (Ray's state API)."""
+    """``{replica id: PID}`` of the application's live replicas (Ray's state API; the replica id is
+    the end of the actor's name, ``SERVE_REPLICA::APP#DEPLOYMENT#ID``, and Ray's metrics' ``replica`` tag)."""
     actors = list_actors(filters=[("class_name", "=", f"ServeReplica:{app}:GPT2Replica"), ("state", "=", "ALIVE")])
-    return {a.actor_id: a.pid for a in actors}
+    return {a.name.rsplit("#", 1)[-1]: a.pid for a in actors}
 
 
 def running(app: str) -> int:
@@ -197,12 +200,12 @@ def test_two_replicas_answer_as_generate(pair, builtin):
 
 
 def test_a_killed_replica_fails_only_its_requests_and_is_restarted(pair, builtin):
-    """16 users load the two replicas (8 counting every answer, 8 openai clients retrying); one
-    replica's process is killed (SIGKILL). Ray starts another; every answer reported as a
-    success is exactly generate's text, every failure a 5xx or a connection error of a request
-    in flight when the replica died or sent before Ray noticed; the service answers every request
-    again within 60 s; the retrying clients lose nothing."""
-    url, _ = pair
+    """16 users load the two replicas for at most 60 s (8 counting every answer, 8 openai clients
+    retrying); one replica's process is killed (SIGKILL). Every answer reported as a success is
+    exactly generate's text; every failure is a 5xx or a broken connection, within 60 s of the
+    death, and every request after the last one is answered; the retrying clients lose nothing;
+    Ray replaces the replica, and the new one answers too."""
+    url, metrics_url = pair
     model, tok = builtin
     max_tokens = 32
     want = {p: greedy(model, tok, p, max_tokens) for p in PROMPTS}
@@ -242,35 +245,48 @@ def test_a_killed_replica_fails_only_its_requests_and_is_restarted(pair, builtin
             except openai.APIError as e:
                 lost.append(f"{type(e).__name__}: {e}")
 
+    def restarted():
+        now = replicas("pair")
+        return len(now) == 2 and victim not in now.values() and running("pair") == 2 and now
+
     before = replicas("pair")
     assert len(before) == 2
+    victim = sorted(before.values())[0]
+    back = None
     with concurrent.futures.ThreadPoolExecutor(USERS) as pool:
         t0 = time.monotonic()
         users = [pool.submit(counting if u % 2 else retrying, u) for u in range(USERS)]
         try:
             wait_for(lambda: sum(a[2] == "ok" for a in answers) >= 16, 30, "the load is running")
-            victim = sorted(before.values())[0]
             os.kill(victim, signal.SIGKILL)
             t_kill = time.monotonic()
-            back = wait_for(lambda: len(r := replicas("pair")) == 2 and victim not in r.values() and running("pair") == 2
-                            and r, t0 + LOAD_S - time.monotonic(), "Ray restarted the replica")
-            t_back = time.monotonic()
-            wait_for(lambda: any(a[0] > t_back for a in answers if a[2] == "ok"), 10, "answers after the restart")
+            while back is None and time.monotonic() < t0 + LOAD_S:          # the load goes on until Ray
+                back, t_back = restarted() or None, time.monotonic()         # has replaced the replica
+                time.sleep(0.25)
             time.sleep(min(3.0, max(0.0, t0 + LOAD_S - time.monotonic())))
         finally:
             stop.set()
         for f in users:
             f.result(timeout=60)
+    t_end = time.monotonic()
+    if back is None:
+        back, t_back = wait_for(restarted, RESTART_S - (t_end - t_kill), "Ray restarted the replica"), time.monotonic()
     failed = [a for a in answers if a[2] != "ok"]
-    print(f"\nfault test: {len(answers)} counted requests in {time.monotonic() - t0:.1f} s, {len(failed)} failed "
-          f"({sorted({str(a[2]) for a in failed})}); replica restarted in {t_back - t_kill:.1f} s "
+    print(f"\nfault test: {len(answers)} counted requests in {t_end - t0:.1f} s, {len(failed)} failed "
+          f"({sorted({str(a[2]) for a in failed})}); replica replaced after {t_back - t_kill:.1f} s "
           f"(new PID {sorted(set(back.values()) - set(before.values()))}); retrying clients: {len(retried)} answers, "
           f"{len(lost)} lost")
     assert not [a for a in answers if str(a[2]).startswith("WRONG")], "an answer reported as success was wrong"
     assert all(isinstance(a[2], str) or a[2] >= 500 for a in failed), failed            # 5xx or a broken connection
-    assert all(a[0] < t_back and a[1] > t_kill for a in failed), (t_kill, t_back, failed)   # only around the death
-    assert t_back - t_kill < 60
-    assert not lost and any(t < t_kill for t in retried) and any(t > t_back for t in retried), lost
+    assert all(t_kill < a[1] < t_kill + 60 for a in failed), (t_kill, failed)           # only around the death
+    last = max((a[1] for a in failed), default=t_kill)
+    assert sum(a[0] > last and a[2] == "ok" for a in answers) >= 8                      # and every one after it
+    assert not lost and any(t < t_kill for t in retried) and any(t > last for t in retried), lost
+    (new,) = set(back) - set(before)                    # the new replica answers too (Ray Serve's own count)
+    client = httpx.Client(base_url=url, timeout=30)
+    wait_for(lambda: [client.post("/v1/completions", json={**body, "prompt": p}).status_code for p in PROMPTS]
+             and ray_counts(metrics_url, "ray_serve_deployment_request_counter_total", "pair").get(new),
+             30, "the new replica answers", period=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -313,13 +329,13 @@ def test_autoscaling_adds_a_replica_under_a_burst_and_removes_it_when_idle(auto,
         users = [pool.submit(user, u, burst) for u in range(1, 9)]
         try:
             t0 = time.monotonic()
-            both = wait_for(lambda: len(r := replicas("auto")) == 2 and running("auto") == 2 and r, 60,
+            both = wait_for(lambda: len(r := replicas("auto")) == 2 and running("auto") == 2 and r, RESTART_S,
                             "a second replica")
             t_up = time.monotonic()
             burst.set()
             for f in users:
                 f.result(timeout=60)
-            one = wait_for(lambda: len(r := replicas("auto")) == 1 and r, 60, "back to one replica")
+            one = wait_for(lambda: len(r := replicas("auto")) == 1 and r, 120, "back to one replica")
             t_down = time.monotonic()
         finally:
             burst.set()
@@ -434,3 +450,46 @@ def test_autoscaling_flags_become_rays_config():
     args = build_parser().parse_args(["serve", "--ray", "--max-replicas", "4", "--replicas", "2", "--max-batch", "8"])
     assert ray_serve.autoscaling(args) == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 4,
                                            "initial_replicas": 2}
+
+
+def test_replica_metrics_hand_ray_each_sequence_and_the_counters_not_each_token():
+    """A replica's metrics go to Ray in batches: one observation per sequence for the time to first
+    token, the queue time and the end-to-end time, the counters' increments read from the
+    replica's own registry (equal to its totals), the gauges; a token costs Ray nothing."""
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def inc(self, value, tags):
+            self.calls.append((value, tags))
+
+        observe = set = inc
+
+    class Seq:
+        prompt_ids, finish_reason = [1, 2, 3], "length"
+        t_submit, t_admit, t_end = 10.0, 10.5, 12.0
+
+    m = ray_app.ReplicaMetrics(DEFAULT_MODEL, flush_s=3600)
+    m.stopped.set()
+    m.ray_gauges = [Recorder() for _ in m.ray_gauges]
+    m.ray_counters = [(Recorder(), sample, labels) for _, sample, labels in m.ray_counters]
+    m.ray_ttft, m.ray_e2e, m.ray_queue = Recorder(), Recorder(), Recorder()
+    for _ in range(2):
+        seq = Seq()
+        m.admitted(seq)
+        for k in range(5):
+            m.token(seq, 11.0 + k, None if k == 0 else 10.0 + k)
+        m.finished(seq)
+    assert len(m.observed) == 6                                  # 3 per sequence, none per token
+    m.flush()
+    tags = {"model_name": DEFAULT_MODEL}
+    assert m.ray_ttft.calls == [(1.0, tags)] * 2 and m.ray_queue.calls == [(0.5, tags)] * 2
+    assert m.ray_e2e.calls == [(2.0, tags)] * 2
+    totals = {sample + labels.get("finished_reason", ""): sum(v for v, _ in r.calls) for r, sample, labels in m.ray_counters}
+    assert totals == {"gpt2mha:prompt_tokens_total": 6, "gpt2mha:generation_tokens_total": 10,
+                      "gpt2mha:request_success_totalstop": 0, "gpt2mha:request_success_totallength": 2,
+                      "gpt2mha:request_success_totalabort": 0, "gpt2mha:request_success_totalerror": 0}
+    assert [g.calls for g in m.ray_gauges] == [[(0, tags)], [(0, tags)], [(0.0, tags)]]
+    calls = sum(len(r.calls) for r, _, _ in m.ray_counters)
+    m.flush()                                                    # nothing new: no increment again
+    assert sum(len(r.calls) for r, _, _ in m.ray_counters) == calls == 3

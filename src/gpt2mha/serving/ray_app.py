@@ -18,11 +18,11 @@ torch's products and gpt2mha's kernels (``OMP_NUM_THREADS`` in its environment, 
 replicas of K threads fill N·K cores without oversubscribing them.
 
 Metrics: ``GET /metrics`` through Ray's proxy answers with the metrics of the replica that got the
-request (:mod:`.metrics`). Every replica also records the same families in Ray's metrics system
-(:class:`ReplicaMetrics`, ``ray.serve.metrics``), tagged with its ``replica`` and
-``deployment``: scraped from each node's Ray metrics port together with Ray Serve's own
-(``ray_serve_*``), as ``ray_gpt2mha_*`` (the ``gpt2mha:`` prefix written ``gpt2mha_``: Ray
-refuses ``:`` in metric names).
+request (:mod:`.metrics`). Every replica also hands the same families (all but the inter-token
+latency) to Ray's metrics system every second (:class:`ReplicaMetrics`, ``ray.serve.metrics``),
+tagged with its ``replica`` and ``deployment``: scraped from each node's Ray metrics port together
+with Ray Serve's own (``ray_serve_*``), as ``ray_gpt2mha_*`` (the ``gpt2mha:`` prefix written
+``gpt2mha_``: Ray refuses ``:`` in metric names).
 
 ``gpt2mha serve --ray`` (:mod:`gpt2mha.cli.ray_serve`) starts this application; the YAML config
 shipped beside this module (:data:`CONFIG_FILE`) runs it with ``serve run`` / ``serve deploy``.
@@ -34,8 +34,10 @@ mirroring an engine's Prometheus families into Ray's.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import threading
 import time
 from typing import Callable
 
@@ -45,7 +47,7 @@ from ray.serve import metrics as ray_metrics
 from ..core.classifier import ClassifierConfig
 from ..inference.decoders import choose_decoder
 from ..inference.threads import adopt_threads
-from .metrics import FINISHED_REASON, ITL_BUCKETS, PREFIX, REQUEST_BUCKETS, TTFT_BUCKETS, ServerMetrics
+from .metrics import FINISHED_REASON, PREFIX, REQUEST_BUCKETS, TTFT_BUCKETS, ServerMetrics
 from .operate import Operations
 from .scheduler import Scheduler
 from .server import create_app
@@ -60,69 +62,96 @@ CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_serv
 WARM_UP_TIMEOUT_S = 600.0
 #: Ray's metric names: :data:`~gpt2mha.serving.metrics.PREFIX` without the colon Ray refuses.
 RAY_PREFIX = PREFIX.replace(":", "_")
+#: Seconds between two hand-overs of a replica's metrics to Ray (:class:`ReplicaMetrics`).
+FLUSH_S = 1.0
 
 
 class ReplicaMetrics(ServerMetrics):
     """:class:`~gpt2mha.serving.metrics.ServerMetrics` (the replica's own ``/metrics``) that also
-    records every family in Ray's metrics (``ray.serve.metrics``: tagged with the replica,
-    deployment and application), exported by each node's Ray metrics agent beside Ray Serve's
-    own. The gauges are set whenever a sequence is admitted or finishes, and by
-    :meth:`refresh` (the health check calls it)."""
+    records its families in Ray's metrics (``ray.serve.metrics``: tagged with the replica,
+    deployment and application), exported by each node's Ray metrics agent beside Ray Serve's own.
 
-    def __init__(self, model_name: str):
+    A Ray metric call costs 0.1-0.2 ms (measured in an actor on a loaded 2-core machine), too much
+    for every token on the scheduler's thread: that thread only queues each sequence's times (a
+    deque append), and a thread of this object hands them to Ray every ``flush_s`` seconds, with
+    the counters' increments since the last time (read from the replica's own registry) and the
+    gauges. The inter-token latency, one observation a token, stays in the replica's ``/metrics``.
+    """
+
+    def __init__(self, model_name: str, flush_s: float = FLUSH_S):
         super().__init__(model_name)
-        self.tags = {"model_name": model_name}
+        self.tags, self.flush_s = {"model_name": model_name}, flush_s
         keys = ("model_name",)
 
         def gauge(name, doc):
             return ray_metrics.Gauge(RAY_PREFIX + name, doc, tag_keys=keys)
 
-        def counter(name, doc):
-            return ray_metrics.Counter(RAY_PREFIX + name, doc, tag_keys=keys)
+        def counter(name, doc, more=()):
+            return ray_metrics.Counter(RAY_PREFIX + name, doc, tag_keys=keys + more)
 
         def histogram(name, doc, buckets):
             return ray_metrics.Histogram(RAY_PREFIX + name, doc, boundaries=list(buckets), tag_keys=keys)
 
-        self.ray_running = gauge("num_requests_running", "Sequences in a slot (prefilled or decoding).")
-        self.ray_waiting = gauge("num_requests_waiting", "Sequences queued for a slot.")
-        self.ray_kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV cache's positions in use (0-1).")
-        self.ray_prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (each sequence its own).")
-        self.ray_generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.ray_success = ray_metrics.Counter(RAY_PREFIX + "request_success", "Finished sequences by finished_reason.",
-                                               tag_keys=keys + ("finished_reason",))
+        self.ray_gauges = [gauge("num_requests_running", "Sequences in a slot (prefilled or decoding)."),
+                           gauge("num_requests_waiting", "Sequences queued for a slot."),
+                           gauge("kv_cache_usage_perc", "Fraction of the KV cache's positions in use (0-1).")]
+        success = counter("request_success", "Finished sequences by finished_reason.", ("finished_reason",))
+        #: (Ray counter, the registry's sample, its labels) of each counter mirrored
+        self.ray_counters = [
+            (counter("prompt_tokens", "Prompt tokens prefilled (each sequence its own)."),
+             PREFIX + "prompt_tokens_total", self.tags),
+            (counter("generation_tokens", "Tokens generated."), PREFIX + "generation_tokens_total", self.tags),
+            *((success, PREFIX + "request_success_total", {**self.tags, "finished_reason": label})
+              for label in FINISHED_REASON.values())]
         self.ray_ttft = histogram("time_to_first_token_seconds", "Submission to first token, seconds.", TTFT_BUCKETS)
-        self.ray_itl = histogram("inter_token_latency_seconds", "Between a sequence's consecutive tokens, seconds.",
-                                 ITL_BUCKETS)
         self.ray_e2e = histogram("e2e_request_latency_seconds", "Submission to finish, seconds.", REQUEST_BUCKETS)
         self.ray_queue = histogram("request_queue_time_seconds", "Submission to admission into a slot, seconds.",
                                    REQUEST_BUCKETS)
-
-    def refresh(self) -> None:
-        """Set Ray's gauges to the scheduler's occupancy now."""
-        running, waiting, usage = self._occupancy()
-        self.ray_running.set(running, tags=self.tags)
-        self.ray_waiting.set(waiting, tags=self.tags)
-        self.ray_kv_usage.set(usage, tags=self.tags)
+        self.observed: collections.deque = collections.deque()        # (Ray histogram, seconds), to hand over
+        self.pushed = [0.0] * len(self.ray_counters)                   # each counter's total handed over
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        threading.Thread(target=self.run, name="gpt2mha-ray-metrics", daemon=True).start()
 
     def admitted(self, seq) -> None:
         super().admitted(seq)
-        self.ray_queue.observe(seq.t_admit - seq.t_submit, tags=self.tags)
-        self.ray_prompt_tokens.inc(len(seq.prompt_ids), tags=self.tags)
-        self.refresh()
+        self.observed.append((self.ray_queue, seq.t_admit - seq.t_submit))
 
     def token(self, seq, now: float, previous: float | None) -> None:
         super().token(seq, now, previous)
-        self.ray_generation_tokens.inc(1, tags=self.tags)
         if previous is None:
-            self.ray_ttft.observe(now - seq.t_submit, tags=self.tags)
-        else:
-            self.ray_itl.observe(now - previous, tags=self.tags)
+            self.observed.append((self.ray_ttft, now - seq.t_submit))
 
     def finished(self, seq) -> None:
         super().finished(seq)
-        self.ray_success.inc(1, tags={**self.tags, "finished_reason": FINISHED_REASON[seq.finish_reason]})
-        self.ray_e2e.observe(seq.t_end - seq.t_submit, tags=self.tags)
-        self.refresh()
+        self.observed.append((self.ray_e2e, seq.t_end - seq.t_submit))
+
+    def flush(self) -> None:
+        """Hand Ray what happened since the last call: the queued observations, the counters'
+        increments, the gauges' values now."""
+        with self.lock:
+            while self.observed:
+                histogram, seconds = self.observed.popleft()
+                histogram.observe(seconds, tags=self.tags)
+            for i, (counter, sample, labels) in enumerate(self.ray_counters):
+                total = self.registry.get_sample_value(sample, labels) or 0.0
+                if total > self.pushed[i]:
+                    counter.inc(total - self.pushed[i], tags=labels)
+                    self.pushed[i] = total
+            for gauge, value in zip(self.ray_gauges, self._occupancy()):
+                gauge.set(value, tags=self.tags)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.flush_s):
+            try:
+                self.flush()
+            except Exception:                       # a metrics hiccup must not end the mirroring
+                log.exception("handing the metrics to Ray failed")
+
+    def close(self) -> None:
+        """Hand over what is left and stop the thread."""
+        self.stopped.set()
+        self.flush()
 
 
 def replica_problem(ops: Operations) -> str | None:
@@ -207,8 +236,6 @@ class GPT2Replica:
         problem = replica_problem(self.ops)
         if problem is not None:
             raise RuntimeError(f"replica unhealthy: {problem}")
-        if isinstance(self.ops.metrics, ReplicaMetrics):
-            self.ops.metrics.refresh()
 
 
 def application(load: Callable[[], tuple], model_name: str, replicas: int = 1, threads: int = 1,
