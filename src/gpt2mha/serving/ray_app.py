@@ -237,6 +237,13 @@ class GPT2Replica:
         if problem is not None:
             raise RuntimeError(f"replica unhealthy: {problem}")
 
+    def __del__(self) -> None:
+        """Ray Serve calls it when the replica stops, after the app's lifespan stopped the
+        scheduler: the metrics still queued go to Ray."""
+        metrics = getattr(getattr(self, "ops", None), "metrics", None)       # (None: the constructor failed)
+        if isinstance(metrics, ReplicaMetrics):
+            metrics.close()
+
 
 def application(load: Callable[[], tuple], model_name: str, replicas: int = 1, threads: int = 1,
                 autoscaling: dict | None = None, graceful_timeout: float = 30.0, max_ongoing_requests: int | None = None,
