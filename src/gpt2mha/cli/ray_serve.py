@@ -149,7 +149,11 @@ def serve_on_ray(args) -> int:
         check_cpus(args, ray.cluster_resources().get("CPU", 0))
         serve.start(http_options={"host": args.host, "port": args.port})
         deployed = True
-        serve.run(app, name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:             # a replica that cannot load its model: Ray logged why above
+            print(f"error: {e} (the replicas' errors are logged above)", file=sys.stderr)
+            return 1
         where = f"http://{args.host}:{args.port}" if local else "the cluster's Serve proxy"
         print(f"gpt2mha on Ray Serve at {where} ({describe(args)}); Ctrl-C or SIGTERM stops it", file=sys.stderr)
         while True:
