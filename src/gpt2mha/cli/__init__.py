@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from . import classify, explain, generation, tools
+from . import classify, explain, generation, ray_serve, tools
 from .common import DTYPES, Parser, is_rank0, read_text
 from .generation import read_prompt_file
 from .tools import BENCH_SECTIONS, add_bench_arguments
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generation.add_commands(sub)
     tools.add_commands(sub)
+    ray_serve.add_arguments(sub.choices["serve"])
     classify.add_commands(sub)
     explain.add_commands(sub)
     return parser

@@ -349,10 +349,11 @@ def served_model(args):
     return model, tokenizer_for(model.config), args.served_model_name or args.model or DEFAULT_MODEL
 
 
-def check_serve_args(args) -> None:
+def check_serve_args(args, address: bool = True) -> None:
     """What ``serve``'s line alone decides, before torch is imported and the model loaded: the
     quantization flags, that ``--host``/``--port`` can be listened on now (a port in use is
-    one error line, exit 2, at once: :func:`gpt2mha.serving.address.check_address`), and the
+    one error line, exit 2, at once: :func:`gpt2mha.serving.address.check_address`; not with
+    ``address`` False: Ray Serve's proxy of a running cluster listens there), and the
     API key (:func:`serve_api_key`, set in ``args.api_key``)."""
     from ..serving.address import check_address
 
@@ -362,7 +363,8 @@ def check_serve_args(args) -> None:
     if args.lora and args.compile:
         raise ValueError("--lora with --compile: the compiled step runs no adapters; serve adapters on the decode view "
                          "(drop --compile)")
-    check_address(args.host, args.port)
+    if address:
+        check_address(args.host, args.port)
     args.api_key = serve_api_key(args)
 
 

@@ -313,6 +313,14 @@ class Scheduler:
             log.info("prefix cache: %s", self.describe_prefix_cache())
             self._ready.set()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler's thread is running: started (:meth:`start`) and neither stopped
+        nor ended by an exception its loop does not catch (a replica's health check,
+        :mod:`gpt2mha.serving.ray_app`)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until :meth:`warm_up` has run (at most ``timeout`` seconds); returns :attr:`ready`."""
         return self._ready.wait(timeout)
