@@ -309,7 +309,9 @@ def test_setup_the_cache_and_the_sanitizer_build_are_one_build(monkeypatch, tmp_
     assert builds == [(cache.library_path("/usr/bin/c++").name, ""), ("asan.so", "address,undefined"),
                       ("_kernels.abi3.so", "")]
     assert json.loads(build.record_path(library).read_text())["flags"] == build.flags()
-    assert "build.setuptools_command(" in (Path(__file__).parents[1] / "setup.py").read_text()
+    setup = Path(__file__).parents[1] / "setup.py"
+    if setup.exists():                    # a source checkout (.ci/wheel runs this file outside one)
+        assert "build.setuptools_command(" in setup.read_text()
 
 
 def test_setup_reuses_the_library_built_from_the_same_sources_and_compiles_edited_ones(stand_in_compiler, tmp_path,
