@@ -11,9 +11,12 @@ cores with another, and stopped with SIGTERM (the Ray ones drain and stop their 
 * ``serve 1x2``: one server, ``--threads 2``;
 * ``ray 2x1``: ``--ray --replicas 2 --threads-per-replica 1``: the same two cores as two replicas
   of one thread behind Ray Serve's proxy (throughput at 16 clients against ``serve 1x2``);
-* ``ray 1x2``: ``--ray --replicas 1 --threads-per-replica 2``: the single server's own
-  configuration behind Ray's proxy, so that its latency at 1 client minus ``serve 1x2``'s is what
-  Ray adds (time to first token, inter-token latency).
+* ``serve 1x1`` and ``ray 1x1``: one server of ``--threads 1``, and one replica of one thread
+  behind Ray's proxy: at 1 client, their difference is what Ray adds (time to first token,
+  inter-token latency); at 16 clients, ``ray 2x1`` against ``serve 1x1`` is what a second
+  replica adds. One thread each: on a machine whose cores other work also takes, a team of two
+  OpenMP threads waits at every barrier of a step for the one that was descheduled, and its
+  figures measure that rather than Ray (``serve 1x2`` against ``serve 1x1`` at 1 client shows how much).
 
 Each round starts every contender in turn (the order rotated each round), warms it up (one
 request alone, then 16 short ones at once), and measures streamed greedy completions of
@@ -23,8 +26,9 @@ clients (``--requests16``), with ``serve_peers.py``'s lean client (``sse_client.
 keep-alive connection per client). Per cell: output tok/s (completion tokens / wall time), TTFT
 (request sent to first chunk with text) and inter-token latency (every gap between successive text
 chunks, pooled over the rounds); the table gives the median tok/s over rounds and the pooled
-percentiles. The texts at 1 client are compared across contenders (one engine, one route: they
-must be equal).
+percentiles. Ratios and differences are paired within a round (the machine's other load changes
+from round to round), then their median taken. The texts at 1 client are compared across
+contenders (one engine, one route: they must be equal).
 
 Writes ``benchmarks/results/serve_ray.json`` (``--json`` to change) and prints the table.
 """
@@ -35,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +55,8 @@ from serve_peers_servers import prepare  # noqa: E402
 CONTENDERS = {
     "serve 1x2": dict(threads=2, extra=()),
     "ray 2x1": dict(threads=None, extra=("--ray", "--replicas", "2", "--threads-per-replica", "1")),
-    "ray 1x2": dict(threads=None, extra=("--ray", "--replicas", "1", "--threads-per-replica", "2")),
+    "serve 1x1": dict(threads=1, extra=()),
+    "ray 1x1": dict(threads=None, extra=("--ray", "--replicas", "1", "--threads-per-replica", "1")),
 }
 #: Seconds a Ray contender may take from its start to all its replicas running.
 RAY_START_S = 300.0
@@ -97,9 +103,10 @@ def run(args, log=print) -> dict:
     res = dict(benchmark="serve_ray",
                description="gpt2mha serve --ray (Ray Serve) against one gpt2mha serve on the int8 per_row 124M model "
                            "(random weights, GPTQ), --max-batch 16: throughput at 16 clients of 2 replicas x 1 thread "
-                           "against one server of 2 threads, and Ray's added latency at 1 client (1 replica x 2 "
-                           f"threads against the same server); streamed greedy {args.tokens}-token requests, "
-                           f"{args.rounds} round(s), every contender alone on the machine in turn",
+                           "against one server of 2 threads (and of 1), and Ray's added latency at 1 client (1 replica "
+                           "x 1 thread against one server of 1 thread); streamed greedy "
+                           f"{args.tokens}-token requests, {args.rounds} round(s), every contender alone on the "
+                           "machine in turn",
                note="measured on a 2-core machine shared with other work (other sessions' builds and tests ran "
                     "meanwhile: see the load averages); the ratios of one round's cells are steadier than the "
                     "absolute figures",
@@ -147,18 +154,31 @@ def run(args, log=print) -> dict:
         row.pop("short", None)
     res["rows"] = rows
     res["rounds_tokens_per_s"] = {f"{n}|{c}": [f["tokens_per_s"] for f in cells[(n, c)]] for n in names for c in (1, 16)}
+    res["rounds_latency_ms"] = {f"{n}|{c}": [latency_ms(f) for f in cells[(n, c)]] for n in names for c in (1, 16)}
     res["same_texts_at_1_client"] = all(texts[n] == texts[names[0]] for n in names)
-    serve, ray2, ray1 = rows["serve 1x2|16"], rows["ray 2x1|16"], rows["ray 1x2|1"]
-    base = rows["serve 1x2|1"]
-    res["summary"] = dict(
-        throughput_16_clients={"serve 1x2": serve["tokens_per_s"], "ray 2x1": ray2["tokens_per_s"],
-                               "ray 2x1 / serve 1x2": ray2["tokens_per_s"] / serve["tokens_per_s"]},
-        ray_added_latency_1_client_ms={k: 1000 * (ray1[k] - base[k]) for k in ("ttft_p50", "ttft_p99", "itl_p50",
-                                                                               "itl_p99")})
+    # paired within each round (the machine's other load changes from round to round): the ratio of
+    # throughputs at 16 clients, and what Ray's proxy adds at 1 client
+    tput = {n: [f["tokens_per_s"] for f in cells[(n, 16)]] for n in names}
+    serve1, ray1 = res["rounds_latency_ms"]["serve 1x1|1"], res["rounds_latency_ms"]["ray 1x1|1"]
+    added = {k: [r[k] - s[k] for r, s in zip(ray1, serve1)] for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
+
+    def paired(a, b):
+        rounds = [x / y for x, y in zip(tput[a], tput[b])]
+        return dict(median=statistics.median(rounds), rounds=rounds)
+    res["summary"] = {"throughput_16_clients": {"ray 2x1 / serve 1x2": paired("ray 2x1", "serve 1x2"),
+                                                "ray 2x1 / serve 1x1": paired("ray 2x1", "serve 1x1"),
+                                                "ray 1x1 / serve 1x1": paired("ray 1x1", "serve 1x1")},
+                      "ray_added_latency_1_client_ms": {k: dict(median=statistics.median(v), rounds=v)
+                                                        for k, v in added.items()}}
     res["load_averages"] = loads
     res["uptime_end"] = uptime()
     res["seconds"] = time.time() - t_start
     return res
+
+
+def latency_ms(fig: dict) -> dict:
+    """One cell's TTFT and inter-token latency percentiles, in ms."""
+    return {f"{name}_{q}": 1000 * percentile(fig[name], p) for name in ("ttft", "itl") for q, p in (("p50", .5), ("p99", .99))}
 
 
 def format_report(res: dict) -> str:
@@ -171,9 +191,12 @@ def format_report(res: dict) -> str:
                    f"{1000 * r['ttft_p99']:>7.1f}ms {1000 * r['itl_p50']:>6.1f}ms {1000 * r['itl_p99']:>6.1f}ms  "
                    f"{', '.join(f'{x:.1f}' for x in res['rounds_tokens_per_s'][key])}")
     s = res["summary"]
-    out.append(f"16 clients: ray 2x1 / serve 1x2 = {s['throughput_16_clients']['ray 2x1 / serve 1x2']:.2f}x")
-    out.append("Ray's added latency at 1 client (ray 1x2 - serve 1x2): " + ", ".join(
-        f"{k} {v:+.1f} ms" for k, v in s["ray_added_latency_1_client_ms"].items()))
+    for name, t in s["throughput_16_clients"].items():
+        out.append(f"16 clients, {name}, paired by round: median {t['median']:.2f}x "
+                   f"(rounds {', '.join(f'{x:.2f}' for x in t['rounds'])})")
+    out.append("Ray's added latency at 1 client (ray 1x1 - serve 1x1), paired by round, median (rounds): " + "; ".join(
+        f"{k} {v['median']:+.1f} ms ({', '.join(f'{x:+.1f}' for x in v['rounds'])})"
+        for k, v in s["ray_added_latency_1_client_ms"].items()))
     out.append(f"texts at 1 client equal across contenders: {res['same_texts_at_1_client']}; "
                f"run: {res['seconds'] / 60:.1f} min; load averages {', '.join(f'{x:.2f}' for x in res['load_averages'])}")
     return "\n".join(out)
