@@ -26,6 +26,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SIZES = ("124M", "355M", "774M", "1558M")                       # GPT-2's four (GPT2Config.from_preset names)
 ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha int8 compiled", "gpt2mha int8 per_row",
            "gpt2mha int8 per_row compiled", "gpt2mha int8 auto", "gpt2mha int8 auto compiled", "gpt2mha int4",
            "gpt2mha int4 compiled", "gpt2mha int4 per_block", "gpt2mha int4 per_block compiled",
@@ -33,22 +34,28 @@ ENGINES = ("transformers float32", "gpt2mha float32", "gpt2mha int8", "gpt2mha i
            "gpt2mha int4 per_block head4 g64", "gpt2mha int4 per_block head4 g64 compiled",
            "llama.cpp q8_0", "llama.cpp q4_0", "ctranslate2 int8", "onnxruntime int8",
            "gpt2mha bf16", "gpt2mha fp16", "llama.cpp f32", "llama.cpp f32 kv-f16", "llama.cpp f16", "ctranslate2 float32",
-           "openvino f32", "openvino f32 kv-f16", "openvino bf16", "openvino int8", "openvino int4")
+           "openvino f32", "openvino f32 kv-f16", "openvino bf16", "openvino fp16", "openvino int8", "openvino int4")
 
 
-def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: tuple[int, ...] = ()) -> dict:
+def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: tuple[int, ...] = (),
+        size: str = "124M") -> dict:
     """Decode tok/s of engine ``name`` in this process, and its time to the first token after
-    a prompt of each ``prefill`` length (batch 1), in ms, and the precision of its KV cache:
-    ``{"kv_cache": "f32", "b1": ..., "b8": ..., "p128": ...}``."""
+    a prompt of each ``prefill`` length (batch 1), in ms, the precision of its KV cache and the
+    bytes of weights its batch-1 step reads (``read_bytes``, as ``peers.py`` counts them), on the
+    random GPT-2 of ``size`` under ``workdir`` (``random-<size>`` and ``random-<size>-engines``):
+    ``{"kv_cache": "f32", "read_bytes": ..., "b1": ..., "b8": ..., "p128": ...}``."""
     import torch
 
     sys.path.insert(0, HERE)
     import peers
+    from bench_common import step_bytes
+    from peers_engines import dir_bytes, float_read_bytes, gguf_read_bytes, onnx_read_bytes
+
     from gpt2mha import GPT2
 
     torch.set_num_threads(threads)
-    hf_dir = os.path.join(workdir, "random-124M")
-    eng = os.path.join(workdir, "random-124M-engines")
+    hf_dir = os.path.join(workdir, f"random-{size}")
+    eng = os.path.join(workdir, f"random-{size}-engines")
     cfg = GPT2.from_pretrained(hf_dir).config
     if name.startswith("gpt2mha"):                             # never time the fallback as if it were gpt2mha's route
         from gpt2mha.inference.quant import gemv
@@ -58,32 +65,36 @@ def one(name: str, workdir: str, threads: int, new: int, repeats: int, prefill: 
     if name == "transformers float32":
         import transformers
         c = peers.Torch(name, transformers.GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="sdpa").eval(),
-                        0, 0, hf=True)
+                        0, float_read_bytes(cfg), hf=True)
     elif name == "gpt2mha float32":
-        c = peers.Torch(name, GPT2.from_pretrained(hf_dir), 0, 0, hf=False)
+        c = peers.Torch(name, GPT2.from_pretrained(hf_dir), 0, float_read_bytes(cfg), hf=False)
     elif name in ("gpt2mha bf16", "gpt2mha fp16"):
         dtype = torch.bfloat16 if name.endswith("bf16") else torch.float16
-        c = peers.Torch(name, GPT2.from_pretrained(hf_dir).to(dtype), 0, 0, hf=False)
+        c = peers.Torch(name, GPT2.from_pretrained(hf_dir).to(dtype), 0, float_read_bytes(cfg, 2), hf=False)
     elif name.startswith("gpt2mha"):
         variant = "-".join(w for w in name.split() if w != "compiled")          # as peers.py saves it
-        c = peers.Torch(name, GPT2.from_pretrained(os.path.join(eng, variant)), 0, 0, hf=False,
-                        compiled=name.endswith("compiled"))
+        model = GPT2.from_pretrained(os.path.join(eng, variant))
+        c = peers.Torch(name, model, 0, step_bytes(model), hf=False, compiled=name.endswith("compiled"))
     elif name.startswith("llama.cpp"):
         kind = name.split()[1]
-        c = peers.LlamaCpp(name, os.path.join(eng, f"model-{kind}.gguf"), cfg.n_ctx, threads, 0,
+        path = os.path.join(eng, f"model-{kind}.gguf")
+        c = peers.LlamaCpp(name, path, cfg.n_ctx, threads, gguf_read_bytes(path),
                            "f16" if name.endswith("kv-f16") else peers.LLAMA_KV_CACHE.get(kind, "f16"))
     elif name.startswith("ctranslate2"):
         kind = name.split()[1]
-        c = peers.CT2(name, os.path.join(eng, f"ct2-{kind}"), kind, threads, 0)
+        path = os.path.join(eng, f"ct2-{kind}")
+        c = peers.CT2(name, path, kind, threads, dir_bytes(path) - cfg.n_ctx * cfg.n_embd * 4)
     elif name.startswith("openvino"):
         import peers_openvino
         fmt, hint, kv = peers_openvino.VARIANTS[name]
-        c = peers_openvino.OpenVINO(name, os.path.join(eng, f"ov-{fmt}"), hint, threads, 0, 0, kv)
+        path = os.path.join(eng, f"ov-{fmt}")
+        c = peers_openvino.OpenVINO(name, path, hint, threads, 0, peers_openvino.ir_read_bytes(path, cfg), kv)
     elif name == "onnxruntime int8":
-        c = peers.ORT(name, os.path.join(eng, "model-int8.onnx"), cfg, threads, 0)
+        path = os.path.join(eng, "model-int8.onnx")
+        c = peers.ORT(name, path, cfg, threads, onnx_read_bytes(path))
     else:
         raise ValueError(f"unknown engine {name!r}; expected one of {ENGINES}")
-    out = {"kv_cache": c.kv_cache}
+    out = {"kv_cache": c.kv_cache, "read_bytes": c.read_bytes}
     for B in (1, 8):
         prompt = torch.randint(0, cfg.n_vocab, (B, 4), generator=torch.Generator().manual_seed(B)).numpy()
         c.greedy(prompt, new)                                  # warm-up (and a compiled step's compile)
@@ -134,6 +145,29 @@ def write_json(path: str, res: dict, args, argv) -> None:
         f.write("\n")
 
 
+def run_engines(names, workdir: str, threads: int, new: int, repeats: int, prefill: str, rounds: int = 1,
+                size: str = "124M", log=None) -> dict:
+    """Each engine of ``names`` alone in a fresh process (this script with ``--one``), the list run
+    ``rounds`` times in turn; returns ``{name: figures or None}`` with each engine's best figures
+    (highest tok/s, lowest ms). An engine that fails is logged with its last error line and left None."""
+    log = log or (lambda msg: print(msg, flush=True))
+    res = {name: None for name in names}
+    for _ in range(rounds):
+        for name in names:
+            done = subprocess.run([sys.executable, __file__, "--workdir", workdir, "--threads", str(threads),
+                                   "--new", str(new), "--repeats", str(repeats), "--prefill", prefill,
+                                   "--size", size, "--one", name],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                log(f"{name}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+                continue
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            log(f"{size} {name}: {got['b1']:.1f} / {got['b8']:.1f} tok/s")
+            best = (lambda k, a, b: a if k in ("kv_cache", "read_bytes") else min(a, b) if k.startswith("p") else max(a, b))
+            res[name] = got if res[name] is None else {k: best(k, v, got[k]) for k, v in res[name].items()}
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", required=True, metavar="DIR", help="what `peers.py --workdir DIR` converted")
@@ -148,31 +182,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt lengths whose time to the first token is measured (batch 1; '' for none)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="also write the results as JSON to FILE (benchmarks/plots.py draws it)")
+    p.add_argument("--size", default="124M", choices=SIZES,
+                   help="which random GPT-2 under --workdir: random-<size> (peers.py writes 124M; peers_sizes.py all)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)      # the child: one engine, JSON on stdout
     args = p.parse_args(argv)
     prefill = tuple(int(t) for t in args.prefill.split(",") if t.strip())
     args.prefill_lengths = prefill
     if args.one:
-        print(json.dumps(one(args.one, args.workdir, args.threads, args.new, args.repeats, prefill)))
+        print(json.dumps(one(args.one, args.workdir, args.threads, args.new, args.repeats, prefill, args.size)))
         return 0
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
     if "transformers float32" not in names:
         names.insert(0, "transformers float32")                # the reference of every ratio
     print(f"load average at start: {os.getloadavg()}")
-    res = {name: None for name in names}
-    for _ in range(args.rounds):
-        for name in names:
-            done = subprocess.run([sys.executable, __file__, "--workdir", args.workdir, "--threads", str(args.threads),
-                                   "--new", str(args.new), "--repeats", str(args.repeats), "--prefill", args.prefill,
-                                   "--one", name],
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                print(f"{name}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-                continue
-            got = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"{name}: {got['b1']:.1f} / {got['b8']:.1f} tok/s", flush=True)
-            best = (lambda k, a, b: a if k == "kv_cache" else min(a, b) if k.startswith("p") else max(a, b))
-            res[name] = got if res[name] is None else {k: best(k, v, got[k]) for k, v in res[name].items()}
+    res = run_engines(names, args.workdir, args.threads, args.new, args.repeats, args.prefill, args.rounds, args.size)
     print(f"load average at end: {os.getloadavg()}")
     if args.json:
         write_json(args.json, res, args, argv)

@@ -2,7 +2,7 @@
 that optimum-intel exports.
 
 * The IRs: ``optimum-cli export openvino --task text-generation-with-past --weight-format
-  {fp32,int8,int4}`` of the same transformers checkpoint the other engines convert (int8 and int4:
+  {fp32,fp16,int8,int4}`` of the same transformers checkpoint the other engines convert (int8 and int4:
   NNCF's weight compression, its defaults: int8 per output channel; int4 asymmetric in groups of
   128 with the embedding and the head left in int8). The export needs optimum-intel and NNCF, whose
   transformers pins may not be the project's: ``--optimum-cli PATH`` (peers.py) names an
@@ -14,7 +14,9 @@ that optimum-intel exports.
   ``new`` tokens (``ignore_eos``), the batch passed as one ``[B, T]`` ``TokenizedInputs``.
 * The precision: OpenVINO's CPU plugin computes in bf16 by default on CPUs with AVX-512 BF16 or AMX
   (``INFERENCE_PRECISION_HINT``), f32 elsewhere; "openvino f32" forces ``f32`` on the fp32 IR, "openvino
-  bf16" leaves the default (named after what the plugin reports), int8 and int4 the default too. Each
+  bf16" leaves the default (named after what the plugin reports), int8 and int4 the default too;
+  "openvino fp16" is the fp16 IR (weights stored in f16, half the bytes a step reads) under the
+  default hint: OpenVINO's 16-bit model where the CPU has no bf16 instructions. Each
   contender's ``compute_type`` records the hint the compiled model reports.
 * The KV cache: the CPU plugin keeps keys and values in f16 for the fp32 IR whatever the hint, and in
   u8 for the int8 and int4 IRs (``KV_CACHE_PRECISION``), so "openvino f32" forces ``f32`` there (a
@@ -36,7 +38,7 @@ import numpy as np
 
 #: contender name -> (IR weight format, precision hint, KV cache precision; None: the plugin's default)
 VARIANTS = {"openvino f32": ("fp32", "f32", "f32"), "openvino f32 kv-f16": ("fp32", "f32", None),
-            "openvino bf16": ("fp32", None, None),
+            "openvino bf16": ("fp32", None, None), "openvino fp16": ("fp16", None, None),
             "openvino int8": ("int8", None, None), "openvino int4": ("int4", None, None)}
 MODULES = ("openvino", "openvino_genai")
 
@@ -120,7 +122,8 @@ class OpenVINO:
 
 def ir_read_bytes(path: str, config) -> int:
     """Bytes of an IR's weights a batch-1 step reads: its ``openvino_model.bin`` less the position
-    table (n_ctx rows, float32 in an fp32 IR, 8-bit where NNCF compressed the embeddings)."""
+    table (n_ctx rows, float32 in an fp32 IR, f16 in an fp16 one, 8-bit where NNCF compressed the
+    embeddings)."""
     size = os.path.getsize(os.path.join(path, "openvino_model.bin"))
-    itemsize = 4 if os.path.basename(path).endswith("fp32") else 1
+    itemsize = {"fp32": 4, "fp16": 2}.get(os.path.basename(path).rsplit("-", 1)[-1], 1)
     return size - config.n_ctx * config.n_embd * itemsize

@@ -206,8 +206,8 @@ static void need(const at::Tensor &t, at::ScalarType dtype, std::vector<int64_t>
  * float32, bf16 and fp16 (the Conv1D's weight [K, N] as the model holds it, its bias [N] as float32:
  * float_products.cpp, bf16_products.cpp). */
 static const int64_t FLOAT32 = -1, BF16 = -2, FP16 = -3;
-/* a bf16 prompt of this many rows or more multiplies by torch's addmm (oneDNN) on CPUs without AVX-512
- * BF16 (conv1d_bf16 adds on 8 float32 lanes there); with it, conv1d_bf16's packed strips run close to
+/* a bf16 prompt of this many rows or more multiplies by torch's float32 GEMM over the widened weight on
+ * CPUs without AVX-512 BF16 (conv1d_bf16 adds on 8 float32 lanes there); with it, conv1d_bf16's packed strips run close to
  * oneDNN's speed (docs/performance.md) and give a row's products the bits it has alone */
 static const int64_t ONEDNN_ROWS = 32;
 struct Product {
@@ -234,12 +234,16 @@ struct Product {
         if (G == FLOAT32) {
             conv1d_f32(x, M, K, t[0].data_ptr<float>(), N, t[1].data_ptr<float>(), gelu, y);
         } else if (onednn(M)) {
-            /* a bf16 prompt: oneDNN's bf16 GEMM (torch's addmm, the model's own product: fp32 sums rounded to
-             * bf16 once), x's bf16 values and the bias exact in bf16 */
+            /* a bf16 prompt without AVX-512 BF16: the model's own product (float32 sums of the exact products
+             * of bf16 values, rounded to bf16 once) as torch's float32 GEMM (oneDNN/MKL's sgemm) over the
+             * weight widened to float32 (exact), then rounded. torch's bf16 addmm has no fast kernel on
+             * such CPUs (a 124M 512-token prompt took 67 s on an AVX2 EPYC against 0.6 s this way). x holds
+             * bf16 values and the bias is exact in bf16, so the one rounding is the output's. */
             const auto f32 = at::TensorOptions().dtype(at::kFloat);
-            const at::Tensor xb = at::from_blob(const_cast<float *>(x), {M, K}, f32).to(at::kBFloat16);
-            const at::Tensor out = at::addmm(t[1].to(at::kBFloat16), xb, t[0]).to(at::kFloat);
-            std::memcpy(y, out.data_ptr<float>(), M * N * sizeof(float));
+            const at::Tensor xf = at::from_blob(const_cast<float *>(x), {M, K}, f32);
+            at::Tensor yf = at::from_blob(y, {M, N}, f32);
+            at::addmm_out(yf, t[1], xf, t[0].to(at::kFloat));
+            round_bf16(y, M * N);
             if (gelu) gelu_bf16(y, M * N);
         } else if (G == FP16) {
             conv1d_f16(x, M, K, reinterpret_cast<const uint16_t *>(t[0].data_ptr<at::Half>()), N, t[1].data_ptr<float>(),
