@@ -150,6 +150,16 @@ def machine_bandwidth(threads: int) -> float:
         torch.set_num_threads(old)
 
 
+def read_fractions(rows: dict, bandwidth: float) -> None:
+    """Add to each engine's figures its batch-1 step's weight reads per second
+    (``b1_read_bytes_per_s`` = tok/s × ``read_bytes``) and their share of the streaming read
+    (``b1_of_streaming_read``)."""
+    for r in rows.values():
+        if r and r.get("read_bytes"):
+            r["b1_read_bytes_per_s"] = r["b1"] * r["read_bytes"]
+            r["b1_of_streaming_read"] = r["b1_read_bytes_per_s"] / bandwidth
+
+
 def ratios(rows: dict) -> dict:
     """``{precision: {"ours": name, "best": {figure: (name, value)}, "ratio": {figure: x}}}``: gpt2mha
     against the best other engine of each precision, per figure (tok/s: higher is better; ms: lower)."""
@@ -188,8 +198,8 @@ def format_table(res: dict) -> str:
                 if r is None:
                     lines.append(f"| {prec} | {name} | failed | | | |")
                     continue
-                gbs = r["b1"] * r["read_bytes"] / 1e9 if r.get("read_bytes") else None
-                frac = f"{gbs:.1f} ({100 * gbs * 1e9 / bw:.0f}%)" if gbs else "?"
+                frac = (f"{r['b1_read_bytes_per_s'] / 1e9:.1f} ({100 * r['b1_of_streaming_read']:.0f}%)"
+                        if r.get("b1_read_bytes_per_s") else "?")
                 lines.append(f"| {prec} | {name} ({r.get('kv_cache', '?')}) | {r['b1']:.1f} | {r['b8']:.1f} | "
                              f"{r['p512']:.0f} | {frac} |")
         lines += ["", "| precision | gpt2mha / best other: b1 | b8 | prefill 512 |", "|---|---|---|---|"]
@@ -202,7 +212,7 @@ def format_table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", required=True, metavar="DIR", help="where each size's checkpoint and files go")
+    p.add_argument("--workdir", metavar="DIR", help="where each size's checkpoint and files go (required to run)")
     p.add_argument("--sizes", default=",".join(SIZES), help="comma-separated, from: " + ", ".join(SIZES))
     p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated, from: " + ", ".join(PRECISIONS))
     p.add_argument("--skip", default="", metavar="NAMES", help="contenders to leave out, comma-separated")
@@ -213,12 +223,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimum-cli", default=None, metavar="PATH", help="optimum-cli for the OpenVINO IRs")
     p.add_argument("--clean", action="store_true", help="delete each size's files once it is measured")
     p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--report", default=None, metavar="FILE",
+                   help="print the tables of a run's JSON (written by --json) and exit")
     p.add_argument("--prepare-one", default=None, help=argparse.SUPPRESS)      # the child: one conversion
     p.add_argument("--size", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.prepare_one:
         prepare_one(args.prepare_one, args.size, args.workdir, args.threads, args.optimum_cli)
         return 0
+    if args.report:
+        with open(args.report, encoding="utf-8") as f:
+            print(format_table(json.load(f)))
+        return 0
+    if not args.workdir:
+        p.error("--workdir DIR is required (or --report FILE)")
     import torch
 
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -241,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
            "software": f"torch {torch.__version__}, Python {platform.python_version()}; {args.threads} threads per engine",
            "command": "python benchmarks/peers_sizes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "units": {"b1": "tok/s", "b8": "tok/s", "p512": "ms", "read_bytes": "bytes a batch-1 step reads",
-                     "bandwidth": "bytes/s"},
+                     "bandwidth": "bytes/s (the streaming read, the larger of before and after)",
+                     "b1_read_bytes_per_s": "b1 × read_bytes", "b1_of_streaming_read": "b1_read_bytes_per_s / bandwidth"},
            "precisions": {k: [v[0], *v[1]] for k, v in PRECISIONS.items() if k in precs}, "sizes": {}}
     for size in sizes:
         names = [n for prec in precs for n in (PRECISIONS[prec][0], *PRECISIONS[prec][1])
@@ -264,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{size}: streaming read {bw0 / 1e9:.1f} GB/s, load {load0}", flush=True)
         rows = run_engines(names, args.workdir, args.threads, args.new, args.repeats, "512", args.rounds, size)
         bw1, load1 = machine_bandwidth(args.threads), os.getloadavg()
+        read_fractions(rows, max(bw0, bw1))
         res["sizes"][size] = {"bandwidth": max(bw0, bw1), "bandwidth_start": bw0, "bandwidth_end": bw1,
                               "load_start": load0, "load_end": load1, "engines": rows, "ratios": ratios(rows)}
         print(format_table({**res, "sizes": {size: res["sizes"][size]}}), flush=True)

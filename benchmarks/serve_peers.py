@@ -239,7 +239,8 @@ def run(args, log=print) -> dict:
     res = dict(benchmark="serve_peers",
                description=f"gpt2mha serve (int4 per_block head4 g64, int8 per_row; GPTQ) against llama-server "
                            f"(q4_0, q8_0) on random GPT-2 124M weights, {args.threads} threads and {args.slots} slots "
-                           f"each; streamed greedy {args.tokens}-token requests from {', '.join(map(str, LEVELS))} "
+                           f"each; streamed greedy {args.tokens}-token requests ({args.prompt_chars[0]}-"
+                           f"{args.prompt_chars[1]}-character prompts) from {', '.join(map(str, args.levels))} "
                            f"concurrent clients, round-robin over {args.rounds} round(s); output tok/s, TTFT and "
                            "inter-token latency, offline generate and the scheduler alone, top-1 agreement",
                source="measured by this run of benchmarks/serve_peers.py",
@@ -343,7 +344,7 @@ def run(args, log=print) -> dict:
             order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
             for c in args.levels:
                 n_req = args.requests[c]
-                prompts = prompts_from_text(n_req, 1000 * rnd + c, 60, 160)
+                prompts = prompts_from_text(n_req, 1000 * rnd + c, *args.prompt_chars)
                 line = []
                 for e in order:
                     time.sleep(args.settle)
@@ -513,6 +514,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine (default 2)")
     ap.add_argument("--slots", type=int, default=16, help="gpt2mha --max-batch and llama-server -np (default 16)")
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens of every request (default 128)")
+    ap.add_argument("--levels", default=",".join(map(str, LEVELS)), metavar="C,C",
+                    help="concurrent clients of each cell (default %(default)s; each level sends 2 requests a client, "
+                         "3 at one client)")
+    ap.add_argument("--prompt-chars", default="60,160", metavar="MIN,MAX",
+                    help="prompt lengths in characters of Tiny Shakespeare, drawn uniformly (default 60,160; "
+                         "128,2048 gives GPT-2 BPE prompts of about 32 to 512 tokens)")
     ap.add_argument("--agree-tokens", type=int, default=256, help="held-out tokens for top-1 agreement (default 256)")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds of sleep before each timed cell (default 1)")
     ap.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
@@ -536,10 +543,17 @@ def main(argv=None) -> int:
         for p in (args.llama_server, args.llama_quantize):
             if not p or not os.access(p, os.X_OK):
                 ap.error(f"not an executable: {p!r} (give --llama-server and --llama-quantize, or --llama-build)")
-    args.levels = LEVELS
-    args.requests = {1: 3, 4: 8, 16: 32}
+    try:
+        args.levels = tuple(int(c) for c in args.levels.split(","))
+        args.prompt_chars = tuple(int(c) for c in args.prompt_chars.split(","))
+    except ValueError:
+        ap.error(f"--levels {args.levels!r} and --prompt-chars {args.prompt_chars!r} must be comma-separated integers")
+    if min(args.levels) < 1 or len(args.prompt_chars) != 2 or not 0 < args.prompt_chars[0] <= args.prompt_chars[1]:
+        ap.error(f"--levels {args.levels!r}: clients >= 1; --prompt-chars {args.prompt_chars!r}: MIN,MAX with 0 < MIN <= MAX")
+    args.requests = {c: 3 if c == 1 else 2 * c for c in args.levels}
     if args.quick:
-        args.rounds, args.tokens, args.agree_tokens, args.requests = 1, 32, 48, {1: 1, 4: 4, 16: 16}
+        args.rounds, args.tokens, args.agree_tokens = 1, 32, 48
+        args.requests = {c: c for c in args.levels}
 
     def on_signal(signum, frame):                       # SIGTERM: unwind, so every server is stopped
         raise KeyboardInterrupt(f"signal {signum}")

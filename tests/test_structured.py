@@ -412,14 +412,16 @@ def check_124m(random_124m, seeds: int, max_tokens: int):
 
 
 def test_random_124m_checkpoint_follows_each_constraint(random_124m):
-    """Three seeds of a random 124M checkpoint (GPT-2's BPE), offline and served (the 50-seed run
+    """Three seeds of a random 124M checkpoint (GPT-2's BPE), offline and served (the 16-seed run
     is the slow test below)."""
     check_124m(random_124m, seeds=3, max_tokens=64)
 
 
 @pytest.mark.slow
-def test_random_124m_checkpoint_follows_each_constraint_for_50_seeds(random_124m):
-    check_124m(random_124m, seeds=50, max_tokens=96)
+def test_random_124m_checkpoint_follows_each_constraint_for_16_seeds(random_124m):
+    # 16 seeds, 96 tokens: every constraint kind over rows long enough to close it (50 seeds took
+    # 48 s of the suite on a loaded 2-core machine, for no kind of failure 16 would not show)
+    check_124m(random_124m, seeds=16, max_tokens=96)
 
 
 def test_the_benchmark_runs_and_reports_the_cost_and_the_compile(tmp_path, one_thread):

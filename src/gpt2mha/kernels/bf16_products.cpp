@@ -372,51 +372,79 @@ static inline float widen1(uint16_t h) {
     return f;
 }
 
-/* MR rows over w's rows [k0, k1) at columns [j, j + cols), cols <= 24; pfo (not 0): walk.h's prefetch */
-template <int MR>
-static void tile8(const uint16_t *xb, int64_t Kp, const uint16_t *w, int64_t K, int64_t N, int64_t k0, int64_t k1,
-                  int64_t j, int64_t cols, const float *bias, bool first, float *y, int64_t pfo) {
-    if (cols < 24) {                                   /* an edge: one column at a time, the same adds */
-        for (int64_t c = j; c < j + cols; c++)
-            for (int m = 0; m < MR; m++) {
-                float acc = first ? (bias ? bias[c] : 0.0f) : y[m * N + c];
-                for (int64_t k = k0; k < k1; k += 2) {
-                    const float x1 = widen1(xb[m * Kp + k + 1]), w1 = k + 1 < K ? widen1(w[(k + 1) * N + c]) : 0.0f;
-                    acc = std::fmaf(widen1(xb[m * Kp + k]), widen1(w[k * N + c]), std::fmaf(x1, w1, acc));
-                }
-                y[m * N + c] = acc;
-            }
-        return;
-    }
-    __m256 acc[MR][3];
+/* rows of x [M, K] rounded to bf16, as float32 [M, Kp] (zeros past K): what tile8 broadcasts from memory */
+static std::unique_ptr<float[]> x_rounded(const float *x, int64_t M, int64_t K, int64_t Kp) {
+    std::unique_ptr<float[]> r(new float[M * Kp]());
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) r[m * Kp + k] = widen1(bits1(x[m * K + k]));
+    return r;
+}
+
+/* MR rows over w's rows [k0, k1) at columns [j, j + 8 NQ); xr: x_rounded's rows (stride Kp); pfo (not 0):
+ * walk.h's prefetch. Each x value is broadcast from memory (one load, where widening it from its bits took
+ * four instructions a value). The odd row's products go into every accumulator, then the even row's: each
+ * accumulator's order is the pair's (odd, then even), and 12 accumulators, 3 weight vectors and an input
+ * fit the 16 registers (both rows' 6 weight vectors at once spilled). */
+template <int MR, int NQ>
+static void tile8q(const float *xr, int64_t Kp, const uint16_t *w, int64_t K, int64_t N, int64_t k0, int64_t k1,
+                   int64_t j, const float *bias, bool first, float *y, int64_t pfo) {
+    __m256 acc[MR][NQ];
     for (int m = 0; m < MR; m++)
-        for (int q = 0; q < 3; q++)
+        for (int q = 0; q < NQ; q++)
             acc[m][q] = first ? (bias ? _mm256_loadu_ps(bias + j + 8 * q) : _mm256_setzero_ps()) : _mm256_loadu_ps(y + m * N + j + 8 * q);
     for (int64_t k = k0; k < k1; k += 2) {
         if (pfo) {
             _mm_prefetch((const char *)(w + k * N + j + pfo), _MM_HINT_T1);
             _mm_prefetch((const char *)(w + (k + 1) * N + j + pfo), _MM_HINT_T1);
         }
-        __m256 w0[3], w1[3];
-        for (int q = 0; q < 3; q++) {
-            w0[q] = widen8(w + k * N + j + 8 * q);
-            w1[q] = k + 1 < K ? widen8(w + (k + 1) * N + j + 8 * q) : _mm256_setzero_ps();
+        __m256 wv[NQ];
+        if (k + 1 < K) {
+            for (int q = 0; q < NQ; q++) wv[q] = widen8(w + (k + 1) * N + j + 8 * q);
+        } else {                                       /* past K: x and w are 0 there, the add of +0 kept */
+            for (int q = 0; q < NQ; q++) wv[q] = _mm256_setzero_ps();
         }
         for (int m = 0; m < MR; m++) {
-            const __m256 x0 = _mm256_set1_ps(widen1(xb[m * Kp + k])), x1 = _mm256_set1_ps(widen1(xb[m * Kp + k + 1]));
-            for (int q = 0; q < 3; q++)
-                acc[m][q] = _mm256_fmadd_ps(x0, w0[q], _mm256_fmadd_ps(x1, w1[q], acc[m][q]));
+            const __m256 x1 = _mm256_broadcast_ss(xr + m * Kp + k + 1);
+            for (int q = 0; q < NQ; q++) acc[m][q] = _mm256_fmadd_ps(x1, wv[q], acc[m][q]);
+        }
+        for (int q = 0; q < NQ; q++) wv[q] = widen8(w + k * N + j + 8 * q);
+        for (int m = 0; m < MR; m++) {
+            const __m256 x0 = _mm256_broadcast_ss(xr + m * Kp + k);
+            for (int q = 0; q < NQ; q++) acc[m][q] = _mm256_fmadd_ps(x0, wv[q], acc[m][q]);
         }
     }
     for (int m = 0; m < MR; m++)
-        for (int q = 0; q < 3; q++) _mm256_storeu_ps(y + m * N + j + 8 * q, acc[m][q]);
+        for (int q = 0; q < NQ; q++) _mm256_storeu_ps(y + m * N + j + 8 * q, acc[m][q]);
+}
+
+/* MR rows over w's rows [k0, k1) at columns [j, j + cols), cols <= 24: whole vectors of 8 columns by
+ * tile8q, the last cols % 8 one at a time (the same adds) */
+template <int MR>
+static void tile8(const float *xr, int64_t Kp, const uint16_t *w, int64_t K, int64_t N, int64_t k0, int64_t k1,
+                  int64_t j, int64_t cols, const float *bias, bool first, float *y, int64_t pfo) {
+    const int64_t vec = cols / 8 * 8;
+    if (vec == 24)
+        tile8q<MR, 3>(xr, Kp, w, K, N, k0, k1, j, bias, first, y, pfo);
+    else if (vec == 16)
+        tile8q<MR, 2>(xr, Kp, w, K, N, k0, k1, j, bias, first, y, pfo);
+    else if (vec == 8)
+        tile8q<MR, 1>(xr, Kp, w, K, N, k0, k1, j, bias, first, y, pfo);
+    for (int64_t c = j + vec; c < j + cols; c++)
+        for (int m = 0; m < MR; m++) {
+            float acc = first ? (bias ? bias[c] : 0.0f) : y[m * N + c];
+            for (int64_t k = k0; k < k1; k += 2) {
+                const float x1 = xr[m * Kp + k + 1], w1 = k + 1 < K ? widen1(w[(k + 1) * N + c]) : 0.0f;
+                acc = std::fmaf(xr[m * Kp + k], widen1(w[k * N + c]), std::fmaf(x1, w1, acc));
+            }
+            y[m * N + c] = acc;
+        }
 }
 
 void conv1d_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias, bool gelu,
                  float *y) {
     const int64_t Kp = (K + 31) / 32 * 32;
     const bool dot = dispatch::on(dispatch::BF16);
-    const auto xb = dot ? nullptr : x_bits(x, M, K, Kp);
+    const auto xr = dot ? nullptr : x_rounded(x, M, K, Kp);
     const auto xp = dot ? x_pairs(x, M, K, Kp) : nullptr;
     if (dot && M >= PROMPT_ROWS) {
         prompt_bf16(xp.get(), Kp, M, w, K, N, bias, gelu, y);
@@ -436,8 +464,8 @@ void conv1d_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
             return rows_bf16(xp.get(), Kp, M, w, K, N, k0, k1, j, pfo, bias, y);
         const int64_t cols = std::min<int64_t>(24, N - j);
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4, pfo = 0) tile8<4>(xb.get() + m * Kp, Kp, w, K, N, k0, k1, j, cols, bias, k0 == 0, y + m * N, pfo);
-        for (; m < M; m++, pfo = 0) tile8<1>(xb.get() + m * Kp, Kp, w, K, N, k0, k1, j, cols, bias, k0 == 0, y + m * N, pfo);
+        for (; m + 4 <= M; m += 4, pfo = 0) tile8<4>(xr.get() + m * Kp, Kp, w, K, N, k0, k1, j, cols, bias, k0 == 0, y + m * N, pfo);
+        for (; m < M; m++, pfo = 0) tile8<1>(xr.get() + m * Kp, Kp, w, K, N, k0, k1, j, cols, bias, k0 == 0, y + m * N, pfo);
     }, [&](int64_t c0, int64_t c1) {
         for (int64_t m = 0; m < M; m++) {
             round_bf16(y + m * N + c0, c1 - c0);
@@ -486,23 +514,73 @@ TARGET_AVX512_BF16 static void dots_bf16(const uint16_t *xb, int64_t Kp, const u
             out[m * R + r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[m][r]), _mm512_extractf32x8_ps(acc[m][r], 1)));
 }
 
-/* one output without AVX-512 BF16: lane l (0..15) takes the pairs at k = 32 j + 2 l, as dots_bf16 */
-static float dot8(const uint16_t *xb, const uint16_t *wn, int64_t K) {
-    __m256 lo = _mm256_setzero_ps(), hi = lo;
+/* MR rows of x times R rows of w from wn (stride K), without AVX-512 BF16: out[m * R + r]. Each output's
+ * lane l (0..7) of its two accumulators (inputs k = 32 j .. 32 j + 15, then 32 j + 16 ..) takes the pairs at
+ * k = 32 j + 2 l, as dots_bf16, then the two are added and summed across lanes (hsum8): an output's adds
+ * are the same whatever MR and R, so a row's logits are its own in any batch. Several rows and weight rows
+ * at once share each widened weight pair and keep 8 or more independent chains of multiply-adds in flight
+ * (one output at a time left the 8-row head at 8 times the 1-row time). */
+template <int MR, int R>
+static void dots8(const uint16_t *xb, int64_t Kp, const uint16_t *wn, int64_t K, float *out) {
+    __m256 lo[MR][R], hi[MR][R];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < R; r++) lo[m][r] = hi[m][r] = _mm256_setzero_ps();
     const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int64_t k = 0; k < K; k += 32) {
-        alignas(32) uint16_t wb[32] = {};
-        std::memcpy(wb, wn + k, std::min<int64_t>(32, K - k) * 2);
+        alignas(32) uint16_t wb[R][32];
+        const uint16_t *wr[R];
+        for (int r = 0; r < R; r++) {
+            wr[r] = wn + r * K + k;
+            if (K - k < 32) {                          /* the tail: zeros past K (x is zero there too) */
+                std::memset(wb[r], 0, sizeof wb[r]);
+                std::memcpy(wb[r], wr[r], (K - k) * 2);
+                wr[r] = wb[r];
+            }
+        }
         for (int half = 0; half < 2; half++) {
-            const __m256i xp = _mm256_loadu_si256((const __m256i *)(xb + k + 16 * half));
-            const __m256i wp = _mm256_loadu_si256((const __m256i *)(wb + 16 * half));
-            const __m256 x0 = _mm256_castsi256_ps(_mm256_slli_epi32(xp, 16)), x1 = _mm256_castsi256_ps(_mm256_and_si256(xp, odd));
-            const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(wp, 16)), w1 = _mm256_castsi256_ps(_mm256_and_si256(wp, odd));
-            __m256 &a = half ? hi : lo;
-            a = _mm256_fmadd_ps(x0, w0, _mm256_fmadd_ps(x1, w1, a));
+            __m256 x0[MR], x1[MR];
+            for (int m = 0; m < MR; m++) {
+                const __m256i xp = _mm256_loadu_si256((const __m256i *)(xb + m * Kp + k + 16 * half));
+                x0[m] = _mm256_castsi256_ps(_mm256_slli_epi32(xp, 16));
+                x1[m] = _mm256_castsi256_ps(_mm256_and_si256(xp, odd));
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i wp = _mm256_loadu_si256((const __m256i *)(wr[r] + 16 * half));
+                const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(wp, 16)), w1 = _mm256_castsi256_ps(_mm256_and_si256(wp, odd));
+                for (int m = 0; m < MR; m++) {
+                    __m256 &a = half ? hi[m][r] : lo[m][r];
+                    a = _mm256_fmadd_ps(x0[m], w0, _mm256_fmadd_ps(x1[m], w1, a));
+                }
+            }
         }
     }
-    return hsum8(_mm256_add_ps(lo, hi));
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < R; r++) out[m * R + r] = hsum8(_mm256_add_ps(lo[m][r], hi[m][r]));
+}
+
+/* outputs [n0, n1) of every row without AVX-512 BF16: one row, 4 weight rows a call; more rows, 4 rows a
+ * call over each weight row */
+static void linear_rows8(const uint16_t *xb, int64_t Kp, int64_t M, int64_t K, const uint16_t *w, int64_t n0,
+                         int64_t n1, int64_t N, const float *bias, float *y) {
+    float out[4];
+    const auto put = [&](int64_t m, int64_t n, float s) { y[m * N + n] = bias ? s + bias[n] : s; };
+    int64_t n = n0;
+    if (M == 1)
+        for (; n + 4 <= n1; n += 4) {
+            dots8<1, 4>(xb, Kp, w + n * K, K, out);
+            for (int r = 0; r < 4; r++) put(0, n + r, out[r]);
+        }
+    for (; n < n1; n++) {
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) {
+            dots8<4, 1>(xb + m * Kp, Kp, w + n * K, K, out);
+            for (int i = 0; i < 4; i++) put(m + i, n, out[i]);
+        }
+        for (; m < M; m++) {
+            dots8<1, 1>(xb + m * Kp, Kp, w + n * K, K, out);
+            put(m, n, out[0]);
+        }
+    }
 }
 
 template <int MR, int R>
@@ -543,11 +621,7 @@ void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_
         else if (dot)
             linear_rows<4, 4>(xb.get(), Kp, M, K, w, n0, n1, N, bias, y);
         else
-            for (int64_t n = n0; n < n1; n++)
-                for (int64_t m = 0; m < M; m++) {
-                    const float s = dot8(xb.get() + m * Kp, w + n * K, K);
-                    y[m * N + n] = bias ? s + bias[n] : s;
-                }
+            linear_rows8(xb.get(), Kp, M, K, w, n0, n1, N, bias, y);
     }
 }
 
