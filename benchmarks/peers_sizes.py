@@ -177,7 +177,8 @@ def ratios(rows: dict) -> dict:
             name, v = (min if lower else max)(vals, key=lambda nv: nv[1])
             best[fig] = (name, v)
             ratio[fig] = v / mine[fig] if lower else mine[fig] / v
-        out[prec] = {"ours": ours, "best": best, "ratio": ratio}
+        if ratio:                                                      # a precision no other engine ran: no row
+            out[prec] = {"ours": ours, "best": best, "ratio": ratio}
     return out
 
 

@@ -184,3 +184,35 @@ def test_isolated_runs_each_engine_in_its_own_process_and_names_the_failures(tmp
         values = [float(c.split()[0]) for c in rows[name]]
         assert len(values) == 4 and all(v > 0 for v in values)           # b1, b8 tok/s; prefill 5, 9 ms
     assert all(c.endswith("(1.00x)") for c in rows["transformers float32"])
+
+
+def test_sizes_table_takes_the_best_other_engine_of_each_precision(tmp_path, capsys):
+    """benchmarks/peers_sizes.py's ratios: gpt2mha against the fastest other engine of its
+    precision, per figure (tok/s: the highest, prefill ms: the lowest, so a ratio above 1 is
+    gpt2mha ahead either way), engines that failed or were not run left out; the batch-1 read
+    fractions are tok/s × bytes over the streaming read; --report prints the saved run."""
+    sizes = load_benchmark("peers_sizes")
+    rows = {"gpt2mha int8 per_row": {"b1": 100.0, "b8": 400.0, "p512": 500.0, "read_bytes": 1e8},
+            "llama.cpp q8_0": {"b1": 120.0, "b8": 200.0, "p512": 1000.0, "read_bytes": 1.2e8},
+            "openvino int8": {"b1": 80.0, "b8": 500.0, "p512": 400.0, "read_bytes": 1e8},
+            "ctranslate2 int8": None,                                   # failed
+            "gpt2mha float32": {"b1": 10.0, "b8": 50.0, "p512": 900.0, "read_bytes": 5e8}}
+    got = sizes.ratios(rows)
+    assert set(got) == {"int8"}                                         # float32 has no other engine here
+    q = got["int8"]
+    assert q["best"]["b1"] == ("llama.cpp q8_0", 120.0) and q["ratio"]["b1"] == pytest.approx(100 / 120)
+    assert q["best"]["b8"] == ("openvino int8", 500.0) and q["ratio"]["b8"] == pytest.approx(400 / 500)
+    assert q["best"]["p512"] == ("openvino int8", 400.0) and q["ratio"]["p512"] == pytest.approx(400 / 500)
+    sizes.read_fractions(rows, 2e10)
+    assert rows["gpt2mha int8 per_row"]["b1_of_streaming_read"] == pytest.approx(100 * 1e8 / 2e10)
+    assert rows["llama.cpp q8_0"]["b1_read_bytes_per_s"] == pytest.approx(120 * 1.2e8)
+    run = {"machine": "m", "software": "s", "command": "c",
+           "sizes": {"355M": {"bandwidth": 2e10, "bandwidth_start": 2e10, "bandwidth_end": 1.9e10,
+                              "load_start": [0.5, 0, 0], "load_end": [0.7, 0, 0], "engines": rows, "ratios": got}}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    assert sizes.main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| int8 | 0.83× (llama.cpp q8_0) | 0.80× (openvino int8) | 0.80× (openvino int8) |" in out
+    assert "| int8 | gpt2mha int8 per_row (?) | 100.0 | 400.0 | 500 | 10.0 (50%) |" in out
+    assert "| int8 | ctranslate2 int8 | failed | | | |" in out
