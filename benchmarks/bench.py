@@ -61,7 +61,7 @@ from gpt2mha.io.checkpoints import builtin_models
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.append(HERE)
-from bench_common import (DECISIVE, REPO_TEXT, _prompt, _ratio_row, _require_transformers,  # noqa: E402, F401
+from bench_common import (DECISIVE, REPO_TEXT, _prompt, _ratio_row, _require_transformers, cpu_name,  # noqa: E402, F401
                           greedy_without_cache, hf_greedy, interleaved_medians, load_hf, load_ours, logits_cosine,
                           median_seconds, memory_bandwidth, ours_greedy, random_checkpoint, real_text_tokens, row,
                           step_bytes, top1_agreement, top1_agreements)
@@ -284,12 +284,7 @@ def builtin_quantized_agreement(schemes, text: str | None = None, log=print,
 
 # ------------------------------------------------------------------------------ the run
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     try:
         import transformers
         tv = transformers.__version__

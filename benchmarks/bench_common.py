@@ -196,6 +196,19 @@ def logits_cosine(reference: GPT2, other: GPT2, tokens: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------ the bytes a step reads
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()`` or the machine type."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return cpu
+
+
 def memory_bandwidth(mb: int = 340, repeats: int = 5) -> float:
     """Bytes/s ``torch.sum`` reads from a float32 tensor of ``mb`` MB (larger than any cache):
     the rate a decode step's weight reads can hope for on this machine."""

@@ -126,12 +126,9 @@ def write_json(path: str, res: dict, args, argv) -> None:
     engine's best figures (``b1``/``b8`` tok/s, ``p<T>`` ms)."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from bench_common import cpu_name
+
+    cpu = cpu_name()
     out = {"benchmark": "peers_isolated", "description": DESCRIPTION,
            "date": time.strftime("%Y-%m-%d"), "host": f"{cpu}, {os.cpu_count()} CPUs",
            "machine": f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}",

@@ -4,7 +4,8 @@ that optimum-intel exports.
 * The IRs: ``optimum-cli export openvino --task text-generation-with-past --weight-format
   {fp32,fp16,int8,int4}`` of the same transformers checkpoint the other engines convert (int8 and int4:
   NNCF's weight compression, its defaults: int8 per output channel; int4 asymmetric in groups of
-  128 with the embedding and the head left in int8). The export needs optimum-intel and NNCF, whose
+  128 with the embedding and the head left in int8; groups of 64 where 128 does not divide n_embd:
+  GPT-2 1558M's 1600). The export needs optimum-intel and NNCF, whose
   transformers pins may not be the project's: ``--optimum-cli PATH`` (peers.py) names an
   ``optimum-cli`` from another environment; the run needs only ``openvino`` and
   ``openvino-genai`` (and ``openvino-tokenizers``, which the export uses to write the tokenizer IRs
@@ -30,6 +31,7 @@ that optimum-intel exports.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -58,6 +60,10 @@ def export(hf_dir: str, out: str, weight_format: str, optimum_cli: str | None = 
                                 "(in this environment or another one, then --optimum-cli PATH)")
     cmd = [cli, "export", "openvino", "--model", hf_dir, "--task", "text-generation-with-past",
            "--weight-format", weight_format, out]
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        n_embd = json.load(f)["n_embd"]
+    if weight_format == "int4" and n_embd % 128:     # NNCF's groups of 128 must divide every input width:
+        cmd[-1:-1] = ["--group-size", "64"]          # 1558M's 1600 takes groups of 64 (llama.cpp's q4_0: 32)
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if done.returncode != 0 or not os.path.isfile(os.path.join(out, "openvino_model.xml")):
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{(done.stdout + done.stderr)[-3000:]}")

@@ -124,8 +124,14 @@ def prepare_one(what: str, size: str, workdir: str, threads: int, optimum_cli: s
     elif what == "openvino":
         import peers_openvino
 
+        failed = []
         for fmt in sorted({fmt for fmt, _, _ in peers_openvino.VARIANTS.values()}):
-            peers_openvino.export(hf_dir, os.path.join(eng, f"ov-{fmt}"), fmt, optimum_cli)
+            try:                                                        # one format failing leaves the others
+                peers_openvino.export(hf_dir, os.path.join(eng, f"ov-{fmt}"), fmt, optimum_cli)
+            except RuntimeError as e:
+                failed.append(f"{fmt}: {str(e).strip().splitlines()[-1]}")
+        if failed:
+            raise RuntimeError("; ".join(failed))
     else:
         raise ValueError(f"unknown engine {what!r} to prepare")
 
@@ -249,13 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         if s not in PRECISIONS:
             p.error(f"--precisions: {s!r} is not one of {', '.join(PRECISIONS)}")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    res = {"benchmark": "peers_sizes", "date": time.strftime("%Y-%m-%d"),
+    from bench_common import cpu_name
+
+    cpu = cpu_name()
+    res = {"benchmark": "peers_sizes", "date": time.strftime("%Y-%m-%d"), "source": "written by benchmarks/peers_sizes.py --json",
            "machine": f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}",
            "software": f"torch {torch.__version__}, Python {platform.python_version()}; {args.threads} threads per engine",
            "command": "python benchmarks/peers_sizes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -274,9 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 last = (done.stderr.strip().splitlines() or [str(done.returncode)])[-1]
-                print(f"{size}: preparing {what} failed: {last}", flush=True)
-                names = [n for n in names if engine_of(n) != what]
-                if what == "checkpoint":
+                print(f"{size}: preparing {what} failed: {last}", flush=True)   # its contenders whose files
+                if what == "checkpoint":                                        # are missing fail alone
                     return 1
             else:
                 print(f"{size}: {what} ready ({time.time() - t0:.0f} s)", flush=True)
