@@ -519,7 +519,7 @@ TARGET_AVX512_BF16 static void dots_bf16(const uint16_t *xb, int64_t Kp, const u
  * k = 32 j + 2 l, as dots_bf16, then the two are added and summed across lanes (hsum8): an output's adds
  * are the same whatever MR and R, so a row's logits are its own in any batch. Several rows and weight rows
  * at once share each widened weight pair and keep 8 or more independent chains of multiply-adds in flight
- * (one output at a time left the 8-row head at 8 times the 1-row time). */
+ * (one output at a time read each weight row once for every row of x). */
 template <int MR, int R>
 static void dots8(const uint16_t *xb, int64_t Kp, const uint16_t *wn, int64_t K, float *out) {
     __m256 lo[MR][R], hi[MR][R];

@@ -236,9 +236,9 @@ struct Product {
         } else if (onednn(M)) {
             /* a bf16 prompt without AVX-512 BF16: the model's own product (float32 sums of the exact products
              * of bf16 values, rounded to bf16 once) as torch's float32 GEMM (oneDNN/MKL's sgemm) over the
-             * weight widened to float32 (exact), then rounded. torch's bf16 addmm has no fast kernel on
-             * such CPUs (a 124M 512-token prompt took 67 s on an AVX2 EPYC against 0.6 s this way). x holds
-             * bf16 values and the bias is exact in bf16, so the one rounding is the output's. */
+             * weight widened to float32 (exact), then rounded: torch's bf16 addmm has no fast kernel on
+             * such CPUs (docs/performance.md, "Every GPT-2 size"). x holds bf16 values and the bias is exact
+             * in bf16, so the one rounding is the output's. */
             const auto f32 = at::TensorOptions().dtype(at::kFloat);
             const at::Tensor xf = at::from_blob(const_cast<float *>(x), {M, K}, f32);
             at::Tensor yf = at::from_blob(y, {M, N}, f32);

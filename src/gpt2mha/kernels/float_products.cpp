@@ -31,8 +31,8 @@
  *   weight tile used for every row of x while it is in L1, every tile prefetching into L2 the weights of
  *   the tile PREFETCH_TILES ahead in its thread's walk (faster than tiles that do not at 2-63 rows, and
  *   at one row than KB streams for fp16, not for float32 on AVX-512). One row of float32 on AVX2: each
- *   thread streams 4 weight rows at a time along its whole span, y's span in L1 (row8_streams: 1.34x the
- *   tiles' tok/s on a 355M-shaped model). A prompt (PROMPT_ROWS rows or more, AVX-512) copies each 48-column
+ *   thread streams 4 weight rows at a time along its whole span, y's span in L1 (row8_streams; the tiles
+ *   for fp16). A prompt (PROMPT_ROWS rows or more, AVX-512) copies each 48-column
  *   strip once into a contiguous buffer and runs every row down the whole of K on it.
  * - linear_f32 and linear_f16 (the head): head_products.cpp says their order.
  *
@@ -322,9 +322,8 @@ static inline float w1f(uint16_t h) { return _cvtsh_ss(h); }
  * (a few KB: in L1) and streams 4 weight rows at a time along the whole span, each row's part read once,
  * in order, as the memory delivers it best; every output is the same chain as the tiles' (bias or 0, then
  * fma over k in order), so its bits do not change. Tiles of 24 columns read each weight row in 96-byte
- * pieces 256 rows apart: 64% of the streaming read on a 355M-shaped float32 step (AVX2 EPYC), against
- * 85% at 124M, where CTranslate2's contiguous reads held 100%; with these streams that 355M model decodes
- * 20.1 tok/s against the tiles' 15.0 (its fp16 weights, 27.3 against 30.1: the tiles stay for them). */
+ * pieces 256 rows apart, which the memory serves more slowly than whole rows in order (docs/performance.md,
+ * "Every GPT-2 size"); over fp16 weights the tiles stay faster, so they keep them. */
 template <typename W>
 static void row8_streams(const float *x, int64_t K, const W *w, int64_t N, const float *bias, bool gelu, float *y) {
     spans(1, K, N, 8, [&](int64_t c0, int64_t c1) {
@@ -370,7 +369,7 @@ template <typename W>
 static void conv1d8(const float *x, int64_t M, int64_t K, const W *w, int64_t N, const float *bias, bool gelu,
                     float *y) {
     /* every M: tiles of 4 rows x 3 vectors (1 x 3 for the rest) along each thread's span */
-    if constexpr (std::is_same_v<W, float>)          /* fp16 weights: the tiles stay faster (27.3 against 30.1 tok/s) */
+    if constexpr (std::is_same_v<W, float>)          /* fp16 weights: the tiles (faster for them) */
         if (M == 1)
             return row8_streams(x, K, w, N, bias, gelu, y);
     walk(M, K, N, 24, [&](int64_t k0, int64_t k1, int64_t j, int64_t pfo) {
